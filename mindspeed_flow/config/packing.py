@@ -1,0 +1,20 @@
+"""Schema of the `packing` recipe group: how the backbone's microbatches are built (owned by packing/)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class PackingConfig:
+    # flow: segment-tree best fit + cost buckets + zig-zag; naive: fixed batch padded to the longest;
+    # sorted: length-sorted batches; first_fit: greedy first fit.
+    scheduler: str = "flow"
+    # Tokens per backbone microbatch. Pipeline stages need static shapes, so every microbatch is padded to it.
+    token_budget: int = 1024
+    # What to do with a sample longer than the budget: "error" | "skip" (reported by id and length, never silent).
+    oversize_policy: str = "error"
+    # Samples the streaming packer may hold before it must emit (bounded look-ahead).
+    lookahead: int = 1024
+    # Optional profiled coefficients (FLOPs-equivalent seconds); 0 means "derive from the model spec".
+    linear_coeff: float = 0.0
+    quadratic_coeff: float = 0.0

@@ -1,0 +1,129 @@
+"""Structured config schemas for every recipe group, registered in Hydra's ConfigStore.
+
+A recipe YAML is validated against these dataclasses when Hydra composes it: an unknown key or a value of the
+wrong type fails at load time with the full key path. Rules that relate several fields (sizes that must add up
+to the world, divisibility, ...) are checked by `mindspeed_flow.config.validate` and by `topology`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from mindspeed_flow.config.packing import PackingConfig
+from mindspeed_flow.config.planner import ClusterConfig
+
+
+@dataclass
+class ModelConfig:
+    # qwen2_vl | qwen2_5_vl | llava
+    family: str = "qwen2_vl"
+    # "tiny" builds a small config in code; any other value is ignored when `pretrained_path` is set.
+    preset: str = "tiny"
+    # Overrides merged into the HF config built for the preset (vision keys under `vision_config`).
+    hf_overrides: dict = field(default_factory=dict)
+    # Local directory holding config.json (+ safetensors) of a real checkpoint; no hub downloads.
+    pretrained_path: Optional[str] = None
+    dtype: str = "float32"
+    freeze_encoder: bool = False
+
+
+@dataclass
+class DataConfig:
+    # synthetic_infovqa | sharegpt | length_table
+    source: str = "synthetic_infovqa"
+    num_samples: int = 4096
+    seed: int = 1234
+    # Qwen2-VL dynamic resolution: each side resized to a multiple of 28, pixels clamped to [min, max].
+    min_pixels: int = 4 * 28 * 28
+    max_pixels: int = 64 * 28 * 28
+    qa_turns_mean: float = 5.5
+    question_tokens: list = field(default_factory=lambda: [10, 20])
+    answer_tokens: list = field(default_factory=lambda: [1, 5])
+    text_only_fraction: float = 0.0
+    # sharegpt: JSON file and the folder its image paths are relative to; length_table: CSV path.
+    path: Optional[str] = None
+    image_root: Optional[str] = None
+    # Corrupt / missing samples are skipped and counted; above this many the job stops with the list of ids.
+    max_bad_samples: int = 16
+
+
+@dataclass
+class PartParallelConfig:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+
+@dataclass
+class ParallelConfig:
+    encoder: PartParallelConfig = field(default_factory=PartParallelConfig)
+    backbone: PartParallelConfig = field(default_factory=lambda: PartParallelConfig(dp=2))
+    # ddp | fsdp (FSDP2 fully_shard)
+    backbone_dp_impl: str = "ddp"
+    # gpipe | 1f1b
+    pp_schedule: str = "1f1b"
+    # Expected world size; 0 means "whatever the layout needs". A mismatch with the launched world is an error.
+    world_size: int = 0
+
+
+@dataclass
+class FlowConfig:
+    # decoupled: encoder and backbone on separate process groups; coupled: every rank runs the whole model.
+    mode: str = "decoupled"
+    # Pool capacity per producer, in MiB of embeddings in flight (backpressure above it).
+    pool_capacity_mb: float = 64.0
+    # Every blocking receive gives up after this many seconds, naming the peer and what was awaited.
+    timeout_s: float = 120.0
+    # Encoder keeps activations between forward and backward (False: recompute per sample in backward).
+    keep_encoder_activations: bool = True
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 50
+    global_batch_size: int = 16
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    log_every: int = 1
+    progress: bool = True
+    checkpoint_every: int = 0
+    resume: bool = False
+
+
+@dataclass
+class FlowJobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    flow: FlowConfig = field(default_factory=FlowConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    run_dir: str = "runs/default"
+    seed: int = 0
+    experiment_name: str = "default"
+
+
+def register_configs() -> None:
+    """Register the schemas; recipes list `schema_*` entries in their defaults to be validated by them."""
+    cs = ConfigStore.instance()
+    cs.store(name="schema", node=FlowJobConfig)
+    cs.store(group="model", name="schema_model", node=ModelConfig)
+    cs.store(group="data", name="schema_data", node=DataConfig)
+    cs.store(group="parallel", name="schema_parallel", node=ParallelConfig)
+    cs.store(group="packing", name="schema_packing", node=PackingConfig)
+    cs.store(group="cluster", name="schema_cluster", node=ClusterConfig)
+    cs.store(group="flow", name="schema_flow", node=FlowConfig)
+
+
+__all__ = [
+    "ModelConfig", "DataConfig", "PartParallelConfig", "ParallelConfig", "FlowConfig", "TrainerConfig",
+    "FlowJobConfig", "PackingConfig", "ClusterConfig", "register_configs", "MISSING", "Any",
+]

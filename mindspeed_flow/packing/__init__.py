@@ -1,0 +1,1 @@
+"""mindspeed_flow.packing"""

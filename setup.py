@@ -1,0 +1,34 @@
+"""mindspeed-flow: decoupled encoder/backbone VLM training for MindSpeed-MM on Ascend (and CUDA / CPU)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="mindspeed-flow",
+    version="0.1.0",
+    description="Ascend-native decoupled VLM training plugin for MindSpeed-MM",
+    python_requires=">=3.10",
+    packages=find_packages(include=["mindspeed_flow", "mindspeed_flow.*"])
+    + ["mindspeed_flow_patches", "mindspeed_flow_patches.*"],
+    # patches/ sits at the top level of the repo (see README) but installs as its own subpackage.
+    package_dir={"mindspeed_flow_patches": "patches"},
+    include_package_data=True,
+    package_data={"mindspeed_flow": ["recipes/**/*.yaml"]},
+    install_requires=[
+        "torch>=2.7",
+        "transformers>=4.57",
+        "ortools>=9.10",
+        "hydra-core>=1.3",
+        "omegaconf>=2.3",
+        "numpy",
+        "tqdm",
+        "pillow",
+        "safetensors",
+    ],
+    extras_require={
+        # torch_npu must match the CANN toolkit of the Ascend machine; never install it elsewhere.
+        "npu": ["torch_npu>=2.7.1"],
+        "dev": ["pytest>=8", "pytest-timeout", "matplotlib", "rich"],
+        # TRL is only used by the packing benchmark as a side-by-side baseline.
+        "bench": ["trl"],
+    },
+    entry_points={"console_scripts": ["mindspeed-flow=mindspeed_flow.cli:main"]},
+)
