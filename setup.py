@@ -7,11 +7,9 @@ setup(
     description="Ascend-native decoupled VLM training plugin for MindSpeed-MM",
     python_requires=">=3.10",
     packages=find_packages(include=["mindspeed_flow", "mindspeed_flow.*"])
-    + ["mindspeed_flow_patches", "mindspeed_flow_patches.*"],
+    + ["mindspeed_flow_patches" + p[len("patches"):] for p in find_packages(include=["patches", "patches.*"])],
     # patches/ sits at the top level of the repo (see README) but installs as its own subpackage.
     package_dir={"mindspeed_flow_patches": "patches"},
-    include_package_data=True,
-    package_data={"mindspeed_flow": ["recipes/**/*.yaml"]},
     install_requires=[
         "torch>=2.7",
         "transformers>=4.57",

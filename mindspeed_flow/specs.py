@@ -182,7 +182,7 @@ class VLMSpec:
                 kind="qwen2_vl", depth=int(v["depth"]), hidden_size=int(v["embed_dim"]),
                 intermediate_size=int(v["embed_dim"] * v.get("mlp_ratio", 4)), num_heads=int(v["num_heads"]),
                 out_hidden_size=int(v.get("hidden_size", llm.hidden_size)), patch_size=int(v["patch_size"]),
-                temporal_patch_size=int(v["temporal_patch_size"]), in_channels=int(v.get("in_chans", 3)),
+                temporal_patch_size=int(v["temporal_patch_size"]), in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
                 spatial_merge_size=int(v["spatial_merge_size"]),
             )
         elif model_type == "qwen2_5_vl":
@@ -190,7 +190,7 @@ class VLMSpec:
                 kind="qwen2_5_vl", depth=int(v["depth"]), hidden_size=int(v["hidden_size"]),
                 intermediate_size=int(v["intermediate_size"]), num_heads=int(v["num_heads"]),
                 out_hidden_size=int(v["out_hidden_size"]), patch_size=int(v["patch_size"]),
-                temporal_patch_size=int(v["temporal_patch_size"]), in_channels=int(v.get("in_chans", 3)),
+                temporal_patch_size=int(v["temporal_patch_size"]), in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
                 spatial_merge_size=int(v["spatial_merge_size"]), window_size=int(v.get("window_size", 0)),
                 fullatt_block_indexes=tuple(v.get("fullatt_block_indexes", ())),
             )

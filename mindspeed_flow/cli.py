@@ -1,0 +1,57 @@
+"""`mindspeed-flow` command line: one entry, each subcommand implemented in the package that owns it.
+
+    mindspeed-flow train [hydra overrides...]      decoupled (or coupled) training, local workers via torchrun
+    mindspeed-flow plan [cluster=.. model=..]      heterogeneous parallel allocator (OR-Tools)
+    mindspeed-flow profile [...]                   measure step times of a few layouts on the devices at hand
+    mindspeed-flow bench packing|planner|...       benchmarks that print side-by-side numbers
+    mindspeed-flow emulate [--nproc N] -- pretrain_vlm.py ...   run a MindSpeed-MM job on CPU (emulated NPU)
+    mindspeed-flow doctor                          what this machine offers (device, backend, MC2, versions)
+
+Subcommand modules are imported only when used, so `plan` never imports torch.distributed machinery and
+`emulate` never loads the emulation layer into another command's process.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS: dict[str, str] = {
+    "train": "mindspeed_flow.runtime.launch",
+    "plan": "mindspeed_flow.planner.cli",
+    "profile": "mindspeed_flow.planner.profile",
+    "emulate": "mindspeed_flow.emulation.cli",
+    "doctor": "mindspeed_flow.accelerator",
+}
+BENCHMARKS: dict[str, str] = {
+    "packing": "mindspeed_flow.bench.packing",
+    "planner": "mindspeed_flow.bench.planner",
+    "pool": "mindspeed_flow.bench.pool",
+    "train": "mindspeed_flow.bench.train",
+}
+
+
+def _usage() -> str:
+    return (__doc__ or "").strip() + "\n\nbenchmarks: " + ", ".join(sorted(BENCHMARKS)) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "bench":
+        if not rest or rest[0] not in BENCHMARKS:
+            print(f"usage: mindspeed-flow bench {{{'|'.join(sorted(BENCHMARKS))}}} [options]", file=sys.stderr)
+            return 2
+        module, rest = BENCHMARKS[rest[0]], rest[1:]
+    elif cmd in SUBCOMMANDS:
+        module = SUBCOMMANDS[cmd]
+    else:
+        print(f"mindspeed-flow: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(module).main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

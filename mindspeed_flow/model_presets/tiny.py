@@ -1,0 +1,66 @@
+"""Tiny CPU-sized VLM configs (HF config.json dicts), small enough that a training step takes well under a second.
+
+Token ids 380..383 are reserved for the multimodal special tokens in every tiny preset, so one synthetic dataset
+serves all families: image pad 380, vision start 381, vision end 382, end of turn / eos 383.
+"""
+from __future__ import annotations
+
+TINY_VOCAB = 384
+IMAGE_TOKEN_ID = 380
+VISION_START_ID = 381
+VISION_END_ID = 382
+EOS_ID = 383
+
+_TINY_TEXT = {
+    "vocab_size": TINY_VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "eos_token_id": EOS_ID,
+    "pad_token_id": EOS_ID,
+}
+
+TINY_PRESETS: dict[tuple[str, str], dict] = {
+    ("qwen2_vl", "tiny"): {
+        "model_type": "qwen2_vl",
+        "image_token_id": IMAGE_TOKEN_ID,
+        "video_token_id": IMAGE_TOKEN_ID - 1,
+        "vision_start_token_id": VISION_START_ID,
+        "vision_end_token_id": VISION_END_ID,
+        "tie_word_embeddings": False,
+        "text_config": {**_TINY_TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                          "mrope_section": [2, 3, 3]}},
+        "vision_config": {"depth": 2, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2, "num_heads": 2,
+                          "in_channels": 3, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+    },
+    ("qwen2_5_vl", "tiny"): {
+        "model_type": "qwen2_5_vl",
+        "image_token_id": IMAGE_TOKEN_ID,
+        "video_token_id": IMAGE_TOKEN_ID - 1,
+        "vision_start_token_id": VISION_START_ID,
+        "vision_end_token_id": VISION_END_ID,
+        "tie_word_embeddings": False,
+        "text_config": {**_TINY_TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                          "mrope_section": [2, 3, 3]}},
+        "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                          "out_hidden_size": 64, "in_channels": 3, "patch_size": 14, "spatial_merge_size": 2,
+                          "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1]},
+    },
+    ("llava", "tiny"): {
+        "model_type": "llava",
+        "image_token_index": IMAGE_TOKEN_ID,
+        "image_seq_length": 16,
+        "vision_feature_select_strategy": "default",
+        "vision_feature_layer": -1,
+        "projector_hidden_act": "gelu",
+        "tie_word_embeddings": False,
+        "text_config": {**_TINY_TEXT, "model_type": "llama"},
+        "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                          "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 56, "patch_size": 14,
+                          "projection_dim": 32},
+    },
+}

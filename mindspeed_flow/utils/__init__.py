@@ -1,0 +1,1 @@
+"""Small shared utilities (no process-group state lives here)."""
