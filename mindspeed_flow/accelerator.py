@@ -1,0 +1,177 @@
+"""The one place that decides device type, process-group backend, device module, streams and events, memory
+stats and per-device peak FLOPs: npu/hccl (Ascend, torch_npu), cuda/nccl, or cpu/gloo.
+
+torch_npu is imported here only, only when it is installed, and its absence is not an error. Everything else in
+mindspeed-flow asks an `Accelerator` instead of touching `torch.cuda` / `torch.npu` directly, so the same code
+runs on Ascend, on NVIDIA GPUs and on the CPU (how CI tests it).
+
+`mindspeed-flow doctor` prints what this machine offers.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import json
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+
+# Dense peak TFLOPS by device-name substring and dtype (DESIGN §9). 910B SKUs differ, so the name decides.
+# Sources: Ascend product pages / DESIGN notes; CPU figures are nominal and only make the MFU column non-empty.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "Ascend910B1": {"bf16": 376.0, "fp16": 376.0, "fp32": 94.0},
+    "Ascend910B2": {"bf16": 353.0, "fp16": 353.0, "fp32": 88.0},
+    "Ascend910B3": {"bf16": 313.0, "fp16": 313.0, "fp32": 78.0},
+    "Ascend910B4": {"bf16": 280.0, "fp16": 280.0, "fp32": 70.0},
+    "Ascend910_93": {"bf16": 752.0, "fp16": 752.0, "fp32": 188.0},  # 910C (A3) reports as Ascend910_93xx
+    "Ascend910C": {"bf16": 752.0, "fp16": 752.0, "fp32": 188.0},
+    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "cpu": {"bf16": 0.1, "fp16": 0.1, "fp32": 0.1},
+}
+
+
+def peak_tflops_for(device_name: str, dtype: str) -> Optional[float]:
+    """Longest matching key wins, so 'Ascend910B3' is not mistaken for a generic 910B entry."""
+    best: Optional[str] = None
+    for key in PEAK_TFLOPS:
+        if key.lower() in device_name.lower() and (best is None or len(key) > len(best)):
+            best = key
+    if best is None:
+        return None
+    return PEAK_TFLOPS[best].get(dtype)
+
+
+def _torch_npu_available() -> bool:
+    # find_spec does not import: importing torch_npu without CANN breaks `import torch` itself.
+    return importlib.util.find_spec("torch_npu") is not None and bool(os.environ.get("ASCEND_HOME_PATH")
+                                                                       or os.path.isdir("/usr/local/Ascend"))
+
+
+@dataclass
+class Accelerator:
+    """Device + backend abstraction. Construct with `Accelerator.detect()` or `Accelerator.for_type(...)`."""
+
+    device_type: str  # "npu" | "cuda" | "cpu"
+    backend: str  # "hccl" | "nccl" | "gloo"
+    device_name: str = "cpu"
+    capabilities: dict[str, bool] = field(default_factory=dict)
+
+    # --- construction -------------------------------------------------------------------------------------
+    @staticmethod
+    def detect(prefer: str = "auto") -> "Accelerator":
+        """`prefer`: auto | npu | cuda | cpu. auto takes npu, then cuda, then cpu."""
+        if prefer in ("auto", "npu") and _torch_npu_available():
+            importlib.import_module("torch_npu")
+            if torch.npu.is_available():  # type: ignore[attr-defined]
+                return Accelerator.for_type("npu")
+        if prefer == "npu":
+            raise RuntimeError("device=npu requested but torch_npu/CANN is not available on this machine")
+        if prefer in ("auto", "cuda") and torch.cuda.is_available():
+            return Accelerator.for_type("cuda")
+        if prefer == "cuda":
+            raise RuntimeError("device=cuda requested but torch.cuda.is_available() is False")
+        return Accelerator.for_type("cpu")
+
+    @staticmethod
+    def for_type(device_type: str) -> "Accelerator":
+        if device_type == "npu":
+            name = torch.npu.get_device_name(0)  # type: ignore[attr-defined]
+            caps = {"mc2": _has_mc2_ops(), "streams": True, "pinned_memory": True}
+            return Accelerator("npu", "hccl", name, caps)
+        if device_type == "cuda":
+            name = torch.cuda.get_device_name(0)
+            return Accelerator("cuda", "nccl", name, {"mc2": False, "streams": True, "pinned_memory": True})
+        if device_type == "cpu":
+            return Accelerator("cpu", "gloo", f"cpu ({platform.processor() or platform.machine()})",
+                               {"mc2": False, "streams": False, "pinned_memory": False})
+        raise ValueError(f"device type {device_type!r}: expected npu, cuda or cpu")
+
+    # --- devices, streams, events -----------------------------------------------------------------------
+    @property
+    def module(self) -> Any:
+        """torch.npu / torch.cuda, or None on CPU."""
+        return getattr(torch, self.device_type, None) if self.device_type != "cpu" else None
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.device_type, local_rank % max(1, self.module.device_count()))
+
+    def set_device(self, local_rank: int) -> torch.device:
+        dev = self.device(local_rank)
+        if self.module is not None:
+            self.module.set_device(dev)
+        return dev
+
+    def synchronize(self) -> None:
+        if self.module is not None:
+            self.module.synchronize()
+
+    def new_stream(self) -> Optional[Any]:
+        return self.module.Stream() if self.capabilities.get("streams") else None
+
+    @contextlib.contextmanager
+    def stream(self, stream: Optional[Any]) -> Iterator[None]:
+        if stream is None or self.module is None:
+            yield
+            return
+        with self.module.stream(stream):
+            yield
+
+    def event(self) -> Optional[Any]:
+        return self.module.Event(enable_timing=False) if self.module is not None else None
+
+    # --- memory ---------------------------------------------------------------------------------------------
+    def memory_stats(self) -> dict[str, float]:
+        """Allocated / peak bytes on the device; on CPU the process RSS peak (what bounds a CPU job)."""
+        if self.module is not None:
+            return {"allocated_bytes": float(self.module.memory_allocated()),
+                    "peak_bytes": float(self.module.max_memory_allocated())}
+        try:
+            import resource
+
+            peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            return {"allocated_bytes": float("nan"), "peak_bytes": float(peak_kb) * 1024.0}
+        except ImportError:  # pragma: no cover - non-POSIX
+            return {"allocated_bytes": float("nan"), "peak_bytes": float("nan")}
+
+    def reset_peak_memory(self) -> None:
+        if self.module is not None:
+            self.module.reset_peak_memory_stats()
+
+    # --- FLOPs ------------------------------------------------------------------------------------------------
+    def peak_flops(self, dtype: str) -> Optional[float]:
+        key = "cpu" if self.device_type == "cpu" else self.device_name
+        tf = peak_tflops_for(key, dtype)
+        return None if tf is None else tf * 1e12
+
+    def describe(self) -> dict[str, Any]:
+        return {**asdict(self), "torch": torch.__version__, "python": sys.version.split()[0],
+                "peak_tflops": {d: self.peak_flops(d) and self.peak_flops(d) / 1e12 for d in ("bf16", "fp32")}}
+
+
+def _has_mc2_ops() -> bool:
+    try:
+        torch_npu = importlib.import_module("torch_npu")
+    except ImportError:
+        return False
+    return all(hasattr(torch_npu, op) for op in ("npu_all_gather_base_mm", "npu_mm_reduce_scatter_base"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`mindspeed-flow doctor`: print what this machine offers as JSON."""
+    acc = Accelerator.detect()
+    info = acc.describe()
+    info["packages"] = {}
+    for pkg in ("transformers", "ortools", "hydra", "torch_npu", "mindspeed", "mindspeed_mm", "megatron"):
+        spec = importlib.util.find_spec(pkg)
+        info["packages"][pkg] = "present" if spec is not None else "absent"
+    print(json.dumps(info, indent=2, default=str))
+    return 0
