@@ -174,7 +174,9 @@ class VLMSpec:
             num_kv_heads=int(text.get("num_key_value_heads") or text["num_attention_heads"]),
             vocab_size=int(text.get("vocab_size") or cfg["vocab_size"]),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            qkv_bias=model_type.startswith("qwen") or bool(text.get("attention_bias", False)),
+            # Qwen2-family text models always carry q/k/v biases, also when wrapped by LLaVA.
+            qkv_bias=(model_type.startswith("qwen") or str(text.get("model_type", "")).startswith("qwen2")
+                      or bool(text.get("attention_bias", False))),
         )
         v = cfg["vision_config"]
         if model_type == "qwen2_vl":

@@ -1,0 +1,61 @@
+"""Parameter counts of `mindspeed_flow.specs` against the real HF module trees (built on the meta device).
+
+Every preset (tiny and real-architecture) is instantiated with transformers on `torch.device("meta")`, so even
+the 72B models cost no memory; the spec's counts must equal the module's parameter count exactly, for the whole
+model and for the vision part (ViT + merger / projector).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from mindspeed_flow.model_presets import available_presets, hf_config_dict, load_config_json
+from mindspeed_flow.specs import VLMSpec
+
+_CLASSES = {
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "llava": "LlavaForConditionalGeneration",
+}
+
+
+def _build_on_meta(config: dict) -> torch.nn.Module:
+    cls = getattr(transformers, _CLASSES[config["model_type"]])
+    hf_config = transformers.AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        return cls(hf_config)
+
+
+def _vision_numel(model: torch.nn.Module, family: str) -> int:
+    inner = model.model
+    if family == "llava":
+        return sum(p.numel() for p in inner.vision_tower.parameters()) + sum(
+            p.numel() for p in inner.multi_modal_projector.parameters())
+    return sum(p.numel() for p in inner.visual.parameters())
+
+
+@pytest.mark.parametrize("family,preset", available_presets())
+def test_spec_counts_equal_hf_modules(family: str, preset: str) -> None:
+    config = hf_config_dict(family, preset)
+    model = _build_on_meta(config)
+    spec = VLMSpec.from_hf_config(config)
+    assert spec.total_params == sum(p.numel() for p in model.parameters()), (family, preset)
+    assert spec.vision.params == _vision_numel(model, family), (family, preset)
+
+
+def test_real_presets_have_published_sizes() -> None:
+    # Rounded totals of the published checkpoints (model cards): a guard against a typo in a dimension.
+    expected_billions = {("qwen2_5_vl", "3b"): 3.75, ("qwen2_5_vl", "7b"): 8.29, ("qwen2_5_vl", "32b"): 33.45,
+                         ("qwen2_5_vl", "72b"): 73.41, ("qwen2_vl", "7b"): 8.29, ("qwen2_vl", "72b"): 73.41}
+    for key, billions in expected_billions.items():
+        total = VLMSpec.from_hf_config(hf_config_dict(*key)).total_params / 1e9
+        assert abs(total - billions) < 0.01, (key, total)
+
+
+def test_load_config_json_round_trip(tmp_path) -> None:
+    import json
+
+    config = hf_config_dict("qwen2_5_vl", "7b")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert VLMSpec.from_hf_config(load_config_json(str(tmp_path))).total_params == 8292166656
