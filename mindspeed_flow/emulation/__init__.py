@@ -1,0 +1,61 @@
+"""Ascend emulation: run MindSpeed / MindSpeed-MM code paths on CPU with a fake `torch_npu` and `torchair`.
+
+Nothing here is loaded by `import mindspeed_flow`, and importing this package has no side effects: the fake
+packages live in `site/`, which only `activate()` (in-process) or `site_env()` (for a launched job) puts on the
+import path. On a real Ascend machine the real torch_npu is therefore the only one ever imported.
+
+    from mindspeed_flow import emulation
+    emulation.activate()                    # sys.path gains site/; torch_npu + transfer_to_npu are imported
+    import torch_npu                        # the fake: npu device = host CPU, nccl/hccl -> gloo, CPU ref ops
+
+`activate()` patches torch process-wide and irreversibly (like the real transfer_to_npu): call it in a job, a
+subprocess or a forked rank, never in a long-lived process that must keep plain torch.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+SITE_DIR = Path(__file__).resolve().parent / "site"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def site_dir() -> str:
+    """The folder holding the fake `torch_npu` and `torchair` packages."""
+    return str(SITE_DIR)
+
+
+def _real_torch_npu_loaded() -> bool:
+    mod = sys.modules.get("torch_npu")
+    return mod is not None and not getattr(mod, "EMULATED", False)
+
+
+def activate(transfer: bool = True) -> None:
+    """Put the fake packages first on sys.path and import them (with transfer_to_npu unless `transfer=False`).
+
+    Raises if a real torch_npu is already imported: mixing the two would silently run half the job on CPU.
+    """
+    if _real_torch_npu_loaded():
+        raise RuntimeError("mindspeed_flow.emulation.activate(): a real torch_npu is already imported in this "
+                           "process; emulation is for machines without Ascend devices")
+    if site_dir() not in sys.path:
+        sys.path.insert(0, site_dir())
+    import torch_npu  # noqa: F401
+
+    if transfer:
+        from torch_npu.contrib import transfer_to_npu  # noqa: F401
+
+
+def is_active() -> bool:
+    """True when this process imported the fake torch_npu."""
+    mod = sys.modules.get("torch_npu")
+    return bool(mod is not None and getattr(mod, "EMULATED", False))
+
+
+def site_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """An environment for a child process that sees the fake packages (and this repo) first on PYTHONPATH."""
+    env = dict(os.environ if base is None else base)
+    parts = [site_dir(), str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
+    return env

@@ -1,0 +1,55 @@
+"""Fake `torch_npu` (mindspeed-flow emulation): the Ascend adapter's Python surface, backed by the host CPU.
+
+Only on sys.path when `mindspeed_flow.emulation.activate()` (or `mindspeed-flow emulate`) put it there. Importing
+it registers the "npu" device type; `torch_npu.contrib.transfer_to_npu` then maps cuda/npu to cpu and nccl/hccl
+to gloo. Ops are the CPU references of `mindspeed_flow.emulation.ops`; every call and every name asked for but
+absent is logged (MSF_EMULATION_LOG).
+"""
+import functools as _functools
+
+import torch as _torch
+
+from mindspeed_flow.emulation import device as _device_impl
+from mindspeed_flow.emulation import log as _log
+from mindspeed_flow.emulation import ops as _ops
+from mindspeed_flow.emulation import patching as _patching
+from mindspeed_flow.emulation import torchvision_compat as _tv_compat
+
+__version__ = "2.7.1+msf.emulated"
+EMULATED = True
+
+from torch_npu import npu  # noqa: E402  (the device module; needs nothing above but must exist before install)
+
+_patching.install_npu_device(npu)
+_tv_compat.install()
+
+
+def _logged(name, fn):
+    @_functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        _log.record_call(f"torch_npu.{name}")
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+for _name, _fn in _ops.OPS.items():
+    globals()[_name] = _logged(_name, _fn)
+
+# dtypes torch_npu adds; torch supplies most of them natively, the rest are distinct placeholders.
+float8_e4m3fn = getattr(_torch, "float8_e4m3fn", "torch_npu.float8_e4m3fn")
+float8_e5m2 = getattr(_torch, "float8_e5m2", "torch_npu.float8_e5m2")
+float8_e8m0fnu = getattr(_torch, "float8_e8m0fnu", "torch_npu.float8_e8m0fnu")
+float4_e2m1fn_x2 = getattr(_torch, "float4_e2m1fn_x2", "torch_npu.float4_e2m1fn_x2")
+float4_e1m2fn_x2 = "torch_npu.float4_e1m2fn_x2"
+hifloat8 = "torch_npu.hifloat8"
+# dtypes HCCL cannot send; MindSpeed's dist-train sync tool reads this list.
+unsupported_dtype = []
+
+
+def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    _log.record_missing(f"torch_npu.{name}")
+    raise AttributeError(f"module 'torch_npu' has no attribute {name!r} (not emulated by mindspeed-flow; "
+                         "see the MSF_EMULATION_LOG summary)")

@@ -1,0 +1,1 @@
+"""Fake `torch_npu.contrib`."""
