@@ -20,9 +20,17 @@ _TINY_TEXT = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 4096,
     "rms_norm_eps": 1e-6,
+    "bos_token_id": EOS_ID,  # no BOS in the tiny vocabulary; the Qwen default (151643) would be out of range
     "eos_token_id": EOS_ID,
     "pad_token_id": EOS_ID,
 }
+
+# Qwen text rope: transformers 5.x reads `rope_parameters`; 4.57 (MindSpeed-MM's pin) reads `rope_scaling` and
+# `rope_theta` and would otherwise fall back to mrope_section [16, 24, 24], which does not fit head_dim 16.
+# 5.x takes `rope_scaling` over `rope_parameters` when both are given, so the two must stay identical.
+_TINY_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+_TINY_QWEN_TEXT = {**_TINY_TEXT, "rope_theta": 10000.0, "rope_parameters": dict(_TINY_MROPE),
+                   "rope_scaling": dict(_TINY_MROPE)}
 
 TINY_PRESETS: dict[tuple[str, str], dict] = {
     ("qwen2_vl", "tiny"): {
@@ -32,8 +40,7 @@ TINY_PRESETS: dict[tuple[str, str], dict] = {
         "vision_start_token_id": VISION_START_ID,
         "vision_end_token_id": VISION_END_ID,
         "tie_word_embeddings": False,
-        "text_config": {**_TINY_TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                                          "mrope_section": [2, 3, 3]}},
+        "text_config": dict(_TINY_QWEN_TEXT),
         "vision_config": {"depth": 2, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2, "num_heads": 2,
                           "in_channels": 3, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
     },
@@ -44,8 +51,7 @@ TINY_PRESETS: dict[tuple[str, str], dict] = {
         "vision_start_token_id": VISION_START_ID,
         "vision_end_token_id": VISION_END_ID,
         "tie_word_embeddings": False,
-        "text_config": {**_TINY_TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                                          "mrope_section": [2, 3, 3]}},
+        "text_config": dict(_TINY_QWEN_TEXT),
         "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                           "out_hidden_size": 64, "in_channels": 3, "patch_size": 14, "spatial_merge_size": 2,
                           "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1]},

@@ -1,1 +1,18 @@
-"""mindspeed_flow.hosts.torch"""
+"""The torch host: HF transformers VLMs split into an encoder part and a backbone part, run on packed
+microbatches, with backbone pipeline parallelism (torch.distributed.pipelining) and data parallelism (DDP or
+FSDP2).
+
+Public API (what the runtime calls):
+    build_vlm(family, hf_config, *, seed, dtype, pretrained_path, attn_implementation) -> HF model
+    split_vlm(model) -> (EncoderPart, BackbonePart)
+    EncoderPart.forward(pixel_values, image_grid_thw) -> [n_image_tokens, H]
+    BackbonePart.pack(samples, image_embeds, token_budget) -> PackedBatch
+    BackbonePart.embed(packed, image_embeds) / .image_dense(...) / .forward(packed, image_embeds) -> (loss_sum, n)
+    build_backbone_stage(...), make_schedule(...), pipeline_step(...)      (pipeline.py)
+    apply_ddp(...), apply_fsdp(...), grad_sq_sum(...), clip_grads_(...)     (data_parallel.py)
+"""
+from mindspeed_flow.hosts.torch.build import build_vlm
+from mindspeed_flow.hosts.torch.packed import PackedBatch
+from mindspeed_flow.hosts.torch.split import BackbonePart, EncoderPart, split_vlm, token_loss_sum
+
+__all__ = ["build_vlm", "split_vlm", "EncoderPart", "BackbonePart", "PackedBatch", "token_loss_sum"]

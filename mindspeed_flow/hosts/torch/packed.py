@@ -1,0 +1,136 @@
+"""Packed microbatches: several samples concatenated into one sequence of a fixed token budget.
+
+A `PackedBatch` is model-ready metadata for one backbone microbatch (batch dimension 1, length exactly the
+token budget, so pipeline shapes never change). Samples never see each other:
+
+- `segment_ids` numbers the samples 0..n-1 in order and gives the padding tail its own segment n;
+- the attention mask is block-diagonal causal over segments (built with tensor ops from `segment_ids`), so the
+  padding tail only attends to itself: every row attends to at least one key, which keeps SDPA free of NaNs;
+- position ids restart at 0 for every sample (and for the padding tail);
+- `labels` are already shifted per sample (label at t is the token predicted from position t), so the last
+  token of one sample never predicts the first token of the next; padding carries IGNORE_INDEX.
+
+The functions here are model-independent; `BackbonePart.pack` supplies the per-sample position ids (3-D mrope
+for Qwen, computed by the model's own rope index) and the pad token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from mindspeed_flow.data.sample import IGNORE_INDEX
+
+
+@dataclass
+class PackedBatch:
+    """One packed microbatch of exactly `token_budget` tokens (batch dimension 1)."""
+
+    input_ids: torch.Tensor  # int64 [1, T]
+    labels: torch.Tensor  # int64 [1, T], shifted per sample, IGNORE_INDEX where no loss
+    position_ids: torch.Tensor  # int64 [3, 1, T] (mrope) or [1, T]
+    segment_ids: torch.Tensor  # int64 [1, T]: sample k -> k, padding tail -> n_samples
+    cu_seqlens: torch.Tensor  # int32 [n_segments + 1], padding tail included when present
+    seq_lens: list[int]  # real tokens per sample, in order
+    sample_ids: list[int]
+    image_token_counts: list[int]  # image placeholder tokens per sample
+    n_label_tokens: int
+    token_budget: int
+    _mask_cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def n_samples(self) -> int:
+        return len(self.sample_ids)
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(self.seq_lens)
+
+    @property
+    def pad_tokens(self) -> int:
+        return self.token_budget - self.real_tokens
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """Block-diagonal causal mask, bool [1, 1, T, T], True where a query may attend to a key."""
+        if "bool" not in self._mask_cache:
+            self._mask_cache["bool"] = block_causal_mask(self.segment_ids)
+        return self._mask_cache["bool"]
+
+
+def segment_ids_for(seq_lens: Sequence[int], token_budget: int) -> torch.Tensor:
+    """[1, T] segment index per token; the padding tail (if any) is one more segment."""
+    lens = list(seq_lens) + ([token_budget - sum(seq_lens)] if sum(seq_lens) < token_budget else [])
+    seg = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.long))
+    return seg.view(1, -1)
+
+
+def cu_seqlens_for(seq_lens: Sequence[int], token_budget: int) -> torch.Tensor:
+    lens = list(seq_lens) + ([token_budget - sum(seq_lens)] if sum(seq_lens) < token_budget else [])
+    return torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32)
+
+
+def restart_positions(segment_ids: torch.Tensor) -> torch.Tensor:
+    """[1, T] positions 0, 1, ... restarting at every segment boundary (vectorized, no per-token loop)."""
+    seg = segment_ids.view(-1)
+    t = torch.arange(seg.numel())
+    starts = torch.ones_like(seg, dtype=torch.bool)
+    starts[1:] = seg[1:] != seg[:-1]
+    start_index = torch.cummax(torch.where(starts, t, torch.zeros_like(t)), dim=0).values
+    return (t - start_index).view(1, -1)
+
+
+def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """bool [B, 1, T, T]: query q may attend key k iff same segment and k <= q."""
+    seg = segment_ids
+    same = seg[:, :, None] == seg[:, None, :]
+    causal = torch.ones(seg.shape[-1], seg.shape[-1], dtype=torch.bool, device=seg.device).tril()
+    return (same & causal)[:, None]
+
+
+def single_segment(segment_ids: torch.Tensor) -> bool:
+    """True when the whole microbatch is one causal sequence (one sample filling the budget, or all padding)."""
+    seg = segment_ids.view(-1)
+    return bool((seg == seg[0]).all())
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Eager attention adds its mask to the scores: 0 where allowed, the dtype's minimum where not."""
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, torch.full((), torch.finfo(dtype).min, dtype=dtype, device=mask.device))
+
+
+def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Per-sample next-token targets: labels[1:] then IGNORE_INDEX (the same shift HF's causal-LM loss does)."""
+    return torch.cat([labels[1:], torch.full((1,), IGNORE_INDEX, dtype=labels.dtype)])
+
+
+def pad_tail(t: torch.Tensor, n: int, value: int) -> torch.Tensor:
+    """Append n copies of `value` along the last dimension."""
+    if n == 0:
+        return t
+    return torch.cat([t, torch.full((*t.shape[:-1], n), value, dtype=t.dtype, device=t.device)], dim=-1)
+
+
+def check_budget(sample_ids: Sequence[int], seq_lens: Sequence[int], token_budget: int) -> None:
+    if token_budget <= 0:
+        raise ValueError(f"packing.token_budget={token_budget} must be positive")
+    total = sum(seq_lens)
+    if total > token_budget:
+        detail = ", ".join(f"{sid}:{n}" for sid, n in zip(sample_ids, seq_lens))
+        raise ValueError(f"packed microbatch needs {total} tokens but packing.token_budget={token_budget} "
+                         f"(sample_id:tokens = {detail}); the packer must not put these samples together")
+
+
+def stack_position_ids(packs: Sequence[PackedBatch]) -> torch.Tensor:
+    """[n_micro, 3, T] (mrope) or [n_micro, T]: microbatch first, so pipeline schedules can chunk dim 0."""
+    pos = [p.position_ids for p in packs]
+    if pos[0].dim() == 3:
+        return torch.cat([q.permute(1, 0, 2) for q in pos], dim=0)
+    return torch.cat(pos, dim=0)
+
+
+def unstack_position_ids(chunk: torch.Tensor, mrope: bool) -> Optional[torch.Tensor]:
+    """Inverse of `stack_position_ids` for one microbatch chunk: [1, 3, T] -> [3, 1, T]; [1, T] unchanged."""
+    return chunk.permute(1, 0, 2) if mrope else chunk

@@ -1,0 +1,232 @@
+"""The torch host's split is exact, and packed microbatches equal their unpacked samples (issue 2 item 5, issue 3 item 6)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mindspeed_flow.data.sample import IGNORE_INDEX
+from mindspeed_flow.hosts.torch import build_vlm, hf_compat, split_vlm
+from mindspeed_flow.hosts.torch.packed import shifted_labels
+from mindspeed_flow.hosts.torch.split import token_loss_sum
+from mindspeed_flow.hosts.torch.testing import make_samples
+from mindspeed_flow.model_presets import hf_config_dict
+
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava"]
+
+
+def _model(family: str, attn: str = "sdpa", seed: int = 0):
+    return build_vlm(family, hf_config_dict(family, "tiny"), seed=seed, attn_implementation=attn)
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _encode(encoder, samples):
+    return [encoder(s.pixel_values, s.image_grid_thw) if s.pixel_values is not None else None for s in samples]
+
+
+def _assert_grads_close(got: dict, ref: dict, rel: float) -> None:
+    assert got.keys() == ref.keys()
+    scale = max(g.abs().max().item() for g in ref.values())
+    for name in ref:
+        diff = (got[name] - ref[name]).abs().max().item()
+        assert diff <= rel * scale, f"{name}: max abs diff {diff:.3g} > {rel} x {scale:.3g}"
+    num = sum(((got[k] - ref[k]) ** 2).sum() for k in ref) ** 0.5
+    den = sum((ref[k] ** 2).sum() for k in ref) ** 0.5
+    assert num / den <= rel, f"global relative gradient error {float(num / den):.3g} > {rel}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_split_equals_whole_model_per_sample(family):
+    """(a) encoder -> backbone gives the whole model's summed loss and bit-identical gradients, sample by sample."""
+    model = _model(family)
+    encoder, backbone = split_vlm(model)
+    samples = make_samples(family, 4)
+    assert any(s.pixel_values is None for s in samples) and any(len(s.image_token_counts) == 2 for s in samples)
+    for s in samples:
+        model.zero_grad(set_to_none=True)
+        out = model(**hf_compat.whole_model_inputs(model, s.input_ids, s.pixel_values, s.image_grid_thw))
+        ref_loss = token_loss_sum(out.logits, shifted_labels(s.labels)[None])
+        # guard the label convention: HF's own mean loss over the same labels
+        n_labels = int((s.labels[1:] != IGNORE_INDEX).sum())
+        hf_loss = model(**hf_compat.whole_model_inputs(model, s.input_ids, s.pixel_values, s.image_grid_thw),
+                        labels=s.labels[None]).loss
+        assert torch.allclose(hf_loss * n_labels, ref_loss, rtol=1e-6)
+        ref_loss.backward()
+        ref = _grads(model)
+        model.zero_grad(set_to_none=True)
+
+        embeds = _encode(encoder, [s])
+        packed = backbone.pack([s], embeds, token_budget=s.llm_tokens)
+        loss, n = backbone(packed, embeds)
+        loss.backward()
+        got = _grads(model)
+        assert n == n_labels
+        assert torch.equal(loss, ref_loss), (s.sample_id, loss.item(), ref_loss.item())
+        assert got.keys() == ref.keys()
+        for name in ref:
+            diff = (got[name] - ref[name]).abs().max().item()
+            assert diff <= 1e-7, f"sample {s.sample_id} {name}: max abs diff {diff}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_split_partitions_parameters_without_copies(family):
+    model = _model(family)
+    encoder, backbone = split_vlm(model)
+    enc = {id(p) for p in encoder.parameters()}
+    bb = {id(p) for p in backbone.parameters()}
+    everything = {id(p) for p in model.parameters()}
+    assert enc and bb and not (enc & bb) and (enc | bb) == everything
+    vision_names = {n for n, p in model.named_parameters() if id(p) in enc}
+    assert all(("visual" in n) or ("vision_tower" in n) or ("multi_modal_projector" in n) for n in vision_names)
+    # shared tensors: an in-place change through the part is seen by the whole model
+    with torch.no_grad():
+        backbone.norm.weight.add_(1.0)
+    assert torch.equal(hf_compat.language_model(model).norm.weight, backbone.norm.weight)
+
+
+@pytest.mark.parametrize("family,attn", [(f, "sdpa") for f in FAMILIES] + [("qwen2_vl", "eager"), ("llava", "eager")])
+def test_packed_equals_sum_of_unpacked(family, attn):
+    """(b) one packed microbatch == the sum of its samples' unpacked losses (1e-6) with the same gradients."""
+    model = _model(family, attn)
+    encoder, backbone = split_vlm(model)
+    samples = make_samples(family, 4, seed=1)
+    total = 0
+    for s, e in zip(samples, _encode(encoder, samples)):
+        loss, _ = backbone(backbone.pack([s], [e], s.llm_tokens), [e])
+        total = total + loss
+    total.backward()
+    ref = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    embeds = _encode(encoder, samples)
+    budget = sum(s.llm_tokens for s in samples) + 9  # with a padding tail
+    packed = backbone.pack(samples, embeds, budget)
+    assert packed.input_ids.shape == (1, budget) and packed.pad_tokens == 9
+    loss, n = backbone(packed, embeds)
+    loss.backward()
+    assert n == sum(int((s.labels[1:] != IGNORE_INDEX).sum()) for s in samples)
+    assert abs(loss.item() - total.item()) <= 1e-6 * abs(total.item())
+    _assert_grads_close(_grads(model), ref, rel=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_samples_never_attend_to_each_other(family):
+    model = _model(family)
+    encoder, backbone = split_vlm(model)
+    samples = make_samples(family, 3, seed=2)
+    budget = sum(s.llm_tokens for s in samples) + 5
+
+    def logits_of(batch):
+        embeds = _encode(encoder, batch)
+        packed = backbone.pack(batch, embeds, budget)
+        hidden = backbone.run_layers(backbone.embed(packed, embeds), packed.position_ids, packed.segment_ids,
+                                     backbone.layers)
+        return backbone.logits(hidden)[0], packed
+
+    with torch.no_grad():
+        base, packed = logits_of(samples)
+        changed = [samples[0].__class__(**{**samples[0].__dict__})]
+        changed[0].input_ids = samples[0].input_ids.clone()
+        text = changed[0].input_ids < 370
+        changed[0].input_ids[text] = (changed[0].input_ids[text] + 7) % 370
+        if changed[0].pixel_values is not None:
+            changed[0].pixel_values = changed[0].pixel_values + 1.0
+        after, _ = logits_of(changed + samples[1:])
+    first = samples[0].llm_tokens
+    assert not torch.equal(after[:first], base[:first])  # the perturbation is real
+    assert torch.equal(after[first:], base[first:])  # ... and invisible to every other sample and the padding
+
+    # position ids restart per sample: each segment's positions equal that sample packed alone
+    start = 0
+    for s in samples:
+        alone = backbone.pack([s], None, s.llm_tokens).position_ids
+        assert torch.equal(packed.position_ids[..., start:start + s.llm_tokens], alone)
+        start += s.llm_tokens
+    assert int(packed.position_ids[..., start].max()) == 0  # padding tail restarts too
+
+
+def test_mrope_positions_are_3d_and_image_aware():
+    model = _model("qwen2_vl")
+    _, backbone = split_vlm(model)
+    s = make_samples("qwen2_vl", 1)[0]
+    pos = backbone.pack([s], None, s.llm_tokens).position_ids
+    assert pos.shape == (3, 1, s.llm_tokens)
+    image = s.input_ids == hf_compat.image_token_id(model.config)
+    assert not torch.equal(pos[1, 0, image], pos[2, 0, image])  # height and width differ inside the image
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_empty_microbatch_gives_zero_loss(family):
+    model = _model(family)
+    _, backbone = split_vlm(model)
+    packed = backbone.pack([], [], token_budget=16)
+    loss, n = backbone(packed, [])
+    loss.backward()
+    assert n == 0 and loss.item() == 0.0 and packed.input_ids.shape == (1, 16)
+    assert all(p.grad is None or not p.grad.any() for p in backbone.parameters())
+
+
+def test_dense_stage_input_equals_scatter():
+    """The pipeline's stage-0 input path (dense image tensor + embed_dense) equals embed(): values and grads."""
+    model = _model("qwen2_5_vl")
+    encoder, backbone = split_vlm(model)
+    samples = make_samples("qwen2_5_vl", 3, seed=3)
+    budget = sum(s.llm_tokens for s in samples) + 3
+    grads = []
+    for use_dense in (False, True):
+        embeds = [e.detach().requires_grad_() if e is not None else None for e in _encode(encoder, samples)]
+        packed = backbone.pack(samples, embeds, budget)
+        x = backbone.embed_dense(packed.input_ids, backbone.image_dense(packed, embeds)) if use_dense \
+            else backbone.embed(packed, embeds)
+        loss, _ = backbone(packed, inputs_embeds=x)
+        loss.backward()
+        grads.append([e.grad for e in embeds if e is not None] + [backbone.embed_tokens.weight.grad.clone()])
+        model.zero_grad(set_to_none=True)
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_pack_errors_name_the_samples():
+    model = _model("qwen2_vl")
+    encoder, backbone = split_vlm(model)
+    samples = make_samples("qwen2_vl", 2)
+    with pytest.raises(ValueError, match=r"token_budget=10.*1000:"):
+        backbone.pack(samples, None, token_budget=10)
+    embeds = _encode(encoder, samples)
+    with pytest.raises(ValueError, match=r"sample 1000: \d+ image placeholder tokens"):
+        backbone.pack(samples, [embeds[0][:-1], embeds[1]], token_budget=200)
+    packed = backbone.pack(samples, None, token_budget=200)
+    with pytest.raises(ValueError, match="no image embeddings"):
+        backbone(packed, None)
+
+
+def test_build_is_seeded_and_leaves_global_rng_alone():
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    a = _model("llava", seed=5)
+    assert torch.equal(torch.rand(1), before)
+    b, c = _model("llava", seed=5), _model("llava", seed=6)
+    for (n, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), n
+    assert any(not torch.equal(pa, pc) for pa, pc in zip(a.parameters(), c.parameters()))
+    with pytest.raises(ValueError, match="attn_implementation"):
+        _model("llava", attn="flash_attention_2")
+
+
+def test_pretrained_path_roundtrip(tmp_path):
+    model = _model("qwen2_vl", seed=3)
+    model.save_pretrained(tmp_path)
+    loaded = build_vlm("qwen2_vl", {}, seed=0, pretrained_path=str(tmp_path))
+    ref = dict(model.named_parameters())
+    got = dict(loaded.named_parameters())
+    assert ref.keys() == got.keys()
+    for n in ref:
+        assert torch.equal(ref[n], got[n]), n
+    assert loaded.training
+    with pytest.raises(FileNotFoundError, match="pretrained_path"):
+        build_vlm("qwen2_vl", {}, seed=0, pretrained_path=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="model_type='qwen2_vl' but model.family='llava'"):
+        build_vlm("llava", {}, seed=0, pretrained_path=str(tmp_path))
