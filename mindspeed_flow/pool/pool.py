@@ -1,0 +1,468 @@
+"""`EmbeddingPool`: embeddings from encoder ranks to backbone ranks, gradients back, bounded by credits.
+
+Roles. A producer (encoder rank) `put`s one embedding per sample for the consumer that the step plan names and
+later `wait_grad`s its gradient; a consumer (backbone first-stage rank) `expect`s the items of each producer in
+the order that producer will send them, `get`s them in any order and `return_grad`s d(loss)/d(embedding). A rank
+can be both. Ranks are global ranks; the pool works on the world group or on the group it is given, and holds
+no process-group globals.
+
+Backpressure. A producer counts the bytes it has sent and not yet seen consumed ("in flight"). `put` blocks
+while that count plus the new item would exceed `capacity_bytes`; each `get` on the consumer sends a credit back
+that frees the item's bytes. An item larger than the capacity goes through when nothing else is in flight, so
+the pool never deadlocks on one big embedding. With a frozen encoder (`return_grads=False`) there is no gradient
+channel and the producer runs ahead into later steps bounded only by these credits.
+
+Tiers. A consumer keeps received embeddings on `device` up to `capacity_bytes`; an embedding larger than
+`host_tier_bytes`, or one that would push device occupancy past the capacity, lands in host memory and moves to
+the device when `get` takes it. (On CPU both tiers are host memory; the placement and the counters are real.)
+
+Transport: see `transport.py` (one receiving thread per peer and channel; deadlines on the caller's side) and
+`wire.py` (fixed int64 header, then the payload bytes, distinct tags per channel). Every blocking call raises
+`PoolTimeout` after `timeout_s`, naming this rank, the peer and the awaited item, and `PoolPeerError` when the
+transport to the peer fails (a dead peer fails within milliseconds on gloo).
+
+Device backends (NCCL/HCCL) match point-to-point messages by order, not by tag; the first version is written
+for, and tested on, gloo. Give the pool its own process group there (see the design notes).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from mindspeed_flow.pool.errors import PoolError, PoolPeerError, PoolProtocolError, PoolShapeError, PoolTimeout
+from mindspeed_flow.pool.handle import EmbeddingHandle, Tier
+from mindspeed_flow.pool.stats import PoolCounters, PoolStats
+from mindspeed_flow.pool.transport import InboundStream, send_message, wait_work
+from mindspeed_flow.pool.wire import (CHANNEL_EMBEDDING, CHANNEL_GRAD, CREDIT_LEN, HEADER_LEN, TAGS, WireHeader,
+                                      as_bytes, check_sendable, decode_credit, decode_header, encode_credit,
+                                      encode_header, from_bytes, tensor_nbytes)
+
+# (peer rank, sample_id, step): the pool's key for an item on one side of one producer/consumer pair.
+ItemKey = tuple[int, int, int]
+
+
+@dataclass
+class _Sent:
+    """Producer side: an embedding sent to a consumer and not yet credited back."""
+
+    handle: EmbeddingHandle
+    works: list[dist.Work]
+    buffers: tuple[torch.Tensor, ...]  # kept alive until the send completes
+
+
+@dataclass
+class _Held:
+    """Consumer side: an embedding received (or landing) and not yet taken by get()."""
+
+    handle: EmbeddingHandle
+    tensor: torch.Tensor | None = None  # None while the payload is still arriving
+
+
+@dataclass
+class _PendingSend:
+    """A credit or gradient send that flush() must see completed."""
+
+    peer: int
+    what: str
+    works: list[dist.Work]
+    buffers: tuple[torch.Tensor, ...] = field(default=())
+
+
+def _transport_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
+    """gloo moves CPU tensors; device backends (nccl, hccl) move tensors on the pool's device."""
+    backend = str(dist.get_backend(group))
+    return torch.device("cpu") if backend == "gloo" or device.type == "cpu" else device
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n} B" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
+
+
+class EmbeddingPool:
+    """Per-sample embedding transfer between producer and consumer ranks, with credits and a gradient path."""
+
+    def __init__(self, *, rank: int, group: dist.ProcessGroup | None, capacity_bytes: int, timeout_s: float,
+                 device: torch.device, host_tier_bytes: int | None = None, return_grads: bool = True) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("EmbeddingPool needs an initialized torch.distributed process group")
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if host_tier_bytes is not None and host_tier_bytes < 0:
+            raise ValueError(f"host_tier_bytes must be >= 0 or None, got {host_tier_bytes}")
+        if rank != dist.get_rank():
+            raise ValueError(f"rank={rank} but this process is global rank {dist.get_rank()}")
+        members = (dist.get_process_group_ranks(group) if group is not None
+                   else list(range(dist.get_world_size())))
+        if rank not in members:
+            raise ValueError(f"rank {rank} is not in the pool's process group (ranks {members})")
+        self.rank = rank
+        self.group = group
+        self.members = frozenset(members)
+        self.capacity_bytes = capacity_bytes
+        self.timeout_s = timeout_s
+        self.device = torch.device(device)
+        self.host_tier_bytes = host_tier_bytes
+        self.return_grads = return_grads
+        self._wire_device = _transport_device(group, self.device)
+        self._cond = threading.Condition()
+        self._counters = PoolCounters(capacity_bytes)
+        self._closed = False
+        # producer side
+        self._sent: dict[ItemKey, _Sent] = {}            # (consumer, sample, step) -> awaiting its credit
+        self._grads_owed: set[ItemKey] = set()           # (consumer, sample, step) -> gradient not yet arrived
+        self._grads: dict[ItemKey, torch.Tensor] = {}    # arrived, not yet taken by wait_grad
+        self._credit_streams: dict[int, InboundStream] = {}
+        self._grad_streams: dict[int, InboundStream] = {}
+        # consumer side
+        self._plans: dict[int, deque[tuple[int, int]]] = {}  # producer -> (sample, step) still to arrive, in order
+        self._planned: set[ItemKey] = set()               # (producer, sample, step) expected, not yet arrived
+        self._held: dict[ItemKey, _Held] = {}             # arrived or landing, not yet taken by get()
+        self._embedding_streams: dict[int, InboundStream] = {}
+        self._pending_sends: list[_PendingSend] = []
+
+    # ------------------------------------------------------------------ producer side
+
+    def put(self, tensor: torch.Tensor, *, sample_id: int, step: int, consumer: int) -> EmbeddingHandle:
+        """Send `tensor` to `consumer` without waiting for it to arrive; block while over capacity."""
+        what = f"sample {sample_id} (step {step})"
+        self._check_peer(consumer, "consumer")
+        check_sendable(tensor, f"put of {what} for consumer rank {consumer}")
+        key = (consumer, sample_id, step)
+        nbytes = tensor_nbytes(tuple(tensor.shape), tensor.dtype)
+        handle = EmbeddingHandle(sample_id, step, self.rank, consumer, tuple(tensor.shape), tensor.dtype, nbytes,
+                                 "device" if tensor.device == self.device else "host")
+        header = encode_header(CHANNEL_EMBEDDING, sample_id, step, tensor).to(self._wire_device)
+        payload = as_bytes(tensor.to(self._wire_device))
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        with self._cond:
+            if key in self._sent or key in self._grads_owed or key in self._grads:
+                raise ValueError(f"rank {self.rank}: {what} was already put for consumer rank {consumer}")
+            while self._counters.inflight_bytes > 0 and self._counters.inflight_bytes + nbytes > self.capacity_bytes:
+                self._raise_if_failed(self._credit_streams.values(), f"credits (to put {what})")
+                if not self._wait(deadline):
+                    raise PoolTimeout(self._put_timeout_message(what, consumer, nbytes))
+            c = self._counters
+            c.put_wait_s += time.monotonic() - start
+            c.puts += 1
+            c.bytes_sent += nbytes
+            c.oversize_puts += int(nbytes > self.capacity_bytes)
+            c.add_inflight(nbytes, +1)
+            self._stream(self._credit_streams, consumer, "credit").request(1)
+            if self.return_grads:
+                self._grads_owed.add(key)
+                self._stream(self._grad_streams, consumer, "grad").request(1)
+            # Sent under the lock so the credit handler always finds the works it must reap.
+            works = send_message(header, payload, peer=consumer, group=self.group,
+                                 header_tag=TAGS.embedding_header, payload_tag=TAGS.embedding_payload)
+            self._sent[key] = _Sent(handle, works, (header, payload))
+        return handle
+
+    def wait_grad(self, *, sample_id: int, step: int, consumer: int) -> torch.Tensor:
+        """Block until `consumer` returns d(loss)/d(embedding) of the item; the gradient is on `device`."""
+        self._require_grads("wait_grad")
+        key = (consumer, sample_id, step)
+        what = f"the gradient of sample {sample_id} (step {step})"
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        with self._cond:
+            if key not in self._grads and key not in self._grads_owed:
+                raise ValueError(f"rank {self.rank}: wait_grad for sample {sample_id} (step {step}) from consumer "
+                                 f"rank {consumer}, but that item was never put for it (or its gradient was taken)")
+            while key not in self._grads:
+                self._raise_if_failed([self._grad_streams[consumer]], what)
+                if not self._wait(deadline):
+                    raise PoolTimeout(f"rank {self.rank} waited {self.timeout_s:.1f} s for {what} from consumer "
+                                      f"rank {consumer}")
+            grad = self._grads.pop(key)
+            self._counters.grad_wait_s += time.monotonic() - start
+        return grad.to(self.device)
+
+    # ------------------------------------------------------------------ consumer side
+
+    def expect(self, *, producer: int, items: Iterable[tuple[int, int]]) -> None:
+        """Announce the (sample_id, step) items `producer` will send, in its send order; receiving starts now."""
+        self._check_peer(producer, "producer")
+        items = [(int(s), int(t)) for s, t in items]
+        with self._cond:
+            for sample_id, step in items:
+                key = (producer, sample_id, step)
+                if key in self._planned or key in self._held:
+                    raise ValueError(f"rank {self.rank}: sample {sample_id} (step {step}) from producer rank "
+                                     f"{producer} is already expected")
+                self._planned.add(key)
+            self._plans.setdefault(producer, deque()).extend(items)
+            self._stream(self._embedding_streams, producer, "embedding").request(len(items))
+
+    def get(self, *, sample_id: int, step: int, producer: int,
+            expected_shape: Sequence[int] | None = None) -> torch.Tensor:
+        """Block until the item from `producer` has arrived; return it on `device` and credit the producer.
+
+        An item that was not `expect`ed is appended to that producer's plan (it must be the next one it sends).
+        """
+        self._check_peer(producer, "producer")
+        key = (producer, sample_id, step)
+        what = f"the embedding of sample {sample_id} (step {step})"
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        with self._cond:
+            if key not in self._planned and key not in self._held:
+                self._planned.add(key)
+                self._plans.setdefault(producer, deque()).append((sample_id, step))
+                self._stream(self._embedding_streams, producer, "embedding").request(1)
+            while key not in self._held or self._held[key].tensor is None:
+                self._raise_if_failed([self._embedding_streams[producer]], what)
+                if not self._wait(deadline):
+                    raise PoolTimeout(self._get_timeout_message(what, producer))
+            held = self._held[key]
+            h = held.handle
+            if expected_shape is not None and tuple(expected_shape) != h.shape:
+                raise PoolShapeError(f"rank {self.rank}: sample {sample_id} (step {step}) from producer rank "
+                                     f"{producer} has shape {list(h.shape)}, expected {list(expected_shape)}")
+            del self._held[key]
+            c = self._counters
+            c.add_held(h.tier, -h.nbytes, -1)
+            c.gets += 1
+            c.get_wait_s += time.monotonic() - start
+            if h.tier == "host":
+                c.host_to_device_bytes += h.nbytes
+            self._send_credit(h)
+        assert held.tensor is not None
+        return held.tensor.to(self.device)
+
+    def return_grad(self, grad: torch.Tensor, *, sample_id: int, step: int, producer: int) -> None:
+        """Send d(loss)/d(embedding) of an item back to its producer without waiting."""
+        self._require_grads("return_grad")
+        self._check_peer(producer, "producer")
+        what = f"gradient of sample {sample_id} (step {step})"
+        check_sendable(grad, f"return_grad of {what} to producer rank {producer}")
+        header = encode_header(CHANNEL_GRAD, sample_id, step, grad).to(self._wire_device)
+        payload = as_bytes(grad.to(self._wire_device))
+        with self._cond:
+            works = send_message(header, payload, peer=producer, group=self.group,
+                                 header_tag=TAGS.grad_header, payload_tag=TAGS.grad_payload)
+            self._pending_sends.append(_PendingSend(producer, what, works, (header, payload)))
+            self._counters.grads_sent += 1
+            self._counters.grad_bytes_sent += payload.numel()
+
+    # ------------------------------------------------------------------ both sides
+
+    def flush(self) -> None:
+        """Wait until every send this rank started (embeddings, credits, gradients) has been received."""
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        with self._cond:
+            pending = list(self._pending_sends)
+            pending += [_PendingSend(s.handle.consumer, f"embedding of {s.handle.describe()}", s.works)
+                        for s in self._sent.values() if s.works]
+        for p in pending:
+            for work in p.works:
+                wait_work(work, deadline,
+                          on_timeout=lambda p=p: PoolTimeout(
+                              f"rank {self.rank} waited {self.timeout_s:.1f} s in flush() for the {p.what} to be "
+                              f"received by rank {p.peer}"),
+                          on_failure=lambda exc, p=p: PoolPeerError(
+                              f"rank {self.rank}: sending the {p.what} to rank {p.peer} failed ({exc}); rank "
+                              f"{p.peer} probably died"))
+        with self._cond:
+            done = {id(p) for p in pending}
+            self._pending_sends = [p for p in self._pending_sends if id(p) not in done]
+            for s in self._sent.values():
+                s.works = []
+            self._counters.flush_wait_s += time.monotonic() - start
+
+    def stats(self) -> PoolStats:
+        with self._cond:
+            return self._counters.snapshot()
+
+    def reset_step_stats(self) -> None:
+        with self._cond:
+            self._counters.reset_step()
+
+    def inflight_handles(self) -> list[EmbeddingHandle]:
+        """Producer side: items sent and not yet consumed, in send order."""
+        with self._cond:
+            return [s.handle for s in self._sent.values()]
+
+    def buffered_handles(self) -> list[EmbeddingHandle]:
+        """Consumer side: items received (or landing) and not yet taken by get()."""
+        with self._cond:
+            return [h.handle for h in self._held.values()]
+
+    def close(self) -> None:
+        """Stop the receiving threads that have nothing left to receive; busy ones are daemons and die with the
+        process group. Call flush() first to be sure everything sent was received."""
+        with self._cond:
+            self._closed = True
+            streams = [*self._credit_streams.values(), *self._grad_streams.values(),
+                       *self._embedding_streams.values()]
+            for s in streams:
+                s.close()
+        for s in streams:
+            if s.idle:
+                s.join(timeout=1.0)
+
+    def __enter__(self) -> "EmbeddingPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ receiving threads' callbacks
+
+    def _land_embedding(self, producer: int, raw: torch.Tensor) -> tuple[torch.Tensor, WireHeader]:
+        header = decode_header(raw, expected_channel=CHANNEL_EMBEDDING, peer=producer)
+        with self._cond:
+            plan = self._plans[producer]
+            if not plan or plan[0] != header.key:
+                nxt = f"sample {plan[0][0]} (step {plan[0][1]})" if plan else "nothing more"
+                raise PoolProtocolError(
+                    f"rank {self.rank} expected {nxt} next from producer rank {producer} (plan order), but it "
+                    f"sent sample {header.sample_id} (step {header.step}); the ranks disagree on the step plan")
+            plan.popleft()
+            key = (producer, *header.key)
+            self._planned.discard(key)
+            tier = self._choose_tier(header.nbytes)
+            self._counters.add_held(tier, header.nbytes, +1)
+            self._counters.host_tier_items += int(tier == "host")
+            self._held[key] = _Held(EmbeddingHandle(header.sample_id, header.step, producer, self.rank,
+                                                    header.shape, header.dtype, header.nbytes, tier))
+        return torch.empty(header.nbytes, dtype=torch.uint8, device=self._wire_device), header
+
+    def _deliver_embedding(self, producer: int, header: WireHeader, buffer: torch.Tensor | None) -> None:
+        key = (producer, *header.key)
+        with self._cond:
+            tier = self._held[key].handle.tier
+        tensor = from_bytes(buffer, header)
+        # Off the lock: a device copy may take a while and get() of other items must not wait for it.
+        if tier == "host" and tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        elif tier == "device" and tensor.device != self.device:
+            tensor = tensor.to(self.device)
+        with self._cond:
+            self._held[key].tensor = tensor
+            self._counters.bytes_received += header.nbytes
+            self._cond.notify_all()
+
+    def _land_credit(self, consumer: int, raw: torch.Tensor) -> tuple[None, tuple[int, int, int]]:
+        return None, decode_credit(raw)
+
+    def _deliver_credit(self, consumer: int, credit: tuple[int, int, int], _: torch.Tensor | None) -> None:
+        sample_id, step, nbytes = credit
+        with self._cond:
+            sent = self._sent.pop((consumer, sample_id, step), None)
+            if sent is None or sent.handle.nbytes != nbytes:
+                raise PoolProtocolError(f"rank {consumer} returned a credit for sample {sample_id} (step {step}, "
+                                        f"{nbytes} B) that rank {self.rank} has not sent to it")
+            self._counters.add_inflight(-nbytes, -1)
+            self._cond.notify_all()
+        # The consumer holds the bytes, so these sends are complete: reaping them only releases the buffers.
+        for work in sent.works:
+            work.wait()
+
+    def _land_grad(self, consumer: int, raw: torch.Tensor) -> tuple[torch.Tensor, WireHeader]:
+        header = decode_header(raw, expected_channel=CHANNEL_GRAD, peer=consumer)
+        with self._cond:
+            if (consumer, *header.key) not in self._grads_owed:
+                raise PoolProtocolError(f"rank {consumer} returned a gradient for sample {header.sample_id} (step "
+                                        f"{header.step}) that rank {self.rank} did not send it (or got twice)")
+        return torch.empty(header.nbytes, dtype=torch.uint8, device=self._wire_device), header
+
+    def _deliver_grad(self, consumer: int, header: WireHeader, buffer: torch.Tensor | None) -> None:
+        key = (consumer, *header.key)
+        with self._cond:
+            self._grads_owed.discard(key)
+            self._grads[key] = from_bytes(buffer, header)
+            self._counters.grads_received += 1
+            self._counters.grad_bytes_received += header.nbytes
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _stream(self, streams: dict[int, InboundStream], peer: int, channel: str) -> InboundStream:
+        """The receiving thread for (peer, channel), started on first use (call with the lock held)."""
+        if self._closed:
+            raise PoolError(f"rank {self.rank}: the pool is closed")
+        stream = streams.get(peer)
+        if stream is None:
+            if channel == "embedding":
+                tags, land, deliver = ((TAGS.embedding_header, TAGS.embedding_payload),
+                                       self._land_embedding, self._deliver_embedding)
+            elif channel == "grad":
+                tags, land, deliver = (TAGS.grad_header, TAGS.grad_payload), self._land_grad, self._deliver_grad
+            else:
+                tags, land, deliver = (TAGS.credit, None), self._land_credit, self._deliver_credit
+            stream = InboundStream(cond=self._cond, peer=peer, group=self.group, header_tag=tags[0],
+                                   payload_tag=tags[1], header_len=CREDIT_LEN if channel == "credit" else HEADER_LEN,
+                                   land=lambda raw, p=peer, f=land: f(p, raw),
+                                   deliver=lambda ctx, buf, p=peer, f=deliver: f(p, ctx, buf),
+                                   name=f"pool-r{self.rank}-{channel}-from-r{peer}")
+            streams[peer] = stream
+            stream.start()
+        return stream
+
+    def _send_credit(self, handle: EmbeddingHandle) -> None:
+        credit = encode_credit(handle.sample_id, handle.step, handle.nbytes).to(self._wire_device)
+        work = dist.isend(credit, handle.producer, group=self.group, tag=TAGS.credit)
+        self._pending_sends.append(_PendingSend(handle.producer, f"credit for {handle.describe()}",
+                                                [work], (credit,)))
+
+    def _choose_tier(self, nbytes: int) -> Tier:
+        if self.host_tier_bytes is not None and nbytes > self.host_tier_bytes:
+            return "host"
+        if self._counters.device_bytes + nbytes > self.capacity_bytes:
+            return "host"
+        return "device"
+
+    def _wait(self, deadline: float) -> bool:
+        """Wait on the condition until notified or `deadline`; False once the deadline has passed."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        self._cond.wait(timeout=remaining)
+        return True
+
+    def _raise_if_failed(self, streams: Iterable[InboundStream], what: str) -> None:
+        for stream in streams:
+            err = stream.error
+            if err is None:
+                continue
+            if isinstance(err, PoolError):
+                raise err
+            raise PoolPeerError(f"rank {self.rank} was waiting for {what} from rank {stream.peer}, but receiving "
+                                f"from rank {stream.peer} failed ({type(err).__name__}: {err}); rank {stream.peer} "
+                                f"probably died, check its log") from err
+
+    def _check_peer(self, peer: int, role: str) -> None:
+        if peer == self.rank:
+            raise ValueError(f"rank {self.rank}: the {role} rank is this rank; the pool moves data between ranks")
+        if peer not in self.members:
+            raise ValueError(f"rank {self.rank}: {role} rank {peer} is not in the pool's process group "
+                             f"(ranks {sorted(self.members)})")
+
+    def _require_grads(self, call: str) -> None:
+        if not self.return_grads:
+            raise PoolError(f"rank {self.rank}: {call}() on a pool built with return_grads=False (frozen encoder: "
+                            f"there is no gradient channel)")
+
+    def _put_timeout_message(self, what: str, consumer: int, nbytes: int) -> str:
+        owing = sorted({s.handle.consumer for s in self._sent.values()})
+        c = self._counters
+        return (f"rank {self.rank} waited {self.timeout_s:.1f} s to put {what} ({_fmt_bytes(nbytes)}) for consumer "
+                f"rank {consumer}: {c.inflight_items} items ({_fmt_bytes(c.inflight_bytes)}) in flight to consumer "
+                f"rank(s) {owing} fill the capacity of {_fmt_bytes(self.capacity_bytes)} and no credit came back "
+                f"(is each consumer calling get()?)")
+
+    def _get_timeout_message(self, what: str, producer: int) -> str:
+        arrived = sum(1 for (p, _, _) in self._held if p == producer)
+        still = len(self._plans.get(producer, ()))
+        return (f"rank {self.rank} waited {self.timeout_s:.1f} s for {what} from producer rank {producer} "
+                f"({arrived} items from it are buffered, {still} planned items have not arrived)")

@@ -1,0 +1,334 @@
+"""The embedding pool on real gloo ranks: exact round trips, gradients, plans, backpressure, timeouts, dead peers."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mindspeed_flow.pool import (EmbeddingPool, PoolError, PoolPeerError, PoolProtocolError, PoolShapeError,
+                                 PoolTimeout)
+from mindspeed_flow.utils.multiproc import RankFailure, run_ranks
+
+HIDDEN = 8
+CPU = torch.device("cpu")
+
+
+def _embedding(sample_id: int, step: int, tokens: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The embedding every rank can recompute for (sample, step), so receivers check bytes exactly."""
+    gen = torch.Generator().manual_seed(1000 * step + sample_id)
+    return torch.randn(tokens, HIDDEN, generator=gen).to(dtype)
+
+
+def _grad_of(emb: torch.Tensor, sample_id: int) -> torch.Tensor:
+    return emb * 2 + sample_id
+
+
+def _pool(rank: int, **kw: object) -> EmbeddingPool:
+    kw.setdefault("capacity_bytes", 1 << 20)
+    kw.setdefault("timeout_s", 20.0)
+    return EmbeddingPool(rank=rank, group=None, device=CPU, **kw)
+
+
+# ---------------------------------------------------------------- round trip, dtypes, shapes, gradients
+
+ROUND_TRIP = [  # sample_id, shape, dtype
+    (0, (5, HIDDEN), torch.float32),
+    (1, (17, HIDDEN), torch.bfloat16),
+    (2, (1, HIDDEN), torch.float32),
+    (3, (0, HIDDEN), torch.float32),      # a sample whose image yields no tokens: header only
+    (4, (3, 4, 2), torch.bfloat16),
+    (5, (64, HIDDEN), torch.float16),
+]
+
+
+def _round_trip(rank: int, world: int) -> dict:
+    pool = _pool(rank)
+    step = 3
+    if rank == 0:
+        for sid, shape, dtype in ROUND_TRIP:
+            h = pool.put(_embedding(sid, step, shape[0], dtype).reshape(shape), sample_id=sid, step=step, consumer=1)
+            assert (h.producer, h.consumer, h.shape, h.dtype) == (0, 1, shape, dtype)
+        for sid, shape, dtype in reversed(ROUND_TRIP):
+            grad = pool.wait_grad(sample_id=sid, step=step, consumer=1)
+            expected = _grad_of(_embedding(sid, step, shape[0], dtype).reshape(shape), sid)
+            assert grad.dtype == dtype and torch.equal(grad, expected), f"gradient of sample {sid} differs"
+        pool.put(_embedding(9, step, 4), sample_id=9, step=step, consumer=1)
+    else:
+        pool.expect(producer=0, items=[(sid, step) for sid, _, _ in ROUND_TRIP])
+        for sid, shape, dtype in reversed(ROUND_TRIP):  # out of send order: served from the prefetch buffer
+            emb = pool.get(sample_id=sid, step=step, producer=0, expected_shape=shape)
+            assert emb.dtype == dtype and torch.equal(emb, _embedding(sid, step, shape[0], dtype).reshape(shape))
+            pool.return_grad(_grad_of(emb, sid), sample_id=sid, step=step, producer=0)
+        try:
+            pool.get(sample_id=9, step=step, producer=0, expected_shape=(5, HIDDEN))
+            raise AssertionError("a shape mismatch was not reported")
+        except PoolShapeError as exc:
+            msg = str(exc)
+            for part in ("sample 9", "producer rank 0", "[4, 8]", "[5, 8]"):
+                assert part in msg, f"{part!r} missing from: {msg}"
+    pool.flush()
+    dist.barrier()
+    stats = pool.stats()
+    pool.close()
+    return stats.as_dict()
+
+
+def test_round_trip_dtypes_shapes_and_gradients():
+    producer, consumer = run_ranks(_round_trip, 2, timeout_s=40)
+    total = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, s, d in ROUND_TRIP)
+    assert producer["puts"] == len(ROUND_TRIP) + 1 and producer["grads_received"] == len(ROUND_TRIP)
+    assert producer["bytes_sent"] == total + 4 * HIDDEN * 4
+    assert consumer["gets"] == len(ROUND_TRIP) and consumer["grads_sent"] == len(ROUND_TRIP)
+    assert consumer["bytes_received"] == producer["bytes_sent"]
+    assert consumer["buffered_items"] == 1  # sample 9: refused by the shape check, still in the pool
+    assert producer["inflight_items"] == 1 and producer["inflight_bytes"] == 4 * HIDDEN * 4
+
+
+# ---------------------------------------------------------------- plans with several producers/consumers
+
+# (sample_id, producer, consumer, tokens); every rank derives its own part, as the runtime's step plan does.
+PLANS = {
+    "2p_to_1c": (3, [(s, s % 2, 2, 3 + 5 * s % 11) for s in range(10)]),
+    "1p_to_2c": (3, [(s, 0, 1 + (s * 7) % 2, 2 + 3 * s % 13) for s in range(10)]),
+    "2p_to_2c": (4, [(s, s % 2, 2 + (s // 3) % 2, 1 + 7 * s % 9) for s in range(12)]),
+}
+
+
+def _consumption_order(items: list[tuple]) -> list[tuple]:
+    """Interleave producers and take some items ahead of their send order (swap neighbours)."""
+    order = list(items)
+    for i in range(0, len(order) - 1, 3):
+        order[i], order[i + 1] = order[i + 1], order[i]
+    return order
+
+
+def _run_plan(rank: int, world: int, plan_name: str) -> dict:
+    _, plan = PLANS[plan_name]
+    step = 1
+    pool = _pool(rank)
+    mine_out = [p for p in plan if p[1] == rank]
+    mine_in = [p for p in plan if p[2] == rank]
+    for producer in sorted({p[1] for p in mine_in}):
+        pool.expect(producer=producer, items=[(s, step) for s, pr, _, _ in mine_in if pr == producer])
+    for sid, _, consumer, tokens in mine_out:
+        pool.put(_embedding(sid, step, tokens), sample_id=sid, step=step, consumer=consumer)
+    for sid, producer, _, tokens in _consumption_order(mine_in):
+        emb = pool.get(sample_id=sid, step=step, producer=producer, expected_shape=(tokens, HIDDEN))
+        assert torch.equal(emb, _embedding(sid, step, tokens)), f"sample {sid} from rank {producer} differs"
+        pool.return_grad(_grad_of(emb, sid), sample_id=sid, step=step, producer=producer)
+    for sid, _, consumer, tokens in mine_out:
+        grad = pool.wait_grad(sample_id=sid, step=step, consumer=consumer)
+        assert torch.equal(grad, _grad_of(_embedding(sid, step, tokens), sid)), f"gradient of sample {sid} differs"
+    pool.flush()
+    dist.barrier()
+    stats = pool.stats()
+    pool.close()
+    return {"puts": stats.puts, "gets": stats.gets, "inflight": stats.inflight_items,
+            "buffered": stats.buffered_items}
+
+
+@pytest.mark.parametrize("plan_name", sorted(PLANS))
+def test_plans_with_several_producers_and_consumers(plan_name: str):
+    world, plan = PLANS[plan_name]
+    results = run_ranks(_run_plan, world, plan_name, timeout_s=40)
+    for rank, r in enumerate(results):
+        assert r["puts"] == sum(1 for p in plan if p[1] == rank)
+        assert r["gets"] == sum(1 for p in plan if p[2] == rank)
+        assert r["inflight"] == 0 and r["buffered"] == 0  # every credit came back, nothing left behind
+
+
+# ---------------------------------------------------------------- backpressure and the oversize rule
+
+ITEM_TOKENS = [4, 6, 3, 5, 40, 4, 2, 6, 5, 3]  # 40 tokens = 1280 B > capacity: the oversize item
+CAPACITY = 512  # bytes: about 3 ordinary items
+
+
+def _backpressure(rank: int, world: int) -> dict:
+    pool = _pool(rank, capacity_bytes=CAPACITY)
+    items = [(sid, 1 + sid % 2, tokens) for sid, tokens in enumerate(ITEM_TOKENS)]
+    over_capacity_seen = []
+    if rank == 0:
+        for sid, consumer, tokens in items:
+            h = pool.put(_embedding(sid, 0, tokens), sample_id=sid, step=0, consumer=consumer)
+            inflight = pool.inflight_handles()
+            if sum(x.nbytes for x in inflight) > CAPACITY:
+                over_capacity_seen.append([x.sample_id for x in inflight])
+            if h.nbytes > CAPACITY:  # it waited for an empty pipe, and nothing may join it
+                assert [x.sample_id for x in inflight] in ([sid], []), inflight
+    else:
+        pool.expect(producer=0, items=[(sid, 0) for sid, c, _ in items if c == rank])
+        for sid, consumer, tokens in items:
+            if consumer == rank:
+                time.sleep(0.03)  # a slow backbone
+                assert torch.equal(pool.get(sample_id=sid, step=0, producer=0), _embedding(sid, 0, tokens))
+    pool.flush()
+    dist.barrier()
+    stats = pool.stats().as_dict()
+    pool.close()
+    return {**stats, "over_capacity_seen": over_capacity_seen}
+
+
+def test_backpressure_bounds_inflight_bytes_and_lets_one_oversize_item_through():
+    producer, c1, c2 = run_ranks(_backpressure, 3, timeout_s=40)
+    oversize = 40 * HIDDEN * 4
+    assert producer["put_wait_s"] > 0.02, "the producer never blocked on a full pool"
+    assert producer["oversize_puts"] == 1
+    assert producer["inflight_peak_bytes"] <= oversize
+    # Over capacity only ever because of the oversize item, alone.
+    assert all(ids == [4] for ids in producer["over_capacity_seen"]), producer["over_capacity_seen"]
+    assert producer["inflight_items"] == 0
+    for consumer in (c1, c2):
+        assert consumer["device_peak_bytes"] <= CAPACITY
+    assert c1["host_tier_items"] == 1 and c1["host_to_device_bytes"] == oversize  # sample 4 went to rank 1's host
+
+
+def _host_tier(rank: int, world: int) -> dict:
+    pool = _pool(rank, host_tier_bytes=200)
+    sizes = [2, 10, 3, 20]  # 64, 320, 96, 640 bytes: two above host_tier_bytes
+    if rank == 0:
+        for sid, tokens in enumerate(sizes):
+            pool.put(_embedding(sid, 0, tokens), sample_id=sid, step=0, consumer=1)
+    else:
+        pool.expect(producer=0, items=[(sid, 0) for sid in range(len(sizes))])
+        deadline = time.monotonic() + 10
+        while len(pool.buffered_handles()) < len(sizes) or pool.stats().bytes_received < 1120:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        tiers = {h.sample_id: h.tier for h in pool.buffered_handles()}
+        assert tiers == {0: "device", 1: "host", 2: "device", 3: "host"}, tiers
+        for sid, tokens in enumerate(sizes):
+            assert torch.equal(pool.get(sample_id=sid, step=0, producer=0), _embedding(sid, 0, tokens))
+    pool.flush()
+    dist.barrier()
+    return pool.stats().as_dict()
+
+
+def test_host_tier_takes_large_items_and_counts_them():
+    _, consumer = run_ranks(_host_tier, 2, timeout_s=30)
+    assert consumer["host_tier_items"] == 2 and consumer["host_to_device_bytes"] == 320 + 640
+    assert consumer["host_peak_bytes"] == 960 and consumer["device_peak_bytes"] == 160
+    assert consumer["host_bytes"] == 0 and consumer["device_bytes"] == 0
+
+
+# ---------------------------------------------------------------- frozen encoder: run-ahead bounded by capacity
+
+STEPS, PER_STEP, TOKENS = 3, 3, 4
+ITEM_BYTES = TOKENS * HIDDEN * 4
+
+
+def _frozen(rank: int, world: int) -> dict:
+    pool = _pool(rank, capacity_bytes=2 * ITEM_BYTES, return_grads=False)
+    ran_ahead = 0
+    max_inflight = 0
+    if rank == 0:
+        for step in range(STEPS):
+            for sid in range(PER_STEP):
+                pool.put(_embedding(sid, step, TOKENS), sample_id=sid, step=step, consumer=1)
+                inflight = pool.inflight_handles()
+                ran_ahead += int(min(h.step for h in inflight) < step)  # an earlier step is still being consumed
+                max_inflight = max(max_inflight, len(inflight))
+            if step == 0:
+                pool.reset_step_stats()
+        try:
+            pool.wait_grad(sample_id=0, step=0, consumer=1)
+            raise AssertionError("wait_grad worked without a gradient channel")
+        except PoolError as exc:
+            assert "return_grads=False" in str(exc)
+    else:
+        for step in range(STEPS):  # the consumer learns each step's plan only when it starts the step
+            pool.expect(producer=0, items=[(sid, step) for sid in range(PER_STEP)])
+            for sid in range(PER_STEP):
+                time.sleep(0.05)
+                assert torch.equal(pool.get(sample_id=sid, step=step, producer=0), _embedding(sid, step, TOKENS))
+    pool.flush()
+    dist.barrier()
+    stats = pool.stats()
+    return {"ran_ahead": ran_ahead, "max_inflight": max_inflight, "put_wait_s": stats.put_wait_s,
+            "puts": stats.puts, "peak": stats.inflight_peak_bytes}
+
+
+def test_frozen_encoder_runs_ahead_bounded_by_capacity():
+    producer, _ = run_ranks(_frozen, 2, timeout_s=40)
+    assert producer["ran_ahead"] >= 2, "the producer never put a later step while an earlier one was in flight"
+    assert producer["max_inflight"] <= 2 and producer["peak"] <= 2 * ITEM_BYTES
+    assert producer["put_wait_s"] > 0.03  # blocked on credits, not on steps
+    assert producer["puts"] == (STEPS - 1) * PER_STEP  # reset_step_stats() after step 0
+
+
+# ---------------------------------------------------------------- failures: timeouts, plan mismatch, dead peer
+
+def _timeouts(rank: int, world: int) -> dict:
+    pool = _pool(rank, capacity_bytes=ITEM_BYTES, timeout_s=1.0)
+    result: dict = {}
+    start = time.monotonic()
+    try:
+        if rank == 0:  # rank 1 never takes anything: the second put must give up
+            pool.put(_embedding(0, 2, TOKENS), sample_id=0, step=2, consumer=1)
+            pool.put(_embedding(17, 2, TOKENS), sample_id=17, step=2, consumer=1)
+        elif rank == 2:  # rank 0 never sends sample 99 to rank 2
+            pool.get(sample_id=99, step=3, producer=0)
+    except PoolTimeout as exc:
+        result = {"message": str(exc), "elapsed": time.monotonic() - start}
+    dist.barrier()
+    return result
+
+
+def test_blocking_calls_time_out_naming_the_peer_and_the_item():
+    put, _, get = run_ranks(_timeouts, 3, timeout_s=30)
+    assert 0.9 < put["elapsed"] < 5 and 0.9 < get["elapsed"] < 5
+    assert "rank 0 waited 1.0 s to put sample 17 (step 2)" in put["message"] and "consumer rank 1" in put["message"]
+    assert "rank 2 waited 1.0 s for the embedding of sample 99 (step 3) from producer rank 0" in get["message"]
+
+
+def _plan_mismatch(rank: int, world: int) -> str:
+    pool = _pool(rank, timeout_s=10.0)
+    message = ""
+    if rank == 0:
+        for sid in (1, 0):  # this rank's plan differs from the consumer's
+            pool.put(_embedding(sid, 0, TOKENS), sample_id=sid, step=0, consumer=1)
+    else:
+        pool.expect(producer=0, items=[(0, 0), (1, 0)])
+        try:
+            pool.get(sample_id=0, step=0, producer=0)
+        except PoolProtocolError as exc:
+            message = str(exc)
+    dist.barrier()
+    return message
+
+
+def test_plan_mismatch_is_reported():
+    _, message = run_ranks(_plan_mismatch, 2, timeout_s=30)
+    assert "expected sample 0 (step 0) next from producer rank 0" in message and "sent sample 1" in message
+
+
+def _dead_producer(rank: int, world: int) -> None:
+    pool = _pool(rank, timeout_s=20.0)
+    if rank == 0:
+        pool.put(_embedding(0, 0, TOKENS), sample_id=0, step=0, consumer=1)
+        pool.flush()
+        deadline = time.monotonic() + 10
+        while pool.stats().inflight_items and time.monotonic() < deadline:  # its credit is back: die now
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+    pool.expect(producer=0, items=[(0, 0), (1, 0)])
+    assert torch.equal(pool.get(sample_id=0, step=0, producer=0), _embedding(0, 0, TOKENS))
+    start = time.monotonic()
+    try:
+        pool.get(sample_id=1, step=0, producer=0)
+    except PoolPeerError as exc:
+        elapsed = time.monotonic() - start
+        assert elapsed < 5, f"the dead peer was noticed only after {elapsed:.1f} s"
+        assert "embedding of sample 1 (step 0)" in str(exc) and "rank 0" in str(exc), str(exc)
+        return
+    raise AssertionError("get() from a dead producer returned")
+
+
+def test_dead_producer_is_reported_fast():
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_dead_producer, 2, timeout_s=30)
+    text = str(info.value)
+    assert "1 of 2 ranks failed" in text and "rank 0 exited with code -9" in text, text
