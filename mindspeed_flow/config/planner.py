@@ -1,4 +1,9 @@
-"""Schemas of the `cluster` and `planner` recipe groups (owned by planner/)."""
+"""Schemas of the `cluster` and `planner` recipe groups (owned by planner/).
+
+`ClusterConfig` describes the hardware a plan is made for (recipes/cluster/*.yaml); `PlannerConfig` holds the
+knobs of the cost model and the search (efficiency factors, overlap fractions, memory policy, candidate sets).
+Both are plain dataclasses so they validate Hydra recipes and can be built in a notebook.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,3 +20,54 @@ class ClusterConfig:
     inter_node_gbps: float = 10.0
     intra_node_latency_us: float = 10.0
     inter_node_latency_us: float = 50.0
+    # Device SKU (a key of planner.hardware.PEAK_TFLOPS); documents where peak_tflops came from.
+    sku: str = "cpu"
+    # npu | cuda | cpu: the backend the runtime will use (decides what the runtime can run, e.g. TP on CPU).
+    backend: str = "cpu"
+    # Device memory bandwidth in TB/s (optimizer step and other memory-bound phases).
+    hbm_tbps: float = 0.02
+    # TP / CP sizes the runtime supports on this cluster (TP must also fit inside a node).
+    tp_sizes: list = field(default_factory=lambda: [1])
+    cp_sizes: list = field(default_factory=lambda: [1])
+
+
+@dataclass
+class PlannerConfig:
+    # Samples per optimizer step; 0 = auto (the smallest power of two >= 2 x devices, at least 16).
+    global_batch_size: int = 0
+    # Backbone microbatch token budgets to consider; empty = powers of two from the longest sample up.
+    token_budgets: list = field(default_factory=list)
+    # Training precision: bf16 (mixed, fp32 master weights + Adam in fp32) | fp32 (CPU runs).
+    dtype: str = "bf16"
+    # Shard optimizer states (and fp32 master weights) over DP (Megatron distributed optimizer / FSDP).
+    distributed_optimizer: bool = True
+    # Fraction of per-device peak FLOP/s that dense compute reaches, per part role (calibrated by `profile`).
+    efficiency: dict = field(default_factory=lambda: {"encoder": 0.45, "backbone": 0.55})
+    # Efficiency multiplier per doubling of TP (smaller GEMMs).
+    tp_scaling: float = 0.97
+    # Fractions of each communication hidden behind compute (MC2 raises tp; overlap_grad_reduce raises dp).
+    overlap: dict = field(default_factory=lambda: {"tp": 0.0, "cp": 0.5, "dp": 0.5, "pp": 0.0, "embed": 0.8})
+    # Packed microbatches are filled to this fraction of the token budget on average.
+    packing_fill: float = 0.95
+    # 1f1b keeps min(m, pp) microbatches in flight on stage 0; gpipe keeps all m.
+    pp_schedule: str = "1f1b"
+    # Fixed costs (seconds) per microbatch, per encoder item (sample) and per step; calibrated by `profile`.
+    microbatch_overhead_s: float = 0.0
+    item_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+    # Per-part calibrated seconds per FLOP (overrides peak x efficiency when > 0), written by `profile`.
+    seconds_per_flop: dict = field(default_factory=dict)
+    # Attention kernels keep no score matrix (flash / fused); False = eager (CPU), scores are stored.
+    flash_attention: bool = True
+    # Use at most this fraction of device memory (allocator fragmentation, workspace).
+    memory_headroom: float = 0.9
+    # Embedding pool capacity per producer (MiB), counted on encoder ranks; backbone keeps 2 microbatches.
+    pool_capacity_mb: float = 64.0
+    # Recompute choices to consider (full activation recompute per layer).
+    recompute: list = field(default_factory=lambda: [False, True])
+    # Each DP rank's share of the global batch must be whole (the runtime splits the batch evenly).
+    batch_divisible: bool = True
+    # Frozen encoder: forward only, no grads or optimizer states.
+    freeze_encoder: bool = False
+    # Path of a profile table (JSON from `mindspeed-flow profile`) that calibrates the fields above.
+    profile: str = ""

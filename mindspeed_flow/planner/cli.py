@@ -1,0 +1,87 @@
+"""`mindspeed-flow plan`: the heterogeneous parallel allocator's command line.
+
+    mindspeed-flow plan [cluster=atlas_900_a3_384] [model=qwen2_5_vl_72b] [data=infovqa] [devices=N]
+                        [global_batch=G] [freeze_encoder=true] [planner.FIELD=VALUE] [encoder.tp=2 backbone.pp=4]
+                        [--out recipe.yaml] [--name NAME] [--json] [--exhaustive] [--plot PATH.png]
+                        [--no-baselines]
+
+With no arguments it plans Qwen2.5-VL-72B on an Atlas 900 A3 SuperPoD (384 NPUs) on InfoVQA-like data. An
+infeasible input exits with status 3 and a message naming the binding constraint and the smallest device count
+that would fit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from mindspeed_flow.planner.inputs import build_problem, data_recipe_fields, parse_kv
+from mindspeed_flow.planner.plan import make_plan
+from mindspeed_flow.planner.report import recipe_yaml, render_text, to_json, write_plot
+from mindspeed_flow.planner.space import PlanError
+
+_FLAGS_WITH_VALUE = ("--out", "--plot", "--name")
+
+
+def _split_flags(argv: list[str]) -> tuple[dict[str, str | bool], list[str]]:
+    flags: dict[str, str | bool] = {}
+    rest: list[str] = []
+    it = iter(argv)
+    for a in it:
+        if a in _FLAGS_WITH_VALUE:
+            value = next(it, None)
+            if value is None:
+                raise PlanError(f"{a} needs a value")
+            flags[a] = value
+        elif a.startswith("--") and "=" in a and a.split("=", 1)[0] in _FLAGS_WITH_VALUE:
+            k, v = a.split("=", 1)
+            flags[k] = v
+        elif a in ("--json", "--exhaustive", "--no-baselines"):
+            flags[a] = True
+        elif a in ("-h", "--help"):
+            flags["--help"] = True
+        else:
+            rest.append(a)
+    return flags, rest
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        flags, kv = _split_flags(argv)
+        if flags.get("--help"):
+            print((__doc__ or "").strip())
+            return 0
+        args = parse_kv(kv)
+        problem, model = build_problem(args)
+        plan = make_plan(problem, exhaustive=bool(flags.get("--exhaustive")),
+                         with_baselines=not flags.get("--no-baselines"))
+    except PlanError as e:
+        print(f"mindspeed-flow plan: infeasible: {e}", file=sys.stderr)
+        return 3
+    except (ValueError, FileNotFoundError) as e:
+        print(f"mindspeed-flow plan: {e}", file=sys.stderr)
+        return 2
+    if flags.get("--out"):
+        out = str(flags["--out"])
+        name = str(flags.get("--name") or os.path.splitext(os.path.basename(out))[0])
+        data_recipe, data_inline = data_recipe_fields(args.data)
+        text = recipe_yaml(plan, name, model.recipe, data_recipe, model.inline, data_inline)
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            f.write(text)
+    if flags.get("--plot"):
+        write_plot(plan, str(flags["--plot"]))
+    if flags.get("--json"):
+        print(json.dumps(to_json(plan), indent=1, sort_keys=False))
+    else:
+        print(render_text(plan))
+        if flags.get("--out"):
+            print(f"recipe written to {flags['--out']}")
+        if flags.get("--plot"):
+            print(f"plot written to {flags['--plot']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

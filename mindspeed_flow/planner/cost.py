@@ -1,0 +1,355 @@
+"""Analytic cost and memory model of one part under a parallel layout (DESIGN §5), vectorized over layouts.
+
+Every function takes numpy arrays of layout fields (dp, tp, pp, cp, token budget b, recompute rc) and returns
+arrays, so the same code prices one layout for a report and 10^5 layouts for the search.
+
+Time of one optimizer step of a part (seconds), for the global batch G split over dp replicas:
+- backbone: m packed microbatches of b tokens (padded: pipeline stages need static shapes) run through a
+  pp-stage 1F1B pipeline: (m + pp - 1) x t_mb, where t_mb = stage compute + TP all-reduces (4 per layer, 6 with
+  recompute) + CP K/V exchange + PP send/recv + a fixed per-microbatch overhead; then the DP gradient sync
+  (reduce-scatter + all-gather with the distributed optimizer, all-reduce without) and the optimizer update
+  (memory bound). Causal attention FLOPs are counted per sample (varlen), linear FLOPs on padded tokens.
+- encoder: its G/dp samples' images, TP all-reduces per layer, the embedding traffic to the backbone (and the
+  gradient back when trainable), DP sync and optimizer when trainable, plus one sample of pipeline fill (the
+  backbone waits for the first embedding). A frozen encoder runs forward only (2x its parameters per patch).
+Compute rate = devices x peak x efficiency(role) x tp_scaling^log2(tp), or profiled seconds per FLOP.
+
+Memory per device (bytes), the most loaded pipeline stage:
+- weights / grads / optimizer states: bf16 weights (2 B), fp32 grads (4 B), fp32 master + Adam m, v (12 B)
+  sharded over DP by the distributed optimizer; fp32 training: 4 + 4 + 8 B, unsharded without it.
+- activations per token per layer (elements): attention 4h + 2kv (norm input, q, k, v, output; +
+  scores heads x len when attention is eager), MLP 2h + 3f gated / 2h + 2f plain; divided by tp (sequence
+  parallel) and cp. 1F1B keeps min(m, pp) microbatches on stage 0. Full recompute keeps each layer's input only
+  plus one layer's activations. The last stage also holds the logits (and their gradient) in fp32.
+- buffers: the backbone keeps 2 microbatches of received embeddings; an encoder keeps the pool capacity.
+  A trainable encoder keeps the activations of all its in-flight samples (strict mode: its backward waits for
+  the backbone's gradients) unless it recomputes, when it keeps only the pixel inputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+
+from mindspeed_flow.config.planner import PlannerConfig
+from mindspeed_flow.planner.hardware import Cluster, normalize_dtype
+from mindspeed_flow.planner.parts import PartSpec
+
+LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "b", "rc")
+# Stored activation elements per token per layer; see the module docstring (checked against HF models on CPU
+# by tests/test_planner_memory.py).
+ATTN_H, ATTN_KV, MLP_H, MLP_F_GATED, MLP_F_PLAIN = 4.0, 2.0, 2.0, 3.0, 2.0
+LOGITS_BYTES = 4 + 4  # fp32 logits and their gradient
+
+
+@dataclass(frozen=True)
+class Bytes:
+    param: float
+    grad: float
+    optim: float
+    act: float
+
+
+def precision_bytes(dtype: str) -> Bytes:
+    d = normalize_dtype(dtype)
+    if d in ("bf16", "fp16"):
+        return Bytes(param=2, grad=4, optim=12, act=2)
+    if d == "fp32":
+        return Bytes(param=4, grad=4, optim=8, act=4)
+    raise ValueError(f"planner.dtype={dtype!r}: expected bf16, fp16 or fp32")
+
+
+@dataclass(frozen=True)
+class CostContext:
+    """What the cost model needs besides the part and the layout."""
+
+    cluster: Cluster
+    cfg: PlannerConfig
+    global_batch: int
+
+    @property
+    def bytes(self) -> Bytes:
+        return precision_bytes(self.cfg.dtype)
+
+    @property
+    def peak(self) -> float:
+        return self.cluster.peak(self.cfg.dtype)
+
+    def seconds_per_flop(self, role: str, tp: np.ndarray) -> np.ndarray:
+        """Seconds per FLOP on ONE device of a tp-way group (tp's smaller GEMMs run less efficiently)."""
+        scaling = self.cfg.tp_scaling ** np.log2(np.maximum(tp, 1))
+        profiled = float(dict(self.cfg.seconds_per_flop).get(role, 0.0) or 0.0)
+        if profiled > 0:
+            return profiled / scaling
+        eff = float(dict(self.cfg.efficiency).get(role, 0.5))
+        return 1.0 / (self.peak * eff * scaling)
+
+    def overlap(self, kind: str) -> float:
+        return float(dict(self.cfg.overlap).get(kind, 0.0))
+
+
+@dataclass
+class Layouts:
+    """Struct of arrays: one entry per candidate layout of one part."""
+
+    dp: np.ndarray
+    tp: np.ndarray
+    pp: np.ndarray
+    cp: np.ndarray
+    b: np.ndarray  # backbone microbatch token budget (0 for an encoder)
+    rc: np.ndarray  # full activation recompute (encoder: do not keep activations)
+
+    @property
+    def devices(self) -> np.ndarray:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def __len__(self) -> int:
+        return int(self.dp.shape[0])
+
+    def take(self, idx: np.ndarray | int) -> "Layouts":
+        idx = np.atleast_1d(idx)
+        return Layouts(**{k: getattr(self, k)[idx] for k in LAYOUT_FIELDS})
+
+    def row(self, i: int) -> dict[str, int]:
+        return {k: int(getattr(self, k)[i]) for k in LAYOUT_FIELDS}
+
+    @staticmethod
+    def from_rows(rows: list[Mapping[str, int]]) -> "Layouts":
+        return Layouts(**{k: np.array([int(r.get(k, 1 if k in ("dp", "tp", "pp", "cp") else 0)) for r in rows],
+                                      dtype=np.int64) for k in LAYOUT_FIELDS})
+
+
+@dataclass
+class Costs:
+    """Per-layout predictions (arrays aligned with a Layouts)."""
+
+    time: np.ndarray  # seconds per optimizer step
+    memory: np.ndarray  # bytes on the most loaded device
+    memory_parts: dict[str, np.ndarray] = field(default_factory=dict)  # weights, grads, optim, act, buffers
+    time_parts: dict[str, np.ndarray] = field(default_factory=dict)  # compute, bubble, tp, cp, pp, dp, ...
+    microbatches: np.ndarray | None = None
+    stage_memory: dict[str, np.ndarray] = field(default_factory=dict)  # backbone: "first", "last" stage bytes
+
+
+# ---------------------------------------------------------------------------------------------- communication
+def ring_allreduce_time(nbytes: np.ndarray, n: np.ndarray, bw: np.ndarray, lat: np.ndarray) -> np.ndarray:
+    """Ring all-reduce: 2 (n-1)/n of the buffer over the slowest link, 2 (n-1) latency hops; 0 for n = 1."""
+    n = np.asarray(n, dtype=np.float64)
+    return np.where(n > 1, 2.0 * (n - 1) / np.maximum(n, 1) * nbytes / bw + 2.0 * (n - 1) * lat, 0.0)
+
+
+def _link(ctx: CostContext, span: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Bandwidth and latency of a group whose ranks span `span` consecutive devices (rank order tp, cp, dp, pp)."""
+    intra = np.asarray(span) <= ctx.cluster.devices_per_node
+    c = ctx.cluster
+    return np.where(intra, c.bandwidth(True), c.bandwidth(False)), np.where(intra, c.latency(True), c.latency(False))
+
+
+def dp_sync_time(ctx: CostContext, params_per_device: np.ndarray, dp: np.ndarray, span: np.ndarray) -> np.ndarray:
+    """Gradient sync over DP: reduce-scatter grads + all-gather params (distributed optimizer) or all-reduce."""
+    by = ctx.bytes
+    bw, lat = _link(ctx, span)
+    dp = np.asarray(dp, dtype=np.float64)
+    frac = (dp - 1) / np.maximum(dp, 1)
+    if ctx.cfg.distributed_optimizer:
+        t = params_per_device * frac * (by.grad + by.param) / bw + 2 * (dp - 1) * lat
+    else:
+        t = 2 * params_per_device * frac * by.grad / bw + 2 * (dp - 1) * lat
+    return np.where(dp > 1, t, 0.0) * (1.0 - ctx.overlap("dp"))
+
+
+def optimizer_time(ctx: CostContext, params_per_device: np.ndarray, dp: np.ndarray) -> np.ndarray:
+    """Adam update is memory bound: read + write weights, grads and states of this device's shard."""
+    by = ctx.bytes
+    shard = params_per_device / (dp if ctx.cfg.distributed_optimizer else 1)
+    return shard * 2.0 * (by.param + by.grad + by.optim) / ctx.cluster.hbm_bandwidth
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def act_elems_per_token_layer(part: PartSpec, flash: bool, seq_len: np.ndarray | float) -> np.ndarray:
+    """Stored activation elements per token per layer (no TP/CP division; no recompute)."""
+    mlp_f = MLP_F_GATED if part.gated_mlp else MLP_F_PLAIN
+    base = ATTN_H * part.hidden + ATTN_KV * part.kv_dim + MLP_H * part.hidden + mlp_f * part.ffn
+    if flash:
+        return np.asarray(base, dtype=np.float64) + 0.0 * np.asarray(seq_len, dtype=np.float64)
+    # eager attention stores the softmax probabilities: heads x len per query token
+    return base + part.heads * np.asarray(seq_len, dtype=np.float64)
+
+
+def static_memory(ctx: CostContext, params: np.ndarray, dp: np.ndarray, trainable: bool) -> dict[str, np.ndarray]:
+    by = ctx.bytes
+    if not trainable:
+        z = np.zeros_like(params, dtype=np.float64)
+        return {"weights": params * by.param, "grads": z, "optim": z}
+    shard = dp if ctx.cfg.distributed_optimizer else 1
+    return {"weights": params * by.param, "grads": params * by.grad, "optim": params * by.optim / shard}
+
+
+# ------------------------------------------------------------------------------------------------ backbone
+def microbatches(part: PartSpec, ctx: CostContext, dp: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Packed microbatches per replica: its tokens over the filled budget, at least 1, at most one per sample."""
+    samples = ctx.global_batch / dp
+    m = np.ceil(samples * part.tokens_per_sample / (np.maximum(b, 1) * ctx.cfg.packing_fill))
+    return np.clip(m, 1, np.maximum(np.floor(samples), 1))
+
+
+def backbone_stage_mb_time(part: PartSpec, ctx: CostContext, L: Layouts, m: np.ndarray) -> dict[str, np.ndarray]:
+    """Per-microbatch time of one pipeline stage, split by cause."""
+    by = ctx.bytes
+    samples = ctx.global_batch / L.dp
+    rc_mult = np.where(L.rc > 0, 1.0 + part.forward_fraction, 1.0)
+    flops_mb = (part.linear_flops_per_token * L.b + part.attn_flops_per_sample * samples / m) * rc_mult
+    compute = flops_mb / (L.pp * L.tp * L.cp) * ctx.seconds_per_flop(part.role, L.tp)
+    layers_stage = np.ceil(part.layers / L.pp)
+    tokens = L.b / L.cp
+    bw_tp, lat_tp = _link(ctx, L.tp)
+    n_coll = np.where(L.rc > 0, 6.0, 4.0)
+    tp_comm = layers_stage * n_coll * ring_allreduce_time(tokens * part.hidden * by.act, L.tp, bw_tp, lat_tp)
+    bw_cp, lat_cp = _link(ctx, L.tp * L.cp)
+    kv_bytes = tokens * 2 * part.kv_dim * by.act / L.tp
+    cp_comm = np.where(L.cp > 1, layers_stage * 3.0 * ((L.cp - 1) * kv_bytes / bw_cp + (L.cp - 1) * lat_cp), 0.0)
+    bw_pp, lat_pp = _link(ctx, L.devices)
+    p2p = np.where(L.pp > 1, 2.0 * (tokens / L.tp * part.hidden * by.act / bw_pp + lat_pp), 0.0)
+    return {
+        "compute": compute,
+        "tp": tp_comm * (1.0 - ctx.overlap("tp")),
+        "cp": cp_comm * (1.0 - ctx.overlap("cp")),
+        "pp": p2p * (1.0 - ctx.overlap("pp")),
+        "overhead": np.full_like(compute, ctx.cfg.microbatch_overhead_s),
+    }
+
+
+def backbone_stage_params(part: PartSpec, L: Layouts) -> tuple[np.ndarray, np.ndarray]:
+    """Parameters per device on the first and on the last pipeline stage."""
+    layers_stage = np.ceil(part.layers / L.pp)
+    body = layers_stage * part.layer_params
+    single = L.pp == 1
+    first = np.where(single, part.total_params, body + part.first_params) / L.tp
+    last = np.where(single, part.total_params, body + part.last_params) / L.tp
+    return first, last
+
+
+def backbone_activation_memory(part: PartSpec, ctx: CostContext, L: Layouts, m: np.ndarray,
+                               inflight: np.ndarray) -> np.ndarray:
+    """Activation bytes of `inflight` microbatches on one stage (with recompute: layer inputs + one layer)."""
+    by = ctx.bytes
+    layers_stage = np.ceil(part.layers / L.pp)
+    tokens = L.b / L.cp  # per device with CP; TP divides through sequence parallelism
+    seq = np.minimum(part.sq_tokens_per_sample / max(part.tokens_per_sample, 1.0), L.b)  # mean length seen
+    per_layer = act_elems_per_token_layer(part, ctx.cfg.flash_attention, seq) * tokens / L.tp * by.act
+    full = inflight * layers_stage * per_layer
+    ckpt = inflight * layers_stage * tokens / L.tp * part.hidden * by.act + per_layer
+    return np.where(L.rc > 0, ckpt, full)
+
+
+def backbone_costs(part: PartSpec, ctx: CostContext, L: Layouts) -> Costs:
+    by = ctx.bytes
+    m = microbatches(part, ctx, L.dp, L.b)
+    mb = backbone_stage_mb_time(part, ctx, L, m)
+    t_mb = sum(mb.values())
+    pipeline = (m + L.pp - 1) * t_mb
+    p_first, p_last = backbone_stage_params(part, L)
+    p_dev = np.maximum(p_first, p_last)
+    dp_t = dp_sync_time(ctx, p_dev, L.dp, L.tp * L.cp * L.dp)
+    opt_t = optimizer_time(ctx, p_dev, L.dp)
+    time = pipeline + dp_t + opt_t + ctx.cfg.step_overhead_s
+
+    inflight_first = np.where(L.pp > 1, np.minimum(m, L.pp) if ctx.cfg.pp_schedule == "1f1b" else m, 1)
+    act_first = backbone_activation_memory(part, ctx, L, m, inflight_first)
+    act_last = backbone_activation_memory(part, ctx, L, m, np.ones_like(m))
+    recv = 2.0 * L.b / L.cp * part.hidden * by.act / L.tp  # embeddings of 2 microbatches from the pool
+    logits = L.b / L.cp * part.vocab / L.tp * LOGITS_BYTES
+    s_first = static_memory(ctx, p_first, L.dp, True)
+    s_last = static_memory(ctx, p_last, L.dp, True)
+    single = L.pp == 1
+    mem_first = sum(s_first.values()) + act_first + recv + np.where(single, logits, 0.0)
+    mem_last = sum(s_last.values()) + act_last + logits
+    first_worse = mem_first >= mem_last
+    pick = lambda a, b: np.where(first_worse, a, b)  # noqa: E731
+    parts = {k: pick(s_first[k], s_last[k]) for k in s_first}
+    parts["activations"] = pick(act_first, act_last)
+    parts["buffers"] = pick(recv + np.where(single, logits, 0.0), logits)
+    comp = mb["compute"] * m
+    return Costs(
+        time=time, memory=np.maximum(mem_first, mem_last), memory_parts=parts, microbatches=m,
+        stage_memory={"first": mem_first, "last": mem_last},
+        time_parts={"compute": comp, "bubble": (L.pp - 1) * t_mb, "tp": mb["tp"] * m, "cp": mb["cp"] * m,
+                    "pp": mb["pp"] * m, "dp": dp_t, "optimizer": opt_t},
+    )
+
+
+# ------------------------------------------------------------------------------------------------ encoder
+def encoder_samples_time(part: PartSpec, ctx: CostContext, samples: np.ndarray, tp: np.ndarray,
+                         rc: np.ndarray) -> dict[str, np.ndarray]:
+    """Time for one tp group to encode (fwd, + bwd when trainable) `samples` samples, split by cause."""
+    by = ctx.bytes
+    rc_mult = np.where((rc > 0) & part.trainable, 1.0 + part.forward_fraction, 1.0)
+    flops = samples * part.flops_per_sample * rc_mult
+    compute = flops / tp * ctx.seconds_per_flop(part.role, tp)
+    bw_tp, lat_tp = _link(ctx, tp)
+    # all-reduces per layer: 2 forward (attention, MLP), 2 backward, 2 more when the forward is recomputed
+    n_coll = np.where((rc > 0) & part.trainable, 6.0, 4.0) if part.trainable else np.full_like(tp, 2.0, float)
+    images = samples * part.items_per_sample
+    per_image = ring_allreduce_time(part.tokens_per_sample / max(part.items_per_sample, 1e-9) * part.hidden
+                                    * by.act, tp, bw_tp, lat_tp)
+    tp_comm = part.layers * n_coll * images * per_image
+    bw_x, lat_x = ctx.cluster.bandwidth(False), ctx.cluster.latency(False)
+    directions = 2.0 if part.trainable else 1.0
+    embed = directions * (samples * part.out_tokens_per_sample * part.out_hidden * by.act / tp / bw_x
+                          + samples * lat_x)
+    return {
+        "compute": compute,
+        "tp": tp_comm * (1.0 - ctx.overlap("tp")),
+        "embed": embed * (1.0 - ctx.overlap("embed")),
+        "overhead": samples * ctx.cfg.item_overhead_s,
+    }
+
+
+def encoder_static_params(part: PartSpec, tp: np.ndarray) -> np.ndarray:
+    return part.total_params / tp
+
+
+def encoder_activation_memory(part: PartSpec, ctx: CostContext, samples: np.ndarray, tp: np.ndarray,
+                              rc: np.ndarray) -> np.ndarray:
+    """Activations an encoder rank holds: all in-flight samples (trainable, kept), else inputs + one image."""
+    by = ctx.bytes
+    seq = part.sq_tokens_per_sample / max(part.tokens_per_sample, 1.0)
+    per_tok_layer = act_elems_per_token_layer(part, ctx.cfg.flash_attention, seq) / tp * by.act
+    one_image = part.max_item_tokens * part.layers * per_tok_layer
+    kept = samples * part.tokens_per_sample * part.layers * per_tok_layer
+    inputs = samples * part.tokens_per_sample * part.input_elems_per_token * by.act
+    if not part.trainable:  # forward only: one layer's working set of one image at a time
+        return np.broadcast_to(part.max_item_tokens * per_tok_layer, np.shape(samples)).astype(np.float64)
+    return np.where(rc > 0, inputs + one_image, kept)
+
+
+def encoder_costs(part: PartSpec, ctx: CostContext, L: Layouts) -> Costs:
+    samples = ctx.global_batch / L.dp
+    enc = encoder_samples_time(part, ctx, samples, L.tp, L.rc)
+    work = sum(enc.values())
+    fill = work / np.maximum(samples, 1.0)  # the backbone waits for the first sample's embedding
+    p_dev = encoder_static_params(part, L.tp)
+    if part.trainable:
+        dp_t = dp_sync_time(ctx, p_dev, L.dp, L.tp * L.dp)
+        opt_t = optimizer_time(ctx, p_dev, L.dp)
+    else:
+        dp_t = opt_t = np.zeros_like(work)
+    time = work + fill + dp_t + opt_t + ctx.cfg.step_overhead_s
+    static = static_memory(ctx, p_dev, L.dp, part.trainable)
+    act = encoder_activation_memory(part, ctx, samples, L.tp, L.rc)
+    pool = np.full_like(act, ctx.cfg.pool_capacity_mb * 2**20)
+    parts = dict(static)
+    parts.update({"activations": act, "buffers": pool})
+    return Costs(time=time, memory=sum(parts.values()), memory_parts=parts, microbatches=np.ceil(samples),
+                 time_parts={"compute": enc["compute"], "tp": enc["tp"], "embed": enc["embed"], "fill": fill,
+                             "dp": dp_t, "optimizer": opt_t})
+
+
+def part_costs(part: PartSpec, ctx: CostContext, L: Layouts) -> Costs:
+    return backbone_costs(part, ctx, L) if part.role == "backbone" else encoder_costs(part, ctx, L)
+
+
+def model_flops_per_step(parts: list[PartSpec], global_batch: int) -> float:
+    """FLOPs of the model per step (what MFU counts: no recompute, no padding)."""
+    return float(global_batch * sum(p.flops_per_sample for p in parts))

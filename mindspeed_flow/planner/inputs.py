@@ -1,0 +1,168 @@
+"""Turning `plan`/`profile` arguments (cluster=, model=, data=, devices=, overrides) into a `Problem`.
+
+model= accepts a model recipe name (recipes/model/NAME.yaml: family + preset, or pretrained_path), a local
+checkpoint directory or config.json path, or FAMILY:PRESET (e.g. qwen2_5_vl:72b). The training precision
+follows the model recipe's dtype (float32 -> fp32 memory model); `planner.FIELD=VALUE` overrides any
+PlannerConfig field, `encoder.tp=2` / `backbone.pp=4` pin a layout field of a part.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from mindspeed_flow.config.planner import PlannerConfig
+from mindspeed_flow.config.schema import ModelConfig
+from mindspeed_flow.model_presets import hf_config_dict, load_config_json
+from mindspeed_flow.planner.hardware import Cluster, load_cluster, recipes_dir
+from mindspeed_flow.planner.parts import vlm_parts
+from mindspeed_flow.planner.plan import Problem
+from mindspeed_flow.planner.space import PlanError
+from mindspeed_flow.planner.workload import BUILTIN_DATA, load_workload
+from mindspeed_flow.specs import VLMSpec
+
+DEFAULTS = {"cluster": "atlas_900_a3_384", "model": "qwen2_5_vl_72b", "data": "infovqa"}
+_PIN_ALIASES = {"token_budget": "b", "recompute": "rc"}
+
+
+@dataclass
+class ModelRef:
+    name: str
+    hf_config: dict
+    recipe: str | None  # recipes/model/NAME.yaml, when model= named one
+    inline: dict | None  # model fields for a recipe when there is no model recipe
+    dtype: str  # ModelConfig.dtype
+    freeze_encoder: bool
+
+
+def resolve_model(model: str) -> ModelRef:
+    path = os.path.join(recipes_dir(), "model", f"{model}.yaml")
+    if os.path.exists(path):
+        raw = yaml.safe_load(open(path)) or {}
+        known = {f.name for f in dataclasses.fields(ModelConfig)}
+        bad = sorted(set(raw) - known)
+        if bad:
+            raise PlanError(f"{path}: unknown model field(s) {bad}")
+        mc = ModelConfig(**raw)
+        cfg = (load_config_json(mc.pretrained_path) if mc.pretrained_path
+               else hf_config_dict(mc.family, mc.preset, mc.hf_overrides))
+        return ModelRef(model, cfg, model, None, mc.dtype, bool(mc.freeze_encoder))
+    if os.path.exists(model):
+        cfg = load_config_json(model)
+        family = cfg.get("model_type", "qwen2_vl")
+        inline = {"family": family, "preset": "local", "pretrained_path": os.path.abspath(model),
+                  "dtype": "bfloat16"}
+        return ModelRef(os.path.basename(os.path.abspath(model)), cfg, None, inline, "bfloat16", False)
+    if ":" in model:
+        family, preset = model.split(":", 1)
+        cfg = hf_config_dict(family, preset)
+        dtype = "float32" if preset == "tiny" else "bfloat16"
+        return ModelRef(f"{family}_{preset}", cfg, None, {"family": family, "preset": preset, "dtype": dtype},
+                        dtype, False)
+    known = sorted(f[:-5] for f in os.listdir(os.path.join(recipes_dir(), "model")) if f.endswith(".yaml"))
+    raise PlanError(f"model={model!r}: not a model recipe, a config.json path or FAMILY:PRESET; recipes: {known}")
+
+
+def data_recipe_fields(data: str) -> tuple[str | None, dict | None]:
+    """How an experiment recipe refers to `data=`: a recipe name, or inline fields."""
+    if data in BUILTIN_DATA:
+        return None, dict(BUILTIN_DATA[data])
+    if data.endswith(".csv"):
+        return None, {"source": "length_table", "path": os.path.abspath(data)}
+    if os.path.exists(os.path.join(recipes_dir(), "data", f"{data}.yaml")):
+        return data, None
+    return None, yaml.safe_load(open(data))
+
+
+def _parse_value(text: str) -> Any:
+    return yaml.safe_load(text)
+
+
+def apply_planner_overrides(cfg: PlannerConfig, overrides: Mapping[str, Any]) -> PlannerConfig:
+    known = {f.name for f in dataclasses.fields(PlannerConfig)}
+    for key in overrides:
+        if key not in known:
+            raise PlanError(f"planner.{key}: unknown planner field; known: {sorted(known)}")
+    return dataclasses.replace(cfg, **dict(overrides))
+
+
+def load_profile(cfg: PlannerConfig) -> PlannerConfig:
+    """Apply a profile table (JSON written by `mindspeed-flow profile`) to the planner config."""
+    if not cfg.profile:
+        return cfg
+    with open(cfg.profile) as f:
+        table = json.load(f)
+    calib = table.get("calibration", table)
+    fields = {k: calib[k] for k in ("seconds_per_flop", "microbatch_overhead_s", "item_overhead_s",
+                                     "step_overhead_s") if k in calib}
+    return dataclasses.replace(cfg, **fields)
+
+
+def default_planner_config(cluster: Cluster, model: ModelRef) -> PlannerConfig:
+    """CPU clusters train fp32 with eager attention and plain DDP; accelerators bf16, fused attention, ZeRO-1."""
+    on_cpu = cluster.config.backend == "cpu"
+    fp32 = model.dtype == "float32"
+    return PlannerConfig(dtype="fp32" if fp32 else "bf16", flash_attention=not on_cpu,
+                         distributed_optimizer=not on_cpu, freeze_encoder=model.freeze_encoder)
+
+
+@dataclass
+class PlanArgs:
+    cluster: str
+    model: str
+    data: str
+    devices: int | None
+    planner: dict
+    pins: dict
+    samples: int
+
+
+def parse_kv(argv: Sequence[str]) -> PlanArgs:
+    """key=value arguments (flags are handled by the caller)."""
+    kv: dict[str, str] = {}
+    for a in argv:
+        if "=" not in a:
+            raise PlanError(f"argument {a!r}: expected key=value (cluster=, model=, data=, devices=, "
+                            "planner.FIELD=, encoder.tp=, backbone.pp=, ...)")
+        k, v = a.split("=", 1)
+        kv[k.strip()] = v.strip()
+    planner: dict[str, Any] = {}
+    pins: dict[str, dict[str, int]] = {}
+    args = PlanArgs(cluster=kv.pop("cluster", DEFAULTS["cluster"]), model=kv.pop("model", DEFAULTS["model"]),
+                    data=kv.pop("data", DEFAULTS["data"]), devices=None, planner=planner, pins=pins,
+                    samples=int(kv.pop("samples", 2048)))
+    if "devices" in kv:
+        args.devices = int(kv.pop("devices"))
+    if "global_batch" in kv:
+        planner["global_batch_size"] = int(kv.pop("global_batch"))
+    if "freeze_encoder" in kv:
+        planner["freeze_encoder"] = bool(_parse_value(kv.pop("freeze_encoder")))
+    for k, v in kv.items():
+        head, _, field = k.partition(".")
+        if head == "planner" and field:
+            planner[field] = _parse_value(v)
+        elif field:
+            pins.setdefault(head, {})[_PIN_ALIASES.get(field, field)] = int(_parse_value(v))
+        else:
+            raise PlanError(f"argument {k}={v}: unknown key")
+    return args
+
+
+def build_problem(args: PlanArgs) -> tuple[Problem, ModelRef]:
+    cluster = load_cluster(args.cluster)
+    model = resolve_model(args.model)
+    cfg = default_planner_config(cluster, model)
+    cfg = load_profile(apply_planner_overrides(cfg, args.planner))
+    workload = load_workload(args.data, model.hf_config, args.samples)
+    spec = VLMSpec.from_hf_config(model.hf_config, name=model.name)
+    parts = vlm_parts(spec, workload.shapes, freeze_encoder=cfg.freeze_encoder)
+    budget = args.devices if args.devices is not None else cluster.devices
+    if budget > cluster.devices:  # devices= beyond the preset: a bigger cluster of the same kind
+        cluster = cluster.with_devices(budget)
+    problem = Problem(parts=parts, cluster=cluster, cfg=cfg, budget=budget, fixed=args.pins,
+                      model_name=model.name, data_name=workload.name)
+    return problem, model

@@ -1,0 +1,136 @@
+"""The parts a plan allocates devices to: one `PartSpec` per process group (encoder(s), backbone).
+
+A `PartSpec` is everything the cost and memory model needs about one part, already averaged over the workload:
+layer dims, parameter counts split by where they live (per layer, first stage, last stage), FLOPs per sample and
+per token, token counts and extremes, and which parallel sizes the part accepts. Parts form a LIST, so a second
+encoder (video, audio) is one more entry built the same way, not new solver code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from mindspeed_flow.data.shapes import SampleShape
+from mindspeed_flow.specs import VLMSpec
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    name: str  # group name in the recipe: "encoder" | "backbone" | ...
+    role: str  # "encoder" (produces embeddings) | "backbone" (consumes them, owns the loss)
+    trainable: bool
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    gated_mlp: bool  # gate + up projections (SwiGLU) instead of one fc1
+    layer_params: int
+    first_params: int  # embeddings / patch embedding: on the first pipeline stage
+    last_params: int  # output head + final norm / patch merger: on the last stage
+    total_params: int
+    # Workload averages, per sample. "tokens": LLM tokens (backbone) or ViT patches (encoder).
+    tokens_per_sample: float
+    sq_tokens_per_sample: float  # mean over samples of sum over attention sequences of len^2
+    items_per_sample: float  # attention sequences per sample (images for an encoder, 1 for the backbone)
+    max_item_tokens: int  # longest sample (backbone) / largest image (encoder)
+    linear_flops_per_token: float  # training multiplier (6 or 2 frozen) already applied
+    attn_flops_per_sample: float  # mean quadratic attention FLOPs per sample (training multiplier applied)
+    out_tokens_per_sample: float = 0.0  # encoder: LLM tokens handed to the backbone
+    out_hidden: int = 0  # encoder: width of those embeddings
+    input_elems_per_token: int = 0  # encoder: pixel values per patch (kept when recomputing)
+    vocab: int = 0  # backbone: logits width
+    tp_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    pp_sizes: tuple[int, ...] = (1,)
+    cp_sizes: tuple[int, ...] = (1,)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def flops_per_sample(self) -> float:
+        """Model FLOPs per sample of this part (training multiplier applied, no recompute, no padding)."""
+        return self.linear_flops_per_token * self.tokens_per_sample + self.attn_flops_per_sample
+
+    @property
+    def forward_fraction(self) -> float:
+        """Share of `flops_per_sample` that is the forward pass (what recompute runs again)."""
+        return 1.0 / 3.0 if self.trainable else 1.0
+
+
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+def backbone_part(spec: VLMSpec, shapes: Sequence[SampleShape], name: str = "backbone") -> PartSpec:
+    llm = spec.llm
+    tokens = np.array([s.llm_tokens for s in shapes], dtype=np.float64)
+    attn = llm.attn_flops_per_token_sq(True) * tokens**2
+    first = llm.embedding_params
+    last = llm.head_params + llm.hidden_size  # head (absent when tied) + final norm
+    tp_ok = tuple(t for t in (1, 2, 4, 8) if llm.num_heads % t == 0
+                  and (llm.num_kv_heads % t == 0 or t % llm.num_kv_heads == 0))
+    return PartSpec(
+        name=name, role="backbone", trainable=True, layers=llm.num_layers, hidden=llm.hidden_size,
+        ffn=llm.ffn_hidden_size, heads=llm.num_heads, kv_heads=llm.num_kv_heads, gated_mlp=True,
+        layer_params=llm.layer_params, first_params=first, last_params=last, total_params=llm.total_params,
+        tokens_per_sample=float(tokens.mean()), sq_tokens_per_sample=float((tokens**2).mean()), items_per_sample=1.0,
+        max_item_tokens=int(tokens.max()), linear_flops_per_token=llm.linear_flops_per_token(True),
+        attn_flops_per_sample=float(attn.mean()), vocab=llm.vocab_size, tp_sizes=tp_ok,
+        pp_sizes=_divisors(llm.num_layers), cp_sizes=(1, 2, 4, 8),
+    )
+
+
+def encoder_part(spec: VLMSpec, shapes: Sequence[SampleShape], trainable: bool = True,
+                 name: str = "encoder") -> PartSpec:
+    v = spec.vision
+    mult = 6.0 if trainable else 2.0
+    per_image = [p for s in shapes for p in s.vit_patches_per_image]
+    patches = np.array([s.vit_patches for s in shapes], dtype=np.float64)
+    sq = np.array([sum(p * p for p in s.vit_patches_per_image) for s in shapes], dtype=np.float64)
+    # Attention FLOPs = image_flops minus its linear part, so windowed layers are counted as specs does.
+    attn = np.array([sum(v.image_flops(p, trainable) - mult * v.params * p for p in s.vit_patches_per_image)
+                     for s in shapes], dtype=np.float64)
+    out_tokens = np.array([s.image_tokens for s in shapes], dtype=np.float64)
+    d = v.hidden_size
+    if v.kind == "clip":
+        n_patches = (v.image_size // v.patch_size) ** 2
+        first = v.in_channels * v.patch_size**2 * d + d + (n_patches + 1) * d + 2 * d
+        in_elems = v.in_channels * v.patch_size**2
+    else:
+        first = v.in_channels * v.temporal_patch_size * v.patch_size**2 * d
+        in_elems = v.in_channels * v.temporal_patch_size * v.patch_size**2
+    layer = _vision_layer_params(spec)
+    last = v.params - first - v.depth * layer
+    tp_ok = tuple(t for t in (1, 2, 4, 8) if v.num_heads % t == 0)
+    return PartSpec(
+        name=name, role="encoder", trainable=trainable, layers=v.depth, hidden=d, ffn=v.intermediate_size,
+        heads=v.num_heads, kv_heads=v.num_heads, gated_mlp=v.kind == "qwen2_5_vl", layer_params=layer,
+        first_params=first, last_params=last, total_params=v.params,
+        tokens_per_sample=float(patches.mean()), sq_tokens_per_sample=float(sq.mean()),
+        items_per_sample=float(np.mean([s.num_images for s in shapes])),
+        max_item_tokens=int(max(per_image) if per_image else 0), linear_flops_per_token=mult * v.params,
+        attn_flops_per_sample=float(attn.mean()), out_tokens_per_sample=float(out_tokens.mean()),
+        out_hidden=v.out_hidden_size, input_elems_per_token=in_elems, tp_sizes=tp_ok,
+    )
+
+
+def _vision_layer_params(spec: VLMSpec) -> int:
+    v = spec.vision
+    d, i = v.hidden_size, v.intermediate_size
+    attn = 4 * (d * d + d)
+    if v.kind == "qwen2_5_vl":
+        return attn + 2 * (d * i + i) + (i * d + d) + 2 * d
+    return attn + (d * i + i) + (i * d + d) + 4 * d
+
+
+def vlm_parts(spec: VLMSpec, shapes: Sequence[SampleShape], freeze_encoder: bool = False) -> list[PartSpec]:
+    """The two parts of a VLM, encoder first (the producer), backbone last (the consumer)."""
+    return [encoder_part(spec, shapes, trainable=not freeze_encoder), backbone_part(spec, shapes)]

@@ -1,0 +1,252 @@
+"""Planning end to end: parts + cluster + workload -> option tables -> solver -> a `Plan` with its baselines.
+
+`make_plan(problem)` is the library entry (the CLI, the benchmark and the tests call it). It prices every
+structurally valid layout of every part (vectorized, `cost.py`), keeps those that fit in device memory, solves
+the lexicographic allocation (`solver.py`), explains which constraint binds, and prices the baselines
+(`baselines.py`). When nothing fits it raises `PlanError` naming the binding constraint and the smallest device
+count that would fit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mindspeed_flow.config.planner import PlannerConfig
+from mindspeed_flow.planner.baselines import BaselineResult, megatron_coupled, mindspeed_dist_train
+from mindspeed_flow.planner.cost import CostContext, Costs, Layouts, model_flops_per_step, part_costs
+from mindspeed_flow.planner.hardware import Cluster
+from mindspeed_flow.planner.parts import PartSpec
+from mindspeed_flow.planner.solver import Selection, solve_cpsat, solve_exhaustive
+from mindspeed_flow.planner.space import PlanError, enumerate_layouts
+
+GB = 1e9
+
+
+def resolve_global_batch(cfg: PlannerConfig, devices: int) -> int:
+    """planner.global_batch_size, or auto: the smallest power of two >= 2 x devices, at least 16."""
+    if cfg.global_batch_size:
+        if cfg.global_batch_size < 1:
+            raise PlanError(f"planner.global_batch_size={cfg.global_batch_size}: must be >= 1")
+        return int(cfg.global_batch_size)
+    return max(16, 1 << int(np.ceil(np.log2(2 * max(devices, 1)))))
+
+
+@dataclass
+class Problem:
+    parts: list[PartSpec]
+    cluster: Cluster
+    cfg: PlannerConfig
+    budget: int  # devices the plan may use
+    global_batch: int = 0  # 0: resolve_global_batch(cfg, budget)
+    fixed: dict[str, dict[str, int]] = field(default_factory=dict)  # part name -> pinned layout fields
+    model_name: str = "model"
+    data_name: str = "data"
+
+    def __post_init__(self) -> None:
+        if not self.global_batch:
+            self.global_batch = resolve_global_batch(self.cfg, self.budget)
+        names = [p.name for p in self.parts]
+        if len(set(names)) != len(names):
+            raise PlanError(f"part names must be unique, got {names}")
+        for name in self.fixed:
+            if name not in names:
+                raise PlanError(f"{name}.*: no part named {name!r}; parts are {names}")
+
+    @property
+    def ctx(self) -> CostContext:
+        return CostContext(self.cluster, self.cfg, self.global_batch)
+
+    @property
+    def memory_limit(self) -> float:
+        return self.cluster.hbm_bytes * self.cfg.memory_headroom
+
+
+@dataclass
+class OptionTable:
+    """All structurally valid layouts of one part (up to `max_devices`), their costs, and which fit in memory."""
+
+    part: PartSpec
+    layouts: Layouts
+    costs: Costs
+    fits: np.ndarray  # bool: memory within the limit
+
+    def usable(self, budget: int) -> np.ndarray:
+        return np.nonzero(self.fits & (self.layouts.devices <= budget))[0]
+
+
+def option_table(part: PartSpec, problem: Problem, max_devices: int, pin: bool = True) -> OptionTable:
+    L = enumerate_layouts(part, problem.ctx, max_devices, problem.fixed.get(part.name) if pin else None)
+    C = part_costs(part, problem.ctx, L)
+    return OptionTable(part, L, C, C.memory <= problem.memory_limit)
+
+
+@dataclass
+class PartPlan:
+    name: str
+    role: str
+    layout: dict[str, int]  # dp, tp, pp, cp, b (token budget), rc (recompute)
+    devices: int
+    step_seconds: float
+    microbatches: int
+    memory_gb: dict[str, float]  # weights, grads, optim, activations, buffers, total
+    time_parts: dict[str, float]
+
+
+@dataclass
+class Plan:
+    problem: Problem
+    parts: list[PartPlan]
+    selection: Selection
+    samples_per_s: float
+    tokens_per_s: float
+    mfu: float
+    binding: list[str]
+    baselines: dict[str, BaselineResult | None]
+    options_priced: int
+    solve_seconds: float
+
+    @property
+    def step_seconds(self) -> float:
+        return self.selection.max_time
+
+    @property
+    def devices(self) -> int:
+        return self.selection.devices
+
+    def gain_over(self, name: str) -> float | None:
+        b = self.baselines.get(name)
+        return None if b is None else self.samples_per_s / b.samples_per_s
+
+
+def _part_plan(table: OptionTable, i: int) -> PartPlan:
+    c = table.costs
+    mem = {k: float(v[i]) / GB for k, v in c.memory_parts.items()}
+    mem["total"] = float(c.memory[i]) / GB
+    return PartPlan(name=table.part.name, role=table.part.role, layout=table.layouts.row(i),
+                    devices=int(table.layouts.devices[i]), step_seconds=float(c.time[i]),
+                    microbatches=int(c.microbatches[i]) if c.microbatches is not None else 0, memory_gb=mem,
+                    time_parts={k: float(v[i]) for k, v in c.time_parts.items()})
+
+
+def _solve(tables: list[OptionTable], budget: int, exhaustive: bool) -> tuple[Selection | None, list[np.ndarray]]:
+    usable = [t.usable(budget) for t in tables]
+    devs = [t.layouts.devices[u] for t, u in zip(tables, usable)]
+    times = [t.costs.time[u] for t, u in zip(tables, usable)]
+    keys = [t.costs.memory[u] for t, u in zip(tables, usable)]  # ties: the layout that needs less memory
+    solve = solve_exhaustive if exhaustive else solve_cpsat
+    return solve(devs, times, budget, keys), usable
+
+
+def smallest_fitting_devices(problem: Problem, pin: bool = True) -> tuple[int | None, dict[str, int | None]]:
+    """Fewest devices at which every part has a layout that fits in memory (per part, and their sum)."""
+    per_part: dict[str, int | None] = {}
+    for part in problem.parts:
+        table = option_table(part, problem, max_devices=1 << 30, pin=pin)
+        ok = np.nonzero(table.fits)[0]
+        per_part[part.name] = int(table.layouts.devices[ok].min()) if len(ok) else None
+    if any(v is None for v in per_part.values()):
+        return None, per_part
+    return int(sum(per_part.values())), per_part  # type: ignore[arg-type]
+
+
+def _infeasible(problem: Problem, tables: list[OptionTable]) -> PlanError:
+    """The message for a problem with no solution: the binding constraint and the smallest fitting size."""
+    need, per_part = smallest_fitting_devices(problem)
+    limit_gb = problem.memory_limit / GB
+    for part, table in zip(problem.parts, tables):
+        if per_part[part.name] is None:
+            i = int(np.argmin(table.costs.memory)) if len(table.layouts) else None
+            detail = "" if i is None else (f"; its leanest layout {_fmt_layout(table.layouts.row(i))} needs "
+                                           f"{table.costs.memory[i] / GB:.1f} GB")
+            return PlanError(
+                f"memory: the {part.name} does not fit in {limit_gb:.1f} GB per device "
+                f"(hbm_gb={problem.cluster.config.hbm_gb} x headroom {problem.cfg.memory_headroom}) at any layout"
+                f"{detail}; no device count fits: use devices with more memory, recompute, or smaller samples")
+    split = " + ".join(f"{k} {v}" for k, v in per_part.items())
+    return PlanError(
+        f"device budget: {problem.budget} devices are too few; the smallest plan that fits in memory needs "
+        f"{need} devices ({split}); set devices>={need} or pick a cluster with more memory per device")
+
+
+def _fmt_layout(row: dict[str, int]) -> str:
+    s = f"dp{row['dp']} tp{row['tp']} pp{row['pp']} cp{row['cp']}"
+    if row.get("b"):
+        s += f" budget{row['b']}"
+    return s + (" recompute" if row.get("rc") else "")
+
+
+def _binding(problem: Problem, tables: list[OptionTable], sel: Selection) -> list[str]:
+    """Which constraints stop a faster plan: device budget, memory, global batch (tested one at a time)."""
+    out: list[str] = []
+    chosen = [int(u) for u in sel.choice]
+    times = [float(t.costs.time[c]) for t, c in zip(tables, chosen)]
+    k = int(np.argmax(times))
+    bott, c_b = tables[k], chosen[k]
+    others = sel.devices - int(bott.layouts.devices[c_b])
+    faster = bott.costs.time < times[k] * (1 - 1e-9)
+    room = problem.budget - others
+    if (faster & bott.fits & (bott.layouts.devices > room)).any():
+        more = int(bott.layouts.devices[np.nonzero(faster & bott.fits)[0]].min()) + others
+        out.append(f"device budget: the {bott.part.name} (the bottleneck) would run faster with more devices "
+                   f"(a {more}-device plan is faster)")
+    mem_blocked = faster & ~bott.fits & (bott.layouts.devices <= room)
+    if mem_blocked.any():
+        j = int(np.nonzero(mem_blocked)[0][np.argmin(bott.costs.time[mem_blocked])])
+        out.append(f"memory: the {bott.part.name}'s faster layout {_fmt_layout(bott.layouts.row(j))} would need "
+                   f"{bott.costs.memory[j] / GB:.1f} GB > {problem.memory_limit / GB:.1f} GB per device")
+    if int(bott.layouts.dp[c_b]) == problem.global_batch:
+        out.append(f"global batch: the {bott.part.name} already runs one sample per DP rank "
+                   f"(global batch {problem.global_batch})")
+    idle = problem.budget - sel.devices
+    if idle > 0:
+        out.append(f"layout granularity: {idle} devices stay idle because no faster layout uses them "
+                   f"(devices = dp x tp x pp x cp, dp divides the global batch {problem.global_batch})")
+    if not out:
+        out.append("none binding: a layout rule (TP in a node, divisibility) or the rate balance itself")
+    return out
+
+
+def make_plan(problem: Problem, exhaustive: bool = False, with_baselines: bool = True) -> Plan:
+    """Plan `problem` (see the module docstring); raises PlanError with the binding constraint if nothing fits."""
+    if problem.budget < 1:
+        raise PlanError(f"devices={problem.budget}: must be >= 1")
+    if problem.budget > problem.cluster.devices:
+        raise PlanError(f"devices={problem.budget} exceeds cluster {problem.cluster.name!r} "
+                        f"({problem.cluster.devices} devices)")
+    t0 = time.perf_counter()
+    try:
+        # 2x the budget so the binding-constraint analysis can see what more devices would buy
+        tables = [option_table(p, problem, max_devices=2 * problem.budget) for p in problem.parts]
+    except PlanError as e:
+        need, _ = smallest_fitting_devices(problem, pin=False)
+        hint = "" if need is None else f"; without the pinned value the smallest fitting plan needs {need} devices"
+        raise PlanError(f"{e}{hint}") from None
+    sel, usable = _solve(tables, problem.budget, exhaustive)
+    if sel is None:
+        raise _infeasible(problem, tables)
+    solve_seconds = time.perf_counter() - t0
+    sel.choice = [int(u[c]) for u, c in zip(usable, sel.choice)]
+    parts = [_part_plan(t, c) for t, c in zip(tables, sel.choice)]
+    ctx = problem.ctx
+    flops = model_flops_per_step(problem.parts, problem.global_batch)
+    step = sel.max_time
+    backbone = next((p for p in problem.parts if p.role == "backbone"), problem.parts[-1])
+    baselines: dict[str, BaselineResult | None] = {}
+    if with_baselines:
+        enc = next((p for p in problem.parts if p.role == "encoder"), None)
+        if enc is not None and len(problem.parts) == 2:
+            baselines["megatron_coupled"] = megatron_coupled(enc, backbone, ctx, problem.budget)
+            baselines["mindspeed_dist_train"] = mindspeed_dist_train(enc, backbone, ctx, problem.budget)
+    return Plan(
+        problem=problem, parts=parts, selection=sel, samples_per_s=problem.global_batch / step,
+        tokens_per_s=problem.global_batch * backbone.tokens_per_sample / step,
+        mfu=flops / (step * sel.devices * ctx.peak), binding=_binding(problem, tables, sel), baselines=baselines,
+        options_priced=sum(len(t.layouts) for t in tables), solve_seconds=solve_seconds,
+    )
+
+
+def with_budget(problem: Problem, budget: int) -> Problem:
+    return dataclasses.replace(problem, budget=budget)

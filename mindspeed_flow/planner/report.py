@@ -1,0 +1,185 @@
+"""What a plan prints and writes: the readable report, the JSON object, the Hydra experiment recipe, the plot.
+
+The recipe is an *experiment* recipe (`# @package _global_`, `defaults: - override /model: ...`) holding the
+chosen layout (parallel.encoder / parallel.backbone), the global batch, the packing token budget and whether
+the encoder keeps its activations, so `mindspeed-flow train experiment=NAME` runs the plan unchanged once the
+file is in recipes/experiment/ (or in the tree $MSF_RECIPES points at).
+"""
+from __future__ import annotations
+
+import os
+
+from typing import Any
+
+import numpy as np
+
+from mindspeed_flow.planner.plan import Plan, Problem, option_table
+
+MFU_FORMULA = "MFU = model FLOPs per step (DESIGN §5, no recompute, no padding) / (step time x devices x peak)"
+
+
+def _layout_str(layout: dict[str, int]) -> str:
+    s = f"dp={layout['dp']} tp={layout['tp']} pp={layout['pp']} cp={layout['cp']}"
+    if layout.get("b"):
+        s += f" token_budget={layout['b']}"
+    return s + (" recompute" if layout.get("rc") else "")
+
+
+def to_json(plan: Plan) -> dict[str, Any]:
+    pr = plan.problem
+    baselines = {}
+    for name, b in plan.baselines.items():
+        baselines[name] = None if b is None else {
+            "samples_per_s": b.samples_per_s, "mfu": b.mfu, "step_seconds": b.step_seconds,
+            "devices": b.devices, "memory_gb": b.memory_gb, "layout": b.layout,
+            "gain": plan.samples_per_s / b.samples_per_s}
+    return {
+        "model": pr.model_name, "cluster": pr.cluster.name, "data": pr.data_name, "budget_devices": pr.budget,
+        "global_batch_size": pr.global_batch, "dtype": pr.cfg.dtype,
+        "parts": [{"name": p.name, "role": p.role, "devices": p.devices, "dp": p.layout["dp"], "tp": p.layout["tp"],
+                   "pp": p.layout["pp"], "cp": p.layout["cp"], "token_budget": p.layout["b"],
+                   "recompute": bool(p.layout["rc"]), "microbatches": p.microbatches,
+                   "step_seconds": p.step_seconds, "memory_gb": p.memory_gb, "time_parts": p.time_parts}
+                  for p in plan.parts],
+        "predicted": {"samples_per_s": plan.samples_per_s, "tokens_per_s": plan.tokens_per_s, "mfu": plan.mfu,
+                      "step_seconds": plan.step_seconds, "rate_gap_seconds": plan.selection.gap,
+                      "devices_used": plan.devices, "peak_tflops": pr.ctx.peak / 1e12},
+        "binding": plan.binding,
+        "solve_seconds": plan.solve_seconds,
+        "method": plan.selection.method,
+        "options_priced": plan.options_priced,
+        "baselines": baselines,
+    }
+
+
+def render_text(plan: Plan) -> str:
+    pr = plan.problem
+    c = pr.cluster
+    lines = [
+        f"mindspeed-flow plan: {pr.model_name} on {c.name} ({pr.budget} of {c.devices} devices, "
+        f"{c.devices_per_node}/node, {c.config.hbm_gb:g} GB, {pr.ctx.peak / 1e12:g} TFLOPS {pr.cfg.dtype} "
+        f"[{c.config.sku}]), data {pr.data_name}, global batch {pr.global_batch}",
+        "",
+        "layout:",
+    ]
+    for p in plan.parts:
+        mem = p.memory_gb
+        lines.append(f"  {p.name:<9} {p.devices:>6} devices  {_layout_str(p.layout)}")
+        lines.append(f"  {'':<9} step {p.step_seconds:.4g} s ({p.microbatches} microbatches); memory/device "
+                     f"{mem['total']:.2f} GB = weights {mem['weights']:.2f} + grads {mem['grads']:.2f} + optim "
+                     f"{mem['optim']:.2f} + activations {mem['activations']:.2f} + buffers {mem['buffers']:.2f}")
+        top = sorted(p.time_parts.items(), key=lambda kv: -kv[1])[:4]
+        lines.append(f"  {'':<9} time: " + ", ".join(f"{k} {v:.3g} s" for k, v in top))
+    unused = pr.budget - plan.devices
+    lines += [
+        "",
+        f"predicted: {plan.samples_per_s:.4g} samples/s, {plan.tokens_per_s:.4g} tokens/s, "
+        f"MFU {100 * plan.mfu:.1f}% on {plan.devices} devices" + (f" ({unused} left idle)" if unused else ""),
+        f"  step {plan.step_seconds:.4g} s; rate gap {plan.selection.gap:.3g} s "
+        f"({100 * plan.selection.gap / plan.step_seconds:.1f}% of the step, faster part idles)",
+        f"  {MFU_FORMULA}; peak {pr.ctx.peak / 1e12:g} TFLOPS per device",
+        "binding constraint: " + "; ".join(plan.binding),
+        f"solved in {1000 * plan.solve_seconds:.1f} ms ({plan.selection.method}, {plan.options_priced} layouts priced)",
+    ]
+    if plan.baselines:
+        lines += ["", "baselines (same cost model, each at its best layout within the budget):"]
+        for name, b in plan.baselines.items():
+            if b is None:
+                lines.append(f"  {name:<22} does not fit in memory within {pr.budget} devices")
+                continue
+            lay = "; ".join(f"{k}: {_layout_str(v)}" for k, v in b.layout.items())
+            lines.append(f"  {name:<22} {b.samples_per_s:.4g} samples/s, MFU {100 * b.mfu:.1f}% on {b.devices} "
+                         f"devices -> plan gain x{plan.samples_per_s / b.samples_per_s:.2f}  [{lay}]")
+    return "\n".join(lines)
+
+
+def _quote(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def recipe_yaml(plan: Plan, name: str, model_recipe: str | None, data_recipe: str | None,
+                model_inline: dict | None = None, data_inline: dict | None = None) -> str:
+    """A Hydra experiment recipe that `mindspeed-flow train experiment=NAME` runs as planned."""
+    pr = plan.problem
+    by = {p.name: p for p in plan.parts}
+    enc, bb = by.get("encoder"), by.get("backbone")
+    lines = [
+        "# @package _global_",
+        f"# mindspeed-flow train experiment={name}",
+        f"# Written by `mindspeed-flow plan` for {pr.model_name} on {pr.cluster.name} ({plan.devices} devices): "
+        f"predicted {plan.samples_per_s:.4g} samples/s, MFU {100 * plan.mfu:.1f}%.",
+    ]
+    if bb is not None and bb.layout["rc"]:
+        lines.append("# The plan assumes full activation recompute in the backbone.")
+    overrides = [f"  - override /cluster: {pr.cluster.name}"]
+    if model_recipe:
+        overrides.insert(0, f"  - override /model: {model_recipe}")
+    if data_recipe:
+        overrides.insert(1 if model_recipe else 0, f"  - override /data: {data_recipe}")
+    lines += ["defaults:"] + overrides + ["", f"experiment_name: {name}"]
+    if model_inline:
+        lines += ["model:"] + [f"  {k}: {_quote(v)}" for k, v in model_inline.items()]
+    if data_inline:
+        lines += ["data:"] + [f"  {k}: {_quote(v)}" for k, v in data_inline.items()]
+    lines += ["parallel:"]
+    for part in (enc, bb):
+        if part is not None:
+            lay = part.layout
+            lines.append(f"  {part.name}: {{dp: {lay['dp']}, tp: {lay['tp']}, pp: {lay['pp']}, cp: {lay['cp']}}}")
+    lines.append(f"  backbone_dp_impl: {'fsdp' if pr.cfg.distributed_optimizer and bb and bb.layout['dp'] > 1 else 'ddp'}")
+    lines.append(f"  pp_schedule: {pr.cfg.pp_schedule}")
+    lines.append(f"  world_size: {plan.devices}")
+    lines += ["trainer:", f"  global_batch_size: {pr.global_batch}"]
+    if bb is not None:
+        lines += ["packing:", f"  token_budget: {bb.layout['b']}"]
+    if enc is not None and enc.role == "encoder":
+        lines += ["flow:", f"  keep_encoder_activations: {_quote(not bool(enc.layout['rc']))}"]
+    return "\n".join(lines) + "\n"
+
+
+def throughput_vs_encoder_share(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
+    """Best predicted samples/s when the encoder gets exactly n devices (the backbone gets the rest)."""
+    enc = next(p for p in problem.parts if p.role == "encoder")
+    others = [p for p in problem.parts if p is not enc]
+    te = option_table(enc, problem, problem.budget)
+    tabs = [option_table(p, problem, problem.budget) for p in others]
+    xs, ys = [], []
+    for n in sorted(set(int(d) for d in te.layouts.devices[te.fits])):
+        t_enc = float(te.costs.time[te.fits & (te.layouts.devices == n)].min())
+        rest = problem.budget - n
+        t_rest = [float(t.costs.time[t.usable(rest)].min()) if len(t.usable(rest)) else np.inf for t in tabs]
+        if len(others) != 1 or not np.isfinite(t_rest[0]):
+            continue
+        xs.append(n / problem.budget)
+        ys.append(problem.global_batch / max(t_enc, t_rest[0]))
+    return np.asarray(xs), np.asarray(ys)
+
+
+def write_plot(plan: Plan, path: str) -> None:
+    """PNG: predicted samples/s vs the encoder's share of the devices, with the plan and the baselines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs, ys = throughput_vs_encoder_share(plan.problem)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(100 * xs, ys, "o-", ms=3, label="best layout with this encoder share")
+    enc = next((p for p in plan.parts if p.role == "encoder"), None)
+    if enc is not None:
+        ax.plot([100 * enc.devices / plan.problem.budget], [plan.samples_per_s], "r*", ms=14, label="plan")
+    for (name, b), style in zip(plan.baselines.items(), ("--", ":")):
+        if b is not None:
+            ax.axhline(b.samples_per_s, ls=style, color="gray", label=f"{name} ({b.samples_per_s:.3g}/s)")
+    ax.set_xlabel("encoder share of devices (%)")
+    ax.set_ylabel("predicted samples/s")
+    ax.set_title(f"{plan.problem.model_name} on {plan.problem.cluster.name} ({plan.problem.budget} devices)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+

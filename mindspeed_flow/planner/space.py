@@ -1,0 +1,101 @@
+"""The search space of one part: every structurally valid layout (dp, tp, pp, cp, token budget, recompute).
+
+Structural rules (checked here, before any cost is computed) and the message each gives when a user pins a
+value that breaks it:
+- TP inside a node: tp <= devices_per_node and tp divides it (TP collectives run every layer);
+- TP sizes the runtime supports on this cluster (cluster.tp_sizes; CPU: 1) and CP sizes (cluster.cp_sizes);
+- heads divisible by tp (and KV heads divisible by tp, or tp by KV heads: replicated KV);
+- layers divisible by pp; encoders take pp = cp = 1;
+- global batch: each DP rank's share is whole (planner.batch_divisible) and at least one sample;
+- token budget >= the longest sample (a packed microbatch must hold any sample).
+Memory and the device budget are checked by the caller (they are what the solver trades off).
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from mindspeed_flow.planner.cost import LAYOUT_FIELDS, CostContext, Layouts
+from mindspeed_flow.planner.parts import PartSpec
+
+
+class PlanError(ValueError):
+    """A plan cannot be made; the message names the binding constraint (and the smallest fitting size)."""
+
+
+def auto_token_budgets(part: PartSpec) -> list[int]:
+    """Powers of two from the longest sample up (4 choices): bigger budgets, fewer microbatches."""
+    first = 1 << max(int(np.ceil(np.log2(max(part.max_item_tokens, 1)))), 6)
+    return [first << k for k in range(4)]
+
+
+def _dp_values(ctx: CostContext, max_devices: int) -> list[int]:
+    g = ctx.global_batch
+    upto = min(g, max_devices)
+    if ctx.cfg.batch_divisible:
+        return [d for d in range(1, upto + 1) if g % d == 0]
+    return list(range(1, upto + 1))
+
+
+def candidate_values(part: PartSpec, ctx: CostContext, max_devices: int,
+                     fixed: Mapping[str, int] | None = None) -> dict[str, list[int]]:
+    """Allowed values per layout field; a pinned value that breaks a rule raises PlanError naming the rule."""
+    fixed = dict(fixed or {})
+    c = ctx.cluster
+    dpn = c.devices_per_node
+    tp = [t for t in part.tp_sizes if t in set(int(x) for x in c.config.tp_sizes) and t <= dpn and dpn % t == 0]
+    cp = [x for x in part.cp_sizes if x in set(int(y) for y in c.config.cp_sizes)]
+    budgets = [0] if part.role == "encoder" else sorted(int(b) for b in (ctx.cfg.token_budgets
+                                                                          or auto_token_budgets(part)))
+    values = {
+        "dp": _dp_values(ctx, max_devices),
+        "tp": tp,
+        "pp": [p for p in part.pp_sizes if p <= max_devices],
+        "cp": cp,
+        "b": [b for b in budgets if part.role == "encoder" or b >= part.max_item_tokens],
+        "rc": [int(bool(r)) for r in ctx.cfg.recompute] if part.trainable else [0],
+    }
+    for key, val in fixed.items():
+        if key not in LAYOUT_FIELDS:
+            raise PlanError(f"{part.name}.{key}: unknown layout field; pin one of {list(LAYOUT_FIELDS)}")
+        if int(val) not in values[key]:
+            raise PlanError(f"{part.name}.{key}={val} is not allowed: {_why_not(part, ctx, key, int(val))}")
+        values[key] = [int(val)]
+    if not values["b"]:
+        raise PlanError(f"{part.name}: every token budget {budgets} is shorter than the longest sample "
+                        f"({part.max_item_tokens} tokens); raise planner.token_budgets")
+    return {k: sorted(set(v)) for k, v in values.items()}
+
+
+def _why_not(part: PartSpec, ctx: CostContext, key: str, val: int) -> str:
+    c = ctx.cluster
+    dpn = c.devices_per_node
+    if key == "tp":
+        if val > dpn or dpn % val:
+            return f"TP over node size: tp must divide devices_per_node={dpn} (TP stays inside a node)"
+        if val not in [int(x) for x in c.config.tp_sizes]:
+            return f"cluster {c.name!r} supports tp in {list(c.config.tp_sizes)} (cluster.tp_sizes)"
+        return f"heads ({part.heads}, kv {part.kv_heads}) must be divisible by tp; valid: {list(part.tp_sizes)}"
+    if key == "pp":
+        if part.role == "encoder":
+            return "encoders are planned with pp=1"
+        return f"layers ({part.layers}) must be divisible by pp; valid: {list(part.pp_sizes)}"
+    if key == "cp":
+        return f"cp must be in {sorted(set(part.cp_sizes) & set(int(x) for x in c.config.cp_sizes))}"
+    if key == "dp":
+        return (f"global batch {ctx.global_batch} must split evenly over dp (planner.batch_divisible) and "
+                f"dp <= devices")
+    if key == "b":
+        return f"token budget must be >= the longest sample ({part.max_item_tokens} tokens)"
+    return "recompute must be 0/1 (frozen encoders: 0)"
+
+
+def enumerate_layouts(part: PartSpec, ctx: CostContext, max_devices: int,
+                      fixed: Mapping[str, int] | None = None) -> Layouts:
+    """Every structurally valid layout using at most `max_devices` devices (memory not checked)."""
+    vals = candidate_values(part, ctx, max_devices, fixed)
+    grids = np.meshgrid(*[np.asarray(vals[k], dtype=np.int64) for k in LAYOUT_FIELDS], indexing="ij")
+    L = Layouts(**{k: g.ravel() for k, g in zip(LAYOUT_FIELDS, grids)})
+    keep = L.devices <= max_devices
+    return L.take(np.nonzero(keep)[0])
