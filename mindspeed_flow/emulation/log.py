@@ -49,8 +49,15 @@ def record_call(name: str) -> None:
         _append(f"CALLED {name}")
 
 
-def record_missing(name: str) -> None:
-    """Note a name that code asked the fake package for and that it does not provide."""
+# Modules that probe every attribute of every loaded module (MindSpeed's patch manager rebinds patched names
+# wherever they were imported): their lookups are scans, not requests for a torch_npu feature.
+_SCANNERS = ("mindspeed/patch_utils.py",)
+
+
+def record_missing(name: str, caller_file: str | None = None) -> None:
+    """Note a name that code asked the fake package for and that it does not provide (scans excluded)."""
+    if caller_file and caller_file.replace("\\", "/").endswith(_SCANNERS):
+        return
     with _LOCK:
         first = name not in _MISSING
         _MISSING[name] += 1

@@ -10,6 +10,8 @@ import functools as _functools
 import torch as _torch
 
 from mindspeed_flow.emulation import device as _device_impl
+import sys as _sys
+
 from mindspeed_flow.emulation import log as _log
 from mindspeed_flow.emulation import ops as _ops
 from mindspeed_flow.emulation import patching as _patching
@@ -22,6 +24,9 @@ from torch_npu import npu  # noqa: E402  (the device module; needs nothing above
 
 _patching.install_npu_device(npu)
 _tv_compat.install()
+
+# The real package imports these at top level; code reaches them as attributes (torch_npu._C._distributed_c10d...).
+from torch_npu import _C, contrib, profiler, utils  # noqa: E402,F401
 
 
 def _logged(name, fn):
@@ -50,6 +55,6 @@ unsupported_dtype = []
 def __getattr__(name):
     if name.startswith("__"):
         raise AttributeError(name)
-    _log.record_missing(f"torch_npu.{name}")
+    _log.record_missing(f"torch_npu.{name}", _sys._getframe(1).f_code.co_filename)
     raise AttributeError(f"module 'torch_npu' has no attribute {name!r} (not emulated by mindspeed-flow; "
                          "see the MSF_EMULATION_LOG summary)")

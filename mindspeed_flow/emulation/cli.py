@@ -1,0 +1,97 @@
+"""`mindspeed-flow emulate`: run a MindSpeed-MM job on CPU with the emulated torch_npu.
+
+    mindspeed-flow emulate [--nproc N] [--patches] [--log FILE] -- pretrain_vlm.py <MindSpeed-MM args...>
+
+The job runs unmodified under `torch.distributed.run` (gloo; `--distributed-backend nccl` is remapped), in the
+MindSpeed-MM root so its relative paths resolve, with PYTHONPATH = fake packages, this repo, MindSpeed,
+MindSpeed-MM (and Megatron-LM). `--patches` runs the script through `mindspeed_flow_patches.launch`, which
+registers the mindspeed-flow patch set first. The flags a CPU run needs (`--bf16`, `--no-gradient-accumulation-
+fusion`, `--variable-seq-lengths` with PP) are the user's to pass; see mindspeed_flow/emulation/README in the
+report and tests/mindspeed_mm/ for working command lines.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from mindspeed_flow.emulation import log as emu_log
+from mindspeed_flow.emulation import site_env
+from mindspeed_flow.emulation.sources import SourceError, Sources, check_commits, find_sources
+
+PATCH_LAUNCHER = "mindspeed_flow_patches.launch"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mindspeed-flow emulate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=1, help="ranks on this host (torchrun --nproc_per_node)")
+    p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: torchrun's)")
+    p.add_argument("--mindspeed-mm-home", default=None, help="MindSpeed-MM root (else $MINDSPEED_MM_HOME)")
+    p.add_argument("--mindspeed-home", default=None, help="MindSpeed root (else $MINDSPEED_HOME)")
+    p.add_argument("--megatron-home", default=None,
+                   help="Megatron-LM core_v0.12.1 root (else $MEGATRON_HOME, else MindSpeed-MM's megatron/ copy)")
+    p.add_argument("--patches", action="store_true", help=f"run through {PATCH_LAUNCHER} (mindspeed-flow patches)")
+    p.add_argument("--log", default=None, help=f"emulation log file (sets {emu_log.ENV_VAR})")
+    p.add_argument("--allow-untested", action="store_true", help="run sources at commits other than the tested ones")
+    p.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
+    p.add_argument("script", nargs=argparse.REMAINDER, help="-- pretrain_vlm.py <args...>")
+    return p
+
+
+def job_env(sources: Sources, log_path: str | None, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of an emulated job (fake packages and sources on PYTHONPATH, offline, one thread)."""
+    env = site_env(base)
+    parts = env["PYTHONPATH"].split(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts[:2] + sources.pythonpath() + parts[2:]))
+    # Megatron's dataset helper is built with `make`, which runs `python3 -m pybind11`: this interpreter first.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["HF_HUB_OFFLINE"] = "1"
+    env["HF_DATASETS_OFFLINE"] = "1"
+    if log_path:
+        env[emu_log.ENV_VAR] = str(Path(log_path).resolve())
+    return env
+
+
+def job_command(nproc: int, script_argv: list[str], patches: bool, master_port: int | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1"]
+    if master_port:
+        cmd += ["--master_port", str(master_port)]
+    else:
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]
+    if patches:
+        cmd += ["-m", PATCH_LAUNCHER]
+    return cmd + script_argv
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    script = list(args.script)
+    if script[:1] == ["--"]:
+        script = script[1:]
+    if not script:
+        print("mindspeed-flow emulate: give the job after '--', e.g. -- pretrain_vlm.py --mm-model ...",
+              file=sys.stderr)
+        return 2
+    try:
+        sources = find_sources(args.mindspeed_mm_home, args.mindspeed_home, args.megatron_home)
+        for warning in check_commits(sources, args.allow_untested):
+            print(f"mindspeed-flow emulate: warning: {warning}", file=sys.stderr)
+    except SourceError as err:
+        print(f"mindspeed-flow emulate: {err}", file=sys.stderr)
+        return 2
+    if not (sources.mindspeed_mm.root / script[0]).is_file() and not Path(script[0]).is_file():
+        print(f"mindspeed-flow emulate: script {script[0]!r} not found in {sources.mindspeed_mm.root}",
+              file=sys.stderr)
+        return 2
+    env = job_env(sources, args.log)
+    cmd = job_command(args.nproc, script, args.patches, args.master_port)
+    if args.dry_run:
+        print(f"cd {sources.mindspeed_mm.root}\nPYTHONPATH={env['PYTHONPATH']}\n" + " ".join(cmd))
+        return 0
+    return subprocess.run(cmd, cwd=str(sources.mindspeed_mm.root), env=env).returncode

@@ -1,0 +1,117 @@
+"""Locate the MindSpeed-MM, MindSpeed and Megatron-LM source trees an emulated job runs, and check their commits.
+
+Sources come from flags or the environment (MINDSPEED_MM_HOME, MINDSPEED_HOME, MEGATRON_HOME); none of them is
+ever vendored into this repository. A tree's commit is read from git when it is a checkout, else from a
+`.source_commit` file (one hash, for trees unpacked with `git archive`). Commits other than the tested ones are
+an error unless explicitly allowed, because the patches and the emulation target those exact sources.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+# The commits the emulation layer and the patch set were verified against.
+TESTED_COMMITS: dict[str, str] = {
+    "MindSpeed-MM": "57069cd55a8ab16d5affe379a2e2c5f0a4d962b9",
+    "MindSpeed": "028de58ca629d035185b00ff7d1eb7eff4f7fd48",
+    "Megatron-LM": "a845aa7e12b3a117e24c2352b9e3e60bad2e3a17",  # tag core_v0.12.1
+}
+ENV_VARS: dict[str, str] = {"MindSpeed-MM": "MINDSPEED_MM_HOME", "MindSpeed": "MINDSPEED_HOME",
+                            "Megatron-LM": "MEGATRON_HOME"}
+# A file that identifies each tree (relative to its root).
+_MARKERS: dict[str, str] = {"MindSpeed-MM": "mindspeed_mm/__init__.py", "MindSpeed": "mindspeed/megatron_adaptor.py",
+                            "Megatron-LM": "megatron/core/package_info.py"}
+COMMIT_FILE = ".source_commit"
+
+
+class SourceError(RuntimeError):
+    """A source tree is missing, malformed, or at an untested commit."""
+
+
+@dataclass(frozen=True)
+class SourceTree:
+    name: str
+    root: Path
+    commit: str | None  # None when neither git nor a .source_commit file tells
+
+    @property
+    def tested(self) -> bool:
+        return self.commit == TESTED_COMMITS[self.name]
+
+
+@dataclass(frozen=True)
+class Sources:
+    mindspeed_mm: SourceTree
+    mindspeed: SourceTree
+    megatron: SourceTree
+
+    def trees(self) -> tuple[SourceTree, ...]:
+        return (self.mindspeed_mm, self.mindspeed, self.megatron)
+
+    def pythonpath(self) -> list[str]:
+        """Import roots: MindSpeed, MindSpeed-MM, and Megatron-LM unless MindSpeed-MM holds a `megatron/` copy."""
+        paths = [str(self.mindspeed.root), str(self.mindspeed_mm.root)]
+        if self.megatron.root != self.mindspeed_mm.root:
+            paths.append(str(self.megatron.root))
+        return paths
+
+
+def read_commit(root: Path) -> str | None:
+    stamp = root / COMMIT_FILE
+    if stamp.is_file():
+        return stamp.read_text().split()[0].strip() or None
+    if (root / ".git").exists():
+        try:
+            out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                 timeout=30, check=True)
+            return out.stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return None
+
+
+def _tree(name: str, flag_value: str | None, env: dict[str, str]) -> SourceTree | None:
+    value = flag_value or env.get(ENV_VARS[name])
+    if not value:
+        return None
+    root = Path(value).expanduser().resolve()
+    if not (root / _MARKERS[name]).is_file():
+        raise SourceError(f"{name} source at {root} (from {'flag' if flag_value else ENV_VARS[name]}) has no "
+                          f"{_MARKERS[name]}: point it at the root of a {name} checkout")
+    return SourceTree(name, root, read_commit(root))
+
+
+def find_sources(mindspeed_mm_home: str | None = None, mindspeed_home: str | None = None,
+                 megatron_home: str | None = None, env: dict[str, str] | None = None) -> Sources:
+    """Resolve the three trees (flags win over the environment); raise SourceError naming what is missing."""
+    env = dict(os.environ if env is None else env)
+    mm = _tree("MindSpeed-MM", mindspeed_mm_home, env)
+    ms = _tree("MindSpeed", mindspeed_home, env)
+    mg = _tree("Megatron-LM", megatron_home, env)
+    if mg is None and mm is not None and (mm.root / _MARKERS["Megatron-LM"]).is_file():
+        # MindSpeed-MM's install guide copies Megatron's megatron/ into its root.
+        mg = SourceTree("Megatron-LM", mm.root, read_commit(mm.root / "megatron") or None)
+    missing = [f"{name} (set {ENV_VARS[name]} or --{ENV_VARS[name].lower().replace('_', '-')})"
+               for name, tree in (("MindSpeed-MM", mm), ("MindSpeed", ms), ("Megatron-LM", mg)) if tree is None]
+    if missing:
+        raise SourceError("MindSpeed-MM emulation needs source checkouts of: " + "; ".join(missing) +
+                          ". Tested commits: " + ", ".join(f"{k} {v[:10]}" for k, v in TESTED_COMMITS.items()))
+    return Sources(mm, ms, mg)
+
+
+def check_commits(sources: Sources, allow_untested: bool = False) -> list[str]:
+    """Return warnings for unknown commits; raise SourceError for untested ones unless allowed."""
+    warnings, wrong = [], []
+    for tree in sources.trees():
+        if tree.commit is None:
+            warnings.append(f"{tree.name} at {tree.root}: commit unknown (no git, no {COMMIT_FILE}); tested is "
+                            f"{TESTED_COMMITS[tree.name]}")
+        elif not tree.tested:
+            wrong.append(f"{tree.name} at {tree.root} is {tree.commit[:12]}, tested is "
+                         f"{TESTED_COMMITS[tree.name][:12]}")
+    if wrong and not allow_untested:
+        raise SourceError("untested source commits: " + "; ".join(wrong) +
+                          " (pass --allow-untested to run anyway; new torch_npu names then show in the emulation log)")
+    return warnings + [f"running untested: {w}" for w in wrong]
