@@ -305,30 +305,44 @@ def test_plan_mismatch_is_reported():
     assert "expected sample 0 (step 0) next from producer rank 0" in message and "sent sample 1" in message
 
 
-def _dead_producer(rank: int, world: int) -> None:
+def _die_when_idle(pool: EmbeddingPool) -> None:
+    """SIGKILL this rank once its pool has nothing in flight (so the peer sees a death, not a protocol error)."""
+    pool.flush()
+    deadline = time.monotonic() + 10
+    while pool.stats().inflight_items and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _dead_peer(rank: int, world: int, dead: str) -> None:
     pool = _pool(rank, timeout_s=20.0)
+    start = time.monotonic()
     if rank == 0:
         pool.put(_embedding(0, 0, TOKENS), sample_id=0, step=0, consumer=1)
-        pool.flush()
-        deadline = time.monotonic() + 10
-        while pool.stats().inflight_items and time.monotonic() < deadline:  # its credit is back: die now
-            time.sleep(0.01)
-        os.kill(os.getpid(), signal.SIGKILL)
-    pool.expect(producer=0, items=[(0, 0), (1, 0)])
-    assert torch.equal(pool.get(sample_id=0, step=0, producer=0), _embedding(0, 0, TOKENS))
-    start = time.monotonic()
+        if dead == "producer":
+            _die_when_idle(pool)
+        what, call = "gradient of sample 0 (step 0)", lambda: pool.wait_grad(sample_id=0, step=0, consumer=1)
+    else:
+        pool.expect(producer=0, items=[(0, 0), (1, 0)])
+        assert torch.equal(pool.get(sample_id=0, step=0, producer=0), _embedding(0, 0, TOKENS))
+        if dead == "consumer":
+            _die_when_idle(pool)
+        what, call = "embedding of sample 1 (step 0)", lambda: pool.get(sample_id=1, step=0, producer=0)
     try:
-        pool.get(sample_id=1, step=0, producer=0)
+        call()
     except PoolPeerError as exc:
         elapsed = time.monotonic() - start
         assert elapsed < 5, f"the dead peer was noticed only after {elapsed:.1f} s"
-        assert "embedding of sample 1 (step 0)" in str(exc) and "rank 0" in str(exc), str(exc)
+        peer = 1 - rank
+        assert what in str(exc) and f"from rank {peer}" in str(exc), str(exc)
         return
-    raise AssertionError("get() from a dead producer returned")
+    raise AssertionError(f"waiting for the {what} from a dead peer returned")
 
 
-def test_dead_producer_is_reported_fast():
+@pytest.mark.parametrize("dead", ["producer", "consumer"])
+def test_dead_peer_is_reported_fast(dead: str):
     with pytest.raises(RankFailure) as info:
-        run_ranks(_dead_producer, 2, timeout_s=30)
+        run_ranks(_dead_peer, 2, dead, timeout_s=30)
     text = str(info.value)
-    assert "1 of 2 ranks failed" in text and "rank 0 exited with code -9" in text, text
+    dead_rank = 0 if dead == "producer" else 1
+    assert "1 of 2 ranks failed" in text and f"rank {dead_rank} exited with code -9" in text, text

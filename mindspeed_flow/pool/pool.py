@@ -30,7 +30,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -162,7 +162,8 @@ class EmbeddingPool:
                 self._stream(self._grad_streams, consumer, "grad").request(1)
             # Sent under the lock so the credit handler always finds the works it must reap.
             works = send_message(header, payload, peer=consumer, group=self.group,
-                                 header_tag=TAGS.embedding_header, payload_tag=TAGS.embedding_payload)
+                                 header_tag=TAGS.embedding_header, payload_tag=TAGS.embedding_payload,
+                                 on_failure=self._send_failure(f"the embedding of {what}", consumer))
             self._sent[key] = _Sent(handle, works, (header, payload))
         return handle
 
@@ -248,7 +249,8 @@ class EmbeddingPool:
         payload = as_bytes(grad.to(self._wire_device))
         with self._cond:
             works = send_message(header, payload, peer=producer, group=self.group,
-                                 header_tag=TAGS.grad_header, payload_tag=TAGS.grad_payload)
+                                 header_tag=TAGS.grad_header, payload_tag=TAGS.grad_payload,
+                                 on_failure=self._send_failure(f"the {what}", producer))
             self._pending_sends.append(_PendingSend(producer, what, works, (header, payload)))
             self._counters.grads_sent += 1
             self._counters.grad_bytes_sent += payload.numel()
@@ -269,9 +271,7 @@ class EmbeddingPool:
                           on_timeout=lambda p=p: PoolTimeout(
                               f"rank {self.rank} waited {self.timeout_s:.1f} s in flush() for the {p.what} to be "
                               f"received by rank {p.peer}"),
-                          on_failure=lambda exc, p=p: PoolPeerError(
-                              f"rank {self.rank}: sending the {p.what} to rank {p.peer} failed ({exc}); rank "
-                              f"{p.peer} probably died"))
+                          on_failure=self._send_failure(f"the {p.what}", p.peer))
         with self._cond:
             done = {id(p) for p in pending}
             self._pending_sends = [p for p in self._pending_sends if id(p) not in done]
@@ -411,9 +411,16 @@ class EmbeddingPool:
 
     def _send_credit(self, handle: EmbeddingHandle) -> None:
         credit = encode_credit(handle.sample_id, handle.step, handle.nbytes).to(self._wire_device)
-        work = dist.isend(credit, handle.producer, group=self.group, tag=TAGS.credit)
-        self._pending_sends.append(_PendingSend(handle.producer, f"credit for {handle.describe()}",
-                                                [work], (credit,)))
+        what = f"credit for {handle.describe()}"
+        works = send_message(credit, None, peer=handle.producer, group=self.group, header_tag=TAGS.credit,
+                             payload_tag=None, on_failure=self._send_failure(f"the {what}", handle.producer))
+        self._pending_sends.append(_PendingSend(handle.producer, what, works, (credit,)))
+
+    def _send_failure(self, what: str, peer: int) -> Callable[[BaseException], PoolPeerError]:
+        def error(exc: BaseException) -> PoolPeerError:
+            return PoolPeerError(f"rank {self.rank}: sending {what} to rank {peer} failed ({type(exc).__name__}: "
+                                 f"{exc}); rank {peer} probably died, check its log")
+        return error
 
     def _choose_tier(self, nbytes: int) -> Tier:
         if self.host_tier_bytes is not None and nbytes > self.host_tier_bytes:

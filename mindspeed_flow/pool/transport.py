@@ -74,16 +74,22 @@ class InboundStream(threading.Thread):
             if self.closed:
                 return False
         header = torch.empty(self.header_len, dtype=torch.int64)
-        dist.irecv(header, src=self.peer, group=self.group, tag=self.header_tag).wait()
+        self._post_recv(header, self.header_tag).wait()
         buffer, context = self.land(header)
         if buffer is not None and buffer.numel() > 0:
             assert self.payload_tag is not None, "a payload was announced on a header-only channel"
-            dist.irecv(buffer, src=self.peer, group=self.group, tag=self.payload_tag).wait()
+            self._post_recv(buffer, self.payload_tag).wait()
         self.deliver(context, buffer)
         with self.cond:
             self.received += 1
             self.cond.notify_all()
         return True
+
+    def _post_recv(self, buffer: torch.Tensor, tag: int) -> dist.Work:
+        # Posted under the pool's lock, as every pool send is: posting never blocks, and on backends that
+        # coalesce point-to-point calls per process group (NCCL) concurrent posts from threads must not interleave.
+        with self.cond:
+            return dist.irecv(buffer, src=self.peer, group=self.group, tag=tag)
 
     def run(self) -> None:
         try:
@@ -96,12 +102,20 @@ class InboundStream(threading.Thread):
 
 
 def send_message(header: torch.Tensor, payload: torch.Tensor | None, *, peer: int,
-                 group: dist.ProcessGroup | None, header_tag: int, payload_tag: int | None) -> list[dist.Work]:
-    """Send a header and its payload (if any) as one batch; returns the works to wait on."""
+                 group: dist.ProcessGroup | None, header_tag: int, payload_tag: int | None,
+                 on_failure: Callable[[BaseException], BaseException]) -> list[dist.Work]:
+    """Send a header and its payload (if any) as one batch; returns the works to wait on.
+
+    Posting a send to a peer whose connection is gone raises at once; `on_failure` turns that into the caller's
+    error, which names the peer and the item.
+    """
     ops = [dist.P2POp(dist.isend, header, peer, group, header_tag)]
     if payload is not None and payload.numel() > 0:
         ops.append(dist.P2POp(dist.isend, payload, peer, group, payload_tag))
-    return list(dist.batch_isend_irecv(ops))
+    try:
+        return list(dist.batch_isend_irecv(ops))
+    except RuntimeError as exc:
+        raise on_failure(exc) from exc
 
 
 def wait_work(work: dist.Work, deadline: float, *, on_timeout: Callable[[], BaseException],
