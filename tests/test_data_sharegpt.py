@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mindspeed_flow.data.guard import BadSample, SampleGuard, TooManyBadSamples
+from mindspeed_flow.data.length_table import export_length_table
 from mindspeed_flow.data.prefetch import Prefetcher
 from mindspeed_flow.data.sampler import iter_global_batches
 from mindspeed_flow.data.sharegpt import ShareGPTDataset
@@ -181,6 +182,28 @@ def test_jsonl_bad_line_bad_tokenizer_and_file_errors(tmp_path: Path) -> None:
         ShareGPTDataset(str(tmp_path / "obj.json"), SPEC)
     with pytest.raises(FileNotFoundError, match="data.path"):
         ShareGPTDataset(str(tmp_path / "nothing.json"), SPEC)
+
+
+def test_shape_table_validates_once_and_plans_without_images(folder: Path, tmp_path: Path) -> None:
+    table = tmp_path / "good_shapes.csv"
+    skipped = export_length_table(ShareGPTDataset(str(folder), SPEC, **LIMITS), table)
+    assert sorted(skipped) == sorted(BAD_CAUSES)
+    full = ShareGPTDataset(str(folder), SPEC, **LIMITS)
+    (folder.parent / "images" / "a.png").rename(folder.parent / "images" / "moved.png")  # after validation
+    fast = ShareGPTDataset(str(folder), SPEC, shape_table=str(table), **LIMITS)
+    for i in GOOD:
+        assert fast.shape(i) == ShareGPTDataset(str(folder), SPEC, shape_table=str(table), **LIMITS).shape(i)
+    assert fast.shape(0).num_images == 1  # planned from the table: the moved file is not even opened
+    with pytest.raises(BadSample, match="after its shape was planned"):
+        fast.sample(0)
+    assert fast.sample(1).shape(SPEC.merge_size) == fast.shape(1)
+    with pytest.raises(BadSample, match="not in the shape table"):
+        fast.shape(2)
+    stale = ShareGPTDataset(str(folder), SPEC, shape_table=str(table), tokenizer=lambda t: [1] * (len(t) + 1))
+    with pytest.raises(BadSample, match="stale table, or another tokenizer"):
+        stale.shape(1)
+    with pytest.raises(BadSample, match="not found"):
+        full.shape(0)
 
 
 class _Exploding:

@@ -51,6 +51,9 @@ class DataConfig:
     # sharegpt: decode every image once when its shape is first read, so a truncated file is caught at plan
     # time on every rank alike (False: read only the header; a truncated file then fails at load time).
     verify_images: bool = True
+    # sharegpt: a length table of the good samples, written once by export_length_table; shapes then come from
+    # it (no image is opened at plan time) and samples absent from it are skipped as bad.
+    shape_table: Optional[str] = None
     # Samples loaded ahead of the consumer by the background prefetch thread (bounds prefetched memory).
     prefetch_depth: int = 2
 

@@ -54,12 +54,17 @@ def build_dataset(data_cfg: Any, token_spec: TokenSpec, tokenizer: Optional[Toke
         path = _required_path(data_cfg)
         if data_cfg.image_root and not os.path.isdir(data_cfg.image_root):
             raise FileNotFoundError(f"data.image_root={data_cfg.image_root!r} is not a directory")
+        table = getattr(data_cfg, "shape_table", None)
+        if table and not os.path.exists(table):
+            raise FileNotFoundError(f"data.shape_table={table!r} does not exist (write it once with "
+                                    "mindspeed_flow.data.export_length_table)")
         if not 0 < int(data_cfg.min_pixels) <= int(data_cfg.max_pixels):
             raise ValueError(f"data.min_pixels={data_cfg.min_pixels} and data.max_pixels={data_cfg.max_pixels} "
                              "need 0 < min_pixels <= max_pixels")
         return ShareGPTDataset(path, token_spec, image_root=data_cfg.image_root, tokenizer=tokenizer,
                                min_pixels=int(data_cfg.min_pixels), max_pixels=int(data_cfg.max_pixels),
-                               verify_images=bool(getattr(data_cfg, "verify_images", True)))
+                               verify_images=bool(getattr(data_cfg, "verify_images", True)),
+                               shape_table=table or None)
     if source == "length_table":
         return LengthTableDataset(_required_path(data_cfg), token_spec, seed=int(data_cfg.seed),
                                   question_tokens=_pair(data_cfg, "question_tokens"),

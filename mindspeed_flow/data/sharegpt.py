@@ -13,6 +13,11 @@ smart-resized and patchified (Qwen2-VL) or resized to image_size (LLaVA).
 `shape(i)` reads only the image headers (PIL opens lazily) unless `verify_images` is set, in which case each
 image is also decoded once (verdict cached), so a truncated file is caught at plan time on every rank alike.
 Missing files, unreadable or truncated images and malformed entries raise `BadSample` from `shape(i)`.
+
+Validate once, plan from a table: on a large dataset, decoding every image at plan time on every rank is
+wasteful. Export the good shapes once (`export_length_table(ShareGPTDataset(..., verify_images=True), csv)`)
+and pass `shape_table=csv`: `shape(i)` then reads no image at all, and a sample missing from the table is a
+`BadSample` ("not in the shape table") on every rank alike.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ from mindspeed_flow.data.guard import BadSample, is_system_error
 from mindspeed_flow.data.image import (llava_grid, process_pil_llava, process_pil_qwen2, qwen2_grid,
                                        stack_pixels)
 from mindspeed_flow.data.sample import TokenSpec, VLMSample
-from mindspeed_flow.data.shapes import SampleShape
+from mindspeed_flow.data.shapes import SampleShape, read_length_table
 from mindspeed_flow.data.tokens import (ByteTokenizer, Tokenizer, build_conversation, check_ordinary_ids,
                                         template_text_tokens)
 
@@ -133,7 +138,8 @@ class ShareGPTDataset(VLMDataset):
 
     def __init__(self, path: str, token_spec: TokenSpec, *, image_root: Optional[str] = None,
                  tokenizer: Optional[Tokenizer] = None, min_pixels: int = 4 * 28 * 28,
-                 max_pixels: int = 1280 * 28 * 28, verify_images: bool = True) -> None:
+                 max_pixels: int = 1280 * 28 * 28, verify_images: bool = True,
+                 shape_table: Optional[str] = None) -> None:
         super().__init__(token_spec)
         self.path = os.fspath(path)
         self.image_root = os.fspath(image_root) if image_root else os.path.dirname(os.path.abspath(self.path))
@@ -144,6 +150,16 @@ class ShareGPTDataset(VLMDataset):
         self._entries: dict[int, _Entry] = {}
         self._shapes: dict[int, SampleShape] = {}
         self._bad: dict[int, str] = {}
+        self.shape_table = shape_table
+        self._table = self._read_shape_table(shape_table) if shape_table else None
+
+    def _read_shape_table(self, path: str) -> dict[int, SampleShape]:
+        rows = {s.sample_id: s for s in read_length_table(path, merge_size=self.merge_size)}
+        outside = sorted(i for i in rows if not 0 <= i < len(self._raw))
+        if outside:
+            raise ValueError(f"data.shape_table={path!r} lists sample ids {outside[:5]} outside this dataset's "
+                             f"[0, {len(self._raw)}) entries of {self.path}: the table belongs to another file")
+        return rows
 
     def __len__(self) -> int:
         return len(self._raw)
@@ -223,7 +239,8 @@ class ShareGPTDataset(VLMDataset):
             return cached
         try:
             entry = self._entry(i)
-            grids = tuple(self._grid(i, rel) for rel in entry.images)
+            grids = self._table_grids(i, entry) if self._table is not None else tuple(
+                self._grid(i, rel) for rel in entry.images)
         except BadSample as exc:
             self._bad[i] = exc.cause  # the verdict is final: re-reading must not flip it on some rank
             raise
@@ -231,6 +248,19 @@ class ShareGPTDataset(VLMDataset):
         shape = SampleShape(i, template_text_tokens(len(grids), lengths), grids, self.merge_size)
         self._shapes[i] = shape
         return shape
+
+    def _table_grids(self, i: int, entry: _Entry) -> tuple[tuple[int, int, int], ...]:
+        """Grids from the shape table, checked against the entry (a stale table is caught, not trusted)."""
+        assert self._table is not None
+        row = self._table.get(i)
+        if row is None:
+            raise BadSample(i, f"not in the shape table {self.shape_table} (it was bad when the table was written)")
+        text = template_text_tokens(len(entry.images), [(len(q), len(a)) for q, a in entry.turns])
+        if row.num_images != len(entry.images) or row.text_tokens != text:
+            raise BadSample(i, f"the shape table {self.shape_table} says {row.num_images} image(s) and "
+                               f"{row.text_tokens} text tokens, the entry has {len(entry.images)} and {text} (a "
+                               "stale table, or another tokenizer)")
+        return row.image_grid_thw
 
     def sample(self, i: int, with_pixels: bool = True) -> VLMSample:
         shape = self.shape(i)
