@@ -1,6 +1,9 @@
 """Image processing and token specs: exact against transformers' Qwen2-VL processor (slow/PIL path)."""
 from __future__ import annotations
 
+import importlib
+from typing import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -19,13 +22,22 @@ from PIL import Image  # noqa: E402
 QWEN_SPEC = TokenSpec(380, 381, 382, 383, 384)
 
 
-def _hf_pil_processor(min_pixels: int, max_pixels: int):
-    mod = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
-    return mod.Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
+def _hf_slow_qwen2() -> tuple[type, Callable]:
+    """transformers' slow (PIL) Qwen2-VL processor and its smart_resize: `*_pil_qwen2_vl` on 5.x, plain on 4.x."""
+    try:
+        mod = importlib.import_module("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+        return mod.Qwen2VLImageProcessorPil, mod.smart_resize
+    except ImportError:
+        mod = pytest.importorskip("transformers.models.qwen2_vl.image_processing_qwen2_vl")
+        return mod.Qwen2VLImageProcessor, mod.smart_resize
+
+
+def _hf_pil_processor(min_pixels: int, max_pixels: int) -> object:
+    return _hf_slow_qwen2()[0](min_pixels=min_pixels, max_pixels=max_pixels)
 
 
 def test_smart_resize_matches_transformers_on_many_sizes() -> None:
-    mod = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+    hf_smart_resize = _hf_slow_qwen2()[1]
     rng = np.random.default_rng(0)
     limits = [(4 * 28 * 28, 64 * 28 * 28), (56 * 56, 1280 * 28 * 28), (3136, 12845056)]
     for _ in range(400):
@@ -33,9 +45,9 @@ def test_smart_resize_matches_transformers_on_many_sizes() -> None:
         if max(h, w) / min(h, w) > 200:
             continue
         lo, hi = limits[int(rng.integers(len(limits)))]
-        assert smart_resize(h, w, 28, lo, hi) == mod.smart_resize(h, w, factor=28, min_pixels=lo, max_pixels=hi), (h, w)
+        assert smart_resize(h, w, 28, lo, hi) == hf_smart_resize(h, w, factor=28, min_pixels=lo, max_pixels=hi), (h, w)
     # Exact halves: Python's round-half-to-even must be kept (14/28 = 0.5 -> 0 -> clamped by min_pixels).
-    assert smart_resize(42, 70, 28, 1, 10**9) == mod.smart_resize(42, 70, factor=28, min_pixels=1, max_pixels=10**9)
+    assert smart_resize(42, 70, 28, 1, 10**9) == hf_smart_resize(42, 70, factor=28, min_pixels=1, max_pixels=10**9)
     with pytest.raises(ValueError, match="aspect ratio"):
         smart_resize(10, 2500)
     with pytest.raises(ValueError, match="positive"):
