@@ -8,11 +8,18 @@ Public API (what the runtime calls):
     EncoderPart.forward(pixel_values, image_grid_thw) -> [n_image_tokens, H]
     BackbonePart.pack(samples, image_embeds, token_budget) -> PackedBatch
     BackbonePart.embed(packed, image_embeds) / .image_dense(...) / .forward(packed, image_embeds) -> (loss_sum, n)
-    build_backbone_stage(...), make_schedule(...), pipeline_step(...)      (pipeline.py)
+    build_backbone_stage(backbone, pp_rank, pp_size, pp_group, device, token_budget, layer_split) -> (module, stage)
+    make_schedule(stage, n_microbatches, loss_fn, kind="1f1b"|"gpipe")
+    stage0_input(backbone, packs, image_embeds) -> (leaf, dense); pipeline_step(schedule, module, packs, leaf)
+    finish_stage0_backward(leaf, dense)                                      (pipeline.py)
     apply_ddp(...), apply_fsdp(...), grad_sq_sum(...), clip_grads_(...)     (data_parallel.py)
 """
 from mindspeed_flow.hosts.torch.build import build_vlm
 from mindspeed_flow.hosts.torch.packed import PackedBatch
+from mindspeed_flow.hosts.torch.pipeline import (BackboneStage, build_backbone_stage, finish_stage0_backward,
+                                                 make_schedule, pipeline_step, split_layers, stage0_input)
 from mindspeed_flow.hosts.torch.split import BackbonePart, EncoderPart, split_vlm, token_loss_sum
 
-__all__ = ["build_vlm", "split_vlm", "EncoderPart", "BackbonePart", "PackedBatch", "token_loss_sum"]
+__all__ = ["build_vlm", "split_vlm", "EncoderPart", "BackbonePart", "PackedBatch", "token_loss_sum",
+           "BackboneStage", "build_backbone_stage", "make_schedule", "pipeline_step", "stage0_input",
+           "finish_stage0_backward", "split_layers"]

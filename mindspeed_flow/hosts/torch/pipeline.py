@@ -1,0 +1,169 @@
+"""Backbone pipeline parallelism with torch.distributed.pipelining (PipelineStage + GPipe / 1F1B).
+
+Layout of a stage (`BackboneStage`): a contiguous range of decoder layers; stage 0 also owns embed_tokens and
+the last stage owns the final norm and lm_head, so DDP/FSDP wrapping a stage covers every backbone parameter
+exactly once over the pipeline.
+
+Inputs per microbatch, all with the microbatch as dim 0 so that `schedule.step` chunks them:
+- stage 0's positional input is the *dense image tensor* [1, T, H]: zeros except the image embeddings at the
+  placeholder positions (`BackbonePart.image_dense`). Stage 0 merges it with its own token embeddings
+  (`embed_dense`), which gives the same values and gradients as scattering. The runtime passes the
+  microbatches stacked as one detached leaf [n_micro, T, H] with requires_grad; after `step()` its `.grad[i]`
+  is d(loss)/d(dense_i) (the schedule never scales input gradients), and `finish_stage0_backward` routes it
+  to each sample's embeddings.
+- keyword inputs reach EVERY stage: torch.distributed.pipelining passes `step(**kwargs)` chunks to the local
+  stage's forward on every rank (2.13 documents "kwargs can be passed to all stages via respective step
+  calls"; 2.7's forward_one_chunk does the same), so each rank calls `pipeline_step` with the same packed
+  microbatches (every rank knows the step plan) and the position ids / segment ids never travel between stages.
+- the last stage returns logits and the schedule's loss_fn is the summed token cross entropy; gradient
+  scaling by the number of microbatches is switched off (`scale_grads=False`), the runtime divides by the
+  global label-token count itself.
+
+Shapes are static (every microbatch is padded to the token budget), which the stage's fixed receive buffers
+need; a new shape would crash the receiving rank inside gloo.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mindspeed_flow.hosts.torch.packed import PackedBatch, stack_position_ids, unstack_position_ids
+from mindspeed_flow.hosts.torch.split import BackbonePart, token_loss_sum
+
+SCHEDULE_KINDS = ("1f1b", "gpipe")
+
+
+def split_layers(n_layers: int, pp_size: int, layer_split: Optional[Sequence[int]] = None) -> list[tuple[int, int]]:
+    """[start, stop) layer range per stage: `layer_split` (layers per stage) or an even split, extra layers to
+    the middle stages first (stage 0 also embeds and the last stage also runs lm_head)."""
+    if pp_size < 1 or pp_size > n_layers:
+        raise ValueError(f"parallel.backbone.pp={pp_size} must be between 1 and the number of layers ({n_layers})")
+    if layer_split is None:
+        counts = [n_layers // pp_size] * pp_size
+        order = list(range(1, pp_size - 1)) + [0, pp_size - 1] if pp_size > 2 else list(range(pp_size))
+        for k in range(n_layers % pp_size):
+            counts[order[k]] += 1
+    else:
+        counts = list(layer_split)
+        if len(counts) != pp_size or sum(counts) != n_layers or min(counts) < 1:
+            raise ValueError(f"parallel.backbone.layer_split={counts} must give >= 1 layer to each of the "
+                             f"{pp_size} stages and sum to {n_layers} layers")
+    bounds, start = [], 0
+    for c in counts:
+        bounds.append((start, start + c))
+        start += c
+    return bounds
+
+
+class BackboneStage(nn.Module):
+    """Decoder layers [start, stop) of a BackbonePart; embeddings on the first stage, norm + lm_head on the last."""
+
+    def __init__(self, backbone: BackbonePart, start: int, stop: int, is_first: bool, is_last: bool) -> None:
+        super().__init__()
+        self.is_first, self.is_last = is_first, is_last
+        self.layer_range = (start, stop)
+        self.layers = nn.ModuleList(list(backbone.layers[start:stop]))
+        self.rotary_emb = backbone.rotary_emb  # buffers only
+        if is_first:
+            self.embed_tokens = backbone.embed_tokens
+        if is_last:
+            self.norm = backbone.norm
+            self.lm_head = backbone.lm_head
+        self._backbone = (backbone,)  # helpers (masks, image id); not a submodule: its other layers are not ours
+
+    def forward(self, x: torch.Tensor, input_ids: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None,
+                segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        backbone = self._backbone[0]
+        if self.is_first:
+            x = torch.where(backbone.image_mask(input_ids), x, self.embed_tokens(input_ids))
+        x = backbone.run_layers(x, unstack_position_ids(position_ids, backbone.mrope), segment_ids, self.layers)
+        if self.is_last:
+            x = self.lm_head(self.norm(x))
+        return x
+
+
+def build_backbone_stage(backbone: BackbonePart, pp_rank: int, pp_size: int, pp_group: Optional[dist.ProcessGroup],
+                         device: torch.device, token_budget: int,
+                         layer_split: Optional[Sequence[int]] = None) -> tuple[BackboneStage, "PipelineStage"]:
+    """(stage module, PipelineStage) for this rank's stage; microbatches are [1, token_budget] packed batches."""
+    from torch.distributed.pipelining import PipelineStage
+
+    if pp_size > 1 and backbone.tied_embeddings:
+        raise ValueError("tie_word_embeddings=True with parallel.backbone.pp > 1: embed_tokens (stage 0) and lm_head "
+                         "(last stage) would be one parameter on two ranks; untie it in the model config")
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank={pp_rank} is outside 0..{pp_size - 1}")
+    start, stop = split_layers(len(backbone.layers), pp_size, layer_split)[pp_rank]
+    module = BackboneStage(backbone, start, stop, is_first=pp_rank == 0, is_last=pp_rank == pp_size - 1).to(device)
+    # Shapes are inferred on the first step (static example args need output gradients too in 2.13's static
+    # mode, and 2.7 lacks that argument); every microbatch then has the same [1, token_budget] shapes.
+    stage = PipelineStage(module, pp_rank, pp_size, device, group=pp_group)
+    return module, stage
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    return name in inspect.signature(fn).parameters
+
+
+def make_schedule(stage: "PipelineStage", n_microbatches: int,
+                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
+                  kind: str = "1f1b"):
+    """A GPipe or 1F1B schedule bound to `n_microbatches` (a schedule object serves one microbatch count)."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    if kind not in SCHEDULE_KINDS:
+        raise ValueError(f"parallel.backbone.pp_schedule={kind!r} is not supported; choose one of {SCHEDULE_KINDS}")
+    cls = Schedule1F1B if kind == "1f1b" else ScheduleGPipe
+    kwargs = {"scale_grads": False} if _accepts(cls.__init__, "scale_grads") else {}
+    return cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn, **kwargs)
+
+
+def stage0_input(backbone: BackbonePart, packs: Sequence[PackedBatch],
+                 image_embeds: Sequence[Sequence[Optional[torch.Tensor]]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(leaf [n_micro, T, H] for `pipeline_step`, per-microbatch dense tensors still attached to the embeddings)."""
+    dense = [backbone.image_dense(p, e) for p, e in zip(packs, image_embeds)]
+    leaf = torch.cat(dense, dim=0).detach().requires_grad_()
+    return leaf, dense
+
+
+def finish_stage0_backward(leaf: torch.Tensor, dense: Sequence[torch.Tensor]) -> None:
+    """Send the pipeline's input gradient on to each sample's image embeddings (their .grad afterwards)."""
+    if leaf.grad is None:
+        raise RuntimeError("stage-0 input has no gradient: call pipeline_step (with a loss) before this")
+    pairs = [(d, leaf.grad[i:i + 1]) for i, d in enumerate(dense) if d.requires_grad]
+    if pairs:
+        torch.autograd.backward([d for d, _ in pairs], [g for _, g in pairs])
+
+
+def pipeline_step(schedule, stage_module: BackboneStage, packs: Sequence[PackedBatch],
+                  stage0_leaf: Optional[torch.Tensor] = None) -> Optional[list[torch.Tensor]]:
+    """One forward+backward of all microbatches through this rank's stage.
+
+    Every pipeline rank calls this with the same `packs` (in order); only stage 0 passes `stage0_leaf`.
+    Returns the per-microbatch summed losses on the last stage, None elsewhere.
+    """
+    n = getattr(schedule, "_n_microbatches", len(packs))
+    if len(packs) != n:
+        raise ValueError(f"schedule is bound to {n} microbatches but the step has {len(packs)} packed microbatches")
+    device = next(stage_module.parameters()).device
+    kwargs = {"position_ids": stack_position_ids(packs).to(device),
+              "segment_ids": torch.cat([p.segment_ids for p in packs]).to(device)}
+    args: tuple = ()
+    if stage_module.is_first:
+        if stage0_leaf is None:
+            raise ValueError("pipeline stage 0 needs stage0_leaf (see stage0_input)")
+        args = (stage0_leaf,)
+        kwargs["input_ids"] = torch.cat([p.input_ids for p in packs]).to(device)
+    step_kwargs = {"return_outputs": False} if _accepts(schedule.step, "return_outputs") else {}
+    if stage_module.is_last:
+        losses: list[torch.Tensor] = []
+        target = torch.cat([p.labels for p in packs]).to(device)
+        schedule.step(*args, target=target, losses=losses, **step_kwargs, **kwargs)
+        return losses
+    schedule.step(*args, **step_kwargs, **kwargs)
+    return None
