@@ -18,3 +18,10 @@ class PackingConfig:
     # Optional profiled coefficients (FLOPs-equivalent seconds); 0 means "derive from the model spec".
     linear_coeff: float = 0.0
     quadratic_coeff: float = 0.0
+    # Same for the encoder (per image of p ViT patches: a_v * p + b_v * p^2); 0 means "derive from the spec".
+    encoder_linear_coeff: float = 0.0
+    encoder_quadratic_coeff: float = 0.0
+    # 0: every microbatch is padded to token_budget (one static shape for the whole run). > 0: each step's
+    # microbatches are padded to the step's longest pack rounded up to this multiple (one shape per step, from a
+    # bounded set of buckets), which removes the padding left when the pack count is rounded up to a multiple of DP.
+    pad_multiple: int = 0

@@ -1,0 +1,148 @@
+"""The four step schedulers: mindspeed-flow's ("flow") and the three baselines it is measured against.
+
+All take the same `StepInputs` and return the same `StepPlan`, so the runtime and the benchmark treat them
+alike. Every one places each sample exactly once, keeps every microbatch within the budget and gives every DP
+rank the same number of microbatches (at least `min_microbatches`, the pipeline depth).
+
+- flow: best fit decreasing into a multiple-of-DP number of bins at the smallest capacity that allows it (so
+  tokens spread evenly instead of leaving empty bins), cost buckets + zig-zag over DP ranks x slots, LPT of
+  samples to encoder ranks in consumption order.
+- naive: fixed micro-batch size (as many of the step's longest sample as fit the budget), samples in arrival
+  order, each microbatch padded to its longest sample; contiguous chunks per DP rank.
+- sorted: samples sorted by length, cut into batches that fit the budget when padded to their longest; batches
+  dealt round-robin to DP ranks.
+- first_fit: greedy first fit in arrival order into bins of the budget (O(N x bins) scan), round-robin to ranks.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+from mindspeed_flow.packing.balance import (
+    encoder_schedule, level_bins, round_robin_encoders, split_to_count, zigzag_place,
+)
+from mindspeed_flow.packing.bestfit import pack_into_bins
+from mindspeed_flow.packing.types import StepInputs, StepPlan
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-int(value) // multiple) * multiple
+
+
+def packed_seq_len(loads: Sequence[int], token_budget: int, pad_multiple: int) -> int:
+    """Padded length of a packed microbatch: the budget, or the step's longest pack rounded up to a bucket."""
+    if not pad_multiple:
+        return token_budget
+    return min(token_budget, round_up(max(max(loads, default=0), 1), pad_multiple))
+
+
+def assemble(inp: StepInputs, placement: list[list[list[int]]], *, token_budget: int, num_encoders: int,
+             footprint: Callable[[list[int]], int], seq_len: int, scheduler: str,
+             balance_encoders: bool) -> StepPlan:
+    """StepPlan from positions per [rank][slot]; `footprint(positions)` gives each microbatch's padded tokens."""
+    microbatches = [[inp.microbatch(pos, footprint(pos)) for pos in rank] for rank in placement]
+    num_slots = len(placement[0]) if placement else 0
+    slots = [[p for rank in placement for p in rank[s]] for s in range(num_slots)]
+    schedule = encoder_schedule if balance_encoders else round_robin_encoders
+    order, loads = schedule(slots, inp.encoder_costs, inp.ids, num_encoders)
+    return StepPlan(microbatches=microbatches, encoder_order=order, token_budget=token_budget, seq_len=seq_len,
+                    scheduler=scheduler, encoder_costs=loads)
+
+
+def deal_round_robin(batches: list[list[int]], dp: int, min_microbatches: int) -> list[list[list[int]]]:
+    """Batch j to rank j % dp, then empty batches so every rank has the same count (>= min_microbatches)."""
+    per_rank = max(math.ceil(len(batches) / dp), min_microbatches)
+    padded = batches + [[] for _ in range(per_rank * dp - len(batches))]
+    return [[padded[slot * dp + r] for slot in range(per_rank)] for r in range(dp)]
+
+
+def flow_schedule(inp: StepInputs, *, dp: int, num_encoders: int, token_budget: int, min_microbatches: int,
+                  pad_multiple: int) -> StepPlan:
+    lengths = inp.lengths
+    total = int(lengths.sum())
+    count = round_up(max(math.ceil(total / token_budget), dp * min_microbatches, 1), dp)
+    # With pad_multiple=0 every pack is padded to the budget anyway; the capacity search only spreads tokens for
+    # balance, so a 1/128-of-budget granularity is plenty and saves best-fit passes.
+    granularity = pad_multiple or max(1, token_budget // 128)
+    bins = pack_into_bins(lengths, token_budget, count, granularity=granularity).bins if len(inp) else []
+    if len(bins) > count:  # even the full budget needed more bins than the lower bound
+        count = round_up(len(bins), dp)
+    bins = split_to_count(bins, lengths, count)
+    level_bins(bins, lengths)
+    costs = [float(inp.costs[b].sum()) if b else 0.0 for b in bins]
+    ranks = zigzag_place(costs, dp)
+    placement = [[bins[b] for b in rank] for rank in ranks]
+    seq_len = packed_seq_len([int(lengths[b].sum()) for b in bins if b], token_budget, pad_multiple)
+    return assemble(inp, placement, token_budget=token_budget, num_encoders=num_encoders,
+                    footprint=lambda pos: seq_len, seq_len=seq_len, scheduler="flow", balance_encoders=True)
+
+
+def naive_schedule(inp: StepInputs, *, dp: int, num_encoders: int, token_budget: int, min_microbatches: int,
+                   pad_multiple: int) -> StepPlan:
+    lengths = inp.lengths
+    longest = int(lengths.max()) if len(inp) else 1
+    batch = max(1, token_budget // longest)  # fixed micro-batch size: the worst case fits the budget when padded
+    placement = []
+    for r in range(dp):
+        mine = list(range(r * len(inp) // dp, (r + 1) * len(inp) // dp))
+        placement.append([mine[i:i + batch] for i in range(0, len(mine), batch)])
+    per_rank = max(max(len(rank) for rank in placement), min_microbatches)
+    for rank in placement:
+        rank.extend([] for _ in range(per_rank - len(rank)))
+    return assemble(inp, placement, token_budget=token_budget, num_encoders=num_encoders,
+                    footprint=padded_to_longest(lengths, empty=batch * longest), seq_len=0, scheduler="naive",
+                    balance_encoders=False)
+
+
+def sorted_schedule(inp: StepInputs, *, dp: int, num_encoders: int, token_budget: int, min_microbatches: int,
+                    pad_multiple: int) -> StepPlan:
+    lengths = inp.lengths
+    order = sorted(range(len(inp)), key=lambda i: (-int(lengths[i]), inp.ids[i]))
+    batches: list[list[int]] = []
+    for i in order:  # longest first: a batch's first sample sets its padded length
+        if batches and (len(batches[-1]) + 1) * int(lengths[batches[-1][0]]) <= token_budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    placement = deal_round_robin(batches, dp, min_microbatches)
+    widest = max((len(b) * int(lengths[b[0]]) for b in batches), default=token_budget)
+    return assemble(inp, placement, token_budget=token_budget, num_encoders=num_encoders,
+                    footprint=padded_to_longest(lengths, empty=widest), seq_len=0, scheduler="sorted",
+                    balance_encoders=False)
+
+
+def first_fit_schedule(inp: StepInputs, *, dp: int, num_encoders: int, token_budget: int, min_microbatches: int,
+                       pad_multiple: int) -> StepPlan:
+    lengths = inp.lengths.tolist()
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i, length in enumerate(lengths):
+        for b, load in enumerate(loads):
+            if load + length <= token_budget:
+                bins[b].append(i)
+                loads[b] += length
+                break
+        else:
+            bins.append([i])
+            loads.append(length)
+    placement = deal_round_robin(bins, dp, min_microbatches)
+    seq_len = packed_seq_len(loads, token_budget, pad_multiple)
+    return assemble(inp, placement, token_budget=token_budget, num_encoders=num_encoders,
+                    footprint=lambda pos: seq_len, seq_len=seq_len, scheduler="first_fit", balance_encoders=False)
+
+
+def padded_to_longest(lengths: np.ndarray, empty: int) -> Callable[[list[int]], int]:
+    """Footprint of a padded batch: rows x its longest sample (an empty one runs a dummy batch of `empty`)."""
+    def footprint(positions: list[int]) -> int:
+        return len(positions) * int(lengths[positions].max()) if positions else empty
+    return footprint
+
+
+SCHEDULERS: dict[str, Callable[..., StepPlan]] = {
+    "flow": flow_schedule,
+    "naive": naive_schedule,
+    "sorted": sorted_schedule,
+    "first_fit": first_fit_schedule,
+}
