@@ -17,9 +17,9 @@ Compute rate = devices x peak x efficiency(role) x tp_scaling^log2(tp), or profi
 Memory per device (bytes), the most loaded pipeline stage:
 - weights / grads / optimizer states: bf16 weights (2 B), fp32 grads (4 B), fp32 master + Adam m, v (12 B)
   sharded over DP by the distributed optimizer; fp32 training: 4 + 4 + 8 B, unsharded without it.
-- activations per token per layer (elements): attention 4h + 2kv (norm input, q, k, v, output; +
-  scores heads x len when attention is eager), MLP 2h + 3f gated / 2h + 2f plain; divided by tp (sequence
-  parallel) and cp. 1F1B keeps min(m, pp) microbatches on stage 0. Full recompute keeps each layer's input only
+- activations per token per layer (elements): act_h x h + act_kv x kv + act_f x ffn (PartSpec; counted
+  from the HF modules: LLM 8h + 2kv + 4f), divided by tp (sequence parallel) and cp; unfused attention (CPU)
+  also keeps a b x b fp32 mask per layer. 1F1B keeps min(m, pp) microbatches on stage 0. Full recompute keeps each layer's input only
   plus one layer's activations. The last stage also holds the logits (and their gradient) in fp32.
 - buffers: the backbone keeps 2 microbatches of received embeddings; an encoder keeps the pool capacity.
   A trainable encoder keeps the activations of all its in-flight samples (strict mode: its backward waits for
@@ -37,9 +37,6 @@ from mindspeed_flow.planner.hardware import Cluster, normalize_dtype
 from mindspeed_flow.planner.parts import PartSpec
 
 LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "b", "rc")
-# Stored activation elements per token per layer; see the module docstring (checked against HF models on CPU
-# by tests/test_planner_memory.py).
-ATTN_H, ATTN_KV, MLP_H, MLP_F_GATED, MLP_F_PLAIN = 4.0, 2.0, 2.0, 3.0, 2.0
 LOGITS_BYTES = 4 + 4  # fp32 logits and their gradient
 
 
@@ -167,14 +164,13 @@ def optimizer_time(ctx: CostContext, params_per_device: np.ndarray, dp: np.ndarr
 
 
 # ------------------------------------------------------------------------------------------------ memory
-def act_elems_per_token_layer(part: PartSpec, flash: bool, seq_len: np.ndarray | float) -> np.ndarray:
-    """Stored activation elements per token per layer (no TP/CP division; no recompute)."""
-    mlp_f = MLP_F_GATED if part.gated_mlp else MLP_F_PLAIN
-    base = ATTN_H * part.hidden + ATTN_KV * part.kv_dim + MLP_H * part.hidden + mlp_f * part.ffn
-    if flash:
-        return np.asarray(base, dtype=np.float64) + 0.0 * np.asarray(seq_len, dtype=np.float64)
-    # eager attention stores the softmax probabilities: heads x len per query token
-    return base + part.heads * np.asarray(seq_len, dtype=np.float64)
+def act_elems_per_token_layer(part: PartSpec, flash: bool) -> float:
+    """Stored activation elements per token per layer (before TP/CP division; no recompute).
+
+    Fused attention keeps K and V at their own (GQA) width; the unfused CPU path repeats them to every head.
+    """
+    kv = part.kv_dim if flash else part.hidden
+    return part.act_h * part.hidden + part.act_kv * kv + part.act_f * part.ffn
 
 
 def static_memory(ctx: CostContext, params: np.ndarray, dp: np.ndarray, trainable: bool) -> dict[str, np.ndarray]:
@@ -199,7 +195,11 @@ def backbone_stage_mb_time(part: PartSpec, ctx: CostContext, L: Layouts, m: np.n
     by = ctx.bytes
     samples = ctx.global_batch / L.dp
     rc_mult = np.where(L.rc > 0, 1.0 + part.forward_fraction, 1.0)
-    flops_mb = (part.linear_flops_per_token * L.b + part.attn_flops_per_sample * samples / m) * rc_mult
+    if ctx.cfg.flash_attention:  # varlen kernels: attention per sample
+        attn_mb = part.attn_flops_per_sample * samples / m
+    else:  # one dense b x b masked attention per microbatch
+        attn_mb = part.attn_flops_per_sample / max(part.sq_tokens_per_sample, 1.0) * L.b.astype(np.float64) ** 2
+    flops_mb = (part.linear_flops_per_token * L.b + attn_mb) * rc_mult
     compute = flops_mb / (L.pp * L.tp * L.cp) * ctx.seconds_per_flop(part.role, L.tp)
     layers_stage = np.ceil(part.layers / L.pp)
     tokens = L.b / L.cp
@@ -230,14 +230,17 @@ def backbone_stage_params(part: PartSpec, L: Layouts) -> tuple[np.ndarray, np.nd
     return first, last
 
 
-def backbone_activation_memory(part: PartSpec, ctx: CostContext, L: Layouts, m: np.ndarray,
-                               inflight: np.ndarray) -> np.ndarray:
-    """Activation bytes of `inflight` microbatches on one stage (with recompute: layer inputs + one layer)."""
+def backbone_activation_memory(part: PartSpec, ctx: CostContext, L: Layouts, inflight: np.ndarray) -> np.ndarray:
+    """Activation bytes of `inflight` microbatches on one stage (with recompute: layer inputs + one layer).
+
+    Unfused attention (CPU) also keeps the dense block-diagonal mask of each layer: b^2 fp32 values.
+    """
     by = ctx.bytes
     layers_stage = np.ceil(part.layers / L.pp)
     tokens = L.b / L.cp  # per device with CP; TP divides through sequence parallelism
-    seq = np.minimum(part.sq_tokens_per_sample / max(part.tokens_per_sample, 1.0), L.b)  # mean length seen
-    per_layer = act_elems_per_token_layer(part, ctx.cfg.flash_attention, seq) * tokens / L.tp * by.act
+    per_layer = act_elems_per_token_layer(part, ctx.cfg.flash_attention) * tokens / L.tp * by.act
+    if not ctx.cfg.flash_attention:
+        per_layer = per_layer + tokens * L.b * 4.0
     full = inflight * layers_stage * per_layer
     ckpt = inflight * layers_stage * tokens / L.tp * part.hidden * by.act + per_layer
     return np.where(L.rc > 0, ckpt, full)
@@ -256,10 +259,10 @@ def backbone_costs(part: PartSpec, ctx: CostContext, L: Layouts) -> Costs:
     time = pipeline + dp_t + opt_t + ctx.cfg.step_overhead_s
 
     inflight_first = np.where(L.pp > 1, np.minimum(m, L.pp) if ctx.cfg.pp_schedule == "1f1b" else m, 1)
-    act_first = backbone_activation_memory(part, ctx, L, m, inflight_first)
-    act_last = backbone_activation_memory(part, ctx, L, m, np.ones_like(m))
+    act_first = backbone_activation_memory(part, ctx, L, inflight_first)
+    act_last = backbone_activation_memory(part, ctx, L, np.ones_like(m))
     recv = 2.0 * L.b / L.cp * part.hidden * by.act / L.tp  # embeddings of 2 microbatches from the pool
-    logits = L.b / L.cp * part.vocab / L.tp * LOGITS_BYTES
+    logits = L.b / L.cp * part.vocab / L.tp * LOGITS_BYTES  # fp32 log-probs saved for the loss + their grad
     s_first = static_memory(ctx, p_first, L.dp, True)
     s_last = static_memory(ctx, p_last, L.dp, True)
     single = L.pp == 1
@@ -312,15 +315,21 @@ def encoder_static_params(part: PartSpec, tp: np.ndarray) -> np.ndarray:
 
 def encoder_activation_memory(part: PartSpec, ctx: CostContext, samples: np.ndarray, tp: np.ndarray,
                               rc: np.ndarray) -> np.ndarray:
-    """Activations an encoder rank holds: all in-flight samples (trainable, kept), else inputs + one image."""
+    """Activations an encoder rank holds for `samples` in-flight samples.
+
+    Kept (trainable, no recompute): every layer's activations, the merger's, and the pixel inputs of all of
+    them. Recompute: the pixel inputs only, plus one (the largest) image's activations during its backward.
+    Frozen: forward only, one layer of one image at a time.
+    """
     by = ctx.bytes
-    seq = part.sq_tokens_per_sample / max(part.tokens_per_sample, 1.0)
-    per_tok_layer = act_elems_per_token_layer(part, ctx.cfg.flash_attention, seq) / tp * by.act
-    one_image = part.max_item_tokens * part.layers * per_tok_layer
-    kept = samples * part.tokens_per_sample * part.layers * per_tok_layer
+    per_tok = (part.layers * act_elems_per_token_layer(part, ctx.cfg.flash_attention) / tp
+               + part.act_head_per_token) * by.act
     inputs = samples * part.tokens_per_sample * part.input_elems_per_token * by.act
-    if not part.trainable:  # forward only: one layer's working set of one image at a time
-        return np.broadcast_to(part.max_item_tokens * per_tok_layer, np.shape(samples)).astype(np.float64)
+    kept = samples * part.tokens_per_sample * per_tok + inputs
+    one_image = part.max_item_tokens * per_tok
+    if not part.trainable:
+        layer = act_elems_per_token_layer(part, ctx.cfg.flash_attention) / tp * by.act
+        return np.broadcast_to(part.max_item_tokens * layer, np.shape(samples * tp)).astype(np.float64)
     return np.where(rc > 0, inputs + one_image, kept)
 
 

@@ -42,6 +42,13 @@ class PartSpec:
     out_hidden: int = 0  # encoder: width of those embeddings
     input_elems_per_token: int = 0  # encoder: pixel values per patch (kept when recomputing)
     vocab: int = 0  # backbone: logits width
+    # Activation elements saved per token per layer: act_h x hidden + act_kv x (K and V width) + act_f x ffn.
+    # Counted from the HF implementations' saved tensors (tests/test_planner_memory.py measures them).
+    act_h: float = 8.0
+    act_kv: float = 2.0
+    act_f: float = 4.0
+    # Encoder: elements per patch saved by the patch merger / projector (after the last layer).
+    act_head_per_token: float = 0.0
     tp_sizes: tuple[int, ...] = (1, 2, 4, 8)
     pp_sizes: tuple[int, ...] = (1,)
     cp_sizes: tuple[int, ...] = (1,)
@@ -110,6 +117,8 @@ def encoder_part(spec: VLMSpec, shapes: Sequence[SampleShape], trainable: bool =
     layer = _vision_layer_params(spec)
     last = v.params - first - v.depth * layer
     tp_ok = tuple(t for t in (1, 2, 4, 8) if v.num_heads % t == 0)
+    act_h, act_f = _VIT_ACTIVATIONS[v.kind]
+    head = 2.0 * v.out_hidden_size if v.kind == "clip" else 3.0 * d
     return PartSpec(
         name=name, role="encoder", trainable=trainable, layers=v.depth, hidden=d, ffn=v.intermediate_size,
         heads=v.num_heads, kv_heads=v.num_heads, gated_mlp=v.kind == "qwen2_5_vl", layer_params=layer,
@@ -119,7 +128,14 @@ def encoder_part(spec: VLMSpec, shapes: Sequence[SampleShape], trainable: bool =
         max_item_tokens=int(max(per_image) if per_image else 0), linear_flops_per_token=mult * v.params,
         attn_flops_per_sample=float(attn.mean()), out_tokens_per_sample=float(out_tokens.mean()),
         out_hidden=v.out_hidden_size, input_elems_per_token=in_elems, tp_sizes=tp_ok,
+        act_h=act_h, act_kv=0.0, act_f=act_f, act_head_per_token=head,
     )
+
+
+# Saved elements per patch per ViT layer (x hidden, x ffn), counted from transformers' modules on CPU:
+# Qwen2-VL (LayerNorm, quick-GELU MLP), Qwen2.5-VL (RMSNorm, SwiGLU MLP, window reordering), CLIP.
+_VIT_ACTIVATIONS: dict[str, tuple[float, float]] = {"qwen2_vl": (11.5, 3.0), "qwen2_5_vl": (14.0, 4.0),
+                                                    "clip": (8.5, 3.0)}
 
 
 def _vision_layer_params(spec: VLMSpec) -> int:
