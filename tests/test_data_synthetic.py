@@ -2,7 +2,12 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -49,6 +54,25 @@ def test_same_sample_twice_and_across_processes() -> None:
     assert run_ranks(_digests_on_rank, 2, ids, timeout_s=60) == [here, here]
     other_seed = SyntheticInfoVQA(SyntheticParams(num_samples=64, seed=8, text_only_fraction=0.2, **TINY_DEMO), _spec())
     assert [_digest(other_seed.sample(i)) for i in ids] != here
+
+
+_FRESH_INTERPRETER = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from test_data_synthetic import _digests_on_rank
+print(json.dumps(_digests_on_rank(1, 1, {ids!r})))
+"""
+
+
+def test_same_samples_in_a_fresh_interpreter() -> None:
+    """Not a fork: another interpreter, another PYTHONHASHSEED, reversed access order."""
+    ids = [0, 5, 63]
+    code = _FRESH_INTERPRETER.format(tests=str(Path(__file__).parent), ids=ids)
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                         cwd=str(Path(__file__).parents[1]))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == _digests_on_rank(0, 1, ids)
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava"])
