@@ -12,7 +12,7 @@ from mindspeed_flow.config.schema import DataConfig
 from mindspeed_flow.data.build import build_dataset
 from mindspeed_flow.data.guard import BadSample, TooManyBadSamples
 from mindspeed_flow.data.length_table import LengthTableDataset, export_length_table, split_text_tokens
-from mindspeed_flow.data.prefetch import Prefetcher
+from mindspeed_flow.data.prefetch import Prefetcher, prefetch_samples
 from mindspeed_flow.data.sampler import iter_global_batches
 from mindspeed_flow.data.shapes import SampleShape, read_length_table, write_length_table
 from mindspeed_flow.data.synthetic import SyntheticInfoVQA, SyntheticParams
@@ -142,6 +142,16 @@ def test_prefetcher_reraises_at_the_failing_item_and_close_stops_the_thread() ->
     assert not early._thread.is_alive()
     with pytest.raises(ValueError, match="depth"):
         Prefetcher(lambda i: i, [], depth=0)
+
+
+def test_prefetch_samples_loads_a_dataset_in_order() -> None:
+    ds = SyntheticInfoVQA(SyntheticParams(num_samples=20), QWEN)
+    ids = [7, 3, 11, 0]
+    with prefetch_samples(ds, ids, with_pixels=False, depth=2) as loader:
+        got = list(loader)
+    assert [s.sample_id for s in got] == ids and all(s.pixel_values is None for s in got)
+    with prefetch_samples(ds, ids[:1]) as loader:
+        assert next(loader).pixel_values is not None
 
 
 def test_prefetcher_times_out_naming_the_thread() -> None:

@@ -12,7 +12,7 @@ from mindspeed_flow.data.length_table import export_length_table
 from mindspeed_flow.data.prefetch import Prefetcher
 from mindspeed_flow.data.sampler import iter_global_batches
 from mindspeed_flow.data.sharegpt import ShareGPTDataset
-from mindspeed_flow.data.tokens import token_spec_from_hf_config
+from mindspeed_flow.data.tokens import load_local_tokenizer, token_spec_from_hf_config
 from mindspeed_flow.model_presets import hf_config_dict
 from mindspeed_flow.utils.multiproc import run_ranks
 
@@ -28,6 +28,7 @@ BAD_CAUSES = {  # index -> a fragment the recorded cause must contain
     7: "cannot be read",
     8: "tag",
     9: "not an object",
+    10: "videos",
 }
 
 
@@ -64,6 +65,7 @@ def make_folder(root: Path) -> Path:
         {"id": "garbage", "image": "images/garbage.png", "conversations": _conv("<image>Q?", "A.")},
         {"id": "tags", "image": "images/a.png", "conversations": _conv("<image><image>Q?", "A.")},
         "not a dict",
+        {"id": "video", "video": "clip.mp4", "conversations": _conv("<video>Q?", "A.")},
     ]
     path = root / "data.json"
     path.write_text(json.dumps(entries))
@@ -82,7 +84,7 @@ def _bytes(text: str) -> list[int]:
 def test_good_entries_tokens_pixels_and_shapes(folder: Path) -> None:
     proc_mod = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
     ds = ShareGPTDataset(str(folder), SPEC, **LIMITS)
-    assert len(ds) == 10 and ds.record_id(0) == "a" and ds.record_id(5) == 5
+    assert len(ds) == 11 and ds.record_id(0) == "a" and ds.record_id(5) == 5
     for i in GOOD:
         s = ds.sample(i)
         assert s.shape(SPEC.merge_size) == ds.shape(i) == ds.sample(i, with_pixels=False).shape(SPEC.merge_size)
@@ -204,6 +206,25 @@ def test_shape_table_validates_once_and_plans_without_images(folder: Path, tmp_p
         stale.shape(1)
     with pytest.raises(BadSample, match="not found"):
         full.shape(0)
+
+
+def test_local_hf_tokenizer_with_the_reader(folder: Path, tmp_path: Path) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "[BOS]": 1, "what": 2, "is": 3, "shown": 4, "?": 5, "a": 6, "chart": 7, ".": 8}
+    core = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    core.normalizer = tokenizers.normalizers.Lowercase()
+    core.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", bos_token="[BOS]")
+    fast.save_pretrained(str(tmp_path / "ckpt"))
+    expected = [2, 3, 4, 5, 6, 7, 8, SPEC.eos_id]
+    for tokenizer in (load_local_tokenizer(str(tmp_path / "ckpt")), fast):  # a callable, or the tokenizer itself
+        s = ShareGPTDataset(str(folder), SPEC, tokenizer=tokenizer, **LIMITS).sample(0, with_pixels=False)
+        end = s.input_ids.tolist().index(SPEC.vision_end_id) + 1
+        assert s.input_ids[end:].tolist() == expected
+    with pytest.raises(FileNotFoundError, match="model.pretrained_path"):
+        load_local_tokenizer(str(tmp_path / "no_such_checkpoint"))
 
 
 class _Exploding:

@@ -8,7 +8,8 @@ Public API (imported lazily, so `mindspeed_flow.data.shapes` stays importable wi
     export_length_table(ds, path)                          length_table.py
     iter_global_batches(ds, global_batch_size, seed, ...)  sampler.py (good ids only; state_dict/load_state_dict)
     SampleGuard, BadSample, TooManyBadSamples              guard.py
-    Prefetcher(fn, ids, depth)                             prefetch.py
+    Prefetcher(fn, ids, depth), prefetch_samples(ds, ids, with_pixels=, depth=)   prefetch.py
+    load_local_tokenizer(path), hf_tokenizer_fn(tok)       tokens.py  (str -> ids callables for the ShareGPT reader)
     smart_resize, patchify_qwen2                           image.py
 """
 from __future__ import annotations
@@ -27,7 +28,8 @@ _EXPORTS = {
     "LengthTableDataset": "length_table", "export_length_table": "length_table",
     "BadSample": "guard", "TooManyBadSamples": "guard", "SampleGuard": "guard", "BadSampleTracker": "guard",
     "GlobalBatchSampler": "sampler", "iter_global_batches": "sampler",
-    "Prefetcher": "prefetch",
+    "Prefetcher": "prefetch", "prefetch_samples": "prefetch",
+    "hf_tokenizer_fn": "tokens", "load_local_tokenizer": "tokens",
     "build_dataset": "build", "synthetic_params": "build",
 }
 

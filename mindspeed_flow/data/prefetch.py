@@ -94,3 +94,9 @@ class Prefetcher(Generic[T]):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def prefetch_samples(dataset: Any, ids: Iterable[int], *, with_pixels: bool = True, depth: int = 2,
+                     timeout_s: Optional[float] = None) -> "Prefetcher[Any]":
+    """`dataset.sample(i, with_pixels)` for each id, loaded ahead in a background thread (the runtime's loader)."""
+    return Prefetcher(lambda i: dataset.sample(i, with_pixels=with_pixels), ids, depth, timeout_s=timeout_s)

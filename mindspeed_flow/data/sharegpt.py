@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -174,7 +174,10 @@ class ShareGPTDataset(VLMDataset):
 
     # ---- parsing ---------------------------------------------------------------------------------------------
     def _tokenize(self, text: str, i: int, what: str) -> tuple[int, ...]:
-        ids = tuple(int(t) for t in self.tokenizer(text))
+        out = self.tokenizer(text)
+        if isinstance(out, Mapping):  # a transformers tokenizer called directly: take its input_ids
+            out = out["input_ids"]
+        ids = tuple(int(t) for t in out)
         try:
             check_ordinary_ids(ids, self.token_spec, what=what)
         except ValueError as exc:
@@ -190,6 +193,8 @@ class ShareGPTDataset(VLMDataset):
             raise BadSample(i, raw.cause)
         if not isinstance(raw, dict):
             raise BadSample(i, f"entry is a {type(raw).__name__}, not an object")
+        if raw.get("video") or raw.get("videos"):
+            raise BadSample(i, "entry has videos; only images are supported")
         images = _image_list(raw, i)
         messages = _messages(raw, i)
         n_tags = sum(t.count(IMAGE_TAG) for _, t in messages)

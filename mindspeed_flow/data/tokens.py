@@ -140,6 +140,30 @@ class ByteTokenizer:
         return [b % self.limit for b in text.encode("utf-8")]
 
 
+def hf_tokenizer_fn(tokenizer: Any) -> Tokenizer:
+    """A transformers tokenizer as the plain `str -> ids` callable the readers take.
+
+    Special tokens are not added: the template places vision and end-of-turn ids itself, and a BOS per turn
+    would be noise.
+    """
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    return encode
+
+
+def load_local_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer saved in a local checkpoint directory (never the hub), as a `str -> ids` callable."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise FileNotFoundError(f"model.pretrained_path={path!r}: no tokenizer could be loaded from it "
+                                f"({type(exc).__name__}: {exc})") from None
+    return hf_tokenizer_fn(tok)
+
+
 def build_conversation(spec: TokenSpec, image_token_counts: Sequence[int],
                        turns: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Render images and (question ids, answer ids) turns into (input_ids, labels), both int64 [L]."""
