@@ -1,0 +1,212 @@
+"""Data parallelism for a part (DDP or FSDP2), gradient-sync control, and the global gradient norm.
+
+Reduction convention: DDP and FSDP2 both AVERAGE gradients over the DP group. The runtime's loss is a sum of
+token losses divided by the GLOBAL label-token count, whose exact gradient is the SUM over DP ranks, so the
+runtime scales each rank's loss by the DP size (`dp_loss_scale`) before backward. (Switching the collectives
+to SUM instead would need PREMUL_SUM / comm hooks that gloo and torch 2.7 do not all support.)
+
+Global norm without double counting: every rank computes `grad_sq_sum(module, replicated_over=...)`, its share
+of the squared norm; the shares are summed over the whole world (all parts, all stages) once. A parameter that
+is replicated on k ranks (DDP, or the encoder's DP group) contributes 1/k of its squared norm on each;
+FSDP2 shards (DTensor Shard placements) contribute their local squares as they are, DTensor Replicate
+placements are divided by their mesh size.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+try:  # torch >= 2.5 exposes DTensor publicly; 2.7 has both names
+    from torch.distributed.tensor import DTensor, Replicate
+except ImportError:  # pragma: no cover - older torch
+    from torch.distributed._tensor import DTensor, Replicate  # type: ignore[no-redef]
+
+
+def _fully_shard():
+    """FSDP2's `fully_shard`: public in torch.distributed.fsdp from 2.6, under _composable.fsdp before."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # pragma: no cover - torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard
+
+
+def _fsdp_module_type() -> type:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        from torch.distributed._composable.fsdp import FSDPModule
+    return FSDPModule
+
+
+def device_mesh_for(group: Optional[dist.ProcessGroup], device_type: str):
+    """A 1-D DeviceMesh over `group` (DeviceMesh.from_group; init_device_mesh for the world group as fallback)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    group = group if group is not None else dist.group.WORLD
+    if hasattr(DeviceMesh, "from_group"):
+        return DeviceMesh.from_group(group, device_type=device_type)
+    if dist.get_world_size(group) != dist.get_world_size():  # pragma: no cover - torch without from_group
+        raise RuntimeError("this torch has no DeviceMesh.from_group; FSDP2 over a sub-group needs torch >= 2.4")
+    return init_device_mesh(device_type, (dist.get_world_size(),))  # pragma: no cover
+
+
+def _device_type(module: nn.Module) -> str:
+    p = next(module.parameters(), None)
+    return "cpu" if p is None else p.device.type
+
+
+def apply_ddp(module: nn.Module, dp_group: Optional[dist.ProcessGroup], *,
+              find_unused_parameters: bool = False) -> nn.Module:
+    """Wrap in DistributedDataParallel over `dp_group` (device_ids from the module's device, none on CPU).
+
+    Set `find_unused_parameters` for modules with parameters the forward may skip (e.g. CLIP's post_layernorm).
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dev = next(module.parameters()).device
+    device_ids = None if dev.type == "cpu" else [dev.index if dev.index is not None else 0]
+    return DDP(module, device_ids=device_ids, process_group=dp_group, broadcast_buffers=False,
+               find_unused_parameters=find_unused_parameters)
+
+
+def apply_fsdp(module: nn.Module, dp_group: Optional[dist.ProcessGroup], *,
+               layer_containers: Sequence[str] = ("layers", "blocks", "encoder.layers"),
+               reshard_after_forward: bool = True) -> nn.Module:
+    """FSDP2 over `dp_group`: each decoder layer / vision block is its own unit, then the root (embeddings, head).
+
+    Returns the same module object (fully_shard works in place); its parameters become DTensors, so call the
+    part only through its forward (e.g. `BackbonePart.forward(packed, image_embeds)`, not `.embed` alone).
+    """
+    fully_shard = _fully_shard()
+    mesh = device_mesh_for(dp_group, _device_type(module))
+    for block in _blocks(module, layer_containers):
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return module
+
+
+def _blocks(module: nn.Module, containers: Sequence[str]) -> Iterator[nn.Module]:
+    seen: set[int] = set()
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.ModuleList) and any(name == c or name.endswith("." + c) for c in containers):
+            for block in sub:
+                if id(block) not in seen:
+                    seen.add(id(block))
+                    yield block
+
+
+@contextlib.contextmanager
+def grad_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
+    """Accumulate locally (no DP communication) unless `enabled`: use enabled=False for all but the last
+    microbatch of a step. Works for DDP (no_sync) and FSDP2 (set_requires_gradient_sync)."""
+    if enabled:
+        yield
+        return
+    if hasattr(module, "no_sync") and not isinstance(module, _fsdp_module_type()):
+        with module.no_sync():
+            yield
+        return
+    if isinstance(module, _fsdp_module_type()):
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+        return
+    yield  # a plain module: nothing to hold back
+
+
+def dp_loss_scale(dp_group: Optional[dist.ProcessGroup]) -> float:
+    """Multiply the loss by this before backward so that averaging DP collectives yield the SUM of gradients."""
+    return float(dist.get_world_size(dp_group)) if dist.is_initialized() else 1.0
+
+
+def allreduce_grads_(params: Iterable[nn.Parameter], dp_group: Optional[dist.ProcessGroup],
+                     average: bool = True) -> None:
+    """Average (or sum) plain-tensor gradients over `dp_group` in one flattened collective.
+
+    For parts whose forward/backward pattern does not suit DDP (an encoder that runs several forwards before
+    the backbone returns the gradients), call this once after the last backward of the step. Parameters
+    without a gradient get a zero gradient, so every rank reduces the same layout.
+    """
+    params = [p for p in params if p.requires_grad]
+    if not params or dist.get_world_size(dp_group) == 1:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, group=dp_group)
+    if average:
+        flat.div_(dist.get_world_size(dp_group))
+    offset = 0
+    for p in params:
+        n = p.grad.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        offset += n
+
+
+def _replicas_of(grad: torch.Tensor) -> int:
+    """How many ranks of the DTensor's mesh hold this same shard (Replicate placements)."""
+    k = 1
+    for dim, placement in enumerate(grad.placements):
+        if isinstance(placement, Replicate):
+            k *= grad.device_mesh.size(dim)
+    return k
+
+
+def grad_sq_sum(module_or_params: nn.Module | Iterable[torch.Tensor], *, replicated_over: int) -> torch.Tensor:
+    """This rank's share of the global squared gradient norm (fp32 scalar on the gradients' device).
+
+    `replicated_over`: on how many ranks each plain (non-DTensor) gradient lives identically, e.g. the DP size
+    under DDP, 1 for an unreplicated pipeline stage. DTensor (FSDP2) gradients are counted from their
+    placements. Sum the shares over the whole world once (e.g. all_reduce SUM) and take the square root.
+    """
+    if replicated_over < 1:
+        raise ValueError(f"replicated_over={replicated_over} must be >= 1")
+    params = module_or_params.parameters() if isinstance(module_or_params, nn.Module) else module_or_params
+    total: Optional[torch.Tensor] = None
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            share = g.to_local().float().pow(2).sum() / _replicas_of(g)
+        else:
+            share = g.float().pow(2).sum() / replicated_over
+        total = share if total is None else total + share
+    if total is None:
+        p0 = next(iter(module_or_params.parameters()), None) if isinstance(module_or_params, nn.Module) else None
+        total = torch.zeros((), dtype=torch.float32, device=p0.device if p0 is not None else "cpu")
+    return total
+
+
+def global_grad_norm(shares: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup] = None) -> float:
+    """sqrt of the shares summed locally and then over `group` (the whole world by default)."""
+    local = torch.stack([s.detach().float().cpu() for s in shares]).sum() if shares else torch.zeros(())
+    if dist.is_initialized():
+        dist.all_reduce(local, group=group)
+    return math.sqrt(float(local))
+
+
+def clip_grads_(params: Iterable[nn.Parameter], total_norm: float, max_norm: float, eps: float = 1e-6) -> float:
+    """Scale gradients by min(1, max_norm / (total_norm + eps)) given the GLOBAL norm; returns the factor.
+
+    The same rule as torch.nn.utils.clip_grad_norm_, so decoupled and coupled runs clip identically.
+    """
+    if max_norm <= 0:
+        raise ValueError(f"trainer.max_grad_norm={max_norm} must be positive (set it to a large value to disable)")
+    if not math.isfinite(total_norm):
+        raise FloatingPointError(f"global gradient norm is {total_norm}; refusing to clip with a non-finite norm")
+    coef = min(1.0, max_norm / (total_norm + eps))
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.detach().mul_(coef)
+    return coef
