@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 
@@ -36,6 +36,9 @@ from mindspeed_flow.data.sample import TokenSpec, VLMSample
 from mindspeed_flow.data.shapes import SampleShape, read_length_table
 from mindspeed_flow.data.tokens import (ByteTokenizer, Tokenizer, build_conversation, check_ordinary_ids,
                                         template_text_tokens)
+
+if TYPE_CHECKING:  # PIL is imported where an image is opened
+    from PIL.Image import Image as PILImage
 
 IMAGE_TAG = "<image>"
 USER_ROLES = ("human", "user")
@@ -207,19 +210,22 @@ class ShareGPTDataset(VLMDataset):
         return entry
 
     # ---- images ----------------------------------------------------------------------------------------------
-    def _open(self, i: int, rel: str, *, decode: bool):
+    def _open(self, i: int, rel: str, *, decode: bool) -> "PILImage":
         """Open image `rel` of sample i (header only unless `decode`); any failure is that sample's BadSample."""
         from PIL import Image
 
         full = self.image_path(rel)
         if not os.path.exists(full):
             raise BadSample(i, f"image {rel!r} not found (looked for {full})")
+        img = None
         try:
             img = Image.open(full)
             if decode:
                 img.load()  # a truncated JPEG fails only here, not in open()
             return img
         except Exception as exc:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ValueError, DecompressionBomb...
+            if img is not None:
+                img.close()
             if is_system_error(exc) and not isinstance(exc, SyntaxError):  # PIL uses SyntaxError for bad headers
                 raise
             raise BadSample(i, f"image {rel!r} cannot be read: {type(exc).__name__}: {exc}") from None
