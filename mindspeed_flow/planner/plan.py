@@ -26,12 +26,22 @@ GB = 1e9
 
 
 def resolve_global_batch(cfg: PlannerConfig, devices: int) -> int:
-    """planner.global_batch_size, or auto: the smallest power of two >= 2 x devices, at least 16."""
+    """planner.global_batch_size, or auto: the most divisible number in [2 x devices, 4 x devices] (>= 16).
+
+    Every DP size must divide the global batch, so a batch with many divisors lets layouts use the whole
+    device budget (a power of two would only allow power-of-two DP sizes).
+    """
     if cfg.global_batch_size:
         if cfg.global_batch_size < 1:
             raise PlanError(f"planner.global_batch_size={cfg.global_batch_size}: must be >= 1")
         return int(cfg.global_batch_size)
-    return max(16, 1 << int(np.ceil(np.log2(2 * max(devices, 1)))))
+    lo, hi = max(16, 2 * devices), max(32, 4 * devices)
+    n = np.arange(lo, hi + 1, dtype=np.int64)
+    counts = np.zeros_like(n)
+    for d in range(1, int(np.sqrt(hi)) + 1):  # divisor pairs (d, n / d)
+        hit = (n % d == 0) & (d * d <= n)
+        counts += np.where(hit, np.where(n == d * d, 1, 2), 0)
+    return int(n[int(np.argmax(counts))])  # first (smallest) of the most divisible
 
 
 @dataclass
