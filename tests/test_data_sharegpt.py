@@ -169,7 +169,8 @@ def test_header_only_mode_fails_loudly_at_load_time(folder: Path) -> None:
 
 
 def test_jsonl_bad_line_bad_tokenizer_and_file_errors(tmp_path: Path) -> None:
-    lines = [json.dumps({"conversations": _conv("Hi", "Yo")}), "{not json", json.dumps({"conversations": _conv("a", "b")})]
+    lines = [json.dumps({"conversations": _conv("Hi", "Yo")}), "{not json",
+             json.dumps({"conversations": _conv("a", "b")})]
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(lines) + "\n")
     ds = ShareGPTDataset(str(path), SPEC)

@@ -108,7 +108,8 @@ def structure_rng(seed: int, index: int) -> np.random.Generator:
 
 
 def render_sample(spec: TokenSpec, sample_id: int, grids: Sequence[tuple[int, int, int]], klass: int,
-                  turns: Sequence[tuple[Sequence[int], Sequence[int]]], pixels: np.random.Generator | None) -> VLMSample:
+                  turns: Sequence[tuple[Sequence[int], Sequence[int]]],
+                  pixels: np.random.Generator | None) -> VLMSample:
     """Assemble the `VLMSample`: one image per grid (all of class `klass`), then the turns.
 
     `pixels` None means with_pixels=False: token ids, labels and grids only.
