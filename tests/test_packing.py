@@ -153,7 +153,7 @@ def test_encoder_order_follows_slots_and_balances() -> None:
     enc[5] = 0.0  # text-only: nothing to encode
     ids = list(range(100, 140))
     slots = [list(range(s * 10, (s + 1) * 10)) for s in range(4)]
-    order, loads = encoder_schedule(slots, enc, ids, 3)
+    order, loads = encoder_schedule(slots, enc, ids, 3, enc > 0)
     assert sorted(sid for o in order for sid in o) == [i for i in ids if i != 105]
     slot_of = {ids[p]: s for s, positions in enumerate(slots) for p in positions}
     for o in order:  # consumption order: slot never decreases along an encoder's list

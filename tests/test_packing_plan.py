@@ -165,3 +165,23 @@ def test_streaming_oversize_skip_is_reported() -> None:
     assert sorted(steps[0].sample_ids()) == [0, 2]
     with pytest.raises(PackingError, match="sample 1 has 5000 LLM tokens"):
         list(StreamingPacker(iter(shapes), token_budget=100, cost_model=COST, lookahead=4).microbatches())
+
+
+def test_encoder_costs_vectorized_and_zero_cost_images_still_encoded() -> None:
+    from mindspeed_flow.packing.types import encoder_costs_of
+
+    windowed = CostModel.from_spec(VLMSpec.from_hf_config(hf_config_dict("qwen2_5_vl", "7b")))
+    shapes = [SampleShape(0, 5, ((1, 80, 40), (1, 8, 8))), SampleShape(1, 9), SampleShape(2, 3, ((1, 200, 100),))]
+    assert encoder_costs_of(shapes, windowed) == pytest.approx([windowed.encoder_cost(s) for s in shapes])
+    free = CostModel(enc_linear=0.0)  # a profiled recipe may zero the encoder: images must still be encoded
+    p = plan(shapes, cost_model=free, dp=1, min_microbatches=1, num_encoders=2)
+    p.check(shapes)
+    assert sorted(s for o in p.encoder_order for s in o) == [0, 2]
+
+
+def test_llm_tokens_of_matches_the_shape_property() -> None:
+    from mindspeed_flow.packing.plan import llm_tokens_of
+
+    shapes = [SampleShape(0, 7, ((1, 5, 5), (2, 3, 3))), SampleShape(1, 4, ((1, 5, 7),)), SampleShape(2, 9),
+              SampleShape(3, 1, ((1, 6, 6),), merge_size=3)]
+    assert llm_tokens_of(shapes) == [s.llm_tokens for s in shapes]

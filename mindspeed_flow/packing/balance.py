@@ -23,6 +23,8 @@ import numpy as np
 def split_to_count(bins: list[list[int]], lengths: np.ndarray, count: int) -> list[list[int]]:
     """Make exactly `count` bins (count >= len(bins)) by halving the heaviest bins, then adding empty ones."""
     bins = [list(b) for b in bins]
+    if len(bins) >= count:
+        return bins
     heap = [(-int(lengths[b].sum()) if b else 0, i) for i, b in enumerate(bins)]
     heapq.heapify(heap)
     while len(bins) < count and heap:
@@ -39,21 +41,23 @@ def split_to_count(bins: list[list[int]], lengths: np.ndarray, count: int) -> li
     return bins
 
 
-def level_bins(bins: list[list[int]], lengths: np.ndarray, max_moves: int = 0) -> None:
+def level_bins(bins: list[list[int]], loads: list[int], lengths: Sequence[int], max_moves: int = 0) -> None:
     """Move samples from the fullest pack to the emptiest while that narrows their gap (in place).
 
     Best fit leaves its last pack (or the ones `split_to_count` added) light; that pack would make its slot
     unbalanced. Each move takes the sample from the fullest pack whose length is closest to half the gap (so the gap
-    strictly shrinks and the maximum never grows); it stops when no sample narrows it.
+    strictly shrinks and the maximum never grows); it stops when no sample narrows it. `loads` are the packs'
+    token sums (updated in place); ties go to the lowest pack index.
     """
-    loads = [int(lengths[b].sum()) if b else 0 for b in bins]
     for _ in range(max_moves or 4 * len(bins)):
-        heavy = max(range(len(bins)), key=lambda b: (loads[b], -b))
-        light = min(range(len(bins)), key=lambda b: (loads[b], b))
+        if not bins:
+            return
+        heavy = loads.index(max(loads))
+        light = loads.index(min(loads))
         gap = loads[heavy] - loads[light]
         best, best_len = -1, 0
         for k, i in enumerate(bins[heavy]):
-            length = int(lengths[i])
+            length = lengths[i]
             if length < gap and abs(gap - 2 * length) < abs(gap - 2 * best_len):
                 best, best_len = k, length
         if best < 0:
@@ -118,20 +122,25 @@ def refine_by_slot_swaps(placement: list[list[int]], costs: Sequence[float], tot
 
 
 def encoder_schedule(slots: Sequence[Sequence[int]], encoder_costs: np.ndarray, ids: Sequence[int],
-                     num_encoders: int) -> tuple[list[list[int]], list[float]]:
+                     num_encoders: int, has_images: np.ndarray) -> tuple[list[list[int]], list[float]]:
     """Sample ids per encoder rank, in encode order, and each rank's total encoder cost.
 
     `slots[s]` lists the sample positions the backbone consumes in slot s (all DP ranks). Samples without
-    images (cost 0) are not listed: there is nothing to encode.
+    images (`has_images` false) are not listed: there is nothing to encode.
     """
     heap = [(0.0, r) for r in range(num_encoders)]
     order: list[list[int]] = [[] for _ in range(num_encoders)]
     for positions in slots:
-        todo = sorted((p for p in positions if encoder_costs[p] > 0), key=lambda p: (-encoder_costs[p], ids[p]))
-        for p in todo:
+        where = np.asarray(positions, dtype=np.int64)
+        where = where[has_images[where]]
+        # Heaviest first, ties by sample id (np.lexsort: last key is the primary one).
+        ordered = where[np.lexsort((np.asarray([ids[p] for p in where.tolist()], dtype=np.int64),
+                                    -encoder_costs[where]))] if where.size else where
+        costs = encoder_costs[ordered].tolist()
+        for p, cost in zip(ordered.tolist(), costs):
             load, rank = heapq.heappop(heap)
             order[rank].append(ids[p])
-            heapq.heappush(heap, (load + float(encoder_costs[p]), rank))
+            heapq.heappush(heap, (load + cost, rank))
     loads = [0.0] * num_encoders
     for load, rank in heap:
         loads[rank] = load
@@ -139,14 +148,14 @@ def encoder_schedule(slots: Sequence[Sequence[int]], encoder_costs: np.ndarray, 
 
 
 def round_robin_encoders(slots: Sequence[Sequence[int]], encoder_costs: np.ndarray, ids: Sequence[int],
-                         num_encoders: int) -> tuple[list[list[int]], list[float]]:
+                         num_encoders: int, has_images: np.ndarray) -> tuple[list[list[int]], list[float]]:
     """Baseline: samples with images dealt to encoder ranks in consumption order, ignoring cost."""
     order: list[list[int]] = [[] for _ in range(num_encoders)]
     loads = [0.0] * num_encoders
     k = 0
     for positions in slots:
         for p in positions:
-            if encoder_costs[p] > 0:
+            if has_images[p]:
                 order[k % num_encoders].append(ids[p])
                 loads[k % num_encoders] += float(encoder_costs[p])
                 k += 1

@@ -5,7 +5,7 @@ into the open bin whose remaining capacity is the *smallest one that still fits 
 query on a max segment tree indexed by remaining capacity (0..B): leaf v is "present" when at least one open
 bin has exactly v free tokens, and a left-first descent finds the smallest present v >= length in O(log B).
 Bins sharing a capacity wait on a per-capacity stack, so the tree only changes when a capacity value appears
-or disappears.
+or disappears (and a vanished capacity is removed lazily, when a query first lands on it).
 
 When no open bin fits a length, none will fit the rest of that length's run either (bins only shrink), so the
 run goes into fresh bins in bulk, `budget // length` per bin: this is exactly what the sequential algorithm
@@ -123,7 +123,10 @@ def best_fit_pack(lengths: np.ndarray, budget: int) -> Packing:
 
     tree = CapacityTree(budget)
     nodes, size, insert, remove = tree.tree, tree.size, tree.insert, tree.remove
-    holders: dict[int, list[int]] = {}  # remaining capacity -> open bins with exactly that capacity
+    # remaining capacity -> open bins with exactly that capacity. A key stays (possibly with an empty list) as
+    # long as its leaf is present in the tree: a capacity whose last bin left is removed lazily, only if a query
+    # lands on it. Most such capacities are below every length still to come and are never touched again.
+    holders: dict[int, list[int]] = {}
     bins: list[list[int]] = []
     loads: list[int] = []
 
@@ -131,11 +134,11 @@ def best_fit_pack(lengths: np.ndarray, budget: int) -> Packing:
         if capacity <= 0:
             return
         stack = holders.get(capacity)
-        if stack:
-            stack.append(bin_id)
-        else:
+        if stack is None:
             holders[capacity] = [bin_id]
-            tree.insert(capacity)
+            insert(capacity)
+        else:
+            stack.append(bin_id)
 
     for run, length in enumerate(run_lengths):
         i, end = bounds[run], bounds[run + 1]
@@ -147,20 +150,26 @@ def best_fit_pack(lengths: np.ndarray, budget: int) -> Packing:
                     node += 1
             capacity = node - size
             stack = holders[capacity]
-            bin_id = stack.pop()
-            if not stack:
+            if not stack:  # stale capacity: drop it now and ask again
                 del holders[capacity]
                 remove(capacity)
+                continue
+            bin_id = stack.pop()
             bins[bin_id].append(order_list[i])
             loads[bin_id] += length
             capacity -= length
-            if capacity:  # inlined hold()
+            if capacity:  # inlined hold() and CapacityTree.insert()
                 stack = holders.get(capacity)
-                if stack:
-                    stack.append(bin_id)
-                else:
+                if stack is None:
                     holders[capacity] = [bin_id]
-                    insert(capacity)
+                    node = capacity + size
+                    nodes[node] = capacity
+                    node >>= 1
+                    while node and nodes[node] < capacity:
+                        nodes[node] = capacity
+                        node >>= 1
+                else:
+                    stack.append(bin_id)
             i += 1
         if i < end:
             _open_bins_in_bulk(order_list[i:end], length, budget, bins, loads, hold)

@@ -45,9 +45,21 @@ def plan_step(shapes: Sequence[SampleShape], *, dp: int, num_encoders: int, toke
 
 
 def llm_tokens_of(shapes: Sequence[SampleShape]) -> list[int]:
-    """`SampleShape.llm_tokens` of every shape, computed inline (the properties cost a few us per sample)."""
-    return [s.text_tokens + sum(t * h * w for t, h, w in s.image_grid_thw) // (s.merge_size * s.merge_size)
-            if s.image_grid_thw else s.text_tokens for s in shapes]
+    """`SampleShape.llm_tokens` of every shape (same per-image floor), without the properties' per-call cost."""
+    out: list[int] = []
+    append = out.append
+    for s in shapes:
+        grid = s.image_grid_thw
+        if not grid:
+            append(s.text_tokens)
+            continue
+        m2 = s.merge_size * s.merge_size
+        if len(grid) == 1:
+            t, h, w = grid[0]
+            append(s.text_tokens + t * h * w // m2)
+        else:
+            append(s.text_tokens + sum(t * h * w // m2 for t, h, w in grid))
+    return out
 
 
 def check_arguments(*, dp: int, num_encoders: int, token_budget: int, scheduler: str, min_microbatches: int,

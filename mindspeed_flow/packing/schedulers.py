@@ -42,11 +42,11 @@ def assemble(inp: StepInputs, placement: list[list[list[int]]], *, token_budget:
              footprint: Callable[[list[int]], int], seq_len: int, scheduler: str,
              balance_encoders: bool) -> StepPlan:
     """StepPlan from positions per [rank][slot]; `footprint(positions)` gives each microbatch's padded tokens."""
-    microbatches = [[inp.microbatch(pos, footprint(pos)) for pos in rank] for rank in placement]
+    microbatches = [inp.microbatches(rank, [footprint(pos) for pos in rank]) for rank in placement]
     num_slots = len(placement[0]) if placement else 0
     slots = [[p for rank in placement for p in rank[s]] for s in range(num_slots)]
     schedule = encoder_schedule if balance_encoders else round_robin_encoders
-    order, loads = schedule(slots, inp.encoder_costs, inp.ids, num_encoders)
+    order, loads = schedule(slots, inp.encoder_costs, inp.ids, num_encoders, inp.has_images)
     return StepPlan(microbatches=microbatches, encoder_order=order, token_budget=token_budget, seq_len=seq_len,
                     scheduler=scheduler, encoder_costs=loads)
 
@@ -70,11 +70,11 @@ def flow_schedule(inp: StepInputs, *, dp: int, num_encoders: int, token_budget: 
     if len(bins) > count:  # even the full budget needed more bins than the lower bound
         count = round_up(len(bins), dp)
     bins = split_to_count(bins, lengths, count)
-    level_bins(bins, lengths)
-    costs = [float(inp.costs[b].sum()) if b else 0.0 for b in bins]
-    ranks = zigzag_place(costs, dp)
+    level_bins(bins, inp.sums(bins)[0].tolist(), lengths.tolist())
+    loads, costs = inp.sums(bins)
+    ranks = zigzag_place(costs.tolist(), dp)
     placement = [[bins[b] for b in rank] for rank in ranks]
-    seq_len = packed_seq_len([int(lengths[b].sum()) for b in bins if b], token_budget, pad_multiple)
+    seq_len = packed_seq_len(loads.tolist(), token_budget, pad_multiple)
     return assemble(inp, placement, token_budget=token_budget, num_encoders=num_encoders,
                     footprint=lambda pos: seq_len, seq_len=seq_len, scheduler="flow", balance_encoders=True)
 

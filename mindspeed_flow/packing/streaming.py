@@ -22,7 +22,7 @@ from mindspeed_flow.packing.balance import encoder_schedule, zigzag_place
 from mindspeed_flow.packing.bestfit import best_fit_pack
 from mindspeed_flow.packing.cost import CostModel
 from mindspeed_flow.packing.plan import PackingError, check_arguments
-from mindspeed_flow.packing.types import Microbatch, StepPlan
+from mindspeed_flow.packing.types import Microbatch, StepPlan, encoder_costs_of
 
 
 class StreamingPacker:
@@ -117,12 +117,12 @@ class StreamingPacker:
         microbatches = [[packs[b] for b in rank] for rank in ranks]
         ids = [sid for slot in range(len(ranks[0])) for rank in microbatches for sid in rank[slot].sample_ids]
         shapes = [self.shapes.pop(sid) for sid in ids]
-        enc = np.array([self.cost_model.encoder_cost(s) for s in shapes], dtype=np.float64)
+        enc, has_images = encoder_costs_of(shapes, self.cost_model, with_mask=True)
         slots, start = [], 0
         for slot in range(len(ranks[0])):
             n = sum(len(rank[slot].sample_ids) for rank in microbatches)
             slots.append(list(range(start, start + n)))
             start += n
-        order, loads = encoder_schedule(slots, enc, ids, num_encoders)
+        order, loads = encoder_schedule(slots, enc, ids, num_encoders, has_images)
         return StepPlan(microbatches=microbatches, encoder_order=order, token_budget=self.token_budget,
                         oversize=list(oversize), seq_len=self.token_budget, scheduler="flow", encoder_costs=loads)

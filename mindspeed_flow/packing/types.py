@@ -128,27 +128,52 @@ class StepInputs:
     lengths: np.ndarray  # int64 LLM tokens
     costs: np.ndarray  # float64 backbone cost
     encoder_costs: np.ndarray  # float64 encoder cost (0 for text-only)
+    has_images: np.ndarray  # bool: the sample has something to encode
 
     @staticmethod
     def from_shapes(shapes: Sequence[SampleShape], cost_model: CostModel,
                     llm_tokens: Sequence[int] | None = None) -> "StepInputs":
         tokens = [s.llm_tokens for s in shapes] if llm_tokens is None else llm_tokens
         lengths = np.fromiter(tokens, dtype=np.int64, count=len(shapes))
-        image_cost = cost_model.image_cost
-        enc = np.fromiter((sum(image_cost(t * h * w) for t, h, w in s.image_grid_thw) for s in shapes),
-                          dtype=np.float64, count=len(shapes))
-        return StepInputs([s.sample_id for s in shapes], lengths, cost_model.sample_costs(lengths), enc)
+        encoder_costs, has_images = encoder_costs_of(shapes, cost_model, with_mask=True)
+        return StepInputs([s.sample_id for s in shapes], lengths, cost_model.sample_costs(lengths),
+                          encoder_costs, has_images)
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def microbatch(self, indices: Sequence[int], padded_tokens: int) -> Microbatch:
         """A microbatch of the samples at these positions (positions, not sample ids)."""
+        return self.microbatches([indices], [padded_tokens])[0]
+
+    def microbatches(self, groups: Sequence[Sequence[int]], padded_tokens: Sequence[int]) -> list[Microbatch]:
+        """One microbatch per group of positions; token and cost sums in one vectorized pass."""
+        tokens, costs = self.sums(groups)
         ids = self.ids
-        where = np.asarray(indices, dtype=np.int64)
-        return Microbatch(
-            sample_ids=[ids[i] for i in indices],
-            tokens=int(self.lengths[where].sum()),
-            cost=float(self.costs[where].sum()),
-            padded_tokens=int(padded_tokens),
-        )
+        return [Microbatch([ids[i] for i in g], t, c, p)
+                for g, t, c, p in zip(groups, tokens.tolist(), costs.tolist(), padded_tokens)]
+
+    def sums(self, groups: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, cost) of each group of positions (0 for an empty group)."""
+        sizes = np.fromiter((len(g) for g in groups), dtype=np.int64, count=len(groups))
+        flat = np.fromiter((i for g in groups for i in g), dtype=np.int64, count=int(sizes.sum()))
+        owner = np.repeat(np.arange(len(groups)), sizes)
+        tokens = np.bincount(owner, weights=self.lengths[flat], minlength=len(groups)).astype(np.int64)
+        costs = np.bincount(owner, weights=self.costs[flat], minlength=len(groups))
+        return tokens, costs
+
+
+def encoder_costs_of(shapes: Sequence[SampleShape], cost_model: CostModel, with_mask: bool = False):
+    """Encoder cost per sample, vectorized over all images of the step (0 for text-only samples).
+
+    With `with_mask`, also a bool array: which samples have images (a zero-cost image still needs encoding).
+    """
+    counts = np.fromiter((len(s.image_grid_thw) for s in shapes), dtype=np.int64, count=len(shapes))
+    patches = np.array([t * h * w for s in shapes for t, h, w in s.image_grid_thw], dtype=np.float64)
+    owner = np.repeat(np.arange(len(shapes)), counts)
+    cm = cost_model
+    windowed = np.minimum(patches, cm.enc_window_patches) if cm.enc_window_patches else patches
+    per_image = (cm.enc_linear * patches + cm.enc_quadratic * patches * patches
+                 + cm.enc_window_quadratic * patches * windowed)
+    costs = np.bincount(owner, weights=per_image, minlength=len(shapes)).astype(np.float64)
+    return (costs, counts > 0) if with_mask else costs
