@@ -27,6 +27,16 @@ def _grad_of(emb: torch.Tensor, sample_id: int) -> torch.Tensor:
     return emb * 2 + sample_id
 
 
+def _all_credited(pool: EmbeddingPool, within_s: float = 10.0) -> bool:
+    """Wait until every item this rank sent has been credited back (False if that takes over `within_s`)."""
+    deadline = time.monotonic() + within_s
+    while pool.stats().inflight_items:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def _pool(rank: int, **kw: object) -> EmbeddingPool:
     kw.setdefault("capacity_bytes", 1 << 20)
     kw.setdefault("timeout_s", 20.0)
@@ -139,6 +149,32 @@ def test_plans_with_several_producers_and_consumers(plan_name: str):
         assert r["puts"] == sum(1 for p in plan if p[1] == rank)
         assert r["gets"] == sum(1 for p in plan if p[2] == rank)
         assert r["inflight"] == 0 and r["buffered"] == 0  # every credit came back, nothing left behind
+
+
+def _back_to_back_pools(rank: int, world: int) -> int:
+    """Several pools in a row on one group, the producer flushing while credits still come back."""
+    done = 0
+    for step in range(3):
+        pool = _pool(rank, capacity_bytes=3 * 4 * HIDDEN * 4, timeout_s=5.0, return_grads=False)
+        if rank == 0:
+            for sid in range(8):
+                pool.put(_embedding(sid, step, 4), sample_id=sid, step=step, consumer=1)
+        else:
+            pool.expect(producer=0, items=[(sid, step) for sid in range(8)])
+            for sid in range(8):
+                assert torch.equal(pool.get(sample_id=sid, step=step, producer=0), _embedding(sid, step, 4))
+                done += 1
+        pool.flush()
+        assert _all_credited(pool), f"step {step}: credits stopped arriving: {pool.inflight_handles()}"
+        dist.barrier()
+        pool.close()
+    return done
+
+
+def test_back_to_back_pools_and_flush_racing_credits():
+    """A receive posted beyond the plan would steal the next pool's first header; a send waited twice (by flush
+    and by the credit thread) would never return. Both hang or mismatch here."""
+    assert run_ranks(_back_to_back_pools, 2, timeout_s=40)[1] == 24
 
 
 # ---------------------------------------------------------------- backpressure and the oversize rule
@@ -308,9 +344,7 @@ def test_plan_mismatch_is_reported():
 def _die_when_idle(pool: EmbeddingPool) -> None:
     """SIGKILL this rank once its pool has nothing in flight (so the peer sees a death, not a protocol error)."""
     pool.flush()
-    deadline = time.monotonic() + 10
-    while pool.stats().inflight_items and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _all_credited(pool)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

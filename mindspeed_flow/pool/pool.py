@@ -262,9 +262,14 @@ class EmbeddingPool:
         start = time.monotonic()
         deadline = start + self.timeout_s
         with self._cond:
-            pending = list(self._pending_sends)
-            pending += [_PendingSend(s.handle.consumer, f"embedding of {s.handle.describe()}", s.works)
-                        for s in self._sent.values() if s.works]
+            # Take ownership of the works: a gloo send work must be waited exactly once (a second wait blocks
+            # until the group timeout), and the credit thread reaps embedding sends too.
+            pending, self._pending_sends = self._pending_sends, []
+            for s in self._sent.values():
+                if s.works:
+                    pending.append(_PendingSend(s.handle.consumer, f"embedding of {s.handle.describe()}",
+                                                s.works, s.buffers))
+                    s.works = []
         for p in pending:
             for work in p.works:
                 wait_work(work, deadline,
@@ -273,10 +278,6 @@ class EmbeddingPool:
                               f"received by rank {p.peer}"),
                           on_failure=self._send_failure(f"the {p.what}", p.peer))
         with self._cond:
-            done = {id(p) for p in pending}
-            self._pending_sends = [p for p in self._pending_sends if id(p) not in done]
-            for s in self._sent.values():
-                s.works = []
             self._counters.flush_wait_s += time.monotonic() - start
 
     def stats(self) -> PoolStats:
@@ -363,9 +364,10 @@ class EmbeddingPool:
                 raise PoolProtocolError(f"rank {consumer} returned a credit for sample {sample_id} (step {step}, "
                                         f"{nbytes} B) that rank {self.rank} has not sent to it")
             self._counters.add_inflight(-nbytes, -1)
+            works, sent.works = sent.works, []  # flush() may have taken them already: wait each work once
             self._cond.notify_all()
         # The consumer holds the bytes, so these sends are complete: reaping them only releases the buffers.
-        for work in sent.works:
+        for work in works:
             work.wait()
 
     def _land_grad(self, consumer: int, raw: torch.Tensor) -> tuple[torch.Tensor, WireHeader]:
