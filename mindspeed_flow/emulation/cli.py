@@ -6,8 +6,8 @@ The job runs unmodified under `torch.distributed.run` (gloo; `--distributed-back
 MindSpeed-MM root so its relative paths resolve, with PYTHONPATH = fake packages, this repo, MindSpeed,
 MindSpeed-MM (and Megatron-LM). `--patches` runs the script through `mindspeed_flow_patches.launch`, which
 registers the mindspeed-flow patch set first. The flags a CPU run needs (`--bf16`, `--no-gradient-accumulation-
-fusion`, `--variable-seq-lengths` with PP) are the user's to pass; see mindspeed_flow/emulation/README in the
-report and tests/mindspeed_mm/ for working command lines.
+fusion`, `--variable-seq-lengths` with PP) are the user's to pass; `mindspeed_flow.emulation.jobs.TinyJob`
+builds working command lines (see mindspeed_flow/emulation/README.md).
 """
 from __future__ import annotations
 

@@ -82,7 +82,7 @@ def build_processor(out_dir: Path) -> None:
         from transformers import Qwen2VLVideoProcessor
 
         kwargs["video_processor"] = Qwen2VLVideoProcessor(min_pixels=56 * 56, max_pixels=112 * 112)
-    except ImportError:
+    except (ImportError, AttributeError):  # transformers 5 without torchvision: images only
         pass
     Qwen2_5_VLProcessor(**kwargs).save_pretrained(str(out_dir))
     config = {"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],

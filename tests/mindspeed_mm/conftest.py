@@ -1,0 +1,122 @@
+"""Fixtures for the MindSpeed-MM integration tests: real sources, the tiny assets, and a job runner.
+
+The tests run real `pretrain_vlm.py` jobs through `mindspeed-flow emulate` and are skipped (with the reason)
+unless MINDSPEED_MM_HOME, MINDSPEED_HOME and MEGATRON_HOME point at the sources and the interpreter has
+MindSpeed-MM's dependencies (transformers 4.57.x, the `emulate` extra). Set MSF_EMULATION_RECORD=<file> to
+append one JSON line per job (layout, losses, per-iteration times, source commits, package versions).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from mindspeed_flow.emulation import log as emu_log
+from mindspeed_flow.emulation.sources import SourceError, Sources, find_sources
+
+_ITER_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)"
+                      r".*?\| (?:lm )?loss: ([^ |]+)")
+JOB_TIMEOUT_S = 900
+
+
+def _dependency_problem() -> str | None:
+    try:
+        version = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return "transformers is not installed"
+    if not version.startswith("4.57."):
+        return (f"MindSpeed-MM needs transformers 4.57.x (this interpreter has {version}); run these tests from a "
+                "venv with the mindspeed-flow `emulate` extra")
+    for dist in ("peft", "datasets", "pandarallel", "qwen_vl_utils"):
+        try:
+            metadata.version(dist.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            return f"MindSpeed-MM dependency {dist} is not installed (install the `emulate` extra)"
+    return None
+
+
+@pytest.fixture(scope="session")
+def mm_sources() -> Sources:
+    try:
+        sources = find_sources()
+    except SourceError as err:
+        pytest.skip(f"MindSpeed-MM sources absent: {err}")
+    problem = _dependency_problem()
+    if problem:
+        pytest.skip(problem)
+    return sources
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(mm_sources: Sources, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from mindspeed_flow.emulation import tiny
+
+    root = Path(os.environ.get("MSF_TINY_WORKDIR") or tmp_path_factory.mktemp("tiny"))
+    paths = tiny.prepare_workdir(root, n_samples=64)
+    paths["model_pp2_json"], _ = tiny.write_configs(root, [2, 0], [1, 1], name="model_pp2.json")
+    return paths
+
+
+@dataclass
+class JobResult:
+    rc: int
+    output: str
+    iterations: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    times_ms: list[float] = field(default_factory=list)
+    log: dict[str, set[str]] = field(default_factory=dict)
+
+    def assert_trained(self, n_iters: int, first: int = 1) -> None:
+        assert self.rc == 0, f"job failed (rc={self.rc}):\n{self.output[-6000:]}"
+        assert self.iterations == list(range(first, first + n_iters)), (self.iterations, self.output[-3000:])
+        assert all(math.isfinite(x) for x in self.losses), self.losses
+
+
+def parse_iterations(output: str) -> tuple[list[int], list[float], list[float]]:
+    its, losses, times = [], [], []
+    for m in _ITER_RE.finditer(output):
+        its.append(int(m.group(1)))
+        times.append(float(m.group(2)))
+        losses.append(float(m.group(3)))
+    return its, losses, times
+
+
+def _record(name: str, nproc: int, result: JobResult, sources: Sources) -> None:
+    path = os.environ.get("MSF_EMULATION_RECORD")
+    if not path:
+        return
+    versions = {d: metadata.version(d) for d in ("torch", "transformers", "torchvision", "numpy", "datasets",
+                                                  "peft", "huggingface_hub", "pandas")}
+    row = {"job": name, "nproc": nproc, "rc": result.rc, "iterations": result.iterations, "losses": result.losses,
+           "times_ms": result.times_ms, "called": sorted(result.log.get("CALLED", ())),
+           "missing": sorted(result.log.get("MISSING", ())),
+           "sources": {t.name: t.commit for t in sources.trees()}, "versions": versions}
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(row) + "\n")
+
+
+@pytest.fixture
+def run_job(mm_sources: Sources, tmp_path: Path):
+    """run_job(name, argv, nproc=2, patches=False) -> JobResult, via `mindspeed-flow emulate`."""
+
+    def run(name: str, argv: list[str], nproc: int = 2, patches: bool = False) -> JobResult:
+        log_path = tmp_path / f"{name}.emulation.log"
+        cmd = [sys.executable, "-m", "mindspeed_flow.cli", "emulate", "--nproc", str(nproc), "--log",
+               str(log_path)] + (["--patches"] if patches else []) + ["--"] + argv
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+        output = proc.stdout + proc.stderr
+        its, losses, times = parse_iterations(output)
+        log = emu_log.read_log(str(log_path)) if log_path.exists() else {}
+        result = JobResult(proc.returncode, output, its, losses, times, log)
+        _record(name, nproc, result, mm_sources)
+        return result
+
+    return run
