@@ -214,6 +214,7 @@ def test_backpressure_bounds_inflight_bytes_and_lets_one_oversize_item_through()
     assert producer["put_wait_s"] > 0.02, "the producer never blocked on a full pool"
     assert producer["oversize_puts"] == 1
     assert producer["inflight_peak_bytes"] <= oversize
+    assert producer["occupancy_peak_bytes"] == producer["inflight_peak_bytes"]  # a pure producer holds nothing else
     # Over capacity only ever because of the oversize item, alone.
     assert all(ids == [4] for ids in producer["over_capacity_seen"]), producer["over_capacity_seen"]
     assert producer["inflight_items"] == 0
@@ -248,6 +249,7 @@ def test_host_tier_takes_large_items_and_counts_them():
     assert consumer["host_tier_items"] == 2 and consumer["host_to_device_bytes"] == 320 + 640
     assert consumer["host_peak_bytes"] == 960 and consumer["device_peak_bytes"] == 160
     assert consumer["host_bytes"] == 0 and consumer["device_bytes"] == 0
+    assert consumer["occupancy_peak_bytes"] == 1120 and consumer["occupancy_bytes"] == 0  # all four were buffered
 
 
 # ---------------------------------------------------------------- frozen encoder: run-ahead bounded by capacity

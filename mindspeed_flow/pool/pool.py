@@ -21,13 +21,16 @@ Transport: see `transport.py` (one receiving thread per peer and channel; deadli
 `PoolTimeout` after `timeout_s`, naming this rank, the peer and the awaited item, and `PoolPeerError` when the
 transport to the peer fails (a dead peer fails within milliseconds on gloo).
 
-Device backends (NCCL/HCCL) match point-to-point messages by order, not by tag; the first version is written
-for, and tested on, gloo. Give the pool its own process group there (see the design notes).
+Device backends (NCCL/HCCL) match point-to-point messages by order, not by tag, and run a pair's sends and
+receives on one stream; this first version is written for, and tested on, gloo. On an accelerator cluster give
+the pool a gloo group (`dist.new_group(ranks, backend="gloo")`): the pool then stages embeddings through host
+memory and moves them to `device` in `get`/`wait_grad`.
 """
 from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
@@ -258,7 +261,12 @@ class EmbeddingPool:
     # ------------------------------------------------------------------ both sides
 
     def flush(self) -> None:
-        """Wait until every send this rank started (embeddings, credits, gradients) has been received."""
+        """Wait until every send this rank started (embeddings, credits, gradients) has been received.
+
+        A send completes only once its receiver has asked for it (`expect`/`get` for embeddings), so a producer
+        running ahead of its consumers (frozen encoder) should flush where the consumers have expected the items
+        it sent, e.g. at the end of training, not at the end of each of its own steps.
+        """
         start = time.monotonic()
         deadline = start + self.timeout_s
         with self._cond:
@@ -305,11 +313,16 @@ class EmbeddingPool:
             self._closed = True
             streams = [*self._credit_streams.values(), *self._grad_streams.values(),
                        *self._embedding_streams.values()]
+            busy = sorted({s.peer for s in streams if not s.idle})
             for s in streams:
                 s.close()
         for s in streams:
             if s.idle:
                 s.join(timeout=1.0)
+        if busy:
+            # Their posted receives stay posted: a later pool on the same group and tags could lose messages.
+            warnings.warn(f"rank {self.rank}: pool closed while still waiting for messages from rank(s) {busy}; "
+                          f"do not start another pool on this process group", RuntimeWarning, stacklevel=2)
 
     def __enter__(self) -> "EmbeddingPool":
         return self

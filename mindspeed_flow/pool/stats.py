@@ -14,6 +14,9 @@ class PoolStats:
     """A snapshot of one rank's pool. Producer-side and consumer-side fields are both present on every rank."""
 
     capacity_bytes: int
+    # everything this rank holds for the pool (in flight out + buffered in): the metrics' "pool occupancy"
+    occupancy_bytes: int
+    occupancy_peak_bytes: int
     # producer side: bytes/items sent to consumers and not yet credited back (what backpressure bounds)
     inflight_bytes: int
     inflight_peak_bytes: int
@@ -51,6 +54,8 @@ class PoolCounters:
     """The mutable state behind `PoolStats` (guarded by the pool's lock)."""
 
     capacity_bytes: int
+    occupancy_bytes: int = 0
+    occupancy_peak_bytes: int = 0
     inflight_bytes: int = 0
     inflight_peak_bytes: int = 0
     inflight_items: int = 0
@@ -79,6 +84,7 @@ class PoolCounters:
         self.inflight_bytes += nbytes
         self.inflight_items += delta_items
         self.inflight_peak_bytes = max(self.inflight_peak_bytes, self.inflight_bytes)
+        self._add_occupancy(nbytes)
 
     def add_held(self, tier: str, nbytes: int, delta_items: int) -> None:
         if tier == "device":
@@ -88,17 +94,23 @@ class PoolCounters:
             self.host_bytes += nbytes
             self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
         self.buffered_items += delta_items
+        self._add_occupancy(nbytes)
+
+    def _add_occupancy(self, nbytes: int) -> None:
+        self.occupancy_bytes += nbytes
+        self.occupancy_peak_bytes = max(self.occupancy_peak_bytes, self.occupancy_bytes)
 
     def snapshot(self) -> PoolStats:
         return PoolStats(**{f.name: getattr(self, f.name) for f in fields(PoolStats)})
 
     def reset_step(self) -> None:
         """Zero per-step counts, bytes and waits; peaks restart from the current occupancy."""
-        keep = {"capacity_bytes", "inflight_bytes", "inflight_items", "device_bytes", "host_bytes",
+        keep = {"capacity_bytes", "occupancy_bytes", "inflight_bytes", "inflight_items", "device_bytes", "host_bytes",
                 "buffered_items"}
         for f in fields(PoolCounters):
             if f.name not in keep:
                 setattr(self, f.name, type(getattr(self, f.name))())
+        self.occupancy_peak_bytes = self.occupancy_bytes
         self.inflight_peak_bytes = self.inflight_bytes
         self.device_peak_bytes = self.device_bytes
         self.host_peak_bytes = self.host_bytes
