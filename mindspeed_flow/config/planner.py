@@ -29,6 +29,9 @@ class ClusterConfig:
     # TP / CP sizes the runtime supports on this cluster (TP must also fit inside a node).
     tp_sizes: list = field(default_factory=lambda: [1])
     cp_sizes: list = field(default_factory=lambda: [1])
+    # CPU-emulated clusters: the devices are processes sharing this many cores (-1: this machine's count;
+    # 0: devices do not share compute). More busy devices than cores slow each one down proportionally.
+    host_cores: int = 0
 
 
 @dataclass

@@ -64,6 +64,7 @@ class CostContext:
     cluster: Cluster
     cfg: PlannerConfig
     global_batch: int
+    contention: float = 1.0  # compute slowdown when devices share host cores (CPU emulation)
 
     @property
     def bytes(self) -> Bytes:
@@ -78,9 +79,9 @@ class CostContext:
         scaling = self.cfg.tp_scaling ** np.log2(np.maximum(tp, 1))
         profiled = float(dict(self.cfg.seconds_per_flop).get(role, 0.0) or 0.0)
         if profiled > 0:
-            return profiled / scaling
+            return profiled / scaling * self.contention
         eff = float(dict(self.cfg.efficiency).get(role, 0.5))
-        return 1.0 / (self.peak * eff * scaling)
+        return self.contention / (self.peak * eff * scaling)
 
     def overlap(self, kind: str) -> float:
         return float(dict(self.cfg.overlap).get(kind, 0.0))

@@ -9,6 +9,7 @@ count that would fit.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -67,7 +68,15 @@ class Problem:
 
     @property
     def ctx(self) -> CostContext:
-        return CostContext(self.cluster, self.cfg, self.global_batch)
+        return CostContext(self.cluster, self.cfg, self.global_batch, self.contention)
+
+    @property
+    def contention(self) -> float:
+        """CPU emulation: `budget` busy processes on `host_cores` cores run budget / cores times slower."""
+        cores = int(self.cluster.config.host_cores)
+        if cores < 0:
+            cores = os.cpu_count() or 1
+        return max(1.0, self.budget / cores) if cores > 0 else 1.0
 
     @property
     def memory_limit(self) -> float:

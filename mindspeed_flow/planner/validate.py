@@ -1,0 +1,139 @@
+"""Predicted vs measured step time: plan a layout, train it with `mindspeed-flow train`, compare.
+
+    python -m mindspeed_flow.planner.validate [--profile runs/profile/profile.json] [--steps 6]
+        [--layouts e1-b2,e1-b1p2,e2-b1,e1-b1] [--global-batch 12] [--model tiny_qwen2_vl] [--data infovqa_tiny]
+        [--calibrate-first] [--out runs/validate/table.json]
+
+A layout `eA-bBpP` is encoder dp=A, backbone dp=B, pp=P (tp = cp = 1: what the CPU runtime runs). For each:
+the planner prices exactly that layout (pinned, devices = its world size, calibrated by the profile table),
+writes it as an experiment recipe into a private copy of the recipe tree ($MSF_RECIPES), and the runtime
+trains it for --steps steps in a subprocess; measured = median `step_seconds` of metrics.jsonl without the first
+(warm-up) step. With --calibrate-first the first layout's residual becomes the planner's fixed per-step
+overhead (`planner.step_overhead_s`) and the others are predicted with it (calibrate on one, validate on the
+rest). The runtime is not imported: everything goes through the command line, as a user would run it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from mindspeed_flow.planner.hardware import recipes_dir
+from mindspeed_flow.planner.inputs import build_problem, data_recipe_fields, parse_kv
+from mindspeed_flow.planner.plan import make_plan
+from mindspeed_flow.planner.report import recipe_yaml
+
+_LAYOUT = re.compile(r"^e(\d+)-b(\d+)(?:p(\d+))?$")
+
+
+def runtime_available() -> bool:
+    return (Path(__file__).resolve().parents[1] / "runtime" / "launch.py").exists()
+
+
+def parse_layout(text: str) -> dict[str, int]:
+    m = _LAYOUT.match(text)
+    if not m:
+        raise ValueError(f"layout {text!r}: expected eA-bB or eA-bBpP (encoder dp A, backbone dp B, pp P)")
+    return {"enc_dp": int(m.group(1)), "bb_dp": int(m.group(2)), "bb_pp": int(m.group(3) or 1)}
+
+
+def plan_layout(layout: dict[str, int], model: str, data: str, global_batch: int, profile: str | None,
+                step_overhead_s: float = 0.0, token_budget: int | None = None):
+    """The planner's prediction for exactly this layout (and the objects needed to write its recipe)."""
+    world = layout["enc_dp"] + layout["bb_dp"] * layout["bb_pp"]
+    kv = [f"model={model}", f"data={data}", "cluster=cpu", f"devices={world}", f"global_batch={global_batch}",
+          f"encoder.dp={layout['enc_dp']}", f"backbone.dp={layout['bb_dp']}", f"backbone.pp={layout['bb_pp']}",
+          "backbone.rc=0", "encoder.rc=0", f"planner.step_overhead_s={step_overhead_s}", "samples=512"]
+    if token_budget:
+        kv.append(f"backbone.b={token_budget}")
+    if profile:
+        kv.append(f"planner.profile={profile}")
+    problem, ref = build_problem(parse_kv(kv))
+    plan = make_plan(problem, with_baselines=False)
+    return plan, ref
+
+
+def run_training(recipes: Path, name: str, steps: int, run_dir: Path, timeout_s: float = 600) -> list[dict]:
+    env = dict(os.environ, MSF_RECIPES=str(recipes))
+    cmd = [sys.executable, "-m", "mindspeed_flow.cli", "train", f"experiment={name}", f"trainer.steps={steps}",
+           f"run_dir={run_dir}", "trainer.progress=false"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def measured_step_seconds(metrics: list[dict]) -> float:
+    secs = sorted(m["step_seconds"] for m in metrics[1:]) or [metrics[0]["step_seconds"]]
+    return secs[len(secs) // 2]
+
+
+def compare(layouts: list[str], model: str, data: str, global_batch: int, steps: int, profile: str | None,
+            calibrate_first: bool, workdir: Path, token_budget: int | None = None) -> list[dict[str, Any]]:
+    recipes = workdir / "recipes"
+    if not recipes.exists():
+        shutil.copytree(recipes_dir(), recipes)
+    rows: list[dict[str, Any]] = []
+    overhead = 0.0
+    for k, text in enumerate(layouts):
+        layout = parse_layout(text)
+        plan, ref = plan_layout(layout, model, data, global_batch, profile, overhead, token_budget)
+        name = f"validate_{text.replace('-', '_')}"
+        data_recipe, data_inline = data_recipe_fields(data)
+        (recipes / "experiment" / f"{name}.yaml").write_text(
+            recipe_yaml(plan, name, ref.recipe, data_recipe, ref.inline, data_inline))
+        metrics = run_training(recipes, name, steps, workdir / "runs" / name)
+        measured = measured_step_seconds(metrics)
+        row = {"layout": text, "world": plan.devices, "token_budget": plan.parts[-1].layout["b"],
+               "predicted_s": plan.step_seconds, "measured_s": measured,
+               "error": plan.step_seconds / measured - 1, "calibration": k == 0 and calibrate_first}
+        if k == 0 and calibrate_first:
+            overhead = max(0.0, measured - plan.step_seconds)
+            row["step_overhead_s"] = overhead
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mindspeed_flow.planner.validate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layouts", default="e1-b2,e1-b1p2,e2-b1,e1-b1")
+    ap.add_argument("--model", default="tiny_qwen2_vl")
+    ap.add_argument("--data", default="infovqa_tiny")
+    ap.add_argument("--global-batch", type=int, default=12)
+    ap.add_argument("--token-budget", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--profile", default=None)
+    ap.add_argument("--calibrate-first", action="store_true")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not runtime_available():
+        print("validate: mindspeed_flow/runtime/launch.py is not there yet; nothing to compare with", file=sys.stderr)
+        return 2
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="msf-validate-"))
+    rows = compare(args.layouts.split(","), args.model, args.data, args.global_batch, args.steps, args.profile,
+                   args.calibrate_first, workdir, args.token_budget)
+    print(f"predicted vs measured step time ({args.model}, {args.data}, global batch {args.global_batch}, "
+          f"median of steps 1..{args.steps - 1}; load average {os.getloadavg()[0]:.1f})")
+    for r in rows:
+        tag = "  (calibration)" if r["calibration"] else ""
+        print(f"  {r['layout']:<9} world {r['world']}  budget {r['token_budget']:>5}: predicted {r['predicted_s']:.3f} s,"
+              f" measured {r['measured_s']:.3f} s, error {100 * r['error']:+.1f}%{tag}")
+    checked = [abs(r["error"]) for r in rows if not r["calibration"]]
+    if checked:
+        print(f"mean |error| over validated layouts: {100 * sum(checked) / len(checked):.1f}%")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
