@@ -1,0 +1,96 @@
+"""Build what one rank runs, by small ordered steps (torchtitan style): model -> split -> freeze -> place ->
+parallelize (DDP / FSDP2 / pipeline) -> optimizer -> pool.
+
+Every rank builds the whole tiny model from the same seed and keeps its half, so all layouts and both modes
+start from identical parameters (for real checkpoints each half loads the same local weights).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from mindspeed_flow.config.schema import FlowJobConfig
+from mindspeed_flow.hosts.torch import build_vlm, split_vlm
+from mindspeed_flow.pool import EmbeddingPool
+from mindspeed_flow.runtime.engine import CoupledModel, RankModels
+from mindspeed_flow.runtime.optim import ParamShare, PartOptimizer, build_optimizer
+from mindspeed_flow.topology import Topology
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def apply_ddp(module: torch.nn.Module, group: Optional[dist.ProcessGroup]) -> torch.nn.Module:
+    from mindspeed_flow.hosts.torch.data_parallel import apply_ddp as host_apply_ddp
+
+    return host_apply_ddp(module, group)
+
+
+def apply_fsdp(module: torch.nn.Module, group: Optional[dist.ProcessGroup]) -> torch.nn.Module:
+    from mindspeed_flow.hosts.torch.data_parallel import apply_fsdp as host_apply_fsdp
+
+    return host_apply_fsdp(module, group)
+
+
+def freeze_(module: torch.nn.Module) -> None:
+    for p in module.parameters():
+        p.requires_grad_(False)
+
+
+def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.device
+               ) -> tuple[RankModels, PartOptimizer, Optional[Any], Optional[dist.ProcessGroup]]:
+    dtype = DTYPES[job.model.dtype]
+    model = build_vlm(job.model.family, hf_cfg, seed=job.seed, dtype=dtype,
+                      pretrained_path=job.model.pretrained_path)
+    encoder, backbone = split_vlm(model)
+    frozen = job.model.freeze_encoder
+    if frozen:
+        freeze_(encoder)
+    t = job.trainer
+    opt_kwargs = dict(lr=t.lr, betas=(float(t.betas[0]), float(t.betas[1])), weight_decay=t.weight_decay)
+    models = RankModels(frozen_encoder=frozen)
+    optim = PartOptimizer()
+    pool = None
+
+    if topo.is_coupled:
+        coupled = CoupledModel(encoder.to(device), backbone.to(device), frozen)
+        models.coupled_dp = apply_ddp(coupled, topo.dp_group) if topo.world_size > 1 else coupled
+        models.dp_size = topo.world_size
+        optim.shares = [ParamShare([p for p in coupled.parameters() if p.requires_grad], replicas=topo.world_size)]
+        optim.optimizer = build_optimizer(optim.shares[0].params, **opt_kwargs)
+        return models, optim, None, None  # default (world) group for the norm
+
+    pool = EmbeddingPool(rank=topo.rank, group=None, capacity_bytes=int(job.flow.pool_capacity_mb * 2**20),
+                         timeout_s=job.flow.timeout_s, device=device, return_grads=not frozen)
+    if topo.is_encoder:
+        models.encoder = encoder.to(device)
+        del backbone
+        params = [p for p in encoder.parameters() if p.requires_grad]
+        optim.shares = [ParamShare(params, replicas=topo.part_layout.dp)]
+        optim.optimizer = build_optimizer(params, **opt_kwargs)
+    else:
+        del encoder
+        backbone = backbone.to(device)
+        models.backbone_part = backbone
+        bb = topo.part_layout
+        if bb.pp > 1:
+            from mindspeed_flow.runtime.pipeline import BackbonePipeline
+
+            models.pipeline = BackbonePipeline.build(job, topo, backbone, device)
+            stage_params = models.pipeline.parameters()
+            models.dp_size = bb.dp
+            optim.shares = [ParamShare(stage_params, replicas=bb.dp)]
+        else:
+            if bb.dp > 1 and job.parallel.backbone_dp_impl == "fsdp":
+                models.backbone = apply_fsdp(backbone, topo.dp_group)
+                optim.shares = [ParamShare(list(models.backbone.parameters()))]
+            else:
+                models.backbone = apply_ddp(backbone, topo.dp_group) if bb.dp > 1 else backbone
+                optim.shares = [ParamShare(list(backbone.parameters()), replicas=bb.dp)]
+            models.dp_size = bb.dp
+        optim.optimizer = build_optimizer(optim.params, **opt_kwargs)
+    # A frozen encoder has no gradients: the norm is the backbone's alone, reduced over the backbone ranks, and
+    # the encoder never joins that collective (so it can run ahead).
+    norm_group = topo.part_group if frozen else None
+    return models, optim, pool, norm_group

@@ -1,0 +1,242 @@
+"""The step engine (DESIGN §4): producer loop on encoder ranks, consumer loop on backbone ranks, and the
+coupled baseline, sharing the plan, the loss normalisation and the optimizer code.
+
+Loss: the global per-token mean over the step's label tokens. Each backbone microbatch contributes
+loss_sum / N (N known to every rank from the plan), so how samples are grouped into microbatches, ranks or
+modes never changes the loss or the gradients (up to float summation order).
+
+DP wrappers (DDP / FSDP2) average gradients over their group, so the backward loss is multiplied by the group
+size and the embedding gradients returned to encoders are divided by it again.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from mindspeed_flow.data.sample import VLMSample
+from mindspeed_flow.runtime.metrics import StepRecord, StepStatic
+from mindspeed_flow.hosts.torch.data_parallel import allreduce_grads_, grad_sync
+from mindspeed_flow.runtime.optim import PartOptimizer, lr_at
+from mindspeed_flow.runtime.plan import StepWork
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss or the gradient norm is NaN/Inf: the optimizer step is refused."""
+
+
+@dataclass
+class RankModels:
+    """What one rank runs. Decoupled encoder: encoder; decoupled backbone: backbone (+ pipeline);
+    coupled: both, wrapped together in one DP module (`coupled_dp`)."""
+
+    encoder: Optional[torch.nn.Module] = None
+    backbone: Optional[torch.nn.Module] = None  # the (possibly DDP/FSDP-wrapped) backbone part, pp == 1
+    backbone_part: Optional[Any] = None  # unwrapped BackbonePart (pack/embed helpers)
+    coupled_dp: Optional[torch.nn.Module] = None
+    pipeline: Optional[Any] = None  # runtime.pipeline.BackbonePipeline when pp > 1
+    dp_size: int = 1  # size of the group the DP wrapper averages over
+    frozen_encoder: bool = False
+
+
+@dataclass
+class Timer:
+    busy: float = 0.0
+    wait: float = 0.0
+
+    def timed(self, kind: str, fn: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            dt = time.perf_counter() - t0
+            setattr(self, kind, getattr(self, kind) + dt)
+
+
+def encode_sample(encoder: torch.nn.Module, sample: VLMSample, trainable: bool) -> torch.Tensor:
+    with torch.set_grad_enabled(trainable):
+        return encoder(sample.pixel_values, sample.image_grid_thw)
+
+
+class StepEngine:
+    def __init__(self, *, topo, models: RankModels, pool, dataset, token_budget: int, label_counts: Callable,
+                 optim: PartOptimizer, norm_group: Optional[dist.ProcessGroup], grad_clip: float,
+                 base_lr: float, warmup_steps: int, timeout_s: float) -> None:
+        self.topo, self.m, self.pool, self.dataset = topo, models, pool, dataset
+        self.token_budget = token_budget
+        self.label_counts = label_counts
+        self.optim, self.norm_group = optim, norm_group
+        self.grad_clip, self.base_lr, self.warmup_steps = grad_clip, base_lr, warmup_steps
+        self.timeout_s = timeout_s
+
+    # ------------------------------------------------------------------------------------------------------
+    def run_step(self, work: StepWork, n_labels: int, record: StepRecord) -> None:
+        record["step_start_t"] = time.time()
+        if self.topo.is_encoder:
+            self._produce(work, record)
+        elif self.topo.is_backbone:
+            self._consume(work, n_labels, record)
+        else:
+            self._coupled(work, n_labels, record)
+        self._optimizer_step(work.step, record)
+        record["step_end_t"] = time.time()
+
+    # --- encoder ranks ----------------------------------------------------------------------------------------
+    def _produce(self, work: StepWork, record: StepRecord) -> None:
+        timer, rank, trainable = Timer(), self.topo.rank, not self.m.frozen_encoder
+        order = work.encode_order.get(rank, [])
+        outputs: list[tuple[int, torch.Tensor]] = []
+        for sid in order:
+            sample = timer.timed("busy", lambda: self.dataset.sample(sid, with_pixels=True))
+            emb = timer.timed("busy", lambda: encode_sample(self.m.encoder, sample, trainable))
+            # The pool sends a detached copy; the graph stays here until the gradient comes back.
+            timer.timed("wait", lambda: self.pool.put(emb.detach(), sample_id=sid, step=work.step,
+                                                      consumer=work.consumer_of[sid]))
+            if trainable:
+                outputs.append((sid, emb))
+        record["encoder_last_sample_done_t"] = time.time()
+        record["encoder_samples"] = len(order)
+        for sid, emb in outputs:  # gradients come back in consumption order, as they are computed
+            grad = timer.timed("wait", lambda: self.pool.wait_grad(sample_id=sid, step=work.step,
+                                                                   consumer=work.consumer_of[sid]))
+            timer.timed("busy", lambda: emb.backward(grad.to(emb.dtype)))
+        timer.timed("wait", self.pool.flush)
+        if trainable:
+            # Encoder DP ranks encoded different samples: their gradients add up (the loss normalisation
+            # is already global), so sum rather than average.
+            timer.timed("wait", lambda: allreduce_grads_(self.optim.params, self.topo.dp_group, average=False))
+        record["encoder_busy_s"], record["encoder_wait_s"] = timer.busy, timer.wait
+        self._pool_stats(record)
+
+    # --- backbone ranks ---------------------------------------------------------------------------------------
+    def _consume(self, work: StepWork, n_labels: int, record: StepRecord) -> None:
+        timer = Timer()
+        row = work.plan.microbatches[self.topo.dp_rank]
+        if self.topo.is_first_stage:  # only the first stage consumes embeddings
+            self.expect_embeds(work, [sid for mb in row for sid in mb.sample_ids])
+        if self.m.pipeline is not None:
+            loss_sum = self.m.pipeline.run(work, row, n_labels, self, timer, record)
+        else:
+            loss_sum = self._consume_flat(work, row, n_labels, timer, record)
+        record["loss_sum"] = loss_sum
+        record["label_tokens"] = n_labels
+        record["backbone_busy_s"], record["backbone_wait_s"] = timer.busy, timer.wait
+        self._pool_stats(record)
+
+    def expect_embeds(self, work: StepWork, consumption: list[int]) -> None:
+        """Tell the pool what each producer will send, in order, so it can receive ahead (prefetch)."""
+        per_producer: dict[int, list[tuple[int, int]]] = {}
+        for sid in consumption:
+            if sid in work.producer_of:
+                per_producer.setdefault(work.producer_of[sid], []).append((sid, work.step))
+        for producer, items in per_producer.items():
+            self.pool.expect(producer=producer, items=items)
+
+    def fetch_embeds(self, work: StepWork, sample_ids: list[int], timer: Timer) -> dict[int, torch.Tensor]:
+        """Blocking gets from the pool, as leaves that collect d(loss)/d(embedding)."""
+        out = {}
+        for sid in sample_ids:
+            if sid in work.producer_of:
+                emb = timer.timed("wait", lambda: self.pool.get(sample_id=sid, step=work.step,
+                                                                producer=work.producer_of[sid]))
+                out[sid] = emb.detach().requires_grad_(not self.m.frozen_encoder)
+        return out
+
+    def return_grads(self, work: StepWork, leaves: dict[int, torch.Tensor], timer: Timer) -> None:
+        if self.m.frozen_encoder:
+            return
+        for sid, leaf in leaves.items():
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            if self.m.dp_size > 1:
+                grad = grad / self.m.dp_size  # undo the DP-average compensation of the loss scale
+            timer.timed("wait", lambda: self.pool.return_grad(grad, sample_id=sid, step=work.step,
+                                                              producer=work.producer_of[sid]))
+
+    def load_samples(self, sample_ids: list[int], with_pixels: bool) -> list[VLMSample]:
+        return [self.dataset.sample(sid, with_pixels=with_pixels) for sid in sample_ids]
+
+    def _consume_flat(self, work: StepWork, row, n_labels: int, timer: Timer, record: StepRecord) -> float:
+        part, model = self.m.backbone_part, self.m.backbone
+        seq_len = work.plan.seq_len or self.token_budget
+        scale = self.m.dp_size / max(n_labels, 1)
+        total = 0.0
+        for k, mb in enumerate(row):
+            leaves = self.fetch_embeds(work, mb.sample_ids, timer)
+            if k == 0:
+                record["backbone_first_mb_start_t"] = time.time()
+            samples = timer.timed("busy", lambda: self.load_samples(mb.sample_ids, with_pixels=False))
+            with grad_sync(model, enabled=k == len(row) - 1):
+                def fwd_bwd() -> float:
+                    embeds = [leaves.get(s.sample_id) for s in samples]
+                    packed = part.pack(samples, embeds, seq_len)
+                    loss_sum, _ = model(packed, embeds)
+                    (loss_sum * scale).backward()
+                    return float(loss_sum.detach())
+                total += timer.timed("busy", fwd_bwd)
+            self.return_grads(work, leaves, timer)
+        timer.timed("wait", self.pool.flush)
+        return total
+
+    # --- coupled baseline ------------------------------------------------------------------------------------
+    def _coupled(self, work: StepWork, n_labels: int, record: StepRecord) -> None:
+        timer = Timer()
+        row = work.plan.microbatches[self.topo.rank]
+        model = self.m.coupled_dp
+        scale = self.m.dp_size / max(n_labels, 1)
+        total = 0.0
+        record["backbone_first_mb_start_t"] = time.time()
+        for k, mb in enumerate(row):
+            samples = timer.timed("busy", lambda: self.load_samples(mb.sample_ids, with_pixels=True))
+            with grad_sync(model, enabled=k == len(row) - 1):
+                def fwd_bwd() -> float:
+                    loss_sum, _ = model(samples, work.plan.seq_len or self.token_budget)
+                    (loss_sum * scale).backward()
+                    return float(loss_sum.detach())
+                total += timer.timed("busy", fwd_bwd)
+        record["encoder_last_sample_done_t"] = time.time()
+        record["loss_sum"], record["label_tokens"] = total, n_labels
+        record["backbone_busy_s"], record["backbone_wait_s"] = timer.busy, timer.wait
+        record["encoder_busy_s"] = 0.0
+
+    # --- optimizer ------------------------------------------------------------------------------------------------
+    def _optimizer_step(self, step: int, record: StepRecord) -> None:
+        opt = self.optim.optimizer
+        if opt is None:  # frozen encoder rank: nothing to update
+            return
+        norm = self.optim.global_norm(self.norm_group)
+        record["grad_norm"] = norm
+        if not torch.isfinite(torch.tensor(norm)):
+            raise NonFiniteLoss(f"step {step}: the global gradient norm is {norm}; refusing the optimizer step")
+        self.optim.clip(norm, self.grad_clip)
+        lr = lr_at(step, self.base_lr, self.warmup_steps)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def _pool_stats(self, record: StepRecord) -> None:
+        if self.pool is None:
+            return
+        stats = self.pool.stats()
+        record["pool_peak_bytes"] = max(stats.inflight_peak_bytes, stats.device_peak_bytes + stats.host_peak_bytes)
+        record["pool_bytes_sent"] = stats.bytes_sent
+        if hasattr(self.pool, "reset_step_stats"):
+            self.pool.reset_step_stats()
+
+
+class CoupledModel(torch.nn.Module):
+    """Encoder + backbone on one rank (the coupled baseline), one module so one DP wrapper covers both."""
+
+    def __init__(self, encoder: torch.nn.Module, backbone: Any, frozen_encoder: bool) -> None:
+        torch.nn.Module.__init__(self)
+        self.encoder, self.backbone = encoder, backbone
+        self.frozen_encoder = frozen_encoder
+
+    def forward(self, samples: list[VLMSample], token_budget: int) -> tuple[torch.Tensor, int]:
+        embeds = [encode_sample(self.encoder, s, not self.frozen_encoder) if s.image_token_counts else None
+                  for s in samples]
+        packed = self.backbone.pack(samples, embeds, token_budget)
+        return self.backbone(packed, embeds)

@@ -1,0 +1,108 @@
+"""From a global batch's sample shapes to every rank's work for one step (DESIGN §4, steps 1-2).
+
+Every rank runs this on the same inputs and gets the same answer, so no rank asks another what to do:
+  1. the packing scheduler assigns samples to (backbone DP rank, microbatch slot) by LLM cost;
+  2. within each bridge group, images go to encoder ranks by ViT cost (longest-processing-time first), and each
+     encoder rank encodes its samples in the order the backbone will consume them, so microbatch 0 of every DP
+     rank is encoded first and the backbone can start while later images are still being encoded.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from mindspeed_flow.data.shapes import SampleShape
+from mindspeed_flow.packing import CostModel, StepPlan, plan_step
+from mindspeed_flow.topology import Bridge
+
+
+@dataclass
+class StepWork:
+    step: int
+    sample_ids: list[int]
+    plan: StepPlan
+    # sample id -> global rank of the encoder that produces its embedding (samples with images only)
+    producer_of: dict[int, int] = field(default_factory=dict)
+    # sample id -> global rank of the backbone first-stage rank that consumes it
+    consumer_of: dict[int, int] = field(default_factory=dict)
+    # encoder global rank -> sample ids in encode (= consumption) order
+    encode_order: dict[int, list[int]] = field(default_factory=dict)
+    # encoder global rank -> total ViT cost this step (for the balance metric)
+    encoder_cost: dict[int, float] = field(default_factory=dict)
+
+    def consumption_order(self) -> list[int]:
+        """Slot-major order in which the backbone consumes samples: slot 0 of every DP rank, then slot 1..."""
+        mbs = self.plan.microbatches
+        n_slots = max((len(r) for r in mbs), default=0)
+        return [sid for k in range(n_slots) for d in range(len(mbs)) if k < len(mbs[d])
+                for sid in mbs[d][k].sample_ids]
+
+
+def assign_encoders(samples: Sequence[int], costs: dict[int, float], producers: Sequence[int]
+                    ) -> tuple[dict[int, list[int]], dict[int, float]]:
+    """LPT assignment of samples to producers, then each producer's list re-sorted into consumption order.
+
+    `samples` is in consumption order. Who encodes a sample (balance) and when (streaming) are separate choices:
+    LPT on cost gives the balance, sorting by consumption index gives the order.
+    """
+    position = {sid: i for i, sid in enumerate(samples)}
+    heap = [(0.0, i, p) for i, p in enumerate(producers)]
+    heapq.heapify(heap)
+    order: dict[int, list[int]] = {p: [] for p in producers}
+    for sid in sorted(samples, key=lambda s: (-costs[s], position[s])):
+        load, i, p = heapq.heappop(heap)
+        order[p].append(sid)
+        heapq.heappush(heap, (load + costs[sid], i, p))
+    loads = {p: 0.0 for p in producers}
+    for p in producers:
+        order[p].sort(key=position.__getitem__)
+        loads[p] = sum(costs[s] for s in order[p])
+    return order, loads
+
+
+def plan_decoupled_step(step: int, shapes: Sequence[SampleShape], *, bridge: Bridge, token_budget: int,
+                        cost_model: CostModel, scheduler: str, min_microbatches: int, oversize_policy: str
+                        ) -> StepWork:
+    dp = len(bridge.consumers)
+    plan = plan_step(list(shapes), dp=dp, num_encoders=len(bridge.producers), token_budget=token_budget,
+                     cost_model=cost_model, scheduler=scheduler, min_microbatches=min_microbatches,
+                     oversize_policy=oversize_policy)
+    work = StepWork(step, [s.sample_id for s in shapes], plan)
+    by_id = {s.sample_id: s for s in shapes}
+    for d, row in enumerate(plan.microbatches):
+        for mb in row:
+            for sid in mb.sample_ids:
+                work.consumer_of[sid] = bridge.consumers[d]
+    consumption = work.consumption_order()
+    for producers, consumers in bridge.groups:
+        mine = [sid for sid in consumption if work.consumer_of[sid] in consumers and by_id[sid].num_images]
+        costs = {sid: cost_model.encoder_cost(by_id[sid]) for sid in mine}
+        order, loads = assign_encoders(mine, costs, producers)
+        for p, sids in order.items():
+            work.encode_order[p] = sids
+            work.encoder_cost[p] = loads[p]
+            for sid in sids:
+                work.producer_of[sid] = p
+    return work
+
+
+def plan_coupled_step(step: int, shapes: Sequence[SampleShape], *, world_size: int, token_budget: int,
+                      cost_model: CostModel, scheduler: str, oversize_policy: str) -> StepWork:
+    """Coupled baseline: the same scheduler over all ranks as one DP group; each rank encodes what it consumes."""
+    plan = plan_step(list(shapes), dp=world_size, num_encoders=world_size, token_budget=token_budget,
+                     cost_model=cost_model, scheduler=scheduler, min_microbatches=1,
+                     oversize_policy=oversize_policy)
+    work = StepWork(step, [s.sample_id for s in shapes], plan)
+    for d, row in enumerate(plan.microbatches):
+        for mb in row:
+            for sid in mb.sample_ids:
+                work.consumer_of[sid] = d
+                work.producer_of[sid] = d
+    return work
+
+
+def label_normalizer(label_counts: dict[int, int], sample_ids: Sequence[int], oversize: Optional[list] = None) -> int:
+    """Label tokens of the step's trained samples: the loss is their global per-token mean."""
+    skipped = {sid for sid, _ in (oversize or [])}
+    return sum(label_counts[s] for s in sample_ids if s not in skipped)

@@ -1,0 +1,195 @@
+"""One training process: init the world, build the topology, the model half this rank runs, the pool and the
+data, then run the step loop. Launched by `mindspeed-flow train` (torchrun's elastic agent) or by an outer
+torchrun (`torchrun --nproc-per-node N -m mindspeed_flow.runtime.worker RUN_DIR/config.yaml`).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from mindspeed_flow.accelerator import Accelerator
+from mindspeed_flow.config import load as config_load
+from mindspeed_flow.config.schema import FlowJobConfig
+from mindspeed_flow.data import build_dataset, iter_global_batches, token_spec_from_hf_config
+from mindspeed_flow.model_presets import hf_config_dict, load_config_json
+from mindspeed_flow.packing import CostModel
+from mindspeed_flow.runtime import build
+from mindspeed_flow.runtime.engine import StepEngine
+from mindspeed_flow.runtime.metrics import MetricsGatherer, StepRecord, StepStatic, measure_cpu_peak_flops
+from mindspeed_flow.runtime.plan import StepWork, label_normalizer, plan_coupled_step, plan_decoupled_step
+from mindspeed_flow.specs import VLMSpec
+from mindspeed_flow.topology import Layout, ModelLimits, Topology
+
+
+def init_distributed(acc: Accelerator, timeout_s: float) -> tuple[int, int]:
+    """Join the world. A worker restarted by the elastic agent gets a fresh store prefix: a restarted worker's
+    plain init_process_group fails to connect the gloo mesh (DESIGN §7)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=False, timeout=timeout) if "TORCHELASTIC_RUN_ID" in os.environ else \
+        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=(rank == 0),
+                      timeout=timeout)
+    dist.init_process_group(acc.backend, store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)
+    return rank, world
+
+
+def model_hf_config(job: FlowJobConfig) -> dict:
+    if job.model.pretrained_path:
+        return load_config_json(job.model.pretrained_path)
+    return hf_config_dict(job.model.family, job.model.preset, dict(job.model.hf_overrides))
+
+
+def model_limits(spec: VLMSpec) -> ModelLimits:
+    return ModelLimits(llm_layers=spec.llm.num_layers, llm_heads=spec.llm.num_heads,
+                       llm_kv_heads=spec.llm.num_kv_heads, vit_heads=spec.vision.num_heads,
+                       vit_layers=spec.vision.depth)
+
+
+def step_model_flops(spec: VLMSpec, shapes: list, trained: set[int], frozen_encoder: bool) -> float:
+    total = 0.0
+    for s in shapes:
+        if s.sample_id not in trained:
+            continue
+        total += spec.llm.sample_flops(s.llm_tokens)
+        total += sum(spec.vision.image_flops(p, trainable=not frozen_encoder) for p in s.vit_patches_per_image)
+    return total
+
+
+def plan_stats(work: StepWork) -> dict[str, float]:
+    plan = work.plan
+    loads = list(work.encoder_cost.values())
+    enc_imb = max(loads) / (sum(loads) / len(loads)) if loads and sum(loads) > 0 else 1.0
+    n_mb = sum(len(r) for r in plan.microbatches)
+    return dict(microbatches=n_mb, real_tokens=plan.real_tokens, padded_tokens=plan.padded_tokens,
+                padding_fraction=float(plan.padding_fraction), dp_imbalance=float(plan.dp_imbalance),
+                slot_imbalance=float(plan.slot_imbalance), encoder_imbalance=enc_imb)
+
+
+def run_worker(config_path: str) -> None:
+    job = config_load.load(config_path)
+    torch.set_num_threads(int(os.environ.get("MSF_THREADS_PER_RANK", "1")))
+    acc = Accelerator.detect(os.environ.get("MSF_DEVICE", "auto"))
+    rank, world = init_distributed(acc, job.flow.timeout_s)
+    device = acc.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+    hf_cfg = model_hf_config(job)
+    spec = VLMSpec.from_hf_config(hf_cfg)
+    layout = Layout.from_config(job.parallel, job.flow.mode)
+    layout.validate(world_size=world, limits=model_limits(spec), global_batch_size=job.trainer.global_batch_size,
+                    expected_world=job.parallel.world_size, max_tp=1)
+    topo = Topology.build(layout)
+    token_spec = token_spec_from_hf_config(hf_cfg)
+    dataset = build_dataset(job.data, token_spec)
+    rank_models, optim, pool, norm_group = build.build_rank(job, topo, hf_cfg, device)
+    frozen = job.model.freeze_encoder
+    cost_model = CostModel.from_config(job.packing, spec, frozen_encoder=frozen)
+
+    writer_rank = topo.backbone_rank(dp=0, pp=layout.part("backbone").pp - 1) if layout.mode == "decoupled" else 0
+    is_writer = rank == writer_rank
+    metrics_group = dist.new_group(backend="gloo")
+    peak = acc.peak_flops("bf16" if job.model.dtype != "float32" else "fp32")
+    peak_desc = f"{peak / 1e12:.3f} TFLOPS ({acc.device_name}, table)" if peak else ""
+    if acc.device_type == "cpu":
+        peak = measure_cpu_peak_flops() if is_writer else 1.0
+        peak_desc = f"{peak / 1e12:.4f} TFLOPS per rank (measured 1-thread fp32 matmul)"
+    gatherer = MetricsGatherer(metrics_group, world, is_writer, Path(job.run_dir), world, peak, peak_desc)
+    if is_writer:
+        print(f"[mindspeed-flow] {layout.describe()} on {world} x {acc.device_name}; "
+              f"MFU = model FLOPs per step (DESIGN §5, padding excluded) / step seconds / ({world} devices x "
+              f"peak {peak_desc})", flush=True)
+
+    engine = StepEngine(topo=topo, models=rank_models, pool=pool, dataset=dataset,
+                        token_budget=job.packing.token_budget, label_counts=None, optim=optim,
+                        norm_group=norm_group, grad_clip=job.trainer.grad_clip, base_lr=job.trainer.lr,
+                        warmup_steps=job.trainer.warmup_steps, timeout_s=job.flow.timeout_s)
+    batches = iter_global_batches(dataset, job.trainer.global_batch_size, seed=job.seed,
+                                  max_bad=job.data.max_bad_samples)
+    needs_labels = not topo.is_encoder
+    progress = _progress(job, is_writer)
+    pp = layout.part("backbone").pp if layout.mode == "decoupled" else 1
+    for step in range(job.trainer.steps):
+        sample_ids = next(batches)
+        shapes = [dataset.shape(i) for i in sample_ids]
+        if layout.mode == "decoupled":
+            work = plan_decoupled_step(step, shapes, bridge=topo.bridge, token_budget=job.packing.token_budget,
+                                       cost_model=cost_model, scheduler=job.packing.scheduler,
+                                       min_microbatches=pp, oversize_policy=job.packing.oversize_policy)
+        else:
+            work = plan_coupled_step(step, shapes, world_size=world, token_budget=job.packing.token_budget,
+                                     cost_model=cost_model, scheduler=job.packing.scheduler,
+                                     oversize_policy=job.packing.oversize_policy)
+        n_labels = 0
+        if needs_labels:
+            counts = {i: dataset.sample(i, with_pixels=False).label_tokens for i in sample_ids}
+            n_labels = label_normalizer(counts, sample_ids, work.plan.oversize)
+        record = StepRecord()
+        record["is_encoder"], record["is_backbone"] = float(topo.is_encoder), float(not topo.is_encoder)
+        record["is_writer"] = float(is_writer)
+        engine.run_step(work, n_labels, record)
+        record["peak_rss_bytes"] = acc.memory_stats()["peak_bytes"]
+        trained = {s.sample_id for s in shapes} - {sid for sid, _ in work.plan.oversize}
+        stats = plan_stats(work)
+        static = StepStatic(step=step, samples=len(trained),
+                            model_flops=step_model_flops(spec, shapes, trained, frozen),
+                            oversize_skipped=len(work.plan.oversize),
+                            lr=engine.optim.optimizer.param_groups[0]["lr"] if engine.optim.optimizer else 0.0,
+                            **stats)
+        gatherer.post(static, record)
+        for line in gatherer.drain(block=is_writer):
+            progress.update(line)
+    for line in gatherer.drain(block=True):
+        progress.update(line)
+    progress.close()
+    if pool is not None:
+        pool.close() if hasattr(pool, "close") else None
+    dist.barrier(group=metrics_group)
+    dist.destroy_process_group()
+
+
+class _progress:
+    """tqdm bar on the writer rank; one short line per step elsewhere is noise, so other ranks print nothing."""
+
+    def __init__(self, job: FlowJobConfig, enabled: bool) -> None:
+        self.bar = None
+        if enabled and job.trainer.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=job.trainer.steps, desc=f"train {job.experiment_name}", unit="step",
+                            dynamic_ncols=True, file=sys.stdout)
+
+    def update(self, line: dict[str, Any]) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{line['loss']:.4f}" if line["loss"] is not None else "-",
+                                 s=f"{line['step_seconds']:.2f}", pad=f"{line['padding_fraction']:.1%}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+if __name__ == "__main__":
+    run_worker(sys.argv[1])
+
+
+def _recorded() -> "Any":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(run_worker)
+
+
+def run_worker_recorded(config_path: str) -> None:
+    """Entry for the elastic agent: `record` writes the root-cause traceback the launcher prints."""
+    _recorded()(config_path)
