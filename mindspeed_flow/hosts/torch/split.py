@@ -37,7 +37,13 @@ class EncoderPart(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[n_image_tokens_total, H_llm], images in input order, tokens in the order the model scatters them."""
-        return hf_compat.image_features(self._owner[0], self.family, pixel_values, image_grid_thw)
+        device = self._device()
+        grid = image_grid_thw.to(device) if image_grid_thw is not None else None
+        return hf_compat.image_features(self._owner[0], self.family, pixel_values.to(device), grid)
+
+    def _device(self) -> torch.device:
+        p = next(self.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
 
 
 class BackbonePart(nn.Module):
@@ -80,6 +86,7 @@ class BackbonePart(nn.Module):
         if image_embeds is not None:
             self._check_embeds(sample_ids, counts, image_embeds)
         n_pad = token_budget - sum(seq_lens)
+        # Built on the CPU (rope index and segment bookkeeping are small integer work), then moved once.
         segment_ids = segment_ids_for(seq_lens, token_budget)
         input_ids = pad_tail(_cat_or_empty([s.input_ids for s in samples]), n_pad, self.pad_token_id)
         labels = pad_tail(_cat_or_empty([shifted_labels(s.labels) for s in samples]), n_pad, IGNORE_INDEX)
@@ -94,7 +101,7 @@ class BackbonePart(nn.Module):
             image_token_counts=counts,
             n_label_tokens=int((labels != IGNORE_INDEX).sum()),
             token_budget=token_budget,
-        )
+        ).to(self.embed_tokens.weight.device)
 
     def _check_embeds(self, sample_ids: Sequence[int], counts: Sequence[int],
                       image_embeds: Sequence[Optional[torch.Tensor]]) -> None:
@@ -115,7 +122,7 @@ class BackbonePart(nn.Module):
         start = 0
         for s in samples:
             n = s.llm_tokens
-            if s.pixel_values is not None and s.image_grid_thw is not None and len(s.image_grid_thw):
+            if s.image_grid_thw is not None and len(s.image_grid_thw):  # grids suffice: backbone ranks load no pixels
                 pos[:, :, start:start + n] = hf_compat.rope_index(self._owner[0], s.input_ids, s.image_grid_thw,
                                                                   self.image_token_id)
             start += n
