@@ -98,6 +98,35 @@ def test_round_trip_dtypes_shapes_and_gradients():
     assert producer["inflight_items"] == 1 and producer["inflight_bytes"] == 4 * HIDDEN * 4
 
 
+def _bad_arguments(rank: int, world: int) -> list[str]:
+    messages = []
+    for kwargs in ({"rank": 1}, {"capacity_bytes": 0}, {"timeout_s": 0}, {"host_tier_bytes": -1}):
+        try:
+            EmbeddingPool(**{"rank": rank, "group": None, "capacity_bytes": 1, "timeout_s": 1.0, "device": CPU,
+                             **kwargs})
+            messages.append(f"accepted {kwargs}")
+        except ValueError as exc:
+            messages.append(str(exc))
+    pool = _pool(rank)
+    for call in (lambda: pool.put(torch.ones(2), sample_id=0, step=0, consumer=0),
+                 lambda: pool.get(sample_id=0, step=0, producer=3)):
+        try:
+            call()
+            messages.append("accepted a bad peer")
+        except ValueError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+def test_bad_arguments_are_named():
+    messages = run_ranks(_bad_arguments, 1, timeout_s=20)[0]
+    assert "rank=1 but this process is global rank 0" in messages[0]
+    assert "capacity_bytes must be > 0" in messages[1] and "timeout_s must be > 0" in messages[2]
+    assert "host_tier_bytes must be >= 0" in messages[3]
+    assert "the consumer rank is this rank" in messages[4]
+    assert "producer rank 3 is not in the pool's process group (ranks [0])" in messages[5]
+
+
 # ---------------------------------------------------------------- plans with several producers/consumers
 
 # (sample_id, producer, consumer, tokens); every rank derives its own part, as the runtime's step plan does.
@@ -105,6 +134,8 @@ PLANS = {
     "2p_to_1c": (3, [(s, s % 2, 2, 3 + 5 * s % 11) for s in range(10)]),
     "1p_to_2c": (3, [(s, 0, 1 + (s * 7) % 2, 2 + 3 * s % 13) for s in range(10)]),
     "2p_to_2c": (4, [(s, s % 2, 2 + (s // 3) % 2, 1 + 7 * s % 9) for s in range(12)]),
+    # on a group that leaves rank 1 out (global ranks in the API): rank 2 feeds rank 0
+    "subgroup_0_2": (3, [(s, 2, 0, 1 + s) for s in range(6)]),
 }
 
 
@@ -119,7 +150,10 @@ def _consumption_order(items: list[tuple]) -> list[tuple]:
 def _run_plan(rank: int, world: int, plan_name: str) -> dict:
     _, plan = PLANS[plan_name]
     step = 1
-    pool = _pool(rank)
+    group = dist.new_group([0, 2]) if plan_name.startswith("subgroup") else None  # every rank must call it
+    if group is not None and rank == 1:
+        return {"puts": 0, "gets": 0, "inflight": 0, "buffered": 0}
+    pool = EmbeddingPool(rank=rank, group=group, capacity_bytes=1 << 20, timeout_s=20.0, device=CPU)
     mine_out = [p for p in plan if p[1] == rank]
     mine_in = [p for p in plan if p[2] == rank]
     for producer in sorted({p[1] for p in mine_in}):
@@ -134,7 +168,7 @@ def _run_plan(rank: int, world: int, plan_name: str) -> dict:
         grad = pool.wait_grad(sample_id=sid, step=step, consumer=consumer)
         assert torch.equal(grad, _grad_of(_embedding(sid, step, tokens), sid)), f"gradient of sample {sid} differs"
     pool.flush()
-    dist.barrier()
+    dist.barrier(group=group)
     stats = pool.stats()
     pool.close()
     return {"puts": stats.puts, "gets": stats.gets, "inflight": stats.inflight_items,

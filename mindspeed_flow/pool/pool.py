@@ -134,7 +134,11 @@ class EmbeddingPool:
     # ------------------------------------------------------------------ producer side
 
     def put(self, tensor: torch.Tensor, *, sample_id: int, step: int, consumer: int) -> EmbeddingHandle:
-        """Send `tensor` to `consumer` without waiting for it to arrive; block while over capacity."""
+        """Send `tensor` to `consumer` without waiting for it to arrive; block while over capacity.
+
+        On gloo a contiguous CPU tensor is sent without a copy: do not modify it in place until the consumer has
+        taken it (`inflight_handles()` no longer lists it).
+        """
         what = f"sample {sample_id} (step {step})"
         self._check_peer(consumer, "consumer")
         check_sendable(tensor, f"put of {what} for consumer rank {consumer}")
