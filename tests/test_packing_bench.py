@@ -107,3 +107,13 @@ def test_trl_side_by_side() -> None:
     ours, trl = out["flow_best_fit"], out["trl_pack_dataset"]
     assert trl["tokens_kept"] == int(lengths.sum())  # no truncation: every length is within the budget
     assert ours["fill"] >= trl["fill"] - 1e-12 and ours["bins"] <= trl["bins"]
+
+
+def test_streaming_method_static_shapes(capsys: pytest.CaptureFixture) -> None:
+    """Token-defined steps at one static shape (every pack padded to the full budget) also stay under 2%."""
+    assert bench.main(["--steps", "4", "--global-batch", "1024", "--pad-multiple", "0", "--stream", "--json",
+                       "--repeats", "1"]) == 0
+    methods = json.loads(capsys.readouterr().out)["methods"]
+    stream, flow = methods["flow_stream"], methods["flow"]
+    assert stream["padding_fraction"] <= 0.02 and stream["dp_imbalance"] <= 1.03 and stream["empty_microbatches"] == 0
+    assert flow["padding_fraction"] == pytest.approx(flow["padding_at_budget"])  # pad multiple 0: budget shape

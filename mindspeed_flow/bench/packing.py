@@ -11,6 +11,9 @@ imbalance (mean over steps and slots of max/mean cost across DP ranks) and sampl
 (CPU time of `plan_step` only, best of --repeats runs per step, so other jobs on a shared machine count as
 little as possible). `--emit` writes the flow assignment for `scripts/check_packing_emit.py`.
 
+`--stream` adds `flow_stream`: the bounded look-ahead streaming packer over the same samples, in steps of a fixed
+number of full-budget packs (dp x the flow plan's microbatches per rank) instead of a fixed number of samples.
+
 `--trl` packs the same lengths with TRL's `pack_dataset(strategy="bfd")` (optional dev extra) and compares fill
 (real tokens / (bins x budget)) and time with `best_fit_pack`. `--scaling` times `best_fit_pack` from 10^3 to
 10^6 samples and at several budgets, and fits the exponent of time vs N (1.0 = linear; log B from the budgets).
@@ -54,6 +57,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="time each step's plan this many times, keep the best")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--emit", metavar="PATH.json", help="write the flow assignment for check_packing_emit.py")
+    p.add_argument("--stream", action="store_true",
+                   help="also run the streaming packer (token-defined steps of dp x M full-budget packs): flow_stream")
+    p.add_argument("--lookahead", type=int, default=1024, help="streaming look-ahead buffer (samples)")
     p.add_argument("--trl", action="store_true", help="compare best_fit_pack with TRL's bfd on the same lengths")
     p.add_argument("--scaling", action="store_true", help="time best_fit_pack from 10^3 to 10^6 samples")
     p.add_argument("--scaling-max", type=int, default=10**6, help=argparse.SUPPRESS)
@@ -102,11 +108,15 @@ def run_method(method: str, steps: list[list[SampleShape]], args: argparse.Names
             best = min(best, time.process_time() - start)
         elapsed += best
         plans.append(plan)
-    samples = sum(len(s) for s in steps)
+    return summarize(plans, sum(len(s) for s in steps), elapsed), plans
+
+
+def summarize(plans: list[StepPlan], samples: int, elapsed: float) -> dict[str, Any]:
+    """The benchmark's figures over a list of step plans (see the module docstring)."""
     real = sum(p.real_tokens for p in plans)
     padded = sum(p.padded_tokens for p in plans)
     packed_at_budget = sum(p.dp * p.num_slots * p.token_budget for p in plans)
-    stats = {
+    return {
         "padding_fraction": 1.0 - real / padded if padded else 0.0,
         "dp_imbalance": float(np.mean([p.dp_imbalance for p in plans])),
         "slot_imbalance": float(np.mean([p.slot_imbalance for p in plans])),
@@ -119,7 +129,29 @@ def run_method(method: str, steps: list[list[SampleShape]], args: argparse.Names
         "encoder_imbalance": float(np.mean([p.encoder_imbalance for p in plans])),
         "oversize": int(sum(len(p.oversize) for p in plans)),
     }
-    return stats, plans
+
+
+def run_streaming(shapes: list[SampleShape], args: argparse.Namespace, cost_model: CostModel,
+                  per_rank: int) -> dict[str, Any]:
+    """The streaming packer over the same samples: every pack padded to the full budget (one static shape)."""
+    from mindspeed_flow.packing.streaming import StreamingPacker
+
+    start = time.process_time()
+    packer = StreamingPacker(iter(shapes), token_budget=args.budget, cost_model=cost_model,
+                             lookahead=args.lookahead, oversize_policy=args.oversize)
+    plans = list(packer.steps(dp=args.dp, num_encoders=args.encoders, microbatches_per_rank=per_rank))
+    elapsed = time.process_time() - start
+    # The last step of a finite stream is completed with empty packs (an endless stream has no last step):
+    # report it apart so the figures describe the steady state.
+    tail = plans.pop() if len(plans) > 1 and plans[-1].empty_microbatches else None
+    stats = summarize(plans, len(shapes), elapsed)
+    stats.update({
+        "oversize": len(packer.oversize),
+        "steps": len(plans),
+        "last_step_samples": len(tail.sample_ids()) if tail else 0,
+        "last_step_empty_microbatches": tail.empty_microbatches if tail else 0,
+    })
+    return stats
 
 
 def emit(path: str, plans: list[StepPlan], shapes: list[SampleShape], budget: int) -> None:
@@ -189,7 +221,8 @@ def scaling(max_n: int, budget: int, seed: int, max_pixels: int) -> dict[str, An
         for n in sizes:
             lengths = _lengths(kind, n, budget, seed, max_pixels)
             seconds = _best_time(lambda: best_fit_pack(lengths, budget), repeats=3 if n <= 10**5 else 1)
-            rows.append({"lengths": kind, "n": n, "budget": budget, "seconds": seconds, "us_per_sample": 1e6 * seconds / n})
+            rows.append({"lengths": kind, "n": n, "budget": budget, "seconds": seconds,
+                         "us_per_sample": 1e6 * seconds / n})
     out: dict[str, Any] = {"rows": rows, "exponent": {}}
     for kind in ("infovqa", "uniform"):
         pts = [(r["n"], r["seconds"]) for r in rows if r["lengths"] == kind]
@@ -271,6 +304,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PackingError as exc:
         print(f"bench packing: {exc}", file=sys.stderr)
         return 2
+    if args.stream:
+        per_rank = max(args.pp, round(result["methods"]["flow"]["microbatches_per_rank"]))
+        result["methods"]["flow_stream"] = run_streaming(used, args, cost_model, per_rank)
     if args.emit:
         emit(args.emit, flow_plans, used, args.budget)
     if args.trl:

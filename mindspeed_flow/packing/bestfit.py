@@ -117,7 +117,8 @@ def best_fit_pack(lengths: np.ndarray, budget: int) -> Packing:
     sorted_lengths = lengths[order]
     order_list = order.tolist()
     # Runs of equal length: [starts[k], starts[k+1]) all have length run_lengths[k].
-    starts = np.flatnonzero(np.r_[True, sorted_lengths[1:] != sorted_lengths[:-1]]) if lengths.size else np.zeros(0, int)
+    starts = (np.flatnonzero(np.r_[True, sorted_lengths[1:] != sorted_lengths[:-1]]) if lengths.size
+              else np.zeros(0, dtype=np.int64))
     run_lengths = sorted_lengths[starts].tolist()
     bounds = starts.tolist() + [int(lengths.size)]
 

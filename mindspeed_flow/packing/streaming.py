@@ -29,7 +29,7 @@ class StreamingPacker:
     """Bounded look-ahead best-fit packer; iterate `microbatches()` or `steps(...)` once."""
 
     def __init__(self, source: Iterable[SampleShape], *, token_budget: int, cost_model: CostModel,
-                 lookahead: int = 1024, oversize_policy: str = "error", min_fill: float = 0.98) -> None:
+                 lookahead: int = 1024, oversize_policy: str = "error", min_fill: float = 0.97) -> None:
         check_arguments(dp=1, num_encoders=1, token_budget=token_budget, scheduler="flow", min_microbatches=1,
                         oversize_policy=oversize_policy, pad_multiple=0)
         if lookahead < 1:
@@ -58,40 +58,41 @@ class StreamingPacker:
         self.oversize.append((shape.sample_id, tokens))
         return False
 
-    def _fill(self, buffer: deque[SampleShape]) -> bool:
-        """Top the buffer up to `lookahead`; False once the source is exhausted."""
+    def _fill(self, buffer: deque[tuple[SampleShape, int]]) -> bool:
+        """Top the buffer up to `lookahead` with (shape, llm_tokens); False once the source is exhausted."""
         while len(buffer) < self.lookahead:
             shape = next(self.source, None)
             if shape is None:
                 return False
             if self._admit(shape):
-                buffer.append(shape)
+                buffer.append((shape, shape.llm_tokens))
         return True
 
     def microbatches(self) -> Iterator[Microbatch]:
-        buffer: deque[SampleShape] = deque()
+        buffer: deque[tuple[SampleShape, int]] = deque()
         more = True
+        full = self.min_fill * self.token_budget
         while more or buffer:
             more = more and self._fill(buffer)
             self.max_buffered = max(self.max_buffered, len(buffer))
             if not buffer:
                 return
-            lengths = np.fromiter((s.llm_tokens for s in buffer), dtype=np.int64, count=len(buffer))
+            lengths = np.fromiter((tokens for _, tokens in buffer), dtype=np.int64, count=len(buffer))
             packing = best_fit_pack(lengths, self.token_budget)
-            emit = [b for b, load in enumerate(packing.loads)
-                    if not more or load >= self.min_fill * self.token_budget or 0 in packing.bins[b]]
-            taken: set[int] = set()
-            for b in emit:
-                taken.update(packing.bins[b])
-                yield self._microbatch([buffer[i] for i in packing.bins[b]])
-            buffer = deque(s for i, s in enumerate(buffer) if i not in taken)
+            taken = np.zeros(len(buffer), dtype=bool)
+            for b, load in enumerate(packing.loads):
+                if not more or load >= full or 0 in packing.bins[b]:  # position 0 is the oldest sample
+                    taken[packing.bins[b]] = True
+                    yield self._microbatch([buffer[i] for i in packing.bins[b]], load)
+            buffer = deque(entry for entry, done in zip(buffer, taken.tolist()) if not done)
 
-    def _microbatch(self, shapes: list[SampleShape]) -> Microbatch:
-        for s in shapes:
-            self.shapes[s.sample_id] = s
-        tokens = [s.llm_tokens for s in shapes]
-        return Microbatch(sample_ids=[s.sample_id for s in shapes], tokens=sum(tokens),
-                          cost=self.cost_model.microbatch_cost(tokens), padded_tokens=self.token_budget)
+    def _microbatch(self, entries: list[tuple[SampleShape, int]], tokens: int) -> Microbatch:
+        for shape, _ in entries:
+            self.shapes[shape.sample_id] = shape
+        cm = self.cost_model
+        squares = sum(t * t for _, t in entries)
+        return Microbatch(sample_ids=[s.sample_id for s, _ in entries], tokens=tokens,
+                          cost=cm.linear * tokens + cm.quadratic * squares, padded_tokens=self.token_budget)
 
     def steps(self, *, dp: int, num_encoders: int, microbatches_per_rank: int) -> Iterator[StepPlan]:
         """Step plans of dp x microbatches_per_rank packs; the last one is completed with empty packs."""
