@@ -63,11 +63,13 @@ def family_of(model: nn.Module) -> str:
     raise TypeError(f"{name} is not a supported VLM; the torch host splits {sorted(FAMILY_CLASSES)}")
 
 
-def dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
+def dtype_kwarg(dtype: torch.dtype, version: Optional[str] = None) -> dict[str, torch.dtype]:
     """`from_pretrained` takes `dtype=` in 5.x and `torch_dtype=` in 4.57 (5.x still accepts it, with a warning)."""
-    import transformers
+    if version is None:
+        import transformers
 
-    major = int(transformers.__version__.split(".")[0])
+        version = transformers.__version__
+    major = int(version.split(".")[0])
     return {"dtype": dtype} if major >= 5 else {"torch_dtype": dtype}
 
 

@@ -15,6 +15,7 @@ for Qwen, computed by the model's own rope index) and the pad token.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -51,6 +52,15 @@ class PackedBatch:
     def pad_tokens(self) -> int:
         return self.token_budget - self.real_tokens
 
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        """The same batch with its tensors on `device` (self when they are there already)."""
+        device = torch.device(device)
+        if self.input_ids.device == device:
+            return self
+        moved = {name: getattr(self, name).to(device)
+                 for name in ("input_ids", "labels", "position_ids", "segment_ids", "cu_seqlens")}
+        return dataclasses.replace(self, **moved, _mask_cache={})
+
     @property
     def attention_mask(self) -> torch.Tensor:
         """Block-diagonal causal mask, bool [1, 1, T, T], True where a query may attend to a key."""
@@ -59,15 +69,20 @@ class PackedBatch:
         return self._mask_cache["bool"]
 
 
+def _segment_lens(seq_lens: Sequence[int], token_budget: int) -> list[int]:
+    """Sample lengths plus the padding tail as one more segment (when there is any padding)."""
+    return list(seq_lens) + ([token_budget - sum(seq_lens)] if sum(seq_lens) < token_budget else [])
+
+
 def segment_ids_for(seq_lens: Sequence[int], token_budget: int) -> torch.Tensor:
     """[1, T] segment index per token; the padding tail (if any) is one more segment."""
-    lens = list(seq_lens) + ([token_budget - sum(seq_lens)] if sum(seq_lens) < token_budget else [])
+    lens = _segment_lens(seq_lens, token_budget)
     seg = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.long))
     return seg.view(1, -1)
 
 
 def cu_seqlens_for(seq_lens: Sequence[int], token_budget: int) -> torch.Tensor:
-    lens = list(seq_lens) + ([token_budget - sum(seq_lens)] if sum(seq_lens) < token_budget else [])
+    lens = _segment_lens(seq_lens, token_budget)
     return torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32)
 
 
