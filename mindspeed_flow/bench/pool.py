@@ -66,7 +66,7 @@ def _bench_rank(rank: int, world: int, sizes: list[int], n_items: int, hidden: i
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mindspeed-flow bench pool", description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", default="64,1024,8192", help="image tokens per item, comma-separated sizes")
+    p.add_argument("--tokens", default="64,1024,4096", help="image tokens per item, comma-separated sizes")
     p.add_argument("--hidden", type=int, default=1024, help="embedding width (fp32)")
     p.add_argument("--items", type=int, default=16, help="items per size")
     p.add_argument("--repeats", type=int, default=3)

@@ -310,13 +310,20 @@ class EmbeddingPool:
         with self._cond:
             return [h.handle for h in self._held.values()]
 
-    def close(self) -> None:
-        """Stop the receiving threads that have nothing left to receive; busy ones are daemons and die with the
-        process group. Call flush() first to be sure everything sent was received."""
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the receiving threads, first waiting (up to `timeout_s`, if `wait`) for every message still owed
+        to this rank: credits for items it sent, gradients, expected embeddings. Call flush() before it.
+
+        Waiting matters: a receive left posted would take the message meant for a later pool on the same group
+        and tags. Threads still busy after the wait are daemons and die with the process group (with a warning).
+        """
+        deadline = time.monotonic() + (self.timeout_s if wait else 0.0)
         with self._cond:
             self._closed = True
             streams = [*self._credit_streams.values(), *self._grad_streams.values(),
                        *self._embedding_streams.values()]
+            while any(not s.idle and s.error is None for s in streams) and self._wait(deadline):
+                pass
             busy = sorted({s.peer for s in streams if not s.idle})
             for s in streams:
                 s.close()
