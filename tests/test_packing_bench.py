@@ -99,16 +99,6 @@ def test_scaling_section(capsys: pytest.CaptureFixture) -> None:
     assert [r["budget"] for r in result["scaling"]["budgets"]] == [1024, 4096, 16384, 65536, 262144]
 
 
-@pytest.mark.slow  # importing TRL pulls transformers and torch: 10-25 s on the CI machine
-def test_trl_side_by_side() -> None:
-    pytest.importorskip("trl")
-    lengths = bench.infovqa_arrays(2000, seed=3).llm_tokens
-    out = bench.trl_compare(lengths, 16384)
-    ours, trl = out["flow_best_fit"], out["trl_pack_dataset"]
-    assert trl["tokens_kept"] == int(lengths.sum())  # no truncation: every length is within the budget
-    assert ours["fill"] >= trl["fill"] - 1e-12 and ours["bins"] <= trl["bins"]
-
-
 def test_streaming_method_static_shapes(capsys: pytest.CaptureFixture) -> None:
     """Token-defined steps at one static shape (every pack padded to the full budget) also stay under 2%."""
     assert bench.main(["--steps", "4", "--global-batch", "1024", "--pad-multiple", "0", "--stream", "--json",

@@ -185,3 +185,30 @@ def test_llm_tokens_of_matches_the_shape_property() -> None:
     shapes = [SampleShape(0, 7, ((1, 5, 5), (2, 3, 3))), SampleShape(1, 4, ((1, 5, 7),)), SampleShape(2, 9),
               SampleShape(3, 1, ((1, 6, 6),), merge_size=3)]
     assert llm_tokens_of(shapes) == [s.llm_tokens for s in shapes]
+
+
+PLAN_DIGEST = """
+import hashlib, json
+from mindspeed_flow.packing import CostModel, plan_step
+from mindspeed_flow.packing.workloads import infovqa_shapes
+shapes = infovqa_shapes(700, seed=12, text_only_fraction=0.1)
+p = plan_step(shapes, dp=4, num_encoders=3, token_budget=8192, cost_model=CostModel(quadratic=1e-4),
+              min_microbatches=2, pad_multiple=64)
+doc = [[mb.sample_ids for mb in rank] for rank in p.microbatches], p.encoder_order, p.seq_len
+print(hashlib.sha256(json.dumps(doc).encode()).hexdigest())
+"""
+
+
+def test_plan_is_identical_across_processes_and_hash_seeds() -> None:
+    """Every rank computes the plan on its own: no dependence on hash or set order (PYTHONHASHSEED)."""
+    import os
+    import subprocess
+    import sys
+
+    digests = set()
+    for seed in ("1", "4242"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        out = subprocess.run([sys.executable, "-c", PLAN_DIGEST], env=env, capture_output=True, text=True,
+                             timeout=60, check=True)
+        digests.add(out.stdout.strip())
+    assert len(digests) == 1

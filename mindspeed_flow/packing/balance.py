@@ -3,10 +3,13 @@
 - `split_to_count`: a step needs a bin count that is a multiple of DP (every pipeline runs the same number of
   microbatches); when the packer made fewer bins, the heaviest splittable bins are halved, and only when no bin
   has two samples left is an empty bin added (the plan reports it).
+- `level_bins`: moves samples from the fullest pack to the emptiest while that narrows the gap, so the light
+  pack best fit leaves at the end does not unbalance its slot.
 - `zigzag_place` ("cost buckets + zig-zag"): bins sorted by cost, cut into buckets of DP consecutive bins; a
   bucket is one slot, so the microbatches that run at the same time on different ranks have similar cost. Inside a
   bucket the heaviest bin goes to the rank with the lightest running total, which generalizes the serpentine
-  deal (0..D-1, D-1..0, ...) and keeps per-rank totals within about one bin's spread of each other.
+  deal (0..D-1, D-1..0, ...); then `refine_by_slot_swaps` swaps one slot's bins between the heaviest and the
+  lightest rank while that lowers the maximum (slots keep their bins, so slot balance is unchanged).
 - `encoder_schedule`: LPT of samples to encoder ranks by encoder cost, slot by slot, so each encoder rank's order
   follows the backbone's consumption order (slot 0 of every DP rank first) and slot 0 is ready early.
 

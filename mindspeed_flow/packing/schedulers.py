@@ -4,9 +4,9 @@ All take the same `StepInputs` and return the same `StepPlan`, so the runtime an
 alike. Every one places each sample exactly once, keeps every microbatch within the budget and gives every DP
 rank the same number of microbatches (at least `min_microbatches`, the pipeline depth).
 
-- flow: best fit decreasing into a multiple-of-DP number of bins at the smallest capacity that allows it (so
-  tokens spread evenly instead of leaving empty bins), cost buckets + zig-zag over DP ranks x slots, LPT of
-  samples to encoder ranks in consumption order.
+- flow: best fit decreasing into a multiple-of-DP number of bins (>= DP x min_microbatches) at the smallest
+  capacity that allows it, so tokens spread evenly instead of leaving empty bins; light packs levelled; cost
+  buckets + zig-zag over DP ranks x slots; LPT of samples to encoder ranks in consumption order.
 - naive: fixed micro-batch size (as many of the step's longest sample as fit the budget), samples in arrival
   order, each microbatch padded to its longest sample; contiguous chunks per DP rank.
 - sorted: samples sorted by length, cut into batches that fit the budget when padded to their longest; batches
