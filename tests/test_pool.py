@@ -217,6 +217,37 @@ def test_back_to_back_pools_and_flush_racing_credits():
     assert run_ranks(_back_to_back_pools, 2, timeout_s=40)[1] == 24
 
 
+def _with_collectives(rank: int, world: int) -> list[float]:
+    """Pool traffic on the world group while the same group runs all_reduce (as DDP does between steps)."""
+    pool = _pool(rank)
+    sums = []
+    for step in range(4):
+        if rank == 0:
+            for sid in range(3):
+                pool.put(_embedding(sid, step, 2 + sid), sample_id=sid, step=step, consumer=1)
+        else:
+            pool.expect(producer=0, items=[(sid, step) for sid in range(3)])
+        total = torch.tensor([float(rank + step)])
+        dist.all_reduce(total)  # while the pool's threads are receiving
+        sums.append(total.item())
+        if rank == 1:
+            for sid in range(3):
+                emb = pool.get(sample_id=sid, step=step, producer=0)
+                assert torch.equal(emb, _embedding(sid, step, 2 + sid))
+                pool.return_grad(_grad_of(emb, sid), sample_id=sid, step=step, producer=0)
+        else:
+            for sid in range(3):
+                grad = pool.wait_grad(sample_id=sid, step=step, consumer=1)
+                assert torch.equal(grad, _grad_of(_embedding(sid, step, 2 + sid), sid))
+        pool.flush()
+    pool.close()
+    return sums
+
+
+def test_pool_traffic_beside_collectives_on_the_same_group():
+    assert run_ranks(_with_collectives, 2, timeout_s=40) == [[1.0, 3.0, 5.0, 7.0]] * 2
+
+
 # ---------------------------------------------------------------- backpressure and the oversize rule
 
 ITEM_TOKENS = [4, 6, 3, 5, 40, 4, 2, 6, 5, 3]  # 40 tokens = 1280 B > capacity: the oversize item
