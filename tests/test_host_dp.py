@@ -103,19 +103,20 @@ def test_backbone_dp_equals_single_process(mode):
         assert res["moved"] > 1e-4  # every parameter trained: the comparison is not between untouched weights
 
 
-def _allreduce_rank(rank: int, world: int) -> list[float]:
+def _allreduce_rank(rank: int, world: int) -> list:
     p = torch.nn.Parameter(torch.zeros(3))
     q = torch.nn.Parameter(torch.zeros(2))
-    p.grad = torch.full((3,), float(rank + 1))  # q has no grad on this rank
+    never = torch.nn.Parameter(torch.zeros(2))  # no gradient on any rank: must stay None (as under DDP)
+    p.grad = torch.full((3,), float(rank + 1))  # q has a gradient on rank 1 only
     if rank == 1:
         q.grad = torch.ones(2)
-    allreduce_grads_([p, q], dist.group.WORLD)
-    return p.grad.tolist() + q.grad.tolist()
+    allreduce_grads_([p, q, never], dist.group.WORLD)
+    return p.grad.tolist() + q.grad.tolist() + [never.grad]
 
 
-def test_allreduce_grads_averages_and_fills_missing():
+def test_allreduce_grads_averages_and_keeps_globally_missing_grads_none():
     out = run_ranks(_allreduce_rank, 2, timeout_s=30)
-    assert out[0] == out[1] == [1.5, 1.5, 1.5, 0.5, 0.5]
+    assert out[0] == out[1] == [1.5, 1.5, 1.5, 0.5, 0.5, None]
 
 
 def test_grad_sq_sum_and_clip_rules():

@@ -230,3 +230,23 @@ def test_pretrained_path_roundtrip(tmp_path):
         build_vlm("qwen2_vl", {}, seed=0, pretrained_path=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="model_type='qwen2_vl' but model.family='llava'"):
         build_vlm("llava", {}, seed=0, pretrained_path=str(tmp_path))
+
+
+@pytest.mark.parametrize("family,overrides", [(f, {}) for f in FAMILIES] + [("llava", {"vision_feature_layer": -2})])
+def test_every_trainable_parameter_gets_a_gradient(family, overrides):
+    """DDP without find_unused_parameters needs it; parameters on no path to the loss are frozen by split_vlm."""
+    model = build_vlm(family, hf_config_dict(family, "tiny", overrides), seed=0)
+    encoder, backbone = split_vlm(model)
+    samples = [s for s in make_samples(family, 3) if s.pixel_values is not None]
+    embeds = _encode(encoder, samples)
+    loss, _ = backbone(backbone.pack(samples, embeds, sum(s.llm_tokens for s in samples)), embeds)
+    loss.backward()
+    names = {id(p): n for n, p in model.named_parameters()}
+    missing = [names[id(p)] for p in model.parameters() if p.requires_grad and p.grad is None]
+    frozen = [names[id(p)] for p in model.parameters() if not p.requires_grad]
+    assert missing == []
+    if family == "llava":
+        assert any("post_layernorm" in n for n in frozen)
+        assert any("encoder.layers.1." in n for n in frozen) == ("vision_feature_layer" in overrides)
+    else:
+        assert frozen == []

@@ -129,26 +129,39 @@ def dp_loss_scale(dp_group: Optional[dist.ProcessGroup]) -> float:
 
 def allreduce_grads_(params: Iterable[nn.Parameter], dp_group: Optional[dist.ProcessGroup],
                      average: bool = True) -> None:
-    """Average (or sum) plain-tensor gradients over `dp_group` in one flattened collective.
+    """Average (or sum) plain-tensor gradients over `dp_group`, one flattened collective per dtype.
 
     For parts whose forward/backward pattern does not suit DDP (an encoder that runs several forwards before
-    the backbone returns the gradients), call this once after the last backward of the step. Parameters
-    without a gradient get a zero gradient, so every rank reduces the same layout.
+    the backbone returns the gradients), call this once after the last backward of the step. A rank without
+    a gradient for a parameter (e.g. it encoded no image this step) contributes zeros; a parameter without a
+    gradient on EVERY rank keeps `.grad = None`, as under DDP, so AdamW skips it the same way in both modes.
     """
     params = [p for p in params if p.requires_grad]
     if not params or dist.get_world_size(dp_group) == 1:
         return
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for group_params in by_dtype.values():
+        _allreduce_same_dtype(group_params, dp_group, average)
+
+
+def _allreduce_same_dtype(params: list[nn.Parameter], dp_group: Optional[dist.ProcessGroup], average: bool) -> None:
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    has_grad = torch.tensor([float(p.grad is not None) for p in params], dtype=params[0].dtype,
+                            device=params[0].device)
+    flat = torch.cat([g.reshape(-1) for g in grads] + [has_grad])  # the flags ride along in the same collective
     dist.all_reduce(flat, group=dp_group)
     if average:
-        flat.div_(dist.get_world_size(dp_group))
+        flat[:-len(params)].div_(dist.get_world_size(dp_group))
+    flags = flat[-len(params):]
     offset = 0
-    for p in params:
-        n = p.grad.numel()
-        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+    for p, g, flag in zip(params, grads, flags.tolist()):
+        n = g.numel()
+        if flag > 0:
+            if p.grad is None:
+                p.grad = g
+            p.grad.copy_(flat[offset:offset + n].view_as(g))
         offset += n
 
 

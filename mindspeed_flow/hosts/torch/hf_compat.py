@@ -103,6 +103,29 @@ def vision_modules(model: nn.Module, family: str) -> dict[str, nn.Module]:
                                      "multi-modal projector")}
 
 
+def unused_vision_parameters(model: nn.Module, family: str) -> list[nn.Parameter]:
+    """Encoder parameters the model's image features never depend on (they never get a gradient).
+
+    LLaVA reads `hidden_states[vision_feature_layer]` of its vision tower: the layers after that index and the
+    tower's post-layernorm / pooling head are computed on no path to the loss (e.g. CLIP's post_layernorm
+    always, and the last layer when vision_feature_layer=-2 as in LLaVA-1.5). Found by module names, which
+    differ between 4.57 (`vision_model.encoder.layers`) and 5.x (`encoder.layers`).
+    """
+    if family in MROPE_FAMILIES:
+        return []
+    tower = vision_modules(model, family)["vision_tower"]
+    layer_lists = [m for name, m in tower.named_modules() if name.endswith("encoder.layers")]
+    feature_layer = _llava_layer(multimodal_owner(model))
+    unused: list[nn.Module] = [m for name, m in tower.named_modules()
+                               if name.split(".")[-1] in ("post_layernorm", "head")]
+    if len(layer_lists) == 1:
+        layers = layer_lists[0]
+        wanted = feature_layer if isinstance(feature_layer, (list, tuple)) else [feature_layer]
+        used = max(i if i >= 0 else len(layers) + 1 + i for i in wanted)  # hidden_states[0] = embeddings
+        unused += list(layers[used:])
+    return [p for m in unused for p in m.parameters()]
+
+
 def multimodal_owner(model: nn.Module) -> nn.Module:
     """The module whose `get_image_features` / `get_rope_index` the whole model calls (`model.model`)."""
     return _first_attr(model, ("model",), "multimodal base model")

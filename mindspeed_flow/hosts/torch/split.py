@@ -218,7 +218,15 @@ def _image_rows(packed: PackedBatch, image_embeds: Optional[Sequence[Optional[to
 
 
 def split_vlm(model: nn.Module) -> tuple[EncoderPart, BackbonePart]:
-    """(EncoderPart, BackbonePart) sharing the model's parameters; together they cover every parameter once."""
+    """(EncoderPart, BackbonePart) sharing the model's parameters; together they cover every parameter once.
+
+    Encoder parameters that are on no path to the loss (`hf_compat.unused_vision_parameters`, e.g. CLIP's
+    post_layernorm in LLaVA) are frozen: they never get a gradient, so an optimizer never changes them anyway,
+    and DDP (which waits for a gradient of every trainable parameter) then needs no find_unused_parameters.
+    """
+    family = hf_compat.family_of(model)
+    for p in hf_compat.unused_vision_parameters(model, family):
+        p.requires_grad_(False)
     encoder, backbone = EncoderPart(model), BackbonePart(model)
     enc_ids = {id(p) for p in encoder.parameters()}
     shared = [n for n, p in backbone.named_parameters() if id(p) in enc_ids]
