@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from mindspeed_flow.planner.cost import (
-    CostContext, Layouts, backbone_costs, backbone_stage_mb_time, backbone_stage_params, dp_sync_time, encoder_activation_memory,
-    encoder_samples_time, encoder_static_params, model_flops_per_step, optimizer_time, static_memory,
+    CostContext, Layouts, backbone_costs, backbone_stage_mb_time, backbone_stage_params, dp_sync_time,
+    encoder_activation_memory, encoder_samples_time, encoder_static_params, model_flops_per_step, optimizer_time,
+    static_memory,
 )
 from mindspeed_flow.planner.parts import PartSpec
 from mindspeed_flow.planner.space import PlanError, enumerate_layouts

@@ -19,8 +19,9 @@ Memory per device (bytes), the most loaded pipeline stage:
   sharded over DP by the distributed optimizer; fp32 training: 4 + 4 + 8 B, unsharded without it.
 - activations per token per layer (elements): act_h x h + act_kv x kv + act_f x ffn (PartSpec; counted
   from the HF modules: LLM 8h + 2kv + 4f), divided by tp (sequence parallel) and cp; unfused attention (CPU)
-  also keeps a b x b fp32 mask per layer. 1F1B keeps min(m, pp) microbatches on stage 0. Full recompute keeps each layer's input only
-  plus one layer's activations. The last stage also holds the logits (and their gradient) in fp32.
+  also keeps a b x b fp32 mask per layer. 1F1B keeps min(m, pp) microbatches on stage 0. Full recompute keeps
+  each layer's input only plus one layer's activations. The last stage also holds the logits (and their
+  gradient) in fp32.
 - buffers: the backbone keeps 2 microbatches of received embeddings; an encoder keeps the pool capacity.
   A trainable encoder keeps the activations of all its in-flight samples (strict mode: its backward waits for
   the backbone's gradients) unless it recomputes, when it keeps only the pixel inputs.
@@ -217,7 +218,7 @@ def backbone_stage_mb_time(part: PartSpec, ctx: CostContext, L: Layouts, m: np.n
         "tp": tp_comm * (1.0 - ctx.overlap("tp")),
         "cp": cp_comm * (1.0 - ctx.overlap("cp")),
         "pp": p2p * (1.0 - ctx.overlap("pp")),
-        "overhead": np.full_like(compute, ctx.cfg.microbatch_overhead_s),
+        "overhead": np.full_like(compute, ctx.cfg.microbatch_overhead_s * ctx.contention),
     }
 
 
@@ -257,7 +258,7 @@ def backbone_costs(part: PartSpec, ctx: CostContext, L: Layouts) -> Costs:
     p_dev = np.maximum(p_first, p_last)
     dp_t = dp_sync_time(ctx, p_dev, L.dp, L.tp * L.cp * L.dp)
     opt_t = optimizer_time(ctx, p_dev, L.dp)
-    time = pipeline + dp_t + opt_t + ctx.cfg.step_overhead_s
+    time = pipeline + dp_t + opt_t + ctx.cfg.step_overhead_s * ctx.contention
 
     inflight_first = np.where(L.pp > 1, np.minimum(m, L.pp) if ctx.cfg.pp_schedule == "1f1b" else m, 1)
     act_first = backbone_activation_memory(part, ctx, L, inflight_first)
@@ -306,7 +307,7 @@ def encoder_samples_time(part: PartSpec, ctx: CostContext, samples: np.ndarray, 
         "compute": compute,
         "tp": tp_comm * (1.0 - ctx.overlap("tp")),
         "embed": embed * (1.0 - ctx.overlap("embed")),
-        "overhead": samples * ctx.cfg.item_overhead_s,
+        "overhead": samples * ctx.cfg.item_overhead_s * ctx.contention,
     }
 
 
@@ -345,7 +346,7 @@ def encoder_costs(part: PartSpec, ctx: CostContext, L: Layouts) -> Costs:
         opt_t = optimizer_time(ctx, p_dev, L.dp)
     else:
         dp_t = opt_t = np.zeros_like(work)
-    time = work + fill + dp_t + opt_t + ctx.cfg.step_overhead_s
+    time = work + fill + dp_t + opt_t + ctx.cfg.step_overhead_s * ctx.contention
     static = static_memory(ctx, p_dev, L.dp, part.trainable)
     act = encoder_activation_memory(part, ctx, samples, L.tp, L.rc)
     pool = np.full_like(act, ctx.cfg.pool_capacity_mb * 2**20)

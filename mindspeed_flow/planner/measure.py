@@ -50,14 +50,42 @@ def static_bytes_after_step(module: Any, lr: float = 1e-3) -> dict[str, int]:
     }
 
 
-def time_call(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1) -> float:
-    """Fastest wall seconds of fn() over `repeats` (after `warmup` calls): the minimum is the least disturbed
-    by other processes on a shared machine."""
+def time_call(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1) -> tuple[float, float]:
+    """(wall, cpu) seconds of fn(): the fastest of `repeats` (after `warmup` calls) for each clock.
+
+    CPU time of the calling thread is what the work costs on a core of its own; wall time also counts the time
+    other processes held the core, so on a shared machine only the CPU time calibrates the model.
+    """
     for _ in range(warmup):
         fn()
-    times = []
+    walls, cpus = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.thread_time() - c0)
+    return min(walls), min(cpus)
+
+
+def _busy_share(seconds: float, queue: Any) -> None:
+    t0, c0 = time.perf_counter(), time.thread_time()
+    x = 0
+    while time.perf_counter() - t0 < seconds:
+        x += 1
+    queue.put((time.thread_time() - c0) / (time.perf_counter() - t0))
+
+
+def core_share(processes: int, seconds: float = 0.5) -> float:
+    """Mean fraction of a core each of `processes` concurrent busy processes gets on this machine right now
+    (1.0 on an idle machine with enough cores; less when they share cores with each other or other jobs)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_busy_share, args=(seconds, q)) for _ in range(processes)]
+    for p in procs:
+        p.start()
+    shares = [q.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join()
+    return sum(shares) / len(shares)

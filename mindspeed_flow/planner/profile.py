@@ -7,7 +7,9 @@ It builds the model with the torch host (`hosts/torch`: the same encoder/backbon
 then times, single process, one thread:
 - encoder forward + backward per sample, for samples of different patch counts;
 - backbone forward + backward per packed microbatch, at several token budgets (padded, as the runtime does).
-Each row records the FLOPs the cost model charges for that call, and a least-squares fit of
+Each row records the FLOPs the cost model charges for that call and its thread CPU time (the fastest of
+--repeats; wall time is recorded too but not fitted: on a shared machine it counts other jobs' time), and a
+least-squares fit of
 seconds = overhead + seconds_per_flop x FLOPs per part gives the calibration the planner reads with
 `planner.profile=profile.json` (`seconds_per_flop`, `item_overhead_s`, `microbatch_overhead_s`). The CSV holds
 the raw rows (part, size, flops, seconds).
@@ -90,17 +92,19 @@ def measure(model_name: str, data: str, cluster: str, budgets: list[int], repeat
     rows: list[dict[str, Any]] = []
 
     # encoder: a spread of sizes (sorted by patches, evenly picked)
-    with_images = sorted((s for s in samples if s.pixel_values is not None), key=lambda s: ds.shape(s.sample_id).vit_patches)
+    with_images = sorted((s for s in samples if s.pixel_values is not None),
+                         key=lambda s: ds.shape(s.sample_id).vit_patches)
     picks = [with_images[int(i)] for i in np.linspace(0, len(with_images) - 1, n_encoder_samples)]
     for s in picks:
         def enc_step(s=s) -> None:
             out = encoder(s.pixel_values, s.image_grid_thw)
             if enc_part.trainable:
                 out.float().sum().backward()
-        sec = time_call(enc_step, repeats=repeats)
+        wall, cpu = time_call(enc_step, repeats=repeats)
         shape = ds.shape(s.sample_id)
         rows.append({"part": "encoder", "size": shape.vit_patches,
-                     "flops": encoder_call_flops(enc_part, list(shape.vit_patches_per_image), spec), "seconds": sec})
+                     "flops": encoder_call_flops(enc_part, list(shape.vit_patches_per_image), spec),
+                     "seconds": cpu, "wall_seconds": wall})
 
     # backbone: packed microbatches at each budget
     with torch.no_grad():
@@ -113,10 +117,10 @@ def measure(model_name: str, data: str, cluster: str, budgets: list[int], repeat
         def bb_step(packed=packed, idx=idx) -> None:
             loss, _ = backbone(packed, [embeds[i] for i in idx])
             loss.backward()
-        sec = time_call(bb_step, repeats=repeats)
+        wall, cpu = time_call(bb_step, repeats=repeats)
         rows.append({"part": "backbone", "size": budget,
                      "flops": backbone_call_flops(bb_part, budget, flash, [lengths[i] for i in idx]),
-                     "seconds": sec})
+                     "seconds": cpu, "wall_seconds": wall})
     model.zero_grad(set_to_none=True)
     enc_rows = [r for r in rows if r["part"] == "encoder"]
     bb_rows = [r for r in rows if r["part"] == "backbone"]
@@ -136,7 +140,7 @@ def write_outputs(table: dict[str, Any], out: str, csv_path: str | None) -> None
         json.dump(table, f, indent=1)
     if csv_path:
         with open(csv_path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=["part", "size", "flops", "seconds"])
+            w = csv.DictWriter(f, fieldnames=["part", "size", "flops", "seconds", "wall_seconds"])
             w.writeheader()
             w.writerows(table["rows"])
 
@@ -156,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     write_outputs(table, args.out, args.csv)
     cal = table["calibration"]
     for r in table["rows"]:
-        print(f"  {r['part']:<8} size {r['size']:>6}: {r['flops'] / 1e9:8.3f} GFLOP in {r['seconds'] * 1e3:7.2f} ms")
+        print(f"  {r['part']:<8} size {r['size']:>6}: {r['flops'] / 1e9:8.3f} GFLOP in {r['seconds'] * 1e3:7.2f} ms "
+              f"CPU ({r['wall_seconds'] * 1e3:7.2f} ms wall)")
     spf = cal["seconds_per_flop"]
     print(f"calibration: encoder {1 / spf['encoder'] / 1e9:.2f} GFLOP/s + {cal['item_overhead_s'] * 1e3:.2f} ms/sample;"
           f" backbone {1 / spf['backbone'] / 1e9:.2f} GFLOP/s + {cal['microbatch_overhead_s'] * 1e3:.2f} ms/microbatch")

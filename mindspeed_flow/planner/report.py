@@ -126,7 +126,8 @@ def recipe_yaml(plan: Plan, name: str, model_recipe: str | None, data_recipe: st
         if part is not None:
             lay = part.layout
             lines.append(f"  {part.name}: {{dp: {lay['dp']}, tp: {lay['tp']}, pp: {lay['pp']}, cp: {lay['cp']}}}")
-    lines.append(f"  backbone_dp_impl: {'fsdp' if pr.cfg.distributed_optimizer and bb and bb.layout['dp'] > 1 else 'ddp'}")
+    sharded = pr.cfg.distributed_optimizer and bb is not None and bb.layout["dp"] > 1
+    lines.append(f"  backbone_dp_impl: {'fsdp' if sharded else 'ddp'}")
     lines.append(f"  pp_schedule: {pr.cfg.pp_schedule}")
     lines.append(f"  world_size: {plan.devices}")
     lines += ["trainer:", f"  global_batch_size: {pr.global_batch}"]

@@ -101,12 +101,16 @@ def _cpsat(options: list[np.ndarray], devices: list[np.ndarray], tint: list[np.n
     return choice, int(solver.value(bound))
 
 
+def _as_arrays(devices: Sequence[np.ndarray],
+               times: Sequence[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    return [np.asarray(d, dtype=np.int64) for d in devices], [np.asarray(t, dtype=np.float64) for t in times]
+
+
 def solve_cpsat(devices: list[np.ndarray], times: list[np.ndarray], budget: int,
                 tie_key: list[np.ndarray] | None = None) -> Selection | None:
     """Lexicographic optimum (see module docstring) with CP-SAT; None when nothing fits the budget."""
     t0 = time.perf_counter()
-    devices = [np.asarray(d, dtype=np.int64) for d in devices]
-    times = [np.asarray(t, dtype=np.float64) for t in times]
+    devices, times = _as_arrays(devices, times)
     if any(len(t) == 0 for t in times):
         return None
     scale = _scale(times)
@@ -150,8 +154,7 @@ def solve_exhaustive(devices: list[np.ndarray], times: list[np.ndarray], budget:
                      tie_key: list[np.ndarray] | None = None) -> Selection | None:
     """The same lexicographic objective by enumerating every combination of options (no pruning)."""
     t0 = time.perf_counter()
-    devices = [np.asarray(d, dtype=np.int64) for d in devices]
-    times = [np.asarray(t, dtype=np.float64) for t in times]
+    devices, times = _as_arrays(devices, times)
     if any(len(t) == 0 for t in times):
         return None
     grids = np.meshgrid(*[np.arange(len(t)) for t in times], indexing="ij")

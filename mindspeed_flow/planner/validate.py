@@ -4,7 +4,8 @@
         [--layouts e1-b2,e1-b1p2,e2-b1,e1-b1] [--global-batch 12] [--model tiny_qwen2_vl] [--data infovqa_tiny]
         [--calibrate-first] [--out runs/validate/table.json]
 
-A layout `eA-bBpP` is encoder dp=A, backbone dp=B, pp=P (tp = cp = 1: what the CPU runtime runs). For each:
+A layout `eA-bBpP@T` is encoder dp=A, backbone dp=B, pp=P, token budget T (optional; tp = cp = 1: what the
+CPU runtime runs). For each:
 the planner prices exactly that layout (pinned, devices = its world size, calibrated by the profile table),
 writes it as an experiment recipe into a private copy of the recipe tree ($MSF_RECIPES), and the runtime
 trains it for --steps steps in a subprocess; measured = median `step_seconds` of metrics.jsonl without the first
@@ -15,6 +16,7 @@ rest). The runtime is not imported: everything goes through the command line, as
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -25,12 +27,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mindspeed_flow.planner.hardware import recipes_dir
+from mindspeed_flow.planner.hardware import Cluster, recipes_dir
+from mindspeed_flow.planner.measure import core_share
 from mindspeed_flow.planner.inputs import build_problem, data_recipe_fields, parse_kv
 from mindspeed_flow.planner.plan import make_plan
 from mindspeed_flow.planner.report import recipe_yaml
 
-_LAYOUT = re.compile(r"^e(\d+)-b(\d+)(?:p(\d+))?$")
+_LAYOUT = re.compile(r"^e(\d+)-b(\d+)(?:p(\d+))?(?:@(\d+))?$")
 
 
 def runtime_available() -> bool:
@@ -40,24 +43,31 @@ def runtime_available() -> bool:
 def parse_layout(text: str) -> dict[str, int]:
     m = _LAYOUT.match(text)
     if not m:
-        raise ValueError(f"layout {text!r}: expected eA-bB or eA-bBpP (encoder dp A, backbone dp B, pp P)")
-    return {"enc_dp": int(m.group(1)), "bb_dp": int(m.group(2)), "bb_pp": int(m.group(3) or 1)}
+        raise ValueError(f"layout {text!r}: expected eA-bB[pP][@T] (encoder dp A, backbone dp B, pp P, "
+                         "token budget T)")
+    return {"enc_dp": int(m.group(1)), "bb_dp": int(m.group(2)), "bb_pp": int(m.group(3) or 1),
+            "budget": int(m.group(4) or 0)}
 
 
 def plan_layout(layout: dict[str, int], model: str, data: str, global_batch: int, profile: str | None,
-                step_overhead_s: float = 0.0, token_budget: int | None = None):
-    """The planner's prediction for exactly this layout (and the objects needed to write its recipe)."""
+                step_overhead_s: float = 0.0, token_budget: int | None = None, host_cores: int | None = None):
+    """The planner's prediction for exactly this layout (and the objects needed to write its recipe).
+
+    host_cores=0 prices it as if every rank had a core of its own (no CPU sharing)."""
     world = layout["enc_dp"] + layout["bb_dp"] * layout["bb_pp"]
     kv = [f"model={model}", f"data={data}", "cluster=cpu", f"devices={world}", f"global_batch={global_batch}",
           f"encoder.dp={layout['enc_dp']}", f"backbone.dp={layout['bb_dp']}", f"backbone.pp={layout['bb_pp']}",
           "backbone.rc=0", "encoder.rc=0", f"planner.step_overhead_s={step_overhead_s}", "samples=512"]
-    if token_budget:
-        kv.append(f"backbone.b={token_budget}")
+    budget = layout.get("budget") or token_budget
+    if budget:
+        kv.append(f"backbone.b={budget}")
     if profile:
         kv.append(f"planner.profile={profile}")
     problem, ref = build_problem(parse_kv(kv))
-    plan = make_plan(problem, with_baselines=False)
-    return plan, ref
+    if host_cores is not None:
+        config = dataclasses.replace(problem.cluster.config, host_cores=host_cores)
+        problem = dataclasses.replace(problem, cluster=Cluster(config))
+    return make_plan(problem, with_baselines=False), ref
 
 
 def run_training(recipes: Path, name: str, steps: int, run_dir: Path, timeout_s: float = 600) -> list[dict]:
@@ -77,6 +87,13 @@ def measured_step_seconds(metrics: list[dict]) -> float:
 
 def compare(layouts: list[str], model: str, data: str, global_batch: int, steps: int, profile: str | None,
             calibrate_first: bool, workdir: Path, token_budget: int | None = None) -> list[dict[str, Any]]:
+    """Plan, train and compare each layout; see the module docstring.
+
+    Besides the model's own prediction (CPU ranks sharing this machine's cores evenly), each row carries a
+    load-adjusted one: the no-sharing prediction divided by the core share that `world` concurrent busy
+    processes actually got right before and after the run (`measure.core_share`), because on a machine shared
+    with other jobs the ranks get less than the model's even split.
+    """
     recipes = workdir / "recipes"
     if not recipes.exists():
         shutil.copytree(recipes_dir(), recipes)
@@ -85,17 +102,22 @@ def compare(layouts: list[str], model: str, data: str, global_batch: int, steps:
     for k, text in enumerate(layouts):
         layout = parse_layout(text)
         plan, ref = plan_layout(layout, model, data, global_batch, profile, overhead, token_budget)
-        name = f"validate_{text.replace('-', '_')}"
+        idle, _ = plan_layout(layout, model, data, global_batch, profile, overhead, token_budget, host_cores=0)
+        name = "validate_" + re.sub(r"[^A-Za-z0-9]", "_", text)
         data_recipe, data_inline = data_recipe_fields(data)
         (recipes / "experiment" / f"{name}.yaml").write_text(
             recipe_yaml(plan, name, ref.recipe, data_recipe, ref.inline, data_inline))
+        share = core_share(plan.devices)
         metrics = run_training(recipes, name, steps, workdir / "runs" / name)
+        share = (share + core_share(plan.devices)) / 2
         measured = measured_step_seconds(metrics)
+        adjusted = idle.step_seconds / share
         row = {"layout": text, "world": plan.devices, "token_budget": plan.parts[-1].layout["b"],
-               "predicted_s": plan.step_seconds, "measured_s": measured,
-               "error": plan.step_seconds / measured - 1, "calibration": k == 0 and calibrate_first}
-        if k == 0 and calibrate_first:
-            overhead = max(0.0, measured - plan.step_seconds)
+               "predicted_s": plan.step_seconds, "adjusted_s": adjusted, "core_share": share,
+               "measured_s": measured, "error": plan.step_seconds / measured - 1,
+               "adjusted_error": adjusted / measured - 1, "calibration": k == 0 and calibrate_first}
+        if k == 0 and calibrate_first:  # the residual, in seconds of an unshared core
+            overhead = max(0.0, measured * share - idle.step_seconds)
             row["step_overhead_s"] = overhead
         rows.append(row)
     return rows
@@ -124,11 +146,13 @@ def main(argv: list[str] | None = None) -> int:
           f"median of steps 1..{args.steps - 1}; load average {os.getloadavg()[0]:.1f})")
     for r in rows:
         tag = "  (calibration)" if r["calibration"] else ""
-        print(f"  {r['layout']:<9} world {r['world']}  budget {r['token_budget']:>5}: predicted {r['predicted_s']:.3f} s,"
-              f" measured {r['measured_s']:.3f} s, error {100 * r['error']:+.1f}%{tag}")
-    checked = [abs(r["error"]) for r in rows if not r["calibration"]]
-    if checked:
-        print(f"mean |error| over validated layouts: {100 * sum(checked) / len(checked):.1f}%")
+        print(f"  {r['layout']:<11} world {r['world']} budget {r['token_budget']:>5}: measured {r['measured_s']:.3f} s;"
+              f" predicted {r['predicted_s']:.3f} s ({100 * r['error']:+.1f}%), load-adjusted {r['adjusted_s']:.3f} s"
+              f" ({100 * r['adjusted_error']:+.1f}%, core share {r['core_share']:.2f}){tag}")
+    for key, label in (("error", "model"), ("adjusted_error", "load-adjusted")):
+        checked = [abs(r[key]) for r in rows if not r["calibration"]]
+        if checked:
+            print(f"mean |error| over validated layouts ({label}): {100 * sum(checked) / len(checked):.1f}%")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(rows, indent=1))
