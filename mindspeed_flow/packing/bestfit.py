@@ -191,9 +191,9 @@ def _open_bins_in_bulk(items: list[int], length: int, budget: int, bins: list[li
 def pack_into_bins(lengths: np.ndarray, budget: int, num_bins: int, granularity: int = 1) -> Packing:
     """Best fit into at most `num_bins` bins with the smallest capacity (<= budget) that allows it.
 
-    The capacity starts at the lower bound max(longest, ceil(total / num_bins)) and grows geometrically (rounded
-    to `granularity`) until best fit needs no more than `num_bins` bins; best fit is near-optimal for many small
-    items, so this usually takes one to three passes. If even the full budget needs more bins, the full-budget
+    The capacity starts just above the lower bound max(longest, ceil(total / num_bins)) (by FIRST_SLACK) and grows
+    geometrically (rounded to `granularity`) until best fit needs no more than `num_bins` bins; best fit is
+    near-optimal for many small items, so this usually takes one or two passes. If even the full budget needs more bins, the full-budget
     packing is returned (the caller rounds the bin count up). Fewer bins than asked are possible when there are
     few samples; the caller splits or pads.
     """
