@@ -6,8 +6,10 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_flow.hosts.torch import build_vlm, hf_compat, split_vlm
+from mindspeed_flow.hosts.torch.data_parallel import DTensor, apply_ddp, apply_fsdp, dp_loss_scale
 from mindspeed_flow.hosts.torch.pipeline import (build_backbone_stage, finish_stage0_backward, make_schedule,
                                                  pipeline_step, split_layers, stage0_input)
+from mindspeed_flow.hosts.torch.split import token_loss_sum
 from mindspeed_flow.hosts.torch.testing import make_samples
 from mindspeed_flow.model_presets import hf_config_dict
 from mindspeed_flow.utils.multiproc import run_ranks
@@ -88,6 +90,55 @@ def test_two_stage_pipeline_equals_single_process(family):
             assert out[r][kind]["worst_rel_grad"] <= 1e-6, (kind, r, out[r][kind]["worst_rel_grad"])
             assert out[r][kind]["foreign_grads"] == [], (kind, r)
         assert first["n_checked"] > last["n_checked"]  # stage 0 also checked the encoder's gradients
+
+
+def _pp_dp_rank(rank: int, world: int, mode: str) -> float:
+    """2 pipeline stages x 2 DP replicas; each replica runs 2 of the 4 microbatches."""
+    pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    dp_rank, pp_rank = rank // 2, rank % 2
+    _, ref_grads = _reference("qwen2_vl")
+    n_labels = _label_count()
+    model = build_vlm("qwen2_vl", hf_config_dict("qwen2_vl", "tiny"), seed=0)
+    encoder, backbone = split_vlm(model)
+    packs, embeds, budget = _packs(backbone, encoder, "qwen2_vl")
+    mine = slice(2 * dp_rank, 2 * dp_rank + 2)
+    dp_group = dp_groups[pp_rank]
+    wrap = (lambda m: apply_ddp(m, dp_group)) if mode == "ddp" else (lambda m: apply_fsdp(m, dp_group))
+    module, stage = build_backbone_stage(backbone, pp_rank, 2, pp_groups[dp_rank], torch.device("cpu"), budget,
+                                         wrap=wrap)
+    scale = dp_loss_scale(dp_group) / n_labels  # DP averages: scale by the DP size, normalize globally
+    schedule = make_schedule(stage, 2, loss_fn=lambda out, tgt: token_loss_sum(out, tgt) * scale, kind="1f1b")
+    leaf = stage0_input(backbone, packs[mine], embeds[mine])[0] if pp_rank == 0 else None
+    pipeline_step(schedule, module, packs[mine], leaf)
+    worst = 0.0
+    for name, q in module.named_parameters():  # FSDP2 replaced the parameters: match by name
+        g = q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad
+        ref = ref_grads[_model_name(name, module.layer_range[0])] / n_labels
+        worst = max(worst, (g - ref).abs().max().item() / ref.abs().max().item())
+    return worst
+
+
+def _model_name(stage_name: str, first_layer: int) -> str:
+    """The whole model's name of a stage parameter (stage layers are numbered from 0)."""
+    if stage_name.startswith("lm_head."):
+        return stage_name
+    if stage_name.startswith("layers."):
+        _, idx, rest = stage_name.split(".", 2)
+        stage_name = f"layers.{int(idx) + first_layer}.{rest}"
+    return "model.language_model." + stage_name
+
+
+def _label_count() -> int:
+    model = build_vlm("qwen2_vl", hf_config_dict("qwen2_vl", "tiny"), seed=0)
+    encoder, backbone = split_vlm(model)
+    return sum(p.n_label_tokens for p in _packs(backbone, encoder, "qwen2_vl")[0])
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_pipeline_with_data_parallel_stages(mode):
+    worst = run_ranks(_pp_dp_rank, 4, mode, timeout_s=120)
+    assert max(worst) <= 5e-6, worst  # fp32: loss scaling and the DP sum change the rounding order
 
 
 def test_layer_split():

@@ -88,9 +88,15 @@ class BackboneStage(nn.Module):
 
 
 def build_backbone_stage(backbone: BackbonePart, pp_rank: int, pp_size: int, pp_group: Optional[dist.ProcessGroup],
-                         device: torch.device, token_budget: int,
-                         layer_split: Optional[Sequence[int]] = None) -> tuple[BackboneStage, "PipelineStage"]:
-    """(stage module, PipelineStage) for this rank's stage; microbatches are [1, token_budget] packed batches."""
+                         device: torch.device, token_budget: int, layer_split: Optional[Sequence[int]] = None,
+                         wrap: Optional[Callable[[nn.Module], nn.Module]] = None
+                         ) -> tuple[BackboneStage, "PipelineStage"]:
+    """(stage module, PipelineStage) for this rank's stage; microbatches are [1, token_budget] packed batches.
+
+    `wrap`: data parallelism for the stage, e.g. `lambda m: apply_ddp(m, dp_group)` or `apply_fsdp`; the
+    PipelineStage then drives the wrapper (no_sync / deferred reduce until the last microbatch). The returned
+    stage module is the unwrapped one (for `pipeline_step` and parameter lists).
+    """
     from torch.distributed.pipelining import PipelineStage
 
     if pp_size > 1 and backbone.tied_embeddings:
@@ -102,7 +108,8 @@ def build_backbone_stage(backbone: BackbonePart, pp_rank: int, pp_size: int, pp_
     module = BackboneStage(backbone, start, stop, is_first=pp_rank == 0, is_last=pp_rank == pp_size - 1).to(device)
     # Shapes are inferred on the first step (static example args need output gradients too in 2.13's static
     # mode, and 2.7 lacks that argument); every microbatch then has the same [1, token_budget] shapes.
-    stage = PipelineStage(module, pp_rank, pp_size, device, group=pp_group)
+    wrapped = wrap(module) if wrap is not None else module
+    stage = PipelineStage(wrapped, pp_rank, pp_size, device, group=pp_group)
     return module, stage
 
 
