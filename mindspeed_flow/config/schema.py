@@ -97,12 +97,17 @@ class TrainerConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.95])
+    adam_eps: float = 1e-8
     grad_clip: float = 1.0
     warmup_steps: int = 0
     log_every: int = 1
     progress: bool = True
+    # Save a DCP checkpoint every N steps (0: never) and/or at the end; resume from the newest valid one.
     checkpoint_every: int = 0
+    save_final: bool = False
     resume: bool = False
+    keep_checkpoints: int = 2
+    async_checkpoint: bool = False
 
 
 @dataclass

@@ -1,13 +1,14 @@
 """Layout-agnostic training checkpoints with torch.distributed.checkpoint (DCP).
 
-Keys are the parts' own parameter names under `encoder.` and `backbone.` (DP/FSDP wrappers stripped by
-torch's state-dict helpers), so a checkpoint does not depend on how the parts were laid out: a decoupled run
-and the coupled baseline write the same keys, and a run can resume on another layout.
+Keys are the parameter names of the two parts, `encoder.<name>` and `backbone.<name>`, whatever the layout
+(DP replicas, pipeline stages, FSDP2 shards, or the coupled baseline holding both): DCP deduplicates replicas
+and stores shards, so a decoupled run and the coupled baseline write the same keys and a run can resume on
+another layout. Optimizer moments are stored under the same names (`optim.<key>.exp_avg` ...).
 
-Safety: a step is valid only when DCP's `.metadata` exists (written last), so a save that dies halfway leaves
-an invalid folder that is ignored; older checkpoints are deleted only after a newer one is complete, and a
-failed delete never stops training. Async saves use their own gloo group (DESIGN §7: on the default group
-`async_save` deadlocks while training goes on).
+Safety: a step folder is valid only when DCP's `.metadata` exists (written last), so a save that dies halfway
+leaves an invalid folder that is ignored and the previous checkpoint stays the newest valid one; older
+checkpoints are deleted only after a newer one is complete, and a failed delete never stops training. Async
+saves use their own gloo group (DESIGN §7: on the default group `async_save` deadlocks while training runs).
 """
 from __future__ import annotations
 
@@ -20,29 +21,38 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_state_dict)
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-class PartsModule(torch.nn.Module):
-    """The parts this rank holds, under the names every layout shares."""
-
-    def __init__(self, **parts: Optional[torch.nn.Module]) -> None:
-        super().__init__()
-        for name, module in parts.items():
-            if module is not None:
-                self.add_module(name, module)
+ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 
 def valid_steps(root: Path) -> list[int]:
     steps = []
-    if root.is_dir():
-        for d in root.iterdir():
+    if Path(root).is_dir():
+        for d in Path(root).iterdir():
             m = STEP_DIR.match(d.name)
             if m and (d / ".metadata").exists():
                 steps.append(int(m.group(1)))
     return sorted(steps)
+
+
+def _ensure_adam_state(optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter]) -> None:
+    """AdamW creates its state lazily at the first step; a resume must have tensors to load into."""
+    for p in params.values():
+        if p.requires_grad and p not in optimizer.state:
+            optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+                                  "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+
+def training_state(params: dict[str, torch.nn.Parameter], optimizer: Optional[torch.optim.Optimizer],
+                   extra: dict[str, Any]) -> dict[str, Any]:
+    state: dict[str, Any] = {"model": {k: p.data for k, p in params.items()}, "optim": {}, "extra": dict(extra)}
+    if optimizer is not None:
+        for k, p in params.items():
+            for name, t in optimizer.state.get(p, {}).items():
+                if name in ADAM_KEYS:
+                    state["optim"][f"{k}.{name}"] = t
+    return state
 
 
 class Checkpointer:
@@ -52,27 +62,21 @@ class Checkpointer:
         self.async_save = async_save
         self._group = dist.new_group(backend="gloo") if async_save else None
         self._pending: Optional[Any] = None
-        self.save_seconds: list[float] = []
+        self.blocking_seconds: list[float] = []
 
-    def state(self, parts: PartsModule, optimizer: Optional[torch.optim.Optimizer], extra: dict) -> dict:
-        opts = StateDictOptions(ignore_frozen_params=False)
-        if optimizer is not None:
-            model_sd, optim_sd = get_state_dict(parts, optimizer, options=opts)
-        else:
-            model_sd, optim_sd = get_state_dict(parts, [], options=opts)
-        return {"model": model_sd, "optim": optim_sd, "extra": extra}
-
-    def save(self, step: int, parts: PartsModule, optimizer: Optional[torch.optim.Optimizer], extra: dict) -> None:
+    def save(self, step: int, params: dict[str, torch.nn.Parameter], optimizer: Optional[torch.optim.Optimizer],
+             extra: dict[str, Any]) -> Path:
         self.wait()
         start = time.perf_counter()
         path = self.root / f"step-{step}"
-        state = self.state(parts, optimizer, extra)
+        state = training_state(params, optimizer, extra)
         if self.async_save:
             self._pending = dcp.async_save(state, checkpoint_id=str(path), process_group=self._group)
         else:
             dcp.save(state, checkpoint_id=str(path))
             self._purge()
-        self.save_seconds.append(time.perf_counter() - start)
+        self.blocking_seconds.append(time.perf_counter() - start)
+        return path
 
     def wait(self) -> None:
         if self._pending is not None:
@@ -88,28 +92,29 @@ class Checkpointer:
             try:
                 shutil.rmtree(self.root / f"step-{s}")
             except OSError as e:  # a failed delete must never stop training
-                print(f"[mindspeed-flow] warning: could not delete old checkpoint step-{s}: {e}")
+                print(f"[mindspeed-flow] warning: could not delete old checkpoint step-{s}: {e}", flush=True)
 
-    def load_latest(self, parts: PartsModule, optimizer: Optional[torch.optim.Optimizer]) -> Optional[dict]:
-        """Load the newest valid checkpoint into parts/optimizer; returns its `extra` dict or None."""
+    def load_latest(self, params: dict[str, torch.nn.Parameter], optimizer: Optional[torch.optim.Optimizer],
+                    extra_template: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """Load the newest valid checkpoint in place; returns its `extra` dict, or None when there is none."""
         steps = valid_steps(self.root)
         if not steps:
             return None
-        path = self.root / f"step-{steps[-1]}"
-        state = self.state(parts, optimizer, {"step": -1, "sampler": {}})
-        dcp.load(state, checkpoint_id=str(path))
-        opts = StateDictOptions(ignore_frozen_params=False)
-        set_state_dict(parts, [optimizer] if optimizer is not None else [],
-                       model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
+        if optimizer is not None:
+            _ensure_adam_state(optimizer, params)
+        state = training_state(params, optimizer, extra_template)
+        dcp.load(state, checkpoint_id=str(self.root / f"step-{steps[-1]}"))
         return state["extra"]
 
 
 def load_flat(path: Path) -> dict[str, torch.Tensor]:
-    """Read a DCP checkpoint's model tensors on one process (for comparisons and export), no process group."""
+    """A DCP checkpoint's model tensors on one process, no process group (for comparisons and export)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    tmp = Path(path).with_suffix(".flat.pt")
+    tmp = Path(str(path).rstrip("/") + ".flat.pt")
     dcp_to_torch_save(str(path), str(tmp))
-    state = torch.load(tmp, weights_only=False)
-    tmp.unlink()
+    try:
+        state = torch.load(tmp, weights_only=False)
+    finally:
+        tmp.unlink(missing_ok=True)
     return {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}

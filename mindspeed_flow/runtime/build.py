@@ -48,7 +48,7 @@ def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.d
     if frozen:
         freeze_(encoder)
     t = job.trainer
-    opt_kwargs = dict(lr=t.lr, betas=(float(t.betas[0]), float(t.betas[1])), weight_decay=t.weight_decay)
+    opt_kwargs = dict(lr=t.lr, betas=(float(t.betas[0]), float(t.betas[1])), weight_decay=t.weight_decay, eps=t.adam_eps)
     models = RankModels(frozen_encoder=frozen)
     optim = PartOptimizer()
     pool = None
@@ -59,6 +59,7 @@ def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.d
         models.dp_size = topo.world_size
         optim.shares = [ParamShare([p for p in coupled.parameters() if p.requires_grad], replicas=topo.world_size)]
         optim.optimizer = build_optimizer(optim.shares[0].params, **opt_kwargs)
+        models.named_params = dict(coupled.named_parameters())
         return models, optim, None, None  # default (world) group for the norm
 
     pool = EmbeddingPool(rank=topo.rank, group=None, capacity_bytes=int(job.flow.pool_capacity_mb * 2**20),
@@ -69,6 +70,7 @@ def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.d
         params = [p for p in encoder.parameters() if p.requires_grad]
         optim.shares = [ParamShare(params, replicas=topo.part_layout.dp)]
         optim.optimizer = build_optimizer(params, **opt_kwargs)
+        models.named_params = {f"encoder.{n}": p for n, p in encoder.named_parameters()}
     else:
         del encoder
         backbone = backbone.to(device)
@@ -90,6 +92,9 @@ def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.d
                 optim.shares = [ParamShare(list(backbone.parameters()), replicas=bb.dp)]
             models.dp_size = bb.dp
         optim.optimizer = build_optimizer(optim.params, **opt_kwargs)
+        # Name each parameter this rank holds by its place in the whole backbone (a pipeline stage holds a slice).
+        held = {id(p) for p in optim.params}
+        models.named_params = {f"backbone.{n}": p for n, p in backbone.named_parameters() if id(p) in held}
     # A frozen encoder has no gradients: the norm is the backbone's alone, reduced over the backbone ranks, and
     # the encoder never joins that collective (so it can run ahead).
     norm_group = topo.part_group if frozen else None

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from mindspeed_flow.data.prefetch import prefetch_samples
 from mindspeed_flow.data.sample import VLMSample
 from mindspeed_flow.runtime.metrics import StepRecord, StepStatic
 from mindspeed_flow.hosts.torch.data_parallel import allreduce_grads_, grad_sync
@@ -40,6 +41,8 @@ class RankModels:
     pipeline: Optional[Any] = None  # runtime.pipeline.BackbonePipeline when pp > 1
     dp_size: int = 1  # size of the group the DP wrapper averages over
     frozen_encoder: bool = False
+    # this rank's parameters under the layout-independent names `encoder.<name>` / `backbone.<name>`
+    named_params: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -64,13 +67,14 @@ def encode_sample(encoder: torch.nn.Module, sample: VLMSample, trainable: bool) 
 class StepEngine:
     def __init__(self, *, topo, models: RankModels, pool, dataset, token_budget: int, label_counts: Callable,
                  optim: PartOptimizer, norm_group: Optional[dist.ProcessGroup], grad_clip: float,
-                 base_lr: float, warmup_steps: int, timeout_s: float) -> None:
+                 base_lr: float, warmup_steps: int, timeout_s: float, prefetch_depth: int = 2) -> None:
         self.topo, self.m, self.pool, self.dataset = topo, models, pool, dataset
         self.token_budget = token_budget
         self.label_counts = label_counts
         self.optim, self.norm_group = optim, norm_group
         self.grad_clip, self.base_lr, self.warmup_steps = grad_clip, base_lr, warmup_steps
         self.timeout_s = timeout_s
+        self.prefetch_depth = prefetch_depth
 
     # ------------------------------------------------------------------------------------------------------
     def run_step(self, work: StepWork, n_labels: int, record: StepRecord) -> None:
@@ -85,12 +89,16 @@ class StepEngine:
         record["step_end_t"] = time.time()
 
     # --- encoder ranks ----------------------------------------------------------------------------------------
+    # A frozen encoder never waits for gradients and does not flush per step: it runs ahead into the next
+    # steps, bounded by the pool's capacity (credits), and the pool is drained once at the end (close()).
     def _produce(self, work: StepWork, record: StepRecord) -> None:
         timer, rank, trainable = Timer(), self.topo.rank, not self.m.frozen_encoder
         order = work.encode_order.get(rank, [])
         outputs: list[tuple[int, torch.Tensor]] = []
+        # Pixels are decoded/generated in a background thread while the encoder computes.
+        loader = iter(prefetch_samples(self.dataset, order, with_pixels=True, depth=self.prefetch_depth))
         for sid in order:
-            sample = timer.timed("busy", lambda: self.dataset.sample(sid, with_pixels=True))
+            sample = timer.timed("wait", lambda: next(loader))
             emb = timer.timed("busy", lambda: encode_sample(self.m.encoder, sample, trainable))
             # The pool sends a detached copy; the graph stays here until the gradient comes back.
             timer.timed("wait", lambda: self.pool.put(emb.detach(), sample_id=sid, step=work.step,
@@ -103,8 +111,8 @@ class StepEngine:
             grad = timer.timed("wait", lambda: self.pool.wait_grad(sample_id=sid, step=work.step,
                                                                    consumer=work.consumer_of[sid]))
             timer.timed("busy", lambda: emb.backward(grad.to(emb.dtype)))
-        timer.timed("wait", self.pool.flush)
         if trainable:
+            timer.timed("wait", self.pool.flush)
             # Encoder DP ranks encoded different samples: their gradients add up (the loss normalisation
             # is already global), so sum rather than average.
             timer.timed("wait", lambda: allreduce_grads_(self.optim.params, self.topo.dp_group, average=False))
@@ -221,7 +229,7 @@ class StepEngine:
         if self.pool is None:
             return
         stats = self.pool.stats()
-        record["pool_peak_bytes"] = max(stats.inflight_peak_bytes, stats.device_peak_bytes + stats.host_peak_bytes)
+        record["pool_peak_bytes"] = stats.occupancy_peak_bytes
         record["pool_bytes_sent"] = stats.bytes_sent
         if hasattr(self.pool, "reset_step_stats"):
             self.pool.reset_step_stats()

@@ -76,7 +76,7 @@ class MetricsGatherer:
     """Async all_gather of StepRecords on its own group; the writer turns them into JSON lines."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], world_size: int, writer: bool, run_dir: Path,
-                 devices: int, peak_flops: float, peak_desc: str) -> None:
+                 devices: int, peak_flops: float, peak_desc: str, append: bool = False) -> None:
         self.group, self.world_size, self.writer = group, world_size, writer
         self.devices, self.peak_flops, self.peak_desc = devices, peak_flops, peak_desc
         self.pending: list[tuple[StepStatic, list[torch.Tensor], Any]] = []
@@ -85,7 +85,8 @@ class MetricsGatherer:
         self.lines: list[dict[str, Any]] = []
         if writer:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
+            if not append:  # a resumed run continues the same file
+                self.path.write_text("")
 
     def post(self, static: StepStatic, record: StepRecord) -> None:
         out = [torch.empty_like(record.values) for _ in range(self.world_size)]

@@ -42,13 +42,13 @@ class PartOptimizer:
 
 
 def build_optimizer(params: list[torch.nn.Parameter], *, lr: float, betas: tuple[float, float],
-                    weight_decay: float) -> Optional[torch.optim.Optimizer]:
+                    weight_decay: float, eps: float = 1e-8) -> Optional[torch.optim.Optimizer]:
     trainable = [p for p in params if p.requires_grad]
     if not trainable:
         return None
     # foreach=False: the per-parameter update is then the same arithmetic however parameters are grouped, so the
     # decoupled parts and the coupled baseline take comparable steps.
-    return torch.optim.AdamW(trainable, lr=lr, betas=betas, weight_decay=weight_decay, eps=1e-8, foreach=False)
+    return torch.optim.AdamW(trainable, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, foreach=False)
 
 
 def lr_at(step: int, base_lr: float, warmup_steps: int) -> float:

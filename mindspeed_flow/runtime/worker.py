@@ -20,6 +20,7 @@ from mindspeed_flow.config.schema import FlowJobConfig
 from mindspeed_flow.data import build_dataset, iter_global_batches, token_spec_from_hf_config
 from mindspeed_flow.model_presets import hf_config_dict, load_config_json
 from mindspeed_flow.packing import CostModel
+from mindspeed_flow.resilience.checkpoint import Checkpointer
 from mindspeed_flow.runtime import build
 from mindspeed_flow.runtime.engine import StepEngine
 from mindspeed_flow.runtime.metrics import MetricsGatherer, StepRecord, StepStatic, measure_cpu_peak_flops
@@ -104,7 +105,6 @@ def run_worker(config_path: str) -> None:
     if acc.device_type == "cpu":
         peak = measure_cpu_peak_flops() if is_writer else 1.0
         peak_desc = f"{peak / 1e12:.4f} TFLOPS per rank (measured 1-thread fp32 matmul)"
-    gatherer = MetricsGatherer(metrics_group, world, is_writer, Path(job.run_dir), world, peak, peak_desc)
     if is_writer:
         print(f"[mindspeed-flow] {layout.describe()} on {world} x {acc.device_name}; "
               f"MFU = model FLOPs per step (DESIGN §5, padding excluded) / step seconds / ({world} devices x "
@@ -113,13 +113,17 @@ def run_worker(config_path: str) -> None:
     engine = StepEngine(topo=topo, models=rank_models, pool=pool, dataset=dataset,
                         token_budget=job.packing.token_budget, label_counts=None, optim=optim,
                         norm_group=norm_group, grad_clip=job.trainer.grad_clip, base_lr=job.trainer.lr,
-                        warmup_steps=job.trainer.warmup_steps, timeout_s=job.flow.timeout_s)
+                        warmup_steps=job.trainer.warmup_steps, timeout_s=job.flow.timeout_s,
+                        prefetch_depth=job.data.prefetch_depth)
     batches = iter_global_batches(dataset, job.trainer.global_batch_size, seed=job.seed,
                                   max_bad=job.data.max_bad_samples)
     needs_labels = not topo.is_encoder
-    progress = _progress(job, is_writer)
     pp = layout.part("backbone").pp if layout.mode == "decoupled" else 1
-    for step in range(job.trainer.steps):
+    checkpointer, start_step = _maybe_resume(job, rank_models, optim, batches, is_writer)
+    gatherer = MetricsGatherer(metrics_group, world, is_writer, Path(job.run_dir), world, peak, peak_desc,
+                               append=start_step > 0)
+    progress = _progress(job, is_writer, start_step)
+    for step in range(start_step, job.trainer.steps):
         sample_ids = next(batches)
         shapes = [dataset.shape(i) for i in sample_ids]
         if layout.mode == "decoupled":
@@ -149,25 +153,53 @@ def run_worker(config_path: str) -> None:
         gatherer.post(static, record)
         for line in gatherer.drain(block=is_writer):
             progress.update(line)
+        last = step == job.trainer.steps - 1
+        every = job.trainer.checkpoint_every
+        if checkpointer is not None and ((every and (step + 1) % every == 0) or (last and job.trainer.save_final)):
+            checkpointer.save(step, rank_models.named_params, optim.optimizer,
+                              {"step": step, "sampler": batches.state_dict()})
+    if checkpointer is not None:
+        checkpointer.wait()
     for line in gatherer.drain(block=True):
         progress.update(line)
     progress.close()
     if pool is not None:
-        pool.close() if hasattr(pool, "close") else None
+        pool.close()
     dist.barrier(group=metrics_group)
     dist.destroy_process_group()
+
+
+def _maybe_resume(job: FlowJobConfig, models: Any, optim: Any, batches: Any, verbose: bool
+                  ) -> tuple[Optional[Checkpointer], int]:
+    t = job.trainer
+    if not (t.checkpoint_every or t.save_final or t.resume):
+        return None, 0
+    checkpointer = Checkpointer(Path(job.run_dir) / "checkpoints", keep_last=t.keep_checkpoints,
+                                async_save=t.async_checkpoint)
+    if not t.resume:
+        return checkpointer, 0
+    extra = checkpointer.load_latest(models.named_params, optim.optimizer, {"step": -1, "sampler": {}})
+    if extra is None:
+        if verbose:
+            print(f"[mindspeed-flow] trainer.resume=true but {checkpointer.root} holds no valid checkpoint: "
+                  "starting at step 0", flush=True)
+        return checkpointer, 0
+    batches.load_state_dict(extra["sampler"])
+    if verbose:
+        print(f"[mindspeed-flow] resumed from {checkpointer.root}/step-{extra['step']}", flush=True)
+    return checkpointer, int(extra["step"]) + 1
 
 
 class _progress:
     """tqdm bar on the writer rank; one short line per step elsewhere is noise, so other ranks print nothing."""
 
-    def __init__(self, job: FlowJobConfig, enabled: bool) -> None:
+    def __init__(self, job: FlowJobConfig, enabled: bool, start_step: int = 0) -> None:
         self.bar = None
         if enabled and job.trainer.progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=job.trainer.steps, desc=f"train {job.experiment_name}", unit="step",
-                            dynamic_ncols=True, file=sys.stdout)
+            self.bar = tqdm(total=job.trainer.steps, initial=start_step, desc=f"train {job.experiment_name}",
+                            unit="step", dynamic_ncols=True, file=sys.stdout)
 
     def update(self, line: dict[str, Any]) -> None:
         if self.bar is not None:
