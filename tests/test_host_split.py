@@ -6,6 +6,8 @@ import torch
 
 from mindspeed_flow.data.sample import IGNORE_INDEX
 from mindspeed_flow.hosts.torch import build_vlm, hf_compat, split_vlm
+from mindspeed_flow.hosts.torch.exactness import encode as _encode
+from mindspeed_flow.hosts.torch.exactness import packed_vs_unpacked, split_vs_whole, tiny_model
 from mindspeed_flow.hosts.torch.packed import shifted_labels
 from mindspeed_flow.hosts.torch.split import token_loss_sum
 from mindspeed_flow.hosts.torch.testing import make_samples
@@ -15,59 +17,29 @@ FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava"]
 
 
 def _model(family: str, attn: str = "sdpa", seed: int = 0):
-    return build_vlm(family, hf_config_dict(family, "tiny"), seed=seed, attn_implementation=attn)
-
-
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _encode(encoder, samples):
-    return [encoder(s.pixel_values, s.image_grid_thw) if s.pixel_values is not None else None for s in samples]
-
-
-def _assert_grads_close(got: dict, ref: dict, rel: float) -> None:
-    assert got.keys() == ref.keys()
-    scale = max(g.abs().max().item() for g in ref.values())
-    for name in ref:
-        diff = (got[name] - ref[name]).abs().max().item()
-        assert diff <= rel * scale, f"{name}: max abs diff {diff:.3g} > {rel} x {scale:.3g}"
-    num = sum(((got[k] - ref[k]) ** 2).sum() for k in ref) ** 0.5
-    den = sum((ref[k] ** 2).sum() for k in ref) ** 0.5
-    assert num / den <= rel, f"global relative gradient error {float(num / den):.3g} > {rel}"
+    return tiny_model(family, attn, seed)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_split_equals_whole_model_per_sample(family):
-    """(a) encoder -> backbone gives the whole model's summed loss and bit-identical gradients, sample by sample."""
-    model = _model(family)
-    encoder, backbone = split_vlm(model)
-    samples = make_samples(family, 4)
-    assert any(s.pixel_values is None for s in samples) and any(len(s.image_token_counts) == 2 for s in samples)
-    for s in samples:
-        model.zero_grad(set_to_none=True)
-        out = model(**hf_compat.whole_model_inputs(model, s.input_ids, s.pixel_values, s.image_grid_thw))
-        ref_loss = token_loss_sum(out.logits, shifted_labels(s.labels)[None])
-        # guard the label convention: HF's own mean loss over the same labels
-        n_labels = int((s.labels[1:] != IGNORE_INDEX).sum())
-        hf_loss = model(**hf_compat.whole_model_inputs(model, s.input_ids, s.pixel_values, s.image_grid_thw),
-                        labels=s.labels[None]).loss
-        assert torch.allclose(hf_loss * n_labels, ref_loss, rtol=1e-6)
-        ref_loss.backward()
-        ref = _grads(model)
-        model.zero_grad(set_to_none=True)
+    """(a) encoder -> backbone gives the whole model's summed loss and identical gradients, sample by sample."""
+    assert any(s.pixel_values is None for s in make_samples(family, 4))  # text-only sample included
+    assert any(len(s.image_token_counts) == 2 for s in make_samples(family, 4))  # two-image sample included
+    errors = split_vs_whole(family, n_samples=4)
+    assert errors["loss_abs_diff"] == 0.0, errors
+    assert errors["grad_max_abs_diff"] <= 1e-7, errors
 
-        embeds = _encode(encoder, [s])
-        packed = backbone.pack([s], embeds, token_budget=s.llm_tokens)
-        loss, n = backbone(packed, embeds)
-        loss.backward()
-        got = _grads(model)
-        assert n == n_labels
-        assert torch.equal(loss, ref_loss), (s.sample_id, loss.item(), ref_loss.item())
-        assert got.keys() == ref.keys()
-        for name in ref:
-            diff = (got[name] - ref[name]).abs().max().item()
-            assert diff <= 1e-7, f"sample {s.sample_id} {name}: max abs diff {diff}"
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reference_loss_is_hf_own_loss(family):
+    """Guard the label convention of the reference: HF's own mean loss x label count == our summed loss."""
+    model = _model(family)
+    for s in make_samples(family, 2):
+        kwargs = hf_compat.whole_model_inputs(model, s.input_ids, s.pixel_values, s.image_grid_thw)
+        summed = token_loss_sum(model(**kwargs).logits, shifted_labels(s.labels)[None])
+        hf_mean = model(**kwargs, labels=s.labels[None]).loss
+        n_labels = int((s.labels[1:] != IGNORE_INDEX).sum())
+        assert torch.allclose(hf_mean * n_labels, summed, rtol=1e-6)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -88,27 +60,26 @@ def test_split_partitions_parameters_without_copies(family):
 
 @pytest.mark.parametrize("family,attn", [(f, "sdpa") for f in FAMILIES] + [("qwen2_vl", "eager"), ("llava", "eager")])
 def test_packed_equals_sum_of_unpacked(family, attn):
-    """(b) one packed microbatch == the sum of its samples' unpacked losses (1e-6) with the same gradients."""
-    model = _model(family, attn)
-    encoder, backbone = split_vlm(model)
-    samples = make_samples(family, 4, seed=1)
-    total = 0
-    for s, e in zip(samples, _encode(encoder, samples)):
-        loss, _ = backbone(backbone.pack([s], [e], s.llm_tokens), [e])
-        total = total + loss
-    total.backward()
-    ref = _grads(model)
-    model.zero_grad(set_to_none=True)
+    """(b) one packed microbatch (with a padding tail) == the sum of its samples' unpacked losses, same gradients."""
+    errors = packed_vs_unpacked(family, attn, n_samples=4, pad=9)
+    assert errors["loss_rel_diff"] <= 1e-6, errors
+    assert errors["max_abs_rel"] <= 1e-6 and errors["global_rel"] <= 1e-6, errors
 
+
+def test_packed_batch_layout():
+    model = _model("llava")
+    encoder, backbone = split_vlm(model)
+    samples = make_samples("llava", 3)
     embeds = _encode(encoder, samples)
-    budget = sum(s.llm_tokens for s in samples) + 9  # with a padding tail
+    budget = sum(s.llm_tokens for s in samples) + 9
     packed = backbone.pack(samples, embeds, budget)
-    assert packed.input_ids.shape == (1, budget) and packed.pad_tokens == 9
-    loss, n = backbone(packed, embeds)
-    loss.backward()
-    assert n == sum(int((s.labels[1:] != IGNORE_INDEX).sum()) for s in samples)
-    assert abs(loss.item() - total.item()) <= 1e-6 * abs(total.item())
-    _assert_grads_close(_grads(model), ref, rel=1e-6)
+    lens = [s.llm_tokens for s in samples]
+    assert packed.input_ids.shape == (1, budget) and packed.pad_tokens == 9 and packed.seq_lens == lens
+    assert packed.cu_seqlens.tolist() == [0, lens[0], lens[0] + lens[1], sum(lens), budget]
+    assert packed.n_label_tokens == sum(int((s.labels[1:] != IGNORE_INDEX).sum()) for s in samples)
+    assert (packed.labels[0, sum(lens):] == IGNORE_INDEX).all()
+    # the last token of a sample never predicts the next sample's first token
+    assert all(packed.labels[0, int(end) - 1] == IGNORE_INDEX for end in packed.cu_seqlens[1:])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
