@@ -221,3 +221,26 @@ def test_every_trainable_parameter_gets_a_gradient(family, overrides):
         assert any("encoder.layers.1." in n for n in frozen) == ("vision_feature_layer" in overrides)
     else:
         assert frozen == []
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_presets_keep_the_token_contract(family):
+    """vocab 384 with the special ids 380..383, rope sections that fit the head dim, LLaVA's 16 image tokens."""
+    from mindspeed_flow.model_presets import tiny
+
+    cfg = _model(family).config
+    text = cfg.text_config
+    assert text.vocab_size == tiny.TINY_VOCAB == 384
+    assert hf_compat.image_token_id(cfg) == tiny.IMAGE_TOKEN_ID == 380
+    assert (tiny.VISION_START_ID, tiny.VISION_END_ID, tiny.EOS_ID) == (381, 382, 383)
+    assert text.eos_token_id == 383 and 0 <= text.bos_token_id < 384
+    if family == "llava":
+        vision = cfg.vision_config
+        assert cfg.image_seq_length == (vision.image_size // vision.patch_size) ** 2
+    else:
+        assert cfg.vision_start_token_id == 381
+        head_dim = text.hidden_size // text.num_attention_heads
+        assert sum(text.rope_parameters["mrope_section"]) == head_dim // 2
+        raw = hf_config_dict(family, "tiny")["text_config"]  # the 4.57 spelling agrees with the 5.x one
+        assert raw["rope_scaling"]["mrope_section"] == raw["rope_parameters"]["mrope_section"]
+        assert raw["rope_theta"] == raw["rope_parameters"]["rope_theta"]

@@ -25,11 +25,12 @@ _TINY_TEXT = {
     "pad_token_id": EOS_ID,
 }
 
-# Qwen text rope: transformers 5.x reads `rope_parameters`; 4.57 (MindSpeed-MM's pin) reads `rope_scaling` and
-# `rope_theta` and would otherwise fall back to mrope_section [16, 24, 24], which does not fit head_dim 16.
-# 5.x takes `rope_scaling` over `rope_parameters` when both are given, so the two must stay identical.
-_TINY_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
-_TINY_QWEN_TEXT = {**_TINY_TEXT, "rope_theta": 10000.0, "rope_parameters": dict(_TINY_MROPE),
+# Qwen text rope: transformers 5.x reads `rope_parameters`; 4.57 (MindSpeed-MM's pin) reads `rope_scaling` (which
+# must not carry rope_theta there: its validator warns) and a top-level `rope_theta`, and would otherwise fall back
+# to mrope_section [16, 24, 24], which does not fit head_dim 16. 5.x takes `rope_scaling` over `rope_parameters`
+# when both are given and fills rope_theta from the top level, so all three spellings describe one rope.
+_TINY_MROPE = {"rope_type": "default", "mrope_section": [2, 3, 3]}
+_TINY_QWEN_TEXT = {**_TINY_TEXT, "rope_theta": 10000.0, "rope_parameters": {**_TINY_MROPE, "rope_theta": 10000.0},
                    "rope_scaling": dict(_TINY_MROPE)}
 
 TINY_PRESETS: dict[tuple[str, str], dict] = {
