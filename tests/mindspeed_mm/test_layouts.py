@@ -41,7 +41,9 @@ def test_loss_falls_over_twenty_iterations(tiny_assets, run_job) -> None:
 
 def test_save_then_load_resumes_at_next_iteration(tiny_assets, run_job, tmp_path) -> None:
     ckpt = tmp_path / "ckpt"
-    first = TinyJob(tiny_assets["model_json"], tiny_assets["data_json"], train_iters=4, save=ckpt, save_interval=4)
+    # Same --train-iters in both runs (Megatron checks the LR schedule length on load); the first stops at 4.
+    first = TinyJob(tiny_assets["model_json"], tiny_assets["data_json"], train_iters=6, save=ckpt, save_interval=4,
+                    extra=["--exit-interval", "4"])
     r1 = run_job("save4", first.argv(), nproc=2)
     r1.assert_trained(4)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"

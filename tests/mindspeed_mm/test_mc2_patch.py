@@ -27,8 +27,14 @@ def test_mc2_crashes_without_patch(tiny_assets, run_job) -> None:
     assert result.iterations == []
 
 
-def test_mc2_trains_with_patch(tiny_assets, run_job) -> None:
+def test_mc2_trains_with_patch_and_matches_the_non_mc2_path(tiny_assets, run_job) -> None:
     result = run_job("tp2_sp_mc2_patched", _mc2_job(tiny_assets).argv(), nproc=2, patches=True)
     result.assert_trained(3)
     assert "[mindspeed_flow_patches] applied: mindspeed_flow_patches.mc2" in result.output
     assert MC2_OPS <= result.log["CALLED"]
+    # MC2 fuses the same all-gather/reduce-scatter + matmul math: the losses equal plain TP + SP training.
+    plain = TinyJob(tiny_assets["model_json"], tiny_assets["data_json"], tp=2, sequence_parallel=True, train_iters=3)
+    baseline = run_job("tp2_sp_baseline", plain.argv(), nproc=2)
+    baseline.assert_trained(3)
+    assert not MC2_OPS & baseline.log["CALLED"]
+    assert result.losses == pytest.approx(baseline.losses, rel=1e-3)
