@@ -1,6 +1,8 @@
 """The torch host's split is exact, and packed microbatches equal their unpacked samples (issue 2 item 5, issue 3 item 6)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -171,6 +173,13 @@ def test_pack_errors_name_the_samples():
     packed = backbone.pack(samples, None, token_budget=200)
     with pytest.raises(ValueError, match="no image embeddings"):
         backbone(packed, None)
+    broken = dataclasses.replace(samples[0], image_token_counts=[samples[0].image_token_counts[0] + 1])
+    with pytest.raises(ValueError, match=r"sample 1000: \d+ image placeholder tokens in input_ids"):
+        backbone.pack([broken], None, token_budget=200)
+    grid = samples[0].image_grid_thw.clone()
+    grid[0, 1] *= 2
+    with pytest.raises(ValueError, match=r"sample 1000: image_grid_thw gives"):
+        backbone.pack([dataclasses.replace(samples[0], image_grid_thw=grid)], None, token_budget=200)
 
 
 def test_build_is_seeded_and_leaves_global_rng_alone():

@@ -65,6 +65,8 @@ class BackbonePart(nn.Module):
         self.vocab_size = int(self.lm_head.out_features)
         self.hidden_size = int(self.embed_tokens.embedding_dim)
         self.pad_token_id = self._pick_pad_id(lm.config)
+        vision_config = getattr(model.config, "vision_config", None)
+        self.merge_size = int(getattr(vision_config, "spatial_merge_size", 1) or 1)
 
     def _pick_pad_id(self, text_config) -> int:
         pad = getattr(text_config, "pad_token_id", None)
@@ -82,7 +84,7 @@ class BackbonePart(nn.Module):
         seq_lens = [s.llm_tokens for s in samples]
         sample_ids = [s.sample_id for s in samples]
         check_budget(sample_ids, seq_lens, token_budget)
-        counts = [int((s.input_ids == self.image_token_id).sum()) for s in samples]
+        counts = [self._image_tokens_of(s) for s in samples]
         if image_embeds is not None:
             self._check_embeds(sample_ids, counts, image_embeds)
         n_pad = token_budget - sum(seq_lens)
@@ -102,6 +104,22 @@ class BackbonePart(nn.Module):
             n_label_tokens=int((labels != IGNORE_INDEX).sum()),
             token_budget=token_budget,
         ).to(self.embed_tokens.weight.device)
+
+    def _image_tokens_of(self, sample: VLMSample) -> int:
+        """Placeholder count of one sample, checked against its image metadata (a clear error beats an
+        index error deep inside the model's rope index)."""
+        n = int((sample.input_ids == self.image_token_id).sum())
+        declared = list(sample.image_token_counts)
+        if (declared or n) and sum(declared) != n:
+            raise ValueError(f"sample {sample.sample_id}: {n} image placeholder tokens in input_ids but "
+                             f"image_token_counts={declared} (sum {sum(declared)})")
+        if self.mrope and n:
+            grid = sample.image_grid_thw
+            per_image = [] if grid is None else (grid.prod(-1) // self.merge_size ** 2).tolist()
+            if per_image != declared:
+                raise ValueError(f"sample {sample.sample_id}: image_grid_thw gives {per_image} LLM tokens per image "
+                                 f"(t*h*w / {self.merge_size}^2) but image_token_counts={declared}")
+        return n
 
     def _check_embeds(self, sample_ids: Sequence[int], counts: Sequence[int],
                       image_embeds: Sequence[Optional[torch.Tensor]]) -> None:
