@@ -7,8 +7,9 @@ import torch.distributed as dist
 
 from mindspeed_flow.hosts.torch import build_vlm, hf_compat, split_vlm
 from mindspeed_flow.hosts.torch.data_parallel import DTensor, apply_ddp, apply_fsdp, dp_loss_scale
-from mindspeed_flow.hosts.torch.pipeline import (build_backbone_stage, finish_stage0_backward, make_schedule,
-                                                 pipeline_step, split_layers, stage0_input)
+from mindspeed_flow.hosts.torch.pipeline import (build_backbone_stage, build_backbone_stages,
+                                                 finish_stage0_backward, make_schedule, pipeline_step,
+                                                 split_layers, stage0_input)
 from mindspeed_flow.hosts.torch.split import token_loss_sum
 from mindspeed_flow.hosts.torch.testing import make_samples
 from mindspeed_flow.model_presets import hf_config_dict
@@ -51,15 +52,17 @@ def _pp_rank(rank: int, world: int, family: str, kinds: tuple[str, ...]) -> dict
         names = {id(q): n for n, q in model.named_parameters()}
         encoder, backbone = split_vlm(model)
         packs, embeds, budget = _packs(backbone, encoder, family)
-        module, stage = build_backbone_stage(backbone, rank, world, dist.group.WORLD, torch.device("cpu"), budget)
-        schedule = make_schedule(stage, N_MICRO, kind=kind)
+        virtual = 2 if kind == "interleaved1f1b" else 1  # 4 layers: 4 one-layer stages, 2 per rank
+        stages = build_backbone_stages(backbone, rank, world, dist.group.WORLD, torch.device("cpu"), budget,
+                                       virtual_stages=virtual)
+        modules = [m for m, _ in stages]
+        schedule = make_schedule([st for _, st in stages] if virtual > 1 else stages[0][1], N_MICRO, kind=kind)
         leaf, dense = stage0_input(backbone, packs, embeds) if rank == 0 else (None, None)
-        losses = pipeline_step(schedule, module, packs, leaf)
+        losses = pipeline_step(schedule, modules if virtual > 1 else modules[0], packs, leaf)
+        checked = [q for m in modules for q in m.parameters()]
         if rank == 0:
             finish_stage0_backward(leaf, dense)
-            checked = list(module.parameters()) + list(encoder.parameters())  # encoder grads: through the leaf
-        else:
-            checked = list(module.parameters())
+            checked += list(encoder.parameters())  # encoder gradients: through the stage-0 input's gradient
         worst = 0.0
         for q in checked:
             name = names[id(q)]
@@ -78,10 +81,11 @@ def _pp_rank(rank: int, world: int, family: str, kinds: tuple[str, ...]) -> dict
     return results
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
-def test_two_stage_pipeline_equals_single_process(family):
-    out = run_ranks(_pp_rank, 2, family, ("1f1b", "gpipe"), timeout_s=90)
-    for kind in ("1f1b", "gpipe"):
+@pytest.mark.parametrize("family,kinds", [("qwen2_vl", ("1f1b", "gpipe", "interleaved1f1b")),
+                                          ("llava", ("1f1b", "gpipe"))])
+def test_two_stage_pipeline_equals_single_process(family, kinds):
+    out = run_ranks(_pp_rank, 2, family, kinds, timeout_s=90)
+    for kind in kinds:
         first, last = out[0][kind], out[1][kind]
         assert first["losses"] is None and len(last["losses"]) == N_MICRO
         for got, ref in zip(last["losses"], last["ref_losses"]):
@@ -155,3 +159,5 @@ def test_layer_split():
 def test_schedule_kind_is_validated():
     with pytest.raises(ValueError, match="pp_schedule='zb'"):
         make_schedule(None, 4, kind="zb")
+    with pytest.raises(ValueError, match="takes a list of stages"):
+        make_schedule(None, 4, kind="interleaved1f1b")

@@ -1,4 +1,5 @@
-"""Backbone pipeline parallelism with torch.distributed.pipelining (PipelineStage + GPipe / 1F1B).
+"""Backbone pipeline parallelism with torch.distributed.pipelining (PipelineStage + GPipe / 1F1B, and
+interleaved 1F1B over virtual stages).
 
 Layout of a stage (`BackboneStage`): a contiguous range of decoder layers; stage 0 also owns embed_tokens and
 the last stage owns the final norm and lm_head, so DDP/FSDP wrapping a stage covers every backbone parameter
@@ -34,7 +35,7 @@ from torch import nn
 from mindspeed_flow.hosts.torch.packed import PackedBatch, stack_position_ids, unstack_position_ids
 from mindspeed_flow.hosts.torch.split import BackbonePart, token_loss_sum
 
-SCHEDULE_KINDS = ("1f1b", "gpipe")
+SCHEDULE_KINDS = ("1f1b", "gpipe", "interleaved1f1b")
 
 
 def split_layers(n_layers: int, pp_size: int, layer_split: Optional[Sequence[int]] = None) -> list[tuple[int, int]]:
@@ -97,37 +98,62 @@ def build_backbone_stage(backbone: BackbonePart, pp_rank: int, pp_size: int, pp_
     PipelineStage then drives the wrapper (no_sync / deferred reduce until the last microbatch). The returned
     stage module is the unwrapped one (for `pipeline_step` and parameter lists).
     """
+    return build_backbone_stages(backbone, pp_rank, pp_size, pp_group, device, token_budget, virtual_stages=1,
+                                 layer_split=layer_split, wrap=wrap)[0]
+
+
+def build_backbone_stages(backbone: BackbonePart, pp_rank: int, pp_size: int,
+                          pp_group: Optional[dist.ProcessGroup], device: torch.device, token_budget: int, *,
+                          virtual_stages: int = 1, layer_split: Optional[Sequence[int]] = None,
+                          wrap: Optional[Callable[[nn.Module], nn.Module]] = None
+                          ) -> list[tuple[BackboneStage, "PipelineStage"]]:
+    """This rank's `virtual_stages` stages (indices pp_rank + k * pp_size, the interleaved "loop" placement).
+
+    `layer_split` gives layers per global stage (pp_size * virtual_stages entries). With virtual_stages > 1
+    use `make_schedule(..., kind="interleaved1f1b")` with the list of PipelineStages.
+    """
     from torch.distributed.pipelining import PipelineStage
 
-    if pp_size > 1 and backbone.tied_embeddings:
-        raise ValueError("tie_word_embeddings=True with parallel.backbone.pp > 1: embed_tokens (stage 0) and lm_head "
-                         "(last stage) would be one parameter on two ranks; untie it in the model config")
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"pp_rank={pp_rank} is outside 0..{pp_size - 1}")
-    start, stop = split_layers(len(backbone.layers), pp_size, layer_split)[pp_rank]
-    module = BackboneStage(backbone, start, stop, is_first=pp_rank == 0, is_last=pp_rank == pp_size - 1).to(device)
-    # Shapes are inferred on the first step (static example args need output gradients too in 2.13's static
-    # mode, and 2.7 lacks that argument); every microbatch then has the same [1, token_budget] shapes.
-    wrapped = wrap(module) if wrap is not None else module
-    stage = PipelineStage(wrapped, pp_rank, pp_size, device, group=pp_group)
-    return module, stage
+    if virtual_stages < 1:
+        raise ValueError(f"parallel.backbone.virtual_stages={virtual_stages} must be >= 1")
+    n_stages = pp_size * virtual_stages
+    if n_stages > 1 and backbone.tied_embeddings:
+        raise ValueError("tie_word_embeddings=True with parallel.backbone.pp > 1: embed_tokens (stage 0) and lm_head "
+                         "(last stage) would be one parameter on two ranks; untie it in the model config")
+    bounds = split_layers(len(backbone.layers), n_stages, layer_split)
+    out = []
+    for index in range(pp_rank, n_stages, pp_size):
+        start, stop = bounds[index]
+        module = BackboneStage(backbone, start, stop, is_first=index == 0, is_last=index == n_stages - 1).to(device)
+        # Shapes are inferred on the first step (2.13's static mode needs gradient shapes too, which 2.7 lacks);
+        # every microbatch then has the same [1, token_budget] shapes.
+        wrapped = wrap(module) if wrap is not None else module
+        out.append((module, PipelineStage(wrapped, index, n_stages, device, group=pp_group)))
+    return out
 
 
 def _accepts(fn: Callable, name: str) -> bool:
     return name in inspect.signature(fn).parameters
 
 
-def make_schedule(stage: "PipelineStage", n_microbatches: int,
+def make_schedule(stage: "PipelineStage | Sequence[PipelineStage]", n_microbatches: int,
                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
                   kind: str = "1f1b"):
-    """A GPipe or 1F1B schedule bound to `n_microbatches` (a schedule object serves one microbatch count)."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    """A schedule bound to `n_microbatches` (a schedule object serves one microbatch count): "gpipe" or "1f1b"
+    over one stage per rank, "interleaved1f1b" over this rank's virtual stages (a list)."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     if kind not in SCHEDULE_KINDS:
         raise ValueError(f"parallel.backbone.pp_schedule={kind!r} is not supported; choose one of {SCHEDULE_KINDS}")
-    cls = Schedule1F1B if kind == "1f1b" else ScheduleGPipe
+    cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved1f1b": ScheduleInterleaved1F1B}[kind]
+    multi = kind == "interleaved1f1b"
+    if multi != isinstance(stage, (list, tuple)):
+        raise ValueError(f"pp_schedule={kind!r} takes {'a list of stages' if multi else 'one stage'}; use "
+                         f"build_backbone_stages(virtual_stages=...) for interleaved schedules")
     kwargs = {"scale_grads": False} if _accepts(cls.__init__, "scale_grads") else {}
-    return cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn, **kwargs)
+    return cls(list(stage) if multi else stage, n_microbatches=n_microbatches, loss_fn=loss_fn, **kwargs)
 
 
 def stage0_input(backbone: BackbonePart, packs: Sequence[PackedBatch],
@@ -147,27 +173,30 @@ def finish_stage0_backward(leaf: torch.Tensor, dense: Sequence[torch.Tensor]) ->
         torch.autograd.backward([d for d, _ in pairs], [g for _, g in pairs])
 
 
-def pipeline_step(schedule, stage_module: BackboneStage, packs: Sequence[PackedBatch],
+def pipeline_step(schedule, stage_module: BackboneStage | Sequence[BackboneStage], packs: Sequence[PackedBatch],
                   stage0_leaf: Optional[torch.Tensor] = None) -> Optional[list[torch.Tensor]]:
-    """One forward+backward of all microbatches through this rank's stage.
+    """One forward+backward of all microbatches through this rank's stage(s).
 
-    Every pipeline rank calls this with the same `packs` (in order); only stage 0 passes `stage0_leaf`.
-    Returns the per-microbatch summed losses on the last stage, None elsewhere.
+    Every pipeline rank calls this with the same `packs` (in order); only the rank holding stage 0 passes
+    `stage0_leaf`. Returns the per-microbatch summed losses on the rank holding the last stage, None elsewhere.
     """
+    modules = list(stage_module) if isinstance(stage_module, (list, tuple)) else [stage_module]
+    is_first, is_last = any(m.is_first for m in modules), any(m.is_last for m in modules)
     n = getattr(schedule, "_n_microbatches", len(packs))
     if len(packs) != n:
         raise ValueError(f"schedule is bound to {n} microbatches but the step has {len(packs)} packed microbatches")
-    device = next(stage_module.parameters()).device
+    device = next(modules[0].parameters()).device
+    # kwargs reach every local stage; non-first stages ignore input_ids
     kwargs = {"position_ids": stack_position_ids(packs).to(device),
               "segment_ids": torch.cat([p.segment_ids for p in packs]).to(device)}
     args: tuple = ()
-    if stage_module.is_first:
+    if is_first:
         if stage0_leaf is None:
             raise ValueError("pipeline stage 0 needs stage0_leaf (see stage0_input)")
         args = (stage0_leaf,)
         kwargs["input_ids"] = torch.cat([p.input_ids for p in packs]).to(device)
     step_kwargs = {"return_outputs": False} if _accepts(schedule.step, "return_outputs") else {}
-    if stage_module.is_last:
+    if is_last:
         losses: list[torch.Tensor] = []
         target = torch.cat([p.labels for p in packs]).to(device)
         schedule.step(*args, target=target, losses=losses, **step_kwargs, **kwargs)
