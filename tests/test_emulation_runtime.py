@@ -38,6 +38,10 @@ _ACTIVATED = textwrap.dedent("""
     assert torch.equal(torch.rand(3), b) and not torch.equal(a, b)
     with torch.npu.stream(torch.npu.Stream()):
         torch.npu.synchronize()
+    import io
+    buf = io.BytesIO(); torch.save({"w": torch.ones(2)}, buf)
+    for loc in ("npu:0", {"cuda:0": "cpu"}, lambda s, _: s):
+        buf.seek(0); assert torch.load(buf, map_location=loc)["w"].device.type == "cpu"
 
     # distributed: nccl -> gloo, hccl subgroup with HCCL options -> gloo, comm name -> that group
     store = dist.HashStore()

@@ -55,9 +55,12 @@ def _map_kwargs(kwargs: dict) -> dict:
 
 
 def _map_location(loc: Any) -> Any:
-    if callable(loc) or isinstance(loc, dict):
-        return "cpu" if isinstance(loc, dict) else loc
-    return to_cpu_device(loc) if loc is not None else loc
+    """torch.load's map_location: a remapping dict becomes 'cpu' (every storage lands on the host)."""
+    if isinstance(loc, dict):
+        return "cpu"
+    if loc is None or callable(loc):
+        return loc
+    return to_cpu_device(loc)
 
 
 def _wrap_device_kwargs(fn: Callable) -> Callable:
