@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
 from mindspeed_flow.config.schema import FlowJobConfig, register_configs
+
+if TYPE_CHECKING:
+    from mindspeed_flow.specs import VLMSpec
+    from mindspeed_flow.topology import ModelLimits
 
 
 class RecipeError(ValueError):
@@ -53,6 +57,23 @@ def save(cfg: FlowJobConfig | DictConfig, path: str | os.PathLike) -> None:
 
 def load(path: str | os.PathLike) -> FlowJobConfig:
     return to_job_config(OmegaConf.load(str(path)))
+
+
+def model_hf_config(job: FlowJobConfig) -> dict:
+    """The HF config.json dict of the job's model: a local checkpoint's, else the preset's with overrides."""
+    from mindspeed_flow.model_presets import hf_config_dict, load_config_json
+
+    if job.model.pretrained_path:
+        return load_config_json(job.model.pretrained_path)
+    return hf_config_dict(job.model.family, job.model.preset, dict(job.model.hf_overrides))
+
+
+def model_limits(spec: "VLMSpec") -> "ModelLimits":
+    from mindspeed_flow.topology import ModelLimits
+
+    return ModelLimits(llm_layers=spec.llm.num_layers, llm_heads=spec.llm.num_heads,
+                       llm_kv_heads=spec.llm.num_kv_heads, vit_heads=spec.vision.num_heads,
+                       vit_layers=spec.vision.depth)
 
 
 def check_rules(job: FlowJobConfig) -> None:

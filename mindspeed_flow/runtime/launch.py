@@ -12,7 +12,9 @@ import sys
 import uuid
 from pathlib import Path
 
-from mindspeed_flow.config.load import RecipeError, check_rules, compose, save, to_job_config
+from mindspeed_flow.config.load import (RecipeError, check_rules, compose, load, model_hf_config, model_limits,
+                                        save, to_job_config)
+from mindspeed_flow.specs import VLMSpec
 from mindspeed_flow.topology import Layout, LayoutError
 from mindspeed_flow.utils.multiproc import free_port
 
@@ -28,12 +30,14 @@ def prepare(overrides: list[str]) -> tuple[Path, int]:
     job = to_job_config(cfg)
     check_rules(job)
     layout = Layout.from_config(job.parallel, job.flow.mode)
-    layout.validate(global_batch_size=job.trainer.global_batch_size, expected_world=job.parallel.world_size,
-                    max_tp=1)
+    spec = VLMSpec.from_hf_config(model_hf_config(job))
+    layout.validate(limits=model_limits(spec), global_batch_size=job.trainer.global_batch_size,
+                    expected_world=job.parallel.world_size, max_tp=1)
     run_dir = Path(job.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"
     save(cfg, path)
+    load(path)  # exactly what every worker will read must validate here, before any process starts
     return path, layout.world_size
 
 
@@ -65,10 +69,13 @@ def summarize(run_dir: Path) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     try:
         config_path, nproc = prepare(argv)
-    except (RecipeError, LayoutError, ValueError) as e:
-        print(f"mindspeed-flow train: {e}", file=sys.stderr)
+    except (RecipeError, LayoutError, ValueError, FileNotFoundError, HydraException, OmegaConfBaseException) as e:
+        print(f"mindspeed-flow train: invalid recipe: {e}", file=sys.stderr)
         return 2
     if _inside_torchrun():
         from mindspeed_flow.runtime.worker import run_worker

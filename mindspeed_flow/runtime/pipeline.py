@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from mindspeed_flow.hosts.torch.data_parallel import apply_ddp
-from mindspeed_flow.hosts.torch.pipeline import (BackboneStage, finish_stage0_backward, make_schedule,
-                                                 pipeline_step, split_layers, stage0_input)
+from mindspeed_flow.hosts.torch.data_parallel import apply_ddp, apply_fsdp
+from mindspeed_flow.hosts.torch.pipeline import (BackboneStage, build_backbone_stage, finish_stage0_backward,
+                                                 make_schedule, pipeline_step, stage0_input)
 from mindspeed_flow.hosts.torch.split import BackbonePart, token_loss_sum
 
 if TYPE_CHECKING:
@@ -26,27 +26,22 @@ if TYPE_CHECKING:
 
 
 class BackbonePipeline:
-    def __init__(self, backbone: BackbonePart, module: torch.nn.Module, stage_module: BackboneStage,
-                 stage: Any, kind: str, token_budget: int) -> None:
-        self.backbone, self.module, self.stage_module, self.stage = backbone, module, stage_module, stage
+    def __init__(self, backbone: BackbonePart, stage_module: BackboneStage, stage: Any, kind: str,
+                 token_budget: int) -> None:
+        self.backbone, self.stage_module, self.stage = backbone, stage_module, stage
         self.kind, self.token_budget = kind, token_budget
         self._schedules: dict[tuple[int, float], Any] = {}
 
     @staticmethod
     def build(job, topo, backbone: BackbonePart, device: torch.device) -> "BackbonePipeline":
-        from torch.distributed.pipelining import PipelineStage
-
-        pp = topo.part_layout.pp
-        if backbone.tied_embeddings:
-            raise ValueError("tie_word_embeddings=True with parallel.backbone.pp > 1: embed_tokens (stage 0) and "
-                             "lm_head (last stage) would be one parameter on two ranks; untie it in the model config")
-        start, stop = split_layers(len(backbone.layers), pp)[topo.pp_rank]
-        stage_module = BackboneStage(backbone, start, stop, is_first=topo.is_first_stage,
-                                     is_last=topo.is_last_stage).to(device)
-        module = apply_ddp(stage_module, topo.dp_group) if topo.part_layout.dp > 1 else stage_module
-        stage = PipelineStage(module, topo.pp_rank, pp, device, group=topo.pp_group)
-        return BackbonePipeline(backbone, module, stage_module, stage, job.parallel.pp_schedule,
-                                job.packing.token_budget)
+        layout = topo.part_layout
+        wrap = None
+        if layout.dp > 1:
+            dp_wrap = apply_fsdp if job.parallel.backbone_dp_impl == "fsdp" else apply_ddp
+            wrap = lambda m: dp_wrap(m, topo.dp_group)  # noqa: E731
+        stage_module, stage = build_backbone_stage(backbone, topo.pp_rank, layout.pp, topo.pp_group, device,
+                                                   job.packing.token_budget, wrap=wrap)
+        return BackbonePipeline(backbone, stage_module, stage, job.parallel.pp_schedule, job.packing.token_budget)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.stage_module.parameters())

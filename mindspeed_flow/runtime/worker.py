@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from mindspeed_flow.accelerator import Accelerator
 from mindspeed_flow.config import load as config_load
+from mindspeed_flow.config.load import model_hf_config, model_limits
 from mindspeed_flow.config.schema import FlowJobConfig
 from mindspeed_flow.data import build_dataset, iter_global_batches, token_spec_from_hf_config
-from mindspeed_flow.model_presets import hf_config_dict, load_config_json
 from mindspeed_flow.packing import CostModel
 from mindspeed_flow.resilience.checkpoint import Checkpointer
 from mindspeed_flow.runtime import build
@@ -26,7 +26,7 @@ from mindspeed_flow.runtime.engine import StepEngine
 from mindspeed_flow.runtime.metrics import MetricsGatherer, StepRecord, StepStatic, measure_cpu_peak_flops
 from mindspeed_flow.runtime.plan import StepWork, label_normalizer, plan_coupled_step, plan_decoupled_step
 from mindspeed_flow.specs import VLMSpec
-from mindspeed_flow.topology import Layout, ModelLimits, Topology
+from mindspeed_flow.topology import Layout, Topology
 
 
 def init_distributed(acc: Accelerator, timeout_s: float) -> tuple[int, int]:
@@ -44,18 +44,6 @@ def init_distributed(acc: Accelerator, timeout_s: float) -> tuple[int, int]:
     dist.init_process_group(acc.backend, store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank,
                             world_size=world, timeout=timeout)
     return rank, world
-
-
-def model_hf_config(job: FlowJobConfig) -> dict:
-    if job.model.pretrained_path:
-        return load_config_json(job.model.pretrained_path)
-    return hf_config_dict(job.model.family, job.model.preset, dict(job.model.hf_overrides))
-
-
-def model_limits(spec: VLMSpec) -> ModelLimits:
-    return ModelLimits(llm_layers=spec.llm.num_layers, llm_heads=spec.llm.num_heads,
-                       llm_kv_heads=spec.llm.num_kv_heads, vit_heads=spec.vision.num_heads,
-                       vit_layers=spec.vision.depth)
 
 
 def step_model_flops(spec: VLMSpec, shapes: list, trained: set[int], frozen_encoder: bool) -> float:
@@ -178,7 +166,9 @@ def _maybe_resume(job: FlowJobConfig, models: Any, optim: Any, batches: Any, ver
                                 async_save=t.async_checkpoint)
     if not t.resume:
         return checkpointer, 0
-    extra = checkpointer.load_latest(models.named_params, optim.optimizer, {"step": -1, "sampler": {}})
+    # DCP loads into the structure it is given: the sampler's own state is the template for its fields.
+    extra = checkpointer.load_latest(models.named_params, optim.optimizer,
+                                     {"step": -1, "sampler": batches.state_dict()})
     if extra is None:
         if verbose:
             print(f"[mindspeed-flow] trainer.resume=true but {checkpointer.root} holds no valid checkpoint: "
