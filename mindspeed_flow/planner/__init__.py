@@ -1,1 +1,22 @@
-"""mindspeed_flow.planner"""
+"""Heterogeneous Parallel Allocator: how many devices the encoder(s) and the backbone get, and how each is
+parallelized, so the producer keeps the consumer busy at the highest throughput (pure computation: numpy and
+OR-Tools, no process groups; importable in a notebook).
+
+    hardware.py   per-SKU peak table (`peak_flops`), cluster presets (recipes/cluster/*.yaml)
+    workload.py   the sample shapes a plan is made for (data recipe, InfoVQA-like generator, length table)
+    parts.py      PartSpec: one entry per part (encoder, backbone, a second encoder ...), workload-averaged
+    cost.py       analytic step time and memory per layout (DESIGN §5), vectorized over layouts
+    space.py      structurally valid layouts per part (TP in a node, divisibility, batch, token budget)
+    solver.py     lexicographic CP-SAT allocation, and the exhaustive enumeration it is tested against
+    baselines.py  Megatron-style coupled and MindSpeed dist-train layouts in the same cost model
+    plan.py       Problem -> Plan (make_plan), binding constraints, infeasibility messages
+    report.py     text report, JSON, Hydra experiment recipe, throughput-vs-encoder-share plot
+    inputs.py     cluster= / model= / data= / overrides -> Problem
+    cli.py        `mindspeed-flow plan`
+    profile.py    `mindspeed-flow profile`: timings on the devices at hand -> calibration table
+    measure.py    saved-activation bytes, static memory, timing helpers (torch imported lazily)
+    validate.py   predicted vs measured step time through `mindspeed-flow train`
+"""
+from mindspeed_flow.planner.hardware import PEAK_TFLOPS, peak_flops
+
+__all__ = ["PEAK_TFLOPS", "peak_flops"]

@@ -1,0 +1,42 @@
+"""`mindspeed-flow profile` writes a calibration table the planner reads; the fit recovers known lines."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mindspeed_flow.planner import profile
+from mindspeed_flow.planner.inputs import build_problem, parse_kv
+from mindspeed_flow.planner.plan import make_plan
+from mindspeed_flow.planner.validate import parse_layout
+
+
+def test_fit_recovers_overhead_and_rate() -> None:
+    flops = [1e9, 2e9, 4e9, 8e9]
+    seconds = [0.003 + f * 2e-11 for f in flops]
+    overhead, spf = profile._fit(flops, seconds)
+    assert overhead == pytest.approx(0.003, rel=1e-6) and spf == pytest.approx(2e-11, rel=1e-6)
+
+
+def test_profile_table_calibrates_the_plan(tmp_path, capsys) -> None:
+    out, table_csv = tmp_path / "profile.json", tmp_path / "profile.csv"
+    rc = profile.main(["model=tiny_qwen2_vl", "data=infovqa_tiny", "cluster=cpu", "--repeats", "1",
+                       "--budgets", "512,1024", "--out", str(out), "--csv", str(table_csv)])
+    assert rc == 0
+    table = json.loads(out.read_text())
+    parts = {r["part"] for r in table["rows"]}
+    assert parts == {"encoder", "backbone"} and len(table_csv.read_text().splitlines()) == len(table["rows"]) + 1
+    cal = table["calibration"]
+    assert cal["seconds_per_flop"]["encoder"] > 0 and cal["seconds_per_flop"]["backbone"] > 0
+    problem, _ = build_problem(parse_kv(["cluster=cpu", "model=tiny_qwen2_vl", "data=infovqa_tiny",
+                                         "samples=128", f"planner.profile={out}"]))
+    assert problem.cfg.seconds_per_flop == cal["seconds_per_flop"]
+    plan = make_plan(problem, with_baselines=False)
+    assert plan.step_seconds > 0 and plan.devices <= 3
+
+
+def test_validate_layout_syntax() -> None:
+    assert parse_layout("e1-b2") == {"enc_dp": 1, "bb_dp": 2, "bb_pp": 1, "budget": 0}
+    assert parse_layout("e1-b1p2@1024") == {"enc_dp": 1, "bb_dp": 1, "bb_pp": 2, "budget": 1024}
+    with pytest.raises(ValueError, match="eA-bB"):
+        parse_layout("encoder2")
