@@ -8,6 +8,7 @@ import datetime
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -67,6 +68,8 @@ def plan_stats(work: StepWork) -> dict[str, float]:
 
 
 def run_worker(config_path: str) -> None:
+    # torch 2.13 deprecates DDP's broadcast_buffers in favour of a flag 2.7 lacks; the old one is the portable one.
+    warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
     job = config_load.load(config_path)
     torch.set_num_threads(int(os.environ.get("MSF_THREADS_PER_RANK", "1")))
     acc = Accelerator.detect(os.environ.get("MSF_DEVICE", "auto"))
