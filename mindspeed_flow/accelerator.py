@@ -21,33 +21,6 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-# Dense peak TFLOPS by device-name substring and dtype (DESIGN §9). 910B SKUs differ, so the name decides.
-# Sources: Ascend product pages / DESIGN notes; CPU figures are nominal and only make the MFU column non-empty.
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "Ascend910B1": {"bf16": 376.0, "fp16": 376.0, "fp32": 94.0},
-    "Ascend910B2": {"bf16": 353.0, "fp16": 353.0, "fp32": 88.0},
-    "Ascend910B3": {"bf16": 313.0, "fp16": 313.0, "fp32": 78.0},
-    "Ascend910B4": {"bf16": 280.0, "fp16": 280.0, "fp32": 70.0},
-    "Ascend910_93": {"bf16": 752.0, "fp16": 752.0, "fp32": 188.0},  # 910C (A3) reports as Ascend910_93xx
-    "Ascend910C": {"bf16": 752.0, "fp16": 752.0, "fp32": 188.0},
-    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-    "cpu": {"bf16": 0.1, "fp16": 0.1, "fp32": 0.1},
-}
-
-
-def peak_tflops_for(device_name: str, dtype: str) -> Optional[float]:
-    """Longest matching key wins, so 'Ascend910B3' is not mistaken for a generic 910B entry."""
-    best: Optional[str] = None
-    for key in PEAK_TFLOPS:
-        if key.lower() in device_name.lower() and (best is None or len(key) > len(best)):
-            best = key
-    if best is None:
-        return None
-    return PEAK_TFLOPS[best].get(dtype)
-
-
 def _torch_npu_available() -> bool:
     # find_spec does not import: importing torch_npu without CANN breaks `import torch` itself.
     return importlib.util.find_spec("torch_npu") is not None and bool(os.environ.get("ASCEND_HOME_PATH")
@@ -148,9 +121,11 @@ class Accelerator:
 
     # --- FLOPs ------------------------------------------------------------------------------------------------
     def peak_flops(self, dtype: str) -> Optional[float]:
-        key = "cpu" if self.device_type == "cpu" else self.device_name
-        tf = peak_tflops_for(key, dtype)
-        return None if tf is None else tf * 1e12
+        """Nominal dense peak of one device (the planner's per-SKU table: 910B SKUs differ, so the name decides).
+        On CPU the runtime measures a matmul instead, since the table's CPU entry is only nominal."""
+        from mindspeed_flow.planner.hardware import peak_flops
+
+        return peak_flops("cpu" if self.device_type == "cpu" else self.device_name, dtype)
 
     def describe(self) -> dict[str, Any]:
         return {**asdict(self), "torch": torch.__version__, "python": sys.version.split()[0],
