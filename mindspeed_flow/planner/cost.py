@@ -186,9 +186,15 @@ def static_memory(ctx: CostContext, params: np.ndarray, dp: np.ndarray, trainabl
 
 # ------------------------------------------------------------------------------------------------ backbone
 def microbatches(part: PartSpec, ctx: CostContext, dp: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Packed microbatches per replica: its tokens over the filled budget, at least 1, at most one per sample."""
+    """Packed microbatches per replica: its tokens over the filled budget, at least 1, at most one per sample.
+
+    Best fit leaves on average about half a sample of room in each microbatch, so the fill is
+    packing_fill x (1 - mean sample / (2 b)) (at least half the budget).
+    """
     samples = ctx.global_batch / dp
-    m = np.ceil(samples * part.tokens_per_sample / (np.maximum(b, 1) * ctx.cfg.packing_fill))
+    b = np.maximum(b, 1).astype(np.float64)
+    fill = ctx.cfg.packing_fill * np.maximum(0.5, 1.0 - part.tokens_per_sample / (2.0 * b))
+    m = np.ceil(samples * part.tokens_per_sample / (b * fill))
     return np.clip(m, 1, np.maximum(np.floor(samples), 1))
 
 

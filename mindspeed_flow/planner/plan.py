@@ -213,8 +213,8 @@ def _binding(problem: Problem, tables: list[OptionTable], sel: Selection) -> lis
                    f"(a {more}-device plan is faster)")
     mem_blocked = faster & ~bott.fits & (bott.layouts.devices <= room)
     if mem_blocked.any():
-        j = int(np.nonzero(mem_blocked)[0][np.argmin(bott.costs.time[mem_blocked])])
-        out.append(f"memory: the {bott.part.name}'s faster layout {_fmt_layout(bott.layouts.row(j))} would need "
+        j = int(np.nonzero(mem_blocked)[0][np.argmin(bott.costs.memory[mem_blocked])])  # the nearest miss
+        out.append(f"memory: a faster {bott.part.name} layout {_fmt_layout(bott.layouts.row(j))} would need "
                    f"{bott.costs.memory[j] / GB:.1f} GB > {problem.memory_limit / GB:.1f} GB per device")
     if int(bott.layouts.dp[c_b]) == problem.global_batch:
         out.append(f"global batch: the {bott.part.name} already runs one sample per DP rank "
