@@ -70,6 +70,7 @@ class StepStatic:
     model_flops: float
     oversize_skipped: int
     lr: float
+    rank_costs: tuple = ()  # backbone cost (cost-model units) per DP rank
 
 
 class MetricsGatherer:
@@ -154,6 +155,7 @@ class MetricsGatherer:
             "slot_imbalance": s.slot_imbalance,
             "encoder_imbalance": s.encoder_imbalance,
             "oversize_skipped": s.oversize_skipped,
+        "rank_costs": list(s.rank_costs),
             "lr": s.lr,
             # Streaming evidence: seconds (from the step's start) at which the backbone began its first
             # microbatch and at which the encoder finished its last sample; first < last means overlap.

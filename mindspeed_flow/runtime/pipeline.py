@@ -2,21 +2,26 @@
 torch host, fed from the pool on stage 0, with the same loss normalisation as the flat path.
 
 Every rank of one pipeline knows the step plan, so each builds the same packed microbatches itself (position
-ids, segment ids, labels) and only activations travel between stages. Stage 0 receives the step's embeddings
-from the pool, runs the schedule, then routes d(loss)/d(input) back to each sample's embedding and returns it
-to the producer. Shapes are static (every microbatch padded to `packing.token_budget`); one schedule object
-per microbatch count is cached, since a schedule is bound to its count.
+ids, segment ids, labels) and only activations travel between stages.
+
+Streaming through the pipeline: stage 0 is wrapped in `StreamingFirstStage`, whose forward pulls microbatch
+k's embeddings from the pool when the schedule runs that forward (schedules run forwards in microbatch order),
+so the pipeline starts on microbatch 0 while the encoder still encodes later samples. Each embedding leaf has
+a gradient hook that returns d(loss)/d(embedding) to its producer the moment the schedule's backward computes
+it, so the encoder can start its backward before the pipeline has drained.
+
+Shapes are static (every microbatch padded to `packing.token_budget`); one schedule object per microbatch count
+is cached, since a schedule is bound to its count.
 """
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from mindspeed_flow.hosts.torch.data_parallel import apply_ddp, apply_fsdp
-from mindspeed_flow.hosts.torch.pipeline import (BackboneStage, build_backbone_stage, finish_stage0_backward,
-                                                 make_schedule, pipeline_step, stage0_input)
+from mindspeed_flow.hosts.torch.pipeline import BackboneStage, build_backbone_stage, make_schedule, pipeline_step
 from mindspeed_flow.hosts.torch.split import BackbonePart, token_loss_sum
 
 if TYPE_CHECKING:
@@ -25,23 +30,59 @@ if TYPE_CHECKING:
     from mindspeed_flow.runtime.plan import StepWork
 
 
+class StreamingFirstStage(torch.nn.Module):
+    """Pipeline stage 0 whose image input is pulled from the pool at forward time (see the module docstring).
+
+    Its positional input is the microbatch index as a [1, 1] tensor (the schedule needs a tensor to chunk, and
+    the index survives the extra forward torch runs to infer shapes on the first step); `feed(k)` returns
+    microbatch k's dense image tensor [1, T, H], attached to that microbatch's embedding leaves.
+    """
+
+    def __init__(self, stage: BackboneStage) -> None:
+        super().__init__()
+        self.stage = stage
+        self.feed: Optional[Callable[[int], torch.Tensor]] = None
+
+    def forward(self, placeholder: torch.Tensor, input_ids: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None,
+                segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if placeholder.device.type == "meta":
+            # The pipeline infers stage shapes on its first step with meta copies of the inputs: answer with a
+            # meta image tensor of the real shape and never touch the pool.
+            hidden = self.stage.embed_tokens.embedding_dim
+            dense = torch.empty(input_ids.shape[0], input_ids.shape[1], hidden,
+                                dtype=self.stage.embed_tokens.weight.dtype, device="meta")
+            return self.stage(dense, input_ids, position_ids, segment_ids)
+        if self.feed is None:
+            raise RuntimeError("StreamingFirstStage.feed is not set: BackbonePipeline.run sets it each step")
+        dense = self.feed(int(placeholder.reshape(-1)[0].item()))
+        return self.stage(dense, input_ids, position_ids, segment_ids)
+
+
 class BackbonePipeline:
     def __init__(self, backbone: BackbonePart, stage_module: BackboneStage, stage: Any, kind: str,
-                 token_budget: int) -> None:
+                 token_budget: int, first: Optional[StreamingFirstStage]) -> None:
         self.backbone, self.stage_module, self.stage = backbone, stage_module, stage
         self.kind, self.token_budget = kind, token_budget
+        self.first = first
         self._schedules: dict[tuple[int, float], Any] = {}
 
     @staticmethod
     def build(job, topo, backbone: BackbonePart, device: torch.device) -> "BackbonePipeline":
         layout = topo.part_layout
-        wrap = None
-        if layout.dp > 1:
-            dp_wrap = apply_fsdp if job.parallel.backbone_dp_impl == "fsdp" else apply_ddp
-            wrap = lambda m: dp_wrap(m, topo.dp_group)  # noqa: E731
+        dp_wrap = apply_fsdp if job.parallel.backbone_dp_impl == "fsdp" else apply_ddp
+        holder: list[StreamingFirstStage] = []
+
+        def wrap(module: torch.nn.Module) -> torch.nn.Module:
+            if topo.is_first_stage:
+                holder.append(StreamingFirstStage(module))
+                module = holder[0]
+            return dp_wrap(module, topo.dp_group) if layout.dp > 1 else module
+
         stage_module, stage = build_backbone_stage(backbone, topo.pp_rank, layout.pp, topo.pp_group, device,
                                                    job.packing.token_budget, wrap=wrap)
-        return BackbonePipeline(backbone, stage_module, stage, job.parallel.pp_schedule, job.packing.token_budget)
+        return BackbonePipeline(backbone, stage_module, stage, job.parallel.pp_schedule, job.packing.token_budget,
+                                holder[0] if holder else None)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.stage_module.parameters())
@@ -61,23 +102,44 @@ class BackbonePipeline:
         scale = engine.m.dp_size / max(n_labels, 1)
         samples = [timer.timed("busy", lambda mb=mb: engine.load_samples(mb.sample_ids, with_pixels=False))
                    for mb in row]
-        leaves_per_mb: list[dict[int, torch.Tensor]] = []
-        leaf: Optional[torch.Tensor] = None
-        dense: list[torch.Tensor] = []
-        if self.stage_module.is_first:
-            leaves_per_mb = [engine.fetch_embeds(work, mb.sample_ids, timer) for mb in row]
         packs = [self.backbone.pack(s, None, self.token_budget) for s in samples]
-        if self.stage_module.is_first:
-            embeds = [[leaves.get(x.sample_id) for x in s] for leaves, s in zip(leaves_per_mb, samples)]
-            leaf, dense = stage0_input(self.backbone, packs, embeds)
-        record["backbone_first_mb_start_t"] = time.time()
         schedule = self._schedule(len(packs), scale)
-        losses = timer.timed("busy", lambda: pipeline_step(schedule, self.stage_module, packs, leaf))
-        if self.stage_module.is_first and leaf is not None:
-            timer.timed("busy", lambda: finish_stage0_backward(leaf, dense))
-            for leaves in leaves_per_mb:
-                engine.return_grads(work, leaves, timer)
+        placeholder: Optional[torch.Tensor] = None
+        feed_timer = type(timer)()
+        if self.first is not None:
+            fetched: dict[int, dict[int, torch.Tensor]] = {}
+            self.first.feed = lambda k: self._feed(k, work, row, samples, packs, engine, feed_timer, record,
+                                                   fetched)
+            placeholder = torch.arange(len(packs), dtype=torch.float32).view(-1, 1)
+        else:
+            record["backbone_first_mb_start_t"] = time.time()
+        total = timer.timed("busy", lambda: pipeline_step(schedule, self.stage_module, packs, placeholder))
+        # Time spent inside the schedule waiting for embeddings is waiting, not compute.
+        timer.busy -= feed_timer.wait
+        timer.wait += feed_timer.wait
+        if self.first is not None:
+            self.first.feed = None
             timer.timed("wait", engine.pool.flush)
-        if losses is None:
+        if total is None:
             return float("nan")
-        return float(sum(float(x.detach()) for x in losses)) / scale
+        return float(sum(float(x.detach()) for x in total)) / scale
+
+    def _feed(self, k: int, work: "StepWork", row: list, samples: list, packs: list, engine: "StepEngine",
+              timer: "Timer", record: "StepRecord", fetched: dict[int, dict[int, torch.Tensor]]) -> torch.Tensor:
+        leaves = fetched.get(k)
+        if leaves is None:  # first request for microbatch k: take it from the pool (a repeat reuses it)
+            leaves = fetched[k] = engine.fetch_embeds(work, row[k].sample_ids, timer)
+            if k == 0:
+                record["backbone_first_mb_start_t"] = time.time()
+            for sid, leaf in leaves.items():
+                if leaf.requires_grad:
+                    leaf.register_hook(self._grad_sender(work, sid, engine))
+        return self.backbone.image_dense(packs[k], [leaves.get(s.sample_id) for s in samples[k]])
+
+    @staticmethod
+    def _grad_sender(work: "StepWork", sid: int, engine: "StepEngine") -> Callable[[torch.Tensor], None]:
+        def send(grad: torch.Tensor) -> None:
+            g = grad / engine.m.dp_size if engine.m.dp_size > 1 else grad
+            engine.pool.return_grad(g.detach().clone(), sample_id=sid, step=work.step,
+                                    producer=work.producer_of[sid])
+        return send

@@ -64,7 +64,8 @@ def plan_stats(work: StepWork) -> dict[str, float]:
     n_mb = sum(len(r) for r in plan.microbatches)
     return dict(microbatches=n_mb, real_tokens=plan.real_tokens, padded_tokens=plan.padded_tokens,
                 padding_fraction=float(plan.padding_fraction), dp_imbalance=float(plan.dp_imbalance),
-                slot_imbalance=float(plan.slot_imbalance), encoder_imbalance=enc_imb)
+                slot_imbalance=float(plan.slot_imbalance), encoder_imbalance=enc_imb,
+                rank_costs=tuple(float(c) for c in plan.rank_costs))
 
 
 def run_worker(config_path: str) -> None:
