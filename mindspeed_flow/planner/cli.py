@@ -1,13 +1,19 @@
 """`mindspeed-flow plan`: the heterogeneous parallel allocator's command line.
 
     mindspeed-flow plan [cluster=atlas_900_a3_384] [model=qwen2_5_vl_72b] [data=infovqa] [devices=N]
-                        [global_batch=G] [freeze_encoder=true] [planner.FIELD=VALUE] [encoder.tp=2 backbone.pp=4]
+                        [global_batch=G] [freeze_encoder=true] [samples=2048] [planner.FIELD=VALUE]
+                        [encoder.tp=2 backbone.pp=4 backbone.token_budget=32768 backbone.recompute=1]
                         [--out recipe.yaml] [--name NAME] [--json] [--exhaustive] [--plot PATH.png]
                         [--no-baselines]
 
+cluster= is a preset in recipes/cluster/ or a YAML path; model= a model recipe (recipes/model/), a local
+checkpoint directory / config.json, or FAMILY:PRESET; data= `infovqa` (full resolution), a data recipe, or a
+length-table CSV; samples= how many sample shapes are drawn from it. planner.profile=PATH.json applies a
+`mindspeed-flow profile` calibration.
+
 With no arguments it plans Qwen2.5-VL-72B on an Atlas 900 A3 SuperPoD (384 NPUs) on InfoVQA-like data. An
-infeasible input exits with status 3 and a message naming the binding constraint and the smallest device count
-that would fit.
+infeasible input exits with status 3 and a message naming the binding constraint and the smallest device
+count that would fit.
 """
 from __future__ import annotations
 

@@ -98,7 +98,11 @@ def compare(layouts: list[str], model: str, data: str, global_batch: int, steps:
         (recipes / "experiment" / f"{name}.yaml").write_text(
             recipe_yaml(plan, name, ref.recipe, data_recipe, ref.inline, data_inline))
         share = core_share(plan.devices)
-        metrics = run_training(recipes, name, steps, workdir / "runs" / name)
+        try:
+            metrics = run_training(recipes, name, steps, workdir / "runs" / name)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:  # one broken layout must not hide the others
+            print(f"validate: layout {text} did not train: {str(e)[-400:]}", file=sys.stderr)
+            continue
         share = (share + core_share(plan.devices)) / 2
         measured = measured_step_seconds(metrics)
         row = {"layout": text, "world": plan.devices, "token_budget": plan.parts[-1].layout["b"],
