@@ -27,6 +27,16 @@ setup(
         "dev": ["pytest>=8", "pytest-timeout", "matplotlib", "rich"],
         # TRL is only used by the packing benchmark as a side-by-side baseline.
         "bench": ["trl"],
+        # What MindSpeed-MM's own training path needs on CPU under `mindspeed-flow emulate` (install it in its own
+        # venv with -c scripts/constraints.txt so torch stays the CPU build; see mindspeed_flow/emulation/README.md).
+        "emulate": [
+            "transformers>=4.57,<4.58", "huggingface_hub<1.0", "pandas<3", "torchvision", "tokenizers",
+            "safetensors", "accelerate", "datasets", "peft>=0.19.1", "diffusers>=0.38.0", "av", "qwen_vl_utils",
+            "pandarallel", "einops", "scipy", "sentencepiece", "pyyaml", "six", "regex", "decorator", "attrs",
+            "psutil", "protobuf", "pydantic", "jsonargparse[all]", "orjson", "beartype", "ftfy", "imageio",
+            "imageio-ffmpeg", "bs4", "portalocker", "SQLAlchemy", "scikit-learn", "gpytorch", "numba", "pybind11",
+            "ninja", "pillow",
+        ],
     },
     entry_points={"console_scripts": ["mindspeed-flow=mindspeed_flow.cli:main"]},
 )

@@ -32,6 +32,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ti
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    store = None
     try:
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=(rank == 0),
                               timeout=datetime.timedelta(seconds=timeout_s))
@@ -42,11 +43,29 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ti
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
+        _wait_for_peers(store, rank, world_size, timeout_s)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
+
+
+def _wait_for_peers(store: "object", rank: int, world_size: int, timeout_s: float) -> None:
+    """Rank 0 hosts the TCPStore: if it exits while slower ranks still create groups or talk, they fail with
+    'Broken pipe'. Every rank checks in, finished or failed, and rank 0 leaves only when all have (or at the
+    deadline), so a fast rank never takes the store down under a slow one."""
+    if store is None:
+        return
+    import time
+
+    try:
+        store.add("msf_ranks_done", 1)
+        deadline = time.monotonic() + timeout_s
+        while rank == 0 and store.add("msf_ranks_done", 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except Exception:  # noqa: BLE001 - a dead store means there is nobody left to wait for
+        pass
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0,
