@@ -1,7 +1,8 @@
 """The CP-SAT allocation equals the exhaustive enumeration's optimum on random small planning instances.
 
 Each instance is a full planning problem (random VLM-like parts, random cluster, random memory limit, random
-global batch and device budget), priced by the real cost model; `make_plan` is run once with the CP-SAT
+global batch and device budget; a third of them CPU-emulated, with devices sharing 1-4 host cores), priced by
+the real cost model; `make_plan` is run once with the CP-SAT
 solver and once with `exhaustive=True`, and the lexicographic objective (slowest part's step time, rate gap,
 devices used) must agree within 1e-6 relative, infeasible instances included (both must refuse).
 """
@@ -14,7 +15,7 @@ from mindspeed_flow.config.planner import ClusterConfig, PlannerConfig
 from mindspeed_flow.planner.hardware import Cluster
 from mindspeed_flow.planner.parts import PartSpec
 from mindspeed_flow.planner.plan import Problem, make_plan
-from mindspeed_flow.planner.solver import solve_cpsat, solve_exhaustive
+from mindspeed_flow.planner.solver import solve_cpsat, solve_cpsat_shared, solve_exhaustive
 from mindspeed_flow.planner.space import PlanError
 
 FEASIBLE_WANTED = 200  # compared instances with a plan; infeasible ones are compared too (both must refuse)
@@ -57,7 +58,7 @@ def _random_problem(seed: int) -> Problem:
         name=f"rand{seed}", devices=devices, devices_per_node=dpn, hbm_gb=float(rng.choice([0.02, 0.1, 1.0, 8.0])),
         peak_tflops={"bf16": float(rng.uniform(1, 100))}, intra_node_gbps=float(rng.uniform(5, 200)),
         inter_node_gbps=float(rng.uniform(1, 50)), sku="test", backend="npu", hbm_tbps=1.0,
-        tp_sizes=[1, 2, 4, 8], cp_sizes=[1, 2]))
+        tp_sizes=[1, 2, 4, 8], cp_sizes=[1, 2], host_cores=int(rng.choice([0, 0, 0, 1, 2, 4]))))
     roles = ["encoder", "backbone"] if rng.random() < 0.8 else ["encoder", "encoder2", "backbone"]
     parts = [_random_part(rng, r) for r in roles]
     cfg = PlannerConfig(global_batch_size=int(rng.choice([4, 6, 8, 12, 16, 32])),
@@ -102,6 +103,23 @@ def test_cpsat_equals_exhaustive_on_random_option_tables() -> None:
         times = [np.round(rng.uniform(0.1, 10, size=len(d)), int(rng.integers(1, 4))) for d in devs]
         budget = int(rng.integers(1, 50))
         a, b = solve_cpsat(devs, times, budget), solve_exhaustive(devs, times, budget)
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.max_time == pytest.approx(b.max_time, rel=1e-6)
+            assert abs(a.gap - b.gap) <= 1e-6 * b.max_time
+            assert a.devices == b.devices
+
+
+def test_shared_host_solver_equals_exhaustive_on_random_option_tables() -> None:
+    """With the host-CPU bound (step >= sum of busy work / cores), CP-SAT still equals enumeration."""
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        k = int(rng.integers(1, 4))
+        devs = [rng.integers(1, 6, size=int(rng.integers(1, 12))) for _ in range(k)]
+        times = [np.round(rng.uniform(0.1, 3, size=len(d)), 2) for d in devs]
+        work = [d * t * rng.uniform(0.3, 1, size=len(d)) / float(rng.choice([1, 2, 4])) for d, t in zip(devs, times)]
+        budget = int(rng.integers(1, 12))
+        a, b = solve_cpsat_shared(devs, times, work, budget), solve_exhaustive(devs, times, budget, work=work)
         assert (a is None) == (b is None)
         if a is not None:
             assert a.max_time == pytest.approx(b.max_time, rel=1e-6)

@@ -20,7 +20,7 @@ from mindspeed_flow.planner.baselines import BaselineResult, megatron_coupled, m
 from mindspeed_flow.planner.cost import CostContext, Costs, Layouts, model_flops_per_step, part_costs
 from mindspeed_flow.planner.hardware import Cluster
 from mindspeed_flow.planner.parts import PartSpec
-from mindspeed_flow.planner.solver import Selection, solve_cpsat, solve_exhaustive
+from mindspeed_flow.planner.solver import Selection, solve_cpsat, solve_cpsat_shared, solve_exhaustive
 from mindspeed_flow.planner.space import PlanError, enumerate_layouts
 
 GB = 1e9
@@ -68,15 +68,20 @@ class Problem:
 
     @property
     def ctx(self) -> CostContext:
-        return CostContext(self.cluster, self.cfg, self.global_batch, self.contention)
+        return CostContext(self.cluster, self.cfg, self.global_batch)
 
     @property
-    def contention(self) -> float:
-        """CPU emulation: `budget` busy processes on `host_cores` cores run budget / cores times slower."""
+    def host_cores(self) -> int:
+        """CPU emulation: the cores the devices (processes) share; 0 when devices do not share compute."""
         cores = int(self.cluster.config.host_cores)
-        if cores < 0:
-            cores = os.cpu_count() or 1
-        return max(1.0, self.budget / cores) if cores > 0 else 1.0
+        return (os.cpu_count() or 1) if cores < 0 else cores
+
+    @property
+    def baseline_ctx(self) -> CostContext:
+        """Baselines keep every device busy most of the step: on shared cores they slow down by devices/cores."""
+        cores = self.host_cores
+        return CostContext(self.cluster, self.cfg, self.global_batch,
+                           max(1.0, self.budget / cores) if cores > 0 else 1.0)
 
     @property
     def memory_limit(self) -> float:
@@ -91,6 +96,12 @@ class OptionTable:
     layouts: Layouts
     costs: Costs
     fits: np.ndarray  # bool: memory within the limit
+
+    @property
+    def busy_device_seconds(self) -> np.ndarray:
+        """Seconds per step the part's devices compute (pipeline bubbles and the fill wait are idle)."""
+        idle = self.costs.time_parts.get("bubble", 0.0) + self.costs.time_parts.get("fill", 0.0)
+        return self.layouts.devices * (self.costs.time - idle)
 
     def usable(self, budget: int) -> np.ndarray:
         return np.nonzero(self.fits & (self.layouts.devices <= budget))[0]
@@ -150,11 +161,17 @@ def _part_plan(table: OptionTable, i: int) -> PartPlan:
                     time_parts={k: float(v[i]) for k, v in c.time_parts.items()})
 
 
-def _solve(tables: list[OptionTable], budget: int, exhaustive: bool) -> tuple[Selection | None, list[np.ndarray]]:
+def _solve(tables: list[OptionTable], budget: int, exhaustive: bool,
+           host_cores: int = 0) -> tuple[Selection | None, list[np.ndarray]]:
     usable = [t.usable(budget) for t in tables]
     devs = [t.layouts.devices[u] for t, u in zip(tables, usable)]
     times = [t.costs.time[u] for t, u in zip(tables, usable)]
     keys = [t.costs.memory[u] for t, u in zip(tables, usable)]  # ties: the layout that needs less memory
+    if host_cores > 0:  # devices share host cores: the step also waits for all busy work / cores
+        work = [t.busy_device_seconds[u] / host_cores for t, u in zip(tables, usable)]
+        if exhaustive:
+            return solve_exhaustive(devs, times, budget, keys, work=work), usable
+        return solve_cpsat_shared(devs, times, work, budget, keys), usable
     solve = solve_exhaustive if exhaustive else solve_cpsat
     return solve(devs, times, budget, keys), usable
 
@@ -207,8 +224,9 @@ def _binding(problem: Problem, tables: list[OptionTable], sel: Selection) -> lis
     others = sel.devices - int(bott.layouts.devices[c_b])
     faster = bott.costs.time < times[k] * (1 - 1e-9)
     room = problem.budget - others
-    if (faster & bott.fits & (bott.layouts.devices > room)).any():
-        more = int(bott.layouts.devices[np.nonzero(faster & bott.fits)[0]].min()) + others
+    beyond = faster & bott.fits & (bott.layouts.devices > room)
+    if beyond.any():
+        more = int(bott.layouts.devices[beyond].min()) + others
         out.append(f"device budget: the {bott.part.name} (the bottleneck) would run faster with more devices "
                    f"(a {more}-device plan is faster)")
     mem_blocked = faster & ~bott.fits & (bott.layouts.devices <= room)
@@ -219,6 +237,9 @@ def _binding(problem: Problem, tables: list[OptionTable], sel: Selection) -> lis
     if int(bott.layouts.dp[c_b]) == problem.global_batch:
         out.append(f"global batch: the {bott.part.name} already runs one sample per DP rank "
                    f"(global batch {problem.global_batch})")
+    if sel.max_time > max(times) * (1 + 1e-9):
+        out.append(f"host CPU: the {sel.devices} device processes share {problem.host_cores} cores; their busy "
+                   f"work per step ({sel.max_time:.3g} s per core) exceeds the slowest part ({max(times):.3g} s)")
     idle = problem.budget - sel.devices
     if idle > 0:
         out.append(f"layout granularity: {idle} devices stay idle because no faster layout uses them "
@@ -243,13 +264,14 @@ def make_plan(problem: Problem, exhaustive: bool = False, with_baselines: bool =
         need, _ = smallest_fitting_devices(problem, pin=False)
         hint = "" if need is None else f"; without the pinned value the smallest fitting plan needs {need} devices"
         raise PlanError(f"{e}{hint}") from None
-    sel, usable = _solve(tables, problem.budget, exhaustive)
+    sel, usable = _solve(tables, problem.budget, exhaustive, problem.host_cores)
     if sel is None:
         raise _infeasible(problem, tables)
     solve_seconds = time.perf_counter() - t0
     sel.choice = [int(u[c]) for u, c in zip(usable, sel.choice)]
     parts = [_part_plan(t, c) for t, c in zip(tables, sel.choice)]
     ctx = problem.ctx
+    base_ctx = problem.baseline_ctx
     flops = model_flops_per_step(problem.parts, problem.global_batch)
     step = sel.max_time
     backbone = next((p for p in problem.parts if p.role == "backbone"), problem.parts[-1])
@@ -257,8 +279,8 @@ def make_plan(problem: Problem, exhaustive: bool = False, with_baselines: bool =
     if with_baselines:
         enc = next((p for p in problem.parts if p.role == "encoder"), None)
         if enc is not None and len(problem.parts) == 2:
-            baselines["megatron_coupled"] = megatron_coupled(enc, backbone, ctx, problem.budget)
-            baselines["mindspeed_dist_train"] = mindspeed_dist_train(enc, backbone, ctx, problem.budget)
+            baselines["megatron_coupled"] = megatron_coupled(enc, backbone, base_ctx, problem.budget)
+            baselines["mindspeed_dist_train"] = mindspeed_dist_train(enc, backbone, base_ctx, problem.budget)
     return Plan(
         problem=problem, parts=parts, selection=sel, samples_per_s=problem.global_batch / step,
         tokens_per_s=problem.global_batch * backbone.tokens_per_sample / step,

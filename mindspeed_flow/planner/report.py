@@ -65,7 +65,8 @@ def render_text(plan: Plan) -> str:
     for p in plan.parts:
         mem = p.memory_gb
         lines.append(f"  {p.name:<9} {p.devices:>6} devices  {_layout_str(p.layout)}")
-        lines.append(f"  {'':<9} step {p.step_seconds:.4g} s ({p.microbatches} microbatches); memory/device "
+        unit = "microbatches" if p.role == "backbone" else "samples per replica"
+        lines.append(f"  {'':<9} step {p.step_seconds:.4g} s ({p.microbatches} {unit}); memory/device "
                      f"{mem['total']:.2f} GB = weights {mem['weights']:.2f} + grads {mem['grads']:.2f} + optim "
                      f"{mem['optim']:.2f} + activations {mem['activations']:.2f} + buffers {mem['buffers']:.2f}")
         top = sorted(p.time_parts.items(), key=lambda kv: -kv[1])[:4]

@@ -15,6 +15,11 @@ provably keeps that stage's optimum:
   stage 3 is separable once z* and w* = min T are fixed (each part: fewest devices with w* <= T <= z*), and the
           sum fits the budget because the stage-2 solution does.
 Times enter CP-SAT as integers (seconds x scale, about 1e-7 relative resolution).
+
+CPU-emulated clusters, whose devices are processes sharing a few cores, add one more bound: the step cannot
+be shorter than the busy work of all parts divided by the cores (sum_p W_p). That couples the parts, so
+`solve_cpsat_shared` solves the same three stages as general CP-SAT models over all options (no pruning:
+such clusters have a handful of devices).
 """
 from __future__ import annotations
 
@@ -142,17 +147,80 @@ def solve_cpsat(devices: list[np.ndarray], times: list[np.ndarray], budget: int,
     return _selection(choice, devices, times, time.perf_counter() - t0, "cp-sat")
 
 
+def _cpsat_shared(devices: list[np.ndarray], tint: list[np.ndarray], wint: list[np.ndarray], budget: int,
+                  stage: str, z: int = 0, gap: int = 0) -> tuple[list[int], int] | None:
+    """The three stages over every option when parts share host cores (CPU emulation):
+    step Z = max(max_p T_p, sum_p W_p) with W the busy work per core; gap = max_p T_p - min_p T_p."""
+    m = cp_model.CpModel()
+    top = int(max(int(t.max()) for t in tint) + sum(int(w.max()) for w in wint))
+    big_z = m.new_int_var(0, top, "z")
+    hi, lo = m.new_int_var(0, top, "hi"), m.new_int_var(0, top, "lo")
+    xs, used, work = [], [], []
+    for p in range(len(devices)):
+        x = [m.new_bool_var(f"x{p}_{k}") for k in range(len(tint[p]))]
+        m.add_exactly_one(x)
+        t_p = sum(int(tint[p][k]) * v for k, v in enumerate(x))
+        m.add(big_z >= t_p)
+        m.add(hi >= t_p)
+        m.add(lo <= t_p)
+        work.append(sum(int(wint[p][k]) * v for k, v in enumerate(x)))
+        used.append(sum(int(devices[p][k]) * v for k, v in enumerate(x)))
+        xs.append(x)
+    m.add(big_z >= sum(work))
+    m.add(sum(used) <= budget)
+    if stage == "z":
+        m.minimize(big_z)
+    else:
+        m.add(big_z <= z)
+        if stage == "gap":
+            m.minimize(hi - lo)
+        else:
+            m.add(hi - lo <= gap)
+            m.minimize(sum(used))
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    if solver.solve(m) != cp_model.OPTIMAL:
+        return None
+    choice = [next(k for k, v in enumerate(x) if solver.value(v)) for x in xs]
+    value = {"z": big_z, "gap": hi - lo}.get(stage)
+    return choice, int(solver.value(value)) if value is not None else 0
+
+
+def solve_cpsat_shared(devices: list[np.ndarray], times: list[np.ndarray], work: list[np.ndarray], budget: int,
+                       tie_key: list[np.ndarray] | None = None) -> Selection | None:
+    """Lexicographic optimum when the parts share host cores: the step also waits for sum_p work_p (each
+    option's busy device-seconds divided by the cores). No pruning: such clusters are a few devices."""
+    t0 = time.perf_counter()
+    devices, times = _as_arrays(devices, times)
+    work = [np.asarray(w, dtype=np.float64) for w in work]
+    if any(len(t) == 0 for t in times):
+        return None
+    scale = _scale(times)
+    tint = [np.rint(t * scale).astype(np.int64) for t in times]
+    wint = [np.rint(w * scale).astype(np.int64) for w in work]
+    res = _cpsat_shared(devices, tint, wint, budget, "z")
+    if res is None:
+        return None
+    z = res[1]
+    gap = _cpsat_shared(devices, tint, wint, budget, "gap", z=z)[1]  # type: ignore[index]
+    choice = _cpsat_shared(devices, tint, wint, budget, "dev", z=z, gap=gap)[0]  # type: ignore[index]
+    return _selection(choice, devices, times, time.perf_counter() - t0, "cp-sat", work)
+
+
 def _selection(choice: list[int], devices: list[np.ndarray], times: list[np.ndarray], seconds: float,
-               method: str) -> Selection:
+               method: str, work: list[np.ndarray] | None = None) -> Selection:
     ts = [float(t[c]) for t, c in zip(times, choice)]
-    return Selection(choice=choice, max_time=max(ts), gap=max(ts) - min(ts),
+    shared = 0.0 if work is None else sum(float(w[c]) for w, c in zip(work, choice))
+    return Selection(choice=choice, max_time=max(max(ts), shared), gap=max(ts) - min(ts),
                      devices=int(sum(int(d[c]) for d, c in zip(devices, choice))), solve_seconds=seconds,
                      method=method)
 
 
 def solve_exhaustive(devices: list[np.ndarray], times: list[np.ndarray], budget: int,
-                     tie_key: list[np.ndarray] | None = None) -> Selection | None:
-    """The same lexicographic objective by enumerating every combination of options (no pruning)."""
+                     tie_key: list[np.ndarray] | None = None,
+                     work: list[np.ndarray] | None = None) -> Selection | None:
+    """The same lexicographic objective by enumerating every combination of options (no pruning); with
+    `work`, the step is max(max_p T_p, sum_p work_p) as in `solve_cpsat_shared`."""
     t0 = time.perf_counter()
     devices, times = _as_arrays(devices, times)
     if any(len(t) == 0 for t in times):
@@ -165,12 +233,14 @@ def solve_exhaustive(devices: list[np.ndarray], times: list[np.ndarray], budget:
     if not ok.any():
         return None
     tmax, tmin = tt.max(axis=0), tt.min(axis=0)
-    z = tmax[ok].min()
-    ok &= tmax <= z * (1 + REL_TIE)
+    step = tmax if work is None else np.maximum(tmax, sum(np.asarray(w, dtype=np.float64)[i]
+                                                           for w, i in zip(work, idx)))
+    z = step[ok].min()
+    ok &= step <= z * (1 + REL_TIE)
     gap = tmax - tmin
     g = gap[ok].min()
     ok &= gap <= g + z * REL_TIE
     dmin = dev[ok].min()
     ok &= dev == dmin
     pick = int(np.nonzero(ok)[0][0])
-    return _selection([int(i[pick]) for i in idx], devices, times, time.perf_counter() - t0, "exhaustive")
+    return _selection([int(i[pick]) for i in idx], devices, times, time.perf_counter() - t0, "exhaustive", work)

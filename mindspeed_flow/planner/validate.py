@@ -109,7 +109,7 @@ def compare(layouts: list[str], model: str, data: str, global_batch: int, steps:
                "predicted_s": plan.step_seconds, "measured_s": measured, "error": plan.step_seconds / measured - 1,
                "core_share": share, "calibration": k == 0 and calibrate_first}
         if k == 0 and calibrate_first:  # the residual per step, in seconds of an unshared core
-            overhead = max(0.0, (measured - plan.step_seconds) / plan.problem.contention)
+            overhead = max(0.0, measured - plan.step_seconds)
             row["step_overhead_s"] = overhead
         rows.append(row)
     return rows
