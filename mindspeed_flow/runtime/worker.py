@@ -57,6 +57,23 @@ def step_model_flops(spec: VLMSpec, shapes: list, trained: set[int], frozen_enco
     return total
 
 
+def machine_peak_flops(acc: Accelerator, job: FlowJobConfig, world: int) -> tuple[float, str]:
+    """Peak FLOP/s of all devices together, and how it was obtained.
+
+    Accelerators: devices x the per-SKU table. CPU: every rank times a matmul at the same moment (one thread
+    each) and the rates are summed, so ranks sharing cores share the peak (3 ranks on 2 cores sum to about 2
+    cores' worth) and MFU cannot exceed 1 because of oversubscription.
+    """
+    if acc.device_type != "cpu":
+        per_device = acc.peak_flops("bf16" if job.model.dtype != "float32" else "fp32") or float("nan")
+        return per_device * world, f"{world} x {per_device / 1e12:.1f} TFLOPS ({acc.device_name}, table)"
+    dist.barrier()
+    rate = torch.tensor([measure_cpu_peak_flops()], dtype=torch.float64)
+    dist.all_reduce(rate)
+    total = float(rate)
+    return total, f"{total / 1e12:.4f} TFLOPS: {world} ranks timing an fp32 matmul concurrently, summed"
+
+
 def plan_stats(work: StepWork) -> dict[str, float]:
     plan = work.plan
     loads = list(work.encoder_cost.values())
@@ -92,15 +109,11 @@ def run_worker(config_path: str) -> None:
     writer_rank = topo.backbone_rank(dp=0, pp=layout.part("backbone").pp - 1) if layout.mode == "decoupled" else 0
     is_writer = rank == writer_rank
     metrics_group = dist.new_group(backend="gloo")
-    peak = acc.peak_flops("bf16" if job.model.dtype != "float32" else "fp32")
-    peak_desc = f"{peak / 1e12:.3f} TFLOPS ({acc.device_name}, table)" if peak else ""
-    if acc.device_type == "cpu":
-        peak = measure_cpu_peak_flops() if is_writer else 1.0
-        peak_desc = f"{peak / 1e12:.4f} TFLOPS per rank (measured 1-thread fp32 matmul)"
+    peak_total, peak_desc = machine_peak_flops(acc, job, world)
     if is_writer:
         print(f"[mindspeed-flow] {layout.describe()} on {world} x {acc.device_name}; "
-              f"MFU = model FLOPs per step (DESIGN §5, padding excluded) / step seconds / ({world} devices x "
-              f"peak {peak_desc})", flush=True)
+              f"MFU = model FLOPs per step (DESIGN §5, padding excluded) / step seconds / peak of all devices "
+              f"({peak_desc})", flush=True)
 
     engine = StepEngine(topo=topo, models=rank_models, pool=pool, dataset=dataset,
                         token_budget=job.packing.token_budget, label_counts=None, optim=optim,
@@ -112,7 +125,7 @@ def run_worker(config_path: str) -> None:
     needs_labels = not topo.is_encoder
     pp = layout.part("backbone").pp if layout.mode == "decoupled" else 1
     checkpointer, start_step = _maybe_resume(job, rank_models, optim, batches, is_writer)
-    gatherer = MetricsGatherer(metrics_group, world, is_writer, Path(job.run_dir), world, peak, peak_desc,
+    gatherer = MetricsGatherer(metrics_group, world, is_writer, Path(job.run_dir), 1, peak_total, peak_desc,
                                append=start_step > 0)
     progress = _progress(job, is_writer, start_step)
     for step in range(start_step, job.trainer.steps):
