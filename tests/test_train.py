@@ -93,6 +93,38 @@ def test_bad_recipe_names_field_and_rule(tmp_path: Path, capsys, overrides: list
     assert re.search(match, capsys.readouterr().err)
 
 
+def _sharegpt_dir(root: Path, good: int, bad: int) -> Path:
+    """A LLaVA/ShareGPT-style JSON with `good` readable images and `bad` entries whose image is corrupt or gone."""
+    from PIL import Image
+
+    rows = []
+    for i in range(good + bad):
+        name = f"img{i}.png"
+        if i < good:
+            Image.new("RGB", (56 + 28 * (i % 3), 84), ((37 * i) % 255, 90, 160)).save(root / name)
+        elif i % 2:
+            (root / name).write_bytes(b"\x89PNG\r\n\x1a\n truncated")  # corrupt
+        # else: the file is missing
+        rows.append({"id": i, "image": name, "conversations": [
+            {"from": "human", "value": "<image>\nWhat is the main colour?"},
+            {"from": "gpt", "value": f"colour {i % 4}"}]})
+    path = root / "train.json"
+    path.write_text(json.dumps(rows))
+    return path
+
+
+def test_corrupt_samples_are_skipped_and_counted_then_stop_the_job(tmp_path: Path, capsys) -> None:
+    data = _sharegpt_dir(tmp_path, good=12, bad=2)
+    common = ["experiment=default", "data=sharegpt", f"data.path={data}", "data.num_samples=14",
+              "trainer.global_batch_size=12", "trainer.steps=2"]
+    lines = train(tmp_path / "ok", *common)
+    assert [x["bad_samples_total"] for x in lines] == [2, 2] and all(x["samples"] == 12 for x in lines)
+    rc = launch.main([f"run_dir={tmp_path / 'stop'}", "trainer.progress=false", *common, "data.max_bad_samples=1"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "more than data.max_bad_samples=1" in err and "sample 12" in err and "sample 13" in err, err[-2000:]
+
+
 def _worker_with_wrong_world(rank: int, world: int, config_path: str) -> None:
     from mindspeed_flow.runtime.worker import run_worker
 

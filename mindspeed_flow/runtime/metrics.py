@@ -71,6 +71,7 @@ class StepStatic:
     oversize_skipped: int
     lr: float
     rank_costs: tuple = ()  # backbone cost (cost-model units) per DP rank
+    bad_samples_total: int = 0  # samples skipped so far (missing/corrupt), identical on every rank
 
 
 class MetricsGatherer:
@@ -156,6 +157,7 @@ class MetricsGatherer:
             "encoder_imbalance": s.encoder_imbalance,
             "oversize_skipped": s.oversize_skipped,
         "rank_costs": list(s.rank_costs),
+        "bad_samples_total": s.bad_samples_total,
             "lr": s.lr,
             # Streaming evidence: seconds (from the step's start) at which the backbone began its first
             # microbatch and at which the encoder finished its last sample; first < last means overlap.

@@ -152,7 +152,7 @@ def run_worker(config_path: str) -> None:
         stats = plan_stats(work)
         static = StepStatic(step=step, samples=len(trained),
                             model_flops=step_model_flops(spec, shapes, trained, frozen),
-                            oversize_skipped=len(work.plan.oversize),
+                            oversize_skipped=len(work.plan.oversize), bad_samples_total=batches.guard.num_bad,
                             lr=engine.optim.optimizer.param_groups[0]["lr"] if engine.optim.optimizer else 0.0,
                             **stats)
         gatherer.post(static, record)
