@@ -124,7 +124,7 @@ class StepEngine:
         timer = Timer()
         row = work.plan.microbatches[self.topo.dp_rank]
         if self.topo.is_first_stage:  # only the first stage consumes embeddings
-            self.expect_embeds(work, [sid for mb in row for sid in mb.sample_ids])
+            self.expect_embeds(work)
         if self.m.pipeline is not None:
             loss_sum = self.m.pipeline.run(work, row, n_labels, self, timer, record)
         else:
@@ -134,14 +134,14 @@ class StepEngine:
         record["backbone_busy_s"], record["backbone_wait_s"] = timer.busy, timer.wait
         self._pool_stats(record)
 
-    def expect_embeds(self, work: StepWork, consumption: list[int]) -> None:
-        """Tell the pool what each producer will send, in order, so it can receive ahead (prefetch)."""
-        per_producer: dict[int, list[tuple[int, int]]] = {}
-        for sid in consumption:
-            if sid in work.producer_of:
-                per_producer.setdefault(work.producer_of[sid], []).append((sid, work.step))
-        for producer, items in per_producer.items():
-            self.pool.expect(producer=producer, items=items)
+    def expect_embeds(self, work: StepWork) -> None:
+        """Tell the pool what each producer will send this rank, in the producer's send (encode) order, so it can
+        receive ahead (prefetch) and check that both sides agree on the plan."""
+        me = self.topo.rank
+        for producer, order in work.encode_order.items():
+            items = [(sid, work.step) for sid in order if work.consumer_of[sid] == me]
+            if items:
+                self.pool.expect(producer=producer, items=items)
 
     def fetch_embeds(self, work: StepWork, sample_ids: list[int], timer: Timer) -> dict[int, torch.Tensor]:
         """Blocking gets from the pool, as leaves that collect d(loss)/d(embedding)."""

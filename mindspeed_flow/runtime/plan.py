@@ -2,18 +2,19 @@
 
 Every rank runs this on the same inputs and gets the same answer, so no rank asks another what to do:
   1. the packing scheduler assigns samples to (backbone DP rank, microbatch slot) by LLM cost;
-  2. within each bridge group, images go to encoder ranks by ViT cost (longest-processing-time first), and each
-     encoder rank encodes its samples in the order the backbone will consume them, so microbatch 0 of every DP
-     rank is encoded first and the backbone can start while later images are still being encoded.
+  2. within each bridge group, samples with images go to encoder ranks by ViT cost, slot by slot (the packing
+     scheduler's `encoder_schedule`), so each encoder rank encodes in the order the backbone consumes: microbatch 0
+     of every DP rank is encoded first and the backbone starts while later images are still being encoded.
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import numpy as np
+
 from mindspeed_flow.data.shapes import SampleShape
-from mindspeed_flow.packing import CostModel, StepPlan, plan_step
+from mindspeed_flow.packing import CostModel, StepPlan, encoder_schedule, plan_step
 from mindspeed_flow.topology import Bridge
 
 
@@ -39,28 +40,6 @@ class StepWork:
                 for sid in mbs[d][k].sample_ids]
 
 
-def assign_encoders(samples: Sequence[int], costs: dict[int, float], producers: Sequence[int]
-                    ) -> tuple[dict[int, list[int]], dict[int, float]]:
-    """LPT assignment of samples to producers, then each producer's list re-sorted into consumption order.
-
-    `samples` is in consumption order. Who encodes a sample (balance) and when (streaming) are separate choices:
-    LPT on cost gives the balance, sorting by consumption index gives the order.
-    """
-    position = {sid: i for i, sid in enumerate(samples)}
-    heap = [(0.0, i, p) for i, p in enumerate(producers)]
-    heapq.heapify(heap)
-    order: dict[int, list[int]] = {p: [] for p in producers}
-    for sid in sorted(samples, key=lambda s: (-costs[s], position[s])):
-        load, i, p = heapq.heappop(heap)
-        order[p].append(sid)
-        heapq.heappush(heap, (load + costs[sid], i, p))
-    loads = {p: 0.0 for p in producers}
-    for p in producers:
-        order[p].sort(key=position.__getitem__)
-        loads[p] = sum(costs[s] for s in order[p])
-    return order, loads
-
-
 def plan_decoupled_step(step: int, shapes: Sequence[SampleShape], *, bridge: Bridge, token_budget: int,
                         cost_model: CostModel, scheduler: str, min_microbatches: int, oversize_policy: str
                         ) -> StepWork:
@@ -74,14 +53,22 @@ def plan_decoupled_step(step: int, shapes: Sequence[SampleShape], *, bridge: Bri
         for mb in row:
             for sid in mb.sample_ids:
                 work.consumer_of[sid] = bridge.consumers[d]
-    consumption = work.consumption_order()
     for producers, consumers in bridge.groups:
-        mine = [sid for sid in consumption if work.consumer_of[sid] in consumers and by_id[sid].num_images]
-        costs = {sid: cost_model.encoder_cost(by_id[sid]) for sid in mine}
-        order, loads = assign_encoders(mine, costs, producers)
-        for p, sids in order.items():
+        # The group's samples slot by slot (what its consumers run together), balanced over its producers by the
+        # packing scheduler's encoder-side rule: within a slot heaviest first onto the least-loaded producer.
+        ids: list[int] = []
+        slots: list[list[int]] = []
+        for k in range(plan.num_slots):
+            slot = [sid for d, row in enumerate(plan.microbatches) if bridge.consumers[d] in consumers
+                    for sid in row[k].sample_ids]
+            slots.append(list(range(len(ids), len(ids) + len(slot))))
+            ids.extend(slot)
+        costs = np.array([cost_model.encoder_cost(by_id[sid]) for sid in ids], dtype=np.float64)
+        has_images = np.array([by_id[sid].num_images > 0 for sid in ids], dtype=bool)
+        order, loads = encoder_schedule(slots, costs, ids, len(producers), has_images)
+        for p, sids, load in zip(producers, order, loads):
             work.encode_order[p] = sids
-            work.encoder_cost[p] = loads[p]
+            work.encoder_cost[p] = load
             for sid in sids:
                 work.producer_of[sid] = p
     return work

@@ -1,0 +1,47 @@
+"""The step plan every rank computes: each sample consumed once, produced inside its bridge group, encoded in
+consumption order, and identical across calls (no rank-dependent state)."""
+from __future__ import annotations
+
+import pytest
+
+from mindspeed_flow.packing import CostModel
+from mindspeed_flow.packing.workloads import infovqa_shapes
+from mindspeed_flow.runtime.plan import plan_coupled_step, plan_decoupled_step
+from mindspeed_flow.specs import VLMSpec
+from mindspeed_flow.model_presets import hf_config_dict
+from mindspeed_flow.topology import Bridge
+
+COST = CostModel.from_spec(VLMSpec.from_hf_config(hf_config_dict("qwen2_vl", "tiny")))
+
+
+@pytest.mark.parametrize("producers, consumers", [([0], [1, 2]), ([0, 1], [2]), ([0, 1, 2, 3], [4, 5]),
+                                                  ([0, 1], [2, 3, 4])])
+def test_decoupled_plan_respects_bridge_and_order(producers: list[int], consumers: list[int]) -> None:
+    shapes = infovqa_shapes(48, seed=5, max_pixels=64 * 28 * 28)
+    bridge = Bridge.build(producers, consumers)
+    work = plan_decoupled_step(0, shapes, bridge=bridge, token_budget=2048, cost_model=COST, scheduler="flow",
+                               min_microbatches=2, oversize_policy="error")
+    again = plan_decoupled_step(0, shapes, bridge=bridge, token_budget=2048, cost_model=COST, scheduler="flow",
+                                min_microbatches=2, oversize_policy="error")
+    assert work.encode_order == again.encode_order and work.producer_of == again.producer_of
+    assert sorted(work.consumer_of) == sorted(s.sample_id for s in shapes)
+    with_images = {s.sample_id for s in shapes if s.num_images}
+    assert set(work.producer_of) == with_images
+    slot_of = {sid: k for row in work.plan.microbatches for k, mb in enumerate(row) for sid in mb.sample_ids}
+    for p, sids in work.encode_order.items():
+        # slot by slot: everything the backbone needs for slot k is encoded before anything of slot k + 1
+        assert [slot_of[s] for s in sids] == sorted(slot_of[s] for s in sids)
+        for sid in sids:
+            assert work.producer_of[sid] == p
+            group_producers, group_consumers = bridge.group_of_consumer(work.consumer_of[sid])
+            assert p in group_producers and work.consumer_of[sid] in group_consumers
+    loads = [v for v in work.encoder_cost.values()]
+    assert max(loads) / (sum(loads) / len(loads)) < 1.25
+
+
+def test_coupled_plan_encodes_where_it_consumes() -> None:
+    shapes = infovqa_shapes(24, seed=1, max_pixels=64 * 28 * 28)
+    work = plan_coupled_step(0, shapes, world_size=3, token_budget=2048, cost_model=COST, scheduler="flow",
+                             oversize_policy="error")
+    assert all(work.producer_of[s] == work.consumer_of[s] for s in work.producer_of)
+    assert len(work.plan.microbatches) == 3
