@@ -15,7 +15,8 @@ class ClusterConfig:
     devices: int = 3
     devices_per_node: int = 3
     hbm_gb: float = 8.0
-    peak_tflops: dict = field(default_factory=lambda: {"fp32": 0.1, "bf16": 0.1})
+    # Empty by default so a preset's table is not merged with a placeholder when Hydra composes it.
+    peak_tflops: dict = field(default_factory=dict)
     intra_node_gbps: float = 10.0
     inter_node_gbps: float = 10.0
     intra_node_latency_us: float = 10.0
