@@ -43,6 +43,16 @@ def test_decoupled_matches_coupled(tmp_path: Path, experiment: str) -> None:
     assert dec[-1]["loss"] < dec[0]["loss"]
 
 
+def test_encoder_recompute_matches_kept_activations(tmp_path: Path) -> None:
+    """flow.keep_encoder_activations=false recomputes each sample's ViT forward at backward time: same training."""
+    kept = train(tmp_path / "keep", "experiment=parity_enc2", "trainer.steps=3")
+    recomputed = train(tmp_path / "recompute", "experiment=parity_enc2", "trainer.steps=3",
+                       "flow.keep_encoder_activations=false")
+    for a, b in zip(kept, recomputed):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+    assert sum(x["encoder_busy_s"] for x in recomputed) > 0
+
+
 def test_streaming_backbone_starts_before_encoder_finishes(tmp_path: Path) -> None:
     lines = train(tmp_path, "experiment=default", "trainer.steps=4")
     overlapped = [x for x in lines[1:] if x["backbone_first_mb_start_s"] < x["encoder_last_sample_done_s"]]

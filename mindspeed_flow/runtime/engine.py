@@ -67,7 +67,8 @@ def encode_sample(encoder: torch.nn.Module, sample: VLMSample, trainable: bool) 
 class StepEngine:
     def __init__(self, *, topo, models: RankModels, pool, dataset, token_budget: int, label_counts: Callable,
                  optim: PartOptimizer, norm_group: Optional[dist.ProcessGroup], grad_clip: float,
-                 base_lr: float, warmup_steps: int, timeout_s: float, prefetch_depth: int = 2) -> None:
+                 base_lr: float, warmup_steps: int, timeout_s: float, prefetch_depth: int = 2,
+                 keep_encoder_activations: bool = True) -> None:
         self.topo, self.m, self.pool, self.dataset = topo, models, pool, dataset
         self.token_budget = token_budget
         self.label_counts = label_counts
@@ -75,6 +76,7 @@ class StepEngine:
         self.grad_clip, self.base_lr, self.warmup_steps = grad_clip, base_lr, warmup_steps
         self.timeout_s = timeout_s
         self.prefetch_depth = prefetch_depth
+        self.keep_encoder_activations = keep_encoder_activations
 
     # ------------------------------------------------------------------------------------------------------
     def run_step(self, work: StepWork, n_labels: int, record: StepRecord) -> None:
@@ -93,24 +95,33 @@ class StepEngine:
     # steps, bounded by the pool's capacity (credits), and the pool is drained once at the end (close()).
     def _produce(self, work: StepWork, record: StepRecord) -> None:
         timer, rank, trainable = Timer(), self.topo.rank, not self.m.frozen_encoder
+        # keep: hold each sample's autograd graph until its gradient returns (memory grows with the samples in
+        # flight); recompute: forward without a graph now, forward again with one when the gradient arrives
+        # (one extra ViT forward per sample; the ViT has no dropout, so the recomputed forward is identical).
+        keep = trainable and self.keep_encoder_activations
         order = work.encode_order.get(rank, [])
-        outputs: list[tuple[int, torch.Tensor]] = []
+        held: list[tuple[int, Any]] = []  # (sample id, graph-holding embedding or the sample to recompute)
         # Pixels are decoded/generated in a background thread while the encoder computes.
         loader = iter(prefetch_samples(self.dataset, order, with_pixels=True, depth=self.prefetch_depth))
         for sid in order:
             sample = timer.timed("wait", lambda: next(loader))
-            emb = timer.timed("busy", lambda: encode_sample(self.m.encoder, sample, trainable))
-            # The pool sends a detached copy; the graph stays here until the gradient comes back.
+            emb = timer.timed("busy", lambda: encode_sample(self.m.encoder, sample, keep))
+            # The pool sends a detached copy; the graph (if kept) stays here until the gradient comes back.
             timer.timed("wait", lambda: self.pool.put(emb.detach(), sample_id=sid, step=work.step,
                                                       consumer=work.consumer_of[sid]))
             if trainable:
-                outputs.append((sid, emb))
+                held.append((sid, emb if keep else sample))
         record["encoder_last_sample_done_t"] = time.time()
         record["encoder_samples"] = len(order)
-        for sid, emb in outputs:  # gradients come back in consumption order, as they are computed
+        for sid, kept in held:  # gradients come back in consumption order, as they are computed
             grad = timer.timed("wait", lambda: self.pool.wait_grad(sample_id=sid, step=work.step,
                                                                    consumer=work.consumer_of[sid]))
-            timer.timed("busy", lambda: emb.backward(grad.to(emb.dtype)))
+
+            def backward() -> None:
+                emb = kept if keep else encode_sample(self.m.encoder, kept, True)
+                emb.backward(grad.to(emb.dtype))
+
+            timer.timed("busy", backward)
         if trainable:
             timer.timed("wait", self.pool.flush)
             # Encoder DP ranks encoded different samples: their gradients add up (the loss normalisation

@@ -119,7 +119,8 @@ def run_worker(config_path: str) -> None:
                         token_budget=job.packing.token_budget, label_counts=None, optim=optim,
                         norm_group=norm_group, grad_clip=job.trainer.grad_clip, base_lr=job.trainer.lr,
                         warmup_steps=job.trainer.warmup_steps, timeout_s=job.flow.timeout_s,
-                        prefetch_depth=job.data.prefetch_depth)
+                        prefetch_depth=job.data.prefetch_depth,
+                        keep_encoder_activations=job.flow.keep_encoder_activations)
     batches = iter_global_batches(dataset, job.trainer.global_batch_size, seed=job.seed,
                                   max_bad=job.data.max_bad_samples)
     needs_labels = not topo.is_encoder
