@@ -100,7 +100,6 @@ class TrainerConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
     warmup_steps: int = 0
-    log_every: int = 1
     progress: bool = True
     # Save a DCP checkpoint every N steps (0: never) and/or at the end; resume from the newest valid one.
     checkpoint_every: int = 0

@@ -41,12 +41,12 @@ class StepWork:
 
 
 def plan_decoupled_step(step: int, shapes: Sequence[SampleShape], *, bridge: Bridge, token_budget: int,
-                        cost_model: CostModel, scheduler: str, min_microbatches: int, oversize_policy: str
-                        ) -> StepWork:
+                        cost_model: CostModel, scheduler: str, min_microbatches: int, oversize_policy: str,
+                        pad_multiple: int = 0) -> StepWork:
     dp = len(bridge.consumers)
     plan = plan_step(list(shapes), dp=dp, num_encoders=len(bridge.producers), token_budget=token_budget,
                      cost_model=cost_model, scheduler=scheduler, min_microbatches=min_microbatches,
-                     oversize_policy=oversize_policy)
+                     oversize_policy=oversize_policy, pad_multiple=pad_multiple)
     work = StepWork(step, [s.sample_id for s in shapes], plan)
     by_id = {s.sample_id: s for s in shapes}
     for d, row in enumerate(plan.microbatches):
@@ -75,11 +75,12 @@ def plan_decoupled_step(step: int, shapes: Sequence[SampleShape], *, bridge: Bri
 
 
 def plan_coupled_step(step: int, shapes: Sequence[SampleShape], *, world_size: int, token_budget: int,
-                      cost_model: CostModel, scheduler: str, oversize_policy: str) -> StepWork:
+                      cost_model: CostModel, scheduler: str, oversize_policy: str, pad_multiple: int = 0
+                      ) -> StepWork:
     """Coupled baseline: the same scheduler over all ranks as one DP group; each rank encodes what it consumes."""
     plan = plan_step(list(shapes), dp=world_size, num_encoders=world_size, token_budget=token_budget,
                      cost_model=cost_model, scheduler=scheduler, min_microbatches=1,
-                     oversize_policy=oversize_policy)
+                     oversize_policy=oversize_policy, pad_multiple=pad_multiple)
     work = StepWork(step, [s.sample_id for s in shapes], plan)
     for d, row in enumerate(plan.microbatches):
         for mb in row:

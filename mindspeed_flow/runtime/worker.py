@@ -135,11 +135,13 @@ def run_worker(config_path: str) -> None:
         if layout.mode == "decoupled":
             work = plan_decoupled_step(step, shapes, bridge=topo.bridge, token_budget=job.packing.token_budget,
                                        cost_model=cost_model, scheduler=job.packing.scheduler,
-                                       min_microbatches=pp, oversize_policy=job.packing.oversize_policy)
+                                       min_microbatches=pp, oversize_policy=job.packing.oversize_policy,
+                                       pad_multiple=job.packing.pad_multiple)
         else:
             work = plan_coupled_step(step, shapes, world_size=world, token_budget=job.packing.token_budget,
                                      cost_model=cost_model, scheduler=job.packing.scheduler,
-                                     oversize_policy=job.packing.oversize_policy)
+                                     oversize_policy=job.packing.oversize_policy,
+                                     pad_multiple=job.packing.pad_multiple)
         n_labels = 0
         if needs_labels:
             counts = {i: dataset.sample(i, with_pixels=False).label_tokens for i in sample_ids}
