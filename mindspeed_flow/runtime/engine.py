@@ -65,13 +65,11 @@ def encode_sample(encoder: torch.nn.Module, sample: VLMSample, trainable: bool) 
 
 
 class StepEngine:
-    def __init__(self, *, topo, models: RankModels, pool, dataset, token_budget: int, label_counts: Callable,
-                 optim: PartOptimizer, norm_group: Optional[dist.ProcessGroup], grad_clip: float,
+    def __init__(self, *, topo, models: RankModels, pool, dataset, token_budget: int, optim: PartOptimizer, norm_group: Optional[dist.ProcessGroup], grad_clip: float,
                  base_lr: float, warmup_steps: int, timeout_s: float, prefetch_depth: int = 2,
                  keep_encoder_activations: bool = True) -> None:
         self.topo, self.m, self.pool, self.dataset = topo, models, pool, dataset
         self.token_budget = token_budget
-        self.label_counts = label_counts
         self.optim, self.norm_group = optim, norm_group
         self.grad_clip, self.base_lr, self.warmup_steps = grad_clip, base_lr, warmup_steps
         self.timeout_s = timeout_s

@@ -74,6 +74,26 @@ def machine_peak_flops(acc: Accelerator, job: FlowJobConfig, world: int) -> tupl
     return total, f"{total / 1e12:.4f} TFLOPS: {world} ranks timing an fp32 matmul concurrently, summed"
 
 
+def plan_for_step(job: FlowJobConfig, topo: Topology, step: int, shapes: list, cost_model: CostModel) -> StepWork:
+    """The step plan, identical on every rank (see runtime/plan.py)."""
+    p = job.packing
+    common = dict(token_budget=p.token_budget, cost_model=cost_model, scheduler=p.scheduler,
+                  oversize_policy=p.oversize_policy, pad_multiple=p.pad_multiple)
+    if topo.layout.mode == "decoupled":
+        return plan_decoupled_step(step, shapes, bridge=topo.bridge,
+                                   min_microbatches=topo.layout.part("backbone").pp, **common)
+    return plan_coupled_step(step, shapes, world_size=topo.world_size, **common)
+
+
+def step_static(work: StepWork, spec: VLMSpec, shapes: list, frozen: bool, bad_samples: int,
+                optim: Any) -> StepStatic:
+    """What the metrics writer knows about a step without communication."""
+    trained = {s.sample_id for s in shapes} - {sid for sid, _ in work.plan.oversize}
+    return StepStatic(step=work.step, samples=len(trained), model_flops=step_model_flops(spec, shapes, trained, frozen),
+                      oversize_skipped=len(work.plan.oversize), bad_samples_total=bad_samples,
+                      lr=optim.optimizer.param_groups[0]["lr"] if optim.optimizer else 0.0, **plan_stats(work))
+
+
 def plan_stats(work: StepWork) -> dict[str, float]:
     plan = work.plan
     loads = list(work.encoder_cost.values())
@@ -116,7 +136,7 @@ def run_worker(config_path: str) -> None:
               f"({peak_desc})", flush=True)
 
     engine = StepEngine(topo=topo, models=rank_models, pool=pool, dataset=dataset,
-                        token_budget=job.packing.token_budget, label_counts=None, optim=optim,
+                        token_budget=job.packing.token_budget, optim=optim,
                         norm_group=norm_group, grad_clip=job.trainer.grad_clip, base_lr=job.trainer.lr,
                         warmup_steps=job.trainer.warmup_steps, timeout_s=job.flow.timeout_s,
                         prefetch_depth=job.data.prefetch_depth,
@@ -124,7 +144,6 @@ def run_worker(config_path: str) -> None:
     batches = iter_global_batches(dataset, job.trainer.global_batch_size, seed=job.seed,
                                   max_bad=job.data.max_bad_samples)
     needs_labels = not topo.is_encoder
-    pp = layout.part("backbone").pp if layout.mode == "decoupled" else 1
     checkpointer, start_step = _maybe_resume(job, rank_models, optim, batches, is_writer)
     gatherer = MetricsGatherer(metrics_group, world, is_writer, Path(job.run_dir), 1, peak_total, peak_desc,
                                append=start_step > 0)
@@ -132,33 +151,16 @@ def run_worker(config_path: str) -> None:
     for step in range(start_step, job.trainer.steps):
         sample_ids = next(batches)
         shapes = [dataset.shape(i) for i in sample_ids]
-        if layout.mode == "decoupled":
-            work = plan_decoupled_step(step, shapes, bridge=topo.bridge, token_budget=job.packing.token_budget,
-                                       cost_model=cost_model, scheduler=job.packing.scheduler,
-                                       min_microbatches=pp, oversize_policy=job.packing.oversize_policy,
-                                       pad_multiple=job.packing.pad_multiple)
-        else:
-            work = plan_coupled_step(step, shapes, world_size=world, token_budget=job.packing.token_budget,
-                                     cost_model=cost_model, scheduler=job.packing.scheduler,
-                                     oversize_policy=job.packing.oversize_policy,
-                                     pad_multiple=job.packing.pad_multiple)
-        n_labels = 0
-        if needs_labels:
-            counts = {i: dataset.sample(i, with_pixels=False).label_tokens for i in sample_ids}
-            n_labels = label_normalizer(counts, sample_ids, work.plan.oversize)
+        work = plan_for_step(job, topo, step, shapes, cost_model)
+        # Only ranks that compute the loss need the normaliser: the step's label tokens (text is cheap to read).
+        n_labels = label_normalizer({i: dataset.sample(i, with_pixels=False).label_tokens for i in sample_ids},
+                                    sample_ids, work.plan.oversize) if needs_labels else 0
         record = StepRecord()
         record["is_encoder"], record["is_backbone"] = float(topo.is_encoder), float(not topo.is_encoder)
         record["is_writer"] = float(is_writer)
         engine.run_step(work, n_labels, record)
         record["peak_rss_bytes"] = acc.memory_stats()["peak_bytes"]
-        trained = {s.sample_id for s in shapes} - {sid for sid, _ in work.plan.oversize}
-        stats = plan_stats(work)
-        static = StepStatic(step=step, samples=len(trained),
-                            model_flops=step_model_flops(spec, shapes, trained, frozen),
-                            oversize_skipped=len(work.plan.oversize), bad_samples_total=batches.guard.num_bad,
-                            lr=engine.optim.optimizer.param_groups[0]["lr"] if engine.optim.optimizer else 0.0,
-                            **stats)
-        gatherer.post(static, record)
+        gatherer.post(step_static(work, spec, shapes, frozen, batches.guard.num_bad, optim), record)
         for line in gatherer.drain(block=is_writer):
             progress.update(line)
         last = step == job.trainer.steps - 1
