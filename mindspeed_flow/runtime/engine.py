@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from mindspeed_flow.data.prefetch import prefetch_samples
 from mindspeed_flow.data.sample import VLMSample
-from mindspeed_flow.runtime.metrics import StepRecord, StepStatic
 from mindspeed_flow.hosts.torch.data_parallel import allreduce_grads_, grad_sync
+from mindspeed_flow.runtime.metrics import StepRecord
 from mindspeed_flow.runtime.optim import PartOptimizer, lr_at
 from mindspeed_flow.runtime.plan import StepWork
 
@@ -65,8 +65,11 @@ def encode_sample(encoder: torch.nn.Module, sample: VLMSample, trainable: bool) 
 
 
 class StepEngine:
-    def __init__(self, *, topo, models: RankModels, pool, dataset, token_budget: int, optim: PartOptimizer, norm_group: Optional[dist.ProcessGroup], grad_clip: float,
-                 base_lr: float, warmup_steps: int, timeout_s: float, prefetch_depth: int = 2,
+    """Runs one step on this rank: the producer, consumer or coupled path, then the optimizer step."""
+
+    def __init__(self, *, topo: Any, models: RankModels, pool: Any, dataset: Any, token_budget: int,
+                 optim: PartOptimizer, norm_group: Optional[dist.ProcessGroup], grad_clip: float, base_lr: float,
+                 warmup_steps: int, timeout_s: float, prefetch_depth: int = 2,
                  keep_encoder_activations: bool = True) -> None:
         self.topo, self.m, self.pool, self.dataset = topo, models, pool, dataset
         self.token_budget = token_budget
