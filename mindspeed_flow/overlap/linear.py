@@ -1,0 +1,394 @@
+"""Tensor-parallel linears with sequence parallelism whose collectives overlap the matmuls.
+
+Column-parallel (W is the local [out/tp, in] shard, x the local [m, in] sequence shard):
+    out = all_gather(x) @ W^T            grad_x = reduce_scatter(grad_out @ W), grad_W = grad_out^T @ all_gather(x)
+Row-parallel (W is the local [out, in/tp] shard, x the full-sequence [tp * m, in/tp] activation):
+    out = reduce_scatter(x @ W^T)        grad_x = all_gather(grad_out) @ W,     grad_W = all_gather(grad_out)^T @ x
+
+Three implementations compute the same thing, chosen per call by `select_impl`:
+- "mc2": torch_npu's fused all-gather+matmul / matmul+reduce-scatter (HCCL, Ascend only, dtype/shape limits);
+- "chunked": the rows are split into chunks whose async collectives run while earlier chunks multiply
+  (MindSpeed's script-level CoC; any backend, gloo included);
+- "plain": blocking collective, then one matmul (the reference, and the choice for tiny inputs).
+Bias is always added outside the fused op (MC2 requires bias=None).
+
+torch_npu is never imported here: the mc2 path is considered only when something else (the accelerator probe,
+or the CPU emulation) already imported it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mindspeed_flow.overlap.collectives import Waitable, all_gather_rows, default_group, reduce_scatter_rows
+
+log = logging.getLogger(__name__)
+
+IMPLS = ("mc2", "chunked", "plain")
+KINDS = ("column", "row")
+MC2_DTYPES = (torch.float16, torch.bfloat16)
+MC2_K_RANGE = (256, 65535)  # k in [256, 65535): op-plugin docs for AllGatherMatmul / MatmulReduceScatter
+MC2_WORLDS_A2 = (2, 4, 8)  # A2: HCCS full mesh inside one server
+MC2_WORLDS_A3 = (2, 4, 8, 16, 32)  # A3 "double ring"
+MC2_OPS = ("npu_all_gather_base_mm", "npu_mm_reduce_scatter_base")
+
+
+# ------------------------------------------------------------------------------------------------ MC2 comms
+class _Mc2Comms:
+    """HCCL communicator names per group, and the one MC2 communication domain this process may use.
+
+    All MC2 ops of one model must share a communicator (op docs), so the first group that runs MC2 claims the
+    domain and other groups fall back to "chunked" instead of failing inside HCCL.
+    """
+
+    def __init__(self) -> None:
+        self.names: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+        self.domain: Optional[str] = None
+
+    def name(self, group: dist.ProcessGroup) -> str:
+        if group not in self.names:
+            global_rank = dist.get_global_rank(group, dist.get_rank(group))
+            get_backend = getattr(group, "_get_backend", None)
+            # torch > 2.0.1 keeps the HCCL backend behind _get_backend; older torch_npu put the method on the group.
+            holder = get_backend(torch.device("npu")) if get_backend is not None else group
+            self.names[group] = holder.get_hccl_comm_name(global_rank)
+        return self.names[group]
+
+    def claim(self, name: str) -> None:
+        if self.domain is None:
+            self.domain = name
+
+
+_COMMS = _Mc2Comms()
+_LOGGED: set[tuple] = set()  # selection log lines already printed, so a training loop logs each shape once
+
+
+def _torch_npu() -> Any:
+    """The torch_npu module if something already imported it, else None (importing it without CANN breaks)."""
+    return sys.modules.get("torch_npu")
+
+
+def _is_a3() -> bool:
+    try:
+        name = str(torch.npu.get_device_name())  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - no device name means we cannot claim A3's larger worlds
+        return False
+    return "910_93" in name or "910C" in name
+
+
+def _mc2_op_ks(x: torch.Tensor, weight: torch.Tensor, kind: str) -> list[int]:
+    """The contraction sizes the MC2 ops would see: column forward x@W^T (in); row forward x@W^T (in/tp) and
+    row backward all_gather(grad_out)@W (out). The column backward is a plain matmul + async reduce-scatter."""
+    return [x.shape[-1]] if kind == "column" else [x.shape[-1], weight.shape[0]]
+
+
+def mc2_rejections(x: torch.Tensor, weight: torch.Tensor, group: Optional[dist.ProcessGroup],
+                   kind: str = "column") -> list[str]:
+    """Why the MC2 fused ops cannot run this call (empty list: they can)."""
+    torch_npu = _torch_npu()
+    if torch_npu is None:
+        return ["torch_npu is not imported (MC2 needs Ascend + CANN)"]
+    reasons = [f"torch_npu has no {op}" for op in MC2_OPS if not hasattr(torch_npu, op)]
+    # The CPU emulation's "npu" tensors live on the host; a real torch_npu needs them on the device.
+    if x.device.type != "npu" and not getattr(torch_npu, "EMULATED", False):
+        reasons.append(f"input is on {x.device.type}, not npu")
+    if x.dtype not in MC2_DTYPES or weight.dtype != x.dtype:
+        reasons.append(f"dtypes {x.dtype}/{weight.dtype}: MC2 takes float16 or bfloat16 for both")
+    for k in _mc2_op_ks(x, weight, kind):
+        if not MC2_K_RANGE[0] <= k < MC2_K_RANGE[1]:
+            reasons.append(f"k={k} outside [{MC2_K_RANGE[0]}, {MC2_K_RANGE[1]})")
+    world = dist.get_world_size(group)
+    rows = x.numel() // max(1, x.shape[-1])
+    if kind == "row" and rows % world:
+        reasons.append(f"m={rows} not divisible by world size {world}")
+    worlds = MC2_WORLDS_A3 if _is_a3() else MC2_WORLDS_A2
+    if world not in worlds:
+        reasons.append(f"world size {world} not in {worlds}")
+    if reasons:
+        return reasons
+    try:
+        name = _COMMS.name(default_group(group))
+    except Exception as err:  # noqa: BLE001 - a group without an HCCL backend is a reason, not a crash
+        return [f"no HCCL communicator for the group ({err})"]
+    if _COMMS.domain is not None and name != _COMMS.domain:
+        return [f"communicator {name} differs from the MC2 domain {_COMMS.domain} already in use"]
+    return []
+
+
+def _local_rows(x: torch.Tensor, kind: str, world: int) -> int:
+    """Rows each chunked step splits: the local shard (column) or one rank's output share (row)."""
+    rows = x.numel() // max(1, x.shape[-1])
+    return rows if kind == "column" else rows // world
+
+
+def explain_impl(x: torch.Tensor, weight: torch.Tensor, group: Optional[dist.ProcessGroup],
+                 requested: str = "auto", kind: str = "column", chunks: int = 2) -> tuple[str, list[str]]:
+    """(implementation, why the better ones were not taken). `requested="mc2"` raises when MC2 cannot run."""
+    if requested not in IMPLS + ("auto",):
+        raise ValueError(f"overlap impl {requested!r}: expected one of auto, {', '.join(IMPLS)}")
+    if kind not in KINDS:
+        raise ValueError(f"overlap kind {kind!r}: expected column or row")
+    if requested in ("chunked", "plain"):
+        return requested, [f"{requested} requested"]
+    rejected = mc2_rejections(x, weight, group, kind)
+    if requested == "mc2":
+        if rejected:
+            raise ValueError("overlap impl 'mc2' requested but unusable: " + "; ".join(rejected))
+        return "mc2", []
+    if not rejected:
+        return "mc2", []
+    world = dist.get_world_size(group)
+    rows = _local_rows(x, kind, world)
+    if world == 1 or chunks < 2 or rows < chunks:
+        # Nothing to overlap with a single chunk or without communication; chunking would only add launches.
+        return "plain", rejected + [f"plain: world={world}, chunks={chunks}, rows per rank={rows}"]
+    return "chunked", rejected
+
+
+def select_impl(x: torch.Tensor, weight: torch.Tensor, group: Optional[dist.ProcessGroup],
+                requested: str = "auto", kind: str = "column", chunks: int = 2) -> str:
+    """The implementation to run; logs once per shape why mc2 (or chunking) was rejected."""
+    impl, reasons = explain_impl(x, weight, group, requested, kind, chunks)
+    key = (kind, tuple(x.shape), tuple(weight.shape), x.dtype, requested, impl)
+    if reasons and key not in _LOGGED:
+        _LOGGED.add(key)
+        log.info("overlap %s linear x%s w%s %s: %s (%s)", kind, tuple(x.shape), tuple(weight.shape),
+                 str(x.dtype).replace("torch.", ""), impl, "; ".join(reasons))
+    return impl
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+@dataclass(frozen=True)
+class _Plan:
+    """What one call runs: implementation, chunk count, group, world size (and the HCCL name for mc2)."""
+
+    impl: str
+    chunks: int
+    group: Optional[dist.ProcessGroup]
+    world: int
+    hcom: Optional[str] = None
+
+
+def _chunk_bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
+    """Near-equal [start, end) row ranges; uneven splits are fine since every rank has the same row count."""
+    n = max(1, min(chunks, rows))
+    step = math.ceil(rows / n)
+    return [(s, min(s + step, rows)) for s in range(0, rows, step)] or [(0, 0)]
+
+
+def _gather_matmul(a: torch.Tensor, b: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(all_gather(a) @ b, all_gather(a)) for local a [m, k] and b [k, n]; rank-major rows in both."""
+    m, k = a.shape
+    if plan.impl == "mc2":
+        out, gathered = _torch_npu().npu_all_gather_base_mm(a.contiguous(), b, plan.hcom, plan.world, bias=None,
+                                                            gather_index=0, gather_output=True)
+        return out, gathered
+    if plan.impl == "plain":
+        gathered = a.new_empty(plan.world * m, k)
+        all_gather_rows(gathered, a, plan.group)
+        return gathered @ b, gathered
+    # Communicate first: every chunk's gather is in flight before the first matmul, so chunk i multiplies while
+    # chunks i+1.. are still on the wire. Each buffer is chunk-major; writing it into [world, m, :] views puts
+    # the rows back in rank-major order without a separate permute.
+    bounds = _chunk_bounds(m, plan.chunks)
+    bufs = [a.new_empty(plan.world * (e - s), k) for s, e in bounds]
+    works = [all_gather_rows(buf, a[s:e], plan.group, async_op=True) for buf, (s, e) in zip(bufs, bounds)]
+    gathered = a.new_empty(plan.world, m, k)
+    out = a.new_empty(plan.world, m, b.shape[1])
+    for buf, work, (s, e) in zip(bufs, works, bounds):
+        work.wait()
+        out[:, s:e] = (buf @ b).view(plan.world, e - s, -1)
+        gathered[:, s:e] = buf.view(plan.world, e - s, k)
+    return out.view(plan.world * m, -1), gathered.view(plan.world * m, k)
+
+
+def _matmul_scatter_start(a: torch.Tensor, b: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, list[Waitable]]:
+    """Start reduce_scatter(a @ b) for a [world * m, k]; returns the [m, n] output and the handles to wait on
+    before reading it (the caller can compute something else meanwhile)."""
+    rows, k = a.shape
+    if rows % plan.world:
+        raise ValueError(f"reduce-scatter over {plan.world} ranks: {rows} rows is not a multiple of the world size")
+    m = rows // plan.world
+    if plan.impl == "mc2":
+        out = _torch_npu().npu_mm_reduce_scatter_base(a.contiguous(), b, plan.hcom, plan.world, reduce_op="sum",
+                                                      bias=None)
+        return out, []
+    out = a.new_empty(m, b.shape[1])
+    if plan.impl == "plain":
+        reduce_scatter_rows(out, a @ b, plan.group)
+        return out, []
+    # Compute first: chunk i's reduce-scatter runs while chunk i+1 multiplies. Chunk i takes rows [s, e) of
+    # every rank's block, so its scatter lands in rows [s, e) of this rank's output.
+    blocks = a.view(plan.world, m, k)
+    works = []
+    for s, e in _chunk_bounds(m, plan.chunks):
+        partial = blocks[:, s:e].reshape(-1, k) @ b
+        works.append(reduce_scatter_rows(out[s:e], partial, plan.group, async_op=True))
+    return out, works
+
+
+def _matmul_scatter(a: torch.Tensor, b: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    out, works = _matmul_scatter_start(a, b, plan)
+    for work in works:
+        work.wait()
+    return out
+
+
+def _backward_scatter_plan(plan: _Plan) -> _Plan:
+    """The column backward's reduce-scatter: MC2 would serialise it with the weight-gradient matmul, so (as
+    MindSpeed does) it runs as one async collective that the weight gradient overlaps instead."""
+    if plan.impl != "mc2":
+        return plan
+    return _Plan("chunked", 1, plan.group, plan.world)
+
+
+class _ColumnParallelSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        out, gathered = _gather_matmul(x, weight.t(), plan)
+        # The gathered input is kept for grad_W (world x the local activation) instead of gathering it again.
+        ctx.save_for_backward(gathered, weight)
+        ctx.plan = plan
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        gathered, weight = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_x, works = None, []
+        if ctx.needs_input_grad[0]:
+            grad_x, works = _matmul_scatter_start(grad_out, weight, _backward_scatter_plan(ctx.plan))
+        grad_w = grad_out.t() @ gathered if ctx.needs_input_grad[1] else None  # overlaps the scatter
+        for work in works:
+            work.wait()
+        return grad_x, grad_w, None
+
+
+class _RowParallelSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.plan = plan
+        return _matmul_scatter(x, weight.t(), plan)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        x, weight = ctx.saved_tensors
+        grad_x, grad_full = _gather_matmul(grad_out.contiguous(), weight, ctx.plan)
+        grad_w = grad_full.t() @ x if ctx.needs_input_grad[1] else None
+        return (grad_x if ctx.needs_input_grad[0] else None), grad_w, None
+
+
+# ------------------------------------------------------------------------------------------------ functional
+def _plan(x2d: torch.Tensor, weight: torch.Tensor, group: Optional[dist.ProcessGroup], impl: str, kind: str,
+          chunks: int) -> _Plan:
+    chosen = select_impl(x2d, weight, group, impl, kind, chunks)
+    hcom = None
+    if chosen == "mc2":
+        hcom = _COMMS.name(default_group(group))
+        _COMMS.claim(hcom)
+    return _Plan(chosen, chunks, group, dist.get_world_size(group), hcom)
+
+
+def column_parallel_linear_sp(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                              group: Optional[dist.ProcessGroup] = None, impl: str = "auto",
+                              chunks: int = 2) -> torch.Tensor:
+    """all_gather(x, dim 0) @ weight^T + bias; x [s/tp, ..., in] -> [s, ..., out/tp] with weight [out/tp, in]."""
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"column-parallel linear: x {tuple(x.shape)} last dim != weight {tuple(weight.shape)} "
+                         "dim 1 (weight is the local [out/tp, in] shard)")
+    x2d = x.reshape(-1, x.shape[-1])
+    plan = _plan(x2d, weight, group, impl, "column", chunks)
+    out = _ColumnParallelSP.apply(x2d, weight, plan)
+    if bias is not None:
+        out = out + bias
+    return out.view(x.shape[0] * plan.world, *x.shape[1:-1], weight.shape[0])
+
+
+def row_parallel_linear_sp(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                           group: Optional[dist.ProcessGroup] = None, impl: str = "auto",
+                           chunks: int = 2) -> torch.Tensor:
+    """reduce_scatter(x @ weight^T, dim 0) + bias; x [s, ..., in/tp] -> [s/tp, ..., out], weight [out, in/tp]."""
+    world = dist.get_world_size(group)
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"row-parallel linear: x {tuple(x.shape)} last dim != weight {tuple(weight.shape)} "
+                         "dim 1 (weight is the local [out, in/tp] shard)")
+    if x.shape[0] % world:
+        raise ValueError(f"row-parallel linear: sequence dim {x.shape[0]} of x {tuple(x.shape)} is not a "
+                         f"multiple of the tensor-parallel size {world} (reduce-scatter splits it)")
+    x2d = x.reshape(-1, x.shape[-1])
+    plan = _plan(x2d, weight, group, impl, "row", chunks)
+    out = _RowParallelSP.apply(x2d, weight, plan)
+    if bias is not None:
+        out = out + bias
+    return out.view(x.shape[0] // world, *x.shape[1:-1], weight.shape[0])
+
+
+# ------------------------------------------------------------------------------------------------ modules
+class _ParallelLinearSP(nn.Module):
+    """Shared parameter handling; subclasses decide the shard shapes and the function applied."""
+
+    def __init__(self, weight_shape: tuple[int, int], bias_size: Optional[int],
+                 group: Optional[dist.ProcessGroup], impl: str, chunks: int,
+                 dtype: Optional[torch.dtype], device: Optional[torch.device]) -> None:
+        super().__init__()
+        if impl not in IMPLS + ("auto",):
+            raise ValueError(f"overlap impl {impl!r}: expected one of auto, {', '.join(IMPLS)}")
+        self.group, self.impl, self.chunks = group, impl, chunks
+        self.weight = nn.Parameter(torch.empty(weight_shape, dtype=dtype, device=device))
+        self.bias = None if bias_size is None else nn.Parameter(torch.zeros(bias_size, dtype=dtype, device=device))
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def extra_repr(self) -> str:
+        return f"weight={tuple(self.weight.shape)}, bias={self.bias is not None}, impl={self.impl}, " \
+               f"chunks={self.chunks}"
+
+
+class ColumnParallelLinearSP(_ParallelLinearSP):
+    """Column-parallel linear on a sequence-parallel input: [s/tp, ..., in] -> [s, ..., out/tp].
+
+    Holds the local weight shard [out/tp, in] and bias shard [out/tp].
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: Optional[dist.ProcessGroup] = None,
+                 bias: bool = True, impl: str = "auto", chunks: int = 2, dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device] = None) -> None:
+        world = dist.get_world_size(group)
+        if out_features % world:
+            raise ValueError(f"ColumnParallelLinearSP: out_features={out_features} not divisible by tp={world}")
+        local = out_features // world
+        super().__init__((local, in_features), local if bias else None, group, impl, chunks, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return column_parallel_linear_sp(x, self.weight, self.bias, self.group, self.impl, self.chunks)
+
+
+class RowParallelLinearSP(_ParallelLinearSP):
+    """Row-parallel linear producing a sequence-parallel output: [s, ..., in/tp] -> [s/tp, ..., out].
+
+    Holds the local weight shard [out, in/tp] and the full bias [out]. The bias is replicated while each rank
+    sees only its sequence shard, so (as in Megatron) its gradient must be all-reduced over the TP group; it is
+    tagged `sequence_parallel = True` for the optimizer's grad sync.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: Optional[dist.ProcessGroup] = None,
+                 bias: bool = True, impl: str = "auto", chunks: int = 2, dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device] = None) -> None:
+        world = dist.get_world_size(group)
+        if in_features % world:
+            raise ValueError(f"RowParallelLinearSP: in_features={in_features} not divisible by tp={world}")
+        super().__init__((out_features, in_features // world), out_features if bias else None, group, impl,
+                         chunks, dtype, device)
+        if self.bias is not None:
+            self.bias.sequence_parallel = True  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return row_parallel_linear_sp(x, self.weight, self.bias, self.group, self.impl, self.chunks)
