@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mindspeed_flow.overlap import (ColumnParallelLinearSP, RowParallelLinearSP, column_parallel_linear_sp,
+from mindspeed_flow.overlap import (ColumnParallelLinearSP, all_gather_rows, RowParallelLinearSP, column_parallel_linear_sp,
                                     explain_impl, reduce_scatter_rows, row_parallel_linear_sp, select_impl)
 from mindspeed_flow.utils.multiproc import run_ranks
 
@@ -99,6 +99,14 @@ def _modules_rank(rank: int, world: int) -> dict[str, object]:
     reduce_scatter_rows(sync_fb, inp, None, via_all_reduce=True)
     reduce_scatter_rows(async_fb, inp, None, async_op=True, via_all_reduce=True).wait()
     assert torch.equal(native, sync_fb) and torch.equal(native, async_fb)
+    # torch 2.7 has only the *_tensor / *_into_tensor names: drop the new ones (this forked rank only).
+    del dist.all_gather_single, dist.reduce_scatter_single
+    old_names = torch.empty(3, 5)
+    reduce_scatter_rows(old_names, inp, None, async_op=True).wait()
+    assert torch.equal(native, old_names)
+    gathered = torch.empty(world * 3, 5)
+    all_gather_rows(gathered, native, None, async_op=True).wait()
+    assert torch.equal(gathered[rank * 3:(rank + 1) * 3], native)
 
     # Dispatcher on CPU/gloo without torch_npu.
     xs, ws = x_full[:M_LOCAL], w_full[cols]

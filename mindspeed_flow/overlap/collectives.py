@@ -35,6 +35,19 @@ class _Done:
         return True
 
 
+class _InFlight:
+    """An async collective plus the tensors it reads and writes: the caller may drop its own references (a chunk's
+    temporary matmul result, say) before waiting, and the buffers must outlive the transfer."""
+
+    def __init__(self, work: Waitable, *tensors: torch.Tensor) -> None:
+        self._work, self._tensors = work, tensors
+
+    def wait(self) -> bool:
+        self._work.wait()
+        self._tensors = ()
+        return True
+
+
 class _AllReduceThenCopy:
     """Reduce-scatter emulated by all_reduce: the copy of this rank's rows must wait for the sum to land."""
 
@@ -73,9 +86,9 @@ def all_gather_rows(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.P
     if world == 1:
         out.copy_(inp)
         return _Done()
-    work = _resolve("all_gather_single", "all_gather_into_tensor")(out, inp.contiguous(), group=group,
-                                                                   async_op=async_op)
-    return work if async_op else _Done()
+    inp = inp.contiguous()
+    work = _resolve("all_gather_single", "all_gather_into_tensor")(out, inp, group=group, async_op=async_op)
+    return _InFlight(work, out, inp) if async_op else _Done()
 
 
 def reduce_scatter_rows(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup],
@@ -95,9 +108,10 @@ def reduce_scatter_rows(out: torch.Tensor, inp: torch.Tensor, group: Optional[di
     key = default_group(group)
     if not via_all_reduce and key not in _RS_UNSUPPORTED:
         try:
-            work = _resolve("reduce_scatter_single", "reduce_scatter_tensor")(out, inp.contiguous(), group=group,
+            inp = inp.contiguous()
+            work = _resolve("reduce_scatter_single", "reduce_scatter_tensor")(out, inp, group=group,
                                                                               async_op=async_op)
-            return work if async_op else _Done()
+            return _InFlight(work, out, inp) if async_op else _Done()
         except (RuntimeError, NotImplementedError) as err:
             # Old gloo raised here (sync or async); every rank of the group raises alike, so all take the
             # fallback together and the collective sequence stays matched.
