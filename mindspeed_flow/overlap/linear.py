@@ -68,7 +68,7 @@ class _Mc2Comms:
 
 
 _COMMS = _Mc2Comms()
-_LOGGED: set[tuple] = set()  # selection log lines already printed, so a training loop logs each shape once
+_LOGGED: set[tuple] = set()  # selection log lines already printed, so a training loop logs each reason once
 
 
 def _torch_npu() -> Any:
@@ -155,9 +155,10 @@ def explain_impl(x: torch.Tensor, weight: torch.Tensor, group: Optional[dist.Pro
 
 def select_impl(x: torch.Tensor, weight: torch.Tensor, group: Optional[dist.ProcessGroup],
                 requested: str = "auto", kind: str = "column", chunks: int = 2) -> str:
-    """The implementation to run; logs once per shape why mc2 (or chunking) was rejected."""
+    """The implementation to run; logs (once per distinct set of reasons) why mc2 or chunking was rejected."""
     impl, reasons = explain_impl(x, weight, group, requested, kind, chunks)
-    key = (kind, tuple(x.shape), tuple(weight.shape), x.dtype, requested, impl)
+    # Keyed on the reasons, not the shape: packed batches change m every step and would log every step.
+    key = (kind, requested, impl, tuple(reasons))
     if reasons and key not in _LOGGED:
         _LOGGED.add(key)
         log.info("overlap %s linear x%s w%s %s: %s (%s)", kind, tuple(x.shape), tuple(weight.shape),
@@ -197,7 +198,9 @@ def _gather_matmul(a: torch.Tensor, b: torch.Tensor, plan: _Plan) -> tuple[torch
         return gathered @ b, gathered
     # Communicate first: every chunk's gather is in flight before the first matmul, so chunk i multiplies while
     # chunks i+1.. are still on the wire. Each buffer is chunk-major; writing it into [world, m, :] views puts
-    # the rows back in rank-major order without a separate permute.
+    # the rows back in rank-major order without a separate permute. On NCCL/HCCL an async collective runs on the
+    # backend's communication stream and wait() only orders the compute stream after it, so no side stream is
+    # needed here; on gloo it runs on gloo's host threads.
     bounds = _chunk_bounds(m, plan.chunks)
     bufs = [a.new_empty(plan.world * (e - s), k) for s, e in bounds]
     works = [all_gather_rows(buf, a[s:e], plan.group, async_op=True) for buf, (s, e) in zip(bufs, bounds)]
