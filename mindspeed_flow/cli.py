@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, str] = {
     "planner": "mindspeed_flow.bench.planner",
     "pool": "mindspeed_flow.bench.pool",
     "train": "mindspeed_flow.bench.train",
+    "overlap": "mindspeed_flow.bench.overlap",
 }
 
 
