@@ -78,9 +78,13 @@ class StepEngine:
         self.timeout_s = timeout_s
         self.prefetch_depth = prefetch_depth
         self.keep_encoder_activations = keep_encoder_activations
+        self._texts: dict[int, VLMSample] = {}
 
     # ------------------------------------------------------------------------------------------------------
-    def run_step(self, work: StepWork, n_labels: int, record: StepRecord) -> None:
+    def run_step(self, work: StepWork, n_labels: int, record: StepRecord,
+                 texts: Optional[dict[int, VLMSample]] = None) -> None:
+        """`texts`: the step's samples without pixels, if the caller already loaded them (reused, not reloaded)."""
+        self._texts = texts or {}
         record["step_start_t"] = time.time()
         if self.topo.is_encoder:
             self._produce(work, record)
@@ -176,7 +180,9 @@ class StepEngine:
                                                               producer=work.producer_of[sid]))
 
     def load_samples(self, sample_ids: list[int], with_pixels: bool) -> list[VLMSample]:
-        return [self.dataset.sample(sid, with_pixels=with_pixels) for sid in sample_ids]
+        if not with_pixels:
+            return [self._texts.get(sid) or self.dataset.sample(sid, with_pixels=False) for sid in sample_ids]
+        return [self.dataset.sample(sid, with_pixels=True) for sid in sample_ids]
 
     def _consume_flat(self, work: StepWork, row, n_labels: int, timer: Timer, record: StepRecord) -> float:
         part, model = self.m.backbone_part, self.m.backbone

@@ -152,13 +152,15 @@ def run_worker(config_path: str) -> None:
         sample_ids = next(batches)
         shapes = [dataset.shape(i) for i in sample_ids]
         work = plan_for_step(job, topo, step, shapes, cost_model)
-        # Only ranks that compute the loss need the normaliser: the step's label tokens (text is cheap to read).
-        n_labels = label_normalizer({i: dataset.sample(i, with_pixels=False).label_tokens for i in sample_ids},
-                                    sample_ids, work.plan.oversize) if needs_labels else 0
+        # Only ranks that compute the loss need the normaliser: the step's label tokens. They read the text of the
+        # whole global batch once (cheap, no pixels) and the engine reuses it for their own microbatches.
+        texts = {i: dataset.sample(i, with_pixels=False) for i in sample_ids} if needs_labels else {}
+        n_labels = label_normalizer({i: t.label_tokens for i, t in texts.items()}, sample_ids,
+                                    work.plan.oversize) if needs_labels else 0
         record = StepRecord()
         record["is_encoder"], record["is_backbone"] = float(topo.is_encoder), float(not topo.is_encoder)
         record["is_writer"] = float(is_writer)
-        engine.run_step(work, n_labels, record)
+        engine.run_step(work, n_labels, record, texts)
         record["peak_rss_bytes"] = acc.memory_stats()["peak_bytes"]
         gatherer.post(step_static(work, spec, shapes, frozen, batches.guard.num_bad, optim), record)
         for line in gatherer.drain(block=is_writer):
