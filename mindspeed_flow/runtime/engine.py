@@ -69,13 +69,12 @@ class StepEngine:
 
     def __init__(self, *, topo: Any, models: RankModels, pool: Any, dataset: Any, token_budget: int,
                  optim: PartOptimizer, norm_group: Optional[dist.ProcessGroup], grad_clip: float, base_lr: float,
-                 warmup_steps: int, timeout_s: float, prefetch_depth: int = 2,
+                 warmup_steps: int, prefetch_depth: int = 2,
                  keep_encoder_activations: bool = True) -> None:
         self.topo, self.m, self.pool, self.dataset = topo, models, pool, dataset
         self.token_budget = token_budget
         self.optim, self.norm_group = optim, norm_group
         self.grad_clip, self.base_lr, self.warmup_steps = grad_clip, base_lr, warmup_steps
-        self.timeout_s = timeout_s
         self.prefetch_depth = prefetch_depth
         self.keep_encoder_activations = keep_encoder_activations
         self._texts: dict[int, VLMSample] = {}

@@ -138,7 +138,7 @@ def run_worker(config_path: str) -> None:
     engine = StepEngine(topo=topo, models=rank_models, pool=pool, dataset=dataset,
                         token_budget=job.packing.token_budget, optim=optim,
                         norm_group=norm_group, grad_clip=job.trainer.grad_clip, base_lr=job.trainer.lr,
-                        warmup_steps=job.trainer.warmup_steps, timeout_s=job.flow.timeout_s,
+                        warmup_steps=job.trainer.warmup_steps,
                         prefetch_depth=job.data.prefetch_depth,
                         keep_encoder_activations=job.flow.keep_encoder_activations)
     batches = iter_global_batches(dataset, job.trainer.global_batch_size, seed=job.seed,
