@@ -1,6 +1,11 @@
 """Run a MindSpeed-MM entry script with the mindspeed-flow patch set applied.
 
-    python -m mindspeed_flow_patches.launch pretrain_vlm.py <args...>      (or under torchrun -m ...)
+    torchrun <launcher args> -m mindspeed_flow_patches.launch [--flow-recipe FLOW.yaml] pretrain_vlm.py <args...>
+
+Without `--flow-recipe` only the fixes (MC2 2-D input) are applied and the job behaves exactly as before. With it,
+the job trains decoupled: the image encoder and the text decoder on their own ranks, each with the layout of
+FLOW.yaml (see `mindspeed_flow.hosts.mindspeed_mm`); the recipe is checked against the launched world and the
+job's model.json before MindSpeed is imported, so a wrong recipe fails with one message naming the field.
 
 Order matters and follows MindSpeed's own rules:
 1. `sys.argv` becomes the script's argv first: `import mindspeed.megatron_adaptor` parses feature flags from it.
@@ -17,23 +22,26 @@ import os
 import runpy
 import sys
 from types import ModuleType
+from typing import Optional
 
 # Patch modules of this package, applied in order; each exposes TARGET_MODULES and register(patch_manager).
-PATCH_MODULES: tuple[str, ...] = ("mindspeed_flow_patches.mc2",)
+FIX_MODULES: tuple[str, ...] = ("mindspeed_flow_patches.mc2",)
+FLOW_MODULES: tuple[str, ...] = ("mindspeed_flow_patches.flow",)
 APPLIED_ENV = "MSF_PATCHES_APPLIED"
+RECIPE_ENV = "MSF_FLOW_RECIPE"
 
 
-def _patch_modules() -> list[ModuleType]:
-    return [importlib.import_module(name) for name in PATCH_MODULES]
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
 
 
-def apply_flow_patches() -> list[str]:
+def apply_flow_patches(flow: bool = False) -> list[str]:
     """Import the targets, register every patch, apply them; returns the applied patch module names."""
     import mindspeed.megatron_adaptor  # noqa: F401  (step 2)
     from mindspeed.patch_utils import MindSpeedPatchesManager
 
     importlib.import_module("mindspeed_mm")
-    modules = _patch_modules()
+    modules: list[ModuleType] = [importlib.import_module(n) for n in FIX_MODULES + (FLOW_MODULES if flow else ())]
     for mod in modules:
         for target in mod.TARGET_MODULES:
             importlib.import_module(target)
@@ -45,19 +53,53 @@ def apply_flow_patches() -> list[str]:
     return names
 
 
+def _split_recipe(argv: list[str]) -> tuple[Optional[str], list[str]]:
+    if argv[:1] == ["--flow-recipe"]:
+        if len(argv) < 2:
+            raise SystemExit("mindspeed_flow_patches.launch: --flow-recipe needs a file")
+        return argv[1], argv[2:]
+    if argv[:1] and argv[0].startswith("--flow-recipe="):
+        return argv[0].split("=", 1)[1], argv[1:]
+    return os.environ.get(RECIPE_ENV) or None, argv
+
+
+def setup_flow(recipe: str, script_argv: list[str]) -> None:
+    """Validate the recipe and install this rank's flow context (before any process group exists)."""
+    from mindspeed_flow.hosts.mindspeed_mm import context
+    from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, parts_for_job
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        parts = parts_for_job(recipe, script_argv, world)
+    except FlowRecipeError as err:
+        if _is_rank0():
+            print(f"mindspeed-flow: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    context.install(context.FlowContext.for_this_process(parts))
+    os.environ[RECIPE_ENV] = os.path.abspath(recipe)
+    if _is_rank0():
+        print(f"[mindspeed-flow] decoupled layout from {recipe}: {parts.describe()}; decoder pipeline layers "
+              f"{list(parts.decoder_layers)}; encoder {'trainable' if parts.encoder_trainable else 'frozen'}; "
+              f"packing {parts.packing.scheduler} (token budget {parts.packing.token_budget})", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    recipe, argv = _split_recipe(argv)
     if not argv or not argv[0].endswith(".py"):
-        print("usage: python -m mindspeed_flow_patches.launch SCRIPT.py [args...]", file=sys.stderr)
+        print("usage: python -m mindspeed_flow_patches.launch [--flow-recipe FLOW.yaml] SCRIPT.py [args...]",
+              file=sys.stderr)
         return 2
     script = os.path.abspath(argv[0])
     if not os.path.isfile(script):
         print(f"mindspeed_flow_patches.launch: script {argv[0]!r} not found (cwd {os.getcwd()})", file=sys.stderr)
         return 2
+    if recipe:
+        setup_flow(recipe, argv[1:])
     sys.argv = [script] + argv[1:]  # step 1
     sys.path.insert(0, os.path.dirname(script))
-    names = apply_flow_patches()
-    if os.environ.get("RANK", "0") == "0":
+    names = apply_flow_patches(flow=bool(recipe))
+    if _is_rank0():
         print(f"[mindspeed_flow_patches] applied: {', '.join(names)}", flush=True)
     runpy.run_path(script, run_name="__main__")
     return 0

@@ -1,6 +1,6 @@
 """`mindspeed-flow emulate`: run a MindSpeed-MM job on CPU with the emulated torch_npu.
 
-    mindspeed-flow emulate [--nproc N] [--patches] [--log FILE] -- pretrain_vlm.py <MindSpeed-MM args...>
+    mindspeed-flow emulate [--nproc N] [--patches] [--flow-recipe FLOW.yaml] [--log FILE] -- pretrain_vlm.py <args...>
 
 The job runs unmodified under `torch.distributed.run` (gloo; `--distributed-backend nccl` is remapped), in the
 MindSpeed-MM root so its relative paths resolve, with PYTHONPATH = fake packages, this repo, MindSpeed,
@@ -12,10 +12,12 @@ builds working command lines (see mindspeed_flow/emulation/README.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 from mindspeed_flow.emulation import log as emu_log
 from mindspeed_flow.emulation import site_env
@@ -34,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--megatron-home", default=None,
                    help="Megatron-LM core_v0.12.1 root (else $MEGATRON_HOME, else MindSpeed-MM's megatron/ copy)")
     p.add_argument("--patches", action="store_true", help=f"run through {PATCH_LAUNCHER} (mindspeed-flow patches)")
+    p.add_argument("--flow-recipe", default=None,
+                   help="train decoupled with this flow recipe (implies --patches; checked before launch)")
     p.add_argument("--log", default=None, help=f"emulation log file (sets {emu_log.ENV_VAR})")
     p.add_argument("--allow-untested", action="store_true", help="run sources at commits other than the tested ones")
     p.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
@@ -58,15 +62,28 @@ def job_env(sources: Sources, log_path: str | None, base: dict[str, str] | None 
     return env
 
 
-def job_command(nproc: int, script_argv: list[str], patches: bool, master_port: int | None = None) -> list[str]:
+def job_command(nproc: int, script_argv: list[str], patches: bool, master_port: int | None = None,
+                flow_recipe: str | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1"]
     if master_port:
         cmd += ["--master_port", str(master_port)]
     else:
         cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]
-    if patches:
+    if patches or flow_recipe:
         cmd += ["-m", PATCH_LAUNCHER]
+    if flow_recipe:
+        cmd += ["--flow-recipe", str(Path(flow_recipe).resolve())]
     return cmd + script_argv
+
+
+@contextlib.contextmanager
+def _in_dir(path: Path) -> Iterator[None]:
+    old = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
 
 
 def main(argv: list[str]) -> int:
@@ -89,8 +106,19 @@ def main(argv: list[str]) -> int:
         print(f"mindspeed-flow emulate: script {script[0]!r} not found in {sources.mindspeed_mm.root}",
               file=sys.stderr)
         return 2
+    if args.flow_recipe:
+        # The same check every rank repeats at start-up, once here so a wrong recipe is one message, not one per
+        # rank plus the launcher's traceback.
+        from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, parts_for_job
+
+        try:
+            with _in_dir(sources.mindspeed_mm.root):
+                parts_for_job(args.flow_recipe, script[1:], args.nproc)
+        except FlowRecipeError as err:
+            print(f"mindspeed-flow emulate: {err}", file=sys.stderr)
+            return 2
     env = job_env(sources, args.log)
-    cmd = job_command(args.nproc, script, args.patches, args.master_port)
+    cmd = job_command(args.nproc, script, args.patches, args.master_port, args.flow_recipe)
     if args.dry_run:
         print(f"cd {sources.mindspeed_mm.root}\nPYTHONPATH={env['PYTHONPATH']}\n" + " ".join(cmd))
         return 0

@@ -1,0 +1,194 @@
+"""The flow context of one MindSpeed-MM rank: its part, its sub-world's Megatron parallel state, the flow groups.
+
+Why static sub-worlds instead of MindSpeed dist-train's getter swapping. dist-train replaces ~55 `mpu.get_*` getters
+with versions that reload the calling sub-world's groups on every call; MindSpeed-MM's `--hetero-parallel` swaps
+module globals because its ranks run *both* modules. In a flow job every rank belongs to exactly one part for the
+whole run, so the rank's Megatron state can simply *be* its part's: `initialize_model_parallel` runs once per part
+(every rank takes part in every `new_group`, as torch requires), inside a world of the part's size whose rank
+generator is offset to the part's first global rank. Megatron's own code then builds the part's groups with global
+ranks, sets its globals only on the part's members, and every unpatched getter answers for the caller's part with
+no per-call cost. Megatron asserts its globals are unset at entry, so each pass starts from the pristine module
+state and the member's pass is what remains.
+
+Flow groups built beside them (collectively, on every rank):
+- `reduce_group`: the ranks of every trainable part, for the global token count (per-token loss), the one global
+  gradient norm and the one found-inf decision. A frozen encoder is not in it, so it never waits on the decoder's
+  optimizer and runs ahead, bounded by the pool.
+- `pool_group` (gloo): the bridge ranks (tensor-parallel rank 0 of each encoder replica and of each decoder
+  first-stage replica), for the embedding pool's headers and payloads.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowParts, PART_MODULES
+from mindspeed_flow.topology import BACKBONE, ENCODER
+
+_CONTEXT: Optional["FlowContext"] = None
+
+
+def current() -> Optional["FlowContext"]:
+    """The flow context of this process, or None in an unpatched (coupled) job."""
+    return _CONTEXT
+
+
+def install(ctx: Optional["FlowContext"]) -> None:
+    global _CONTEXT
+    _CONTEXT = ctx
+
+
+@dataclass
+class FlowContext:
+    parts: FlowParts
+    rank: int
+    reduce_group: Any = None
+    pool_group: Any = None
+    timer: Any = None  # the running step's PartTimer (busy/wait seconds)
+    counters: dict[str, float] = field(default_factory=dict)
+
+    @staticmethod
+    def for_this_process(parts: FlowParts) -> "FlowContext":
+        return FlowContext(parts, int(os.environ.get("RANK", "0")))
+
+    # ---------------------------------------------------------------- who am I
+
+    @property
+    def part(self) -> str:
+        return self.parts.part_of(self.rank).name
+
+    @property
+    def layout(self):
+        return self.parts.part(self.part)
+
+    @property
+    def modules(self) -> list[str]:
+        return list(PART_MODULES[self.part])
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.parts.coords(self.rank)
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.part == ENCODER
+
+    @property
+    def part_trainable(self) -> bool:
+        return self.part == BACKBONE or self.parts.encoder_trainable
+
+    @property
+    def is_part_leader(self) -> bool:
+        return self.rank == self.parts.offset(self.part)
+
+    def producers(self) -> list[int]:
+        """Encoder bridge ranks: TP rank 0 of each encoder DP replica, in DP order."""
+        return [self.parts.global_rank(ENCODER, dp=d) for d in range(self.parts.part(ENCODER).dp)]
+
+    def consumers(self) -> list[int]:
+        """Decoder bridge ranks: TP rank 0 of each decoder DP replica's first pipeline stage, in DP order."""
+        return [self.parts.global_rank(BACKBONE, dp=d, pp=0) for d in range(self.parts.part(BACKBONE).dp)]
+
+    @property
+    def on_bridge(self) -> bool:
+        return self.rank in self.producers() or self.rank in self.consumers()
+
+    def replica_leader(self) -> int:
+        """The bridge rank of this rank's replica (same part, same dp, tp 0, first stage)."""
+        c = self.coords
+        return self.parts.global_rank(self.part, dp=c["dp"], cp=c["cp"], pp=c["pp"] if self.is_encoder else 0)
+
+    # ---------------------------------------------------------------- Megatron args and groups
+
+    def apply_part_args(self, args: Any) -> None:
+        """Make this rank's Megatron args describe its own part (validate_args then derives the part's DP)."""
+        lay = self.layout
+        args.flow_world_size = self.parts.world_size
+        args.world_size = lay.size
+        args.tensor_model_parallel_size = lay.tp
+        args.pipeline_model_parallel_size = lay.pp
+        args.context_parallel_size = lay.cp
+        if lay.tp == 1 and getattr(args, "sequence_parallel", False):
+            args.sequence_parallel = False  # Megatron would warn and drop it; MC2 then stays off for this part
+        if lay.pp == 1:
+            args.variable_seq_lengths = getattr(args, "variable_seq_lengths", False)
+
+    def initialize_parts(self, initialize: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        """Run Megatron's (MindSpeed-wrapped) `initialize_model_parallel` once per part; keep this rank's state."""
+        from megatron.core import parallel_state as ps
+
+        pristine = _snapshot(ps)
+        mine: Optional[dict[str, Any]] = None
+        for lay in self.parts.layouts:
+            _restore(ps, pristine)
+            call_args = (lay.tp, lay.pp) + tuple(args[2:])
+            call_kwargs = dict(kwargs, context_parallel_size=lay.cp)
+            with part_world(ps, self.parts.offset(lay.name), lay.size):
+                initialize(*call_args, **call_kwargs)
+            if self.rank in self.parts.ranks(lay.name):
+                mine = _snapshot(ps)
+        assert mine is not None, f"rank {self.rank} is in no part"
+        _restore(ps, mine)
+        self._build_flow_groups()
+
+    def _build_flow_groups(self) -> None:
+        trainable = [r for lay in self.parts.layouts
+                     if lay.name == BACKBONE or self.parts.encoder_trainable for r in self.parts.ranks(lay.name)]
+        self.reduce_group = dist.new_group(trainable)
+        bridge = sorted(set(self.producers()) | set(self.consumers()))
+        self.pool_group = dist.new_group(bridge, backend="gloo")
+
+    def check_groups(self) -> dict[str, list[int]]:
+        """The global ranks of this rank's Megatron groups (for tests and the start-up report)."""
+        from megatron.core import parallel_state as ps
+
+        groups = {
+            "tp": ps.get_tensor_model_parallel_group(), "pp": ps.get_pipeline_model_parallel_group(),
+            "dp": ps.get_data_parallel_group(), "mp": ps.get_model_parallel_group(),
+            "cp": ps.get_context_parallel_group(),
+        }
+        return {k: sorted(dist.get_process_group_ranks(g)) for k, g in groups.items()}
+
+
+@contextlib.contextmanager
+def part_world(ps: Any, offset: int, size: int) -> Iterator[None]:
+    """Inside: the default world has `size` ranks and Megatron's rank generator starts at global rank `offset`."""
+    real_world_size = dist.get_world_size
+    base_generator = ps.RankGenerator
+
+    def world_size(group: Any = None) -> int:
+        return size if group is None else real_world_size(group)
+
+    class OffsetRankGenerator(base_generator):  # type: ignore[misc, valid-type]
+        def __init__(self, *a: Any, rank_offset: int = 0, **kw: Any) -> None:
+            super().__init__(*a, rank_offset=rank_offset + offset, **kw)
+
+    dist.get_world_size = world_size
+    ps.RankGenerator = OffsetRankGenerator
+    try:
+        yield
+    finally:
+        dist.get_world_size = real_world_size
+        ps.RankGenerator = base_generator
+
+
+def _is_state(name: str, value: Any) -> bool:
+    return name.startswith("_") and name.lstrip("_")[:1].isupper() and not callable(value)
+
+
+def _snapshot(module: Any) -> dict[str, Any]:
+    out = {}
+    for name, value in vars(module).items():
+        if _is_state(name, value):
+            out[name] = value.copy() if isinstance(value, (list, dict)) else value
+    return out
+
+
+def _restore(module: Any, snap: dict[str, Any]) -> None:
+    for name, value in snap.items():
+        setattr(module, name, value.copy() if isinstance(value, (list, dict)) else value)

@@ -1,0 +1,174 @@
+"""The MindSpeed-MM host: what a flow rank hands MindSpeed-MM's `pretrain` instead of `pretrain_vlm.py`'s providers.
+
+- `model_provider`: the job's own provider with `modules=` the part's modules (encoder ranks build ViT +
+  projector only, decoder ranks the text decoder only; no rank materialises the other part), after the model
+  config's pipeline splits are set to the part's own PP (the job's model.json describes the coupled pipeline).
+- `dataset_provider`: MindSpeed-MM's dataset and sampler over whole global batches, planned per step
+  (`data.FlowStepSource`).
+- `forward_step`: the job's forward step, fed a collated decoder microbatch with its image embeddings.
+- `forward_backward_func`: `schedule.EncoderStep` on encoder ranks, `schedule.DecoderStep` around Megatron's
+  schedule on decoder ranks.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext
+from mindspeed_flow.hosts.mindspeed_mm.data import FlowStepSource, WholeBatchView
+from mindspeed_flow.hosts.mindspeed_mm.schedule import DecoderStep, EncoderStep, finalize_with_global_tokens
+from mindspeed_flow.packing import CostModel
+from mindspeed_flow.topology import Bridge
+
+_ACTIVE: Optional["FlowHost"] = None
+
+
+def active() -> "FlowHost":
+    if _ACTIVE is None:
+        raise RuntimeError("mindspeed-flow: the flow host is not set up (mindspeed_mm.training.pretrain was not "
+                           "called through the flow patch)")
+    return _ACTIVE
+
+
+def _cfg(node: Any, key: str, default: Any = None) -> Any:
+    return getattr(node, key, default) if node is not None else default
+
+
+def cost_model_from(model_cfg: Any) -> CostModel:
+    """FLOP coefficients from model.json: 6 x parameters per token, plus the attention terms (causal LLM, full ViT).
+
+    Profiled coefficients in the recipe's `packing` section win (the same rule as the torch host)."""
+    llm, vit = model_cfg.text_decoder, model_cfg.image_encoder.vision_encoder
+    h, f, n = llm.hidden_size, llm.ffn_hidden_size, llm.num_layers
+    hv, fv, nv = vit.hidden_size, vit.ffn_hidden_size, vit.num_layers
+    return CostModel(linear=6.0 * n * (4 * h * h + 3 * h * f), quadratic=6.0 * n * h,
+                     enc_linear=6.0 * nv * (4 * hv * hv + 3 * hv * fv), enc_quadratic=12.0 * nv * hv)
+
+
+class FlowHost:
+    def __init__(self, ctx: FlowContext) -> None:
+        global _ACTIVE
+        self.ctx = ctx
+        self._step: Any = None
+        _ACTIVE = self
+
+    # ------------------------------------------------------------------------------ providers
+
+    def model_provider(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        ctx = self.ctx
+
+        def flow_model_provider(pre_process: bool = True, post_process: bool = True, modules: Any = None) -> Any:
+            from megatron.training import get_args
+
+            model_cfg = get_args().mm.model
+            if ctx.is_encoder:
+                vit = model_cfg.image_encoder.vision_encoder
+                vit.pipeline_num_layers = [int(vit.num_layers)]
+            else:
+                model_cfg.text_decoder.pipeline_num_layers = list(ctx.parts.decoder_layers)
+            return original(pre_process, post_process, modules=ctx.modules)
+
+        return flow_model_provider
+
+    def dataset_provider(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        ctx = self.ctx
+
+        def flow_dataset_provider(train_val_test_num_samples: Any) -> tuple[Any, None, None]:
+            from megatron.training import get_args
+            from mindspeed_mm.data import build_mm_dataloader, build_mm_dataset
+
+            args = get_args()
+            data_cfg, model_cfg = args.mm.data, args.mm.model
+            datasets = build_mm_dataset(data_cfg.dataset_param)
+            train = datasets[0] if isinstance(datasets, tuple) else datasets
+            loader = build_mm_dataloader(train, data_cfg.dataloader_param, process_group=WholeBatchView(),
+                                         dataset_param=data_cfg.dataset_param,
+                                         consumed_samples=args.consumed_train_samples)
+            packing = ctx.parts.packing
+            source = FlowStepSource(
+                loader, global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+                bridge=Bridge.build(ctx.producers(), ctx.consumers()), token_budget=packing.token_budget,
+                cost_model=cost_model_from(model_cfg), scheduler=packing.scheduler,
+                min_microbatches=ctx.parts.part("backbone").pp, oversize_policy=packing.oversize_policy,
+                vision_start_id=int(model_cfg.vision_start_token_id),
+                image_token_id=int(model_cfg.img_context_token_id),
+                merge_size=int(_cfg(model_cfg.image_encoder.vision_encoder, "spatial_merge_size", 2)))
+            return source, None, None
+
+        flow_dataset_provider.is_distributed = True  # every rank builds it (MindSpeed-MM sets the same)
+        return flow_dataset_provider
+
+    def forward_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        self._original_forward_step = original
+
+        def flow_forward_step(data_iterator: Any, model: Any) -> Any:
+            return self._decoder_step().forward_step(original)(data_iterator, model)
+
+        return flow_forward_step
+
+    # ------------------------------------------------------------------------------ schedule
+
+    def _pool_factory(self, model_dtype_device: torch.device) -> Callable[[], Any]:
+        ctx = self.ctx
+
+        def make() -> Any:
+            from mindspeed_flow.pool import EmbeddingPool
+
+            return EmbeddingPool(rank=ctx.rank, group=ctx.pool_group, capacity_bytes=ctx.parts.pool_capacity_bytes,
+                                 timeout_s=ctx.parts.timeout_s, device=model_dtype_device,
+                                 return_grads=ctx.parts.encoder_trainable)
+
+        return make
+
+    def _decoder_step(self) -> DecoderStep:
+        assert isinstance(self._step, DecoderStep), "decoder forward step outside the decoder schedule"
+        return self._step
+
+    def forward_backward_func(self, megatron_fbf: Callable[..., Any]) -> Callable[..., Any]:
+        if self._step is None:
+            from megatron.training import get_args
+
+            args = get_args()
+            # Where the job's tensors live: the NPU (transfer_to_npu maps .cuda()), or the host under emulation.
+            device = torch.zeros(1).cuda().device
+            pool_factory = self._pool_factory(device)
+            if self.ctx.is_encoder:
+                self._step = EncoderStep(self.ctx, pool_factory)
+            else:
+                hidden = int(args.mm.model.text_decoder.hidden_size)
+                self._step = DecoderStep(self.ctx, megatron_fbf, pool_factory, hidden, args.params_dtype)
+        step = self._step
+        if isinstance(step, DecoderStep):
+            step.megatron_fbf = megatron_fbf
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            from megatron.core.utils import get_model_config
+
+            config = get_model_config(kwargs["model"][0])
+            if not getattr(config, "_flow_finalize", False):
+                config.finalize_model_grads_func = finalize_with_global_tokens(self.ctx,
+                                                                               config.finalize_model_grads_func)
+                config._flow_finalize = True
+            return step(*args, **kwargs)
+
+        return run
+
+    def log_iteration(self, iteration: Any) -> None:
+        """Per-part busy/wait seconds after Megatron's iteration line, on the rank that prints it."""
+        import torch.distributed as dist
+
+        if dist.get_rank() != dist.get_world_size() - 1:
+            return
+        c = self.ctx.counters
+        parts = []
+        if self.ctx.parts.encoder_trainable:
+            parts.append(f"encoder busy {c.get('encoder_busy_s', 0.0):.3f} s wait {c.get('encoder_wait_s', 0.0):.3f} s")
+        parts.append(f"decoder busy {c.get('decoder_busy_s', 0.0):.3f} s wait {c.get('decoder_wait_s', 0.0):.3f} s")
+        extra = f" | global tokens {int(c['global_tokens'])}" if "global_tokens" in c else ""
+        if "grad_norm_global" in c:
+            extra += f" | grad norm global {c['grad_norm_global']:.4f} (decoder part {c['grad_norm_part']:.4f})"
+        pad = ""
+        if c.get("padded_tokens"):
+            pad = f" | padding {1 - c['real_tokens'] / c['padded_tokens']:.1%}"
+        print(f" [flow] iteration {iteration} | " + " | ".join(parts) + pad + extra, flush=True)

@@ -1,0 +1,256 @@
+"""The flow recipe of a MindSpeed-MM job: which ranks form which part, each part's layout, packing and pool settings.
+
+A MindSpeed-MM job becomes a flow job by `--flow-recipe FLOW.yaml` (see `mindspeed_flow_patches.launch`). FLOW.yaml
+uses the project's recipe schema (`mindspeed_flow.config.schema.FlowJobConfig`), so the file `mindspeed-flow plan
+--out` writes works as it is: `parallel.encoder` / `parallel.backbone` give each part's dp/tp/pp/cp, `packing` the
+LLM microbatch scheduler, `flow` the pool. The job's own model.json and data.json keep describing the model and
+the data (the recipe's `model`/`data`/`cluster` sections are the planner's and are not read here).
+
+Everything here is checked before any process group exists, with messages that name the recipe field (or the
+job flag) and the rule: part sizes against the launched world, each part's TP against its heads, and every field
+whose value the MindSpeed-MM host cannot honour.
+
+Parts and ranks. Parts take contiguous blocks of global ranks in list order: the image encoder (ViT + projector)
+first, the text decoder last, so Megatron's `print_rank_last` (global rank world-1) is a decoder last-stage rank
+and prints the usual iteration line. Inside a part the order is Megatron's tp-cp-dp-pp.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from mindspeed_flow.config.schema import FlowJobConfig, PackingConfig
+from mindspeed_flow.topology import BACKBONE, ENCODER, PartLayout
+
+# The MindSpeed-MM modules each part builds (`model_provider(modules=...)`); an audio encoder would be a third part.
+PART_MODULES: dict[str, tuple[str, ...]] = {ENCODER: ("image_encoder",), BACKBONE: ("text_decoder",)}
+PART_ORDER: tuple[str, ...] = (ENCODER, BACKBONE)
+
+
+class FlowRecipeError(ValueError):
+    """A flow recipe (or its pairing with the job) that cannot run; the message names the field and the rule."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the layout is checked against, read from the job's model.json."""
+
+    vit_heads: int
+    vit_layers: int
+    llm_heads: int
+    llm_kv_heads: int
+    llm_layers: int
+    encoder_trainable: bool
+
+    @staticmethod
+    def from_model_json(path: str | Path) -> "ModelShape":
+        try:
+            cfg = json.loads(Path(path).read_text())
+            vit = cfg["image_encoder"]["vision_encoder"]
+            proj = cfg["image_encoder"]["vision_projector"]
+            llm = cfg["text_decoder"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise FlowRecipeError(f"--mm-model {path}: cannot read the image_encoder/text_decoder sections ({err})")
+        # MindSpeed-MM's defaults (pretrain_vlm._apply_freezing): the ViT is frozen unless it says otherwise, the
+        # projector trains unless it says otherwise.
+        trainable = not (vit.get("freeze", True) and proj.get("freeze", False))
+        return ModelShape(int(vit["num_attention_heads"]), int(vit["num_layers"]), int(llm["num_attention_heads"]),
+                          int(llm.get("num_query_groups") or llm["num_attention_heads"]), int(llm["num_layers"]),
+                          trainable)
+
+
+@dataclass(frozen=True)
+class FlowParts:
+    """Every part's layout and global ranks, and this process's part."""
+
+    layouts: tuple[PartLayout, ...]
+    packing: PackingConfig
+    pool_capacity_bytes: int
+    timeout_s: float
+    encoder_trainable: bool
+    decoder_layers: tuple[int, ...] = field(default_factory=tuple)  # text_decoder.pipeline_num_layers per stage
+
+    @property
+    def world_size(self) -> int:
+        return sum(p.size for p in self.layouts)
+
+    def part(self, name: str) -> PartLayout:
+        return next(p for p in self.layouts if p.name == name)
+
+    def offset(self, name: str) -> int:
+        start = 0
+        for p in self.layouts:
+            if p.name == name:
+                return start
+            start += p.size
+        raise KeyError(name)
+
+    def ranks(self, name: str) -> list[int]:
+        start = self.offset(name)
+        return list(range(start, start + self.part(name).size))
+
+    def part_of(self, rank: int) -> PartLayout:
+        for p in self.layouts:
+            if rank in self.ranks(p.name):
+                return p
+        raise FlowRecipeError(f"global rank {rank} is outside the layout's {self.world_size} ranks")
+
+    def global_rank(self, name: str, *, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        return self.offset(name) + self.part(name).local_rank_of(tp=tp, cp=cp, dp=dp, pp=pp)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        p = self.part_of(rank)
+        return p.coords(rank - self.offset(p.name))
+
+    def describe(self) -> str:
+        rows = []
+        for p in self.layouts:
+            r = self.ranks(p.name)
+            rows.append(f"{p.name} ({'+'.join(PART_MODULES[p.name])}): ranks {r[0]}-{r[-1]}, "
+                        f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}")
+        return "; ".join(rows)
+
+
+# Fields of the project schema the MindSpeed-MM host cannot honour, with the reason given to the user.
+def _unsupported(job: FlowJobConfig) -> list[str]:
+    out = []
+    par, flow, pack = job.parallel, job.flow, job.packing
+    if flow.mode != "decoupled":
+        out.append(f"flow.mode={flow.mode!r}: a coupled MindSpeed-MM job is the unpatched job itself; run it without "
+                   "--flow-recipe")
+    if not flow.keep_encoder_activations:
+        out.append("flow.keep_encoder_activations=false: the MindSpeed-MM host keeps ViT activations (recompute comes "
+                   "from the job's own --recompute-* flags)")
+    if par.backbone_dp_impl != "ddp":
+        out.append(f"parallel.backbone_dp_impl={par.backbone_dp_impl!r}: MindSpeed-MM's Megatron backend shards "
+                   "optimizer state with the job's --use-distributed-optimizer, not FSDP2; use 'ddp'")
+    if par.pp_schedule != "1f1b":
+        out.append(f"parallel.pp_schedule={par.pp_schedule!r}: Megatron runs 1F1B; use '1f1b'")
+    if pack.pad_multiple:
+        out.append(f"packing.pad_multiple={pack.pad_multiple}: MindSpeed-MM microbatches are padded to their own "
+                   "longest sample (use 0)")
+    for name, p in (("encoder", par.encoder), ("backbone", par.backbone)):
+        if p.cp != 1:
+            out.append(f"parallel.{name}.cp={p.cp}: MindSpeed's context-parallel group wrappers build their groups "
+                       "over the whole world, not over one part (cp must be 1)")
+    if par.encoder.pp != 1:
+        out.append(f"parallel.encoder.pp={par.encoder.pp}: the image-encoder part runs data/tensor parallel only "
+                   "(pp must be 1)")
+    return out
+
+
+def load_flow_job(path: str | Path) -> FlowJobConfig:
+    """FLOW.yaml merged over the schema; Hydra's `defaults` list (written by `plan --out`) is not needed here."""
+    path = Path(path)
+    if not path.is_file():
+        raise FlowRecipeError(f"--flow-recipe {path}: no such file")
+    try:
+        raw = OmegaConf.load(str(path))
+        if "defaults" in raw:
+            raw.pop("defaults")
+        merged = OmegaConf.merge(OmegaConf.structured(FlowJobConfig), raw)
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except OmegaConfBaseException as err:
+        raise FlowRecipeError(f"--flow-recipe {path}: {str(err).splitlines()[0]}") from None
+
+
+def even_split(layers: int, stages: int) -> tuple[int, ...]:
+    """Layers per pipeline stage, the remainder on the later stages (the first stage also embeds)."""
+    base, extra = divmod(layers, stages)
+    return tuple(base + (1 if s >= stages - extra else 0) for s in range(stages))
+
+
+def build_parts(job: FlowJobConfig, *, world_size: int, model: ModelShape, global_batch_size: int,
+                micro_batch_size: int, recipe_name: str = "FLOW.yaml") -> FlowParts:
+    """Validate the recipe against the launched world and the model; raise FlowRecipeError naming the field."""
+    problems = _unsupported(job)
+    if problems:
+        raise FlowRecipeError(f"{recipe_name}: " + "; ".join(problems))
+    enc_cfg, bb_cfg = job.parallel.encoder, job.parallel.backbone
+    layouts = (PartLayout(ENCODER, enc_cfg.dp, enc_cfg.tp, enc_cfg.pp, enc_cfg.cp),
+               PartLayout(BACKBONE, bb_cfg.dp, bb_cfg.tp, bb_cfg.pp, bb_cfg.cp))
+    field_of = {ENCODER: "parallel.encoder", BACKBONE: "parallel.backbone"}
+    for p in layouts:
+        f = field_of[p.name]
+        for dim in ("dp", "tp", "pp", "cp"):
+            v = getattr(p, dim)
+            if not isinstance(v, int) or v < 1:
+                raise FlowRecipeError(f"{recipe_name}: {f}.{dim}={v!r}: every parallel size must be an integer >= 1")
+    total = sum(p.size for p in layouts)
+    sizes = " + ".join(f"{p.name} {p.size} (dp{p.dp} x tp{p.tp} x pp{p.pp} x cp{p.cp})" for p in layouts)
+    if total != world_size:
+        raise FlowRecipeError(f"{recipe_name}: the parts need {sizes} = {total} ranks but the job was launched with "
+                              f"{world_size}; change parallel.* or the launch size (--nproc_per_node x --nnodes)")
+    if job.parallel.world_size and job.parallel.world_size != world_size:
+        raise FlowRecipeError(f"{recipe_name}: parallel.world_size={job.parallel.world_size} but the job was launched "
+                              f"with {world_size} ranks")
+    enc, bb = layouts
+    checks = [
+        (model.vit_heads % enc.tp == 0, f"parallel.encoder.tp={enc.tp}: the ViT's num_attention_heads "
+                                        f"({model.vit_heads}) must be divisible by tp"),
+        (model.llm_heads % bb.tp == 0, f"parallel.backbone.tp={bb.tp}: the LLM's num_attention_heads "
+                                       f"({model.llm_heads}) must be divisible by tp"),
+        (model.llm_kv_heads % bb.tp == 0, f"parallel.backbone.tp={bb.tp}: the LLM's num_query_groups "
+                                          f"({model.llm_kv_heads}) must be divisible by tp"),
+        (bb.pp <= model.llm_layers, f"parallel.backbone.pp={bb.pp}: more pipeline stages than LLM layers "
+                                    f"({model.llm_layers})"),
+    ]
+    if job.trainer.global_batch_size not in (FlowJobConfig().trainer.global_batch_size, global_batch_size):
+        checks.append((False, f"trainer.global_batch_size={job.trainer.global_batch_size} but the job runs "
+                              f"--global-batch-size {global_batch_size}; the job's flag decides, make them agree"))
+    for p in layouts:
+        checks.append((global_batch_size % (micro_batch_size * p.dp) == 0,
+                       f"{field_of[p.name]}.dp={p.dp}: --global-batch-size {global_batch_size} must be divisible by "
+                       f"--micro-batch-size {micro_batch_size} x dp (every DP rank of every part gets the same "
+                       "share of each global batch)"))
+    for ok, msg in checks:
+        if not ok:
+            raise FlowRecipeError(f"{recipe_name}: {msg}")
+    if job.flow.pool_capacity_mb <= 0 or job.flow.timeout_s <= 0:
+        raise FlowRecipeError(f"{recipe_name}: flow.pool_capacity_mb and flow.timeout_s must be > 0")
+    if job.packing.oversize_policy not in ("error", "skip"):
+        raise FlowRecipeError(f"{recipe_name}: packing.oversize_policy={job.packing.oversize_policy!r}: "
+                              "'error' or 'skip'")
+    return FlowParts(layouts, job.packing, int(job.flow.pool_capacity_mb * 2**20), float(job.flow.timeout_s),
+                     model.encoder_trainable, even_split(model.llm_layers, bb.pp))
+
+
+def argv_value(argv: list[str], flag: str, default: Optional[str] = None) -> Optional[str]:
+    """The value of `--flag v` or `--flag=v` in a Megatron command line (the last one wins, as in argparse)."""
+    value = default
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def parts_for_job(recipe_path: str | Path, argv: list[str], world_size: int) -> FlowParts:
+    """Everything the launcher checks before MindSpeed is imported: recipe x job flags x world x model.json."""
+    job = load_flow_job(recipe_path)
+    model_json = argv_value(argv, "--mm-model")
+    if not model_json:
+        raise FlowRecipeError("the job has no --mm-model: a flow job needs MindSpeed-MM's model.json")
+    model = ModelShape.from_model_json(model_json)
+    gbs = int(argv_value(argv, "--global-batch-size", "0") or 0)
+    mbs = int(argv_value(argv, "--micro-batch-size", "1") or 1)
+    if gbs < 1:
+        raise FlowRecipeError("the job has no --global-batch-size: a flow job plans each global batch")
+    for flag in ("--virtual-pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage"):
+        if argv_value(argv, flag):
+            raise FlowRecipeError(f"{flag}: interleaved pipelines are not supported by the flow decoder yet")
+    if "--hetero-parallel" in argv or "--dist-train" in argv:
+        raise FlowRecipeError("--hetero-parallel / --dist-train: these are MindSpeed's own encoder/LLM splits; "
+                              "a flow job replaces them, drop the flag")
+    return build_parts(job, world_size=world_size, model=model, global_batch_size=gbs, micro_batch_size=mbs,
+                       recipe_name=Path(recipe_path).name)
+
+
+def as_dict(parts: FlowParts) -> dict[str, Any]:
+    return {"parts": [{"name": p.name, "dp": p.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp} for p in parts.layouts]}

@@ -1,0 +1,213 @@
+"""The flow patch set: a MindSpeed-MM job trains with the image encoder and the text decoder on separate ranks.
+
+Each entry of `REGISTRY` names a real MindSpeed-MM / MindSpeed / Megatron-LM function, how it is patched (a
+`wrapper` stacks over whatever MindSpeed already put there; nothing here replaces a function outright) and why.
+`tests/test_patch_registry.py` checks every target exists with a compatible signature in the pinned sources.
+All wrappers are inert when no flow recipe was given (`context.current()` is None): the job is then the
+unpatched job.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from mindspeed_flow.hosts.mindspeed_mm import context as flow_context
+
+
+@dataclass(frozen=True)
+class PatchTarget:
+    target: str
+    kind: str  # "wrap": the function is kept and called; "replace": it is not
+    why: str
+    parameters: tuple[str, ...]  # leading parameters the wrapper relies on
+
+
+REGISTRY: tuple[PatchTarget, ...] = (
+    PatchTarget("megatron.training.arguments.validate_args", "wrap",
+                "each rank's args describe its own part (world size, TP/PP/CP) before Megatron derives DP",
+                ("args", "defaults")),
+    PatchTarget("megatron.training.initialize._initialize_distributed", "wrap",
+                "init_process_group over the whole world while the args describe the part",
+                ("get_embedding_ranks", "get_position_embedding_ranks")),
+    PatchTarget("megatron.core.parallel_state.initialize_model_parallel", "wrap",
+                "one pass per part over an offset sub-world; the rank keeps its own part's groups; flow groups",
+                ("tensor_model_parallel_size", "pipeline_model_parallel_size")),
+    PatchTarget("mindspeed_mm.training.pretrain", "wrap",
+                "swap in the flow model provider (modules= per part), data provider and forward step",
+                ("train_valid_test_dataset_provider", "model_provider", "model_type", "forward_step_func")),
+    PatchTarget("megatron.core.pipeline_parallel.schedules.get_forward_backward_func", "wrap",
+                "encoder ranks get the streaming encoder step; decoder ranks Megatron's schedule over the plan",
+                ()),
+    PatchTarget("megatron.core.optimizer.clip_grads.get_grad_norm_fp32", "wrap",
+                "one global gradient norm over every trainable part (dist-train clips per part)",
+                ("grads_for_norm", "norm_type", "grad_stats_parallel_group")),
+    PatchTarget("megatron.training.checkpointing.get_checkpoint_name", "wrap",
+                "per-part checkpoint folders (mp_<part>_rank_TT[_PPP]) in Megatron's format",
+                ("checkpoints_path", "iteration", "release", "pipeline_parallel", "tensor_rank", "pipeline_rank")),
+    PatchTarget("megatron.training.checkpointing._load_base_checkpoint", "wrap",
+                "a coupled checkpoint loads into a decoupled run: each part takes, re-splits and renames its tensors",
+                ("load_dir", "args", "rank0")),
+    PatchTarget("mindspeed_mm.training.training_log", "wrap",
+                "per-part busy/wait seconds after Megatron's iteration line", ("loss_dict", "total_loss_dict")),
+)
+
+TARGET_MODULES = tuple(sorted({t.target.rsplit(".", 1)[0] for t in REGISTRY}))
+
+
+# ------------------------------------------------------------------------------------------- wrappers
+
+
+def validate_args_wrapper(validate_args: Callable) -> Callable:
+    @functools.wraps(validate_args)
+    def wrapped(args: Any, defaults: Any = None) -> Any:
+        ctx = flow_context.current()
+        if ctx is not None:
+            ctx.apply_part_args(args)
+        return validate_args(args, {} if defaults is None else defaults)
+
+    return wrapped
+
+
+def initialize_distributed_wrapper(initialize_distributed: Callable) -> Callable:
+    @functools.wraps(initialize_distributed)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        ctx = flow_context.current()
+        if ctx is None:
+            return initialize_distributed(*args, **kwargs)
+        from megatron.training import get_args
+
+        margs = get_args()
+        part_world = margs.world_size
+        margs.world_size = ctx.parts.world_size
+        try:
+            return initialize_distributed(*args, **kwargs)
+        finally:
+            margs.world_size = part_world
+
+    return wrapped
+
+
+def initialize_model_parallel_wrapper(initialize: Callable) -> Callable:
+    @functools.wraps(initialize)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        ctx = flow_context.current()
+        if ctx is None:
+            return initialize(*args, **kwargs)
+        if len(args) < 2:
+            args = (kwargs.pop("tensor_model_parallel_size", 1), kwargs.pop("pipeline_model_parallel_size", 1)) + args
+        ctx.initialize_parts(initialize, args, kwargs)
+        return None
+
+    return wrapped
+
+
+def pretrain_wrapper(pretrain: Callable) -> Callable:
+    @functools.wraps(pretrain)
+    def wrapped(train_valid_test_dataset_provider: Callable, model_provider: Callable, model_type: Any,
+                forward_step_func: Callable, *args: Any, **kwargs: Any) -> Any:
+        ctx = flow_context.current()
+        if ctx is None:
+            return pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                            *args, **kwargs)
+        from mindspeed_flow.hosts.mindspeed_mm import host
+
+        flow = host.FlowHost(ctx)
+        return pretrain(flow.dataset_provider(train_valid_test_dataset_provider), flow.model_provider(model_provider),
+                        model_type, flow.forward_step(forward_step_func), *args, **kwargs)
+
+    return wrapped
+
+
+def get_forward_backward_func_wrapper(get_fbf: Callable) -> Callable:
+    @functools.wraps(get_fbf)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        fbf = get_fbf(*args, **kwargs)
+        ctx = flow_context.current()
+        if ctx is None:
+            return fbf
+        from mindspeed_flow.hosts.mindspeed_mm import host
+
+        return host.active().forward_backward_func(fbf)
+
+    return wrapped
+
+
+def get_grad_norm_fp32_wrapper(get_norm: Callable) -> Callable:
+    @functools.wraps(get_norm)
+    def wrapped(grads_for_norm: Any, norm_type: Any = 2, grad_stats_parallel_group: Any = None) -> float:
+        norm = get_norm(grads_for_norm, norm_type, grad_stats_parallel_group)
+        ctx = flow_context.current()
+        if ctx is None:
+            return norm
+        from mindspeed_flow.hosts.mindspeed_mm.schedule import global_grad_norm
+
+        return global_grad_norm(ctx, norm, float(norm_type))
+
+    return wrapped
+
+
+def get_checkpoint_name_wrapper(get_name: Callable) -> Callable:
+    @functools.wraps(get_name)
+    def wrapped(checkpoints_path: Any, iteration: Any, *args: Any, **kwargs: Any) -> Any:
+        name = get_name(checkpoints_path, iteration, *args, **kwargs)
+        ctx = flow_context.current()
+        if ctx is None:
+            return name
+        from mindspeed_flow.hosts.mindspeed_mm.checkpoint import part_checkpoint_name
+
+        return part_checkpoint_name(name, ctx.part)
+
+    return wrapped
+
+
+def load_base_checkpoint_wrapper(load: Callable) -> Callable:
+    @functools.wraps(load)
+    def wrapped(load_dir: Any, args: Any, rank0: bool = False, *more: Any, **kwargs: Any) -> Any:
+        ctx = flow_context.current()
+        if ctx is None:
+            return load(load_dir, args, rank0, *more, **kwargs)
+        from mindspeed_flow.hosts.mindspeed_mm.checkpoint import load_for_part
+
+        return load_for_part(ctx, load, load_dir, args, rank0, *more, **kwargs)
+
+    return wrapped
+
+
+def training_log_wrapper(training_log: Callable) -> Callable:
+    @functools.wraps(training_log)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        out = training_log(*args, **kwargs)
+        ctx = flow_context.current()
+        if ctx is not None:
+            from mindspeed_flow.hosts.mindspeed_mm import host
+
+            host.active().log_iteration(args[4] if len(args) > 4 else kwargs.get("iteration"))
+        return out
+
+    return wrapped
+
+
+_WRAPPERS: dict[str, Callable] = {
+    "megatron.training.arguments.validate_args": validate_args_wrapper,
+    "megatron.training.initialize._initialize_distributed": initialize_distributed_wrapper,
+    "megatron.core.parallel_state.initialize_model_parallel": initialize_model_parallel_wrapper,
+    "mindspeed_mm.training.pretrain": pretrain_wrapper,
+    "megatron.core.pipeline_parallel.schedules.get_forward_backward_func": get_forward_backward_func_wrapper,
+    "megatron.core.optimizer.clip_grads.get_grad_norm_fp32": get_grad_norm_fp32_wrapper,
+    "megatron.training.checkpointing.get_checkpoint_name": get_checkpoint_name_wrapper,
+    "megatron.training.checkpointing._load_base_checkpoint": load_base_checkpoint_wrapper,
+    "mindspeed_mm.training.training_log": training_log_wrapper,
+}
+assert set(_WRAPPERS) == {t.target for t in REGISTRY}
+
+
+def register(patch_manager: Any) -> None:
+    """Register every wrapper (their names end in `wrapper`, so MindSpeed stacks them as decorators)."""
+    for target in REGISTRY:
+        patch_manager.register_patch(target.target, _WRAPPERS[target.target])
+
+
+def enabled() -> bool:
+    return bool(os.environ.get("MSF_FLOW_RECIPE"))
