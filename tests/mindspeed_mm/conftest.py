@@ -105,12 +105,14 @@ def _record(name: str, nproc: int, result: JobResult, sources: Sources) -> None:
 
 @pytest.fixture
 def run_job(mm_sources: Sources, tmp_path: Path):
-    """run_job(name, argv, nproc=2, patches=False) -> JobResult, via `mindspeed-flow emulate`."""
+    """run_job(name, argv, nproc=2, patches=False, flow_recipe=None) -> JobResult, via `mindspeed-flow emulate`."""
 
-    def run(name: str, argv: list[str], nproc: int = 2, patches: bool = False) -> JobResult:
+    def run(name: str, argv: list[str], nproc: int = 2, patches: bool = False,
+            flow_recipe: Path | None = None) -> JobResult:
         log_path = tmp_path / f"{name}.emulation.log"
         cmd = [sys.executable, "-m", "mindspeed_flow.cli", "emulate", "--nproc", str(nproc), "--log",
-               str(log_path)] + (["--patches"] if patches else []) + ["--"] + argv
+               str(log_path)] + (["--patches"] if patches else []) + \
+            (["--flow-recipe", str(flow_recipe)] if flow_recipe else []) + ["--"] + argv
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
         output = proc.stdout + proc.stderr
         its, losses, times = parse_iterations(output)

@@ -119,16 +119,24 @@ class FlowContext:
             args.variable_seq_lengths = getattr(args, "variable_seq_lengths", False)
 
     def initialize_parts(self, initialize: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-        """Run Megatron's (MindSpeed-wrapped) `initialize_model_parallel` once per part; keep this rank's state."""
-        from megatron.core import parallel_state as ps
+        """Run Megatron's (MindSpeed-wrapped) `initialize_model_parallel` once per part; keep this rank's state.
 
+        During a part's pass every rank's Megatron args describe that part too: code in the wrapped chain that
+        reads `get_args()` (MindSpeed's does) must build the same groups on every rank, or the ranks' group
+        counters drift apart and the next collective `new_group` never completes."""
+        from megatron.core import parallel_state as ps
+        from megatron.training import get_args
+
+        margs = get_args()
         pristine = _snapshot(ps)
         mine: Optional[dict[str, Any]] = None
         for lay in self.parts.layouts:
             _restore(ps, pristine)
             call_args = (lay.tp, lay.pp) + tuple(args[2:])
-            call_kwargs = dict(kwargs, context_parallel_size=lay.cp)
-            with part_world(ps, self.parts.offset(lay.name), lay.size):
+            # Megatron's validate_args derives expert TP from the rank's own TP; each pass must use the part's, or
+            # the expert groups (built on every rank) differ between ranks of different parts.
+            call_kwargs = dict(kwargs, context_parallel_size=lay.cp, expert_tensor_parallel_size=lay.tp)
+            with part_world(ps, self.parts.offset(lay.name), lay.size), part_args(margs, lay):
                 initialize(*call_args, **call_kwargs)
             if self.rank in self.parts.ranks(lay.name):
                 mine = _snapshot(ps)
@@ -175,6 +183,25 @@ def part_world(ps: Any, offset: int, size: int) -> Iterator[None]:
     finally:
         dist.get_world_size = real_world_size
         ps.RankGenerator = base_generator
+
+
+_PART_ARGS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+              "data_parallel_size", "sequence_parallel")
+
+
+@contextlib.contextmanager
+def part_args(args: Any, lay: Any) -> Iterator[None]:
+    """Inside: the Megatron args describe part `lay` (every rank the same), whatever part the rank belongs to."""
+    saved = {k: getattr(args, k, None) for k in _PART_ARGS}
+    args.world_size, args.tensor_model_parallel_size = lay.size, lay.tp
+    args.pipeline_model_parallel_size, args.context_parallel_size = lay.pp, lay.cp
+    args.data_parallel_size = lay.size // (lay.tp * lay.pp * lay.cp)
+    args.sequence_parallel = bool(saved["sequence_parallel"]) and lay.tp > 1
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(args, k, v)
 
 
 def _is_state(name: str, value: Any) -> bool:

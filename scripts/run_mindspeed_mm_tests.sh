@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Runs the MindSpeed-MM integration tests (pytest -m mindspeed_mm): real MindSpeed-MM / MindSpeed / Megatron-LM
+# sources trained on CPU under the emulated torch_npu, unpatched and as flow jobs.
+# Usage: bash scripts/run_mindspeed_mm_tests.sh [pytest args...]
+# Sources: $MINDSPEED_MM_HOME, $MINDSPEED_HOME, $MEGATRON_HOME if set; else the pinned archive
+# ../shared/third_party/mindspeed_mm_sources.tar.gz (or $MSF_SOURCES_ARCHIVE) is unpacked into a temporary folder
+# (Megatron compiles a helper into its own tree, so the sources must be writable). Without either, the tests skip
+# with the reason.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_emulate_env.sh
+archive=${MSF_SOURCES_ARCHIVE:-../shared/third_party/mindspeed_mm_sources.tar.gz}
+if [ -z "${MINDSPEED_MM_HOME:-}" ] && [ -f "$archive" ]; then
+  src=$(mktemp -d -t msf-sources-XXXXXX)
+  trap 'rm -rf "$src"' EXIT
+  tar xzf "$archive" -C "$src"
+  export MINDSPEED_MM_HOME="$src/MindSpeed-MM" MINDSPEED_HOME="$src/MindSpeed" MEGATRON_HOME="$src/Megatron-LM"
+  echo "MindSpeed-MM sources unpacked from $archive into $src"
+fi
+export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+exec .venv-emulate/bin/python -m pytest -q -m mindspeed_mm tests/mindspeed_mm "$@"
