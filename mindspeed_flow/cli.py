@@ -5,6 +5,7 @@
     mindspeed-flow profile [...]                   measure step times of a few layouts on the devices at hand
     mindspeed-flow bench packing|planner|...       benchmarks that print side-by-side numbers
     mindspeed-flow emulate [--nproc N] -- pretrain_vlm.py ...   run a MindSpeed-MM job on CPU (emulated NPU)
+    mindspeed-flow convert-checkpoint --to decoupled|coupled ...   coupled MindSpeed-MM checkpoint <-> flow parts
     mindspeed-flow doctor                          what this machine offers (device, backend, MC2, versions)
 
 Subcommand modules are imported only when used, so `plan` never imports torch.distributed machinery and
@@ -20,6 +21,7 @@ SUBCOMMANDS: dict[str, str] = {
     "plan": "mindspeed_flow.planner.cli",
     "profile": "mindspeed_flow.planner.profile",
     "emulate": "mindspeed_flow.emulation.cli",
+    "convert-checkpoint": "mindspeed_flow.hosts.mindspeed_mm.convert",
     "doctor": "mindspeed_flow.accelerator",
 }
 BENCHMARKS: dict[str, str] = {

@@ -63,6 +63,16 @@ def _split_recipe(argv: list[str]) -> tuple[Optional[str], list[str]]:
     return os.environ.get(RECIPE_ENV) or None, argv
 
 
+def _set_flag(argv: list[str], flag: str, value: str) -> None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            argv[i + 1] = value
+        elif a.startswith(flag + "="):
+            argv[i] = f"{flag}={value}"
+    if not any(a == flag or a.startswith(flag + "=") for a in argv):
+        argv += [flag, value]
+
+
 def setup_flow(recipe: str, script_argv: list[str]) -> None:
     """Validate the recipe and install this rank's flow context (before any process group exists)."""
     from mindspeed_flow.hosts.mindspeed_mm import context
@@ -76,6 +86,13 @@ def setup_flow(recipe: str, script_argv: list[str]) -> None:
             print(f"mindspeed-flow: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2)
     context.install(context.FlowContext.for_this_process(parts))
+    # MindSpeed makes its import-time feature decisions (MC2's class replacement among them) from the command line's
+    # TP; the per-part TP is applied later, rank by rank. So the command line carries the largest part TP.
+    _set_flag(script_argv, "--tensor-model-parallel-size", str(max(p.tp for p in parts.layouts)))
+    if not parts.encoder_trainable and "--enable-dummy-optimizer" not in script_argv:
+        # A frozen encoder part has no trainable parameter; MindSpeed-MM's dummy optimizer gives its ranks one
+        # (its flag is read at import time, so it must be on the command line before MindSpeed is imported).
+        script_argv.append("--enable-dummy-optimizer")
     os.environ[RECIPE_ENV] = os.path.abspath(recipe)
     if _is_rank0():
         print(f"[mindspeed-flow] decoupled layout from {recipe}: {parts.describe()}; decoder pipeline layers "
@@ -94,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isfile(script):
         print(f"mindspeed_flow_patches.launch: script {argv[0]!r} not found (cwd {os.getcwd()})", file=sys.stderr)
         return 2
+    script_argv = argv[1:]
     if recipe:
-        setup_flow(recipe, argv[1:])
-    sys.argv = [script] + argv[1:]  # step 1
+        setup_flow(recipe, script_argv)
+    sys.argv = [script] + script_argv  # step 1
     sys.path.insert(0, os.path.dirname(script))
     names = apply_flow_patches(flow=bool(recipe))
     if _is_rank0():

@@ -18,4 +18,4 @@ if [ -z "${MINDSPEED_MM_HOME:-}" ] && [ -f "$archive" ]; then
   echo "MindSpeed-MM sources unpacked from $archive into $src"
 fi
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec .venv-emulate/bin/python -m pytest -q -m mindspeed_mm tests/mindspeed_mm "$@"
+exec .venv-emulate/bin/python -m pytest -q -m mindspeed_mm tests/mindspeed_mm tests/test_patch_registry.py "$@"

@@ -6,8 +6,18 @@ Float16Module wrapper), `--no-gradient-accumulation-fusion` (its fused kernel is
 """
 from __future__ import annotations
 
+import math
+import re
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from mindspeed_flow.emulation import log as emu_log
+
+_ITER_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)"
+                      r".*?\| (?:lm )?loss: ([^ |]+)")
+JOB_TIMEOUT_S = 900
 
 
 @dataclass
@@ -58,3 +68,41 @@ class TinyJob:
         if self.load is not None:
             a += ["--load", str(self.load)]
         return a + list(self.extra)
+
+
+@dataclass
+class JobResult:
+    rc: int
+    output: str
+    iterations: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    times_ms: list[float] = field(default_factory=list)
+    log: dict[str, set[str]] = field(default_factory=dict)
+
+    def assert_trained(self, n_iters: int, first: int = 1) -> None:
+        assert self.rc == 0, f"job failed (rc={self.rc}):\n{self.output[-6000:]}"
+        assert self.iterations == list(range(first, first + n_iters)), (self.iterations, self.output[-3000:])
+        assert all(math.isfinite(x) for x in self.losses), self.losses
+
+
+def parse_iterations(output: str) -> tuple[list[int], list[float], list[float]]:
+    its, losses, times = [], [], []
+    for m in _ITER_RE.finditer(output):
+        its.append(int(m.group(1)))
+        times.append(float(m.group(2)))
+        losses.append(float(m.group(3)))
+    return its, losses, times
+
+
+def emulate_job(name: str, argv: list[str], *, log_dir: Path, nproc: int = 2, patches: bool = False,
+                flow_recipe: Path | None = None, timeout_s: float = JOB_TIMEOUT_S) -> JobResult:
+    """Run one job through `mindspeed-flow emulate`; its emulation log is LOG_DIR/NAME.emulation.log."""
+    log_path = log_dir / f"{name}.emulation.log"
+    cmd = [sys.executable, "-m", "mindspeed_flow.cli", "emulate", "--nproc", str(nproc), "--log",
+           str(log_path)] + (["--patches"] if patches else []) + \
+        (["--flow-recipe", str(flow_recipe)] if flow_recipe else []) + ["--"] + argv
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    output = proc.stdout + proc.stderr
+    its, losses, times = parse_iterations(output)
+    log = emu_log.read_log(str(log_path)) if log_path.exists() else {}
+    return JobResult(proc.returncode, output, its, losses, times, log)

@@ -8,22 +8,15 @@ append one JSON line per job (layout, losses, per-iteration times, source commit
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
-import subprocess
-import sys
-from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
 import pytest
 
-from mindspeed_flow.emulation import log as emu_log
+from mindspeed_flow.emulation.jobs import JobResult, emulate_job
 from mindspeed_flow.emulation.sources import SourceError, Sources, find_sources
 
-_ITER_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)"
-                      r".*?\| (?:lm )?loss: ([^ |]+)")
 JOB_TIMEOUT_S = 900
 
 
@@ -65,30 +58,6 @@ def tiny_assets(mm_sources: Sources, tmp_path_factory: pytest.TempPathFactory) -
     return paths
 
 
-@dataclass
-class JobResult:
-    rc: int
-    output: str
-    iterations: list[int] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-    times_ms: list[float] = field(default_factory=list)
-    log: dict[str, set[str]] = field(default_factory=dict)
-
-    def assert_trained(self, n_iters: int, first: int = 1) -> None:
-        assert self.rc == 0, f"job failed (rc={self.rc}):\n{self.output[-6000:]}"
-        assert self.iterations == list(range(first, first + n_iters)), (self.iterations, self.output[-3000:])
-        assert all(math.isfinite(x) for x in self.losses), self.losses
-
-
-def parse_iterations(output: str) -> tuple[list[int], list[float], list[float]]:
-    its, losses, times = [], [], []
-    for m in _ITER_RE.finditer(output):
-        its.append(int(m.group(1)))
-        times.append(float(m.group(2)))
-        losses.append(float(m.group(3)))
-    return its, losses, times
-
-
 def _record(name: str, nproc: int, result: JobResult, sources: Sources) -> None:
     path = os.environ.get("MSF_EMULATION_RECORD")
     if not path:
@@ -109,15 +78,7 @@ def run_job(mm_sources: Sources, tmp_path: Path):
 
     def run(name: str, argv: list[str], nproc: int = 2, patches: bool = False,
             flow_recipe: Path | None = None) -> JobResult:
-        log_path = tmp_path / f"{name}.emulation.log"
-        cmd = [sys.executable, "-m", "mindspeed_flow.cli", "emulate", "--nproc", str(nproc), "--log",
-               str(log_path)] + (["--patches"] if patches else []) + \
-            (["--flow-recipe", str(flow_recipe)] if flow_recipe else []) + ["--"] + argv
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
-        output = proc.stdout + proc.stderr
-        its, losses, times = parse_iterations(output)
-        log = emu_log.read_log(str(log_path)) if log_path.exists() else {}
-        result = JobResult(proc.returncode, output, its, losses, times, log)
+        result = emulate_job(name, argv, log_dir=tmp_path, nproc=nproc, patches=patches, flow_recipe=flow_recipe)
         _record(name, nproc, result, mm_sources)
         return result
 

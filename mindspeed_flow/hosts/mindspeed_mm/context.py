@@ -24,7 +24,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
-import torch
 import torch.distributed as dist
 
 from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowParts, PART_MODULES
@@ -115,8 +114,15 @@ class FlowContext:
         args.context_parallel_size = lay.cp
         if lay.tp == 1 and getattr(args, "sequence_parallel", False):
             args.sequence_parallel = False  # Megatron would warn and drop it; MC2 then stays off for this part
+        if getattr(args, "use_ascend_mc2", False) and not self.uses_mc2(args):
+            args.use_ascend_mc2 = False  # MindSpeed asserts TP > 1 and SP for MC2; this part builds plain linears
         if lay.pp == 1:
             args.variable_seq_lengths = getattr(args, "variable_seq_lengths", False)
+
+    def uses_mc2(self, args: Any) -> bool:
+        """MC2 runs in a part only where it can: `--use-ascend-mc2`, TP > 1 and sequence parallel."""
+        return bool(getattr(args, "use_ascend_mc2", False)) and self.layout.tp > 1 and \
+            bool(getattr(args, "sequence_parallel", False))
 
     def initialize_parts(self, initialize: Callable[..., Any], args: tuple, kwargs: dict) -> None:
         """Run Megatron's (MindSpeed-wrapped) `initialize_model_parallel` once per part; keep this rank's state.
@@ -143,6 +149,9 @@ class FlowContext:
         assert mine is not None, f"rank {self.rank} is in no part"
         _restore(ps, mine)
         self._build_flow_groups()
+        groups = self.check_groups()
+        print(f"[mindspeed-flow] rank {self.rank} ({self.part}) groups: "
+              + " ".join(f"{k}={v}" for k, v in groups.items()), flush=True)
 
     def _build_flow_groups(self) -> None:
         trainable = [r for lay in self.parts.layouts

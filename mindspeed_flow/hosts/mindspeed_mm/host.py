@@ -11,7 +11,8 @@
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import contextlib
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -46,6 +47,38 @@ def cost_model_from(model_cfg: Any) -> CostModel:
                      enc_linear=6.0 * nv * (4 * hv * hv + 3 * hv * fv), enc_quadratic=12.0 * nv * hv)
 
 
+@contextlib.contextmanager
+def plain_linears_unless(use_mc2: bool) -> Iterator[None]:
+    """Build with Megatron's own parallel linears unless this part runs MC2.
+
+    MindSpeed decides MC2 once per process, at import, from the command line, by replacing Megatron's
+    Column/RowParallelLinear classes everywhere (spec modules included). In a flow job that decision is per part:
+    the launcher lets MindSpeed install the MC2 classes when any part can use them, and a part that cannot (TP 1,
+    or no sequence parallel) constructs its model with the original classes put back for the duration.
+    """
+    import sys
+
+    from megatron.core.tensor_parallel import layers
+
+    swaps = []
+    if not use_mc2:
+        for name in ("ColumnParallelLinear", "RowParallelLinear"):
+            current = getattr(layers, name)
+            original = next((c for c in current.__mro__[1:] if c.__name__ == name and
+                             c.__module__ == "megatron.core.tensor_parallel.layers"), None)
+            if original is None or "MC2" not in current.__name__:
+                continue
+            for mod in list(sys.modules.values()):
+                if getattr(mod, name, None) is current:
+                    swaps.append((mod, name, current))
+                    setattr(mod, name, original)
+    try:
+        yield
+    finally:
+        for mod, name, current in swaps:
+            setattr(mod, name, current)
+
+
 class FlowHost:
     def __init__(self, ctx: FlowContext) -> None:
         global _ACTIVE
@@ -67,7 +100,8 @@ class FlowHost:
                 vit.pipeline_num_layers = [int(vit.num_layers)]
             else:
                 model_cfg.text_decoder.pipeline_num_layers = list(ctx.parts.decoder_layers)
-            return original(pre_process, post_process, modules=ctx.modules)
+            with plain_linears_unless(ctx.uses_mc2(get_args())):
+                return original(pre_process, post_process, modules=ctx.modules)
 
         return flow_model_provider
 

@@ -245,6 +245,10 @@ def parts_for_job(recipe_path: str | Path, argv: list[str], world_size: int) -> 
     for flag in ("--virtual-pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage"):
         if argv_value(argv, flag):
             raise FlowRecipeError(f"{flag}: interleaved pipelines are not supported by the flow decoder yet")
+    if not model.encoder_trainable and "--use-distributed-optimizer" not in argv:
+        raise FlowRecipeError("model.json freezes the whole image encoder, so its part has no trainable parameter: "
+                              "run with --use-distributed-optimizer (MindSpeed-MM's placeholder optimizer for a part "
+                              "without parameters fails in Megatron's non-distributed optimizer: no main_grad)")
     if "--hetero-parallel" in argv or "--dist-train" in argv:
         raise FlowRecipeError("--hetero-parallel / --dist-train: these are MindSpeed's own encoder/LLM splits; "
                               "a flow job replaces them, drop the flag")

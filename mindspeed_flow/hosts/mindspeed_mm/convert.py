@@ -1,0 +1,144 @@
+"""`mindspeed-flow convert-checkpoint`: a coupled MindSpeed-MM checkpoint to a flow job's part folders and back.
+
+    mindspeed-flow convert-checkpoint --to decoupled --load COUPLED --save FLOW --mm-model model.json \\
+        --flow-recipe FLOW.yaml [--swiglu]
+    mindspeed-flow convert-checkpoint --to coupled --load FLOW --save COUPLED --mm-model model.json \\
+        --flow-recipe FLOW.yaml --tp T --pp P [--swiglu]
+
+Only model tensors move (Megatron `--ckpt-format torch`, the latest iteration of --load); optimizer state and RNG
+belong to one layout and are not carried over, so continue a converted run with `--finetune` or
+`--no-load-optim --no-load-rng`. With `--to coupled`, the ViT goes on stage 0 (the layout of MindSpeed-MM's
+examples) and the LLM layers follow model.json's `text_decoder.pipeline_num_layers` (an even split if absent).
+`--save` must not exist yet: a conversion never overwrites a checkpoint. The saved args are unpickled, so
+Megatron must be importable: on a machine without it, point MINDSPEED_MM_HOME, MINDSPEED_HOME and MEGATRON_HOME
+at the sources (the CPU emulation is then used for the imports).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from mindspeed_flow.hosts.mindspeed_mm import checkpoint as ck
+from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, ModelShape, even_split, load_flow_job
+from mindspeed_flow.topology import PartLayout
+
+
+def _namespace(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return SimpleNamespace(**{k: _namespace(v) for k, v in obj.items()})
+    return obj
+
+
+def _ensure_megatron_importable() -> None:
+    try:
+        import megatron  # noqa: F401  (only: is it importable?)
+        return
+    except ImportError:
+        pass
+    from mindspeed_flow import emulation
+    from mindspeed_flow.emulation.sources import SourceError, find_sources
+
+    try:
+        sources = find_sources()
+    except SourceError as err:
+        raise SystemExit(f"mindspeed-flow convert-checkpoint: Megatron is not importable and {err}")
+    emulation.activate()
+    sys.path[:0] = sources.pythonpath()
+
+
+def _write(save: Path, iteration: int, release: bool, folder: str, model: dict, args: Any) -> None:
+    d = save / ("release" if release else f"iter_{iteration:07d}") / folder
+    d.mkdir(parents=True, exist_ok=False)
+    torch.save({"model": model, "args": args, "iteration": iteration, "checkpoint_version": 3.0},
+               str(d / "model_optim_rng.pt"))
+
+
+def _folder(module: str | None, tp_rank: int, pp_rank: int, pp: int) -> str:
+    base = "mp_" + (f"{module}_" if module else "") + f"rank_{tp_rank:02d}"
+    return base + (f"_{pp_rank:03d}" if pp > 1 else "")
+
+
+def convert(*, to: str, load: Path, save: Path, model_json: Path, recipe: Path, swiglu: bool,
+            tp: int = 1, pp: int = 1) -> list[str]:
+    """Convert; returns the folders written. Raises CheckpointError / FlowRecipeError with the reason."""
+    if save.exists():
+        raise ck.CheckpointError(f"--save {save} exists: a conversion never writes over an earlier checkpoint")
+    model_cfg = _namespace(json.loads(model_json.read_text()))
+    gated = ck.gated_prefixes_of(model_cfg, swiglu)
+    shape = ModelShape.from_model_json(model_json)
+    job = load_flow_job(recipe)
+    # Layouts only: the batch rules of build_parts belong to a job, not to checkpoint files.
+    layouts = {"encoder": PartLayout("encoder", job.parallel.encoder.dp, job.parallel.encoder.tp, 1, 1),
+               "backbone": PartLayout("backbone", job.parallel.backbone.dp, job.parallel.backbone.tp,
+                                      job.parallel.backbone.pp, 1)}
+    iteration, release = ck.read_iteration(load)
+    iter_dir = load / ("release" if release else f"iter_{iteration:07d}")
+    written = []
+    save.mkdir(parents=True)
+    if to == "decoupled":
+        whole, args = ck.read_whole(iter_dir, None, gated)
+        for part, module in (("encoder", "image_encoder"), ("backbone", "text_decoder")):
+            lay = layouts[part]
+            layers = [shape.vit_layers] if part == "encoder" else list(even_split(shape.llm_layers, lay.pp))
+            for pp_rank in range(lay.pp):
+                for tp_rank in range(lay.tp):
+                    state = ck.part_state(whole, part, tp=lay.tp, tp_rank=tp_rank, layers=layers, pp_rank=pp_rank,
+                                          gated_prefixes=gated)
+                    folder = _folder(module, tp_rank, pp_rank, lay.pp)
+                    _write(save, iteration, release, folder, state, args)
+                    written.append(folder)
+    elif to == "coupled":
+        whole: dict[str, Any] = {}
+        args = None
+        for module in ("image_encoder", "text_decoder"):
+            part_whole, part_args = ck.read_whole(iter_dir, module, gated)
+            whole.update(part_whole)
+            args = args if args is not None else part_args
+        text_layers = list(getattr(model_cfg.text_decoder, "pipeline_num_layers", None) or
+                           even_split(shape.llm_layers, pp))
+        if len(text_layers) != pp or sum(text_layers) != shape.llm_layers:
+            raise ck.CheckpointError(f"--pp {pp}: model.json text_decoder.pipeline_num_layers {text_layers} must have "
+                                     f"{pp} entries summing to {shape.llm_layers}")
+        for pp_rank in range(pp):
+            for tp_rank in range(tp):
+                state = ck.part_state(whole, "backbone", tp=tp, tp_rank=tp_rank, layers=text_layers,
+                                      pp_rank=pp_rank, gated_prefixes=gated)
+                if pp_rank == 0:
+                    state.update(ck.part_state(whole, "encoder", tp=tp, tp_rank=tp_rank, layers=[shape.vit_layers],
+                                               pp_rank=0, gated_prefixes=gated))
+                folder = _folder(None, tp_rank, pp_rank, pp)
+                _write(save, iteration, release, folder, state, args)
+                written.append(folder)
+    else:
+        raise ck.CheckpointError(f"--to {to!r}: 'decoupled' or 'coupled'")
+    (save / ck.TRACKER).write_text("release" if release else str(iteration))
+    return written
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="mindspeed-flow convert-checkpoint", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--to", required=True, choices=("decoupled", "coupled"))
+    p.add_argument("--load", required=True, type=Path)
+    p.add_argument("--save", required=True, type=Path)
+    p.add_argument("--mm-model", required=True, type=Path)
+    p.add_argument("--flow-recipe", required=True, type=Path)
+    p.add_argument("--swiglu", action="store_true", help="the job's LLM MLP is gated (the job runs --swiglu)")
+    p.add_argument("--tp", type=int, default=1, help="coupled target tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="coupled target pipeline-parallel size")
+    a = p.parse_args(argv)
+    _ensure_megatron_importable()
+    try:
+        written = convert(to=a.to, load=a.load, save=a.save, model_json=a.mm_model, recipe=a.flow_recipe,
+                          swiglu=a.swiglu, tp=a.tp, pp=a.pp)
+    except (ck.CheckpointError, FlowRecipeError, OSError) as err:
+        print(f"mindspeed-flow convert-checkpoint: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(written)} rank folders to {a.save}: {', '.join(written)}")
+    return 0

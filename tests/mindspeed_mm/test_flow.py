@@ -1,0 +1,236 @@
+"""A MindSpeed-MM job trained as a flow job (image encoder and text decoder on separate ranks) vs the unpatched job.
+
+Both load the same coupled checkpoint (`--load --finetune`), run 10 bf16 iterations with
+`--calculate-per-token-loss` on the same global batches; the flow job's loss must equal the unpatched job's at
+every iteration (first within 5e-3, all within 2e-2 relative) and fall. The per-token loss is what packing
+preserves: it is sum(token losses) / tokens over the global batch whichever microbatch a sample lands in. Without
+it MindSpeed-MM averages each microbatch's mean, so regrouping samples changes the loss definition itself.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mindspeed_flow.emulation.jobs import TinyJob
+from mindspeed_flow.emulation.jobs import emulate_job
+
+pytestmark = [pytest.mark.mindspeed_mm, pytest.mark.slow, pytest.mark.timeout(2400)]
+
+ITERS = 10
+FLOW_LINE = re.compile(r"\[flow\] iteration (\d+) \|(.*)")
+COMMON = ["--calculate-per-token-loss", "--variable-seq-lengths", "--sequence-parallel"]
+
+LAYOUTS = {
+    # name: (encoder dp, tp), (decoder dp, tp, pp), extra job flags of the flow run
+    "a_enc1_dec_dp2": ({"dp": 1, "tp": 1}, {"dp": 2, "tp": 1, "pp": 1}, []),
+    "b_enc1_dec_pp2": ({"dp": 1, "tp": 1}, {"dp": 1, "tp": 1, "pp": 2}, []),
+    "c_enc_dp2_dec_tp2_sp": ({"dp": 2, "tp": 1}, {"dp": 1, "tp": 2, "pp": 1}, []),
+    "d_enc_dp2_dec_tp2_sp_mc2": ({"dp": 2, "tp": 1}, {"dp": 1, "tp": 2, "pp": 1}, ["--use-ascend-mc2"]),
+}
+MC2_OPS = {"torch_npu.npu_all_gather_base_mm", "torch_npu.npu_mm_reduce_scatter_base"}
+GROUPS_LINE = re.compile(r"\[mindspeed-flow\] rank (\d+) \((\w+)\) groups: (.*)")
+
+
+def write_recipe(path: Path, enc: dict, dec: dict, **extra: str) -> Path:
+    lines = ["# mindspeed-flow emulate --nproc N --flow-recipe THIS.yaml -- pretrain_vlm.py <job args>",
+             "parallel:", f"  encoder: {{dp: {enc['dp']}, tp: {enc['tp']}, pp: 1, cp: 1}}",
+             f"  backbone: {{dp: {dec['dp']}, tp: {dec['tp']}, pp: {dec['pp']}, cp: 1}}",
+             "packing:", "  token_budget: 256"]
+    lines += [f"{k}: {v}" for k, v in extra.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def nranks(enc: dict, dec: dict) -> int:
+    return enc["dp"] * enc["tp"] + dec["dp"] * dec["tp"] * dec["pp"]
+
+
+def _job(model_json: Path, data_json: Path, iters: int, **kw) -> TinyJob:
+    return TinyJob(model_json, data_json, train_iters=iters, global_batch_size=4, **kw)
+
+
+@pytest.fixture(scope="module")
+def coupled_checkpoint(tiny_assets, tmp_path_factory, mm_sources) -> Path:
+    """Two iterations of the unpatched DP2 job, saved: the common starting point of every comparison."""
+    folder = tmp_path_factory.mktemp("coupled")
+    ckpt = folder / "ckpt"
+    job = _job(tiny_assets["model_json"], tiny_assets["data_json"], 2, save=ckpt, extra=list(COMMON))
+    emulate_job("coupled_save", job.argv(), log_dir=folder).assert_trained(2)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    return ckpt
+
+
+def _finetune(model_json: Path, data_json: Path, ckpt: Path) -> TinyJob:
+    return _job(model_json, data_json, ITERS, load=ckpt, extra=COMMON + ["--finetune"])
+
+
+@pytest.fixture(scope="module")
+def coupled_losses(tiny_assets, coupled_checkpoint, mm_sources) -> list[float]:
+    job = _finetune(tiny_assets["model_json"], tiny_assets["data_json"], coupled_checkpoint)
+    result = emulate_job("coupled_ref", job.argv(), log_dir=coupled_checkpoint.parent)
+    result.assert_trained(ITERS)
+    return result.losses
+
+
+def assert_parity(flow: list[float], coupled: list[float]) -> None:
+    rel = [abs(a - b) / abs(b) for a, b in zip(flow, coupled)]
+    assert len(flow) == len(coupled) == ITERS
+    assert rel[0] <= 5e-3, (rel, flow, coupled)
+    assert max(rel) <= 2e-2, (rel, flow, coupled)
+    assert sum(flow[-3:]) / 3 < sum(flow[:3]) / 3, flow
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_flow_job_matches_unpatched_job(layout, tiny_assets, coupled_checkpoint, coupled_losses, run_job,
+                                        tmp_path) -> None:
+    enc, dec, flags = LAYOUTS[layout]
+    recipe = write_recipe(tmp_path / f"{layout}.yaml", enc, dec)
+    job = _finetune(tiny_assets["model_json"], tiny_assets["data_json"], coupled_checkpoint)
+    result = run_job(layout, job.argv() + flags, nproc=nranks(enc, dec), flow_recipe=recipe)
+    result.assert_trained(ITERS)
+    check_part_groups(result.output, enc, dec)
+    if "--use-ascend-mc2" in flags:
+        # MC2 runs in the decoder part (TP 2) only; the encoder part (TP 1) keeps Megatron's plain linears.
+        assert MC2_OPS <= result.log["CALLED"]
+        log = (tmp_path / f"{layout}.emulation.log").read_text()
+        by_rank = {int(r) for r, op in re.findall(r"rank=(\d+) pid=\d+ CALLED (\S+)", log) if op in MC2_OPS}
+        n_enc = enc["dp"] * enc["tp"]
+        assert by_rank == set(range(n_enc, nranks(enc, dec))), by_rank
+    assert "[mindspeed-flow] decoupled layout" in result.output
+    assert "loading its tensors of the coupled checkpoint" in result.output
+    flow_lines = FLOW_LINE.findall(result.output)
+    assert [int(i) for i, _ in flow_lines] == list(range(1, ITERS + 1)), result.output[-3000:]
+    assert all("encoder busy" in rest and "global tokens" in rest for _, rest in flow_lines)
+    assert_parity(result.losses, coupled_losses)
+    print(f"{layout}: flow {result.losses}\n{layout}: coupled {coupled_losses}")
+
+
+def check_part_groups(output: str, enc: dict, dec: dict) -> None:
+    """Every rank's Megatron groups lie inside its own part and have the part's sizes."""
+    n_enc = enc["dp"] * enc["tp"]
+    rows = GROUPS_LINE.findall(output)
+    assert len(rows) == nranks(enc, dec), output[-3000:]
+    for rank, part, text in rows:
+        groups = {k: json.loads(v) for k, v in re.findall(r"(\w+)=(\[[^\]]*\])", text)}
+        own = range(0, n_enc) if part == "encoder" else range(n_enc, nranks(enc, dec))
+        assert all(r in own for g in groups.values() for r in g), (rank, part, groups)
+        lay = enc if part == "encoder" else dec
+        assert len(groups["tp"]) == lay["tp"] and len(groups["dp"]) == lay["dp"], (rank, groups)
+        assert len(groups["pp"]) == lay.get("pp", 1), (rank, groups)
+
+
+def test_frozen_encoder_sends_no_gradients(tiny_assets, coupled_checkpoint, run_job, tmp_path) -> None:
+    model = json.loads(Path(tiny_assets["model_json"]).read_text())
+    model["image_encoder"]["vision_encoder"]["freeze"] = True
+    model["image_encoder"]["vision_projector"]["freeze"] = True
+    frozen_json = tmp_path / "model_frozen.json"
+    frozen_json.write_text(json.dumps(model, indent=1))
+    job = _finetune(frozen_json, tiny_assets["data_json"], coupled_checkpoint)
+    job.distributed_optimizer = True  # a part without parameters needs it (the launcher says so otherwise)
+    coupled = run_job("frozen_coupled", job.argv(), nproc=2)
+    coupled.assert_trained(ITERS)
+    enc, dec = {"dp": 1, "tp": 1}, {"dp": 2, "tp": 1, "pp": 1}
+    recipe = write_recipe(tmp_path / "frozen.yaml", enc, dec)
+    flow = run_job("frozen_flow", job.argv(), nproc=3, flow_recipe=recipe)
+    flow.assert_trained(ITERS)
+    assert "encoder frozen" in flow.output
+    sent = [float(m) for m in re.findall(r"gradient bytes sent (\d+)", flow.output)]
+    assert sent and all(v == 0 for v in sent), flow.output[-2000:]
+    assert_parity(flow.losses, coupled.losses)
+
+
+def _emulate_check(recipe: Path, argv: list[str], nproc: int) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mindspeed_flow.cli", "emulate", "--nproc", str(nproc),
+                           "--flow-recipe", str(recipe), "--dry-run", "--"] + argv,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("case", ["world", "tp_heads", "unsupported_cp"])
+def test_bad_recipe_is_one_clear_error_before_launch(case, tiny_assets, tmp_path, mm_sources) -> None:
+    argv = _job(tiny_assets["model_json"], tiny_assets["data_json"], 2).argv()
+    if case == "world":
+        recipe = write_recipe(tmp_path / "r.yaml", {"dp": 1, "tp": 1}, {"dp": 2, "tp": 1, "pp": 1})
+        proc, want = _emulate_check(recipe, argv, 4), "launched with 4"
+    elif case == "tp_heads":
+        recipe = write_recipe(tmp_path / "r.yaml", {"dp": 1, "tp": 1}, {"dp": 1, "tp": 3, "pp": 1})
+        proc, want = _emulate_check(recipe, argv, 4), "parallel.backbone.tp=3"
+    else:
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text("parallel:\n  encoder: {dp: 1}\n  backbone: {dp: 1, cp: 2}\n")
+        proc, want = _emulate_check(recipe, argv, 3), "parallel.backbone.cp=2"
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert want in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def _load_models(folder: Path) -> dict[str, dict]:
+    """{rank folder: model state} of a checkpoint's latest iteration (read in a process that can unpickle args)."""
+    code = ("import sys, json, torch\nfrom mindspeed_flow import emulation\nemulation.activate()\n"
+            "from mindspeed_flow.emulation.sources import find_sources\nsys.path[:0] = find_sources().pythonpath()\n"
+            "from pathlib import Path\nroot = Path(sys.argv[1]); it = (root / 'latest_checkpointed_iteration.txt')"
+            ".read_text().strip()\nout = {}\nfor d in sorted((root / f'iter_{int(it):07d}').iterdir()):\n"
+            "    sd = torch.load(d / 'model_optim_rng.pt', map_location='cpu', weights_only=False)['model']\n"
+            "    out[d.name] = {k: v for k, v in sd.items() if torch.is_tensor(v)}\n"
+            "torch.save(out, sys.argv[2])\n")
+    dump = folder.parent / f"{folder.name}.models.pt"
+    proc = subprocess.run([sys.executable, "-c", code, str(folder), str(dump)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import torch
+
+    return torch.load(dump, weights_only=True)
+
+
+def _convert(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mindspeed_flow.cli", "convert-checkpoint", *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_coupled_checkpoint_round_trips_through_a_flow_run(tiny_assets, coupled_checkpoint, run_job, tmp_path) -> None:
+    """Coupled checkpoint -> flow job (loads it, trains with lr 0, saves its parts) -> coupled: every tensor kept."""
+    enc, dec = {"dp": 1, "tp": 1}, {"dp": 1, "tp": 2, "pp": 2}
+    recipe = write_recipe(tmp_path / "rt.yaml", enc, dec)
+    saved = tmp_path / "flow_ckpt"
+    job = _job(tiny_assets["model_json"], tiny_assets["data_json"], 1, load=coupled_checkpoint, save=saved,
+               lr=0.0, extra=COMMON + ["--finetune"])
+    result = run_job("roundtrip_flow", job.argv(), nproc=nranks(enc, dec), flow_recipe=recipe)
+    result.assert_trained(1)
+    folders = sorted(p.name for p in (saved / "iter_0000001").iterdir())
+    assert folders == ["mp_image_encoder_rank_00", "mp_text_decoder_rank_00_000", "mp_text_decoder_rank_00_001",
+                       "mp_text_decoder_rank_01_000", "mp_text_decoder_rank_01_001"], folders
+    back = tmp_path / "coupled_again"
+    proc = _convert("--to", "coupled", "--load", str(saved), "--save", str(back), "--mm-model",
+                    str(tiny_assets["model_json"]), "--flow-recipe", str(recipe), "--swiglu")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    original = _load_models(coupled_checkpoint)["mp_rank_00"]
+    again = _load_models(back)["mp_rank_00"]
+    assert original.keys() == again.keys()
+    import torch
+
+    assert [k for k in original if not torch.equal(original[k], again[k])] == []
+    # The converter never writes over an earlier checkpoint.
+    proc = _convert("--to", "coupled", "--load", str(saved), "--save", str(back), "--mm-model",
+                    str(tiny_assets["model_json"]), "--flow-recipe", str(recipe), "--swiglu")
+    assert proc.returncode == 2 and "never writes over" in proc.stderr
+
+
+def test_converted_checkpoint_equals_direct_coupled_load(tiny_assets, coupled_checkpoint, tmp_path) -> None:
+    """Offline conversion to the flow layout gives each part exactly what the in-run loader gives it."""
+    enc, dec = {"dp": 1, "tp": 1}, {"dp": 1, "tp": 2, "pp": 2}
+    recipe = write_recipe(tmp_path / "conv.yaml", enc, dec)
+    out = tmp_path / "flow_layout"
+    proc = _convert("--to", "decoupled", "--load", str(coupled_checkpoint), "--save", str(out), "--mm-model",
+                    str(tiny_assets["model_json"]), "--flow-recipe", str(recipe), "--swiglu")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    models = _load_models(out)
+    assert sorted(models) == ["mp_image_encoder_rank_00", "mp_text_decoder_rank_00_000",
+                              "mp_text_decoder_rank_00_001", "mp_text_decoder_rank_01_000",
+                              "mp_text_decoder_rank_01_001"]
+    first, last = models["mp_text_decoder_rank_00_000"], models["mp_text_decoder_rank_00_001"]
+    assert "text_decoder.embedding.word_embeddings.weight" in first and "text_decoder.output_layer.weight" in last
+    assert not any(k.startswith("image_encoder.") for k in first)
