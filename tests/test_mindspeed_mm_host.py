@@ -111,3 +111,17 @@ def test_part_checkpoint_names() -> None:
     name = "/ck/iter_0000010/mp_rank_01_002/model_optim_rng.pt"
     assert ck.part_checkpoint_name(name, "backbone") == "/ck/iter_0000010/mp_text_decoder_rank_01_002/model_optim_rng.pt"
     assert ck.part_checkpoint_name(name, "encoder").endswith("mp_image_encoder_rank_01_002/model_optim_rng.pt")
+
+
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes" / "mindspeed_mm").glob("*.yaml"))
+TINY_MODEL = Path(__file__).resolve().parents[1] / "mindspeed_flow" / "emulation" / "assets" / "model.json"
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_every_mindspeed_mm_flow_recipe_builds_its_parts(recipe) -> None:
+    from mindspeed_flow.hosts.mindspeed_mm.recipe import load_flow_job
+
+    job = load_flow_job(recipe)
+    world = sum(p.dp * p.tp * p.pp * p.cp for p in (job.parallel.encoder, job.parallel.backbone))
+    parts = parts_for_job(recipe, _argv(TINY_MODEL), world)
+    assert parts.world_size == world and parts.ranks("backbone")[-1] == world - 1

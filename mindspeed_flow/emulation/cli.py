@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log", default=None, help=f"emulation log file (sets {emu_log.ENV_VAR})")
     p.add_argument("--allow-untested", action="store_true", help="run sources at commits other than the tested ones")
     p.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
+    p.add_argument("--shell", default=None, metavar="SCRIPT.sh",
+                   help="run a MindSpeed-MM launch script (torchrun inside) in the emulated environment instead")
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- pretrain_vlm.py <args...>")
     return p
 
@@ -76,6 +78,22 @@ def job_command(nproc: int, script_argv: list[str], patches: bool, master_port: 
     return cmd + script_argv
 
 
+def _run_shell(args: argparse.Namespace) -> int:
+    """A user's launch script, unchanged, with the emulated torch_npu and the sources on its path (cwd: MindSpeed-MM)."""
+    try:
+        sources = find_sources(args.mindspeed_mm_home, args.mindspeed_home, args.megatron_home)
+        check_commits(sources, args.allow_untested)
+    except SourceError as err:
+        print(f"mindspeed-flow emulate: {err}", file=sys.stderr)
+        return 2
+    shell = Path(args.shell).resolve()
+    if not shell.is_file():
+        print(f"mindspeed-flow emulate: --shell {args.shell}: no such file", file=sys.stderr)
+        return 2
+    return subprocess.run(["bash", str(shell)], cwd=str(sources.mindspeed_mm.root),
+                          env=job_env(sources, args.log)).returncode
+
+
 @contextlib.contextmanager
 def _in_dir(path: Path) -> Iterator[None]:
     old = os.getcwd()
@@ -91,6 +109,8 @@ def main(argv: list[str]) -> int:
     script = list(args.script)
     if script[:1] == ["--"]:
         script = script[1:]
+    if args.shell:
+        return _run_shell(args)
     if not script:
         print("mindspeed-flow emulate: give the job after '--', e.g. -- pretrain_vlm.py --mm-model ...",
               file=sys.stderr)
