@@ -13,9 +13,11 @@ state and the member's pass is what remains.
 Flow groups built beside them (collectively, on every rank):
 - `reduce_group`: the ranks of every trainable part, for the global token count (per-token loss), the one global
   gradient norm and the one found-inf decision. A frozen encoder is not in it, so it never waits on the decoder's
-  optimizer and runs ahead, bounded by the pool.
-- `pool_group` (gloo): the bridge ranks (tensor-parallel rank 0 of each encoder replica and of each decoder
-  first-stage replica), for the embedding pool's headers and payloads.
+  optimizer and runs ahead (Megatron's per-iteration log gathers
+  every rank's timers, which bounds the lead to about one step).
+- `payload_group` and `header_group`: the bridge ranks (tensor-parallel rank 0 of each encoder replica and of
+  each decoder first-stage replica) on the job's backend for the embeddings and gradients, and on gloo for the
+  headers that check each of them against the plan (`transport.PlannedTransport`).
 """
 from __future__ import annotations
 
@@ -47,7 +49,8 @@ class FlowContext:
     parts: FlowParts
     rank: int
     reduce_group: Any = None
-    pool_group: Any = None
+    payload_group: Any = None  # bridge ranks on the job's backend (HCCL / NCCL; gloo under emulation)
+    header_group: Any = None  # bridge ranks on gloo: the small headers that check each payload against the plan
     timer: Any = None  # the running step's PartTimer (busy/wait seconds)
     counters: dict[str, float] = field(default_factory=dict)
 
@@ -158,7 +161,8 @@ class FlowContext:
                      if lay.name == BACKBONE or self.parts.encoder_trainable for r in self.parts.ranks(lay.name)]
         self.reduce_group = dist.new_group(trainable)
         bridge = sorted(set(self.producers()) | set(self.consumers()))
-        self.pool_group = dist.new_group(bridge, backend="gloo")
+        self.payload_group = dist.new_group(bridge)
+        self.header_group = dist.new_group(bridge, backend="gloo")
 
     def check_groups(self) -> dict[str, list[int]]:
         """The global ranks of this rank's Megatron groups (for tests and the start-up report)."""

@@ -19,6 +19,7 @@ import torch
 from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext
 from mindspeed_flow.hosts.mindspeed_mm.data import FlowStepSource, WholeBatchView
 from mindspeed_flow.hosts.mindspeed_mm.schedule import DecoderStep, EncoderStep, finalize_with_global_tokens
+from mindspeed_flow.hosts.mindspeed_mm.transport import PlannedTransport
 from mindspeed_flow.packing import CostModel
 from mindspeed_flow.topology import Bridge
 
@@ -143,15 +144,12 @@ class FlowHost:
 
     # ------------------------------------------------------------------------------ schedule
 
-    def _pool_factory(self, model_dtype_device: torch.device) -> Callable[[], Any]:
+    def _transport_factory(self, device: torch.device) -> Callable[[], PlannedTransport]:
         ctx = self.ctx
 
-        def make() -> Any:
-            from mindspeed_flow.pool import EmbeddingPool
-
-            return EmbeddingPool(rank=ctx.rank, group=ctx.pool_group, capacity_bytes=ctx.parts.pool_capacity_bytes,
-                                 timeout_s=ctx.parts.timeout_s, device=model_dtype_device,
-                                 return_grads=ctx.parts.encoder_trainable)
+        def make() -> PlannedTransport:
+            return PlannedTransport(rank=ctx.rank, payload_group=ctx.payload_group, header_group=ctx.header_group,
+                                    device=device, timeout_s=ctx.parts.timeout_s)
 
         return make
 
@@ -166,12 +164,13 @@ class FlowHost:
             args = get_args()
             # Where the job's tensors live: the NPU (transfer_to_npu maps .cuda()), or the host under emulation.
             device = torch.zeros(1).cuda().device
-            pool_factory = self._pool_factory(device)
+            factory = self._transport_factory(device)
+            # The projector maps the ViT into the LLM's hidden size: that is the embedding width on the wire.
+            hidden = int(args.mm.model.text_decoder.hidden_size)
             if self.ctx.is_encoder:
-                self._step = EncoderStep(self.ctx, pool_factory)
+                self._step = EncoderStep(self.ctx, factory, hidden)
             else:
-                hidden = int(args.mm.model.text_decoder.hidden_size)
-                self._step = DecoderStep(self.ctx, megatron_fbf, pool_factory, hidden, args.params_dtype)
+                self._step = DecoderStep(self.ctx, megatron_fbf, factory, hidden, args.params_dtype)
         step = self._step
         if isinstance(step, DecoderStep):
             step.megatron_fbf = megatron_fbf

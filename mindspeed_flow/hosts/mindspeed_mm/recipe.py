@@ -1,9 +1,10 @@
-"""The flow recipe of a MindSpeed-MM job: which ranks form which part, each part's layout, packing and pool settings.
+"""The flow recipe of a MindSpeed-MM job: which ranks form which part, each part's layout, packing and timeouts.
 
 A MindSpeed-MM job becomes a flow job by `--flow-recipe FLOW.yaml` (see `mindspeed_flow_patches.launch`). FLOW.yaml
 uses the project's recipe schema (`mindspeed_flow.config.schema.FlowJobConfig`), so the file `mindspeed-flow plan
 --out` writes works as it is: `parallel.encoder` / `parallel.backbone` give each part's dp/tp/pp/cp, `packing` the
-LLM microbatch scheduler, `flow` the pool. The job's own model.json and data.json keep describing the model and
+LLM microbatch scheduler, `flow.timeout_s` how long a transfer may take (the torch host's `flow.pool_capacity_mb`
+does not apply: the MindSpeed-MM host's transfers are planned and bounded by one step). The job's own model.json and data.json keep describing the model and
 the data (the recipe's `model`/`data`/`cluster` sections are the planner's and are not read here).
 
 Everything here is checked before any process group exists, with messages that name the recipe field (or the
@@ -70,7 +71,6 @@ class FlowParts:
 
     layouts: tuple[PartLayout, ...]
     packing: PackingConfig
-    pool_capacity_bytes: int
     timeout_s: float
     encoder_trainable: bool
     decoder_layers: tuple[int, ...] = field(default_factory=tuple)  # text_decoder.pipeline_num_layers per stage
@@ -216,7 +216,7 @@ def build_parts(job: FlowJobConfig, *, world_size: int, model: ModelShape, globa
     if job.packing.oversize_policy not in ("error", "skip"):
         raise FlowRecipeError(f"{recipe_name}: packing.oversize_policy={job.packing.oversize_policy!r}: "
                               "'error' or 'skip'")
-    return FlowParts(layouts, job.packing, int(job.flow.pool_capacity_mb * 2**20), float(job.flow.timeout_s),
+    return FlowParts(layouts, job.packing, float(job.flow.timeout_s),
                      model.encoder_trainable, even_split(model.llm_layers, bb.pp))
 
 

@@ -4,12 +4,12 @@ MindSpeed-MM's `train_step` calls `get_forward_backward_func()(...)`, then `opti
 hand each part its own forward-backward function:
 
 - encoder ranks (`EncoderStep`): take the step's plan, run the ViT + projector on their images in the decoder's
-  consumption order and `put` each sample's embedding into the pool as soon as it exists (the decoder starts while
+  consumption order and send each sample's embedding (`transport.PlannedTransport`) as soon as it exists (the decoder starts while
   later images are still encoding); then wait for each embedding's gradient and run backward with it (a frozen
   encoder sends nothing back and never waits). Tensor-parallel peers get the gradient by a TP broadcast.
 - decoder ranks (`DecoderStep`): Megatron's own schedule (1F1B when PP > 1) over this DP rank's planned
-  microbatches; before each first-stage forward the microbatch's embeddings come out of the pool (TP rank 0
-  receives, TP peers get a broadcast) and become `VLMModel.input_tensor`, the `vit_embeds` input path; a gradient
+  microbatches; before each first-stage forward the microbatch's embeddings are taken from the receives posted
+  at the step's start (TP rank 0 receives, TP peers get a broadcast) and become `VLMModel.input_tensor`, the `vit_embeds` input path; a gradient
   hook returns d(loss)/d(embedding) to each producer the moment autograd computes it.
 - both: `finalize_model_grads` reduces each part over its own DP group; with `--calculate-per-token-loss` the
   token count is summed over the decoder's last stage across parts (`reduce_group`) so every part scales by the
@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext
 from mindspeed_flow.hosts.mindspeed_mm.data import FlowStep, collate_rows
+from mindspeed_flow.hosts.mindspeed_mm.transport import KIND_EMBEDDING, KIND_GRAD, PlannedTransport
 
 
 def _unwrap(model: Any) -> Any:
@@ -49,7 +50,7 @@ def _tp_broadcast(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class PartTimer:
-    """Busy and wait seconds of one part over one step (wait = blocked on the pool)."""
+    """Busy and wait seconds of one part over one step (wait = blocked on a transfer from the other part)."""
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
@@ -63,47 +64,63 @@ class PartTimer:
         return max(total - self.wait, 0.0), self.wait
 
 
+def _image_samples(step: FlowStep, ids: list[int]) -> list[int]:
+    return [sid for sid in ids if step.samples[sid].image_tokens > 0]
+
+
+def return_order(step: FlowStep, consumer_dp: int) -> list[int]:
+    """The order in which a decoder replica returns gradients: its microbatches in order, rows in order."""
+    return _image_samples(step, [sid for ids in step.microbatches(consumer_dp) for sid in ids])
+
+
 class EncoderStep:
     """The encoder part's forward-backward function (Megatron's fbf signature)."""
 
-    def __init__(self, ctx: FlowContext, pool_factory: Callable[[], Any]) -> None:
+    def __init__(self, ctx: FlowContext, transport_factory: Callable[[], PlannedTransport], hidden: int) -> None:
         self.ctx = ctx
-        self._pool_factory = pool_factory
-        self.pool = None
+        self._transport_factory = transport_factory
+        self.transport: Optional[PlannedTransport] = None
+        self.hidden = hidden
 
     def __call__(self, *, forward_step_func: Any = None, data_iterator: Any, model: list, num_microbatches: int,
                  forward_only: bool = False, **_: Any) -> list[dict]:
         from megatron.core.utils import get_model_config
 
         ctx = self.ctx
-        if self.pool is None and ctx.on_bridge:
-            self.pool = self._pool_factory()
         step: FlowStep = next(data_iterator)
         timer = ctx.timer = PartTimer()
         leader = ctx.replica_leader()
+        is_leader = ctx.rank == leader
+        if is_leader and self.transport is None:
+            self.transport = self._transport_factory()
         trainable = ctx.parts.encoder_trainable and not forward_only
+        order = _image_samples(step, step.work.encode_order.get(leader, []))
+        if trainable and is_leader:
+            # Post the gradient receives now, per consumer in the order it will return them.
+            for dp, consumer in enumerate(ctx.consumers()):
+                items = [(sid, step.samples[sid].image_tokens) for sid in return_order(step, dp)
+                         if step.work.producer_of.get(sid) == leader]
+                self.transport.post_receives(KIND_GRAD, consumer, step.step, items, self.hidden)
         kept: list[tuple[int, torch.Tensor]] = []
-        for sid in step.work.encode_order.get(leader, []):
+        for sid in order:
             sample = step.samples[sid]
             with torch.set_grad_enabled(trainable):
                 out = model[0](input_ids=None, pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw)
-            if ctx.rank == leader:
-                self.pool.put(out.detach().to(torch.bfloat16).contiguous(), sample_id=sid, step=step.step,
-                              consumer=step.work.consumer_of[sid])
+            if is_leader:
+                self.transport.send(KIND_EMBEDDING, step.work.consumer_of[sid], step.step, sid, out)
             if trainable:
                 kept.append((sid, out))
         for sid, out in kept:
-            if ctx.rank == leader:
+            if is_leader:
                 since = time.perf_counter()
-                grad = self.pool.wait_grad(sample_id=sid, step=step.step, consumer=step.work.consumer_of[sid])
+                grad = self.transport.receive(KIND_GRAD, step.work.consumer_of[sid], step.step, sid)
                 timer.waited(since)
             else:
-                grad = torch.empty(out.shape, dtype=torch.bfloat16)
+                grad = torch.empty((out.numel() // out.shape[-1], out.shape[-1]), dtype=torch.bfloat16)
             grad = _tp_broadcast(grad.contiguous())
-            torch.autograd.backward(out, grad.to(out.dtype))
-        ctx.counters["encoder_images"] = float(sum(1 for _ in step.work.encode_order.get(leader, [])))
-        if self.pool is not None:
-            ctx.counters["pool_bytes_sent"] = float(self.pool.stats().bytes_sent)
+            torch.autograd.backward(out, grad.reshape(out.shape).to(out.dtype))
+        if self.transport is not None:
+            ctx.counters["embedding_bytes_sent"] = float(self.transport.bytes_sent[KIND_EMBEDDING])
         config = get_model_config(model[0])
         if trainable and config.finalize_model_grads_func is not None:
             num_tokens = torch.zeros((), dtype=torch.int) if config.calculate_per_token_loss else None
@@ -115,12 +132,12 @@ class EncoderStep:
 class DecoderStep:
     """The decoder part's forward-backward function: Megatron's schedule over the planned microbatches."""
 
-    def __init__(self, ctx: FlowContext, megatron_fbf: Callable[..., Any], pool_factory: Callable[[], Any],
-                 embed_dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, ctx: FlowContext, megatron_fbf: Callable[..., Any],
+                 transport_factory: Callable[[], PlannedTransport], embed_dim: int, dtype: torch.dtype) -> None:
         self.ctx = ctx
         self.megatron_fbf = megatron_fbf
-        self._pool_factory = pool_factory
-        self.pool = None
+        self._transport_factory = transport_factory
+        self.transport: Optional[PlannedTransport] = None
         self.embed_dim = embed_dim
         self.dtype = dtype
         self.timer: Optional[PartTimer] = None
@@ -130,53 +147,53 @@ class DecoderStep:
         from megatron.core import parallel_state as ps
 
         ctx = self.ctx
-        if self.pool is None and ctx.on_bridge:
-            self.pool = self._pool_factory()
         step: FlowStep = next(data_iterator)
         dp_rank = ps.get_data_parallel_rank()
         microbatches = step.microbatches(dp_rank)
-        if self.pool is not None:
-            me = ctx.rank
+        if ctx.rank in ctx.consumers():
+            if self.transport is None:
+                self.transport = self._transport_factory()
+            # Every embedding of this step is posted at once, per producer in its send order: each lands as soon as
+            # it is encoded, while the decoder works on earlier microbatches.
             for producer, order in step.work.encode_order.items():
-                mine = [(sid, step.step) for sid in order if step.work.consumer_of.get(sid) == me]
-                if mine:
-                    self.pool.expect(producer=producer, items=mine)
+                items = [(sid, step.samples[sid].image_tokens) for sid in _image_samples(step, order)
+                         if step.work.consumer_of.get(sid) == ctx.rank]
+                self.transport.post_receives(KIND_EMBEDDING, producer, step.step, items, self.embed_dim)
         self.timer = ctx.timer = PartTimer()
         batches = iter([(step, ids) for ids in microbatches])
         losses = self.megatron_fbf(forward_step_func=forward_step_func, data_iterator=batches, model=model,
                                    num_microbatches=len(microbatches), **kwargs)
         ctx.counters.update(step.counts)
-        if self.pool is not None:
-            ctx.counters["grad_bytes_sent"] = float(self.pool.stats().grad_bytes_sent)
+        if self.transport is not None:
+            ctx.counters["grad_bytes_sent"] = float(self.transport.bytes_sent[KIND_GRAD])
         return losses
 
     def embeddings(self, step: FlowStep, sample_ids: list[int]) -> Optional[torch.Tensor]:
         """This microbatch's image embeddings in row order, as a leaf whose gradient flows back to the producers."""
         ctx = self.ctx
-        with_images = [sid for sid in sample_ids if step.samples[sid].image_tokens > 0]
+        with_images = _image_samples(step, sample_ids)
         if not with_images:
             return None
         sizes = [step.samples[sid].image_tokens for sid in with_images]
-        if self.pool is not None:
+        producers = [step.work.producer_of[sid] for sid in with_images]
+        if self.transport is not None:
             since = time.perf_counter()
-            parts = [self.pool.get(sample_id=sid, step=step.step, producer=step.work.producer_of[sid])
-                     for sid in with_images]
+            parts = [self.transport.receive(KIND_EMBEDDING, p, step.step, sid) for sid, p in zip(with_images, producers)]
             if self.timer is not None:
                 self.timer.waited(since)
-            embeds = torch.cat([p.reshape(-1, 1, self.embed_dim) for p in parts], dim=0).to(self.dtype)
+            embeds = torch.cat(parts, dim=0).reshape(-1, 1, self.embed_dim).to(self.dtype)
         else:
             embeds = torch.empty((sum(sizes), 1, self.embed_dim), dtype=self.dtype)
         embeds = _tp_broadcast(embeds.contiguous())
         if not ctx.parts.encoder_trainable:
             return embeds
         embeds = embeds.detach().requires_grad_(True)
-        if self.pool is not None:
-            pool, step_no = self.pool, step.step
-            producers = [step.work.producer_of[sid] for sid in with_images]
+        if self.transport is not None:
+            transport, step_no = self.transport, step.step
 
             def return_grads(grad: torch.Tensor) -> None:
                 for sid, producer, g in zip(with_images, producers, torch.split(grad, sizes, dim=0)):
-                    pool.return_grad(g.detach().contiguous(), sample_id=sid, step=step_no, producer=producer)
+                    transport.send(KIND_GRAD, producer, step_no, sid, g)
 
             embeds.register_hook(return_grads)
         return embeds
