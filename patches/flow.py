@@ -43,6 +43,9 @@ REGISTRY: tuple[PatchTarget, ...] = (
     PatchTarget("megatron.core.optimizer.clip_grads.get_grad_norm_fp32", "wrap",
                 "one global gradient norm over every trainable part (dist-train clips per part)",
                 ("grads_for_norm", "norm_type", "grad_stats_parallel_group")),
+    PatchTarget("megatron.core.optimizer.optimizer.MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan",
+                "wrap", "one found-inf decision over every trainable part (fp16 loss scaling skips a step everywhere "
+                "or nowhere)", ("self",)),
     PatchTarget("megatron.training.checkpointing.get_checkpoint_name", "wrap",
                 "per-part checkpoint folders (mp_<part>_rank_TT[_PPP]) in Megatron's format",
                 ("checkpoints_path", "iteration", "release", "pipeline_parallel", "tensor_rank", "pipeline_rank")),
@@ -53,7 +56,15 @@ REGISTRY: tuple[PatchTarget, ...] = (
                 "per-part busy/wait seconds after Megatron's iteration line", ("loss_dict", "total_loss_dict")),
 )
 
-TARGET_MODULES = tuple(sorted({t.target.rsplit(".", 1)[0] for t in REGISTRY}))
+def _module_of(target: str) -> str:
+    """The importable module of a dotted target: the segments before the function, or before a Class.method."""
+    parts = target.split(".")[:-1]
+    while parts and parts[-1][:1].isupper():
+        parts.pop()
+    return ".".join(parts)
+
+
+TARGET_MODULES = tuple(sorted({_module_of(t.target) for t in REGISTRY}))
 
 
 # ------------------------------------------------------------------------------------------- wrappers
@@ -148,6 +159,23 @@ def get_grad_norm_fp32_wrapper(get_norm: Callable) -> Callable:
     return wrapped
 
 
+def check_for_nan_wrapper(check: Callable) -> Callable:
+    @functools.wraps(check)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> bool:
+        found_inf = check(self, *args, **kwargs)
+        ctx = flow_context.current()
+        if ctx is None or not ctx.part_trainable:
+            return found_inf
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if found_inf else 0.0], dtype=torch.float32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.reduce_group)
+        return bool(flag.item() > 0)
+
+    return wrapped
+
+
 def get_checkpoint_name_wrapper(get_name: Callable) -> Callable:
     @functools.wraps(get_name)
     def wrapped(checkpoints_path: Any, iteration: Any, *args: Any, **kwargs: Any) -> Any:
@@ -196,6 +224,8 @@ _WRAPPERS: dict[str, Callable] = {
     "mindspeed_mm.training.pretrain": pretrain_wrapper,
     "megatron.core.pipeline_parallel.schedules.get_forward_backward_func": get_forward_backward_func_wrapper,
     "megatron.core.optimizer.clip_grads.get_grad_norm_fp32": get_grad_norm_fp32_wrapper,
+    "megatron.core.optimizer.optimizer.MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan":
+        check_for_nan_wrapper,
     "megatron.training.checkpointing.get_checkpoint_name": get_checkpoint_name_wrapper,
     "megatron.training.checkpointing._load_base_checkpoint": load_base_checkpoint_wrapper,
     "mindspeed_mm.training.training_log": training_log_wrapper,
