@@ -46,6 +46,7 @@ def test_parts_take_contiguous_ranks_encoder_first(tmp_path) -> None:
     ("parallel:\n  encoder: {dp: 1, pp: 2}\n  backbone: {dp: 1}\n", 3, "parallel.encoder.pp=2"),
     ("parallel:\n  encoder: {dp: 1}\n  backbone: {dp: 3}\n", 4, "--global-batch-size 4 must be divisible"),
     ("parallel:\n  backbone_dp_impl: fsdp\n", 3, "parallel.backbone_dp_impl='fsdp'"),
+    ("trainer:\n  global_batch_size: 16\n", 3, "trainer.global_batch_size=16"),
     ("parallel:\n  encoder: {dp: 1}\n  backbone: {dp: 2, tpp: 1}\n", 3, "tpp"),
 ])
 def test_bad_recipes_name_the_field_and_the_rule(tmp_path, text, world, want) -> None:

@@ -166,7 +166,8 @@ def even_split(layers: int, stages: int) -> tuple[int, ...]:
 
 
 def build_parts(job: FlowJobConfig, *, world_size: int, model: ModelShape, global_batch_size: int,
-                micro_batch_size: int, recipe_name: str = "FLOW.yaml") -> FlowParts:
+                micro_batch_size: int, recipe_name: str = "FLOW.yaml",
+                recipe_global_batch_size: Optional[int] = None) -> FlowParts:
     """Validate the recipe against the launched world and the model; raise FlowRecipeError naming the field."""
     problems = _unsupported(job)
     if problems:
@@ -200,9 +201,9 @@ def build_parts(job: FlowJobConfig, *, world_size: int, model: ModelShape, globa
         (bb.pp <= model.llm_layers, f"parallel.backbone.pp={bb.pp}: more pipeline stages than LLM layers "
                                     f"({model.llm_layers})"),
     ]
-    if job.trainer.global_batch_size not in (FlowJobConfig().trainer.global_batch_size, global_batch_size):
-        checks.append((False, f"trainer.global_batch_size={job.trainer.global_batch_size} but the job runs "
-                              f"--global-batch-size {global_batch_size}; the job's flag decides, make them agree"))
+    if recipe_global_batch_size is not None and recipe_global_batch_size != global_batch_size:
+        checks.append((False, f"trainer.global_batch_size={recipe_global_batch_size} (the batch the plan assumed) "
+                              f"but the job runs --global-batch-size {global_batch_size}; make them agree"))
     for p in layouts:
         checks.append((global_batch_size % (micro_batch_size * p.dp) == 0,
                        f"{field_of[p.name]}.dp={p.dp}: --global-batch-size {global_batch_size} must be divisible by "
@@ -252,8 +253,10 @@ def parts_for_job(recipe_path: str | Path, argv: list[str], world_size: int) -> 
     if "--hetero-parallel" in argv or "--dist-train" in argv:
         raise FlowRecipeError("--hetero-parallel / --dist-train: these are MindSpeed's own encoder/LLM splits; "
                               "a flow job replaces them, drop the flag")
+    stated = OmegaConf.select(OmegaConf.load(str(recipe_path)), "trainer.global_batch_size")
     return build_parts(job, world_size=world_size, model=model, global_batch_size=gbs, micro_batch_size=mbs,
-                       recipe_name=Path(recipe_path).name)
+                       recipe_name=Path(recipe_path).name,
+                       recipe_global_batch_size=None if stated is None else int(stated))
 
 
 def as_dict(parts: FlowParts) -> dict[str, Any]:
