@@ -1,6 +1,6 @@
 """hf_compat's transformers-4.57 branches (MindSpeed-MM's pin), exercised with stand-ins shaped like 4.57's
-return values and signatures: 4.57 cannot be installed beside 5.x in this venv. The 5.x branches run on the
-real models in test_host_split.py."""
+return values and signatures: 4.57 cannot be installed beside 5.x in one venv. The installed version's branches
+run on the real models in test_host_split.py (5.x in .venv, 4.57 in the torch 2.7 venv: MSF_TORCH=2.7)."""
 from __future__ import annotations
 
 import types
@@ -64,7 +64,11 @@ def test_decoder_layer_tuple_output_is_unwrapped():
 def test_dtype_kwarg_follows_the_major_version():
     assert hf_compat.dtype_kwarg(torch.bfloat16, "4.57.1") == {"torch_dtype": torch.bfloat16}
     assert hf_compat.dtype_kwarg(torch.bfloat16, "5.24.0") == {"dtype": torch.bfloat16}
-    assert hf_compat.dtype_kwarg(torch.float32) == {"dtype": torch.float32}  # this venv: transformers 5.x
+    # the installed transformers: 5.x in .venv, 4.57 in .venv-torch27 (MSF_TORCH=2.7)
+    import transformers
+
+    installed = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    assert hf_compat.dtype_kwarg(torch.float32) == {installed: torch.float32}
 
 
 def test_module_lookups_fall_back_and_name_what_is_missing():

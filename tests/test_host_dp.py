@@ -36,7 +36,7 @@ def _train(backbone, forward, packs, embeds, mine, replicated_over, dp_group):
     """STEPS AdamW steps over the microbatches `mine`; returns the global grad norms seen before clipping."""
     opt = torch.optim.AdamW(backbone.parameters(), lr=1e-3, weight_decay=0.01)
     n_labels = sum(p.n_label_tokens for p in packs)
-    scale = dp_loss_scale(dp_group) if dp_group is not None else 1.0
+    scale = dp_loss_scale(dp_group, forward) if dp_group is not None else 1.0  # FSDP2: its measured reduction
     norms = []
     for _ in range(STEPS):
         opt.zero_grad(set_to_none=True)

@@ -111,7 +111,7 @@ def _pp_dp_rank(rank: int, world: int, mode: str) -> float:
     wrap = (lambda m: apply_ddp(m, dp_group)) if mode == "ddp" else (lambda m: apply_fsdp(m, dp_group))
     module, stage = build_backbone_stage(backbone, pp_rank, 2, pp_groups[dp_rank], torch.device("cpu"), budget,
                                          wrap=wrap)
-    scale = dp_loss_scale(dp_group) / n_labels  # DP averages: scale by the DP size, normalize globally
+    scale = dp_loss_scale(dp_group, module) / n_labels  # undo the DP wrapper's average (if any), normalize globally
     schedule = make_schedule(stage, 2, loss_fn=lambda out, tgt: token_loss_sum(out, tgt) * scale, kind="1f1b")
     leaf = stage0_input(backbone, packs[mine], embeds[mine])[0] if pp_rank == 0 else None
     pipeline_step(schedule, module, packs[mine], leaf)

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from mindspeed_flow import torch_compat
 from mindspeed_flow.emulation import device as npu_device
 from mindspeed_flow.emulation import hccl
 
@@ -104,35 +105,15 @@ def _wrap_type(fn: Callable) -> Callable:
 
 
 # ---------------------------------------------------------------- the npu device type
-class _Hooks(getattr(torch._C, "_acc", types.SimpleNamespace(PrivateUse1Hooks=object)).PrivateUse1Hooks):
-    """PrivateUse1 hooks saying no real device exists, so torch never dispatches kernels to "npu"."""
-
-    def is_available(self) -> bool:
-        return False
-
-    def has_primary_context(self, dev_id: int) -> bool:
-        return False
-
-    def is_built(self) -> bool:
-        return False
-
-
 def install_npu_device(module: types.ModuleType) -> None:
     """Rename PrivateUse1 to "npu", register `module` as torch.npu, add Tensor/Module.npu and Tensor.is_npu."""
     if _STATE.get("npu"):
         return
     torch.utils.rename_privateuse1_backend("npu")
     torch._register_device_module("npu", module)
-    acc = getattr(torch._C, "_acc", None)
-    # dist.barrier asks torch._C._get_accelerator(), which needs registered hooks once PrivateUse1 is renamed.
-    if acc is not None and hasattr(acc, "register_python_privateuseone_hook"):
-        acc.register_python_privateuseone_hook(_Hooks())
-
-        class _Guard(acc.DeviceGuard):
-            def type_(self) -> Any:
-                return torch._C._autograd.DeviceType.PrivateUse1
-
-        acc.register_python_privateuseone_device_guard(_Guard())
+    # dist.barrier asks torch._C._get_accelerator(), which needs registered hooks once PrivateUse1 is renamed
+    # (torch 2.9+ registers Python hooks; torch 2.7 gets Python answers: see torch_compat).
+    torch_compat.install_privateuse1_accelerator(module)
     torch.Tensor.npu = _identity
     torch.nn.Module.npu = _identity
     torch.Tensor.is_npu = property(lambda self: True)

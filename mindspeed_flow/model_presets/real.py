@@ -2,7 +2,8 @@
 
 Dimensions are those of the published checkpoints' config.json files (Qwen/Qwen2-VL-*-Instruct,
 Qwen/Qwen2.5-VL-*-Instruct). They are written in transformers 5's nested form (`text_config` +
-`vision_config`), which transformers also reads back, so the torch host can build any of them on the `meta`
+`vision_config`), which transformers also reads back (4.57 reads `tie_word_embeddings` from `text_config`,
+5.x from the top level, so it is given in both), so the torch host can build any of them on the `meta`
 device and the parameter counts in `mindspeed_flow.specs` are checked against the real module tree
 (tests/test_specs_real.py).
 
@@ -48,7 +49,7 @@ def _qwen2_vl(hidden: int, ffn: int, layers: int, heads: int, kv_heads: int, voc
         "model_type": "qwen2_vl",
         **_QWEN_TOKENS,
         "tie_word_embeddings": tie,
-        "text_config": _qwen_text(hidden, ffn, layers, heads, kv_heads, vocab, 32768),
+        "text_config": {**_qwen_text(hidden, ffn, layers, heads, kv_heads, vocab, 32768), "tie_word_embeddings": tie},
         "vision_config": {"depth": 32, "embed_dim": 1280, "hidden_size": hidden, "hidden_act": "quick_gelu",
                           "mlp_ratio": 4, "num_heads": 16, "in_channels": 3, "patch_size": 14,
                           "spatial_merge_size": 2, "temporal_patch_size": 2},
@@ -61,7 +62,7 @@ def _qwen2_5_vl(hidden: int, ffn: int, layers: int, heads: int, kv_heads: int, v
         "model_type": "qwen2_5_vl",
         **_QWEN_TOKENS,
         "tie_word_embeddings": tie,
-        "text_config": _qwen_text(hidden, ffn, layers, heads, kv_heads, vocab, 128000),
+        "text_config": {**_qwen_text(hidden, ffn, layers, heads, kv_heads, vocab, 128000), "tie_word_embeddings": tie},
         "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": vision_ffn, "num_heads": 16,
                           "hidden_act": "silu", "out_hidden_size": hidden, "in_channels": 3, "patch_size": 14,
                           "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,

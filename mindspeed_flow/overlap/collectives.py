@@ -3,7 +3,8 @@
 The overlap layer needs exactly two collectives on dim 0: all-gather (rank-major concatenation of equal shards)
 and sum reduce-scatter (the inverse). torch renamed them between releases (`all_gather_into_tensor` /
 `reduce_scatter_tensor` on torch 2.7, `all_gather_single` / `reduce_scatter_single` on newer releases, where the
-old names warn), and gloo on older torch could not reduce-scatter at all, so both are resolved here once.
+old names warn; `torch_compat.dist_fn` picks the one present), and gloo on older torch could not reduce-scatter
+at all, which is handled here.
 
 Every helper can run asynchronously and returns a handle with `.wait()`; on a backend whose reduce-scatter
 raises, the sum is done with `all_reduce` and the caller's rows are copied out when the handle is waited on.
@@ -12,10 +13,12 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
+
+from mindspeed_flow.torch_compat import dist_fn
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +65,6 @@ class _AllReduceThenCopy:
         return True
 
 
-def _resolve(*names: str) -> Callable[..., Any]:
-    """The first of `names` that torch.distributed defines (newer name first, so no deprecation warning)."""
-    for name in names:
-        fn = getattr(dist, name, None)
-        if fn is not None:
-            return fn
-    raise RuntimeError(f"torch {torch.__version__}: torch.distributed has none of {names}")
-
-
 def default_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
     """`group`, or the default (world) group when None, so callers can key caches on a real object."""
     return group if group is not None else dist.distributed_c10d._get_default_group()
@@ -87,7 +81,7 @@ def all_gather_rows(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.P
         out.copy_(inp)
         return _Done()
     inp = inp.contiguous()
-    work = _resolve("all_gather_single", "all_gather_into_tensor")(out, inp, group=group, async_op=async_op)
+    work = dist_fn("all_gather_single", "all_gather_into_tensor")(out, inp, group=group, async_op=async_op)
     return _InFlight(work, out, inp) if async_op else _Done()
 
 
@@ -109,7 +103,7 @@ def reduce_scatter_rows(out: torch.Tensor, inp: torch.Tensor, group: Optional[di
     if not via_all_reduce and key not in _RS_UNSUPPORTED:
         try:
             inp = inp.contiguous()
-            work = _resolve("reduce_scatter_single", "reduce_scatter_tensor")(out, inp, group=group,
+            work = dist_fn("reduce_scatter_single", "reduce_scatter_tensor")(out, inp, group=group,
                                                                               async_op=async_op)
             return _InFlight(work, out, inp) if async_op else _Done()
         except (RuntimeError, NotImplementedError) as err:

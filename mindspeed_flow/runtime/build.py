@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_flow.config.schema import FlowJobConfig
-from mindspeed_flow.hosts.torch import build_vlm, split_vlm
+from mindspeed_flow.hosts.torch import build_vlm, dp_loss_scale, split_vlm
 from mindspeed_flow.pool import EmbeddingPool
 from mindspeed_flow.runtime.engine import CoupledModel, RankModels
 from mindspeed_flow.runtime.optim import ParamShare, PartOptimizer, build_optimizer
@@ -56,7 +56,7 @@ def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.d
     if topo.is_coupled:
         coupled = CoupledModel(encoder.to(device), backbone.to(device), frozen)
         models.coupled_dp = apply_ddp(coupled, topo.dp_group) if topo.world_size > 1 else coupled
-        models.dp_size = topo.world_size
+        models.dp_loss_scale = dp_loss_scale(topo.dp_group) if topo.world_size > 1 else 1.0
         optim.shares = [ParamShare([p for p in coupled.parameters() if p.requires_grad], replicas=topo.world_size)]
         optim.optimizer = build_optimizer(optim.shares[0].params, **opt_kwargs)
         models.named_params = dict(coupled.named_parameters())
@@ -81,7 +81,8 @@ def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.d
 
             models.pipeline = BackbonePipeline.build(job, topo, backbone, device)
             stage_params = models.pipeline.parameters()
-            models.dp_size = bb.dp
+            # the stage module holds the FSDP units (if any): their measured reduction sets the scale
+            models.dp_loss_scale = dp_loss_scale(topo.dp_group, models.pipeline.stage_module) if bb.dp > 1 else 1.0
             optim.shares = [ParamShare(stage_params, replicas=bb.dp)]
         else:
             if bb.dp > 1 and job.parallel.backbone_dp_impl == "fsdp":
@@ -90,7 +91,7 @@ def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.d
             else:
                 models.backbone = apply_ddp(backbone, topo.dp_group) if bb.dp > 1 else backbone
                 optim.shares = [ParamShare(list(backbone.parameters()), replicas=bb.dp)]
-            models.dp_size = bb.dp
+            models.dp_loss_scale = dp_loss_scale(topo.dp_group, models.backbone) if bb.dp > 1 else 1.0
         optim.optimizer = build_optimizer(optim.params, **opt_kwargs)
         # Name each parameter this rank holds by its place in the whole backbone (a pipeline stage holds a slice).
         held = {id(p) for p in optim.params}

@@ -39,7 +39,9 @@ class RankModels:
     backbone_part: Optional[Any] = None  # unwrapped BackbonePart (pack/embed helpers)
     coupled_dp: Optional[torch.nn.Module] = None
     pipeline: Optional[Any] = None  # runtime.pipeline.BackbonePipeline when pp > 1
-    dp_size: int = 1  # size of the group the DP wrapper averages over
+    # the loss multiplier that makes the DP wrapper's reduction a SUM of gradients: the DP size where it averages,
+    # 1 where it sums (FSDP2 on gloo in torch 2.7.1); returned embedding gradients are divided by it again
+    dp_loss_scale: float = 1.0
     frozen_encoder: bool = False
     # this rank's parameters under the layout-independent names `encoder.<name>` / `backbone.<name>`
     named_params: dict = field(default_factory=dict)
@@ -173,8 +175,8 @@ class StepEngine:
             return
         for sid, leaf in leaves.items():
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            if self.m.dp_size > 1:
-                grad = grad / self.m.dp_size  # undo the DP-average compensation of the loss scale
+            if self.m.dp_loss_scale != 1.0:
+                grad = grad / self.m.dp_loss_scale  # undo the DP-average compensation of the loss scale
             timer.timed("wait", lambda: self.pool.return_grad(grad, sample_id=sid, step=work.step,
                                                               producer=work.producer_of[sid]))
 
@@ -186,7 +188,7 @@ class StepEngine:
     def _consume_flat(self, work: StepWork, row, n_labels: int, timer: Timer, record: StepRecord) -> float:
         part, model = self.m.backbone_part, self.m.backbone
         seq_len = work.plan.seq_len or self.token_budget
-        scale = self.m.dp_size / max(n_labels, 1)
+        scale = self.m.dp_loss_scale / max(n_labels, 1)
         total = 0.0
         for k, mb in enumerate(row):
             leaves = self.fetch_embeds(work, mb.sample_ids, timer)
@@ -210,7 +212,7 @@ class StepEngine:
         timer = Timer()
         row = work.plan.microbatches[self.topo.rank]
         model = self.m.coupled_dp
-        scale = self.m.dp_size / max(n_labels, 1)
+        scale = self.m.dp_loss_scale / max(n_labels, 1)
         total = 0.0
         record["backbone_first_mb_start_t"] = time.time()
         for k, mb in enumerate(row):

@@ -99,7 +99,7 @@ class BackbonePipeline:
 
     def run(self, work: "StepWork", row: list, n_labels: int, engine: "StepEngine", timer: "Timer",
             record: "StepRecord") -> float:
-        scale = engine.m.dp_size / max(n_labels, 1)
+        scale = engine.m.dp_loss_scale / max(n_labels, 1)
         samples = [timer.timed("busy", lambda mb=mb: engine.load_samples(mb.sample_ids, with_pixels=False))
                    for mb in row]
         packs = [self.backbone.pack(s, None, self.token_budget) for s in samples]
@@ -139,7 +139,7 @@ class BackbonePipeline:
     @staticmethod
     def _grad_sender(work: "StepWork", sid: int, engine: "StepEngine") -> Callable[[torch.Tensor], None]:
         def send(grad: torch.Tensor) -> None:
-            g = grad / engine.m.dp_size if engine.m.dp_size > 1 else grad
+            g = grad / engine.m.dp_loss_scale if engine.m.dp_loss_scale != 1.0 else grad
             engine.pool.return_grad(g.detach().clone(), sample_id=sid, step=work.step,
                                     producer=work.producer_of[sid])
         return send

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from mindspeed_flow import torch_compat
 from mindspeed_flow.accelerator import Accelerator
 from mindspeed_flow.config import load as config_load
 from mindspeed_flow.config.load import model_hf_config, model_limits
@@ -134,6 +135,11 @@ def run_worker(config_path: str) -> None:
         print(f"[mindspeed-flow] {layout.describe()} on {world} x {acc.device_name}; "
               f"MFU = model FLOPs per step (DESIGN §5, padding excluded) / step seconds / peak of all devices "
               f"({peak_desc})", flush=True)
+        # What the installed torch lacks and how this run works around it (nothing on a current torch). The writer
+        # is a backbone rank of the last stage, so it has met every adaptation the layout needs (FSDP, pipeline).
+        compat = torch_compat.startup_line()
+        if compat:
+            print(compat, flush=True)
 
     engine = StepEngine(topo=topo, models=rank_models, pool=pool, dataset=dataset,
                         token_budget=job.packing.token_budget, optim=optim,
@@ -178,7 +184,7 @@ def run_worker(config_path: str) -> None:
     if pool is not None:
         pool.close()
     dist.barrier(group=metrics_group)
-    dist.destroy_process_group()
+    torch_compat.destroy_process_groups()  # a plain destroy can deadlock on torch 2.7's gloo (see there)
 
 
 def _maybe_resume(job: FlowJobConfig, models: Any, optim: Any, batches: Any, verbose: bool

@@ -29,6 +29,8 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ti
     import torch
     import torch.distributed as dist
 
+    from mindspeed_flow import torch_compat
+
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -46,7 +48,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ti
         _wait_for_peers(store, rank, world_size, timeout_s)
         if dist.is_initialized():
             try:
-                dist.destroy_process_group()
+                torch_compat.destroy_process_groups()  # torch 2.7's gloo could deadlock in a plain destroy
             except Exception:  # noqa: BLE001
                 pass
 

@@ -3,7 +3,10 @@
 Reduction convention: DDP and FSDP2 both AVERAGE gradients over the DP group. The runtime's loss is a sum of
 token losses divided by the GLOBAL label-token count, whose exact gradient is the SUM over DP ranks, so the
 runtime scales each rank's loss by the DP size (`dp_loss_scale`) before backward. (Switching the collectives
-to SUM instead would need PREMUL_SUM / comm hooks that gloo and torch 2.7 do not all support.)
+to SUM instead would need PREMUL_SUM / comm hooks that gloo and torch 2.7 do not all support.) One exception,
+measured rather than assumed: FSDP2 reduce-scatters with ReduceOp.AVG, which gloo in torch 2.7.1 silently
+sums; `apply_fsdp` measures what FSDP2 yields on its group (torch_compat.fsdp_grad_reduction) and
+`dp_loss_scale(group, module)` is 1 where the gradients arrive summed, so they are the same on every release.
 
 Global norm without double counting: every rank computes `grad_sq_sum(module, replicated_over=...)`, its share
 of the squared norm; the shares are summed over the whole world (all parts, all stages) once. A parameter that
@@ -21,39 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-try:  # torch >= 2.5 exposes DTensor publicly; 2.7 has both names
-    from torch.distributed.tensor import DTensor, Replicate
-except ImportError:  # pragma: no cover - older torch
-    from torch.distributed._tensor import DTensor, Replicate  # type: ignore[no-redef]
+from mindspeed_flow import torch_compat
+from mindspeed_flow.torch_compat import DTensor, FSDPModule, Replicate, device_mesh_for, fully_shard
 
-
-def _fully_shard():
-    """FSDP2's `fully_shard`: public in torch.distributed.fsdp from 2.6, under _composable.fsdp before."""
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:  # pragma: no cover - torch < 2.6
-        from torch.distributed._composable.fsdp import fully_shard
-    return fully_shard
-
-
-def _fsdp_module_type() -> type:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover
-        from torch.distributed._composable.fsdp import FSDPModule
-    return FSDPModule
-
-
-def device_mesh_for(group: Optional[dist.ProcessGroup], device_type: str):
-    """A 1-D DeviceMesh over `group` (DeviceMesh.from_group; init_device_mesh for the world group as fallback)."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-    group = group if group is not None else dist.group.WORLD
-    if hasattr(DeviceMesh, "from_group"):
-        return DeviceMesh.from_group(group, device_type=device_type)
-    if dist.get_world_size(group) != dist.get_world_size():  # pragma: no cover - torch without from_group
-        raise RuntimeError("this torch has no DeviceMesh.from_group; FSDP2 over a sub-group needs torch >= 2.4")
-    return init_device_mesh(device_type, (dist.get_world_size(),))  # pragma: no cover
+# Set on a module by apply_fsdp: FSDP2's measured reduction over its group, "mean" or "sum".
+_REDUCTION_ATTR = "_msf_fsdp_reduction"
 
 
 def _device_type(module: nn.Module) -> str:
@@ -82,12 +57,18 @@ def apply_fsdp(module: nn.Module, dp_group: Optional[dist.ProcessGroup], *,
 
     Returns the same module object (fully_shard works in place); its parameters become DTensors, so call the
     part only through its forward (e.g. `BackbonePart.forward(packed, image_embeds)`, not `.embed` alone).
+    Scale the loss by `dp_loss_scale(dp_group, module)`: FSDP2's reduction is measured here, per group.
     """
-    fully_shard = _fully_shard()
     mesh = device_mesh_for(dp_group, _device_type(module))
-    for block in _blocks(module, layer_containers):
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    p = next(module.parameters(), None)
+    # Measured now, while every rank of the group is here (the probe is a collective): see dp_loss_scale.
+    reduction = torch_compat.fsdp_grad_reduction(dp_group, p.dtype if p is not None else torch.float32,
+                                                 _device_type(module))
+    units = list(_blocks(module, layer_containers)) + [module]
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        # on every unit: the caller may hold an inner module (a pipeline stage inside its streaming wrapper)
+        setattr(unit, _REDUCTION_ATTR, reduction)
     return module
 
 
@@ -108,11 +89,11 @@ def grad_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
     if enabled:
         yield
         return
-    if hasattr(module, "no_sync") and not isinstance(module, _fsdp_module_type()):
+    if hasattr(module, "no_sync") and not isinstance(module, FSDPModule):
         with module.no_sync():
             yield
         return
-    if isinstance(module, _fsdp_module_type()):
+    if isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(False)
         try:
             yield
@@ -122,9 +103,21 @@ def grad_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
     yield  # a plain module: nothing to hold back
 
 
-def dp_loss_scale(dp_group: Optional[dist.ProcessGroup]) -> float:
-    """Multiply the loss by this before backward so that averaging DP collectives yield the SUM of gradients."""
-    return float(dist.get_world_size(dp_group)) if dist.is_initialized() else 1.0
+def dp_loss_scale(dp_group: Optional[dist.ProcessGroup], module: Optional[nn.Module] = None) -> float:
+    """Multiply the loss by this before backward so that the DP wrapper's reduction yields the SUM of gradients.
+
+    The DP size for DDP and for FSDP2 that averages; 1 for an `apply_fsdp` module whose gradients arrive summed
+    (gloo in torch 2.7.1, see torch_compat). Pass the DP-wrapped module (or the stage module it wraps).
+    """
+    if not dist.is_initialized():
+        return 1.0
+    if module is not None:
+        reductions = {getattr(m, _REDUCTION_ATTR) for m in module.modules() if hasattr(m, _REDUCTION_ATTR)}
+        if len(reductions) > 1:  # pragma: no cover - one apply_fsdp per module tree
+            raise RuntimeError(f"FSDP2 units of one module reduce differently: {sorted(reductions)}")
+        if reductions == {"sum"}:
+            return 1.0
+    return float(dist.get_world_size(dp_group))
 
 
 def allreduce_grads_(params: Iterable[nn.Parameter], dp_group: Optional[dist.ProcessGroup],

@@ -25,13 +25,13 @@ need; a new shape would crash the receiving rank inside gloo.
 """
 from __future__ import annotations
 
-import inspect
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from mindspeed_flow import torch_compat
 from mindspeed_flow.hosts.torch.packed import PackedBatch, stack_position_ids, unstack_position_ids
 from mindspeed_flow.hosts.torch.split import BackbonePart, token_loss_sum
 
@@ -123,6 +123,7 @@ def build_backbone_stages(backbone: BackbonePart, pp_rank: int, pp_size: int,
         raise ValueError("tie_word_embeddings=True with parallel.backbone.pp > 1: embed_tokens (stage 0) and lm_head "
                          "(last stage) would be one parameter on two ranks; untie it in the model config")
     bounds = split_layers(len(backbone.layers), n_stages, layer_split)
+    torch_compat.prepare_pipelining()  # at build time, so the start-up line names what this torch lacks
     out = []
     for index in range(pp_rank, n_stages, pp_size):
         start, stop = bounds[index]
@@ -132,10 +133,6 @@ def build_backbone_stages(backbone: BackbonePart, pp_rank: int, pp_size: int,
         wrapped = wrap(module) if wrap is not None else module
         out.append((module, PipelineStage(wrapped, index, n_stages, device, group=pp_group)))
     return out
-
-
-def _accepts(fn: Callable, name: str) -> bool:
-    return name in inspect.signature(fn).parameters
 
 
 def make_schedule(stage: "PipelineStage | Sequence[PipelineStage]", n_microbatches: int,
@@ -152,8 +149,9 @@ def make_schedule(stage: "PipelineStage | Sequence[PipelineStage]", n_microbatch
     if multi != isinstance(stage, (list, tuple)):
         raise ValueError(f"pp_schedule={kind!r} takes {'a list of stages' if multi else 'one stage'}; use "
                          f"build_backbone_stages(virtual_stages=...) for interleaved schedules")
-    kwargs = {"scale_grads": False} if _accepts(cls.__init__, "scale_grads") else {}
-    return cls(list(stage) if multi else stage, n_microbatches=n_microbatches, loss_fn=loss_fn, **kwargs)
+    torch_compat.ensure_pipeline_p2p_waits_all()  # torch 2.7 on gloo: 1F1B would deadlock otherwise
+    return cls(list(stage) if multi else stage, n_microbatches=n_microbatches, loss_fn=loss_fn,
+               **torch_compat.schedule_kwargs(cls))
 
 
 def stage0_input(backbone: BackbonePart, packs: Sequence[PackedBatch],
@@ -195,7 +193,7 @@ def pipeline_step(schedule, stage_module: BackboneStage | Sequence[BackboneStage
             raise ValueError("pipeline stage 0 needs stage0_leaf (see stage0_input)")
         args = (stage0_leaf,)
         kwargs["input_ids"] = torch.cat([p.input_ids for p in packs]).to(device)
-    step_kwargs = {"return_outputs": False} if _accepts(schedule.step, "return_outputs") else {}
+    step_kwargs = torch_compat.step_kwargs(schedule)
     if is_last:
         losses: list[torch.Tensor] = []
         target = torch.cat([p.labels for p in packs]).to(device)
