@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Sets up .venv (first run: ~2-3 min) and runs the whole test suite on this machine's CPUs.
-# Usage: bash scripts/run_tests.sh [pytest args...]
+# Sets up the venv (first run: ~2-3 min) and runs the whole test suite on this machine's CPUs.
+# Usage: bash scripts/run_tests.sh [pytest args...]                 current pinned torch, in .venv
+#        MSF_TORCH=2.7 bash scripts/run_tests.sh [pytest args...]   torch 2.7.1 + transformers 4.57.x, in .venv-torch27
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+source scripts/torch_flavour.sh
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m pytest -q "$@"
+exec "$VENV/bin/python" -m pytest -q "$@"
