@@ -197,11 +197,12 @@ def _group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
 
 def reduce_scatter_avg_averages(group: Optional[dist.ProcessGroup] = None,
                                 device: torch.device | str = "cpu") -> bool:
-    """Whether reduce-scatter with ReduceOp.AVG averages over `group` (True) or sums (False); measured once per group.
+    """Whether reduce-scatter with ReduceOp.AVG averages over `group` (True) or not (False: it sums, or the backend
+    refuses AVG); measured once per group.
 
     Collective: every rank of `group` must call it (the first time) in the same order as its other collectives.
     Rank r contributes r + 1 to every element, so the mean is (n + 1) / 2 and the sum n (n + 1) / 2; anything
-    else raises. A backend that cannot reduce-scatter with AVG at all raises its own error here.
+    else raises.
     """
     g = _group(group)
     device = torch.device(device)
@@ -213,8 +214,15 @@ def reduce_scatter_avg_averages(group: Optional[dist.ProcessGroup] = None,
             return True
         value = float(dist.get_rank(g) + 1)
         out = torch.empty(1, dtype=torch.float32, device=device)
-        dist_fn("reduce_scatter_single", "reduce_scatter_tensor")(
-            out, torch.full((n,), value, dtype=torch.float32, device=device), op=dist.ReduceOp.AVG, group=g)
+        try:
+            dist_fn("reduce_scatter_single", "reduce_scatter_tensor")(
+                out, torch.full((n,), value, dtype=torch.float32, device=device), op=dist.ReduceOp.AVG, group=g)
+        except (RuntimeError, ValueError, NotImplementedError) as err:
+            # Every rank of the group has the same backend and refuses alike. A backend without AVG (or whose
+            # torch build patches FSDP2 around it) is not an error here: fsdp_grad_reduction then measures FSDP2.
+            log.info("reduce-scatter with ReduceOp.AVG unsupported on %s: %s", dist.get_backend(g), err)
+            _RS_AVG[key] = False
+            return False
         got, mean, total = float(out.item()), (n + 1) / 2, n * (n + 1) / 2
         if math.isclose(got, mean, rel_tol=1e-6):
             _RS_AVG[key] = True
@@ -233,9 +241,9 @@ def fsdp_grad_reduction(group: Optional[dist.ProcessGroup], dtype: torch.dtype =
     """What FSDP2 makes of the DP ranks' gradients on `group` for parameters of `dtype`: "mean" or "sum".
 
     Collective over `group` (call it where `fully_shard` is called, on every rank). Where reduce-scatter with AVG
-    averages, every FSDP2 path averages (AVG, or SUM with pre/post division for fp16). Where it does not, FSDP2 is
-    measured end to end: a one-parameter module is sharded over `group`, rank r back-propagates r + 1 into every
-    element, and the gradient shard says which reduction happened.
+    averages, every FSDP2 path averages (AVG, or SUM with pre/post division for fp16). Where it does not (or the
+    backend refuses AVG), FSDP2 is measured end to end: a one-parameter module is sharded over `group`, rank r
+    back-propagates r + 1 into every element, and the gradient shard says which reduction happened.
     """
     g = _group(group)
     device = torch.device(device)

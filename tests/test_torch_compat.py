@@ -145,3 +145,30 @@ def test_destroy_process_groups_keeps_gloo_backends_and_forgets_the_probes():
     for res in run_ranks(_teardown_rank, 2, timeout_s=60):
         # the world group's and the sub-group's gloo backends are held (the world's may be shared per device type)
         assert res == {"initialized": False, "retired": res["retired"], "cache": 0} and res["retired"] >= 2, res
+
+
+def _refused_avg_rank(rank: int, world: int) -> dict:
+    raw = torch.empty(1)
+    torch_compat.dist_fn("reduce_scatter_single", "reduce_scatter_tensor")(
+        raw, torch.full((world,), float(rank + 1)), op=dist.ReduceOp.AVG)
+
+    def refuse(*names):
+        def call(*args, **kwargs):
+            raise RuntimeError("ReduceOp.AVG is not supported by this backend")
+        return call
+
+    real = torch_compat.dist_fn
+    torch_compat.dist_fn = refuse  # a backend that refuses AVG (this forked rank only)
+    try:
+        averages = torch_compat.reduce_scatter_avg_averages(None)
+    finally:
+        torch_compat.dist_fn = real
+    # FSDP2 itself is then measured end to end (its own reduce-scatter is untouched here)
+    return {"raw": raw.item(), "averages": averages,
+            "fsdp": torch_compat.fsdp_grad_reduction(None, torch.float32)}
+
+
+def test_a_backend_refusing_avg_gets_fsdp2_measured_end_to_end():
+    for res in run_ranks(_refused_avg_rank, 2, timeout_s=60):
+        assert res["averages"] is False, res
+        assert res["fsdp"] == ("mean" if res["raw"] == 1.5 else "sum"), res
