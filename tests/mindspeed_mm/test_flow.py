@@ -33,7 +33,8 @@ LAYOUTS = {
     "d_enc_dp2_dec_tp2_sp_mc2": ({"dp": 2, "tp": 1}, {"dp": 1, "tp": 2, "pp": 1}, ["--use-ascend-mc2"]),
 }
 MC2_OPS = {"torch_npu.npu_all_gather_base_mm", "torch_npu.npu_mm_reduce_scatter_base"}
-GROUPS_LINE = re.compile(r"\[mindspeed-flow\] rank (\d+) \((\w+)\) groups: (.*)")
+# Ranks print concurrently, so two reports may share a line: match each report, not each line.
+GROUPS_LINE = re.compile(r"\[mindspeed-flow\] rank (\d+) \((\w+)\) groups: ((?:\w+=\[[\d, ]*\] ?)+)")
 
 
 def write_recipe(path: Path, enc: dict, dec: dict, **extra: str) -> Path:
