@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the MindSpeed-MM integration tests (pytest -m mindspeed_mm): real MindSpeed-MM / MindSpeed / Megatron-LM
 # sources trained on CPU under the emulated torch_npu, unpatched and as flow jobs.
-# Usage: bash scripts/run_mindspeed_mm_tests.sh [pytest args...]
+# Usage: bash scripts/run_mindspeed_mm_tests.sh [pytest args...]       (MSF_TORCH=2.7: on torch 2.7.1, MindSpeed-MM's pin)
 # Sources: $MINDSPEED_MM_HOME, $MINDSPEED_HOME, $MEGATRON_HOME if set; else the pinned archive
 # ../shared/third_party/mindspeed_mm_sources.tar.gz (or $MSF_SOURCES_ARCHIVE) is unpacked into a temporary folder
 # (Megatron compiles a helper into its own tree, so the sources must be writable). Without either, the tests skip
@@ -9,6 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_emulate_env.sh
+source scripts/torch_flavour.sh
+VENV=${MSF_EMULATE_VENV:-${VENV/.venv/.venv-emulate}}
 archive=${MSF_SOURCES_ARCHIVE:-../shared/third_party/mindspeed_mm_sources.tar.gz}
 if [ -z "${MINDSPEED_MM_HOME:-}" ] && [ -f "$archive" ]; then
   src=$(mktemp -d -t msf-sources-XXXXXX)
@@ -18,4 +20,5 @@ if [ -z "${MINDSPEED_MM_HOME:-}" ] && [ -f "$archive" ]; then
   echo "MindSpeed-MM sources unpacked from $archive into $src"
 fi
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec .venv-emulate/bin/python -m pytest -q -m mindspeed_mm tests/mindspeed_mm tests/test_patch_registry.py "$@"
+# Not exec: the EXIT trap removes the unpacked sources afterwards.
+"$VENV/bin/python" -m pytest -q -m mindspeed_mm tests/mindspeed_mm tests/test_patch_registry.py "$@"

@@ -239,7 +239,9 @@ def test_converted_checkpoint_equals_direct_coupled_load(tiny_assets, coupled_ch
 
 
 def test_drop_in_one_line_change_trains_decoupled(tiny_assets, tmp_path, mm_sources) -> None:
-    """MindSpeed-MM's launch-script shape, scaled to the tiny model: the flow version differs by one line."""
+    """MindSpeed-MM's launch-script shape, scaled to the tiny model: its flow twin differs by one line and trains.
+
+    (The unchanged script's flags are the ones every coupled job in this folder runs with.)"""
     import difflib
 
     from mindspeed_flow.emulation.cli import job_env
@@ -250,21 +252,15 @@ def test_drop_in_one_line_change_trains_decoupled(tiny_assets, tmp_path, mm_sour
                                                      lineterm="", n=0) if line[:1] in "+-" and line[:3] not in
                ("+++", "---")]
     assert len(changed) == 2 and "mindspeed_flow_patches.launch --flow-recipe" in changed[1], changed
-    env = dict(job_env(mm_sources, None), TINY_WORKDIR=str(tiny_assets["workdir"]), TRAIN_ITERS="4")
-    runs = {}
-    for script, nproc in ((coupled, 2), (flow, 3)):
-        proc = subprocess.run(["bash", str(script)], cwd=str(mm_sources.mindspeed_mm.root), capture_output=True,
-                              text=True, timeout=900, env=dict(env, NPUS_PER_NODE=str(nproc),
-                                                               MASTER_PORT=str(_free_port())))
-        out = proc.stdout + proc.stderr
-        assert proc.returncode == 0, out[-4000:]
-        runs[script.name] = [float(x) for x in re.findall(r"\| loss: ([0-9.E+-]+)", out)]
-        if script is flow:
-            assert "[mindspeed-flow] decoupled layout" in out and "[flow] iteration 4" in out
-    a, b = runs[coupled.name], runs[flow.name]
-    assert len(a) == len(b) == 4
-    # Random initialisation differs (each part builds only its own modules), so compare the trend, not values.
-    assert b[-1] < b[0] and a[-1] < a[0], (a, b)
+    env = dict(job_env(mm_sources, None), TINY_WORKDIR=str(tiny_assets["workdir"]), TRAIN_ITERS="6",
+               NPUS_PER_NODE="3", MASTER_PORT=str(_free_port()))
+    proc = subprocess.run(["bash", str(flow)], cwd=str(mm_sources.mindspeed_mm.root), capture_output=True,
+                          text=True, timeout=900, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "[mindspeed-flow] decoupled layout" in out and "[flow] iteration 6" in out
+    losses = [float(x) for x in re.findall(r"\| loss: ([0-9.E+-]+)", out)]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
 
 
 def _free_port() -> int:
