@@ -96,10 +96,6 @@ class FlowContext:
         """Decoder bridge ranks: TP rank 0 of each decoder DP replica's first pipeline stage, in DP order."""
         return [self.parts.global_rank(BACKBONE, dp=d, pp=0) for d in range(self.parts.part(BACKBONE).dp)]
 
-    @property
-    def on_bridge(self) -> bool:
-        return self.rank in self.producers() or self.rank in self.consumers()
-
     def replica_leader(self) -> int:
         """The bridge rank of this rank's replica (same part, same dp, tp 0, first stage)."""
         c = self.coords

@@ -135,7 +135,6 @@ class FlowHost:
         return flow_dataset_provider
 
     def forward_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        self._original_forward_step = original
 
         def flow_forward_step(data_iterator: Any, model: Any) -> Any:
             return self._decoder_step().forward_step(original)(data_iterator, model)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -30,7 +30,6 @@ from mindspeed_flow.topology import BACKBONE, ENCODER, PartLayout
 
 # The MindSpeed-MM modules each part builds (`model_provider(modules=...)`); an audio encoder would be a third part.
 PART_MODULES: dict[str, tuple[str, ...]] = {ENCODER: ("image_encoder",), BACKBONE: ("text_decoder",)}
-PART_ORDER: tuple[str, ...] = (ENCODER, BACKBONE)
 
 
 class FlowRecipeError(ValueError):
@@ -257,7 +256,3 @@ def parts_for_job(recipe_path: str | Path, argv: list[str], world_size: int) -> 
     return build_parts(job, world_size=world_size, model=model, global_batch_size=gbs, micro_batch_size=mbs,
                        recipe_name=Path(recipe_path).name,
                        recipe_global_batch_size=None if stated is None else int(stated))
-
-
-def as_dict(parts: FlowParts) -> dict[str, Any]:
-    return {"parts": [{"name": p.name, "dp": p.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp} for p in parts.layouts]}
