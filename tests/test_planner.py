@@ -10,12 +10,12 @@ import pytest
 
 from mindspeed_flow.config.planner import PlannerConfig
 from mindspeed_flow.planner import cli
-from mindspeed_flow.planner.hardware import PEAK_TFLOPS, load_cluster, peak_flops
+from mindspeed_flow.planner.hardware import PEAK_TFLOPS, SKUS, load_cluster, peak_flops
 from mindspeed_flow.planner.inputs import build_problem, parse_kv
 from mindspeed_flow.planner.plan import make_plan, resolve_global_batch
 from mindspeed_flow.planner.space import PlanError
 
-CLUSTERS = ("cpu", "atlas_800t_a2", "atlas_900_a3_384", "h100_8", "h200_8")
+CLUSTERS = ("cpu", "atlas_800t_a2", "atlas_800t_a2_910b2", "atlas_900_a3_384", "h100_8", "h200_8")
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -27,7 +27,9 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 def test_peak_table_reads_device_names() -> None:
     assert peak_flops("Ascend910B3", "bfloat16") == 313e12
     assert peak_flops("Ascend910B4", "bf16") == 280e12
-    assert peak_flops("Ascend910_9392", "bf16") == 752e12  # 910C as torch_npu names it
+    # an A3 die as torch_npu names it: the runtime schedules each 910C die as one device, so half the package
+    assert peak_flops("Ascend910_9392", "bf16") == 376e12
+    assert peak_flops("Ascend910B2C", "bf16") == pytest.approx(353.9e12)
     assert peak_flops("NVIDIA H100 80GB HBM3", "float32") == pytest.approx(66.9e12)
     assert peak_flops("NVIDIA H200", "bf16") == pytest.approx(989.4e12)
     assert peak_flops("Ascend910B3", "fp32") is None and peak_flops("mystery", "bf16") is None
@@ -39,8 +41,18 @@ def test_cluster_presets_load(name: str) -> None:
     c = load_cluster(name)
     assert c.devices >= 3 and c.devices % c.devices_per_node == 0
     assert c.peak("bf16") == pytest.approx(PEAK_TFLOPS[c.config.sku]["bf16"] * 1e12)
+    assert c.config.source  # every figure traces to a named source (the SKU table's)
+    assert c.hbm_bytes == SKUS[c.config.sku].hbm_gb * 1e9
     first = (Path(__file__).parents[1] / "recipes" / "cluster" / f"{name}.yaml").read_text().splitlines()[0]
     assert first.startswith("# mindspeed-flow plan")
+
+
+def test_a3_preset_is_dies_as_the_runtime_schedules_them() -> None:
+    """A3: 384 910C packages of two dies; each die is a device of 64 GB / 376 TFLOPS bf16, 16 per node."""
+    c = load_cluster("atlas_900_a3_384")
+    assert (c.devices, c.packages, c.devices_per_node) == (768, 384, 16)
+    assert c.config.hbm_gb == 64.0 and c.peak("bf16") == 376e12
+    assert c.bandwidth(False) == 196e9  # UB: ~392 GB/s per package, one die's share
 
 
 def test_cluster_typo_is_named(tmp_path) -> None:
@@ -58,8 +70,10 @@ def test_default_plan_is_72b_on_a3_with_json_fields(capsys) -> None:
     for part in obj["parts"]:
         assert {"name", "devices", "dp", "tp", "pp", "cp"} <= set(part)
         assert part["devices"] == part["dp"] * part["tp"] * part["pp"] * part["cp"]
-        assert part["tp"] <= 8 and part["memory_gb"]["total"] <= 128 * 0.9
-    assert sum(p["devices"] for p in obj["parts"]) <= 384
+        assert part["tp"] <= 16 and part["memory_gb"]["total"] <= 64 * 0.9  # fits an A3 die
+        assert part["memory_gb"]["total"] == pytest.approx(sum(v for k, v in part["memory_gb"].items()
+                                                               if k != "total"), rel=1e-6)
+    assert sum(p["devices"] for p in obj["parts"]) <= 768
     assert 0 < obj["predicted"]["mfu"] < 1 and obj["predicted"]["samples_per_s"] > 0
     assert obj["solve_seconds"] < 5
     for name in ("megatron_coupled", "mindspeed_dist_train"):

@@ -21,7 +21,7 @@ class ClusterConfig:
     inter_node_gbps: float = 10.0
     intra_node_latency_us: float = 10.0
     inter_node_latency_us: float = 50.0
-    # Device SKU (a key of planner.hardware.PEAK_TFLOPS); documents where peak_tflops came from.
+    # Device SKU (a key of planner.hardware.SKUS): peak_tflops, hbm_gb, hbm_tbps a preset leaves out come from it.
     sku: str = "cpu"
     # npu | cuda | cpu: the backend the runtime will use (decides what the runtime can run, e.g. TP on CPU).
     backend: str = "cpu"
@@ -33,6 +33,12 @@ class ClusterConfig:
     # CPU-emulated clusters: the devices are processes sharing this many cores (-1: this machine's count;
     # 0: devices do not share compute). More busy devices than cores slow each one down proportionally.
     host_cores: int = 0
+    # Devices per physical package (A3: a 910C package is two dies, each scheduled as one device) and the
+    # on-package link between them (GB/s, 0 = same as intra_node_gbps).
+    devices_per_package: int = 1
+    package_link_gbps: float = 0.0
+    # Where the figures come from (filled from the SKU table when the preset names a known sku).
+    source: str = ""
 
 
 @dataclass

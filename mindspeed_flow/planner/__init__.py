@@ -5,7 +5,7 @@ OR-Tools, no process groups; importable in a notebook).
     hardware.py   per-SKU peak table (`peak_flops`), cluster presets (recipes/cluster/*.yaml)
     workload.py   the sample shapes a plan is made for (data recipe, InfoVQA-like generator, length table)
     parts.py      PartSpec: one entry per part (encoder, backbone, a second encoder ...), workload-averaged
-    cost.py       analytic step time and memory per layout (DESIGN §5), vectorized over layouts
+    cost.py       analytic step time and memory per layout, vectorized over layouts
     space.py      structurally valid layouts per part (TP in a node, divisibility, batch, token budget)
     solver.py     lexicographic CP-SAT allocation, and the exhaustive enumeration it is tested against
     baselines.py  Megatron-style coupled and MindSpeed dist-train layouts in the same cost model

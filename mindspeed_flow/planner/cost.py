@@ -1,4 +1,4 @@
-"""Analytic cost and memory model of one part under a parallel layout (DESIGN §5), vectorized over layouts.
+"""Analytic cost and memory model of one part under a parallel layout, vectorized over layouts.
 
 Every function takes numpy arrays of layout fields (dp, tp, pp, cp, token budget b, recompute rc) and returns
 arrays, so the same code prices one layout for a report and 10^5 layouts for the search.
@@ -140,9 +140,14 @@ def ring_allreduce_time(nbytes: np.ndarray, n: np.ndarray, bw: np.ndarray, lat: 
 
 def _link(ctx: CostContext, span: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Bandwidth and latency of a group whose ranks span `span` consecutive devices (rank order tp, cp, dp, pp)."""
-    intra = np.asarray(span) <= ctx.cluster.devices_per_node
+    span = np.asarray(span)
+    intra = span <= ctx.cluster.devices_per_node
     c = ctx.cluster
-    return np.where(intra, c.bandwidth(True), c.bandwidth(False)), np.where(intra, c.latency(True), c.latency(False))
+    bw = np.where(intra, c.bandwidth(True), c.bandwidth(False))
+    pkg = float(c.config.package_link_gbps)
+    if c.config.devices_per_package > 1 and pkg > 0:  # the dies of one package talk over their own link
+        bw = np.where(span <= c.config.devices_per_package, pkg * 1e9, bw)
+    return bw, np.where(intra, c.latency(True), c.latency(False))
 
 
 def dp_sync_time(ctx: CostContext, params_per_device: np.ndarray, dp: np.ndarray, span: np.ndarray) -> np.ndarray:

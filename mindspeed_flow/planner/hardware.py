@@ -1,7 +1,7 @@
 """Hardware facts for the planner and MFU: the per-SKU peak table and cluster presets (recipes/cluster/*.yaml).
 
-`PEAK_TFLOPS` holds nominal dense peaks (TFLOP/s, no sparsity) per device SKU and dtype. Ascend 910B SKUs
-differ (DESIGN §9): read the device name (`torch_npu.npu.get_device_name()` gives e.g. "Ascend910B3") and look it
+`SKUS` holds, per device SKU, nominal dense peaks (TFLOP/s, no sparsity) per dtype, memory and the source of
+the figures; presets name their `sku` and take these figures from it. Ascend 910B SKUs differ: read the device name (`torch_npu.npu.get_device_name()` gives e.g. "Ascend910B3") and look it
 up with `peak_flops`, which `mindspeed_flow.accelerator` uses for MFU. Figures are vendor-nominal; MFU computed
 against them is only as good as the SKU match, so the report always prints the peak it used.
 """
@@ -14,22 +14,49 @@ from dataclasses import dataclass
 
 from mindspeed_flow.config.planner import ClusterConfig
 
-# TFLOP/s, dense. Keys are lower-case SKU names; `_SKU_PATTERNS` maps device-name spellings to them.
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "ascend910b1": {"bf16": 376.0, "fp16": 376.0},
-    "ascend910b2": {"bf16": 353.9, "fp16": 353.9},
-    "ascend910b3": {"bf16": 313.0, "fp16": 313.0},
-    "ascend910b4": {"bf16": 280.0, "fp16": 280.0},
-    "ascend910c": {"bf16": 752.0, "fp16": 752.0},  # 910C (Atlas 900 A3): two dies, per package
-    "h100_sxm": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "h200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "a100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
-    "cpu": {"bf16": 0.1, "fp16": 0.1, "fp32": 0.1},  # nominal: CPU-emulated cluster, calibrated by `profile`
-}
+@dataclass(frozen=True)
+class Sku:
+    """One device as the runtime schedules it (an A3 die, not the two-die 910C package): dense peaks, memory, source."""
 
-# Device-name regexes (searched case-insensitively, first match wins) -> SKU key.
+    peak_tflops: dict[str, float]  # TFLOP/s, dense (no sparsity), per dtype
+    hbm_gb: float
+    hbm_tbps: float
+    source: str  # where the figures come from; "not confirmed" says so
+
+
+# The one peak table: cluster presets (recipes/cluster/*.yaml) take peak_tflops / hbm from their `sku`, and the
+# runtime's MFU (mindspeed_flow.accelerator) looks the device name up here, so both use the same figures.
+SKUS: dict[str, Sku] = {
+    # Atlas 900 A3: the 910C package (~752 TFLOPS bf16, 128 GB, 3.2 TB/s) is two dies; the runtime schedules
+    # each die as one device (16 per node), so the device is half a package.
+    "ascend910c_die": Sku({"bf16": 376.0, "fp16": 376.0}, 64.0, 1.6,
+                          "CloudMatrix384, arXiv 2506.12708 (package: 752 TFLOPS bf16, 128 GB, 3.2 TB/s); one die = "
+                          "half; die-level scheduling: MindCluster guide (hiascend.com), MindSpeed-MM A3 scripts "
+                          "NPUS_PER_NODE=16"),
+    # 910B2: 24 AI cores at 1.8 GHz, 8192 fp16 FLOP/cycle/core -> 353.9 TFLOPS.
+    "ascend910b2": Sku({"bf16": 353.9, "fp16": 353.9}, 64.0, 1.6,
+                       "CANN platform config Ascend910B2C.ini: 24 AI cores x 1.8 GHz x 8192 FLOP/cycle; HBM 64 GB"),
+    # 910B3: 20 AI cores; the usual 313 TFLOPS figure implies ~1.91 GHz, which no public config confirms.
+    "ascend910b3": Sku({"bf16": 313.0, "fp16": 313.0}, 64.0, 1.6,
+                       "20 AI cores (HAMi ascend-device-configmap.yaml); 313 TFLOPS is the common vendor figure, "
+                       "clock not confirmed"),
+    "ascend910b1": Sku({"bf16": 376.0, "fp16": 376.0}, 64.0, 1.6, "vendor figure, not confirmed"),
+    "ascend910b4": Sku({"bf16": 280.0, "fp16": 280.0}, 32.0, 0.8, "vendor figure, not confirmed"),
+    "h100_sxm": Sku({"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}, 80.0, 3.35,
+                    "NVIDIA H100 Tensor Core GPU datasheet (SXM, dense)"),
+    "h200": Sku({"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}, 141.0, 4.8,
+                "NVIDIA H200 Tensor Core GPU datasheet (SXM, dense)"),
+    "a100": Sku({"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}, 80.0, 2.0,
+                "NVIDIA A100 Tensor Core GPU datasheet (SXM 80 GB, dense)"),
+    # nominal: a CPU-emulated cluster is calibrated by `mindspeed-flow profile`
+    "cpu": Sku({"bf16": 0.1, "fp16": 0.1, "fp32": 0.1}, 8.0, 0.02, "nominal; calibrate with mindspeed-flow profile"),
+}
+PEAK_TFLOPS: dict[str, dict[str, float]] = {k: v.peak_tflops for k, v in SKUS.items()}
+
+# Device-name regexes (searched case-insensitively, first match wins) -> SKU key. torch_npu names an A3 die
+# "Ascend910_93xx": one die, so the die's peak (reading the package's would halve MFU).
 _SKU_PATTERNS: tuple[tuple[str, str], ...] = (
-    (r"910_?93|910c", "ascend910c"),
+    (r"910_?93|910c", "ascend910c_die"),
     (r"910b1", "ascend910b1"),
     (r"910b2", "ascend910b2"),  # also 910B2C
     (r"910b3", "ascend910b3"),
@@ -96,6 +123,11 @@ class Cluster:
             raise ValueError(f"cluster {self.name!r}: peak_tflops has no entry for dtype {d!r} (has {sorted(table)})")
         return table[d] * 1e12
 
+    @property
+    def packages(self) -> int:
+        """Physical packages (an A3 910C holds two dies, each one device)."""
+        return self.devices // int(self.config.devices_per_package)
+
     def bandwidth(self, intra: bool) -> float:
         return (self.config.intra_node_gbps if intra else self.config.inter_node_gbps) * 1e9
 
@@ -121,6 +153,9 @@ def validate_cluster(cfg: ClusterConfig) -> None:
     for key in ("intra_node_gbps", "inter_node_gbps", "hbm_tbps"):
         if getattr(cfg, key) <= 0:
             raise ValueError(f"cluster {cfg.name!r}: {key} must be > 0, got {getattr(cfg, key)}")
+    if cfg.devices_per_package < 1 or cfg.devices_per_node % cfg.devices_per_package:
+        raise ValueError(f"cluster {cfg.name!r}: devices_per_package={cfg.devices_per_package} must be >= 1 and "
+                         f"divide devices_per_node={cfg.devices_per_node}")
     if not cfg.tp_sizes or any(int(t) < 1 for t in cfg.tp_sizes):
         raise ValueError(f"cluster {cfg.name!r}: tp_sizes must list sizes >= 1, got {list(cfg.tp_sizes)}")
 
@@ -151,6 +186,16 @@ def cluster_config_from_dict(raw: dict, where: str = "cluster") -> ClusterConfig
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ValueError(f"{where}: unknown cluster field(s) {unknown}; known fields: {sorted(known)}")
+    raw = dict(raw)
+    sku = SKUS.get(str(raw.get("sku", "")).lower())
+    if sku is not None:  # the preset names its device; the SKU table supplies the figures it leaves out
+        raw.setdefault("peak_tflops", dict(sku.peak_tflops))
+        raw.setdefault("hbm_gb", sku.hbm_gb)
+        raw.setdefault("hbm_tbps", sku.hbm_tbps)
+        raw.setdefault("source", sku.source)
+    elif "peak_tflops" not in raw:
+        raise ValueError(f"{where}: sku={raw.get('sku')!r} is not in the SKU table {sorted(SKUS)}; "
+                         f"give peak_tflops, hbm_gb and hbm_tbps explicitly")
     cfg = ClusterConfig(**raw)
     validate_cluster(cfg)
     return cfg

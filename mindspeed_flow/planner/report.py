@@ -15,7 +15,7 @@ import numpy as np
 
 from mindspeed_flow.planner.plan import Plan, Problem, option_table
 
-MFU_FORMULA = "MFU = model FLOPs per step (DESIGN §5, no recompute, no padding) / (step time x devices x peak)"
+MFU_FORMULA = "MFU = model FLOPs per step (no recompute, no padding) / (step time x devices x peak)"
 
 
 def _layout_str(layout: dict[str, int]) -> str:

@@ -2,7 +2,7 @@
 
 `data=` accepts:
 - `infovqa`: InfoVQA-like shapes at Qwen2-VL's default resolution cap (max_pixels = 16384 * 28 * 28, so
-  252 ... 16k image tokens per sample, DESIGN §8), the planner's default for real clusters;
+  252 ... 16k image tokens per sample), the planner's default for real clusters;
 - a data recipe name (recipes/data/NAME.yaml, e.g. `infovqa_tiny`) or a YAML path (DataConfig fields);
 - a length-table CSV path (`sample_id,text_tokens,image_grid_thw`), replayed as is.
 
