@@ -45,8 +45,14 @@ class ClusterConfig:
 class PlannerConfig:
     # Samples per optimizer step; 0 = auto (the smallest power of two >= 2 x devices, at least 16).
     global_batch_size: int = 0
-    # Backbone microbatch token budgets to consider; empty = powers of two from the longest sample up.
+    # Backbone microbatch token budgets to consider; empty = multiples of token_alignment from the longest sample
+    # up (x1, 1.25, 1.5, 2, 2.5, 3, 4 of it, rounded up).
     token_budgets: list = field(default_factory=list)
+    # Automatic token budgets are multiples of this (kernel tiles; 2 x cp x tp divides it for CP load balancing).
+    token_alignment: int = 256
+    # Pipeline stages may hold different layer counts (pipeline_num_layers), balanced around the LM head on the
+    # last stage (and a coupled ViT on the first); False: pp divides the layers and every stage holds L / pp.
+    uneven_pp: bool = True
     # Training precision: bf16 (mixed, fp32 master weights + Adam in fp32) | fp32 (CPU runs).
     dtype: str = "bf16"
     # Shard optimizer states (and fp32 master weights) over DP (Megatron distributed optimizer / FSDP).

@@ -1,14 +1,22 @@
 """The layouts mindspeed-flow is compared with, priced by the same cost model, each at its best layout.
 
-- `megatron_coupled`: the classic coupled layout: one DP for the whole model, the ViT on pipeline stage 0
-  beside the first LLM layers (uniform layer split), both halves on the same TP group and the same
-  microbatches. Stage 0 is slower than the others by the ViT's work, and the 1F1B pipeline runs at the pace
-  of its slowest stage: T = (m - 1) max_s t_s + sum_s t_s.
-- `mindspeed_dist_train`: MindSpeed's `--dist-train`: the ViT on its own devices, but with the same DP as the
-  LLM, run as an extra pipeline stage in front of the LLM stages with blocking send/recv (no overlap of the
-  embedding traffic): T = (m - 1) max(t_vit, t_llm) + t_vit + pp t_llm.
-Each baseline searches its own layout space (dp, tp, pp, token budget, recompute) within the same device
-budget and memory limit, so the reported gain is over the best that layout family can do.
+Every baseline searches its own layout space within the same device budget and memory limit, so the reported
+gain is over the best that family can do, and the report names the strongest one.
+
+- `coupled_uniform`: the untuned coupled Megatron layout: the ViT on pipeline stage 0 beside an even share of
+  the LLM layers, ViT TP = LLM TP, one recompute flag for both, no CP.
+- `megatron_coupled`: the coupled layout as a tuned MindSpeed-MM user runs it (its 72B config): uneven
+  `pipeline_num_layers` that move LLM layers off stage 0 to balance the ViT, separate recompute for ViT and
+  LLM, CP allowed, and the ViT split over its own TP inside stage 0's tp x cp devices (the rest of that group
+  splits the microbatch's images). The 1F1B pipeline runs at the pace of its slowest stage:
+  T = (m - 1) max_s t_s + sum_s t_s.
+- `mindspeed_mm_hetero`: MindSpeed-MM `--hetero-parallel`: ViT and LLM co-located on the same devices, each
+  with its own DP/TP layout; the ViT's schedule runs first for the whole step, then the LLM's (no overlap):
+  T = T_vit + T_llm, and one device holds both modules' states.
+- `mindspeed_dist_train`: MindSpeed `--dist-train`: the ViT on its own devices as an extra, blocking pipeline
+  stage in front of the LLM stages (embedding traffic not overlapped), with equal DP, or with `main_dp` on the
+  LLM: the ViT's DP is k x the LLM's and each inner-DP group of k ViT replicas encodes one LLM microbatch's
+  images together: T = (m - 1) max(t_vit, t_llm) + t_vit + sum of LLM stages.
 """
 from __future__ import annotations
 
@@ -18,18 +26,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from mindspeed_flow.planner.cost import (
-    CostContext, Layouts, backbone_costs, backbone_stage_mb_time, backbone_stage_params, dp_sync_time,
-    encoder_activation_memory, encoder_samples_time, encoder_static_params, model_flops_per_step, optimizer_time,
-    static_memory,
+    CostContext, Layouts, backbone_costs, backbone_memory, backbone_stage_mb_time, backbone_stage_params,
+    dp_sync_time, encoder_activation_memory, encoder_costs, encoder_samples_time, encoder_static_params,
+    model_flops_per_step, optimizer_time, pipeline_time, stage_layer_list, stage_time, static_memory,
 )
 from mindspeed_flow.planner.parts import PartSpec
-from mindspeed_flow.planner.space import PlanError, enumerate_layouts
+from mindspeed_flow.planner.space import PlanError, enumerate_layouts, rc_values
+
+BASELINES = ("coupled_uniform", "megatron_coupled", "mindspeed_mm_hetero", "mindspeed_dist_train")
 
 
 @dataclass
 class BaselineResult:
     name: str
-    layout: dict  # part name -> {dp, tp, pp, cp, b, rc}
+    layout: dict  # part name -> {dp, tp, pp, cp, b, rc} (+ the ViT's own tp / rc and the stage split)
     step_seconds: float
     samples_per_s: float
     mfu: float
@@ -49,51 +59,109 @@ def _limit(ctx: CostContext) -> float:
     return ctx.cluster.hbm_bytes * ctx.cfg.memory_headroom
 
 
-def _backbone_grid(bb: PartSpec, ctx: CostContext, budget: int, cp_one: bool) -> Layouts:
-    fixed = {"cp": 1} if cp_one else None
-    return enumerate_layouts(bb, ctx, budget, fixed)
+def _split_row(L: Layouts, mb: dict, i: int) -> dict:
+    row = L.row(i)
+    if row["pp"] > 1:
+        split = {k: mb[f"layers_{k}"] for k in ("first", "mid", "last")}
+        row["layers"] = stage_layer_list({**split, "mid_short": mb["mid_short"]}, row["pp"], i)
+    return row
 
 
-def megatron_coupled(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int) -> BaselineResult | None:
-    """Best coupled (ViT on stage 0) layout within `budget` devices, or None if none fits in memory."""
+def megatron_coupled(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int,
+                     tuned: bool = True) -> BaselineResult | None:
+    """Best coupled (ViT on stage 0) layout within `budget` devices, or None if none fits in memory.
+
+    tuned=False is `coupled_uniform` (even split, shared TP and recompute, no CP)."""
+    name = "megatron_coupled" if tuned else "coupled_uniform"
+    cctx = ctx if tuned else dataclasses.replace(ctx, cfg=dataclasses.replace(ctx.cfg, uneven_pp=False))
     try:
-        L = _backbone_grid(bb, ctx, budget, cp_one=True)
+        L = enumerate_layouts(bb, cctx, budget, None if tuned else {"cp": 1})
     except PlanError:
         return None
-    L = L.take(np.nonzero(np.isin(L.tp, enc.tp_sizes))[0])  # the ViT shares the TP group
+    if not tuned:
+        L = L.take(np.nonzero(np.isin(L.tp, enc.tp_sizes))[0])  # the ViT shares the TP group
     if len(L) == 0:
         return None
-    c = backbone_costs(bb, ctx, L)
-    m = c.microbatches
-    mb = backbone_stage_mb_time(bb, ctx, L, m)
-    t_llm = sum(mb.values())
+    m = backbone_costs(bb, cctx, L).microbatches
     samples_mb = ctx.global_batch / L.dp / m
-    vit = encoder_samples_time(enc, ctx, samples_mb, L.tp, L.rc)
-    t_vit = vit["compute"] + vit["tp"] + vit["overhead"]  # colocated: no embedding traffic
-    t0 = t_llm + t_vit
-    pipeline = (m - 1) * np.maximum(t0, t_llm) + t0 + (L.pp - 1) * t_llm
-    p_vit = encoder_static_params(enc, L.tp)
-    p_first, p_last = backbone_stage_params(bb, L)
-    p_stage0 = p_first + p_vit
-    sync = dp_sync_time(ctx, np.maximum(p_stage0, p_last), L.dp, L.tp * L.dp)
-    opt = optimizer_time(ctx, np.maximum(p_stage0, p_last), L.dp)
-    t = pipeline + sync + opt + ctx.cfg.step_overhead_s
-    inflight = np.where(L.pp > 1, np.minimum(m, L.pp), 1)
-    vit_static = sum(static_memory(ctx, p_vit, L.dp, enc.trainable).values())
-    vit_act = encoder_activation_memory(enc, ctx, inflight * samples_mb, L.tp, L.rc)
-    mem = np.maximum(c.stage_memory["first"] + vit_static + vit_act, c.stage_memory["last"])
-    ok = mem <= _limit(ctx)
-    if not ok.any():
+    group = L.tp * L.cp  # stage 0's devices per replica: the ViT runs on them
+    best: tuple[float, int, int, int, float, dict] | None = None
+    for tv in enc.tp_sizes if tuned else (0,):
+        for rcv in rc_values(enc, ctx) if tuned else (None,):
+            t_v = L.tp if tv == 0 else np.full_like(L.tp, tv)
+            rc_v = L.rc if rcv is None else np.full_like(L.rc, rcv)
+            ok_shape = (group % t_v == 0)
+            if not ok_shape.any():
+                continue
+            split = group / t_v  # ViT replicas inside the group share the microbatch's images, whole images
+            per_replica = np.ceil(samples_mb * enc.items_per_sample / split - 1e-9) / max(enc.items_per_sample, 1e-9)
+            vit = encoder_samples_time(enc, ctx, per_replica, t_v, rc_v)
+            t_vit = vit["compute"] + vit["tp"] + vit["overhead"]  # co-located: no embedding traffic
+            mb = backbone_stage_mb_time(bb, cctx, L, m, first_extra=t_vit)
+            pipeline = pipeline_time(mb, m)
+            p_vit = encoder_static_params(enc, t_v)
+            p_first, p_last = backbone_stage_params(bb, L, mb)
+            p_mid = mb["layers_mid"] * bb.layer_params / L.tp
+            p_dev = np.maximum(np.maximum(p_first + p_vit, p_last), p_mid)
+            sync = dp_sync_time(ctx, p_dev, L.dp, L.devices)
+            opt = optimizer_time(ctx, p_dev, L.dp)
+            t = pipeline + sync + opt + ctx.cfg.step_overhead_s * ctx.contention
+            inflight = np.where(L.pp > 1, np.minimum(m, L.pp), 1)
+            stages = backbone_memory(bb, cctx, L, m, mb)["stages"]
+            vit_static = sum(static_memory(ctx, p_vit, L.dp * split, enc.trainable).values())
+            vit_act = encoder_activation_memory(enc, ctx, inflight * per_replica, t_v, rc_v)
+            mem = np.maximum(np.maximum(stages["first"] + vit_static + vit_act, stages["mid"]), stages["last"])
+            ok = ok_shape & (mem <= _limit(ctx))
+            if not ok.any():
+                continue
+            i = int(np.nonzero(ok)[0][np.argmin(t[ok])])
+            if best is None or t[i] < best[0]:
+                row = _split_row(L, mb, i)
+                row.update({"vit_tp": int(t_v[i]), "vit_rc": int(rc_v[i])})
+                best = (float(t[i]), i, int(t_v[i]), int(rc_v[i]), float(mem[i]), row)
+    if best is None:
         return None
-    i = int(np.nonzero(ok)[0][np.argmin(t[ok])])
-    row = L.row(i)
-    return _finish("megatron_coupled", {"coupled": row}, t[i], int(L.devices[i]), float(mem[i]), [enc, bb], ctx)
+    t, i, _, _, mem, row = best
+    return _finish(name, {"coupled": row}, t, int(L.devices[i]), mem, [enc, bb], ctx)
+
+
+def mindspeed_mm_hetero(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int) -> BaselineResult | None:
+    """Best `--hetero-parallel` layout: ViT then LLM on the same devices, each with its own layout, or None."""
+    try:
+        Lb = enumerate_layouts(bb, ctx, budget)
+        Le = enumerate_layouts(enc, ctx, budget)
+    except PlanError:
+        return None
+    cb = backbone_costs(bb, ctx, Lb)
+    ce = encoder_costs(enc, ctx, Le)
+    # sequential: no fill wait and no embedding overlap (the ViT finishes before the LLM starts)
+    t_e = ce.time - ce.time_parts["fill"] - ce.time_parts["embed"] + ce.time_parts["embed"] / max(
+        1e-9, 1.0 - ctx.overlap("embed")) - ctx.cfg.step_overhead_s * ctx.contention
+    # the ViT's activations wait for the LLM's backward unless it recomputes: both sets of states are resident
+    e_mem = ce.memory - ce.memory_parts["buffers"]
+    best: tuple[float, int, int, float] | None = None
+    for d in np.unique(Lb.devices):
+        jb, je = np.nonzero(Lb.devices == d)[0], np.nonzero(Le.devices == d)[0]
+        if len(je) == 0:
+            continue
+        mem = e_mem[je][:, None] + cb.memory[jb][None, :]
+        t = t_e[je][:, None] + cb.time[jb][None, :]
+        flat = np.where(mem <= _limit(ctx), t, np.inf)
+        k = int(np.argmin(flat))
+        ie, ib = np.unravel_index(k, flat.shape)
+        if np.isfinite(flat[ie, ib]) and (best is None or flat[ie, ib] < best[0]):
+            best = (float(flat[ie, ib]), int(je[ie]), int(jb[ib]), float(mem[ie, ib]))
+    if best is None:
+        return None
+    t, ie, ib, mem = best
+    layout = {enc.name: Le.row(ie), bb.name: Lb.row(ib)}
+    return _finish("mindspeed_mm_hetero", layout, t, int(Lb.devices[ib]), mem, [enc, bb], ctx)
 
 
 def mindspeed_dist_train(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int) -> BaselineResult | None:
-    """Best dist-train layout (separate ViT devices, equal DP, ViT as a blocking pipeline stage), or None."""
+    """Best dist-train layout (separate ViT devices, ViT DP = k x LLM DP with inner DP, blocking stage)."""
     try:
-        Lb = _backbone_grid(bb, ctx, budget, cp_one=False)
+        Lb = enumerate_layouts(bb, ctx, budget)
         Le = enumerate_layouts(enc, ctx, budget)
     except PlanError:
         return None
@@ -101,26 +169,29 @@ def mindspeed_dist_train(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: 
     ctx_block = dataclasses.replace(ctx, cfg=no_overlap)
     cb = backbone_costs(bb, ctx, Lb)
     m = cb.microbatches
-    t_llm = sum(backbone_stage_mb_time(bb, ctx, Lb, m).values())
+    mb = backbone_stage_mb_time(bb, ctx, Lb, m)
+    t_llm = stage_time(mb)
     best: tuple[float, int, int, float] | None = None
     for dp in np.unique(Lb.dp):
         jb = np.nonzero(Lb.dp == dp)[0]
-        je = np.nonzero(Le.dp == dp)[0]
+        je = np.nonzero(Le.dp % dp == 0)[0]  # k = dp_vit / dp_llm ViT replicas per LLM replica (main_dp)
         if len(je) == 0:
             continue
+        inner = (Le.dp[je] // dp)[:, None]
         tp_e, rc_e = Le.tp[je][:, None], Le.rc[je][:, None]
-        m_b, pp_b = m[jb][None, :], Lb.pp[jb][None, :]
-        samples_mb = ctx.global_batch / dp / m_b
+        m_b = m[jb][None, :]
+        samples_mb = ctx.global_batch / dp / m_b / inner
         vit = encoder_samples_time(enc, ctx_block, samples_mb, tp_e, rc_e)
         t_vit = sum(vit.values())
-        tl = t_llm[jb][None, :]
-        pipeline = (m_b - 1) * np.maximum(t_vit, tl) + t_vit + pp_b * tl
+        pipeline = (m_b - 1) * np.maximum(t_vit, t_llm[jb][None, :]) + t_vit + mb["sum_stages"][jb][None, :]
         p_e = encoder_static_params(enc, tp_e)
-        t_enc_tail = (dp_sync_time(ctx, p_e, dp, tp_e * dp) + optimizer_time(ctx, p_e, dp)) if enc.trainable else 0.0
+        dp_e = Le.dp[je][:, None]
+        t_enc_tail = (dp_sync_time(ctx, p_e, dp_e, tp_e * dp_e) + optimizer_time(ctx, p_e, dp_e)
+                      if enc.trainable else 0.0)
         t_bb_tail = (cb.time_parts["dp"] + cb.time_parts["optimizer"])[jb][None, :]
-        t = pipeline + np.maximum(t_enc_tail, t_bb_tail) + ctx.cfg.step_overhead_s
-        inflight = np.minimum(m_b, pp_b + 1)
-        enc_mem = (sum(static_memory(ctx, p_e, np.full_like(p_e, dp), enc.trainable).values())
+        t = pipeline + np.maximum(t_enc_tail, t_bb_tail) + ctx.cfg.step_overhead_s * ctx.contention
+        inflight = np.minimum(m_b, Lb.pp[jb][None, :] + 1)
+        enc_mem = (sum(static_memory(ctx, p_e, dp_e, enc.trainable).values())
                    + encoder_activation_memory(enc, ctx, inflight * samples_mb, tp_e, rc_e))
         devices = Le.devices[je][:, None] + Lb.devices[jb][None, :]
         ok = (enc_mem <= _limit(ctx)) & (cb.memory[jb][None, :] <= _limit(ctx)) & (devices <= budget)
@@ -135,5 +206,21 @@ def mindspeed_dist_train(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: 
     if best is None:
         return None
     t, ie, ib, mem = best
-    layout = {enc.name: Le.row(ie), bb.name: Lb.row(ib)}
+    layout = {enc.name: Le.row(ie), bb.name: _split_row(Lb, mb, ib)}
     return _finish("mindspeed_dist_train", layout, t, int(Le.devices[ie] + Lb.devices[ib]), mem, [enc, bb], ctx)
+
+
+def all_baselines(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int) -> dict[str, BaselineResult | None]:
+    """Every baseline at its best layout (None: that family has no layout that fits)."""
+    return {
+        "coupled_uniform": megatron_coupled(enc, bb, ctx, budget, tuned=False),
+        "megatron_coupled": megatron_coupled(enc, bb, ctx, budget, tuned=True),
+        "mindspeed_mm_hetero": mindspeed_mm_hetero(enc, bb, ctx, budget),
+        "mindspeed_dist_train": mindspeed_dist_train(enc, bb, ctx, budget),
+    }
+
+
+def strongest(baselines: dict[str, BaselineResult | None]) -> BaselineResult | None:
+    """The baseline with the most samples/s (what the plan's gain is reported against)."""
+    found = [b for b in baselines.values() if b is not None]
+    return max(found, key=lambda b: b.samples_per_s) if found else None

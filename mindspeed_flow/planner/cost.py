@@ -5,8 +5,10 @@ arrays, so the same code prices one layout for a report and 10^5 layouts for the
 
 Time of one optimizer step of a part (seconds), for the global batch G split over dp replicas:
 - backbone: m packed microbatches of b tokens (padded: pipeline stages need static shapes) run through a
-  pp-stage 1F1B pipeline: (m + pp - 1) x t_mb, where t_mb = stage compute + TP all-reduces (4 per layer, 6 with
-  recompute) + CP K/V exchange + PP send/recv + a fixed per-microbatch overhead; then the DP gradient sync
+  pp-stage 1F1B pipeline: (m - 1) x t_slowest + the sum of the stage times, where a stage's time = its layers x
+  (compute + TP all-reduces (4 per layer, 6 with recompute) + CP K/V exchange) + PP send/recv + a fixed
+  per-microbatch overhead; the LM head runs on the last stage (the embedding lookup on the first), and the
+  layers per stage are split unevenly to balance that (`stage_split`); then the DP gradient sync
   (reduce-scatter + all-gather with the distributed optimizer, all-reduce without) and the optimizer update
   (memory bound). Causal attention FLOPs are counted per sample (varlen), linear FLOPs on padded tokens.
 - encoder: its G/dp samples' images, TP all-reduces per layer, the embedding traffic to the backbone (and the
@@ -97,7 +99,7 @@ class Layouts:
     pp: np.ndarray
     cp: np.ndarray
     b: np.ndarray  # backbone microbatch token budget (0 for an encoder)
-    rc: np.ndarray  # full activation recompute (encoder: do not keep activations)
+    rc: np.ndarray  # full activation recompute (encoder: 1 from the pixels per image, 2 also per layer)
 
     @property
     def devices(self) -> np.ndarray:
@@ -128,7 +130,8 @@ class Costs:
     memory_parts: dict[str, np.ndarray] = field(default_factory=dict)  # weights, grads, optim, act, buffers
     time_parts: dict[str, np.ndarray] = field(default_factory=dict)  # compute, bubble, tp, cp, pp, dp, ...
     microbatches: np.ndarray | None = None
-    stage_memory: dict[str, np.ndarray] = field(default_factory=dict)  # backbone: "first", "last" stage bytes
+    stage_memory: dict[str, np.ndarray] = field(default_factory=dict)  # backbone: "first", "mid", "last" bytes
+    stage_layers: dict[str, np.ndarray] = field(default_factory=dict)  # backbone: layers on first/mid/last stage
 
 
 # ---------------------------------------------------------------------------------------------- communication
@@ -203,8 +206,72 @@ def microbatches(part: PartSpec, ctx: CostContext, dp: np.ndarray, b: np.ndarray
     return np.clip(m, 1, np.maximum(np.floor(samples), 1))
 
 
-def backbone_stage_mb_time(part: PartSpec, ctx: CostContext, L: Layouts, m: np.ndarray) -> dict[str, np.ndarray]:
-    """Per-microbatch time of one pipeline stage, split by cause."""
+def stage_split(layers: int, pp: np.ndarray, e_first: np.ndarray, e_last: np.ndarray,
+                uneven: bool) -> dict[str, np.ndarray]:
+    """Layers per pipeline stage that minimize the slowest stage, and that stage's time in layer units.
+
+    Stage 0 also carries `e_first` (a coupled ViT, in layer-times) and the last stage `e_last` (the LM head and
+    loss); middle stages hold layers only; every stage keeps at least one layer. Uneven (Megatron/MindSpeed
+    `pipeline_num_layers`, any list): a bound T is reachable iff every stage can hold a layer and the stages'
+    capacities floor(T - e_first) + floor(T - e_last) + (pp - 2) floor(T) reach L. With
+    lb = max(total / pp, 1 + e_first, 1 + e_last), T = lb + 2 always is, so the optimum is the smallest reachable
+    value of the forms k, k + e_first, k + e_last (k whole) in [lb, lb + 2]: exact, nine candidates.
+    Uniform: L / pp each (pp must divide L).
+    Returns "t" (slowest stage), "sum" (all stages), the layers on the "first" and "last" stage, "mid" (the
+    most on a middle stage) and "mid_short" (how many middle stages hold one layer fewer than that).
+    """
+    pp = np.asarray(pp, dtype=np.int64)
+    shape = np.broadcast_shapes(pp.shape, np.shape(e_first), np.shape(e_last))
+    pp = np.broadcast_to(pp, shape).astype(np.float64)
+    ef = np.broadcast_to(np.asarray(e_first, dtype=np.float64), shape)
+    el = np.broadcast_to(np.asarray(e_last, dtype=np.float64), shape)
+    total = layers + ef + el
+    one = pp == 1
+    if not uneven:
+        n = layers / np.maximum(pp, 1)
+        t = np.where(one, total, n + np.maximum(ef, el))
+        return {"t": t, "sum": total, "first": np.where(one, layers, n), "mid": n, "mid_short": np.zeros(shape),
+                "last": np.where(one, layers, n)}
+    eps = 1e-9
+    mids = np.maximum(pp - 2, 0)
+    lb = np.maximum(np.maximum(total / np.maximum(pp, 1), 1 + ef), 1 + el)
+
+    def capacity(t: np.ndarray) -> np.ndarray:
+        cf, cl, cm = np.floor(t - ef + eps), np.floor(t - el + eps), np.floor(t + eps)
+        ok = (cf >= 1) & (cl >= 1) & ((mids == 0) | (cm >= 1))
+        return np.where(ok, cf + cl + mids * cm, -1)
+
+    best_t = np.full(shape, np.inf)
+    for off in (np.zeros(shape), ef, el):
+        for k in range(3):
+            t = np.ceil(lb - off - eps) + k + off
+            t = np.where(t < lb - eps, t + 1, t)
+            reach = capacity(t) >= layers
+            best_t = np.where(reach & (t < best_t), t, best_t)
+    best_t = np.where(one, total, best_t)
+    # fill to capacity, then give back the surplus: first stage (most microbatches in flight), then the last,
+    # then middle stages one layer each
+    cf, cl, cm = np.floor(best_t - ef + eps), np.floor(best_t - el + eps), np.floor(best_t + eps)
+    surplus = np.maximum(cf + cl + mids * cm - layers, 0)
+    first = np.maximum(cf - surplus, 1)
+    surplus -= cf - first
+    last = np.maximum(cl - surplus, 1)
+    surplus -= cl - last
+    mid = np.where(mids > 0, cm - np.floor(surplus / np.maximum(mids, 1)), 0)
+    short = np.where(mids > 0, surplus - np.floor(surplus / np.maximum(mids, 1)) * mids, 0)
+    return {"t": best_t, "sum": total, "first": np.where(one, layers, first), "mid": mid, "mid_short": short,
+            "last": np.where(one, layers, last)}
+
+
+def backbone_stage_mb_time(part: PartSpec, ctx: CostContext, L: Layouts, m: np.ndarray,
+                           first_extra: np.ndarray | float = 0.0) -> dict[str, np.ndarray]:
+    """Per-microbatch time of the slowest pipeline stage, split by cause, and the stage split.
+
+    The embedding sits on the first stage (a lookup: no FLOPs counted) and the LM head on the last; with
+    `first_extra` seconds of other work on stage 0 (a coupled ViT) the split moves layers off that stage.
+    Keys "compute", "tp", "cp", "pp", "overhead" add up to the slowest stage; "sum_stages" is the time of one
+    microbatch through all stages (what the pipeline fill costs); "layers_first/mid/last" is the split.
+    """
     by = ctx.bytes
     samples = ctx.global_batch / L.dp
     rc_mult = np.where(L.rc > 0, 1.0 + part.forward_fraction, 1.0)
@@ -212,44 +279,85 @@ def backbone_stage_mb_time(part: PartSpec, ctx: CostContext, L: Layouts, m: np.n
         attn_mb = part.attn_flops_per_sample * samples / m
     else:  # one dense b x b masked attention per microbatch
         attn_mb = part.attn_flops_per_sample / max(part.sq_tokens_per_sample, 1.0) * L.b.astype(np.float64) ** 2
-    flops_mb = (part.linear_flops_per_token * L.b + attn_mb) * rc_mult
-    compute = flops_mb / (L.pp * L.tp * L.cp) * ctx.seconds_per_flop(part.role, L.tp)
-    layers_stage = np.ceil(part.layers / L.pp)
+    head_tok = min((6.0 if part.trainable else 2.0) * part.vocab * part.hidden, part.linear_flops_per_token)
+    layer_flops = ((part.linear_flops_per_token - head_tok) * L.b + attn_mb) * rc_mult / part.layers
+    spf = ctx.seconds_per_flop(part.role, L.tp) / (L.tp * L.cp)
+    layer_compute = layer_flops * spf
+    head = head_tok * L.b * spf  # the LM head is not recomputed
     tokens = L.b / L.cp
     bw_tp, lat_tp = _link(ctx, L.tp)
     n_coll = np.where(L.rc > 0, 6.0, 4.0)
-    tp_comm = layers_stage * n_coll * ring_allreduce_time(tokens * part.hidden * by.act, L.tp, bw_tp, lat_tp)
+    layer_tp = n_coll * ring_allreduce_time(tokens * part.hidden * by.act, L.tp, bw_tp, lat_tp) * (1 - ctx.overlap("tp"))
     bw_cp, lat_cp = _link(ctx, L.tp * L.cp)
     kv_bytes = tokens * 2 * part.kv_dim * by.act / L.tp
-    cp_comm = np.where(L.cp > 1, layers_stage * 3.0 * ((L.cp - 1) * kv_bytes / bw_cp + (L.cp - 1) * lat_cp), 0.0)
+    layer_cp = np.where(L.cp > 1, 3.0 * ((L.cp - 1) * kv_bytes / bw_cp + (L.cp - 1) * lat_cp), 0.0) * (1 - ctx.overlap("cp"))
+    unit = layer_compute + layer_tp + layer_cp
+    ef, el = np.asarray(first_extra) / unit, head / unit
+    split = stage_split(part.layers, L.pp, ef, el, ctx.cfg.uneven_pp)
+    # the slowest stage's time by cause: its layers' compute and communication; its extra work is compute
+    t = split["t"]
+    layers_slow = np.where(np.isclose(t, split["first"] + ef), split["first"],
+                           np.where(np.isclose(t, split["last"] + el), split["last"], split["mid"]))
+    layers_slow = np.where(L.pp == 1, part.layers, layers_slow)
+    extra = t - layers_slow
     bw_pp, lat_pp = _link(ctx, L.devices)
-    p2p = np.where(L.pp > 1, 2.0 * (tokens / L.tp * part.hidden * by.act / bw_pp + lat_pp), 0.0)
+    p2p = np.where(L.pp > 1, 2.0 * (tokens / L.tp * part.hidden * by.act / bw_pp + lat_pp), 0.0) * (1 - ctx.overlap("pp"))
+    overhead = np.full_like(unit, ctx.cfg.microbatch_overhead_s * ctx.contention)
     return {
-        "compute": compute,
-        "tp": tp_comm * (1.0 - ctx.overlap("tp")),
-        "cp": cp_comm * (1.0 - ctx.overlap("cp")),
-        "pp": p2p * (1.0 - ctx.overlap("pp")),
-        "overhead": np.full_like(compute, ctx.cfg.microbatch_overhead_s * ctx.contention),
+        "compute": (layers_slow * layer_compute + extra * unit),
+        "tp": layers_slow * layer_tp,
+        "cp": layers_slow * layer_cp,
+        "pp": p2p,
+        "overhead": overhead,
+        "sum_stages": split["sum"] * unit + L.pp * (p2p + overhead),
+        "layers_first": split["first"], "layers_mid": split["mid"], "layers_last": split["last"],
+        "mid_short": split["mid_short"],
     }
 
 
-def backbone_stage_params(part: PartSpec, L: Layouts) -> tuple[np.ndarray, np.ndarray]:
-    """Parameters per device on the first and on the last pipeline stage."""
-    layers_stage = np.ceil(part.layers / L.pp)
-    body = layers_stage * part.layer_params
+STAGE_KEYS = ("compute", "tp", "cp", "pp", "overhead")
+
+
+def stage_time(mb: dict[str, np.ndarray]) -> np.ndarray:
+    """Seconds of one microbatch on the slowest stage (the causes of `backbone_stage_mb_time`)."""
+    return sum(mb[k] for k in STAGE_KEYS)
+
+
+def pipeline_time(mb: dict[str, np.ndarray], m: np.ndarray) -> np.ndarray:
+    """1F1B with stages of unequal time: (m - 1) x the slowest stage + one microbatch through every stage."""
+    return (m - 1) * stage_time(mb) + mb["sum_stages"]
+
+
+def stage_layer_list(split: dict[str, np.ndarray], pp: int, i: int) -> list[int]:
+    """Layers on each stage of layout i, first to last (middle stages short one layer come first)."""
+    get = lambda k: int(round(float(np.asarray(split[k])[i])))  # noqa: E731
+    if pp == 1:
+        return [get("first")]
+    short = get("mid_short")
+    mids = [get("mid") - 1] * short + [get("mid")] * (pp - 2 - short)
+    return [get("first")] + mids + [get("last")]
+
+
+def backbone_stage_params(part: PartSpec, L: Layouts, split: dict[str, np.ndarray] | None = None
+                          ) -> tuple[np.ndarray, np.ndarray]:
+    """Parameters per device on the first and on the last pipeline stage (the stage split's layer counts)."""
+    n_first = np.ceil(part.layers / L.pp) if split is None else split["layers_first"]
+    n_last = np.ceil(part.layers / L.pp) if split is None else split["layers_last"]
     single = L.pp == 1
-    first = np.where(single, part.total_params, body + part.first_params) / L.tp
-    last = np.where(single, part.total_params, body + part.last_params) / L.tp
+    first = np.where(single, part.total_params, n_first * part.layer_params + part.first_params) / L.tp
+    last = np.where(single, part.total_params, n_last * part.layer_params + part.last_params) / L.tp
     return first, last
 
 
-def backbone_activation_memory(part: PartSpec, ctx: CostContext, L: Layouts, inflight: np.ndarray) -> np.ndarray:
-    """Activation bytes of `inflight` microbatches on one stage (with recompute: layer inputs + one layer).
+def backbone_activation_memory(part: PartSpec, ctx: CostContext, L: Layouts, inflight: np.ndarray,
+                                layers_stage: np.ndarray | None = None) -> np.ndarray:
+    """Activation bytes of `inflight` microbatches on a stage of `layers_stage` layers (default: an even share;
+    with recompute: layer inputs + one layer).
 
     Unfused attention (CPU) also keeps the dense block-diagonal mask of each layer: b^2 fp32 values.
     """
     by = ctx.bytes
-    layers_stage = np.ceil(part.layers / L.pp)
+    layers_stage = np.ceil(part.layers / L.pp) if layers_stage is None else layers_stage
     tokens = L.b / L.cp  # per device with CP; TP divides through sequence parallelism
     per_layer = act_elems_per_token_layer(part, ctx.cfg.flash_attention) * tokens / L.tp * by.act
     if not ctx.cfg.flash_attention:
@@ -263,36 +371,55 @@ def backbone_costs(part: PartSpec, ctx: CostContext, L: Layouts) -> Costs:
     by = ctx.bytes
     m = microbatches(part, ctx, L.dp, L.b)
     mb = backbone_stage_mb_time(part, ctx, L, m)
-    t_mb = sum(mb.values())
-    pipeline = (m + L.pp - 1) * t_mb
-    p_first, p_last = backbone_stage_params(part, L)
-    p_dev = np.maximum(p_first, p_last)
+    t_mb = stage_time(mb)
+    pipeline = pipeline_time(mb, m)
+    p_first, p_last = backbone_stage_params(part, L, mb)
+    p_mid = mb["layers_mid"] * part.layer_params / L.tp
+    p_dev = np.maximum(np.maximum(p_first, p_last), p_mid)
     dp_t = dp_sync_time(ctx, p_dev, L.dp, L.tp * L.cp * L.dp)
     opt_t = optimizer_time(ctx, p_dev, L.dp)
     time = pipeline + dp_t + opt_t + ctx.cfg.step_overhead_s * ctx.contention
-
-    inflight_first = np.where(L.pp > 1, np.minimum(m, L.pp) if ctx.cfg.pp_schedule == "1f1b" else m, 1)
-    act_first = backbone_activation_memory(part, ctx, L, inflight_first)
-    act_last = backbone_activation_memory(part, ctx, L, np.ones_like(m))
-    recv = 2.0 * L.b / L.cp * part.hidden * by.act / L.tp  # embeddings of 2 microbatches from the pool
-    logits = L.b / L.cp * part.vocab / L.tp * LOGITS_BYTES  # fp32 log-probs saved for the loss + their grad
-    s_first = static_memory(ctx, p_first, L.dp, True)
-    s_last = static_memory(ctx, p_last, L.dp, True)
-    single = L.pp == 1
-    mem_first = sum(s_first.values()) + act_first + recv + np.where(single, logits, 0.0)
-    mem_last = sum(s_last.values()) + act_last + logits
-    first_worse = mem_first >= mem_last
-    pick = lambda a, b: np.where(first_worse, a, b)  # noqa: E731
-    parts = {k: pick(s_first[k], s_last[k]) for k in s_first}
-    parts["activations"] = pick(act_first, act_last)
-    parts["buffers"] = pick(recv + np.where(single, logits, 0.0), logits)
+    mem = backbone_memory(part, ctx, L, m, mb)
     comp = mb["compute"] * m
     return Costs(
-        time=time, memory=np.maximum(mem_first, mem_last), memory_parts=parts, microbatches=m,
-        stage_memory={"first": mem_first, "last": mem_last},
-        time_parts={"compute": comp, "bubble": (L.pp - 1) * t_mb, "tp": mb["tp"] * m, "cp": mb["cp"] * m,
+        time=time, memory=mem["total"], memory_parts=mem["parts"], microbatches=m, stage_memory=mem["stages"],
+        time_parts={"compute": comp, "bubble": pipeline - m * t_mb, "tp": mb["tp"] * m, "cp": mb["cp"] * m,
                     "pp": mb["pp"] * m, "dp": dp_t, "optimizer": opt_t},
+        stage_layers={**{k: mb[f"layers_{k}"] for k in ("first", "mid", "last")}, "mid_short": mb["mid_short"]},
     )
+
+
+def backbone_memory(part: PartSpec, ctx: CostContext, L: Layouts, m: np.ndarray,
+                    mb: dict[str, np.ndarray]) -> dict:
+    """Bytes per device on the first, a middle (the second: pp - 1 microbatches in flight) and the last stage."""
+    by = ctx.bytes
+    one_f1b = ctx.cfg.pp_schedule == "1f1b"
+    inflight_first = np.where(L.pp > 1, np.minimum(m, L.pp) if one_f1b else m, 1)
+    inflight_mid = np.where(L.pp > 2, np.minimum(m, L.pp - 1) if one_f1b else m, 0)
+    act_first = backbone_activation_memory(part, ctx, L, inflight_first, mb["layers_first"])
+    act_mid = backbone_activation_memory(part, ctx, L, inflight_mid, mb["layers_mid"])
+    act_last = backbone_activation_memory(part, ctx, L, np.ones_like(m), mb["layers_last"])
+    recv = 2.0 * L.b / L.cp * part.hidden * by.act / L.tp  # embeddings of 2 microbatches from the pool
+    logits = L.b / L.cp * part.vocab / L.tp * LOGITS_BYTES  # fp32 log-probs saved for the loss + their grad
+    p_first, p_last = backbone_stage_params(part, L, mb)
+    p_mid = mb["layers_mid"] * part.layer_params / L.tp
+    s_first = static_memory(ctx, p_first, L.dp, True)
+    s_mid = static_memory(ctx, p_mid, L.dp, True)
+    s_last = static_memory(ctx, p_last, L.dp, True)
+    single = L.pp == 1
+    stages = {
+        "first": sum(s_first.values()) + act_first + recv + np.where(single, logits, 0.0),
+        "mid": np.where(L.pp > 2, sum(s_mid.values()) + act_mid, 0.0),
+        "last": sum(s_last.values()) + act_last + logits,
+    }
+    first_w = (stages["first"] >= stages["mid"]) & (stages["first"] >= stages["last"])
+    mid_w = ~first_w & (stages["mid"] >= stages["last"])
+    pick = lambda a, b, c: np.where(first_w, a, np.where(mid_w, b, c))  # noqa: E731
+    parts = {k: pick(s_first[k], s_mid[k], s_last[k]) for k in s_first}
+    parts["activations"] = pick(act_first, act_mid, act_last)
+    parts["buffers"] = pick(recv + np.where(single, logits, 0.0), np.zeros_like(recv), logits)
+    total = np.maximum(np.maximum(stages["first"], stages["mid"]), stages["last"])
+    return {"total": total, "parts": parts, "stages": stages}
 
 
 # ------------------------------------------------------------------------------------------------ encoder
@@ -300,12 +427,14 @@ def encoder_samples_time(part: PartSpec, ctx: CostContext, samples: np.ndarray, 
                          rc: np.ndarray) -> dict[str, np.ndarray]:
     """Time for one tp group to encode (fwd, + bwd when trainable) `samples` samples, split by cause."""
     by = ctx.bytes
-    rc_mult = np.where((rc > 0) & part.trainable, 1.0 + part.forward_fraction, 1.0)
+    # rc 1 runs the forward again from the pixels; rc 2 (per layer) does that storing layer inputs, then rebuilds
+    # each layer during its backward: one more forward
+    rc_mult = np.where(part.trainable, 1.0 + np.clip(rc, 0, 2) * part.forward_fraction, 1.0)
     flops = samples * part.flops_per_sample * rc_mult
     compute = flops / tp * ctx.seconds_per_flop(part.role, tp)
     bw_tp, lat_tp = _link(ctx, tp)
     # all-reduces per layer: 2 forward (attention, MLP), 2 backward, 2 more when the forward is recomputed
-    n_coll = np.where((rc > 0) & part.trainable, 6.0, 4.0) if part.trainable else np.full_like(tp, 2.0, float)
+    n_coll = 4.0 + 2.0 * np.clip(rc, 0, 2) if part.trainable else np.full_like(tp, 2.0, float)
     images = samples * part.items_per_sample
     per_image = ring_allreduce_time(part.tokens_per_sample / max(part.items_per_sample, 1e-9) * part.hidden
                                     * by.act, tp, bw_tp, lat_tp)
@@ -330,9 +459,11 @@ def encoder_activation_memory(part: PartSpec, ctx: CostContext, samples: np.ndar
                               rc: np.ndarray) -> np.ndarray:
     """Activations an encoder rank holds for `samples` in-flight samples.
 
-    Kept (trainable, no recompute): every layer's activations, the merger's, and the pixel inputs of all of
-    them. Recompute: the pixel inputs only, plus one (the largest) image's activations during its backward.
-    Frozen: forward only, one layer of one image at a time.
+    Kept (trainable, rc 0): every layer's activations, the merger's, and the pixel inputs of all of them.
+    Recompute (rc 1): the pixel inputs only, plus one (the largest) image's activations of all layers during
+    its backward. Per-layer recompute (rc 2): the pixel inputs, plus during one image's backward its layer inputs
+    (hidden per patch per layer), one layer's activations and the merger's. Frozen: forward only, one layer of
+    one image at a time.
     """
     by = ctx.bytes
     per_tok = (part.layers * act_elems_per_token_layer(part, ctx.cfg.flash_attention) / tp
@@ -343,7 +474,10 @@ def encoder_activation_memory(part: PartSpec, ctx: CostContext, samples: np.ndar
     if not part.trainable:
         layer = act_elems_per_token_layer(part, ctx.cfg.flash_attention) / tp * by.act
         return np.broadcast_to(part.max_item_tokens * layer, np.shape(samples * tp)).astype(np.float64)
-    return np.where(rc > 0, inputs + one_image, kept)
+    layer_act = act_elems_per_token_layer(part, ctx.cfg.flash_attention) / tp * by.act
+    per_layer_ckpt = part.max_item_tokens * ((part.layers * part.hidden / tp + part.act_head_per_token) * by.act
+                                             + layer_act)
+    return np.where(rc >= 2, inputs + per_layer_ckpt, np.where(rc > 0, inputs + one_image, kept))
 
 
 def encoder_costs(part: PartSpec, ctx: CostContext, L: Layouts) -> Costs:

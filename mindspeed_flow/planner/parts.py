@@ -76,6 +76,11 @@ def _divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
+def pp_candidates(layers: int) -> tuple[int, ...]:
+    """Pipeline sizes to search: every size up to 16 (uneven splits make any of them valid) and the divisors."""
+    return tuple(sorted(set(range(1, min(layers, 16) + 1)) | set(_divisors(layers))))
+
+
 def backbone_part(spec: VLMSpec, shapes: Sequence[SampleShape], name: str = "backbone") -> PartSpec:
     llm = spec.llm
     tokens = np.array([s.llm_tokens for s in shapes], dtype=np.float64)
@@ -91,7 +96,7 @@ def backbone_part(spec: VLMSpec, shapes: Sequence[SampleShape], name: str = "bac
         tokens_per_sample=float(tokens.mean()), sq_tokens_per_sample=float((tokens**2).mean()), items_per_sample=1.0,
         max_item_tokens=int(tokens.max()), linear_flops_per_token=llm.linear_flops_per_token(True),
         attn_flops_per_sample=float(attn.mean()), vocab=llm.vocab_size, tp_sizes=tp_ok,
-        pp_sizes=_divisors(llm.num_layers), cp_sizes=(1, 2, 4, 8),
+        pp_sizes=pp_candidates(llm.num_layers), cp_sizes=(1, 2, 4, 8),
     )
 
 

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mindspeed_flow.config.planner import PlannerConfig
-from mindspeed_flow.planner.baselines import BaselineResult, megatron_coupled, mindspeed_dist_train
-from mindspeed_flow.planner.cost import CostContext, Costs, Layouts, model_flops_per_step, part_costs
+from mindspeed_flow.planner.baselines import BaselineResult, all_baselines, strongest
+from mindspeed_flow.planner.cost import (
+    CostContext, Costs, Layouts, model_flops_per_step, part_costs, stage_layer_list,
+)
 from mindspeed_flow.planner.hardware import Cluster
 from mindspeed_flow.planner.parts import PartSpec
 from mindspeed_flow.planner.solver import Selection, solve_cpsat, solve_cpsat_shared, solve_exhaustive
@@ -123,6 +125,7 @@ class PartPlan:
     microbatches: int
     memory_gb: dict[str, float]  # weights, grads, optim, activations, buffers, total
     time_parts: dict[str, float]
+    stage_layers: list[int] = field(default_factory=list)  # backbone with pp > 1: layers on each stage
 
 
 @dataclass
@@ -146,6 +149,10 @@ class Plan:
     def devices(self) -> int:
         return self.selection.devices
 
+    @property
+    def strongest_baseline(self) -> BaselineResult | None:
+        return strongest(self.baselines)
+
     def gain_over(self, name: str) -> float | None:
         b = self.baselines.get(name)
         return None if b is None else self.samples_per_s / b.samples_per_s
@@ -155,10 +162,14 @@ def _part_plan(table: OptionTable, i: int) -> PartPlan:
     c = table.costs
     mem = {k: float(v[i]) / GB for k, v in c.memory_parts.items()}
     mem["total"] = float(c.memory[i]) / GB
+    pp = int(table.layouts.pp[i])
+    split = []
+    if c.stage_layers and pp > 1:
+        split = stage_layer_list(c.stage_layers, pp, i)
     return PartPlan(name=table.part.name, role=table.part.role, layout=table.layouts.row(i),
                     devices=int(table.layouts.devices[i]), step_seconds=float(c.time[i]),
                     microbatches=int(c.microbatches[i]) if c.microbatches is not None else 0, memory_gb=mem,
-                    time_parts={k: float(v[i]) for k, v in c.time_parts.items()})
+                    time_parts={k: float(v[i]) for k, v in c.time_parts.items()}, stage_layers=split)
 
 
 def _solve(tables: list[OptionTable], budget: int, exhaustive: bool,
@@ -211,7 +222,7 @@ def _fmt_layout(row: dict[str, int]) -> str:
     s = f"dp{row['dp']} tp{row['tp']} pp{row['pp']} cp{row['cp']}"
     if row.get("b"):
         s += f" budget{row['b']}"
-    return s + (" recompute" if row.get("rc") else "")
+    return s + {0: "", 1: " recompute", 2: " recompute per layer"}.get(int(row.get("rc") or 0), " recompute")
 
 
 def _binding(problem: Problem, tables: list[OptionTable], sel: Selection) -> list[str]:
@@ -279,8 +290,7 @@ def make_plan(problem: Problem, exhaustive: bool = False, with_baselines: bool =
     if with_baselines:
         enc = next((p for p in problem.parts if p.role == "encoder"), None)
         if enc is not None and len(problem.parts) == 2:
-            baselines["megatron_coupled"] = megatron_coupled(enc, backbone, base_ctx, problem.budget)
-            baselines["mindspeed_dist_train"] = mindspeed_dist_train(enc, backbone, base_ctx, problem.budget)
+            baselines = all_baselines(enc, backbone, base_ctx, problem.budget)
     return Plan(
         problem=problem, parts=parts, selection=sel, samples_per_s=problem.global_batch / step,
         tokens_per_s=problem.global_batch * backbone.tokens_per_sample / step,

@@ -18,11 +18,16 @@ from mindspeed_flow.planner.plan import Plan, Problem, option_table
 MFU_FORMULA = "MFU = model FLOPs per step (no recompute, no padding) / (step time x devices x peak)"
 
 
-def _layout_str(layout: dict[str, int]) -> str:
+def _layout_str(layout: dict) -> str:
     s = f"dp={layout['dp']} tp={layout['tp']} pp={layout['pp']} cp={layout['cp']}"
     if layout.get("b"):
         s += f" token_budget={layout['b']}"
-    return s + (" recompute" if layout.get("rc") else "")
+    s += {0: "", 1: " recompute", 2: " recompute=per-layer"}.get(int(layout.get("rc") or 0), " recompute")
+    if layout.get("layers"):
+        s += f" layers/stage={layout['layers']}"
+    if "vit_tp" in layout:
+        s += f" vit_tp={layout['vit_tp']}" + {0: "", 1: " vit_recompute", 2: " vit_recompute=per-layer"}[int(layout.get("vit_rc") or 0)]
+    return s
 
 
 def to_json(plan: Plan) -> dict[str, Any]:
@@ -38,7 +43,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "global_batch_size": pr.global_batch, "dtype": pr.cfg.dtype,
         "parts": [{"name": p.name, "role": p.role, "devices": p.devices, "dp": p.layout["dp"], "tp": p.layout["tp"],
                    "pp": p.layout["pp"], "cp": p.layout["cp"], "token_budget": p.layout["b"],
-                   "recompute": bool(p.layout["rc"]), "microbatches": p.microbatches,
+                   "recompute": bool(p.layout["rc"]), "recompute_level": int(p.layout["rc"]),
+                   "microbatches": p.microbatches, "stage_layers": p.stage_layers,
                    "step_seconds": p.step_seconds, "memory_gb": p.memory_gb, "time_parts": p.time_parts}
                   for p in plan.parts],
         "predicted": {"samples_per_s": plan.samples_per_s, "tokens_per_s": plan.tokens_per_s, "mfu": plan.mfu,
@@ -49,6 +55,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "method": plan.selection.method,
         "options_priced": plan.options_priced,
         "baselines": baselines,
+        "strongest_baseline": None if plan.strongest_baseline is None else plan.strongest_baseline.name,
     }
 
 
@@ -64,7 +71,8 @@ def render_text(plan: Plan) -> str:
     ]
     for p in plan.parts:
         mem = p.memory_gb
-        lines.append(f"  {p.name:<9} {p.devices:>6} devices  {_layout_str(p.layout)}")
+        lines.append(f"  {p.name:<9} {p.devices:>6} devices  {_layout_str(p.layout)}"
+                     + (f" layers/stage={p.stage_layers}" if p.stage_layers else ""))
         unit = "microbatches" if p.role == "backbone" else "samples per replica"
         lines.append(f"  {'':<9} step {p.step_seconds:.4g} s ({p.microbatches} {unit}); memory/device "
                      f"{mem['total']:.2f} GB = weights {mem['weights']:.2f} + grads {mem['grads']:.2f} + optim "
@@ -91,6 +99,10 @@ def render_text(plan: Plan) -> str:
             lay = "; ".join(f"{k}: {_layout_str(v)}" for k, v in b.layout.items())
             lines.append(f"  {name:<22} {b.samples_per_s:.4g} samples/s, MFU {100 * b.mfu:.1f}% on {b.devices} "
                          f"devices -> plan gain x{plan.samples_per_s / b.samples_per_s:.2f}  [{lay}]")
+        best = plan.strongest_baseline
+        if best is not None:
+            lines.append(f"strongest baseline: {best.name}; plan gain over it x"
+                         f"{plan.samples_per_s / best.samples_per_s:.2f}")
     return "\n".join(lines)
 
 
@@ -170,7 +182,7 @@ def write_plot(plan: Plan, path: str) -> None:
     enc = next((p for p in plan.parts if p.role == "encoder"), None)
     if enc is not None:
         ax.plot([100 * enc.devices / plan.problem.budget], [plan.samples_per_s], "r*", ms=14, label="plan")
-    for (name, b), style in zip(plan.baselines.items(), ("--", ":")):
+    for (name, b), style in zip(plan.baselines.items(), ("--", ":", "-.", (0, (1, 3)))):
         if b is not None:
             ax.axhline(b.samples_per_s, ls=style, color="gray", label=f"{name} ({b.samples_per_s:.3g}/s)")
     ax.set_xlabel("encoder share of devices (%)")

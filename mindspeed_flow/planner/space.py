@@ -5,7 +5,8 @@ value that breaks it:
 - TP inside a node: tp <= devices_per_node and tp divides it (TP collectives run every layer);
 - TP sizes the runtime supports on this cluster (cluster.tp_sizes; CPU: 1) and CP sizes (cluster.cp_sizes);
 - heads divisible by tp (and KV heads divisible by tp, or tp by KV heads: replicated KV);
-- layers divisible by pp; encoders take pp = cp = 1;
+- at least one layer per pipeline stage (layers divisible by pp when planner.uneven_pp=false); encoders take
+  pp = cp = 1;
 - global batch: each DP rank's share is whole (planner.batch_divisible) and at least one sample;
 - token budget >= the longest sample (a packed microbatch must hold any sample).
 Memory and the device budget are checked by the caller (they are what the solver trades off).
@@ -24,10 +25,14 @@ class PlanError(ValueError):
     """A plan cannot be made; the message names the binding constraint (and the smallest fitting size)."""
 
 
-def auto_token_budgets(part: PartSpec) -> list[int]:
-    """Powers of two from the longest sample up (4 choices): bigger budgets, fewer microbatches."""
-    first = 1 << max(int(np.ceil(np.log2(max(part.max_item_tokens, 1)))), 6)
-    return [first << k for k in range(4)]
+AUTO_BUDGET_FACTORS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0)
+
+
+def auto_token_budgets(part: PartSpec, alignment: int = 256) -> list[int]:
+    """Budgets from the longest sample up, each rounded up to `alignment`: bigger budgets, fewer microbatches."""
+    a = max(int(alignment), 1)
+    base = max(int(part.max_item_tokens), 1)
+    return sorted({int(np.ceil(base * f / a)) * a for f in AUTO_BUDGET_FACTORS})
 
 
 def _dp_values(ctx: CostContext, max_devices: int) -> list[int]:
@@ -47,14 +52,15 @@ def candidate_values(part: PartSpec, ctx: CostContext, max_devices: int,
     tp = [t for t in part.tp_sizes if t in set(int(x) for x in c.config.tp_sizes) and t <= dpn and dpn % t == 0]
     cp = [x for x in part.cp_sizes if x in set(int(y) for y in c.config.cp_sizes)]
     budgets = [0] if part.role == "encoder" else sorted(int(b) for b in (ctx.cfg.token_budgets
-                                                                          or auto_token_budgets(part)))
+                                                                          or auto_token_budgets(part, ctx.cfg.token_alignment)))
     values = {
         "dp": _dp_values(ctx, max_devices),
         "tp": tp,
-        "pp": [p for p in part.pp_sizes if p <= max_devices],
+        "pp": [p for p in part.pp_sizes if p <= max_devices
+               and p <= part.layers and (ctx.cfg.uneven_pp or part.layers % p == 0)],
         "cp": cp,
         "b": [b for b in budgets if part.role == "encoder" or b >= part.max_item_tokens],
-        "rc": [int(bool(r)) for r in ctx.cfg.recompute] if part.trainable else [0],
+        "rc": rc_values(part, ctx),
     }
     for key, val in fixed.items():
         if key not in LAYOUT_FIELDS:
@@ -66,6 +72,16 @@ def candidate_values(part: PartSpec, ctx: CostContext, max_devices: int,
         raise PlanError(f"{part.name}: every token budget {budgets} is shorter than the longest sample "
                         f"({part.max_item_tokens} tokens); raise planner.token_budgets")
     return {k: sorted(set(v)) for k, v in values.items()}
+
+
+def rc_values(part: PartSpec, ctx: CostContext) -> list[int]:
+    """Recompute levels: 0 keep, 1 full; a trainable encoder also 2 (from the pixels and per layer)."""
+    if not part.trainable:
+        return [0]
+    levels = {int(bool(r)) for r in ctx.cfg.recompute}
+    if part.role == "encoder" and 1 in levels:
+        levels.add(2)
+    return sorted(levels)
 
 
 def _why_not(part: PartSpec, ctx: CostContext, key: str, val: int) -> str:
@@ -80,7 +96,9 @@ def _why_not(part: PartSpec, ctx: CostContext, key: str, val: int) -> str:
     if key == "pp":
         if part.role == "encoder":
             return "encoders are planned with pp=1"
-        return f"layers ({part.layers}) must be divisible by pp; valid: {list(part.pp_sizes)}"
+        valid = [p for p in part.pp_sizes if ctx.cfg.uneven_pp or part.layers % p == 0]
+        rule = "at least 1 layer per stage" if ctx.cfg.uneven_pp else "layers divisible by pp (planner.uneven_pp=false)"
+        return f"{part.layers} layers: {rule}; valid: {valid}"
     if key == "cp":
         return f"cp must be in {sorted(set(part.cp_sizes) & set(int(x) for x in c.config.cp_sizes))}"
     if key == "dp":
@@ -88,7 +106,7 @@ def _why_not(part: PartSpec, ctx: CostContext, key: str, val: int) -> str:
                 f"dp <= devices")
     if key == "b":
         return f"token budget must be >= the longest sample ({part.max_item_tokens} tokens)"
-    return "recompute must be 0/1 (frozen encoders: 0)"
+    return "recompute must be 0/1 (trainable encoders also 2: per layer; frozen encoders: 0)"
 
 
 def enumerate_layouts(part: PartSpec, ctx: CostContext, max_devices: int,
