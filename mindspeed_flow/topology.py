@@ -251,14 +251,7 @@ class Topology:
             if rank in ranks:
                 c = p.coords(rank - base)
                 mine = dict(part=p.name, part_ranks=ranks, part_group=part_group, coords=c, **handles)
-        bridge = None
-        if layout.mode == "decoupled":
-            enc, bb = layout.part(ENCODER), layout.part(BACKBONE)
-            bb_base = layout.part_ranks(BACKBONE)[0]
-            # One consumer per backbone DP rank: the first stage, TP rank 0 (TP peers get it by broadcast).
-            consumers = [bb_base + bb.local_rank_of(dp=d, pp=0) for d in range(bb.dp)]
-            producers = [r for r in layout.part_ranks(ENCODER) if enc.coords(r).get("tp") == 0]
-            bridge = Bridge.build(producers, consumers)
+        bridge = bridge_of(layout)
         c = mine["coords"]
         return Topology(
             layout=layout, rank=rank, world_size=world_size, part=mine["part"], part_ranks=mine["part_ranks"],
@@ -273,6 +266,18 @@ class Topology:
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size} part={self.part} dp={self.dp_rank}/{self.part_layout.dp} "
                 f"pp={self.pp_rank}/{self.part_layout.pp} tp={self.tp_rank}/{self.part_layout.tp}")
+
+
+def bridge_of(layout: Layout) -> Optional[Bridge]:
+    """The encoder -> backbone bridge of a decoupled layout (None when coupled); needs no process group."""
+    if layout.mode != "decoupled":
+        return None
+    enc, bb = layout.part(ENCODER), layout.part(BACKBONE)
+    bb_base = layout.part_ranks(BACKBONE)[0]
+    # One consumer per backbone DP rank: the first stage, TP rank 0 (TP peers get it by broadcast).
+    consumers = [bb_base + bb.local_rank_of(dp=d, pp=0) for d in range(bb.dp)]
+    producers = [r for r in layout.part_ranks(ENCODER) if enc.coords(r).get("tp") == 0]
+    return Bridge.build(producers, consumers)
 
 
 def _axis_groups(p: PartLayout, base: int, axis: str) -> list[list[int]]:

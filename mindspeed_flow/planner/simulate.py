@@ -1,0 +1,459 @@
+"""Discrete-event simulation of one training step of a job, as the runtime would run it.
+
+The analytic cost model (cost.py) prices a layout from workload averages; this module replays one real step:
+- the step's samples and the runtime's own step plan (`runtime.plan`: the packing scheduler's microbatches per
+  backbone DP rank, the encoder schedule that orders each encoder rank's samples, the producer -> consumer map);
+- per encoder rank, each sample's forward (its real images' FLOPs), its `put` into the embedding pool, which
+  blocks while the pool holds `capacity` un-consumed samples of that producer, then each sample's backward when
+  its gradient returns (recomputing the forward first when activations are not kept);
+- per backbone DP replica, the 1F1B (or GPipe) schedule of every pipeline stage: each microbatch's forward and
+  backward on each stage (its real token budget and attention lengths, the stage's layers, the LM head on the
+  last stage), stage-to-stage sends, and the first stage waiting for its microbatch's embeddings;
+- the coupled mode: each rank encodes and trains its own microbatches;
+- then each group's gradient all-reduce (a collective: it starts when all members are ready) and the optimizer.
+Every rank runs its operations in program order; an operation starts when its rank is free and its
+dependencies have finished (plus a link delay). Compute shares the host's cores (processor sharing: with n
+busy ranks on c cores each runs at min(1, c / n) speed), which is how CPU-emulated clusters behave; on real
+devices set cores=0 (every rank owns its device).
+
+The rates are the planner's: seconds per FLOP per part (calibrated by `mindspeed-flow profile`), per-item,
+per-microbatch and per-step overheads, link bandwidths from the cluster preset. The result gives the step time,
+each rank's busy/idle time, pipeline bubbles, stage imbalance, pool waits, and a timeline PNG.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from mindspeed_flow.planner.cost import CostContext, precision_bytes, ring_allreduce_time
+
+COMPUTE, COMM = "compute", "comm"
+
+
+@dataclass
+class Op:
+    rank: int
+    name: str
+    kind: str  # "compute" (shares host cores) | "comm"
+    work: float  # seconds on an unshared core / link
+    deps: list[tuple[int, float]] = field(default_factory=list)  # (op id, delay after its end)
+    collective: Optional[str] = None  # ops with the same key start together on all their ranks
+    tag: str = ""  # category for the timeline and the summary: enc_fwd, enc_bwd, fwd, bwd, put, sync, optim, ...
+    start: float = float("nan")
+    end: float = float("nan")
+
+
+class Simulator:
+    """Ranks run their ops in program order; see the module docstring."""
+
+    def __init__(self, world: int, cores: float = 0.0) -> None:
+        self.world, self.cores = world, float(cores)
+        self.ops: list[Op] = []
+        self.program: list[list[int]] = [[] for _ in range(world)]
+        self._done = 0
+
+    def add(self, rank: int, name: str, work: float, kind: str = COMPUTE, deps: Sequence[tuple[int, float]] = (),
+            collective: Optional[str] = None, tag: str = "") -> int:
+        self.ops.append(Op(rank, name, kind, max(float(work), 0.0), list(deps), collective, tag or name))
+        self.program[rank].append(len(self.ops) - 1)
+        return len(self.ops) - 1
+
+    def run(self) -> float:
+        """Simulate; returns the time the last op ends. Raises if the programs deadlock."""
+        ops, pos = self.ops, [0] * self.world
+        remaining: dict[int, float] = {}
+        members: dict[str, list[int]] = {}
+        for i, op in enumerate(ops):
+            if op.collective:
+                members.setdefault(op.collective, []).append(i)
+        now, self._done = 0.0, 0
+        while self._done < len(ops):
+            started = self._start_ready(pos, remaining, members, now)
+            if not remaining:
+                if started:
+                    continue
+                wake = self._next_release(pos, now)
+                if wake is not None:
+                    now = wake
+                    continue
+                waiting = [ops[self.program[r][pos[r]]].name for r in range(self.world) if pos[r] < len(self.program[r])]
+                raise RuntimeError(f"simulation deadlock at t={now:.4g}s; ranks wait at {waiting}")
+            n_compute = sum(1 for i in remaining if ops[i].kind == COMPUTE)
+            share = min(1.0, self.cores / n_compute) if self.cores > 0 and n_compute else 1.0
+            rate = {i: (share if ops[i].kind == COMPUTE else 1.0) for i in remaining}
+            dt = min(remaining[i] / rate[i] for i in remaining)
+            # the next release time of a delayed dependency may come first: advance to it instead
+            wake = self._next_release(pos, now)
+            if wake is not None and wake - now < dt:
+                dt = wake - now
+            now += dt
+            for i in list(remaining):
+                remaining[i] -= rate[i] * dt
+                if remaining[i] <= 1e-12:
+                    del remaining[i]
+                    ops[i].end = now
+                    pos[ops[i].rank] += 1
+                    self._done += 1
+        return max((op.end for op in ops), default=0.0)
+
+    def _ready(self, i: int, now: float) -> bool:
+        return all(not np.isnan(self.ops[d].end) and self.ops[d].end + lag <= now + 1e-12
+                   for d, lag in self.ops[i].deps)
+
+    def _next_release(self, pos: list[int], now: float) -> Optional[float]:
+        times = [self.ops[d].end + lag for r in range(self.world) if pos[r] < len(self.program[r])
+                 for d, lag in self.ops[self.program[r][pos[r]]].deps
+                 if not np.isnan(self.ops[d].end) and self.ops[d].end + lag > now + 1e-12]
+        return min(times) if times else None
+
+    def _start_ready(self, pos: list[int], remaining: dict[int, float], members: dict[str, list[int]],
+                     now: float) -> bool:
+        started = False
+        for r in range(self.world):
+            if pos[r] >= len(self.program[r]):
+                continue
+            i = self.program[r][pos[r]]
+            op = self.ops[i]
+            if i in remaining or not np.isnan(op.start) or not self._ready(i, now):
+                continue
+            if op.collective:
+                group = members[op.collective]
+                heads = all(self.program[self.ops[j].rank][pos[self.ops[j].rank]] == j and self._ready(j, now)
+                            for j in group)
+                if not heads:
+                    continue
+                work = max(self.ops[j].work for j in group)
+                for j in group:
+                    self.ops[j].start, self.ops[j].work = now, work
+                    self._begin(j, remaining, pos)
+            else:
+                op.start = now
+                self._begin(i, remaining, pos)
+            started = True
+        return started
+
+    def _begin(self, i: int, remaining: dict[int, float], pos: list[int]) -> None:
+        if self.ops[i].work <= 0:  # zero-length op: done at once
+            self.ops[i].end = self.ops[i].start
+            pos[self.ops[i].rank] += 1
+            self._done += 1
+        else:
+            remaining[i] = self.ops[i].work
+
+
+# ----------------------------------------------------------------------------------------------- step programs
+@dataclass
+class StepCosts:
+    """Per-call costs of one job: what the simulator charges (seconds on an unshared core)."""
+
+    spec: Any  # VLMSpec
+    ctx: CostContext
+    trainable_encoder: bool = True
+    keep_encoder_activations: bool = True
+
+    def spf(self, role: str) -> float:
+        return float(self.ctx.seconds_per_flop(role, np.array([1]))[0])
+
+    def encoder_fwd_bwd(self, patches_per_image: Sequence[int]) -> tuple[float, float]:
+        """(forward, backward) seconds of one sample's images."""
+        flops = float(sum(self.spec.vision.image_flops(int(p), self.trainable_encoder) for p in patches_per_image))
+        total = flops * self.spf("encoder") + self.ctx.cfg.item_overhead_s * self.ctx.contention
+        if not self.trainable_encoder:
+            return total, 0.0
+        fwd = total / 3.0
+        bwd = total - fwd + (0.0 if self.keep_encoder_activations else fwd)
+        return fwd, bwd
+
+    def backbone_stage(self, budget: int, seq_lens: Sequence[int], layers: int, last: bool) -> tuple[float, float]:
+        """(forward, backward) seconds of one packed microbatch on a stage of `layers` decoder layers."""
+        llm = self.spec.llm
+        head_tok = 6.0 * llm.vocab_size * llm.hidden_size
+        attn_tok2 = llm.attn_flops_per_token_sq(True) / llm.num_layers
+        attn = attn_tok2 * (sum(s * s for s in seq_lens) if self.ctx.cfg.flash_attention else budget * budget)
+        body = (llm.linear_flops_per_token(True) - head_tok) / llm.num_layers * budget
+        flops = layers * (body + attn) + (head_tok * budget if last else 0.0)
+        total = flops * self.spf("backbone") + self.ctx.cfg.microbatch_overhead_s * self.ctx.contention / 1.0
+        return total / 3.0, total * 2.0 / 3.0
+
+    def link(self, nbytes: float) -> float:
+        c = self.ctx.cluster
+        return nbytes / c.bandwidth(True) + c.latency(True)
+
+    def allreduce(self, params: float, n: int) -> float:
+        c = self.ctx.cluster
+        return float(ring_allreduce_time(np.array(params * precision_bytes(self.ctx.cfg.dtype).grad), np.array(n),
+                                         np.array(c.bandwidth(True)), np.array(c.latency(True))))
+
+    def optimizer(self, params: float) -> float:
+        by = precision_bytes(self.ctx.cfg.dtype)
+        return params * 2.0 * (by.param + by.grad + by.optim) / self.ctx.cluster.hbm_bandwidth
+
+
+def _one_f_one_b(pp: int, s: int, m: int, kind: str) -> list[tuple[str, int]]:
+    """Order of ("F"|"B", microbatch) on stage s of pp for m microbatches (torch.distributed.pipelining order)."""
+    if kind == "gpipe":
+        return [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
+    warm = min(pp - 1 - s, m)
+    order = [("F", k) for k in range(warm)]
+    f, b = warm, 0
+    while f < m:
+        order += [("F", f), ("B", b)]
+        f, b = f + 1, b + 1
+    order += [("B", k) for k in range(b, m)]
+    return order
+
+
+@dataclass
+class StepResult:
+    step_seconds: float
+    ranks: dict[int, dict[str, float]]  # busy / idle seconds and role per rank
+    bubble_fraction: float  # backbone ranks: idle share of the step before their gradient sync
+    stage_imbalance: float  # slowest / mean busy time over backbone stages
+    pool_wait_s: float  # encoder ranks: time blocked on a full pool (mean)
+    ops: list[Op] = field(default_factory=list)
+    roles: dict[int, str] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, float]:
+        return {"step_seconds": self.step_seconds, "bubble_fraction": self.bubble_fraction,
+                "stage_imbalance": self.stage_imbalance, "pool_wait_s": self.pool_wait_s}
+
+
+def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCosts, *, pool_capacity: int,
+                  pp_schedule: str = "1f1b", layer_split: Optional[Sequence[int]] = None,
+                  cores: float = 0.0, step_overhead_s: float = 0.0) -> StepResult:
+    """Simulate one step. `work`: the runtime's StepWork; `layout`: the runtime's topology.Layout;
+    `pool_capacity`: samples a producer may have in the pool not yet taken by the backbone."""
+    from mindspeed_flow.topology import BACKBONE, ENCODER
+
+    by_id = {s.sample_id: s for s in shapes}
+    sim = Simulator(layout.world_size, cores)
+    spec = costs.spec
+    roles: dict[int, str] = {}
+    start = {r: sim.add(r, "step start", step_overhead_s, tag="overhead") for r in range(layout.world_size)}
+    emb_bytes = lambda sid: by_id[sid].image_tokens * spec.vision.out_hidden_size * 4.0  # noqa: E731
+    if layout.mode == "coupled":
+        _coupled_program(sim, work, by_id, layout, costs, roles, start)
+    else:
+        enc, bb = layout.part(ENCODER), layout.part(BACKBONE)
+        enc_ranks, bb_base = layout.part_ranks(ENCODER), layout.part_ranks(BACKBONE)[0]
+        n_layers = spec.llm.num_layers
+        if layer_split is None:
+            from mindspeed_flow.hosts.torch.pipeline import split_layers
+
+            stage_layers = [b - a for a, b in split_layers(n_layers, bb.pp)]
+        else:
+            stage_layers = list(layer_split)
+        # backbone programs first (ids of first-stage forwards are the encoders' pool-credit dependencies)
+        fwd0: dict[int, int] = {}  # sample id -> first-stage forward op that consumes it
+        bwd0: dict[int, int] = {}  # sample id -> first-stage backward op that produces its gradient
+        put_ops: dict[int, int] = {}
+        enc_fwd_ids: dict[int, int] = {}
+        # encoders' forwards and puts are created after the backbone's ops but referenced by them: reserve order
+        bb_programs: list[tuple[int, int, list[tuple[str, int]]]] = []
+        for d in range(bb.dp):
+            row = work.plan.microbatches[d]
+            for s in range(bb.pp):
+                rank = bb_base + bb.local_rank_of(dp=d, pp=s)
+                roles[rank] = f"backbone dp{d} pp{s}"
+                bb_programs.append((d, s, _one_f_one_b(bb.pp, s, len(row), pp_schedule)))
+        # encoder forwards + puts (deps on pool credits are filled in after the backbone ops exist)
+        credit_deps: list[tuple[int, int]] = []  # (put op, sample whose consumption frees the credit)
+        for r in enc_ranks:
+            if r not in work.encode_order:
+                roles[r] = "encoder (tp peer)"
+                continue
+            roles[r] = f"encoder {enc_ranks.index(r)}"
+            order = work.encode_order[r]
+            for k, sid in enumerate(order):
+                f, _ = costs.encoder_fwd_bwd(by_id[sid].vit_patches_per_image)
+                enc_fwd_ids[sid] = sim.add(r, f"enc fwd {sid}", f, deps=[(start[r], 0.0)], tag="enc_fwd")
+                put_ops[sid] = sim.add(r, f"put {sid}", 0.0, kind=COMM, tag="put")
+                if k >= pool_capacity:
+                    credit_deps.append((put_ops[sid], order[k - pool_capacity]))
+        # backbone ops
+        ids: dict[tuple[int, int, str, int], int] = {}
+        p2p = costs.link(max(work.plan.seq_len or 0, 1) * spec.llm.hidden_size * 4.0) if bb.pp > 1 else 0.0
+        for d, s, order in bb_programs:
+            rank = bb_base + bb.local_rank_of(dp=d, pp=s)
+            row = work.plan.microbatches[d]
+            for kind, k in order:
+                mb = row[k]
+                seqs = [by_id[sid].llm_tokens for sid in mb.sample_ids]
+                budget = work.plan.seq_len or max(sum(seqs), 1)
+                fwd, bwd = costs.backbone_stage(budget, seqs, stage_layers[s], s == bb.pp - 1)
+                deps: list[tuple[int, float]] = [(start[rank], 0.0)]
+                if kind == "F":
+                    if s == 0:
+                        deps += [(put_ops[sid], costs.link(emb_bytes(sid))) for sid in mb.sample_ids if sid in put_ops]
+                    ids[(d, s, "F", k)] = sim.add(rank, f"F{k} s{s} d{d}", fwd, deps=deps, tag="fwd")
+                    if s == 0:
+                        for sid in mb.sample_ids:
+                            fwd0[sid] = ids[(d, s, "F", k)]
+                else:
+                    deps.append((ids[(d, s, "F", k)], 0.0))
+                    ids[(d, s, "B", k)] = sim.add(rank, f"B{k} s{s} d{d}", bwd, deps=deps, tag="bwd")
+                    if s == 0:
+                        for sid in mb.sample_ids:
+                            bwd0[sid] = ids[(d, s, "B", k)]
+            params = _stage_params(spec, stage_layers, s, bb.pp)
+            if bb.dp > 1:
+                sim.add(rank, f"dp sync s{s}", costs.allreduce(params, bb.dp), kind=COMM, collective=f"bbdp{s}",
+                        tag="sync")
+            sim.add(rank, "optimizer", costs.optimizer(params), tag="optim")
+        for (d, s, kind, k), i in ids.items():  # stage-to-stage sends: activations forward, gradients back
+            if kind == "F" and s > 0:
+                sim.ops[i].deps.append((ids[(d, s - 1, "F", k)], p2p))
+            if kind == "B" and s < bb.pp - 1:
+                sim.ops[i].deps.append((ids[(d, s + 1, "B", k)], p2p))
+        for put, sid in credit_deps:
+            sim.ops[put].deps.append((fwd0[sid], 0.0))
+        # encoder backwards in encode order (the runtime waits for each gradient in that order), sync, optimizer
+        for r in enc_ranks:
+            if r not in work.encode_order:
+                continue
+            if costs.trainable_encoder:
+                for sid in work.encode_order[r]:
+                    _, b = costs.encoder_fwd_bwd(by_id[sid].vit_patches_per_image)
+                    sim.add(r, f"enc bwd {sid}", b, deps=[(bwd0[sid], costs.link(emb_bytes(sid)))], tag="enc_bwd")
+                if enc.dp > 1:
+                    sim.add(r, "enc dp sync", costs.allreduce(spec.vision.params, enc.dp), kind=COMM,
+                            collective="encdp", tag="sync")
+                sim.add(r, "optimizer", costs.optimizer(spec.vision.params), tag="optim")
+    total = sim.run()
+    return _result(sim, total, roles)
+
+
+def _stage_params(spec: Any, stage_layers: Sequence[int], s: int, pp: int) -> float:
+    llm = spec.llm
+    p = stage_layers[s] * llm.layer_params
+    if s == 0:
+        p += llm.embedding_params
+    if s == pp - 1:
+        p += llm.head_params + llm.hidden_size
+    return float(p)
+
+
+def _coupled_program(sim: Simulator, work: Any, by_id: dict, layout: Any, costs: StepCosts,
+                     roles: dict[int, str], start: dict[int, int]) -> None:
+    spec = costs.spec
+    world = layout.world_size
+    params = float(spec.vision.params + spec.llm.total_params)
+    for r in range(world):
+        roles[r] = f"coupled dp{r}"
+        row = work.plan.microbatches[r]
+        for k, mb in enumerate(row):
+            seqs = [by_id[sid].llm_tokens for sid in mb.sample_ids]
+            budget = work.plan.seq_len or max(sum(seqs), 1)
+            f, b = costs.backbone_stage(budget, seqs, spec.llm.num_layers, True)
+            enc = [costs.encoder_fwd_bwd(by_id[sid].vit_patches_per_image) for sid in mb.sample_ids]
+            sim.add(r, f"mb{k} fwd", f + sum(e[0] for e in enc), deps=[(start[r], 0.0)], tag="fwd")
+            sim.add(r, f"mb{k} bwd", b + sum(e[1] for e in enc), tag="bwd")
+        if world > 1:
+            sim.add(r, "dp sync", costs.allreduce(params, world), kind=COMM, collective="dp", tag="sync")
+        sim.add(r, "optimizer", costs.optimizer(params), tag="optim")
+
+
+def _result(sim: Simulator, total: float, roles: dict[int, str]) -> StepResult:
+    ranks: dict[int, dict[str, float]] = {}
+    for r in range(sim.world):
+        mine = [sim.ops[i] for i in sim.program[r]]
+        busy = sum(op.end - op.start for op in mine if op.kind == COMPUTE and op.tag not in ("overhead",))
+        # a put starts once the pool has room: the wait is from the end of the op before it
+        pool = sum(op.start - prev.end for prev, op in zip(mine, mine[1:]) if op.tag == "put")
+        ranks[r] = {"busy_s": busy, "idle_s": total - busy, "pool_wait_s": pool}
+    bb = [r for r, role in roles.items() if role.startswith("backbone")]
+    bubbles, stage_busy = [], []
+    for r in bb:
+        mine = [sim.ops[i] for i in sim.program[r] if sim.ops[i].tag in ("fwd", "bwd")]
+        if mine:
+            span = max(op.end for op in mine) - min(op.start for op in mine)
+            busy = sum(op.end - op.start for op in mine)
+            bubbles.append(1.0 - busy / max(span, 1e-12))
+            stage_busy.append(busy)
+    enc = [r for r, role in roles.items() if role.startswith("encoder ") and "peer" not in role]
+    return StepResult(
+        step_seconds=total, ranks=ranks,
+        bubble_fraction=float(np.mean(bubbles)) if bubbles else 0.0,
+        stage_imbalance=float(max(stage_busy) / np.mean(stage_busy)) if stage_busy else 1.0,
+        pool_wait_s=float(np.mean([ranks[r]["pool_wait_s"] for r in enc])) if enc else 0.0,
+        ops=sim.ops, roles=roles)
+
+
+_COLORS = {"enc_fwd": "#4c72b0", "enc_bwd": "#8172b2", "fwd": "#55a868", "bwd": "#c44e52", "sync": "#dd8452",
+           "optim": "#937860", "put": "#cccccc", "overhead": "#eeeeee"}
+
+
+def write_timeline(result: StepResult, path: str, title: str = "") -> None:
+    """PNG: one row per rank, one bar per op, coloured by kind."""
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    ranks = sorted(result.roles)
+    fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * len(ranks)))
+    for y, r in enumerate(ranks):
+        for op in result.ops:
+            if op.rank == r and op.end > op.start:
+                ax.broken_barh([(op.start, op.end - op.start)], (y - 0.4, 0.8),
+                               facecolors=_COLORS.get(op.tag, "#999999"), edgecolors="none")
+    ax.set_yticks(range(len(ranks)))
+    ax.set_yticklabels([f"{r}: {result.roles[r]}" for r in ranks], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    ax.set_title(title or f"simulated step: {result.step_seconds:.3g} s, bubbles {100 * result.bubble_fraction:.0f}%",
+                 fontsize=9)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in _COLORS.items() if k != "overhead"], fontsize=7,
+              ncol=7, loc="upper center", bbox_to_anchor=(0.5, -0.35 - 0.5 / max(len(ranks), 1)), frameon=False)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------ a whole job
+def simulate_job(job: Any, ctx: CostContext, steps: Sequence[int], cores: float = 0.0,
+                 step_overhead_s: Optional[float] = None) -> dict[int, StepResult]:
+    """Simulate the given steps of a training job (a FlowJobConfig) with the planner's rates in `ctx`: the same
+    global batches (sampler, seed), step plans (`runtime.worker.plan_for_step`) and layout the runtime uses."""
+    from types import SimpleNamespace
+
+    from mindspeed_flow.config.load import model_hf_config
+    from mindspeed_flow.data.build import build_dataset
+    from mindspeed_flow.data.sampler import iter_global_batches
+    from mindspeed_flow.data.tokens import token_spec_from_hf_config
+    from mindspeed_flow.packing import CostModel
+    from mindspeed_flow.runtime.worker import plan_for_step
+    from mindspeed_flow.specs import VLMSpec
+    from mindspeed_flow.topology import Layout, bridge_of
+
+    hf = model_hf_config(job)
+    spec = VLMSpec.from_hf_config(hf)
+    layout = Layout.from_config(job.parallel, job.flow.mode)
+    topo = SimpleNamespace(layout=layout, bridge=bridge_of(layout), world_size=layout.world_size)
+    dataset = build_dataset(job.data, token_spec_from_hf_config(hf))
+    frozen = bool(job.model.freeze_encoder)
+    cost_model = CostModel.from_config(job.packing, spec, frozen_encoder=frozen)
+    batches = iter_global_batches(dataset, job.trainer.global_batch_size, seed=job.seed,
+                                  max_bad=job.data.max_bad_samples)
+    costs = StepCosts(spec, ctx, trainable_encoder=not frozen,
+                      keep_encoder_activations=bool(job.flow.keep_encoder_activations))
+    overhead = ctx.cfg.step_overhead_s if step_overhead_s is None else step_overhead_s
+    out: dict[int, StepResult] = {}
+    for step in range(max(steps) + 1):
+        ids = next(batches)
+        if step not in steps:
+            continue
+        shapes = [dataset.shape(i) for i in ids]
+        work = plan_for_step(job, topo, step, shapes, cost_model)
+        emb = max((s.image_tokens for s in shapes), default=1) * spec.vision.out_hidden_size * 4.0
+        capacity = max(1, int(job.flow.pool_capacity_mb * 2**20 // max(emb, 1.0)))
+        out[step] = simulate_step(work, shapes, layout, costs, pool_capacity=capacity,
+                                  pp_schedule=job.parallel.pp_schedule, cores=cores, step_overhead_s=overhead)
+    return out
