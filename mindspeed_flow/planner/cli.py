@@ -4,7 +4,11 @@
                         [global_batch=G] [freeze_encoder=true] [samples=2048] [planner.FIELD=VALUE]
                         [encoder.tp=2 backbone.pp=4 backbone.token_budget=32768 backbone.recompute=1]
                         [--out recipe.yaml] [--name NAME] [--json] [--exhaustive] [--plot PATH.png]
-                        [--no-baselines]
+                        [--no-baselines] [--simulate K] [--timeline PATH.png]
+
+--simulate K replays one step of each of the K best layouts (by the analytic model) in the discrete-event step
+simulator (`planner/simulate.py`) and prints them ranked by simulated step time beside the analytic figure;
+--timeline writes the fastest one's simulated timeline.
 
 cluster= is a preset in recipes/cluster/ or a YAML path; model= a model recipe (recipes/model/), a local
 checkpoint directory / config.json, or FAMILY:PRESET; data= `infovqa` (full resolution), a data recipe, or a
@@ -23,10 +27,11 @@ import sys
 
 from mindspeed_flow.planner.inputs import build_problem, data_recipe_fields, parse_kv
 from mindspeed_flow.planner.plan import make_plan
-from mindspeed_flow.planner.report import recipe_yaml, render_text, to_json, write_plot
+from mindspeed_flow.planner.report import recipe_yaml, render_ranking, render_text, to_json, write_plot
+from mindspeed_flow.planner.simulate import rank_by_simulation, write_timeline
 from mindspeed_flow.planner.space import PlanError
 
-_FLAGS_WITH_VALUE = ("--out", "--plot", "--name")
+_FLAGS_WITH_VALUE = ("--out", "--plot", "--name", "--simulate", "--timeline")
 
 
 def _split_flags(argv: list[str]) -> tuple[dict[str, str | bool], list[str]]:
@@ -68,6 +73,17 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"mindspeed-flow plan: {e}", file=sys.stderr)
         return 2
+    ranked = None
+    if flags.get("--simulate"):
+        try:
+            k = int(str(flags["--simulate"]))
+        except ValueError:
+            print(f"mindspeed-flow plan: --simulate {flags['--simulate']!r}: expected a whole number of layouts",
+                  file=sys.stderr)
+            return 2
+        ranked = rank_by_simulation(problem, max(k, 1), cores=problem.host_cores)
+        if flags.get("--timeline") and ranked:
+            write_timeline(ranked[0]["result"], str(flags["--timeline"]))
     if flags.get("--out"):
         out = str(flags["--out"])
         name = str(flags.get("--name") or os.path.splitext(os.path.basename(out))[0])
@@ -79,9 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     if flags.get("--plot"):
         write_plot(plan, str(flags["--plot"]))
     if flags.get("--json"):
-        print(json.dumps(to_json(plan), indent=1, sort_keys=False))
+        obj = to_json(plan)
+        if ranked is not None:
+            obj["simulated"] = [{k: v for k, v in r.items() if k != "result"} for r in ranked]
+        print(json.dumps(obj, indent=1, sort_keys=False))
     else:
         print(render_text(plan))
+        if ranked is not None:
+            print(render_ranking(ranked))
+        if flags.get("--timeline") and ranked:
+            print(f"timeline written to {flags['--timeline']}")
         if flags.get("--out"):
             print(f"recipe written to {flags['--out']}")
         if flags.get("--plot"):

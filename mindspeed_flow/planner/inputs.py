@@ -164,5 +164,6 @@ def build_problem(args: PlanArgs) -> tuple[Problem, ModelRef]:
     if budget > cluster.devices:  # devices= beyond the preset: a bigger cluster of the same kind
         cluster = cluster.with_devices(budget)
     problem = Problem(parts=parts, cluster=cluster, cfg=cfg, budget=budget, fixed=args.pins,
-                      model_name=model.name, data_name=workload.name)
+                      model_name=model.name, data_name=workload.name, spec=spec,
+                      shapes=tuple(workload.shapes))
     return problem, model

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -57,6 +58,9 @@ class Problem:
     fixed: dict[str, dict[str, int]] = field(default_factory=dict)  # part name -> pinned layout fields
     model_name: str = "model"
     data_name: str = "data"
+    # what the step simulator replays (set by inputs.build_problem): the model's VLMSpec and sample shapes
+    spec: Any = None
+    shapes: tuple = ()
 
     def __post_init__(self) -> None:
         if not self.global_batch:

@@ -106,6 +106,18 @@ def render_text(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def render_ranking(ranked: list[dict]) -> str:
+    """The top-k layouts ranked by simulated step time, with the analytic prediction beside it."""
+    lines = ["", "top layouts by simulated step time (one step replayed; analytic model beside it):"]
+    for i, r in enumerate(ranked):
+        stall = f"; pool stalls at {r['pool_stall']} samples/producer" if r.get("pool_stall") else ""
+        lines.append(f"  {i + 1}. simulated {r['simulated_s']:.4g} s, analytic {r['analytic_s']:.4g} s on {r['devices']} "
+                     f"devices; bubbles {100 * r['bubble_fraction']:.1f}%, stage imbalance "
+                     f"{r['stage_imbalance']:.3f}, pool wait {r['pool_wait_s']:.3g} s{stall}")
+        lines.append(f"     encoder: {_layout_str(r['encoder'])}; backbone: {_layout_str(r['backbone'])}")
+    return "\n".join(lines)
+
+
 def _quote(v: Any) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 

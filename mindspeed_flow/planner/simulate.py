@@ -28,9 +28,15 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from mindspeed_flow.planner.cost import CostContext, precision_bytes, ring_allreduce_time
+from mindspeed_flow.planner.cost import (
+    CostContext, _link, dp_sync_time, optimizer_time, precision_bytes, ring_allreduce_time,
+)
 
 COMPUTE, COMM = "compute", "comm"
+
+
+class SimulationDeadlock(RuntimeError):
+    """Every rank waits on an op that can never become ready (e.g. pool credits held by blocked consumers)."""
 
 
 @dataclass
@@ -80,7 +86,7 @@ class Simulator:
                     now = wake
                     continue
                 waiting = [ops[self.program[r][pos[r]]].name for r in range(self.world) if pos[r] < len(self.program[r])]
-                raise RuntimeError(f"simulation deadlock at t={now:.4g}s; ranks wait at {waiting}")
+                raise SimulationDeadlock(f"simulation deadlock at t={now:.4g}s; ranks wait at {waiting}")
             n_compute = sum(1 for i in remaining if ops[i].kind == COMPUTE)
             share = min(1.0, self.cores / n_compute) if self.cores > 0 and n_compute else 1.0
             rate = {i: (share if ops[i].kind == COMPUTE else 1.0) for i in remaining}
@@ -147,24 +153,43 @@ class Simulator:
 # ----------------------------------------------------------------------------------------------- step programs
 @dataclass
 class StepCosts:
-    """Per-call costs of one job: what the simulator charges (seconds on an unshared core)."""
+    """Per-call costs of one job: what the simulator charges (seconds on an unshared core / link).
+
+    One simulated rank stands for a tp x cp group: compute divides over it (at the planner's TP efficiency),
+    and each layer adds its TP all-reduces and CP K/V exchange as the cost model prices them."""
 
     spec: Any  # VLMSpec
     ctx: CostContext
     trainable_encoder: bool = True
     keep_encoder_activations: bool = True
+    enc_tp: int = 1
+    enc_rc: int = -1  # encoder recompute level (0 keep, 1 from pixels, 2 per layer); -1: from keep_encoder_...
+    bb_tp: int = 1
+    bb_cp: int = 1
+    bb_rc: int = 0
 
-    def spf(self, role: str) -> float:
-        return float(self.ctx.seconds_per_flop(role, np.array([1]))[0])
+    def spf(self, role: str, group: int = 1) -> float:
+        """Seconds per FLOP of the whole tp (x cp) group of one part."""
+        tp = self.enc_tp if role == "encoder" else self.bb_tp
+        return float(self.ctx.seconds_per_flop(role, np.array([tp]))[0]) / group
+
+    def _allreduce_in_group(self, nbytes: float, n: int) -> float:
+        bw, lat = _link(self.ctx, np.array([n]))
+        return float(ring_allreduce_time(np.array(nbytes), np.array(n), bw, lat)[0])
 
     def encoder_fwd_bwd(self, patches_per_image: Sequence[int]) -> tuple[float, float]:
         """(forward, backward) seconds of one sample's images."""
-        flops = float(sum(self.spec.vision.image_flops(int(p), self.trainable_encoder) for p in patches_per_image))
-        total = flops * self.spf("encoder") + self.ctx.cfg.item_overhead_s * self.ctx.contention
+        v = self.spec.vision
+        flops = float(sum(v.image_flops(int(p), self.trainable_encoder) for p in patches_per_image))
+        total = flops * self.spf("encoder", self.enc_tp) + self.ctx.cfg.item_overhead_s * self.ctx.contention
+        act = precision_bytes(self.ctx.cfg.dtype).act
+        comm = sum(self._allreduce_in_group(p * v.hidden_size * act, self.enc_tp) for p in patches_per_image) \
+            * v.depth * (1.0 - self.ctx.overlap("tp")) if self.enc_tp > 1 else 0.0
         if not self.trainable_encoder:
-            return total, 0.0
-        fwd = total / 3.0
-        bwd = total - fwd + (0.0 if self.keep_encoder_activations else fwd)
+            return total + 2 * comm, 0.0
+        rc = self.enc_rc if self.enc_rc >= 0 else (0 if self.keep_encoder_activations else 1)
+        fwd = total / 3.0 + 2 * comm
+        bwd = total * 2.0 / 3.0 + 2 * comm + rc * fwd
         return fwd, bwd
 
     def backbone_stage(self, budget: int, seq_lens: Sequence[int], layers: int, last: bool) -> tuple[float, float]:
@@ -174,22 +199,37 @@ class StepCosts:
         attn_tok2 = llm.attn_flops_per_token_sq(True) / llm.num_layers
         attn = attn_tok2 * (sum(s * s for s in seq_lens) if self.ctx.cfg.flash_attention else budget * budget)
         body = (llm.linear_flops_per_token(True) - head_tok) / llm.num_layers * budget
-        flops = layers * (body + attn) + (head_tok * budget if last else 0.0)
-        total = flops * self.spf("backbone") + self.ctx.cfg.microbatch_overhead_s * self.ctx.contention / 1.0
-        return total / 3.0, total * 2.0 / 3.0
+        group = self.bb_tp * self.bb_cp
+        spf = self.spf("backbone", group)
+        layer_fwd = (body + attn) / 3.0 * spf
+        act = precision_bytes(self.ctx.cfg.dtype).act
+        tokens = budget / self.bb_cp
+        tp = (self._allreduce_in_group(tokens * llm.hidden_size * act, self.bb_tp) * (1 - self.ctx.overlap("tp"))
+              if self.bb_tp > 1 else 0.0)
+        cp = 0.0
+        if self.bb_cp > 1:
+            bw, lat = _link(self.ctx, np.array([group]))
+            kv = tokens * 2 * llm.num_kv_heads * llm.head_dim * act / self.bb_tp
+            cp = float(((self.bb_cp - 1) * kv / bw + (self.bb_cp - 1) * lat)[0]) * (1 - self.ctx.overlap("cp"))
+        rc = 1 if self.bb_rc else 0
+        head = head_tok * budget * spf if last else 0.0
+        mb = self.ctx.cfg.microbatch_overhead_s * self.ctx.contention
+        fwd = layers * (layer_fwd + 2 * tp + cp) + head / 3.0 + mb / 3.0
+        bwd = layers * (2 * layer_fwd + 2 * tp + 2 * cp + rc * (layer_fwd + 2 * tp + cp)) + head * 2.0 / 3.0 \
+            + mb * 2.0 / 3.0
+        return fwd, bwd
 
     def link(self, nbytes: float) -> float:
         c = self.ctx.cluster
         return nbytes / c.bandwidth(True) + c.latency(True)
 
     def allreduce(self, params: float, n: int) -> float:
-        c = self.ctx.cluster
-        return float(ring_allreduce_time(np.array(params * precision_bytes(self.ctx.cfg.dtype).grad), np.array(n),
-                                         np.array(c.bandwidth(True)), np.array(c.latency(True))))
+        """DP gradient sync of `params` (per device of the group) over n replicas, as the cost model prices it."""
+        span = np.array([n * self.bb_tp * self.bb_cp])
+        return float(dp_sync_time(self.ctx, np.array([params]), np.array([n]), span)[0])
 
-    def optimizer(self, params: float) -> float:
-        by = precision_bytes(self.ctx.cfg.dtype)
-        return params * 2.0 * (by.param + by.grad + by.optim) / self.ctx.cluster.hbm_bandwidth
+    def optimizer(self, params: float, dp: int = 1) -> float:
+        return float(optimizer_time(self.ctx, np.array([params]), np.array([dp]))[0])
 
 
 def _one_f_one_b(pp: int, s: int, m: int, kind: str) -> list[tuple[str, int]]:
@@ -215,6 +255,7 @@ class StepResult:
     pool_wait_s: float  # encoder ranks: time blocked on a full pool (mean)
     ops: list[Op] = field(default_factory=list)
     roles: dict[int, str] = field(default_factory=dict)
+    pool_stall: int = 0  # > 0: with this many samples of pool room per producer the step deadlocks
 
     def summary(self) -> dict[str, float]:
         return {"step_seconds": self.step_seconds, "bubble_fraction": self.bubble_fraction,
@@ -298,11 +339,11 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
                     if s == 0:
                         for sid in mb.sample_ids:
                             bwd0[sid] = ids[(d, s, "B", k)]
-            params = _stage_params(spec, stage_layers, s, bb.pp)
+            params = _stage_params(spec, stage_layers, s, bb.pp) / costs.bb_tp
             if bb.dp > 1:
                 sim.add(rank, f"dp sync s{s}", costs.allreduce(params, bb.dp), kind=COMM, collective=f"bbdp{s}",
                         tag="sync")
-            sim.add(rank, "optimizer", costs.optimizer(params), tag="optim")
+            sim.add(rank, "optimizer", costs.optimizer(params, bb.dp), tag="optim")
         for (d, s, kind, k), i in ids.items():  # stage-to-stage sends: activations forward, gradients back
             if kind == "F" and s > 0:
                 sim.ops[i].deps.append((ids[(d, s - 1, "F", k)], p2p))
@@ -318,10 +359,11 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
                 for sid in work.encode_order[r]:
                     _, b = costs.encoder_fwd_bwd(by_id[sid].vit_patches_per_image)
                     sim.add(r, f"enc bwd {sid}", b, deps=[(bwd0[sid], costs.link(emb_bytes(sid)))], tag="enc_bwd")
+                p_enc = spec.vision.params / costs.enc_tp
                 if enc.dp > 1:
-                    sim.add(r, "enc dp sync", costs.allreduce(spec.vision.params, enc.dp), kind=COMM,
-                            collective="encdp", tag="sync")
-                sim.add(r, "optimizer", costs.optimizer(spec.vision.params), tag="optim")
+                    sim.add(r, "enc dp sync", costs.allreduce(p_enc, enc.dp), kind=COMM, collective="encdp",
+                            tag="sync")
+                sim.add(r, "optimizer", costs.optimizer(p_enc, enc.dp), tag="optim")
     total = sim.run()
     return _result(sim, total, roles)
 
@@ -353,7 +395,7 @@ def _coupled_program(sim: Simulator, work: Any, by_id: dict, layout: Any, costs:
             sim.add(r, f"mb{k} bwd", b + sum(e[1] for e in enc), tag="bwd")
         if world > 1:
             sim.add(r, "dp sync", costs.allreduce(params, world), kind=COMM, collective="dp", tag="sync")
-        sim.add(r, "optimizer", costs.optimizer(params), tag="optim")
+        sim.add(r, "optimizer", costs.optimizer(params, world), tag="optim")
 
 
 def _result(sim: Simulator, total: float, roles: dict[int, str]) -> StepResult:
@@ -457,3 +499,87 @@ def simulate_job(job: Any, ctx: CostContext, steps: Sequence[int], cores: float 
         out[step] = simulate_step(work, shapes, layout, costs, pool_capacity=capacity,
                                   pp_schedule=job.parallel.pp_schedule, cores=cores, step_overhead_s=overhead)
     return out
+
+
+# ------------------------------------------------------------------------------------------- planner top-k
+def simulate_layout(problem: Any, enc_row: dict, bb_row: dict, cores: float = 0.0,
+                    scheduler: str = "flow") -> StepResult:
+    """Simulate one step of a planned layout: the problem's workload shapes as one global batch (cycled), packed
+    by the runtime's step planner; each simulated rank is one tp x cp group."""
+    import dataclasses as dc
+
+    from mindspeed_flow.config.packing import PackingConfig
+    from mindspeed_flow.packing import CostModel
+    from mindspeed_flow.runtime.plan import plan_decoupled_step
+    from mindspeed_flow.topology import BACKBONE, ENCODER, Layout, PartLayout, bridge_of
+
+    if problem.spec is None or not problem.shapes:
+        raise ValueError("the problem carries no model spec / workload shapes (build it with inputs.build_problem)")
+    spec, ctx = problem.spec, problem.ctx
+    g = problem.global_batch
+    shapes = [dc.replace(problem.shapes[i % len(problem.shapes)], sample_id=i) for i in range(g)]
+    layout = Layout((PartLayout(ENCODER, dp=int(enc_row["dp"])),
+                     PartLayout(BACKBONE, dp=int(bb_row["dp"]), pp=int(bb_row["pp"]))), "decoupled")
+    frozen = bool(problem.cfg.freeze_encoder)
+    cost_model = CostModel.from_config(PackingConfig(), spec, frozen_encoder=frozen)
+    work = plan_decoupled_step(0, shapes, bridge=bridge_of(layout), token_budget=int(bb_row["b"]),
+                               cost_model=cost_model, scheduler=scheduler, min_microbatches=int(bb_row["pp"]),
+                               oversize_policy="error")
+    costs = StepCosts(spec, ctx, trainable_encoder=not frozen, enc_tp=int(enc_row["tp"]), enc_rc=int(enc_row["rc"]),
+                      bb_tp=int(bb_row["tp"]), bb_cp=int(bb_row["cp"]), bb_rc=int(bb_row["rc"]))
+    emb = np.mean([s.image_tokens for s in shapes]) * spec.vision.out_hidden_size * precision_bytes(ctx.cfg.dtype).act
+    capacity = max(1, int(problem.cfg.pool_capacity_mb * 2**20 // max(emb, 1.0)))
+    split = bb_row.get("layers") or None
+    run = lambda cap: simulate_step(work, shapes, layout, costs, pool_capacity=cap,  # noqa: E731
+                                    pp_schedule=problem.cfg.pp_schedule, layer_split=split, cores=cores,
+                                    step_overhead_s=ctx.cfg.step_overhead_s)
+    try:
+        return run(capacity)
+    except SimulationDeadlock:
+        # producers wait for credits that only consumers blocked on other producers can return: the runtime
+        # would stall the same way; report it and price the plan as if the pool had room
+        res = run(g)
+        res.pool_stall = capacity
+        return res
+
+
+def top_k_layouts(problem: Any, k: int) -> list[dict]:
+    """The k best (encoder, backbone) pairs by the analytic model: the k fastest distinct backbone layouts that
+    leave room for an encoder, each with the fewest-device encoder that keeps pace (else the fastest that fits)."""
+    from mindspeed_flow.planner.cost import stage_layer_list
+    from mindspeed_flow.planner.plan import option_table
+
+    enc_p = next(p for p in problem.parts if p.role == "encoder")
+    bb_p = next(p for p in problem.parts if p.role == "backbone")
+    te, tb = option_table(enc_p, problem, problem.budget), option_table(bb_p, problem, problem.budget)
+    ue, ub = te.usable(problem.budget), tb.usable(problem.budget)
+    out: list[dict] = []
+    for j in ub[np.argsort(tb.costs.time[ub], kind="stable")]:
+        room = problem.budget - int(tb.layouts.devices[j])
+        cand = ue[te.layouts.devices[ue] <= room]
+        if len(cand) == 0:
+            continue
+        t_b = float(tb.costs.time[j])
+        pace = cand[te.costs.time[cand] <= t_b]
+        i = int(pace[np.lexsort((te.costs.time[pace], te.layouts.devices[pace]))[0]]) if len(pace) else \
+            int(cand[np.argmin(te.costs.time[cand])])
+        bb_row = tb.layouts.row(int(j))
+        if bb_row["pp"] > 1:
+            bb_row["layers"] = stage_layer_list(tb.costs.stage_layers, bb_row["pp"], int(j))
+        out.append({"encoder": te.layouts.row(i), "backbone": bb_row,
+                    "devices": int(te.layouts.devices[i] + tb.layouts.devices[j]),
+                    "analytic_s": max(float(te.costs.time[i]), t_b)})
+        if len(out) == k:
+            break
+    return out
+
+
+def rank_by_simulation(problem: Any, k: int, cores: float = 0.0) -> list[dict]:
+    """Top-k layouts by the analytic model, each simulated; returned fastest-simulated first."""
+    rows = top_k_layouts(problem, k)
+    for r in rows:
+        res = simulate_layout(problem, r["encoder"], r["backbone"], cores)
+        r.update(simulated_s=res.step_seconds, bubble_fraction=res.bubble_fraction,
+                 stage_imbalance=res.stage_imbalance, pool_wait_s=res.pool_wait_s, pool_stall=res.pool_stall,
+                 result=res)
+    return sorted(rows, key=lambda r: r["simulated_s"])

@@ -1,0 +1,99 @@
+"""The step simulator: its event engine against closed forms (1F1B, processor sharing, collectives), a real
+CPU job's step replayed with the runtime's own step plan (causality, pool credits), and the planner's top-k
+ranking by simulated time from the command line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mindspeed_flow.config.load import compose, to_job_config
+from mindspeed_flow.planner import cli
+from mindspeed_flow.planner.inputs import build_problem, parse_kv
+from mindspeed_flow.planner.simulate import (
+    COMM, SimulationDeadlock, Simulator, _one_f_one_b, rank_by_simulation, simulate_job, write_timeline,
+)
+
+
+def _pipeline(pp: int, m: int, f: float, b: float, kind: str = "1f1b") -> float:
+    sim = Simulator(pp)
+    ids: dict = {}
+    for s in range(pp):
+        for op, k in _one_f_one_b(pp, s, m, kind):
+            ids[(s, op, k)] = sim.add(s, f"{op}{k}", f if op == "F" else b, tag=op)
+    for (s, op, k), i in ids.items():
+        if op == "F" and s > 0:
+            sim.ops[i].deps.append((ids[(s - 1, "F", k)], 0.0))
+        if op == "B":
+            sim.ops[i].deps.append((ids[(s, "F", k)], 0.0))
+            if s < pp - 1:
+                sim.ops[i].deps.append((ids[(s + 1, "B", k)], 0.0))
+    return sim.run()
+
+
+@pytest.mark.parametrize("pp,m", [(1, 4), (2, 4), (4, 8), (3, 2)])
+def test_pipeline_schedules_match_closed_forms(pp: int, m: int) -> None:
+    f, b = 1.0, 2.0
+    assert _pipeline(pp, m, f, b) == pytest.approx((m + pp - 1) * (f + b))  # 1F1B, equal stages
+    assert _pipeline(pp, m, f, b, "gpipe") == pytest.approx((m + pp - 1) * (f + b))
+
+
+def test_processor_sharing_collectives_and_deadlock() -> None:
+    sim = Simulator(2, cores=1)
+    sim.add(0, "a", 1.0)
+    sim.add(1, "b", 1.0)
+    assert sim.run() == pytest.approx(2.0)  # two busy ranks on one core: each at half speed
+    sim = Simulator(2)
+    sim.add(0, "long", 3.0)
+    sim.add(0, "sync", 0.5, kind=COMM, collective="g")
+    sim.add(1, "sync", 0.5, kind=COMM, collective="g")
+    assert sim.run() == pytest.approx(3.5)
+    assert sim.ops[2].start == pytest.approx(3.0)  # rank 1 waits for rank 0 to join the collective
+    sim = Simulator(2)
+    a = sim.add(0, "a", 1.0)
+    sim.add(1, "b", 1.0, deps=[(a + 2, 0.0)])
+    sim.add(0, "c", 1.0, deps=[(a + 1, 0.0)])
+    with pytest.raises(SimulationDeadlock, match="deadlock"):
+        sim.run()
+
+
+@pytest.mark.parametrize("overrides", [["experiment=default"], ["experiment=parity_pp2"],
+                                       ["experiment=default", "flow.mode=coupled"]])
+def test_cpu_job_step_replays_the_runtime_plan(overrides, tmp_path) -> None:
+    job = to_job_config(compose(overrides + ["flow.pool_capacity_mb=0.05"]))
+    problem, _ = build_problem(parse_kv(["model=tiny_qwen2_vl", "data=infovqa_tiny", "cluster=cpu", "devices=3",
+                                         "samples=64"]))
+    res = simulate_job(job, problem.ctx, [1], cores=2)[1]
+    assert res.step_seconds > 0 and set(res.roles) == set(range(3))
+    ops = res.ops
+    by_name = {(op.rank, op.name): op for op in ops}
+    for op in ops:
+        assert op.end >= op.start - 1e-12
+        for d, lag in op.deps:  # nothing starts before what it waits for
+            assert op.start >= ops[d].end + lag - 1e-9
+        if op.name.startswith("enc bwd"):  # an encoder backward follows its sample's first-stage backward
+            assert any(ops[d].name.startswith("B") for d, _ in op.deps)
+    if job.flow.mode == "decoupled":
+        assert any(op.name.startswith("put") for op in ops)
+    else:
+        assert not any(op.name.startswith("put") for op in ops) and (0, "dp sync") in by_name
+    png = tmp_path / "t.png"
+    write_timeline(res, str(png))
+    assert png.stat().st_size > 1000
+
+
+def test_top_k_ranked_by_simulated_time_from_the_cli(capsys, tmp_path) -> None:
+    problem, _ = build_problem(parse_kv(["cluster=atlas_800t_a2", "model=qwen2_5_vl_3b", "devices=16",
+                                         "samples=128"]))
+    rows = rank_by_simulation(problem, 3)
+    assert 1 <= len(rows) <= 3
+    assert [r["simulated_s"] for r in rows] == sorted(r["simulated_s"] for r in rows)
+    for r in rows:
+        assert r["devices"] <= 16 and r["analytic_s"] > 0
+        assert abs(r["simulated_s"] / r["analytic_s"] - 1) < 0.5  # the two models price the same work
+    png = tmp_path / "tl.png"
+    rc = cli.main(["cluster=atlas_800t_a2", "model=qwen2_5_vl_3b", "devices=16", "samples=128", "--no-baselines",
+                   "--simulate", "2", "--timeline", str(png), "--json"])
+    assert rc == 0 and png.exists()
+    obj = json.loads(capsys.readouterr().out)
+    assert len(obj["simulated"]) == 2 and {"simulated_s", "analytic_s", "encoder", "backbone"} <= set(obj["simulated"][0])
