@@ -6,7 +6,11 @@ constraint analysis; baselines excluded, workload loading excluded) against the 
 devices and < 1 s at 16,384.
 
     mindspeed-flow bench planner [--sizes 1024,16384] [--repeats 5] [--model qwen2_5_vl_72b]
-                                 [--cluster atlas_800t_a2]
+                                 [--cluster atlas_800t_a2] [--sanity]
+
+--sanity prints, instead, published figures beside the planner's predictions for the nearest job it can price
+(same model size and device count; its workload is InfoVQA-like images, so a figure measured on other data is
+an order-of-magnitude check, and MFU follows the assumed `planner.efficiency`, printed with it).
 """
 from __future__ import annotations
 
@@ -36,13 +40,70 @@ def time_plan(model: str, cluster: str, devices: int, repeats: int) -> tuple[flo
                                       "options": plan.options_priced}
 
 
+# Published figures: (what, value, unit, source, planner job, which prediction compares).
+SANITY: tuple[tuple[str, float, str, str, tuple[str, ...], str], ...] = (
+    ("MindSpeed-MM Qwen2.5-VL-72B, Megatron coupled, A3 128 dies, ViT frozen (video, 128k seq, TP8 PP4 CP4)",
+     1105.175, "tokens/s/device",
+     "MindSpeed-MM examples/qwen2.5vl/README.md (end-to-end tps table)",
+     ("cluster=atlas_900_a3_384", "devices=128", "freeze_encoder=true"), "megatron_coupled:tokens"),
+    ("MindSpeed-MM Qwen2.5-VL-72B on the FSDP2 path", 0.30, "MFU (at least)",
+     "MindSpeed-MM examples/qwen2.5vl/README.md (\"MFU 30%+\")",
+     ("cluster=atlas_900_a3_384", "devices=128"), "megatron_coupled:mfu"),
+    ("DistTrain, 72B multimodal model, 1,172 GPUs", 0.547, "MFU",
+     "DistTrain, arXiv 2408.04275 (SIGCOMM'25)", ("cluster=h100_8", "devices=1168"), "plan:mfu"),
+    ("FlowTrain, 72B VLM, disaggregated", 0.529, "MFU",
+     "FlowTrain, arXiv 2606.23087", ("cluster=atlas_900_a3_384", "devices=768"), "plan:mfu"),
+    ("FlowTrain's coupled baseline, 72B VLM", 0.312, "MFU",
+     "FlowTrain, arXiv 2606.23087", ("cluster=atlas_900_a3_384", "devices=768"), "megatron_coupled:mfu"),
+    ("Megatron-LM, large dense GPT on H100", 0.47, "MFU (up to)",
+     "Megatron-LM README (github.com/NVIDIA/Megatron-LM)", ("cluster=h100_8", "devices=1024"), "backbone:efficiency"),
+)
+
+
+def sanity_rows(samples: int = 512) -> list[dict]:
+    """Each published figure beside the planner's prediction for the nearest job (see the module docstring)."""
+    rows = []
+    for what, value, unit, source, job, pick in SANITY:
+        problem, _ = build_problem(parse_kv(["model=qwen2_5_vl_72b", f"samples={samples}", *job]))
+        which, metric = pick.split(":")
+        if which == "backbone":
+            predicted = float(dict(problem.cfg.efficiency)["backbone"])
+            label = "assumed planner.efficiency.backbone (bounds the backbone's MFU)"
+        else:
+            plan = make_plan(problem, with_baselines=which != "plan")
+            if which == "plan":
+                tokens, mfu, devices = plan.tokens_per_s, plan.mfu, plan.devices
+                label = "mindspeed-flow plan"
+            else:
+                b = plan.baselines[which]
+                if b is None:
+                    rows.append(dict(what=what, value=value, unit=unit, source=source, predicted=None, job=job,
+                                     label=f"{which}: no fitting layout"))
+                    continue
+                tokens = b.samples_per_s * problem.parts[-1].tokens_per_sample
+                mfu, devices, label = b.mfu, b.devices, f"{which} baseline"
+            predicted = tokens / devices if metric == "tokens" else mfu
+        rows.append(dict(what=what, value=value, unit=unit, source=source, predicted=predicted, job=job, label=label))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mindspeed-flow bench planner", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1024,16384")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--model", default="qwen2_5_vl_72b")
     ap.add_argument("--cluster", default="atlas_800t_a2")
+    ap.add_argument("--sanity", action="store_true", help="published figures vs the planner's predictions")
     args = ap.parse_args(argv)
+    if args.sanity:
+        print("published figure vs planner prediction (Qwen2.5-VL-72B, InfoVQA-like data unless noted)")
+        for r in sanity_rows():
+            pred = "n/a" if r["predicted"] is None else (f"{r['predicted']:.4g}" if r["unit"].startswith("tokens")
+                                                          else f"{100 * r['predicted']:.1f}%")
+            pub = f"{r['value']:.4g}" if r["unit"].startswith("tokens") else f"{100 * r['value']:.1f}%"
+            print(f"  {r['what']}\n      published {pub} {r['unit']}  [{r['source']}]\n"
+                  f"      predicted {pred} ({r['label']}; {' '.join(r['job'])})")
+        return 0
     print(f"planner solve time: {args.model} on {args.cluster} nodes, InfoVQA-like data, median of {args.repeats}")
     ok = True
     for n in (int(s) for s in args.sizes.split(",")):
