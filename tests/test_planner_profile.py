@@ -1,4 +1,5 @@
-"""`mindspeed-flow profile` writes a calibration table the planner reads; the fit recovers known lines."""
+"""`mindspeed-flow profile` writes a calibration table the planner reads (compute rates, their spread, the
+measured link); the fits recover known lines; plans report ranges and which inputs are assumed."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ import pytest
 from mindspeed_flow.planner import profile
 from mindspeed_flow.planner.inputs import build_problem, parse_kv
 from mindspeed_flow.planner.plan import make_plan
+from mindspeed_flow.planner.report import render_text
 from mindspeed_flow.planner.validate import parse_layout
 
 
@@ -25,14 +27,35 @@ def test_profile_table_calibrates_the_plan(tmp_path, capsys) -> None:
     assert rc == 0
     table = json.loads(out.read_text())
     parts = {r["part"] for r in table["rows"]}
-    assert parts == {"encoder", "backbone"} and len(table_csv.read_text().splitlines()) == len(table["rows"]) + 1
+    assert parts == {"encoder", "backbone", "link"}
+    assert len(table_csv.read_text().splitlines()) == len(table["rows"]) + 1
     cal = table["calibration"]
     assert cal["seconds_per_flop"]["encoder"] > 0 and cal["seconds_per_flop"]["backbone"] > 0
+    assert set(cal["spread"]) == {"encoder", "backbone"} and all(v >= 0 for v in cal["spread"].values())
+    assert cal["link"]["gbps"] > 0 and cal["link"]["latency_us"] >= 0  # 2 real gloo ranks
     problem, _ = build_problem(parse_kv(["cluster=cpu", "model=tiny_qwen2_vl", "data=infovqa_tiny",
                                          "samples=128", f"planner.profile={out}"]))
     assert problem.cfg.seconds_per_flop == cal["seconds_per_flop"]
+    assert problem.cluster.config.intra_node_gbps == pytest.approx(cal["link"]["gbps"])
     plan = make_plan(problem, with_baselines=False)
     assert plan.step_seconds > 0 and plan.devices <= 3
+    text = render_text(plan)
+    assert "measured by profile: compute rate, link bandwidth/latency" in text
+    if max(cal["spread"].values()) > 0:  # predictions become ranges from the calibration spread
+        assert f"{plan.samples_per_s:.4g} samples/s (" in text
+
+
+def test_uncalibrated_plan_says_its_rates_are_assumed() -> None:
+    problem, _ = build_problem(parse_kv(["cluster=atlas_800t_a2", "model=qwen2_5_vl_3b", "devices=16",
+                                         "samples=64"]))
+    text = render_text(make_plan(problem, with_baselines=False))
+    assert "assumed: compute rate (efficiency" in text and "link bandwidth/latency (preset atlas_800t_a2)" in text
+
+
+def test_link_fit_recovers_bandwidth_and_latency() -> None:
+    rows = [{"size": n, "seconds": 2 * 50e-6 + n / 2e9} for n in (1 << 12, 1 << 18, 1 << 22)]
+    link = profile.fit_link(rows)
+    assert link["gbps"] == pytest.approx(2.0, rel=1e-6) and link["latency_us"] == pytest.approx(50.0, rel=1e-6)
 
 
 def test_validate_layout_syntax() -> None:

@@ -87,3 +87,6 @@ class PlannerConfig:
     freeze_encoder: bool = False
     # Path of a profile table (JSON from `mindspeed-flow profile`) that calibrates the fields above.
     profile: str = ""
+    # Per part, the largest relative residual of the profile's fit (written by `profile`): predictions are
+    # reported as ranges of +- this much; empty = uncalibrated (the report says the rates are assumed).
+    calibration_spread: dict = field(default_factory=dict)

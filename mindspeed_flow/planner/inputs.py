@@ -99,7 +99,22 @@ def load_profile(cfg: PlannerConfig) -> PlannerConfig:
     calib = table.get("calibration", table)
     fields = {k: calib[k] for k in ("seconds_per_flop", "microbatch_overhead_s", "item_overhead_s",
                                      "step_overhead_s") if k in calib}
+    if "spread" in calib:
+        fields["calibration_spread"] = dict(calib["spread"])
     return dataclasses.replace(cfg, **fields)
+
+
+def apply_profile_links(cluster: Cluster, cfg: PlannerConfig) -> Cluster:
+    """The profile's measured link (bandwidth, latency) replaces the preset's figures for every link."""
+    if not cfg.profile:
+        return cluster
+    with open(cfg.profile) as f:
+        link = json.load(f).get("calibration", {}).get("link")
+    if not link:
+        return cluster
+    return Cluster(dataclasses.replace(cluster.config, intra_node_gbps=link["gbps"], inter_node_gbps=link["gbps"],
+                                       intra_node_latency_us=link["latency_us"],
+                                       inter_node_latency_us=link["latency_us"]))
 
 
 def default_planner_config(cluster: Cluster, model: ModelRef) -> PlannerConfig:
@@ -157,6 +172,7 @@ def build_problem(args: PlanArgs) -> tuple[Problem, ModelRef]:
     model = resolve_model(args.model)
     cfg = default_planner_config(cluster, model)
     cfg = load_profile(apply_planner_overrides(cfg, args.planner))
+    cluster = apply_profile_links(cluster, cfg)
     workload = load_workload(args.data, model.hf_config, args.samples)
     spec = VLMSpec.from_hf_config(model.hf_config, name=model.name)
     parts = vlm_parts(spec, workload.shapes, freeze_encoder=cfg.freeze_encoder)

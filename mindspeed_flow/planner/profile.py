@@ -11,8 +11,11 @@ Each row records the FLOPs the cost model charges for that call and its thread C
 --repeats; wall time is recorded too but not fitted: on a shared machine it counts other jobs' time), and a
 least-squares fit of
 seconds = overhead + seconds_per_flop x FLOPs per part gives the calibration the planner reads with
-`planner.profile=profile.json` (`seconds_per_flop`, `item_overhead_s`, `microbatch_overhead_s`). The CSV holds
-the raw rows (part, size, flops, seconds).
+`planner.profile=profile.json` (`seconds_per_flop`, `item_overhead_s`, `microbatch_overhead_s`), and each fit's
+largest relative residual (`spread`), from which the plan reports its predictions as ranges. Then two ranks on
+the process-group backend at hand time all-reduces of several sizes; a fit of t = bytes / bandwidth + 2 x
+latency (a 2-rank ring) replaces the cluster preset's link figures (`link`). The CSV holds the raw rows
+(part, size, flops, seconds).
 """
 from __future__ import annotations
 
@@ -64,7 +67,7 @@ def _greedy_pack(lengths: list[int], budget: int) -> list[int]:
 
 
 def measure(model_name: str, data: str, cluster: str, budgets: list[int], repeats: int,
-            n_encoder_samples: int = 6) -> dict[str, Any]:
+            n_encoder_samples: int = 6, links: bool = True) -> dict[str, Any]:
     import torch
 
     from mindspeed_flow.data.synthetic import SyntheticInfoVQA, SyntheticParams
@@ -126,12 +129,59 @@ def measure(model_name: str, data: str, cluster: str, budgets: list[int], repeat
     bb_rows = [r for r in rows if r["part"] == "backbone"]
     item_oh, enc_spf = _fit([r["flops"] for r in enc_rows], [r["seconds"] for r in enc_rows])
     mb_oh, bb_spf = _fit([r["flops"] for r in bb_rows], [r["seconds"] for r in bb_rows])
+    spread = {"encoder": _spread(enc_rows, item_oh, enc_spf), "backbone": _spread(bb_rows, mb_oh, bb_spf)}
+    calibration: dict[str, Any] = {"seconds_per_flop": {"encoder": enc_spf, "backbone": bb_spf},
+                                   "item_overhead_s": item_oh, "microbatch_overhead_s": mb_oh, "spread": spread}
+    if links:
+        link_rows = measure_links()
+        rows += link_rows
+        calibration["link"] = fit_link(link_rows)
     return {
         "model": model_name, "data": data, "cluster": cluster, "device": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(), "dtype": ref.dtype, "rows": rows,
-        "calibration": {"seconds_per_flop": {"encoder": enc_spf, "backbone": bb_spf},
-                        "item_overhead_s": item_oh, "microbatch_overhead_s": mb_oh},
+        "threads": torch.get_num_threads(), "dtype": ref.dtype, "rows": rows, "calibration": calibration,
     }
+
+
+def _spread(rows: list[dict[str, Any]], overhead: float, rate: float, x: str = "flops") -> float:
+    """Largest |measured / fitted - 1| over a part's rows: how far the one-rate model misses its own samples."""
+    return float(max((abs(r["seconds"] / max(overhead + rate * r[x], 1e-30) - 1) for r in rows), default=0.0))
+
+
+def _allreduce_times(rank: int, world: int, sizes: list[int], repeats: int) -> list[float]:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for n in sizes:
+        x = torch.ones(n // 4, dtype=torch.float32)
+        dist.all_reduce(x)  # warm-up (connection set-up)
+        best = float("inf")
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            best = min(best, time.perf_counter() - t0)
+        out.append(best)
+    return out
+
+
+def measure_links(sizes: tuple[int, ...] = (1 << 12, 1 << 18, 1 << 21, 1 << 23), repeats: int = 5
+                  ) -> list[dict[str, Any]]:
+    """All-reduce times between two local ranks (the fastest of `repeats` per size, the slower rank's)."""
+    from mindspeed_flow.utils.multiproc import run_ranks
+
+    times = run_ranks(_allreduce_times, 2, list(sizes), repeats, timeout_s=120.0)
+    return [{"part": "link", "size": n, "flops": 0.0, "seconds": max(t[i] for t in times),
+             "wall_seconds": max(t[i] for t in times)} for i, n in enumerate(sizes)]
+
+
+def fit_link(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Bandwidth (GB/s) and latency (us) from 2-rank all-reduces: t = bytes / bw + 2 latency."""
+    lat2, inv_bw = _fit([float(r["size"]) for r in rows], [r["seconds"] for r in rows])
+    return {"gbps": 1.0 / max(inv_bw, 1e-30) / 1e9, "latency_us": lat2 / 2.0 * 1e6,
+            "spread": _spread(rows, lat2, inv_bw, x="size")}
 
 
 def write_outputs(table: dict[str, Any], out: str, csv_path: str | None) -> None:
@@ -153,10 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--csv", default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budgets", default="512,1024,2048")
+    ap.add_argument("--no-links", action="store_true", help="skip the 2-rank collective measurement")
     args = ap.parse_args(argv)
     kv = dict(a.split("=", 1) for a in args.kv)
     table = measure(kv.get("model", "tiny_qwen2_vl"), kv.get("data", "infovqa_tiny"), kv.get("cluster", "cpu"),
-                    [int(b) for b in args.budgets.split(",")], args.repeats)
+                    [int(b) for b in args.budgets.split(",")], args.repeats, links=not args.no_links)
     write_outputs(table, args.out, args.csv)
     cal = table["calibration"]
     for r in table["rows"]:
@@ -165,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     spf = cal["seconds_per_flop"]
     print(f"calibration: encoder {1 / spf['encoder'] / 1e9:.2f} GFLOP/s + {cal['item_overhead_s'] * 1e3:.2f} ms/sample;"
           f" backbone {1 / spf['backbone'] / 1e9:.2f} GFLOP/s + {cal['microbatch_overhead_s'] * 1e3:.2f} ms/microbatch")
+    sp = cal["spread"]
+    print(f"fit spread (largest relative residual): encoder {100 * sp['encoder']:.1f}%, backbone "
+          f"{100 * sp['backbone']:.1f}%")
+    if "link" in cal:
+        print(f"link (2-rank all-reduce): {cal['link']['gbps']:.3g} GB/s, {cal['link']['latency_us']:.3g} us latency")
     print(f"profile written to {args.out}  (plan with planner.profile={args.out})")
     return 0
 

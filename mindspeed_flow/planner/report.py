@@ -30,6 +30,35 @@ def _layout_str(layout: dict) -> str:
     return s
 
 
+def spread_of(plan: Plan) -> float:
+    """Relative uncertainty of the prediction from the calibration (the bottleneck part's fit spread), or 0."""
+    spread = dict(plan.problem.cfg.calibration_spread)
+    if not spread:
+        return 0.0
+    slow = max(plan.parts, key=lambda p: p.step_seconds)
+    return float(spread.get(slow.role, max(spread.values())))
+
+
+def _range(plan: Plan, value: float, unit: str = "") -> str:
+    s = spread_of(plan)
+    return f" ({value / (1 + s):.3g}-{value / max(1 - s, 1e-9):.3g}{unit})" if s > 0 else ""
+
+
+def assumed_inputs(plan: Plan) -> str:
+    """Which cost-model inputs were measured (profile) and which are assumed (preset / defaults)."""
+    cfg = plan.problem.cfg
+    measured, assumed = [], []
+    (measured if dict(cfg.seconds_per_flop) else assumed).append(
+        "compute rate" + ("" if dict(cfg.seconds_per_flop) else f" (efficiency {dict(cfg.efficiency)} of peak)"))
+    linked = bool(cfg.profile) and plan.problem.cluster.config.intra_node_gbps == plan.problem.cluster.config.inter_node_gbps
+    (measured if cfg.profile and linked else assumed).append("link bandwidth/latency" + (
+        "" if cfg.profile and linked else f" (preset {plan.problem.cluster.name})"))
+    assumed += [f"overlap {dict(cfg.overlap)}", f"packing fill {cfg.packing_fill}",
+                f"memory headroom {cfg.memory_headroom}"]
+    out = ("measured by profile: " + ", ".join(measured) + "; ") if measured else ""
+    return out + "assumed: " + ", ".join(assumed)
+
+
 def to_json(plan: Plan) -> dict[str, Any]:
     pr = plan.problem
     baselines = {}
@@ -49,7 +78,9 @@ def to_json(plan: Plan) -> dict[str, Any]:
                   for p in plan.parts],
         "predicted": {"samples_per_s": plan.samples_per_s, "tokens_per_s": plan.tokens_per_s, "mfu": plan.mfu,
                       "step_seconds": plan.step_seconds, "rate_gap_seconds": plan.selection.gap,
-                      "devices_used": plan.devices, "peak_tflops": pr.ctx.peak / 1e12},
+                      "devices_used": plan.devices, "peak_tflops": pr.ctx.peak / 1e12,
+                      "relative_spread": spread_of(plan)},
+        "inputs": assumed_inputs(plan),
         "binding": plan.binding,
         "solve_seconds": plan.solve_seconds,
         "method": plan.selection.method,
@@ -82,12 +113,14 @@ def render_text(plan: Plan) -> str:
     unused = pr.budget - plan.devices
     lines += [
         "",
-        f"predicted: {plan.samples_per_s:.4g} samples/s, {plan.tokens_per_s:.4g} tokens/s, "
-        f"MFU {100 * plan.mfu:.1f}% on {plan.devices} devices" + (f" ({unused} left idle)" if unused else ""),
+        f"predicted: {plan.samples_per_s:.4g} samples/s{_range(plan, plan.samples_per_s)}, "
+        f"{plan.tokens_per_s:.4g} tokens/s, MFU {100 * plan.mfu:.1f}%{_range(plan, 100 * plan.mfu, '%')} on "
+        f"{plan.devices} devices" + (f" ({unused} left idle)" if unused else ""),
         f"  step {plan.step_seconds:.4g} s; rate gap {plan.selection.gap:.3g} s "
         f"({100 * plan.selection.gap / plan.step_seconds:.1f}% of the step, faster part idles)",
         f"  {MFU_FORMULA}; peak {pr.ctx.peak / 1e12:g} TFLOPS per device",
         "binding constraint: " + "; ".join(plan.binding),
+        "inputs: " + assumed_inputs(plan),
         f"solved in {1000 * plan.solve_seconds:.1f} ms ({plan.selection.method}, {plan.options_priced} layouts priced)",
     ]
     if plan.baselines:
