@@ -125,13 +125,20 @@ def megatron_coupled(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int,
     return _finish(name, {"coupled": row}, t, int(L.devices[i]), mem, [enc, bb], ctx)
 
 
-def mindspeed_mm_hetero(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int) -> BaselineResult | None:
-    """Best `--hetero-parallel` layout: ViT then LLM on the same devices, each with its own layout, or None."""
+def _grids(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int) -> tuple[Layouts, Layouts] | None:
+    """Every structurally valid layout of the encoder and of the backbone (None if a part has none)."""
     try:
-        Lb = enumerate_layouts(bb, ctx, budget)
-        Le = enumerate_layouts(enc, ctx, budget)
+        return enumerate_layouts(enc, ctx, budget), enumerate_layouts(bb, ctx, budget)
     except PlanError:
         return None
+
+
+def mindspeed_mm_hetero(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int) -> BaselineResult | None:
+    """Best `--hetero-parallel` layout: ViT then LLM on the same devices, each with its own layout, or None."""
+    grids = _grids(enc, bb, ctx, budget)
+    if grids is None:
+        return None
+    Le, Lb = grids
     cb = backbone_costs(bb, ctx, Lb)
     ce = encoder_costs(enc, ctx, Le)
     # sequential: no fill wait and no embedding overlap (the ViT finishes before the LLM starts)
@@ -160,11 +167,10 @@ def mindspeed_mm_hetero(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: i
 
 def mindspeed_dist_train(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int) -> BaselineResult | None:
     """Best dist-train layout (separate ViT devices, ViT DP = k x LLM DP with inner DP, blocking stage)."""
-    try:
-        Lb = enumerate_layouts(bb, ctx, budget)
-        Le = enumerate_layouts(enc, ctx, budget)
-    except PlanError:
+    grids = _grids(enc, bb, ctx, budget)
+    if grids is None:
         return None
+    Le, Lb = grids
     no_overlap = dataclasses.replace(ctx.cfg, overlap={**dict(ctx.cfg.overlap), "embed": 0.0})
     ctx_block = dataclasses.replace(ctx, cfg=no_overlap)
     cb = backbone_costs(bb, ctx, Lb)
