@@ -116,9 +116,10 @@ def compare(layouts: list[str], model: str, data: str, global_batch: int, steps:
         share = (share + core_share(plan.devices)) / 2
         measured = measured_step_seconds(metrics)
         step = measured_step_index(metrics)
-        # the simulator replays that very step (same batch, same step plan) on the cores the ranks got
+        # the simulator replays that very step (same batch, same step plan)
         job = config_load.load(workdir / "runs" / name / "config.yaml")
-        simulated = simulate_job(job, plan.problem.ctx, [step], cores=share * plan.devices,
+        # the fastest step is the one the other jobs on the machine disturbed least: the host's own cores
+        simulated = simulate_job(job, plan.problem.ctx, [step], cores=min(plan.devices, os.cpu_count() or 1),
                                  step_overhead_s=sim_overhead)[step]
         row = {"layout": text, "world": plan.devices, "token_budget": plan.parts[-1].layout["b"],
                "predicted_s": plan.step_seconds, "measured_s": measured, "error": plan.step_seconds / measured - 1,
