@@ -204,3 +204,35 @@ def make_archive(root: Path, out: Path) -> Path:
         for name in TESTED_COMMITS:
             tar.add(root / name, arcname=name, filter=lambda ti: None if ".git" in ti.name.split("/") else ti)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mindspeed_flow.emulation.sources fetch DEST [--archive OUT.tar.gz]` (what CI runs)."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m mindspeed_flow.emulation.sources",
+                                description="git-fetch MindSpeed-MM, MindSpeed and Megatron-LM at the tested commits "
+                                            "into DEST/<name>, each with its .source_commit; optionally archive them")
+    p.add_argument("action", choices=["fetch"])
+    p.add_argument("dest")
+    p.add_argument("--archive", default=None, help="also write the three trees (without .git) to this tar.gz")
+    args = p.parse_args(argv)
+    dest = Path(args.dest).expanduser().resolve()
+    try:
+        for name in TESTED_COMMITS:
+            if (dest / name / MARKERS[name]).is_file() and read_commit(dest / name) == TESTED_COMMITS[name]:
+                print(f"{name}: {dest / name} already at {TESTED_COMMITS[name][:12]}")
+                continue
+            tree = fetch_tree(name, dest / name)
+            print(f"{name}: fetched {tree.commit} into {tree.root}")
+        if args.archive:
+            print(f"archive: {make_archive(dest, Path(args.archive).expanduser().resolve())}")
+    except SourceError as err:
+        print(f"mindspeed_flow.emulation.sources: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
