@@ -137,7 +137,7 @@ the plan's parts ($PARTS) need $parts_world"
   fi
   MASTER_PORT=${MASTER_PORT:-6000}
   local -a env_list=("${MSF_COMMON_ENV[@]}" "${MSF_HW_ENV[@]}")
-  [ "$JOB" = train ] && env_list+=("MSF_DEVICE=npu")
+  [ "$JOB" = train ] && env_list+=("MSF_DEVICE=${MSF_DEVICE:-npu}")
   local workdir=$PWD
   [ "$JOB" = mm ] && workdir=${MINDSPEED_MM_HOME:-<MINDSPEED_MM_HOME>}
   if [ "$dry_run" -eq 1 ]; then
