@@ -69,3 +69,11 @@ def test_fetch_by_commit_and_archive(tmp_path: Path, monkeypatch: pytest.MonkeyP
     (tmp_path / "busy" / "MindSpeed-MM").mkdir(parents=True)
     assert sources.main(["fetch", str(tmp_path / "busy")]) == 2
     assert "not overwriting" in capsys.readouterr().err
+
+
+def test_fetch_without_a_reachable_repository_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys) -> None:
+    monkeypatch.setenv("MSF_MINDSPEED_MM_URL", (tmp_path / "nowhere").as_uri())
+    assert sources.main(["fetch", str(tmp_path / "trees")]) == 2
+    err = capsys.readouterr().err
+    assert "MindSpeed-MM at" in err and "no repository answered" in err and "nowhere" in err

@@ -125,16 +125,18 @@ def check_commits(sources: Sources, allow_untested: bool = False) -> list[str]:
 
 
 # --- getting the sources -------------------------------------------------------------------------------------
-# Upstream repositories of the tested commits (override with MSF_<NAME>_URL, e.g. for an internal mirror).
-REPO_URLS: dict[str, str] = {
-    "MindSpeed-MM": "https://gitee.com/ascend/MindSpeed-MM.git",
-    "MindSpeed": "https://gitee.com/ascend/MindSpeed.git",
-    "Megatron-LM": "https://github.com/NVIDIA/Megatron-LM.git",
+# Repositories holding the tested commits, tried in order: Ascend's upstream on Gitee, then its GitHub mirror.
+# MSF_<NAME>_URL (e.g. MSF_MINDSPEED_MM_URL) replaces the list with one URL, e.g. an internal mirror.
+REPO_URLS: dict[str, tuple[str, ...]] = {
+    "MindSpeed-MM": ("https://gitee.com/ascend/MindSpeed-MM.git", "https://github.com/Ascend/MindSpeed-MM.git"),
+    "MindSpeed": ("https://gitee.com/ascend/MindSpeed.git", "https://github.com/Ascend/MindSpeed.git"),
+    "Megatron-LM": ("https://github.com/NVIDIA/Megatron-LM.git",),
 }
 
 
-def repo_url(name: str) -> str:
-    return os.environ.get(f"MSF_{name.upper().replace('-', '_')}_URL", REPO_URLS[name])
+def repo_urls(name: str) -> tuple[str, ...]:
+    override = os.environ.get(f"MSF_{name.upper().replace('-', '_')}_URL")
+    return (override,) if override else REPO_URLS[name]
 
 
 def _git(*args: str, cwd: Path | None = None, timeout: float = 1800) -> None:
@@ -146,16 +148,25 @@ def _git(*args: str, cwd: Path | None = None, timeout: float = 1800) -> None:
 
 def fetch_tree(name: str, dest: Path) -> SourceTree:
     """git-fetch `name` at its tested commit into `dest` (which must not exist) and stamp its commit."""
-    commit, url = TESTED_COMMITS[name], repo_url(name)
+    commit = TESTED_COMMITS[name]
     if dest.exists():
         raise SourceError(f"{dest} already exists: not overwriting it (remove it or point {ENV_VARS[name]} at it)")
     dest.mkdir(parents=True)
     _git("init", "-q", str(dest))
-    try:  # one commit, shallow; servers that refuse a fetch by hash get a full fetch instead
-        _git("fetch", "-q", "--depth", "1", url, commit, cwd=dest)
-    except SourceError:
-        _git("fetch", "-q", url, cwd=dest)
-    _git("-c", "advice.detachedHead=false", "checkout", "-q", commit, cwd=dest)
+    errors = []
+    for url in repo_urls(name):
+        try:  # one commit, shallow; servers that refuse a fetch by hash get a full fetch instead
+            try:
+                _git("fetch", "-q", "--depth", "1", url, commit, cwd=dest)
+            except SourceError:
+                _git("fetch", "-q", url, cwd=dest)
+            _git("-c", "advice.detachedHead=false", "checkout", "-q", commit, cwd=dest)
+            break
+        except SourceError as err:
+            errors.append(f"{url}: {err}")
+    else:
+        raise SourceError(f"{name} at {commit[:12]}: no repository answered ({'; '.join(errors)}); {dest} is left "
+                          "as an empty git repository: remove it before trying again")
     (dest / COMMIT_FILE).write_text(commit + "\n")
     return SourceTree(name, dest, read_commit(dest))
 
