@@ -167,3 +167,11 @@ def test_train_job_script_launches_real_training(tmp_path: Path) -> None:
     assert "[Atlas 800T A2] node 0 of 1: ranks encoder 0-1, backbone 2-2" in proc.stdout
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2 and "encoder[dp2 tp1 pp1] + backbone[dp1 tp1 pp1] on 3 x cpu" in proc.stdout + proc.stderr
+
+
+def test_plan_launch_script_needs_the_recipe_it_launches(tmp_path: Path, capsys) -> None:
+    from mindspeed_flow.planner import cli as plan_cli
+
+    assert plan_cli.main(["cluster=atlas_800t_a2", "devices=16", "--launch-script", str(tmp_path / "x.sh")]) == 2
+    assert "--launch-script needs --out" in capsys.readouterr().err
+    assert not (tmp_path / "x.sh").exists()
