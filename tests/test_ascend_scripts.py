@@ -42,6 +42,8 @@ def _plan(name: str, tmp_path: Path) -> tuple[Path, Path]:
                            "--launch-script", str(script)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"launch script written to {script}" in proc.stdout
+    # the A3 preset prices 910C packages, the A3 runtime has one rank per die: said, not hidden
+    assert ("counts 8 devices per node, the script launches 16 ranks per node" in proc.stderr) == (cluster == "a3")
     return recipe, script
 
 

@@ -83,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
             from mindspeed_flow.runtime.launch_script import LaunchScriptError, plan_from_recipe, write_script
 
             try:
-                script = write_script(plan_from_recipe(out, flags.get("--cluster"), str(flags.get("--job") or "mm")),
-                                      str(flags["--launch-script"]))
+                launch = plan_from_recipe(out, flags.get("--cluster"), str(flags.get("--job") or "mm"))
+                script = write_script(launch, str(flags["--launch-script"]))
+                for note in launch.notes:
+                    print(f"mindspeed-flow plan: launch script note: {note}", file=sys.stderr)
             except LaunchScriptError as e:
                 print(f"mindspeed-flow plan: recipe written to {out}, but no launch script: {e}", file=sys.stderr)
                 return 2

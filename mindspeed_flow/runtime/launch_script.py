@@ -48,6 +48,7 @@ class ScriptPlan:
     parts: tuple[tuple[str, int, int, int, int], ...]  # (name, dp, tp, pp, cp) in rank order
     global_batch: int
     experiment: str
+    notes: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -116,7 +117,27 @@ def plan_from_recipe(recipe: str | Path, cluster: str | None = None, job: str = 
     else:
         nnodes = world // per_node
     parts = tuple((p.name, p.dp, p.tp, p.pp, p.cp) for p in layout.parts)
-    return ScriptPlan(cluster, job, path, nnodes, per_node, parts, cfg.trainer.global_batch_size, experiment)
+    notes = []
+    preset_per_node = _preset_devices_per_node(preset)
+    if preset_per_node and preset_per_node != per_node:
+        # e.g. atlas_900_a3_384 prices 910C packages (8 per node, 128 GB each) while the A3 runtime gives one rank per
+        # die (16 per node, 64 GB each): the plan's memory and FLOPs per rank are then twice what a rank has.
+        notes.append(f"the plan's cluster preset {preset!r} counts {preset_per_node} devices per node, the script "
+                     f"launches {per_node} ranks per node: each plan device becomes one rank, which has "
+                     f"{preset_per_node}/{per_node} of the memory and FLOPs the plan assumed per device; re-plan with "
+                     f"a per-die preset before trusting its memory fit")
+    return ScriptPlan(cluster, job, path, nnodes, per_node, parts, cfg.trainer.global_batch_size, experiment,
+                      tuple(notes))
+
+
+def _preset_devices_per_node(preset: str | None) -> int | None:
+    from mindspeed_flow.config.load import recipes_dir
+
+    path = recipes_dir() / "cluster" / f"{preset}.yaml"
+    if not preset or not path.is_file():
+        return None
+    value = OmegaConf.load(str(path)).get("devices_per_node")
+    return int(value) if value else None
 
 
 def render(plan: ScriptPlan, scripts_dir: Path = SCRIPTS_DIR) -> str:
@@ -173,6 +194,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     try:
         plan = plan_from_recipe(args.recipe, args.cluster, args.job, args.npus_per_node)
+        for note in plan.notes:
+            print(f"mindspeed-flow launch-script: note: {note}", file=sys.stderr)
         if args.out:
             out = write_script(plan, args.out, args.force)
             print(f"{plan.cluster.upper()} launch script for {plan.nnodes} node(s) x {plan.npus_per_node} written to "
