@@ -7,6 +7,8 @@
     mindspeed-flow emulate [--nproc N] -- pretrain_vlm.py ...   run a MindSpeed-MM job on CPU (emulated NPU)
     mindspeed-flow convert-checkpoint --to decoupled|coupled ...   coupled MindSpeed-MM checkpoint <-> flow parts
     mindspeed-flow doctor                          what this machine offers (device, backend, MC2, versions)
+    mindspeed-flow launch-script RECIPE.yaml [--cluster a2|a3] [--job mm|train] [--out F.sh]   Ascend launch script
+    mindspeed-flow report RUN_DIR                  PNG curves and one step's timeline of a run
 
 Subcommand modules are imported only when used, so `plan` never imports torch.distributed machinery and
 `emulate` never loads the emulation layer into another command's process.
@@ -23,6 +25,8 @@ SUBCOMMANDS: dict[str, str] = {
     "emulate": "mindspeed_flow.emulation.cli",
     "convert-checkpoint": "mindspeed_flow.hosts.mindspeed_mm.convert",
     "doctor": "mindspeed_flow.accelerator",
+    "launch-script": "mindspeed_flow.runtime.launch_script",
+    "report": "mindspeed_flow.runtime.report",
 }
 BENCHMARKS: dict[str, str] = {
     "packing": "mindspeed_flow.bench.packing",

@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2034  # sourced: CONSTRAINTS and VENV are the caller's
 # Sourced by setup_env.sh and run_tests.sh: which torch to test on, from MSF_TORCH.
 #   MSF_TORCH unset or "current" -> .venv with scripts/constraints.txt (the pinned current torch, CPU build)
 #   MSF_TORCH=2.7                -> .venv-torch27 with scripts/constraints-torch27.txt (torch 2.7.1 +

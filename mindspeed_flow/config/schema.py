@@ -107,6 +107,10 @@ class TrainerConfig:
     resume: bool = False
     keep_checkpoints: int = 2
     async_checkpoint: bool = False
+    # TensorBoard scalars in RUN_DIR/tensorboard beside metrics.jsonl (needs the tensorboard package).
+    tensorboard: bool = True
+    # Per-rank Chrome-trace events (encoder, pool, backbone spans) merged into RUN_DIR/trace.json (Perfetto).
+    trace: bool = False
 
 
 @dataclass

@@ -1,13 +1,18 @@
 """`mindspeed-flow emulate`: run a MindSpeed-MM job on CPU with the emulated torch_npu.
 
     mindspeed-flow emulate [--nproc N] [--patches] [--flow-recipe FLOW.yaml] [--log FILE] -- pretrain_vlm.py <args...>
+    mindspeed-flow emulate --setup DIR [--sources-archive A.tar.gz | --fetch]   sources + tiny assets + env.sh
+    mindspeed-flow emulate --print-command [--tiny DIR] [--layout dp2|tp2sp|pp2|dp2pp2] [--flow-recipe F.yaml]
 
 The job runs unmodified under `torch.distributed.run` (gloo; `--distributed-backend nccl` is remapped), in the
 MindSpeed-MM root so its relative paths resolve, with PYTHONPATH = fake packages, this repo, MindSpeed,
-MindSpeed-MM (and Megatron-LM). `--patches` runs the script through `mindspeed_flow_patches.launch`, which
-registers the mindspeed-flow patch set first. The flags a CPU run needs (`--bf16`, `--no-gradient-accumulation-
-fusion`, `--variable-seq-lengths` with PP) are the user's to pass; `mindspeed_flow.emulation.jobs.TinyJob`
-builds working command lines (see mindspeed_flow/emulation/README.md).
+MindSpeed-MM (and Megatron-LM). Paths on the command line are the caller's: the script and every path flag
+(`--mm-data`, `--mm-model`, `--load`, ...) that names a file or folder under the caller's folder are made absolute
+before the job moves to MindSpeed-MM's root; those that exist only there (e.g. `--mm-tool mindspeed_mm/tools/
+tools.json`) stay as they are, and output folders (`--save`, `--tensorboard-dir`) are always the caller's.
+`--patches` runs the script through `mindspeed_flow_patches.launch`, which registers the mindspeed-flow patch set
+first. The flags a CPU run needs (`--bf16`, `--no-gradient-accumulation-fusion`, `--variable-seq-lengths` with PP)
+are in the line `--print-command` prints (`mindspeed_flow.emulation.jobs.TinyJob` builds it).
 """
 from __future__ import annotations
 
@@ -24,6 +29,11 @@ from mindspeed_flow.emulation import site_env
 from mindspeed_flow.emulation.sources import SourceError, Sources, check_commits, find_sources
 
 PATCH_LAUNCHER = "mindspeed_flow_patches.launch"
+# Megatron / MindSpeed-MM flags whose value is a path the job reads (resolved against the caller's folder when it
+# exists there) and those it writes (always the caller's: a relative output folder must not land in the sources).
+INPUT_PATH_FLAGS = ("--mm-data", "--mm-model", "--mm-tool", "--load", "--data-path", "--tokenizer-model",
+                    "--tokenizer-name-or-path", "--pretrained-checkpoint")
+OUTPUT_PATH_FLAGS = ("--save", "--tensorboard-dir", "--wandb-save-dir")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +53,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
     p.add_argument("--shell", default=None, metavar="SCRIPT.sh",
                    help="run a MindSpeed-MM launch script (torchrun inside) in the emulated environment instead")
+    p.add_argument("--setup", default=None, metavar="DIR",
+                   help="prepare DIR: the pinned sources (from --sources-archive, --fetch, or the *_HOME variables), "
+                        "the tiny model/data assets and DIR/env.sh; then print the next commands")
+    p.add_argument("--sources-archive", default=None, metavar="A.tar.gz",
+                   help="with --setup: unpack the three source trees from this archive")
+    p.add_argument("--fetch", action="store_true", help="with --setup: git-fetch the sources at the tested commits")
+    p.add_argument("--print-command", action="store_true",
+                   help="print a working `mindspeed-flow emulate` line for a tiny Qwen2.5-VL job, run nothing")
+    p.add_argument("--tiny", default=None, metavar="DIR",
+                   help="with --print-command: the tiny assets folder (default: $MSF_TINY_WORKDIR)")
+    p.add_argument("--layout", default="dp2", help="with --print-command: dp<N>, tp<N>[sp], pp2 or combined, "
+                                                   "e.g. dp2pp2 (default dp2)")
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- pretrain_vlm.py <args...>")
     return p
 
@@ -78,6 +100,31 @@ def job_command(nproc: int, script_argv: list[str], patches: bool, master_port: 
     return cmd + script_argv
 
 
+def resolve_caller_paths(script_argv: list[str], mm_root: Path, cwd: Path | None = None) -> list[str]:
+    """The job's arguments with the caller's relative paths made absolute (the job itself runs in `mm_root`)."""
+    cwd = Path.cwd() if cwd is None else cwd
+    out = list(script_argv)
+
+    def fix(value: str, output: bool) -> str:
+        path = Path(value).expanduser()
+        if path.is_absolute() or not (output or (cwd / path).exists()):
+            return value  # absolute, or a path of MindSpeed-MM's own tree (or wrong, and the job says so)
+        return str((cwd / path).resolve())
+
+    if out and out[0].endswith(".py"):
+        script = Path(out[0]).expanduser()
+        if not script.is_absolute() and (cwd / script).is_file():
+            out[0] = str((cwd / script).resolve())
+    for i in range(1, len(out)):
+        flag = out[i - 1]
+        if flag in INPUT_PATH_FLAGS or flag in OUTPUT_PATH_FLAGS:
+            out[i] = fix(out[i], flag in OUTPUT_PATH_FLAGS)
+        elif "=" in out[i] and out[i].split("=", 1)[0] in INPUT_PATH_FLAGS + OUTPUT_PATH_FLAGS:
+            key, value = out[i].split("=", 1)
+            out[i] = f"{key}={fix(value, key in OUTPUT_PATH_FLAGS)}"
+    return out
+
+
 def _run_shell(args: argparse.Namespace) -> int:
     """A user's launch script, unchanged, with the emulated torch_npu and the sources on its path (cwd: MindSpeed-MM)."""
     try:
@@ -109,6 +156,14 @@ def main(argv: list[str]) -> int:
     script = list(args.script)
     if script[:1] == ["--"]:
         script = script[1:]
+    if args.setup:
+        from mindspeed_flow.emulation.quickstart import run_setup
+
+        return run_setup(args.setup, archive=args.sources_archive, fetch=args.fetch)
+    if args.print_command:
+        from mindspeed_flow.emulation.quickstart import print_command
+
+        return print_command(args.tiny, args.layout, args.flow_recipe)
     if args.shell:
         return _run_shell(args)
     if not script:
@@ -122,9 +177,10 @@ def main(argv: list[str]) -> int:
     except SourceError as err:
         print(f"mindspeed-flow emulate: {err}", file=sys.stderr)
         return 2
-    if not (sources.mindspeed_mm.root / script[0]).is_file() and not Path(script[0]).is_file():
-        print(f"mindspeed-flow emulate: script {script[0]!r} not found in {sources.mindspeed_mm.root}",
-              file=sys.stderr)
+    script = resolve_caller_paths(script, sources.mindspeed_mm.root)
+    if not (sources.mindspeed_mm.root / script[0]).is_file():  # an absolute script[0] replaces the root
+        print(f"mindspeed-flow emulate: script {script[0]!r} not found in {Path.cwd()} nor in "
+              f"{sources.mindspeed_mm.root}", file=sys.stderr)
         return 2
     if args.flow_recipe:
         # The same check every rank repeats at start-up, once here so a wrong recipe is one message, not one per

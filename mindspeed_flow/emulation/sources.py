@@ -8,6 +8,7 @@ an error unless explicitly allowed, because the patches and the emulation target
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +22,10 @@ TESTED_COMMITS: dict[str, str] = {
 ENV_VARS: dict[str, str] = {"MindSpeed-MM": "MINDSPEED_MM_HOME", "MindSpeed": "MINDSPEED_HOME",
                             "Megatron-LM": "MEGATRON_HOME"}
 # A file that identifies each tree (relative to its root).
-_MARKERS: dict[str, str] = {"MindSpeed-MM": "mindspeed_mm/__init__.py", "MindSpeed": "mindspeed/megatron_adaptor.py",
+MARKERS: dict[str, str] = {"MindSpeed-MM": "mindspeed_mm/__init__.py", "MindSpeed": "mindspeed/megatron_adaptor.py",
                             "Megatron-LM": "megatron/core/package_info.py"}
 COMMIT_FILE = ".source_commit"
+_FULL_HASH = re.compile(r"[0-9a-f]{40}")
 
 
 class SourceError(RuntimeError):
@@ -61,7 +63,12 @@ class Sources:
 def read_commit(root: Path) -> str | None:
     stamp = root / COMMIT_FILE
     if stamp.is_file():
-        return stamp.read_text().split()[0].strip() or None
+        words = stamp.read_text().split()
+        if not words or not _FULL_HASH.fullmatch(words[0].lower()):
+            found = "it is empty" if not words else f"it holds {words[0][:48]!r}"
+            raise SourceError(f"{stamp}: a {COMMIT_FILE} file must hold the full 40-hex commit its tree was archived "
+                              f"from (write it with `git -C CHECKOUT rev-parse HEAD > {stamp}`); {found}")
+        return words[0].lower()
     if (root / ".git").exists():
         try:
             out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -77,9 +84,9 @@ def _tree(name: str, flag_value: str | None, env: dict[str, str]) -> SourceTree 
     if not value:
         return None
     root = Path(value).expanduser().resolve()
-    if not (root / _MARKERS[name]).is_file():
+    if not (root / MARKERS[name]).is_file():
         raise SourceError(f"{name} source at {root} (from {'flag' if flag_value else ENV_VARS[name]}) has no "
-                          f"{_MARKERS[name]}: point it at the root of a {name} checkout")
+                          f"{MARKERS[name]}: point it at the root of a {name} checkout")
     return SourceTree(name, root, read_commit(root))
 
 
@@ -90,7 +97,7 @@ def find_sources(mindspeed_mm_home: str | None = None, mindspeed_home: str | Non
     mm = _tree("MindSpeed-MM", mindspeed_mm_home, env)
     ms = _tree("MindSpeed", mindspeed_home, env)
     mg = _tree("Megatron-LM", megatron_home, env)
-    if mg is None and mm is not None and (mm.root / _MARKERS["Megatron-LM"]).is_file():
+    if mg is None and mm is not None and (mm.root / MARKERS["Megatron-LM"]).is_file():
         # MindSpeed-MM's install guide copies Megatron's megatron/ into its root.
         mg = SourceTree("Megatron-LM", mm.root, read_commit(mm.root / "megatron") or None)
     missing = [f"{name} (set {ENV_VARS[name]} or --{ENV_VARS[name].lower().replace('_', '-')})"
@@ -115,3 +122,128 @@ def check_commits(sources: Sources, allow_untested: bool = False) -> list[str]:
         raise SourceError("untested source commits: " + "; ".join(wrong) +
                           " (pass --allow-untested to run anyway; new torch_npu names then show in the emulation log)")
     return warnings + [f"running untested: {w}" for w in wrong]
+
+
+# --- getting the sources -------------------------------------------------------------------------------------
+# Repositories holding the tested commits, tried in order: Ascend's upstream on Gitee, then its GitHub mirror.
+# MSF_<NAME>_URL (e.g. MSF_MINDSPEED_MM_URL) replaces the list with one URL, e.g. an internal mirror.
+REPO_URLS: dict[str, tuple[str, ...]] = {
+    "MindSpeed-MM": ("https://gitee.com/ascend/MindSpeed-MM.git", "https://github.com/Ascend/MindSpeed-MM.git"),
+    "MindSpeed": ("https://gitee.com/ascend/MindSpeed.git", "https://github.com/Ascend/MindSpeed.git"),
+    "Megatron-LM": ("https://github.com/NVIDIA/Megatron-LM.git",),
+}
+
+
+def repo_urls(name: str) -> tuple[str, ...]:
+    override = os.environ.get(f"MSF_{name.upper().replace('-', '_')}_URL")
+    return (override,) if override else REPO_URLS[name]
+
+
+def _git(*args: str, cwd: Path | None = None, timeout: float = 1800) -> None:
+    proc = subprocess.run(["git", *args], cwd=None if cwd is None else str(cwd), capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise SourceError(f"git {' '.join(args[:3])} ...: {proc.stderr.strip()[-600:]}")
+
+
+def fetch_tree(name: str, dest: Path) -> SourceTree:
+    """git-fetch `name` at its tested commit into `dest` (which must not exist) and stamp its commit."""
+    commit = TESTED_COMMITS[name]
+    if dest.exists():
+        raise SourceError(f"{dest} already exists: not overwriting it (remove it or point {ENV_VARS[name]} at it)")
+    dest.mkdir(parents=True)
+    _git("init", "-q", str(dest))
+    errors = []
+    for url in repo_urls(name):
+        try:  # one commit, shallow; servers that refuse a fetch by hash get a full fetch instead
+            try:
+                _git("fetch", "-q", "--depth", "1", url, commit, cwd=dest)
+            except SourceError:
+                _git("fetch", "-q", url, cwd=dest)
+            _git("-c", "advice.detachedHead=false", "checkout", "-q", commit, cwd=dest)
+            break
+        except SourceError as err:
+            errors.append(f"{url}: {err}")
+    else:
+        raise SourceError(f"{name} at {commit[:12]}: no repository answered ({'; '.join(errors)}); {dest} is left "
+                          "as an empty git repository: remove it before trying again")
+    (dest / COMMIT_FILE).write_text(commit + "\n")
+    return SourceTree(name, dest, read_commit(dest))
+
+
+def unpack_archive(archive: Path, dest: Path) -> None:
+    """Unpack a tar(.gz) holding MindSpeed-MM/, MindSpeed/ and Megatron-LM/ into `dest`, refusing to overwrite."""
+    import tarfile
+
+    with tarfile.open(archive) as tar:
+        members = tar.getmembers()
+        tops = {m.name.split("/", 1)[0] for m in members}
+        if not set(TESTED_COMMITS) <= tops:
+            raise SourceError(f"{archive}: expected top-level folders {sorted(TESTED_COMMITS)}, found {sorted(tops)}")
+        clash = [t for t in sorted(tops) if (dest / t).exists()]
+        if clash:
+            raise SourceError(f"{archive}: {', '.join(str(dest / t) for t in clash)} already exist(s): not "
+                              "overwriting (remove them, or use the trees already there)")
+        dest.mkdir(parents=True, exist_ok=True)
+        if hasattr(tarfile, "data_filter"):  # Python >= 3.12 (and patched 3.10/3.11): no links out, no abs paths
+            tar.extractall(dest, filter="data")
+        else:
+            tar.extractall(dest)  # noqa: S202  (members checked above to be the three source folders)
+
+
+def stamp_commits(root: Path) -> None:
+    """Write `.source_commit` for git checkouts under `root` (what `git archive` would lose); never overwrite."""
+    for name in TESTED_COMMITS:
+        tree = root / name
+        if (tree / ".git").exists() and not (tree / COMMIT_FILE).exists():
+            commit = read_commit(tree)
+            if commit:
+                (tree / COMMIT_FILE).write_text(commit + "\n")
+
+
+def make_archive(root: Path, out: Path) -> Path:
+    """tar.gz of the three trees under `root` (without .git), each carrying its `.source_commit`."""
+    import tarfile
+
+    stamp_commits(root)
+    for name in TESTED_COMMITS:
+        if read_commit(root / name) is None:
+            raise SourceError(f"{root / name}: no {COMMIT_FILE} and not a git checkout; its commit is unknown")
+    if out.exists():
+        raise SourceError(f"{out} already exists: not overwriting it")
+    with tarfile.open(out, "w:gz") as tar:
+        for name in TESTED_COMMITS:
+            tar.add(root / name, arcname=name, filter=lambda ti: None if ".git" in ti.name.split("/") else ti)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mindspeed_flow.emulation.sources fetch DEST [--archive OUT.tar.gz]` (what CI runs)."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m mindspeed_flow.emulation.sources",
+                                description="git-fetch MindSpeed-MM, MindSpeed and Megatron-LM at the tested commits "
+                                            "into DEST/<name>, each with its .source_commit; optionally archive them")
+    p.add_argument("action", choices=["fetch"])
+    p.add_argument("dest")
+    p.add_argument("--archive", default=None, help="also write the three trees (without .git) to this tar.gz")
+    args = p.parse_args(argv)
+    dest = Path(args.dest).expanduser().resolve()
+    try:
+        for name in TESTED_COMMITS:
+            if (dest / name / MARKERS[name]).is_file() and read_commit(dest / name) == TESTED_COMMITS[name]:
+                print(f"{name}: {dest / name} already at {TESTED_COMMITS[name][:12]}")
+                continue
+            tree = fetch_tree(name, dest / name)
+            print(f"{name}: fetched {tree.commit} into {tree.root}")
+        if args.archive:
+            print(f"archive: {make_archive(dest, Path(args.archive).expanduser().resolve())}")
+    except SourceError as err:
+        print(f"mindspeed_flow.emulation.sources: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

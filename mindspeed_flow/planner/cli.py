@@ -5,6 +5,7 @@
                         [encoder.tp=2 backbone.pp=4 backbone.token_budget=32768 backbone.recompute=1]
                         [--out recipe.yaml] [--name NAME] [--json] [--exhaustive] [--plot PATH.png]
                         [--no-baselines] [--simulate K] [--timeline PATH.png]
+                        [--launch-script FILE.sh [--cluster a2|a3] [--job mm|train]]
 
 --simulate K replays one step of each of the K best layouts (by the analytic model) in the discrete-event step
 simulator (`planner/simulate.py`) and prints them ranked by simulated step time beside the analytic figure;
@@ -17,7 +18,8 @@ length-table CSV; samples= how many sample shapes are drawn from it. planner.pro
 
 With no arguments it plans Qwen2.5-VL-72B on an Atlas 900 A3 SuperPoD (384 NPUs) on InfoVQA-like data. An
 infeasible input exits with status 3 and a message naming the binding constraint and the smallest device
-count that would fit.
+count that would fit. `--launch-script FILE.sh` (with --out) also writes the Ascend cluster script that launches the
+written recipe (see `mindspeed-flow launch-script`).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from mindspeed_flow.planner.report import recipe_yaml, render_ranking, render_te
 from mindspeed_flow.planner.simulate import rank_by_simulation, write_timeline
 from mindspeed_flow.planner.space import PlanError
 
-_FLAGS_WITH_VALUE = ("--out", "--plot", "--name", "--simulate", "--timeline")
+_FLAGS_WITH_VALUE = ("--out", "--plot", "--name", "--simulate", "--timeline", "--launch-script", "--cluster", "--job")
 
 
 def _split_flags(argv: list[str]) -> tuple[dict[str, str | bool], list[str]]:
@@ -63,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         if flags.get("--help"):
             print((__doc__ or "").strip())
             return 0
+        if flags.get("--launch-script") and not flags.get("--out"):
+            raise ValueError("--launch-script needs --out RECIPE.yaml: the script launches that recipe")
         args = parse_kv(kv)
         problem, model = build_problem(args)
         plan = make_plan(problem, exhaustive=bool(flags.get("--exhaustive")),
@@ -92,6 +96,18 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:
             f.write(text)
+        if flags.get("--launch-script"):
+            from mindspeed_flow.runtime.launch_script import LaunchScriptError, plan_from_recipe, write_script
+
+            try:
+                launch = plan_from_recipe(out, flags.get("--cluster"), str(flags.get("--job") or "mm"))
+                script = write_script(launch, str(flags["--launch-script"]))
+                for note in launch.notes:
+                    print(f"mindspeed-flow plan: launch script note: {note}", file=sys.stderr)
+            except LaunchScriptError as e:
+                print(f"mindspeed-flow plan: recipe written to {out}, but no launch script: {e}", file=sys.stderr)
+                return 2
+            print(f"launch script written to {script} (check it: bash {script} --dry-run)")
     if flags.get("--plot"):
         write_plot(plan, str(flags["--plot"]))
     if flags.get("--json"):

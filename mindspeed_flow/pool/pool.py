@@ -45,6 +45,7 @@ from mindspeed_flow.pool.transport import InboundStream, send_message, wait_work
 from mindspeed_flow.pool.wire import (CHANNEL_EMBEDDING, CHANNEL_GRAD, CREDIT_LEN, HEADER_LEN, TAGS, WireHeader,
                                       as_bytes, check_sendable, decode_credit, decode_header, encode_credit,
                                       encode_header, from_bytes, tensor_nbytes)
+from mindspeed_flow.runtime.trace import traced
 
 # (peer rank, sample_id, step): the pool's key for an item on one side of one producer/consumer pair.
 ItemKey = tuple[int, int, int]
@@ -133,6 +134,7 @@ class EmbeddingPool:
 
     # ------------------------------------------------------------------ producer side
 
+    @traced("pool.put")
     def put(self, tensor: torch.Tensor, *, sample_id: int, step: int, consumer: int) -> EmbeddingHandle:
         """Send `tensor` to `consumer` without waiting for it to arrive; block while over capacity.
 
@@ -174,6 +176,7 @@ class EmbeddingPool:
             self._sent[key] = _Sent(handle, works, (header, payload))
         return handle
 
+    @traced("pool.wait_grad")
     def wait_grad(self, *, sample_id: int, step: int, consumer: int) -> torch.Tensor:
         """Block until `consumer` returns d(loss)/d(embedding) of the item; the gradient is on `device`."""
         self._require_grads("wait_grad")
@@ -210,6 +213,7 @@ class EmbeddingPool:
             self._plans.setdefault(producer, deque()).extend(items)
             self._stream(self._embedding_streams, producer, "embedding").request(len(items))
 
+    @traced("pool.get")
     def get(self, *, sample_id: int, step: int, producer: int,
             expected_shape: Sequence[int] | None = None) -> torch.Tensor:
         """Block until the item from `producer` has arrived; return it on `device` and credit the producer.
@@ -246,6 +250,7 @@ class EmbeddingPool:
         assert held.tensor is not None
         return held.tensor.to(self.device)
 
+    @traced("pool.return_grad")
     def return_grad(self, grad: torch.Tensor, *, sample_id: int, step: int, producer: int) -> None:
         """Send d(loss)/d(embedding) of an item back to its producer without waiting."""
         self._require_grads("return_grad")
@@ -264,6 +269,7 @@ class EmbeddingPool:
 
     # ------------------------------------------------------------------ both sides
 
+    @traced("pool.flush")
     def flush(self) -> None:
         """Wait until every send this rank started (embeddings, credits, gradients) has been received.
 

@@ -23,6 +23,7 @@ from mindspeed_flow.hosts.torch.data_parallel import allreduce_grads_, grad_sync
 from mindspeed_flow.runtime.metrics import StepRecord
 from mindspeed_flow.runtime.optim import PartOptimizer, lr_at
 from mindspeed_flow.runtime.plan import StepWork
+from mindspeed_flow.runtime.trace import span, traced
 
 
 class NonFiniteLoss(RuntimeError):
@@ -55,12 +56,14 @@ class Timer:
     def timed(self, kind: str, fn: Callable[[], Any]) -> Any:
         t0 = time.perf_counter()
         try:
-            return fn()
+            with span(kind):
+                return fn()
         finally:
             dt = time.perf_counter() - t0
             setattr(self, kind, getattr(self, kind) + dt)
 
 
+@traced("encoder.forward")
 def encode_sample(encoder: torch.nn.Module, sample: VLMSample, trainable: bool) -> torch.Tensor:
     with torch.set_grad_enabled(trainable):
         return encoder(sample.pixel_values, sample.image_grid_thw)
@@ -82,6 +85,7 @@ class StepEngine:
         self._texts: dict[int, VLMSample] = {}
 
     # ------------------------------------------------------------------------------------------------------
+    @traced("step")
     def run_step(self, work: StepWork, n_labels: int, record: StepRecord,
                  texts: Optional[dict[int, VLMSample]] = None) -> None:
         """`texts`: the step's samples without pixels, if the caller already loaded them (reused, not reloaded)."""
@@ -99,6 +103,7 @@ class StepEngine:
     # --- encoder ranks ----------------------------------------------------------------------------------------
     # A frozen encoder never waits for gradients and does not flush per step: it runs ahead into the next
     # steps, bounded by the pool's capacity (credits), and the pool is drained once at the end (close()).
+    @traced("encoder.produce")
     def _produce(self, work: StepWork, record: StepRecord) -> None:
         timer, rank, trainable = Timer(), self.topo.rank, not self.m.frozen_encoder
         # keep: hold each sample's autograd graph until its gradient returns (memory grows with the samples in
@@ -137,6 +142,7 @@ class StepEngine:
         self._pool_stats(record)
 
     # --- backbone ranks ---------------------------------------------------------------------------------------
+    @traced("backbone.consume")
     def _consume(self, work: StepWork, n_labels: int, record: StepRecord) -> None:
         timer = Timer()
         row = work.plan.microbatches[self.topo.dp_rank]
@@ -208,6 +214,7 @@ class StepEngine:
         return total
 
     # --- coupled baseline ------------------------------------------------------------------------------------
+    @traced("coupled.step")
     def _coupled(self, work: StepWork, n_labels: int, record: StepRecord) -> None:
         timer = Timer()
         row = work.plan.microbatches[self.topo.rank]
@@ -229,6 +236,7 @@ class StepEngine:
         record["encoder_busy_s"] = 0.0
 
     # --- optimizer ------------------------------------------------------------------------------------------------
+    @traced("optimizer")
     def _optimizer_step(self, step: int, record: StepRecord) -> None:
         opt = self.optim.optimizer
         if opt is None:  # frozen encoder rank: nothing to update

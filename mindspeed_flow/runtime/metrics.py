@@ -85,6 +85,7 @@ class MetricsGatherer:
         self.path = run_dir / "metrics.jsonl"
         self.last_end: Optional[float] = None
         self.lines: list[dict[str, Any]] = []
+        self.sinks: list[Any] = []  # more writers of each line (TensorBoard): .write(line), .close()
         if writer:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if not append:  # a resumed run continues the same file
@@ -110,6 +111,8 @@ class MetricsGatherer:
                     f.write(json.dumps(line) + "\n")
                 self.lines.append(line)
                 written.append(line)
+                for sink in self.sinks:
+                    sink.write(line)
         return written
 
     def _line(self, s: StepStatic, table: torch.Tensor) -> dict[str, Any]:

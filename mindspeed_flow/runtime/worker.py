@@ -23,10 +23,11 @@ from mindspeed_flow.config.schema import FlowJobConfig
 from mindspeed_flow.data import build_dataset, iter_global_batches, token_spec_from_hf_config
 from mindspeed_flow.packing import CostModel
 from mindspeed_flow.resilience.checkpoint import Checkpointer
-from mindspeed_flow.runtime import build
+from mindspeed_flow.runtime import build, trace
 from mindspeed_flow.runtime.engine import StepEngine
 from mindspeed_flow.runtime.metrics import MetricsGatherer, StepRecord, StepStatic, measure_cpu_peak_flops
 from mindspeed_flow.runtime.plan import StepWork, label_normalizer, plan_coupled_step, plan_decoupled_step
+from mindspeed_flow.runtime.tensorboard import open_sink
 from mindspeed_flow.specs import VLMSpec
 from mindspeed_flow.topology import Layout, Topology
 
@@ -153,6 +154,10 @@ def run_worker(config_path: str) -> None:
     checkpointer, start_step = _maybe_resume(job, rank_models, optim, batches, is_writer)
     gatherer = MetricsGatherer(metrics_group, world, is_writer, Path(job.run_dir), 1, peak_total, peak_desc,
                                append=start_step > 0)
+    sink = open_sink(Path(job.run_dir) / "tensorboard", start_step) if is_writer and job.trainer.tensorboard else None
+    gatherer.sinks += [sink] if sink is not None else []
+    if job.trainer.trace:
+        trace.install(trace.Tracer(rank, topo.part, Path(job.run_dir) / "trace"))
     progress = _progress(job, is_writer, start_step)
     for step in range(start_step, job.trainer.steps):
         sample_ids = next(batches)
@@ -164,6 +169,7 @@ def run_worker(config_path: str) -> None:
         n_labels = label_normalizer({i: t.label_tokens for i, t in texts.items()}, sample_ids,
                                     work.plan.oversize) if needs_labels else 0
         record = StepRecord()
+        trace.set_step(step)
         record["is_encoder"], record["is_backbone"] = float(topo.is_encoder), float(not topo.is_encoder)
         record["is_writer"] = float(is_writer)
         engine.run_step(work, n_labels, record, texts)
@@ -183,7 +189,13 @@ def run_worker(config_path: str) -> None:
     progress.close()
     if pool is not None:
         pool.close()
+    for sink in gatherer.sinks:
+        sink.close()
+    if trace.current() is not None:
+        trace.current().save()
     dist.barrier(group=metrics_group)
+    if is_writer and trace.current() is not None:
+        trace.merge(Path(job.run_dir) / "trace", Path(job.run_dir) / "trace.json")
     torch_compat.destroy_process_groups()  # a plain destroy can deadlock on torch 2.7's gloo (see there)
 
 

@@ -1,4 +1,5 @@
 #!/bin/bash
+# shellcheck disable=SC1091,SC2004,SC2034,SC2086  # MindSpeed-MM's example style: flag strings split on purpose
 # A MindSpeed-MM Qwen2.5-VL fine-tuning launch in the shape of MindSpeed-MM's own examples/qwen2.5vl scripts,
 # scaled to the tiny model of `python -m mindspeed_flow.emulation.tiny WORKDIR`. Run it from the MindSpeed-MM root:
 #   bash /path/to/mindspeed-flow/scripts/examples/finetune_tiny_qwen2_5_vl.sh

@@ -15,25 +15,10 @@ from pathlib import Path
 import pytest
 
 from mindspeed_flow.emulation.jobs import JobResult, emulate_job
+from mindspeed_flow.emulation.quickstart import dependency_problem
 from mindspeed_flow.emulation.sources import SourceError, Sources, find_sources
 
 JOB_TIMEOUT_S = 900
-
-
-def _dependency_problem() -> str | None:
-    try:
-        version = metadata.version("transformers")
-    except metadata.PackageNotFoundError:
-        return "transformers is not installed"
-    if not version.startswith("4.57."):
-        return (f"MindSpeed-MM needs transformers 4.57.x (this interpreter has {version}); run these tests from a "
-                "venv with the mindspeed-flow `emulate` extra")
-    for dist in ("peft", "datasets", "pandarallel", "qwen_vl_utils"):
-        try:
-            metadata.version(dist.replace("_", "-"))
-        except metadata.PackageNotFoundError:
-            return f"MindSpeed-MM dependency {dist} is not installed (install the `emulate` extra)"
-    return None
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +27,7 @@ def mm_sources() -> Sources:
         sources = find_sources()
     except SourceError as err:
         pytest.skip(f"MindSpeed-MM sources absent: {err}")
-    problem = _dependency_problem()
+    problem = dependency_problem()
     if problem:
         pytest.skip(problem)
     return sources

@@ -1,0 +1,212 @@
+"""`mindspeed-flow launch-script RECIPE.yaml`: the Ascend cluster launch script of a plan.
+
+    mindspeed-flow launch-script RECIPE.yaml [--cluster a2|a3] [--job mm|train] [--npus-per-node N] [--out FILE]
+    mindspeed-flow plan ... --out RECIPE.yaml --launch-script FILE [--cluster a2|a3] [--job mm|train]
+
+The script is `scripts/ascend/train_a2.sh` (Atlas 800T A2: 8 NPUs per node) or `train_a3.sh` (Atlas 900 A3
+SuperPoD: 16 devices per node, one per die) with its plan block filled in from the recipe (nodes, the parts in
+rank order, the global batch, the recipe) and the shared body inlined, so the one file can be copied to every node.
+`--job mm` (default) launches the flow-patched MindSpeed-MM `pretrain_vlm.py` with the recipe as its flow recipe;
+`--job train` launches `mindspeed-flow train experiment=NAME` (the recipe must sit in recipes/experiment/). The
+recipe is checked first against what the chosen job supports, so a plan the job would refuse at start-up is refused
+here, with the field. Run the script with `--dry-run` to see every node's command.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import stat
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+SCRIPTS_DIR = Path(__file__).resolve().parents[2] / "scripts" / "ascend"
+# script, devices per node the runtime sees (A3: each 910C package is two devices, one per die; MindSpeed-MM's
+# examples/qwen2.5vl/finetune_qwen2_5_vl_72b.sh sets NPUS_PER_NODE=16 on A3)
+CLUSTERS: dict[str, tuple[str, int]] = {"a2": ("train_a2.sh", 8), "a3": ("train_a3.sh", 16)}
+# cluster presets (recipes/cluster/) -> script
+PRESET_CLUSTERS: dict[str, str] = {"atlas_800t_a2": "a2", "atlas_900_a3_384": "a3"}
+_PLAN_BLOCK = re.compile(r"^# >>> plan.*?^# <<< plan\n", re.S | re.M)
+_LIB_LINES = re.compile(r"^# @lib\n(?:#.*\n)*source .*lib\.sh.*\n", re.M)
+_HEADER = re.compile(r"\A#!.*\n(?:#.*\n)+")
+
+
+class LaunchScriptError(ValueError):
+    """The recipe cannot be launched as asked (names the field and the rule)."""
+
+
+@dataclass(frozen=True)
+class ScriptPlan:
+    cluster: str  # a2 | a3
+    job: str  # mm | train
+    recipe: Path
+    nnodes: int
+    npus_per_node: int
+    parts: tuple[tuple[str, int, int, int, int], ...]  # (name, dp, tp, pp, cp) in rank order
+    global_batch: int
+    experiment: str
+    notes: tuple[str, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.npus_per_node
+
+    def parts_spec(self) -> str:
+        return " ".join(f"{n}:{dp}x{tp}x{pp}x{cp}" for n, dp, tp, pp, cp in self.parts)
+
+
+def _preset_of(raw: object) -> str | None:
+    container = OmegaConf.to_container(raw)  # type: ignore[arg-type]
+    for entry in (container.get("defaults") if isinstance(container, dict) else None) or []:
+        if isinstance(entry, dict):
+            for key, value in entry.items():
+                if key.split()[-1].strip("/") == "cluster":
+                    return str(value)
+    return None
+
+
+def plan_from_recipe(recipe: str | Path, cluster: str | None = None, job: str = "mm",
+                     npus_per_node: int | None = None) -> ScriptPlan:
+    from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, _unsupported, load_flow_job
+    from mindspeed_flow.topology import Layout, LayoutError
+
+    path = Path(recipe).expanduser().resolve()
+    if job not in ("mm", "train"):
+        raise LaunchScriptError(f"--job {job!r}: must be mm (flow-patched MindSpeed-MM) or train (mindspeed-flow)")
+    if job == "train":
+        # what `train experiment=NAME` composes (its defaults list may choose the parallel group, the cluster...)
+        from mindspeed_flow.config.load import compose, recipes_dir, to_job_config
+
+        if path.parent != recipes_dir() / "experiment":
+            raise LaunchScriptError(f"--job train runs `mindspeed-flow train experiment=NAME`: put the recipe in "
+                                    f"{recipes_dir() / 'experiment'} (plan --out there), not {path.parent}")
+        cfg = to_job_config(compose([f"experiment={path.stem}"]))
+        preset = cfg.cluster.name
+    else:
+        try:
+            cfg = load_flow_job(path)
+        except FlowRecipeError as err:
+            raise LaunchScriptError(str(err)) from None
+        preset = _preset_of(OmegaConf.load(str(path)))
+    cluster = cluster or PRESET_CLUSTERS.get(preset or "")
+    if cluster not in CLUSTERS:
+        raise LaunchScriptError(f"{path.name}: cluster preset {preset!r} is not an Ascend cluster this command knows "
+                                f"({', '.join(PRESET_CLUSTERS)}); pass --cluster a2 or --cluster a3")
+    try:
+        layout = Layout.from_config(cfg.parallel, cfg.flow.mode)
+        # the torch host's rules (tp 1) for `train`, the same the launcher applies before starting any rank
+        layout.validate(expected_world=cfg.parallel.world_size, global_batch_size=cfg.trainer.global_batch_size,
+                        max_tp=1 if job == "train" else None)
+    except LayoutError as err:
+        raise LaunchScriptError(f"{path.name}: {err}") from None
+    if job == "mm":
+        problems = _unsupported(cfg)
+        if problems:
+            raise LaunchScriptError(f"{path.name} cannot run as a MindSpeed-MM flow job: " + "; ".join(problems))
+    experiment = path.stem
+    per_node = npus_per_node or CLUSTERS[cluster][1]
+    world = layout.world_size
+    if world <= per_node:
+        nnodes, per_node = 1, world
+    elif world % per_node:
+        raise LaunchScriptError(f"{path.name}: the plan's {world} ranks do not fill nodes of {per_node} devices "
+                                f"({cluster.upper()}); plan with devices= a multiple of {per_node}")
+    else:
+        nnodes = world // per_node
+    parts = tuple((p.name, p.dp, p.tp, p.pp, p.cp) for p in layout.parts)
+    notes = []
+    preset_per_node = _preset_devices_per_node(preset)
+    if preset_per_node and preset_per_node != per_node:
+        # e.g. atlas_900_a3_384 prices 910C packages (8 per node, 128 GB each) while the A3 runtime gives one rank per
+        # die (16 per node, 64 GB each): the plan's memory and FLOPs per rank are then twice what a rank has.
+        notes.append(f"the plan's cluster preset {preset!r} counts {preset_per_node} devices per node, the script "
+                     f"launches {per_node} ranks per node: each plan device becomes one rank, which has "
+                     f"{preset_per_node}/{per_node} of the memory and FLOPs the plan assumed per device; re-plan with "
+                     f"a per-die preset before trusting its memory fit")
+    return ScriptPlan(cluster, job, path, nnodes, per_node, parts, cfg.trainer.global_batch_size, experiment,
+                      tuple(notes))
+
+
+def _preset_devices_per_node(preset: str | None) -> int | None:
+    from mindspeed_flow.config.load import recipes_dir
+
+    path = recipes_dir() / "cluster" / f"{preset}.yaml"
+    if not preset or not path.is_file():
+        return None
+    value = OmegaConf.load(str(path)).get("devices_per_node")
+    return int(value) if value else None
+
+
+def render(plan: ScriptPlan, scripts_dir: Path = SCRIPTS_DIR) -> str:
+    """The template of the plan's cluster with its plan block filled in and lib.sh inlined."""
+    template = (scripts_dir / CLUSTERS[plan.cluster][0]).read_text()
+    lib = (scripts_dir / "lib.sh").read_text().split("\n", 1)[1]  # without its `# shellcheck shell=bash`
+    q = shlex.quote
+    desc = ", ".join(f"{n} dp{dp} tp{tp} pp{pp} cp{cp}" for n, dp, tp, pp, cp in plan.parts)
+    block = "\n".join([
+        f"# >>> plan: {plan.world_size} ranks = {desc} (from {plan.recipe.name}; each value can be overridden "
+        "from the environment)",
+        f"JOB=${{JOB:-{plan.job}}}",
+        f"FLOW_RECIPE=${{FLOW_RECIPE:-{q(str(plan.recipe))}}}",
+        f"EXPERIMENT=${{EXPERIMENT:-{q(plan.experiment)}}}",
+        f"NNODES=${{NNODES:-{plan.nnodes}}}",
+        f"NPUS_PER_NODE={plan.npus_per_node}",
+        f"PARTS=${{PARTS:-{q(plan.parts_spec())}}}",
+        f"GLOBAL_BATCH=${{GLOBAL_BATCH:-{plan.global_batch}}}",
+        "# <<< plan", ""])
+    header = (f"#!/usr/bin/env bash\n# NODE_RANK=<i> MASTER_ADDR=<node-0 ip> bash THIS_SCRIPT [--dry-run]   (on each of "
+              f"the {plan.nnodes} nodes; or HOSTFILE=...)\n# Written by `mindspeed-flow launch-script {plan.recipe.name} "
+              f"--cluster {plan.cluster} --job {plan.job}` from {plan.recipe}.\n")
+    text = _HEADER.sub(lambda _: header, template, count=1)
+    text = _PLAN_BLOCK.sub(lambda _: block, text, count=1)
+    text = _LIB_LINES.sub(lambda _: "# --- shared body (scripts/ascend/lib.sh) ---\n" + lib + "# ---\n", text, count=1)
+    return text
+
+
+def write_script(plan: ScriptPlan, out: str | Path, force: bool = False) -> Path:
+    out = Path(out)
+    if out.exists() and not force:
+        raise LaunchScriptError(f"{out} already exists: not overwriting it (pass --force, or another --out)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(plan))
+    out.chmod(out.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", choices=sorted(CLUSTERS), default=None,
+                   help="a2 (Atlas 800T A2) or a3 (Atlas 900 A3 SuperPoD); default: from the recipe's cluster preset")
+    p.add_argument("--job", choices=("mm", "train"), default="mm",
+                   help="mm: flow-patched MindSpeed-MM pretrain_vlm.py (default); train: mindspeed-flow train")
+    p.add_argument("--npus-per-node", type=int, default=None, help="devices per node (default: 8 on A2, 16 on A3)")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="mindspeed-flow launch-script", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", help="a recipe written by `mindspeed-flow plan --out` (or any flow recipe)")
+    p.add_argument("--out", default=None, help="write the script here (default: print it)")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        plan = plan_from_recipe(args.recipe, args.cluster, args.job, args.npus_per_node)
+        for note in plan.notes:
+            print(f"mindspeed-flow launch-script: note: {note}", file=sys.stderr)
+        if args.out:
+            out = write_script(plan, args.out, args.force)
+            print(f"{plan.cluster.upper()} launch script for {plan.nnodes} node(s) x {plan.npus_per_node} written to "
+                  f"{out}; check it with: bash {out} --dry-run", file=sys.stderr)
+        else:
+            sys.stdout.write(render(plan))
+    except (LaunchScriptError, OSError) as err:
+        print(f"mindspeed-flow launch-script: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
