@@ -107,6 +107,30 @@ class TrainerConfig:
     resume: bool = False
     keep_checkpoints: int = 2
     async_checkpoint: bool = False
+    # A run_dir that holds another run is refused unless resume=true (continue it) or overwrite=true (its files
+    # are moved, unchanged, under RUN_DIR/replaced/<its run id>/).
+    overwrite: bool = False
+    # torchrun's elastic agent restarts all workers this many times after a rank fails; they resume by themselves.
+    max_restarts: int = 0
+    # A failed checkpoint save (ENOSPC, I/O error): stop (exit with the cause) | continue (warn, train on).
+    on_save_error: str = "stop"
+
+
+@dataclass
+class FaultsConfig:
+    """Fault drills, each off at -1; they fire in the first attempt only, so an elastic restart recovers."""
+
+    # SIGKILL global rank `kill_rank` at the start of step `kill_step`.
+    kill_rank: int = -1
+    kill_step: int = -1
+    # SIGSTOP global rank `hang_rank` at the start of step `hang_step` (a peer that stops answering).
+    hang_rank: int = -1
+    hang_step: int = -1
+    # Every data file of the save at step `enospc_step` fails with ENOSPC, as on a full disk.
+    enospc_step: int = -1
+    # After the save at step `truncate_step` completes, cut `truncate_file` (distcp | metadata) in half.
+    truncate_step: int = -1
+    truncate_file: str = "distcp"
 
 
 @dataclass
@@ -118,6 +142,7 @@ class FlowJobConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
     run_dir: str = "runs/default"
     seed: int = 0
     experiment_name: str = "default"
@@ -136,6 +161,6 @@ def register_configs() -> None:
 
 
 __all__ = [
-    "ModelConfig", "DataConfig", "PartParallelConfig", "ParallelConfig", "FlowConfig", "TrainerConfig",
+    "ModelConfig", "DataConfig", "PartParallelConfig", "ParallelConfig", "FlowConfig", "TrainerConfig", "FaultsConfig",
     "FlowJobConfig", "PackingConfig", "ClusterConfig", "register_configs", "MISSING", "Any",
 ]

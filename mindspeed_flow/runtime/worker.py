@@ -22,7 +22,9 @@ from mindspeed_flow.config.load import model_hf_config, model_limits
 from mindspeed_flow.config.schema import FlowJobConfig
 from mindspeed_flow.data import build_dataset, iter_global_batches, token_spec_from_hf_config
 from mindspeed_flow.packing import CostModel
-from mindspeed_flow.resilience.checkpoint import Checkpointer
+from mindspeed_flow.resilience.checkpoint import Checkpointer, CheckpointSaveError
+from mindspeed_flow.resilience.faults import FaultDrills
+from mindspeed_flow.resilience.rundir import new_run_id, read_run_id, write_run_id
 from mindspeed_flow.runtime import build
 from mindspeed_flow.runtime.engine import StepEngine
 from mindspeed_flow.runtime.metrics import MetricsGatherer, StepRecord, StepStatic, measure_cpu_peak_flops
@@ -150,11 +152,16 @@ def run_worker(config_path: str) -> None:
     batches = iter_global_batches(dataset, job.trainer.global_batch_size, seed=job.seed,
                                   max_bad=job.data.max_bad_samples)
     needs_labels = not topo.is_encoder
-    checkpointer, start_step = _maybe_resume(job, rank_models, optim, batches, is_writer)
+    run_id = _run_id(job, rank, metrics_group)
+    checkpointer, start_step = _maybe_resume(job, rank_models, optim, batches, is_writer, run_id,
+                                             {"describe": layout.describe(), "world_size": world})
+    # A resumed run continues metrics.jsonl without the lines of steps it is about to redo.
     gatherer = MetricsGatherer(metrics_group, world, is_writer, Path(job.run_dir), 1, peak_total, peak_desc,
-                               append=start_step > 0)
+                               append=start_step > 0, resume_step=start_step)
     progress = _progress(job, is_writer, start_step)
+    drills = FaultDrills(job.faults, rank)
     for step in range(start_step, job.trainer.steps):
+        drills.at_step_start(step)
         sample_ids = next(batches)
         shapes = [dataset.shape(i) for i in sample_ids]
         work = plan_for_step(job, topo, step, shapes, cost_model)
@@ -174,10 +181,12 @@ def run_worker(config_path: str) -> None:
         last = step == job.trainer.steps - 1
         every = job.trainer.checkpoint_every
         if checkpointer is not None and ((every and (step + 1) % every == 0) or (last and job.trainer.save_final)):
-            checkpointer.save(step, rank_models.named_params, optim.optimizer,
-                              {"step": step, "sampler": batches.state_dict()})
+            checkpointer.fail_next_with_enospc = drills.enospc(step)
+            _guarded_save(job, checkpointer, rank, lambda: checkpointer.save(
+                step, rank_models.named_params, optim.optimizer, {"step": step, "sampler": batches.state_dict()}))
+            drills.after_save(step, checkpointer, rank)
     if checkpointer is not None:
-        checkpointer.wait()
+        _guarded_save(job, checkpointer, rank, checkpointer.wait)
     for line in gatherer.drain(block=True):
         progress.update(line)
     progress.close()
@@ -187,21 +196,50 @@ def run_worker(config_path: str) -> None:
     torch_compat.destroy_process_groups()  # a plain destroy can deadlock on torch 2.7's gloo (see there)
 
 
-def _maybe_resume(job: FlowJobConfig, models: Any, optim: Any, batches: Any, verbose: bool
-                  ) -> tuple[Optional[Checkpointer], int]:
+def _run_id(job: FlowJobConfig, rank: int, group: Any) -> str:
+    """The run id of RUN_DIR/run.json (the launcher claimed the directory), the same on every rank. A worker
+    started directly by an outer torchrun on a fresh directory names the run itself."""
+    box: list[Any] = [None]
+    if rank == 0:
+        box[0] = read_run_id(Path(job.run_dir))
+        if box[0] is None:
+            box[0] = new_run_id()
+            Path(job.run_dir).mkdir(parents=True, exist_ok=True)
+            write_run_id(Path(job.run_dir), box[0], experiment=job.experiment_name)
+    dist.broadcast_object_list(box, src=0, group=group)
+    return str(box[0])
+
+
+def _guarded_save(job: FlowJobConfig, checkpointer: Checkpointer, rank: int, save: Any) -> None:
+    """A failed save never damages the previous checkpoint; `trainer.on_save_error` says whether to go on."""
+    try:
+        save()
+    except CheckpointSaveError as exc:
+        if job.trainer.on_save_error != "continue":
+            raise
+        if rank == 0:
+            print(f"[mindspeed-flow] warning: {exc}; training goes on (trainer.on_save_error=continue)", flush=True)
+
+
+def _maybe_resume(job: FlowJobConfig, models: Any, optim: Any, batches: Any, verbose: bool, run_id: str,
+                  layout: dict[str, Any]) -> tuple[Optional[Checkpointer], int]:
     t = job.trainer
-    if not (t.checkpoint_every or t.save_final or t.resume):
+    # A worker restarted by the elastic agent (trainer.max_restarts) resumes whatever the recipe says.
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    resume = t.resume or restarted
+    if not (t.checkpoint_every or t.save_final or resume):
         return None, 0
-    checkpointer = Checkpointer(Path(job.run_dir) / "checkpoints", keep_last=t.keep_checkpoints,
-                                async_save=t.async_checkpoint)
-    if not t.resume:
+    checkpointer = Checkpointer(Path(job.run_dir) / "checkpoints", run_id=run_id, keep_last=t.keep_checkpoints,
+                                async_save=t.async_checkpoint, layout=layout)
+    if not resume:
         return checkpointer, 0
     # DCP loads into the structure it is given: the sampler's own state is the template for its fields.
     extra = checkpointer.load_latest(models.named_params, optim.optimizer,
                                      {"step": -1, "sampler": batches.state_dict()})
     if extra is None:
         if verbose:
-            print(f"[mindspeed-flow] trainer.resume=true but {checkpointer.root} holds no valid checkpoint: "
+            why = "restarted by the elastic agent" if restarted else "trainer.resume=true"
+            print(f"[mindspeed-flow] {why} but {checkpointer.root} holds no valid checkpoint of run {run_id}: "
                   "starting at step 0", flush=True)
         return checkpointer, 0
     batches.load_state_dict(extra["sampler"])
