@@ -124,3 +124,22 @@ def test_enospc_drill_keeps_the_previous_checkpoint(tmp_path: Path, capfd, polic
         assert rc == 1
         assert "No space left on device" in captured.err and "previous checkpoint step-1 is intact" in captured.err
         assert valid_steps(run / "checkpoints", run_id) == [1]
+
+
+@pytest.mark.parametrize("rank, side", [(0, "encoder"), (2, "backbone")])
+def test_hang_drill_is_reported_as_a_hang_naming_rank_side_and_step(tmp_path: Path, capfd, rank: int,
+                                                                    side: str) -> None:
+    """SIGSTOP one rank: a watcher names it, its side and where it stopped, and the job ends (no 30 s wait for a
+    stopped process to obey SIGTERM: the watcher SIGKILLs it). With max_restarts=1 the job then completes."""
+    rc = _run(tmp_path / "hang", "flow.timeout_s=8", f"faults.hang_rank={rank}", "faults.hang_step=2")
+    err = capfd.readouterr().err
+    assert rc == 1
+    lines = [x for x in err.splitlines() if "[mindspeed-flow] hang:" in x]
+    assert len(lines) == 1, err[-3000:]
+    assert f"rank {rank} ({side}) stopped answering" in lines[0] and "during step 2" in lines[0]
+    assert "alive but stuck, not dead" in lines[0]
+    final = err.strip().splitlines()[-1]  # the launcher's verdict: the hang, not the peers' reset connections
+    assert final.startswith("mindspeed-flow train: training failed: hang: rank"), final
+    assert _run(tmp_path / "again", "flow.timeout_s=8", f"faults.hang_rank={rank}", "faults.hang_step=2",
+                "trainer.max_restarts=1", "trainer.checkpoint_every=2") == 0
+    assert [x["step"] for x in _lines(tmp_path / "again")] == list(range(6))

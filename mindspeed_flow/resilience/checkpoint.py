@@ -322,19 +322,16 @@ def _jsonable(obj: Any) -> Any:
 
 
 def _root_cause(exc: BaseException) -> str:
-    """DCP's CheckpointException wraps each rank's failure; the first OSError is what a person can act on."""
+    """DCP's CheckpointException maps each failed rank to (exception, traceback); the first OSError is what a
+    person can act on (ENOSPC, EIO ...)."""
     failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict):
-        for _, f in sorted(failures.items()):
-            inner = getattr(f, "__cause__", None) or f
-            for e in (f, inner):
-                if isinstance(e, OSError):
-                    return f"{type(e).__name__}: {e}"
-            found = re.search(r"OSError: (\[Errno \d+\][^\n]*)", str(f))
-            if found:
-                return f"OSError: {found.group(1)}"
-    found = re.search(r"\[Errno \d+\][^\n']*", str(exc))
-    return f"OSError: {found.group(0)}" if found else f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    causes = [f[0] if isinstance(f, tuple) else f for _, f in sorted(failures.items())] \
+        if isinstance(failures, dict) else [exc]
+    for c in causes:
+        if isinstance(c, OSError):
+            return f"{type(c).__name__}: {c}"
+    first = causes[0] if causes else exc
+    return f"{type(first).__name__}: {str(first).splitlines()[0] if str(first) else ''}"
 
 
 def load_flat(path: Path) -> dict[str, torch.Tensor]:

@@ -23,13 +23,15 @@ class FaultDrills:
     def _fires(self, rank: int, step: int, now: int) -> bool:
         return self.armed and step >= 0 and step == now and rank in (self.rank, -2)
 
-    def at_step_start(self, step: int) -> None:
+    def at_step_start(self, step: int, watchdog: Any = None) -> None:
         c = self.cfg
         if self._fires(c.kill_rank, c.kill_step, step):
             print(f"[mindspeed-flow] fault drill: SIGKILL rank {self.rank} at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if self._fires(c.hang_rank, c.hang_step, step):
             print(f"[mindspeed-flow] fault drill: SIGSTOP rank {self.rank} at step {step}", flush=True)
+            if watchdog is not None:
+                watchdog.flush()  # a real hang strikes mid-step, after the heartbeat has told where it is
             os.kill(os.getpid(), signal.SIGSTOP)
 
     def enospc(self, step: int) -> bool:

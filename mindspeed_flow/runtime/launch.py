@@ -19,6 +19,7 @@ from mindspeed_flow.config.load import (RecipeError, check_rules, compose, load,
                                         save, to_job_config)
 from mindspeed_flow.data.preflight import DataError, preflight
 from mindspeed_flow.resilience.rundir import RunDirInUse, claim
+from mindspeed_flow.resilience.watchdog import FAILURE_FILE
 from mindspeed_flow.specs import VLMSpec
 from mindspeed_flow.topology import Layout, LayoutError
 from mindspeed_flow.utils.multiproc import free_port
@@ -69,6 +70,22 @@ def launch_local(config_path: Path, nproc: int, max_restarts: int = 0) -> None:
     elastic_launch(config, run_worker_recorded)(str(config_path))
 
 
+# Errors the workers raise on purpose, with a message that says it all: the launcher prints that message alone,
+# not the elastic agent's page of tracebacks (which it keeps for anything unexpected).
+CLEAR_ERRORS = ("CheckpointSaveError", "TooManyBadSamples", "DataError", "PeerHang", "NonFiniteLoss")
+
+
+def _failure_summary(exc: Exception) -> str:
+    first = getattr(exc, "get_first_failure", None)
+    if first is None:
+        return str(exc)
+    rank, failure = first()
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+    if message.split(":", 1)[0].rsplit(".", 1)[-1] in CLEAR_ERRORS:
+        return f"rank {rank}: {message}"
+    return str(exc)
+
+
 def summarize(run_dir: Path) -> dict:
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     if not lines:
@@ -104,10 +121,14 @@ def main(argv: list[str]) -> int:
 
         run_worker(str(config_path))
         return 0
+    failure = config_path.parent / FAILURE_FILE
+    failure.unlink(missing_ok=True)
     try:
         launch_local(config_path, nproc, max_restarts=load(config_path).trainer.max_restarts)
     except Exception as e:  # ChildFailedError carries each failed rank's root cause
-        print(f"mindspeed-flow train: training failed: {e}", file=sys.stderr)
+        # A hang found by the watchdog is the cause; the peers' errors (a reset connection) are its consequence.
+        cause = failure.read_text().strip() if failure.exists() else _failure_summary(e)
+        print(f"mindspeed-flow train: training failed: {cause}", file=sys.stderr)
         return 1
     summary = summarize(config_path.parent)
     print(json.dumps(summary, indent=2))

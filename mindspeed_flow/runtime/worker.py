@@ -25,6 +25,7 @@ from mindspeed_flow.packing import CostModel
 from mindspeed_flow.resilience.checkpoint import Checkpointer, CheckpointSaveError
 from mindspeed_flow.resilience.faults import FaultDrills
 from mindspeed_flow.resilience.rundir import new_run_id, read_run_id, write_run_id
+from mindspeed_flow.resilience.watchdog import FAILURE_FILE, Watchdog
 from mindspeed_flow.runtime import build
 from mindspeed_flow.runtime.engine import StepEngine
 from mindspeed_flow.runtime.metrics import MetricsGatherer, StepRecord, StepStatic, measure_cpu_peak_flops
@@ -160,8 +161,17 @@ def run_worker(config_path: str) -> None:
                                append=start_step > 0, resume_step=start_step)
     progress = _progress(job, is_writer, start_step)
     drills = FaultDrills(job.faults, rank)
+    side = "coupled" if layout.mode != "decoupled" else "encoder" if topo.is_encoder else "backbone"
+    doing = {"encoder": "encoding and sending its embeddings", "backbone": "waiting for embeddings and training",
+             "coupled": "forward/backward and gradient all-reduce"}[side]
+    if rank == 0:  # a hang a restart recovered from is no longer the cause of anything
+        (Path(job.run_dir) / FAILURE_FILE).unlink(missing_ok=True)
+    watchdog = Watchdog(rank, world, side, job.flow.timeout_s,
+                        attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                        report_path=Path(job.run_dir) / FAILURE_FILE).start()
     for step in range(start_step, job.trainer.steps):
-        drills.at_step_start(step)
+        watchdog.activity = f"step {step} ({doing})"
+        drills.at_step_start(step, watchdog)
         sample_ids = next(batches)
         shapes = [dataset.shape(i) for i in sample_ids]
         work = plan_for_step(job, topo, step, shapes, cost_model)
@@ -185,6 +195,7 @@ def run_worker(config_path: str) -> None:
             _guarded_save(job, checkpointer, rank, lambda: checkpointer.save(
                 step, rank_models.named_params, optim.optimizer, {"step": step, "sampler": batches.state_dict()}))
             drills.after_save(step, checkpointer, rank)
+    watchdog.activity = "the final checkpoint and metrics"
     if checkpointer is not None:
         _guarded_save(job, checkpointer, rank, checkpointer.wait)
     for line in gatherer.drain(block=True):
@@ -193,6 +204,7 @@ def run_worker(config_path: str) -> None:
     if pool is not None:
         pool.close()
     dist.barrier(group=metrics_group)
+    watchdog.stop()
     torch_compat.destroy_process_groups()  # a plain destroy can deadlock on torch 2.7's gloo (see there)
 
 
