@@ -48,6 +48,8 @@ class DataConfig:
     image_root: Optional[str] = None
     # Corrupt / missing samples are skipped and counted; above this many the job stops with the list of ids.
     max_bad_samples: int = 16
+    # ... and it stops when more than this fraction of the samples read were bad (judged after 100 samples).
+    max_bad_fraction: float = 1.0
     # sharegpt: decode every image once when its shape is first read, so a truncated file is caught at plan
     # time on every rank alike (False: read only the header; a truncated file then fails at load time).
     verify_images: bool = True

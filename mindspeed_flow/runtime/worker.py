@@ -21,6 +21,7 @@ from mindspeed_flow.config import load as config_load
 from mindspeed_flow.config.load import model_hf_config, model_limits
 from mindspeed_flow.config.schema import FlowJobConfig
 from mindspeed_flow.data import build_dataset, iter_global_batches, token_spec_from_hf_config
+from mindspeed_flow.data.guard import SampleGuard
 from mindspeed_flow.packing import CostModel
 from mindspeed_flow.resilience.checkpoint import Checkpointer, CheckpointSaveError
 from mindspeed_flow.resilience.faults import FaultDrills
@@ -150,8 +151,9 @@ def run_worker(config_path: str) -> None:
                         warmup_steps=job.trainer.warmup_steps,
                         prefetch_depth=job.data.prefetch_depth,
                         keep_encoder_activations=job.flow.keep_encoder_activations)
-    batches = iter_global_batches(dataset, job.trainer.global_batch_size, seed=job.seed,
-                                  max_bad=job.data.max_bad_samples)
+    # Every rank judges every sample alike (see data/guard.py); one rank says which it skipped and why.
+    guard = SampleGuard(job.data.max_bad_samples, job.data.max_bad_fraction, log_skips=is_writer)
+    batches = iter_global_batches(dataset, job.trainer.global_batch_size, seed=job.seed, guard=guard)
     needs_labels = not topo.is_encoder
     run_id = _run_id(job, rank, metrics_group)
     checkpointer, start_step = _maybe_resume(job, rank_models, optim, batches, is_writer, run_id,
