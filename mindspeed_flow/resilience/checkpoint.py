@@ -163,7 +163,8 @@ class Checkpointer:
     """Saves (sync or async) and verified resume for one run's `RUN_DIR/checkpoints` (see module docstring)."""
 
     def __init__(self, root: Path, *, run_id: str = "", keep_last: int = 2, async_save: bool = False,
-                 layout: Optional[dict[str, Any]] = None, verbose: bool = True) -> None:
+                 layout: Optional[dict[str, Any]] = None, verbose: bool = True,
+                 log_path: Optional[Path] = None) -> None:
         self.root = Path(root)
         self.run_id = run_id
         self.keep_last = keep_last
@@ -175,6 +176,13 @@ class Checkpointer:
         self._pending: Optional[_Pending] = None
         self.blocking_seconds: list[float] = []
         self.fail_next_with_enospc = False  # fault drill (faults.enospc_step)
+        # Rank 0 appends one JSON line per save / restore: how long the loop was blocked, bytes, restore time.
+        self.log_path = log_path
+
+    def _log(self, **event: Any) -> None:
+        if self.log_path is not None and self._rank == 0:
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(event) + "\n")
 
     @property
     def _rank(self) -> int:
@@ -194,7 +202,7 @@ class Checkpointer:
             dist.all_gather_object(rngs, _rng_blob(), group=self._group)
         else:
             rngs = [_rng_blob()]
-        meta = {"extra": _jsonable(extra), "rng": {str(r): b for r, b in enumerate(rngs)}}
+        meta = {"extra": _jsonable(extra), "rng": {str(r): b for r, b in enumerate(rngs)}, "_start": start}
         state = training_state(params, optimizer, extra)
         writer = dcp.FileSystemWriter(str(path))
         if self.fail_next_with_enospc:
@@ -212,6 +220,7 @@ class Checkpointer:
                 raise self._save_error(step, path, exc) from None
             self._finalize(step, path, meta)
         self.blocking_seconds.append(time.perf_counter() - start)
+        self._log(event="save", step=step, async_save=self.async_save, blocked_s=self.blocking_seconds[-1])
         return path
 
     def _on_async_done(self, pending: _Pending) -> None:
@@ -247,6 +256,7 @@ class Checkpointer:
 
     def _finalize(self, step: int, path: Path, meta: dict[str, Any]) -> None:
         """Rank 0: write the manifest (last, atomically), then purge this run's older checkpoints."""
+        start = meta.pop("_start", None)
         if self._rank != 0:
             return
         files = {f.name: {"size": f.stat().st_size, "sha256": _sha256(f)}
@@ -257,6 +267,8 @@ class Checkpointer:
         tmp = path / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(manifest, indent=1))
         os.replace(tmp, path / MANIFEST)
+        self._log(event="saved", step=step, bytes=sum(f["size"] for f in files.values()),
+                  total_s=time.perf_counter() - start if start is not None else None)
         self._purge()
 
     def _purge(self) -> None:
@@ -291,12 +303,15 @@ class Checkpointer:
                     extra_template: dict[str, Any]) -> Optional[dict[str, Any]]:
         """Load the newest verified checkpoint of this run in place (DCP reshards to this layout); returns its
         `extra` dict, or None when there is none. Skipped folders are reported in one line on rank 0."""
+        verify_start = time.perf_counter()
         chosen, skipped = self.choose()
+        verify_s = time.perf_counter() - verify_start
         if skipped and self.verbose and self._rank == 0:
             print(f"[mindspeed-flow] resume: skipped {'; '.join(skipped)}; "
                   + (f"using {chosen}" if chosen else "no valid checkpoint left"), flush=True)
         if chosen is None:
             return None
+        start = time.perf_counter()
         if optimizer is not None:
             _ensure_adam_state(optimizer, params)
         state = training_state(params, optimizer, extra_template)
@@ -306,6 +321,7 @@ class Checkpointer:
         rng = manifest.get("rng", {})
         if len(rng) == world and str(self._rank) in rng:  # same world: every rank continues its own RNG stream
             _set_rng_blob(rng[str(self._rank)])
+        self._log(event="restore", step=manifest.get("step"), verify_s=verify_s, restore_s=time.perf_counter() - start)
         return state["extra"]
 
 

@@ -244,7 +244,8 @@ def _maybe_resume(job: FlowJobConfig, models: Any, optim: Any, batches: Any, ver
     if not (t.checkpoint_every or t.save_final or resume):
         return None, 0
     checkpointer = Checkpointer(Path(job.run_dir) / "checkpoints", run_id=run_id, keep_last=t.keep_checkpoints,
-                                async_save=t.async_checkpoint, layout=layout)
+                                async_save=t.async_checkpoint, layout=layout,
+                                log_path=Path(job.run_dir) / "checkpoints.jsonl")
     if not resume:
         return checkpointer, 0
     # DCP loads into the structure it is given: the sampler's own state is the template for its fields.
