@@ -143,3 +143,20 @@ def test_hang_drill_is_reported_as_a_hang_naming_rank_side_and_step(tmp_path: Pa
     assert _run(tmp_path / "again", "flow.timeout_s=8", f"faults.hang_rank={rank}", "faults.hang_step=2",
                 "trainer.max_restarts=1", "trainer.checkpoint_every=2") == 0
     assert [x["step"] for x in _lines(tmp_path / "again")] == list(range(6))
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_nan_drill_skips_the_step_or_stops(tmp_path: Path, capfd, policy: str) -> None:
+    """NaN gradients on one backbone rank at step 2: the global norm is NaN on every trained rank, so all skip
+    the update together (losses stay finite and training goes on) or all stop with the cause."""
+    rc = _run(tmp_path / "nan", "faults.nan_rank=1", "faults.nan_step=2", f"trainer.nan_policy={policy}")
+    captured = capfd.readouterr()
+    if policy == "skip":
+        assert rc == 0 and "step 2: non-finite gradient norm, update skipped (1 in a row" in captured.out
+        lines = _lines(tmp_path / "nan")
+        assert [x["step"] for x in lines] == list(range(6))
+        assert all(x["loss"] == x["loss"] for x in lines)  # the update was dropped: no NaN reached the weights
+    else:
+        assert rc == 1
+        final = captured.err.strip().splitlines()[-1]
+        assert "NonFiniteLoss: step 2: the global gradient norm is nan" in final, final

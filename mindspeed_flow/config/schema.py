@@ -116,6 +116,10 @@ class TrainerConfig:
     max_restarts: int = 0
     # A failed checkpoint save (ENOSPC, I/O error): stop (exit with the cause) | continue (warn, train on).
     on_save_error: str = "stop"
+    # A non-finite global gradient norm (NaN/Inf loss) before the optimizer step: stop | skip (drop the step's
+    # update) and stop once more than max_nonfinite_steps steps in a row were non-finite.
+    nan_policy: str = "stop"
+    max_nonfinite_steps: int = 3
 
 
 @dataclass
@@ -133,6 +137,9 @@ class FaultsConfig:
     # After the save at step `truncate_step` completes, cut `truncate_file` (distcp | metadata) in half.
     truncate_step: int = -1
     truncate_file: str = "distcp"
+    # Global rank `nan_rank` turns its gradients NaN at step `nan_step` (a hook on its parameters).
+    nan_rank: int = -1
+    nan_step: int = -1
 
 
 @dataclass

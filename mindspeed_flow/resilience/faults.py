@@ -3,7 +3,7 @@
 Each drill fires in the first attempt only (TORCHELASTIC_RESTART_COUNT == 0), so a job with
 `trainer.max_restarts >= 1` shows the recovery: the elastic agent restarts the workers and they resume from the
 newest verified checkpoint. Kill and hang act on the process itself (SIGKILL, SIGSTOP), exactly as an OOM kill or
-a wedged device would; ENOSPC swaps DCP's file system for one whose writes fail as a full disk does; truncation
+a wedged device would; NaN multiplies one rank's gradients by NaN for one step; ENOSPC swaps DCP's file system for one whose writes fail as a full disk does; truncation
 cuts a finished checkpoint's file in half, as a crash of the storage layer would.
 """
 from __future__ import annotations
@@ -33,6 +33,13 @@ class FaultDrills:
             if watchdog is not None:
                 watchdog.flush()  # a real hang strikes mid-step, after the heartbeat has told where it is
             os.kill(os.getpid(), signal.SIGSTOP)
+
+    def nan_gradients(self, step: int, params: Any) -> list[Any]:
+        """Hooks that turn this rank's gradients NaN during `step` (remove them after the step)."""
+        if not self._fires(self.cfg.nan_rank, self.cfg.nan_step, step):
+            return []
+        print(f"[mindspeed-flow] fault drill: NaN gradients on rank {self.rank} at step {step}", flush=True)
+        return [p.register_hook(lambda g: g * float("nan")) for p in params if p.requires_grad]
 
     def enospc(self, step: int) -> bool:
         return self.armed and self.cfg.enospc_step == step

@@ -150,7 +150,8 @@ def run_worker(config_path: str) -> None:
                         norm_group=norm_group, grad_clip=job.trainer.grad_clip, base_lr=job.trainer.lr,
                         warmup_steps=job.trainer.warmup_steps,
                         prefetch_depth=job.data.prefetch_depth,
-                        keep_encoder_activations=job.flow.keep_encoder_activations)
+                        keep_encoder_activations=job.flow.keep_encoder_activations,
+                        nan_policy=job.trainer.nan_policy, max_nonfinite_steps=job.trainer.max_nonfinite_steps)
     # Every rank judges every sample alike (see data/guard.py); one rank says which it skipped and why.
     guard = SampleGuard(job.data.max_bad_samples, job.data.max_bad_fraction, log_skips=is_writer)
     batches = iter_global_batches(dataset, job.trainer.global_batch_size, seed=job.seed, guard=guard)
@@ -185,7 +186,13 @@ def run_worker(config_path: str) -> None:
         record = StepRecord()
         record["is_encoder"], record["is_backbone"] = float(topo.is_encoder), float(not topo.is_encoder)
         record["is_writer"] = float(is_writer)
+        nan_hooks = drills.nan_gradients(step, rank_models.named_params.values())
         engine.run_step(work, n_labels, record, texts)
+        for h in nan_hooks:
+            h.remove()
+        if engine.skipped_nonfinite and is_writer:
+            print(f"[mindspeed-flow] step {step}: non-finite gradient norm, update skipped ({engine.nonfinite_in_a_row}"
+                  f" in a row; trainer.nan_policy=skip stops after {job.trainer.max_nonfinite_steps})", flush=True)
         record["peak_rss_bytes"] = acc.memory_stats()["peak_bytes"]
         gatherer.post(step_static(work, spec, shapes, frozen, batches.guard.num_bad, optim), record)
         for line in gatherer.drain(block=is_writer):
