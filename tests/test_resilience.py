@@ -160,3 +160,19 @@ def test_nan_drill_skips_the_step_or_stops(tmp_path: Path, capfd, policy: str) -
         assert rc == 1
         final = captured.err.strip().splitlines()[-1]
         assert "NonFiniteLoss: step 2: the global gradient norm is nan" in final, final
+
+
+def test_sigterm_saves_exits_75_and_resume_matches(tmp_path: Path, capfd) -> None:
+    """SIGTERM reaches one backbone rank after step 1: its flag goes out with step 2 and all ranks read the agreed
+    value 2 steps later, save step-4 and exit 75;
+    a resume continues to step 5 with losses bitwise equal to an uninterrupted run, each step logged once."""
+    run = tmp_path / "run"
+    assert _run(run, "faults.sigterm_rank=2", "faults.sigterm_step=1") == 75
+    out = capfd.readouterr()
+    assert "SIGTERM: saved" in out.out and "step-4; exiting with code 75" in out.out
+    assert "continue with trainer.resume=true" in out.err
+    assert [x["step"] for x in _lines(run)] == [0, 1, 2, 3, 4]
+    assert _run(run, "trainer.resume=true") == 0
+    assert _run(tmp_path / "full") == 0
+    assert [x["step"] for x in _lines(run)] == list(range(6))
+    assert [x["loss"] for x in _lines(run)] == [x["loss"] for x in _lines(tmp_path / "full")]

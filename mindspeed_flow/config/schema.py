@@ -140,6 +140,9 @@ class FaultsConfig:
     # Global rank `nan_rank` turns its gradients NaN at step `nan_step` (a hook on its parameters).
     nan_rank: int = -1
     nan_step: int = -1
+    # Global rank `sigterm_rank` receives SIGTERM after step `sigterm_step`: the job saves and exits with 75.
+    sigterm_rank: int = -1
+    sigterm_step: int = -1
 
 
 @dataclass

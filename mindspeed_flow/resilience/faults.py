@@ -41,6 +41,12 @@ class FaultDrills:
         print(f"[mindspeed-flow] fault drill: NaN gradients on rank {self.rank} at step {step}", flush=True)
         return [p.register_hook(lambda g: g * float("nan")) for p in params if p.requires_grad]
 
+    def signal_self(self, step: int) -> None:
+        """SIGTERM this rank after step `sigterm_step` (a preemption notice reaching one rank first)."""
+        if self._fires(self.cfg.sigterm_rank, self.cfg.sigterm_step, step):
+            print(f"[mindspeed-flow] fault drill: SIGTERM rank {self.rank} after step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+
     def enospc(self, step: int) -> bool:
         return self.armed and self.cfg.enospc_step == step
 

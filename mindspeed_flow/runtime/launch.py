@@ -18,6 +18,7 @@ from pathlib import Path
 from mindspeed_flow.config.load import (RecipeError, check_rules, compose, load, model_hf_config, model_limits,
                                         save, to_job_config)
 from mindspeed_flow.data.preflight import DataError, preflight
+from mindspeed_flow.resilience.preempt import EXIT_SAVED_ON_SIGNAL
 from mindspeed_flow.resilience.rundir import RunDirInUse, claim
 from mindspeed_flow.resilience.watchdog import FAILURE_FILE
 from mindspeed_flow.specs import VLMSpec
@@ -126,6 +127,11 @@ def main(argv: list[str]) -> int:
     try:
         launch_local(config_path, nproc, max_restarts=load(config_path).trainer.max_restarts)
     except Exception as e:  # ChildFailedError carries each failed rank's root cause
+        codes = {f.exitcode for f in getattr(e, "failures", {}).values()}
+        if codes == {EXIT_SAVED_ON_SIGNAL} or type(e).__name__ == "SignalException":
+            print(f"mindspeed-flow train: stopped by a signal ({e if not codes else 'SIGTERM/SIGINT'}); the workers "
+                  f"saved a checkpoint when they could: continue with trainer.resume=true", file=sys.stderr)
+            return EXIT_SAVED_ON_SIGNAL
         # A hang found by the watchdog is the cause; the peers' errors (a reset connection) are its consequence.
         cause = failure.read_text().strip() if failure.exists() else _failure_summary(e)
         print(f"mindspeed-flow train: training failed: {cause}", file=sys.stderr)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import sys
 import time
 import warnings
@@ -25,6 +26,7 @@ from mindspeed_flow.data.guard import SampleGuard
 from mindspeed_flow.packing import CostModel
 from mindspeed_flow.resilience.checkpoint import Checkpointer, CheckpointSaveError
 from mindspeed_flow.resilience.faults import FaultDrills
+from mindspeed_flow.resilience.preempt import EXIT_SAVED_ON_SIGNAL, StopRequests
 from mindspeed_flow.resilience.rundir import new_run_id, read_run_id, write_run_id
 from mindspeed_flow.resilience.watchdog import FAILURE_FILE, Watchdog
 from mindspeed_flow.runtime import build
@@ -172,6 +174,8 @@ def run_worker(config_path: str) -> None:
     watchdog = Watchdog(rank, world, side, job.flow.timeout_s,
                         attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                         report_path=Path(job.run_dir) / FAILURE_FILE).start()
+    stops = StopRequests().install()
+    stopped_on = 0
     for step in range(start_step, job.trainer.steps):
         watchdog.activity = f"step {step} ({doing})"
         drills.at_step_start(step, watchdog)
@@ -199,14 +203,21 @@ def run_worker(config_path: str) -> None:
             progress.update(line)
         last = step == job.trainer.steps - 1
         every = job.trainer.checkpoint_every
-        if checkpointer is not None and ((every and (step + 1) % every == 0) or (last and job.trainer.save_final)):
+        stopped_on = stops.agreed()
+        if stopped_on or (every and (step + 1) % every == 0) or (last and job.trainer.save_final):
             checkpointer.fail_next_with_enospc = drills.enospc(step)
             _guarded_save(job, checkpointer, rank, lambda: checkpointer.save(
                 step, rank_models.named_params, optim.optimizer, {"step": step, "sampler": batches.state_dict()}))
             drills.after_save(step, checkpointer, rank)
+        drills.signal_self(step)
+        if stopped_on:
+            if is_writer:
+                print(f"[mindspeed-flow] {signal.Signals(stopped_on).name}: saved {checkpointer.root}/step-{step}; "
+                      f"exiting with code {EXIT_SAVED_ON_SIGNAL} (continue with trainer.resume=true)", flush=True)
+            break
     watchdog.activity = "the final checkpoint and metrics"
-    if checkpointer is not None:
-        _guarded_save(job, checkpointer, rank, checkpointer.wait)
+    stops.close()
+    _guarded_save(job, checkpointer, rank, checkpointer.wait)
     for line in gatherer.drain(block=True):
         progress.update(line)
     progress.close()
@@ -215,6 +226,8 @@ def run_worker(config_path: str) -> None:
     dist.barrier(group=metrics_group)
     watchdog.stop()
     torch_compat.destroy_process_groups()  # a plain destroy can deadlock on torch 2.7's gloo (see there)
+    if stopped_on:
+        sys.exit(EXIT_SAVED_ON_SIGNAL)
 
 
 def _run_id(job: FlowJobConfig, rank: int, group: Any) -> str:
@@ -243,13 +256,12 @@ def _guarded_save(job: FlowJobConfig, checkpointer: Checkpointer, rank: int, sav
 
 
 def _maybe_resume(job: FlowJobConfig, models: Any, optim: Any, batches: Any, verbose: bool, run_id: str,
-                  layout: dict[str, Any]) -> tuple[Optional[Checkpointer], int]:
+                  layout: dict[str, Any]) -> tuple[Checkpointer, int]:
     t = job.trainer
     # A worker restarted by the elastic agent (trainer.max_restarts) resumes whatever the recipe says.
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     resume = t.resume or restarted
-    if not (t.checkpoint_every or t.save_final or resume):
-        return None, 0
+    # Always a checkpointer: a SIGTERM saves even when the recipe saves nothing periodically.
     checkpointer = Checkpointer(Path(job.run_dir) / "checkpoints", run_id=run_id, keep_last=t.keep_checkpoints,
                                 async_save=t.async_checkpoint, layout=layout,
                                 log_path=Path(job.run_dir) / "checkpoints.jsonl")
