@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, str] = {
     "pool": "mindspeed_flow.bench.pool",
     "train": "mindspeed_flow.bench.train",
     "overlap": "mindspeed_flow.bench.overlap",
+    "checkpoint": "mindspeed_flow.bench.checkpoint",
 }
 
 

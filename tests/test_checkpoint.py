@@ -1,12 +1,17 @@
-"""Checkpoints: a save that dies halfway never replaces the last good one, old ones are purged only after a newer
-one is complete, async saves (own gloo group) load back exactly, and a failed delete does not stop training."""
+"""Checkpoints: a manifest written last makes a folder valid; a truncated `.distcp` or `.metadata`, an unfinished
+save or another run's folder is skipped with one line; keep-last deletes only this run's checkpoints; ENOSPC
+during a save (sync or async) leaves the previous checkpoint intact; a failed delete does not stop training.
+Real DCP saves on real gloo groups (2 ranks)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import pytest
 import torch
 
-from mindspeed_flow.resilience.checkpoint import Checkpointer, load_flat, valid_steps
+from mindspeed_flow.resilience.checkpoint import (Checkpointer, CheckpointSaveError, load_flat, read_manifest,
+                                                  valid_steps, verify)
 from mindspeed_flow.utils.multiproc import run_ranks
 
 
@@ -16,17 +21,22 @@ def _params(seed: int) -> dict[str, torch.nn.Parameter]:
             "backbone.b": torch.nn.Parameter(torch.randn(5, generator=g))}
 
 
-def _save_and_reload(rank: int, world: int, root: str, async_save: bool) -> list[int]:
-    ck = Checkpointer(Path(root), keep_last=2, async_save=async_save)
-    params = _params(0)
+def _train(ck: Checkpointer, steps: range, seed: int = 0) -> tuple[dict, torch.optim.Optimizer]:
+    params = _params(seed)
     opt = torch.optim.AdamW(params.values(), lr=0.1)
-    for step in range(3):
+    for step in steps:
         for p in params.values():
-            p.grad = torch.ones_like(p)
+            p.grad = torch.full_like(p, float(step + 1))
         opt.step()
         ck.save(step, params, opt, {"step": step, "note": "x"})
     ck.wait()
-    # A save of step 3 that died halfway: files but no .metadata.
+    return params, opt
+
+
+def _save_and_reload(rank: int, world: int, root: str, async_save: bool) -> list[int]:
+    ck = Checkpointer(Path(root), run_id="run-a", keep_last=2, async_save=async_save)
+    params, opt = _train(ck, range(3))
+    # A save of step 3 that died halfway: files but no manifest.
     if rank == 0:
         broken = Path(root) / "step-3"
         broken.mkdir()
@@ -34,19 +44,24 @@ def _save_and_reload(rank: int, world: int, root: str, async_save: bool) -> list
     torch.distributed.barrier()
     fresh = _params(1)
     opt2 = torch.optim.AdamW(fresh.values(), lr=0.1)
-    extra = Checkpointer(Path(root)).load_latest(fresh, opt2, {"step": -1, "note": ""})
+    extra = Checkpointer(Path(root), run_id="run-a").load_latest(fresh, opt2, {"step": -1, "note": ""})
     assert extra["step"] == 2
     for k in params:
         assert torch.equal(fresh[k], params[k])
         assert torch.equal(opt2.state[fresh[k]]["exp_avg"], opt.state[params[k]]["exp_avg"])
-    return valid_steps(Path(root))
+    return valid_steps(Path(root), "run-a")
 
 
-def test_sync_save_keeps_last_good(tmp_path: Path) -> None:
+def test_sync_save_keeps_last_good(tmp_path: Path, capfd) -> None:
     out = run_ranks(_save_and_reload, 2, str(tmp_path), False, timeout_s=60)
     assert out[0] == [1, 2]  # step-0 purged, the broken step-3 ignored
+    assert "skipped step-3 (no manifest.json (the save did not finish)); using" in capfd.readouterr().out
     flat = load_flat(tmp_path / "step-2")
     assert set(flat) == {"encoder.w", "backbone.b"}
+    manifest = read_manifest(tmp_path / "step-2")
+    assert manifest["run_id"] == "run-a" and manifest["step"] == 2 and manifest["world_size"] == 2
+    assert ".metadata" in manifest["files"] and any(n.endswith(".distcp") for n in manifest["files"])
+    assert set(manifest["rng"]) == {"0", "1"} and manifest["extra"] == {"step": 2, "note": "x"}
 
 
 def test_async_save_loads_back(tmp_path: Path) -> None:
@@ -54,18 +69,83 @@ def test_async_save_loads_back(tmp_path: Path) -> None:
     assert out[1] == [1, 2]
 
 
+def _resume_after_damage(rank: int, world: int, root: str) -> int:
+    ck = Checkpointer(Path(root), run_id="r", keep_last=3)
+    fresh = _params(7)
+    opt = torch.optim.AdamW(fresh.values(), lr=0.1)
+    return ck.load_latest(fresh, opt, {"step": -1, "note": ""})["step"]
+
+
+def _save_three(rank: int, world: int, root: str) -> None:
+    _train(Checkpointer(Path(root), run_id="r", keep_last=3), range(3))
+
+
+@pytest.mark.parametrize("victim", [".distcp", ".metadata"])
+def test_truncated_newest_checkpoint_falls_back_in_one_line(tmp_path: Path, capfd, victim: str) -> None:
+    run_ranks(_save_three, 2, str(tmp_path), timeout_s=60)
+    newest = tmp_path / "step-2"
+    path = sorted(p for p in newest.iterdir() if p.name.endswith(victim))[0]
+    size = path.stat().st_size
+    os.truncate(path, size // 2)
+    capfd.readouterr()
+    assert run_ranks(_resume_after_damage, 2, str(tmp_path), timeout_s=60) == [1, 1]
+    lines = [x for x in capfd.readouterr().out.splitlines() if "resume:" in x]
+    assert len(lines) == 1, lines
+    assert f"skipped step-2 ({path.name} has {size // 2} bytes, the manifest says {size} (truncated))" in lines[0]
+    assert f"using {tmp_path / 'step-1'}" in lines[0]
+
+
+def test_keep_last_deletes_only_its_own_run(tmp_path: Path) -> None:
+    """Another run's checkpoints (higher steps) in the same folder: never deleted, never loaded."""
+    def both(rank: int, world: int, root: str) -> tuple[list[int], list[int], int]:
+        _train(Checkpointer(Path(root), run_id="old", keep_last=5), range(10, 13), seed=3)
+        _train(Checkpointer(Path(root), run_id="new", keep_last=1), range(3))
+        fresh = _params(9)
+        step = Checkpointer(Path(root), run_id="new", verbose=False).load_latest(
+            fresh, torch.optim.AdamW(fresh.values()), {"step": -1, "note": ""})["step"]
+        return valid_steps(Path(root), "old"), valid_steps(Path(root), "new"), step
+
+    old, new, step = run_ranks(both, 2, str(tmp_path), timeout_s=60)[0]
+    assert old == [10, 11, 12] and new == [2] and step == 2
+    assert "belongs to run new" in verify(tmp_path / "step-2", "old")
+
+
+def _enospc(rank: int, world: int, root: str, async_save: bool) -> tuple[str, int]:
+    ck = Checkpointer(Path(root), run_id="r", keep_last=2, async_save=async_save)
+    params, opt = _train(ck, range(1))
+    ck.fail_next_with_enospc = True
+    for p in params.values():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    message = ""
+    try:
+        ck.save(1, params, opt, {"step": 1, "note": "x"})
+        ck.wait()
+    except CheckpointSaveError as exc:
+        message = str(exc)
+    fresh = _params(5)
+    step = Checkpointer(Path(root), run_id="r", verbose=False).load_latest(
+        fresh, torch.optim.AdamW(fresh.values()), {"step": -1, "note": ""})["step"]
+    return message, step
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_enospc_during_save_keeps_previous_checkpoint(tmp_path: Path, async_save: bool) -> None:
+    out = run_ranks(_enospc, 2, str(tmp_path), async_save, timeout_s=60)
+    for message, step in out:
+        assert "No space left on device" in message and "previous checkpoint step-0 is intact" in message, message
+        assert step == 0
+    assert verify(tmp_path / "step-0", "r") is None
+    assert "no manifest.json" in verify(tmp_path / "step-1", "r")
+
+
 def test_failed_delete_does_not_stop(tmp_path: Path, monkeypatch, capsys) -> None:
     import shutil
-
-    for s in (0, 1, 2):
-        d = tmp_path / f"step-{s}"
-        d.mkdir()
-        (d / ".metadata").write_bytes(b"")
 
     def refuse(path, *a, **k):
         raise OSError("read-only file system")
 
     monkeypatch.setattr(shutil, "rmtree", refuse)
-    Checkpointer(tmp_path, keep_last=1)._purge()
-    assert valid_steps(tmp_path) == [0, 1, 2]
+    _train(Checkpointer(tmp_path, run_id="r", keep_last=1), range(3))
+    assert valid_steps(tmp_path, "r") == [0, 1, 2]
     assert "could not delete old checkpoint step-0" in capsys.readouterr().out

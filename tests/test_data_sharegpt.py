@@ -9,6 +9,7 @@ import pytest
 
 from mindspeed_flow.data.guard import BadSample, SampleGuard, TooManyBadSamples
 from mindspeed_flow.data.length_table import export_length_table
+from mindspeed_flow.data.preflight import DataError
 from mindspeed_flow.data.prefetch import Prefetcher
 from mindspeed_flow.data.sampler import iter_global_batches
 from mindspeed_flow.data.sharegpt import ShareGPTDataset
@@ -181,10 +182,13 @@ def test_jsonl_bad_line_bad_tokenizer_and_file_errors(tmp_path: Path) -> None:
     with pytest.raises(BadSample, match="token id 380"):
         bad_tok.shape(0)
     (tmp_path / "obj.json").write_text("{}")
-    with pytest.raises(ValueError, match="expected a JSON list"):
+    with pytest.raises(DataError, match="obj.json: the top level is a JSON dict; it must be a list of records"):
         ShareGPTDataset(str(tmp_path / "obj.json"), SPEC)
-    with pytest.raises(FileNotFoundError, match="data.path"):
+    with pytest.raises(DataError, match="data.path=.*nothing.json' does not exist"):
         ShareGPTDataset(str(tmp_path / "nothing.json"), SPEC)
+    (tmp_path / "latin1.json").write_bytes('[{"id": "caf\u00e9"}]'.encode("latin-1"))
+    with pytest.raises(DataError, match="latin1.json, line 1 column 13: byte 0xe9 is not UTF-8"):
+        ShareGPTDataset(str(tmp_path / "latin1.json"), SPEC)
 
 
 def test_shape_table_validates_once_and_plans_without_images(folder: Path, tmp_path: Path) -> None:

@@ -130,16 +130,26 @@ def _sharegpt_dir(root: Path, good: int, bad: int) -> Path:
     return path
 
 
-def test_corrupt_samples_are_skipped_and_counted_then_stop_the_job(tmp_path: Path, capsys) -> None:
+def test_corrupt_samples_are_skipped_and_counted_then_stop_the_job(tmp_path: Path, capfd) -> None:
     data = _sharegpt_dir(tmp_path, good=12, bad=2)
     common = ["experiment=default", "data=sharegpt", f"data.path={data}", "data.num_samples=14",
               "trainer.global_batch_size=12", "trainer.steps=2"]
     lines = train(tmp_path / "ok", *common)
     assert [x["bad_samples_total"] for x in lines] == [2, 2] and all(x["samples"] == 12 for x in lines)
+    # Each skip is one line, once (not once per rank), with the record's id, its file and the cause.
+    skips = [x for x in capfd.readouterr().out.splitlines() if "skipped bad sample" in x]
+    assert len(skips) == 2, skips
+    for sid in (12, 13):
+        assert any(f"skipped bad sample {sid} (id {sid}, {data}): " in x for x in skips), skips
     rc = launch.main([f"run_dir={tmp_path / 'stop'}", "trainer.progress=false", *common, "data.max_bad_samples=1"])
     assert rc == 1
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert "more than data.max_bad_samples=1" in err and "sample 12" in err and "sample 13" in err, err[-2000:]
+    # By rate: 2 bad of the 14 samples read (14 %) is above 10 %; judged once the whole (small) dataset was read.
+    rc = launch.main([f"run_dir={tmp_path / 'rate'}", "trainer.progress=false", *common, "data.max_bad_fraction=0.1"])
+    assert rc == 1
+    err = capfd.readouterr().err
+    assert "of the 14 samples read so far, more than data.max_bad_fraction=0.1" in err, err[-2000:]
 
 
 def _worker_with_wrong_world(rank: int, world: int, config_path: str) -> None:

@@ -101,6 +101,15 @@ def check_rules(job: FlowJobConfig) -> None:
          "stages need one static shape, so microbatches must be padded to packing.token_budget (pad_multiple: 0)"),
         (job.parallel.pp_schedule in ("gpipe", "1f1b"),
          f"parallel.pp_schedule={job.parallel.pp_schedule!r}: 'gpipe' or '1f1b'"),
+        (0.0 <= d.max_bad_fraction <= 1.0, f"data.max_bad_fraction={d.max_bad_fraction}: must be in [0, 1]"),
+        (t.nan_policy in ("stop", "skip"), f"trainer.nan_policy={t.nan_policy!r}: 'stop' or 'skip'"),
+        (t.max_nonfinite_steps >= 0, f"trainer.max_nonfinite_steps={t.max_nonfinite_steps}: must be >= 0"),
+        (t.max_restarts >= 0, f"trainer.max_restarts={t.max_restarts}: must be >= 0"),
+        (t.on_save_error in ("stop", "continue"), f"trainer.on_save_error={t.on_save_error!r}: 'stop' or 'continue'"),
+        (not (t.resume and t.overwrite), "trainer.resume=true and trainer.overwrite=true: choose one (resume "
+                                         "continues the run in run_dir, overwrite starts a new one there)"),
+        (job.faults.truncate_file in ("distcp", "metadata"),
+         f"faults.truncate_file={job.faults.truncate_file!r}: 'distcp' or 'metadata'"),
     ]
     for ok, msg in rules:
         if not ok:

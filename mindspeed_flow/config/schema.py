@@ -48,6 +48,8 @@ class DataConfig:
     image_root: Optional[str] = None
     # Corrupt / missing samples are skipped and counted; above this many the job stops with the list of ids.
     max_bad_samples: int = 16
+    # ... and it stops when more than this fraction of the samples read were bad (judged after 100 samples).
+    max_bad_fraction: float = 1.0
     # sharegpt: decode every image once when its shape is first read, so a truncated file is caught at plan
     # time on every rank alike (False: read only the header; a truncated file then fails at load time).
     verify_images: bool = True
@@ -107,10 +109,44 @@ class TrainerConfig:
     resume: bool = False
     keep_checkpoints: int = 2
     async_checkpoint: bool = False
+    # A run_dir that holds another run is refused unless resume=true (continue it) or overwrite=true (its files
+    # are moved, unchanged, under RUN_DIR/replaced/<its run id>/).
+    overwrite: bool = False
+    # torchrun's elastic agent restarts all workers this many times after a rank fails; they resume by themselves.
+    max_restarts: int = 0
+    # A failed checkpoint save (ENOSPC, I/O error): stop (exit with the cause) | continue (warn, train on).
+    on_save_error: str = "stop"
+    # A non-finite global gradient norm (NaN/Inf loss) before the optimizer step: stop | skip (drop the step's
+    # update) and stop once more than max_nonfinite_steps steps in a row were non-finite.
+    nan_policy: str = "stop"
+    max_nonfinite_steps: int = 3
     # TensorBoard scalars in RUN_DIR/tensorboard beside metrics.jsonl (needs the tensorboard package).
     tensorboard: bool = True
     # Per-rank Chrome-trace events (encoder, pool, backbone spans) merged into RUN_DIR/trace.json (Perfetto).
     trace: bool = False
+
+
+@dataclass
+class FaultsConfig:
+    """Fault drills, each off at -1; they fire in the first attempt only, so an elastic restart recovers."""
+
+    # SIGKILL global rank `kill_rank` at the start of step `kill_step`.
+    kill_rank: int = -1
+    kill_step: int = -1
+    # SIGSTOP global rank `hang_rank` at the start of step `hang_step` (a peer that stops answering).
+    hang_rank: int = -1
+    hang_step: int = -1
+    # Every data file of the save at step `enospc_step` fails with ENOSPC, as on a full disk.
+    enospc_step: int = -1
+    # After the save at step `truncate_step` completes, cut `truncate_file` (distcp | metadata) in half.
+    truncate_step: int = -1
+    truncate_file: str = "distcp"
+    # Global rank `nan_rank` turns its gradients NaN at step `nan_step` (a hook on its parameters).
+    nan_rank: int = -1
+    nan_step: int = -1
+    # Global rank `sigterm_rank` receives SIGTERM after step `sigterm_step`: the job saves and exits with 75.
+    sigterm_rank: int = -1
+    sigterm_step: int = -1
 
 
 @dataclass
@@ -122,6 +158,7 @@ class FlowJobConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
     run_dir: str = "runs/default"
     seed: int = 0
     experiment_name: str = "default"
@@ -140,6 +177,6 @@ def register_configs() -> None:
 
 
 __all__ = [
-    "ModelConfig", "DataConfig", "PartParallelConfig", "ParallelConfig", "FlowConfig", "TrainerConfig",
+    "ModelConfig", "DataConfig", "PartParallelConfig", "ParallelConfig", "FlowConfig", "TrainerConfig", "FaultsConfig",
     "FlowJobConfig", "PackingConfig", "ClusterConfig", "register_configs", "MISSING", "Any",
 ]

@@ -1,8 +1,11 @@
 """Skip-bad-sample with a threshold, without ever desynchronising ranks.
 
-A broken sample (missing or corrupt image, malformed JSON entry) is skipped and counted with its id and cause;
-once more than `max_bad` samples were skipped the job stops with `TooManyBadSamples`, listing them, because at
-that point the dataset or the code is broken, not one file. System errors (MemoryError, KeyboardInterrupt, ...)
+A broken sample (missing or corrupt image, malformed JSON entry) is skipped, counted and, when `log_skips` is set
+(the worker sets it on one rank), reported in one line with its record's own `id`, its file and the cause. The
+job stops with `TooManyBadSamples`, listing them, once more than `max_bad` samples were skipped, or once more
+than `max_bad_fraction` of the samples looked at were bad (judged after `RATE_MIN_SEEN` samples, or the whole
+dataset if smaller, so one bad sample first does not read as 100 %): at that point the dataset or the code is
+broken, not one file. System errors (MemoryError, KeyboardInterrupt, ...)
 are never swallowed.
 
 Why the check sits on `shape(i)`: every rank plans each step from sample shapes alone, so a sample must be
@@ -32,13 +35,17 @@ class BadSample(Exception):
         self.cause = cause
 
 
-class TooManyBadSamples(RuntimeError):
-    """More bad samples than `data.max_bad_samples`; the message lists every id and cause."""
+RATE_MIN_SEEN = 100
 
-    def __init__(self, bad: dict[int, str], max_bad: int) -> None:
+
+class TooManyBadSamples(RuntimeError):
+    """More bad samples than `data.max_bad_samples` (or `data.max_bad_fraction`); the message lists each one."""
+
+    def __init__(self, bad: dict[int, str], max_bad: int, rule: str = "") -> None:
         lines = "\n".join(f"  sample {sid}: {cause}" for sid, cause in sorted(bad.items()))
-        super().__init__(f"{len(bad)} bad samples, more than data.max_bad_samples={max_bad}; the dataset (or the "
-                         f"reader) is likely broken. Skipped samples:\n{lines}")
+        rule = rule or f"more than data.max_bad_samples={max_bad}"
+        super().__init__(f"{len(bad)} bad samples, {rule}; the dataset (or the reader) is likely broken. "
+                         f"Skipped samples:\n{lines}")
         self.bad = dict(bad)
         self.max_bad = max_bad
 
@@ -54,43 +61,81 @@ class SampleGuard:
     the sampler's checkpoint, so a resumed run keeps its count.
     """
 
-    def __init__(self, max_bad: int) -> None:
+    def __init__(self, max_bad: int, max_bad_fraction: float = 1.0, log_skips: bool = False) -> None:
         if max_bad < 0:
             raise ValueError(f"data.max_bad_samples must be >= 0, got {max_bad}")
+        if not 0.0 <= max_bad_fraction <= 1.0:
+            raise ValueError(f"data.max_bad_fraction must be in [0, 1], got {max_bad_fraction}")
         self.max_bad = max_bad
+        self.max_bad_fraction = max_bad_fraction
+        self.log_skips = log_skips
         self.bad: dict[int, str] = {}
+        self.seen = 0  # shape look-ups judged (the rate's denominator; a bad sample is judged once)
 
     @property
     def num_bad(self) -> int:
         return len(self.bad)
 
-    def record(self, sample_id: int, cause: str) -> None:
-        """Count a bad sample; raise once the count goes above the threshold."""
+    def record(self, sample_id: int, cause: str, dataset: Any = None) -> None:
+        """Count a bad sample (and log it); raise once the count or the rate goes above its threshold."""
         if sample_id in self.bad:
             return
-        self.bad[sample_id] = cause
+        where = _where(dataset, sample_id)
+        self.bad[sample_id] = f"{where}: {cause}" if where else cause
+        if self.log_skips:
+            print(f"[mindspeed-flow] skipped bad sample {sample_id}{f' ({where})' if where else ''}: {cause} "
+                  f"[{len(self.bad)} skipped so far]", flush=True)
         if len(self.bad) > self.max_bad:
             raise TooManyBadSamples(self.bad, self.max_bad)
+        self._check_rate(dataset)
+
+    def _check_rate(self, dataset: Any) -> None:
+        judged_after = min(RATE_MIN_SEEN, len(dataset)) if dataset is not None else RATE_MIN_SEEN
+        if self.seen >= judged_after and len(self.bad) > self.max_bad_fraction * self.seen:
+            raise TooManyBadSamples(self.bad, self.max_bad, f"{len(self.bad) / self.seen:.1%} of the {self.seen} "
+                                    f"samples read so far, more than data.max_bad_fraction={self.max_bad_fraction}")
 
     def shape(self, dataset: Any, index: int) -> Optional[SampleShape]:
         """`dataset.shape(index)`, or None (counted) if the sample is bad; system errors propagate."""
         if index in self.bad:
             return None
         try:
-            return dataset.shape(index)
+            out = dataset.shape(index)
         except BadSample as exc:
-            self.record(index, exc.cause)
+            self.seen += 1
+            self.record(index, exc.cause, dataset)
         except Exception as exc:  # noqa: BLE001 - any non-system failure of one sample is that sample's fault
             if is_system_error(exc):
                 raise
-            self.record(index, f"{type(exc).__name__}: {exc}")
+            self.seen += 1
+            self.record(index, f"{type(exc).__name__}: {exc}", dataset)
+        else:
+            self.seen += 1
+            self._check_rate(dataset)
+            return out
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"max_bad": self.max_bad, "bad": {int(k): v for k, v in self.bad.items()}}
+        return {"max_bad": self.max_bad, "bad": {int(k): v for k, v in self.bad.items()}, "seen": self.seen}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.bad = {int(k): str(v) for k, v in state["bad"].items()}
+        self.seen = int(state.get("seen", len(self.bad)))
+
+
+def _where(dataset: Any, index: int) -> str:
+    """'id <record id>, <file>' for datasets that know them (ShareGPT), '' otherwise."""
+    parts = []
+    record_id = getattr(dataset, "record_id", None)
+    if record_id is not None:
+        try:
+            parts.append(f"id {record_id(index)!r}")
+        except Exception:  # noqa: BLE001 - a malformed entry may have no usable id; the index still names it
+            pass
+    path = getattr(dataset, "path", None)
+    if isinstance(path, str):
+        parts.append(path)
+    return ", ".join(parts)
 
 
 # The brief's other name for the same object.

@@ -55,27 +55,29 @@ class _Entry:
 
 
 def load_entries(path: str) -> list[Any]:
-    """The raw entries of a .json (a list) or .jsonl file; a malformed .jsonl line becomes a `BadSample`."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"data.path={path!r}: the ShareGPT JSON file does not exist")
+    """The raw entries of a .json (a list) or .jsonl file; a malformed .jsonl line becomes a `BadSample`. A
+    missing, non-UTF-8 or malformed file raises `DataError` naming the file and line (see data/preflight.py)."""
+    from mindspeed_flow.data.preflight import DataError, read_text
+
+    _, text = read_text(path, "data.path")
     if path.endswith(".jsonl"):
         entries: list[Any] = []
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    entries.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    entries.append(BadSample(len(entries), f"line {line_no} of {path} is not valid JSON: {exc}"))
+        for line_no, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                entries.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                entries.append(BadSample(len(entries), f"line {line_no} of {path} is not valid JSON: {exc}"))
         return entries
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"data.path={path!r} is not valid JSON: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}, line {exc.lineno} column {exc.colno}: invalid JSON ({exc.msg}); fix the file "
+                        "there (a missing comma, bracket or quote), or use .jsonl with one record per line") from None
     if not isinstance(data, list):
-        raise ValueError(f"data.path={path!r}: expected a JSON list of entries, got a {type(data).__name__}")
+        raise DataError(f"{path}: the top level is a JSON {type(data).__name__}; it must be a list of records "
+                        '[{"id": ..., "image": ..., "conversations": [...]}, ...]')
     return data
 
 

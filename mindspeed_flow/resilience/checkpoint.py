@@ -1,39 +1,107 @@
-"""Layout-agnostic training checkpoints with torch.distributed.checkpoint (DCP).
+"""Layout-agnostic, verified training checkpoints with torch.distributed.checkpoint (DCP).
 
 Keys are the parameter names of the two parts, `encoder.<name>` and `backbone.<name>`, whatever the layout
 (DP replicas, pipeline stages, FSDP2 shards, or the coupled baseline holding both): DCP deduplicates replicas
 and stores shards, so a decoupled run and the coupled baseline write the same keys and a run can resume on
-another layout. Optimizer moments are stored under the same names (`optim.<key>.exp_avg` ...).
+another layout (another DP size on either part: DCP reshards on load). Optimizer moments are stored under the
+same names (`optim.<key>.exp_avg` ...).
 
-Safety: a step folder is valid only when DCP's `.metadata` exists (written last), so a save that dies halfway
-leaves an invalid folder that is ignored and the previous checkpoint stays the newest valid one; older
-checkpoints are deleted only after a newer one is complete, and a failed delete never stops training. Async
-saves use their own gloo group (DESIGN §7: on the default group `async_save` deadlocks while training runs).
+Safety. Rank 0 writes `manifest.json` last, once DCP reports every rank's files written: the run id, the step,
+the layout, the data position, every rank's RNG state and each file's size and SHA-256. A step folder counts
+only when its manifest exists, belongs to this run and matches the files; a resume walks the folders newest
+first and loads the first that verifies, printing one line per folder it skipped and why (truncated `.distcp`,
+truncated `.metadata`, unfinished save, another run's). Older checkpoints are deleted only after a newer one is
+complete, only this run's, and a failed delete never stops training. A failed save (ENOSPC ...) leaves a folder
+without a manifest, so the previous checkpoint stays the newest valid one. Async saves use their own gloo group
+(DESIGN §7: on the default group `async_save` deadlocks while training runs).
 """
 from __future__ import annotations
 
+import base64
+import errno
+import hashlib
+import io
+import json
+import os
 import re
 import shutil
+import threading
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Generator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
 
 
-def valid_steps(root: Path) -> list[int]:
-    steps = []
+class CheckpointSaveError(RuntimeError):
+    """A save failed (disk full, I/O error); the previous checkpoint is intact."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every `step-N` folder, newest first, whether valid or not."""
+    out = []
     if Path(root).is_dir():
         for d in Path(root).iterdir():
             m = STEP_DIR.match(d.name)
-            if m and (d / ".metadata").exists():
-                steps.append(int(m.group(1)))
-    return sorted(steps)
+            if m and d.is_dir():
+                out.append((int(m.group(1)), d))
+    return sorted(out, reverse=True)
+
+
+def read_manifest(path: Path) -> Optional[dict[str, Any]]:
+    try:
+        return json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def verify(path: Path, run_id: Optional[str] = None, *, hashes: bool = True) -> Optional[str]:
+    """Why the checkpoint folder `path` cannot be loaded, or None when its manifest matches its files."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    if manifest is None:
+        if (path / MANIFEST).exists():
+            return f"{MANIFEST} is unreadable"
+        return f"no {MANIFEST} (the save did not finish)"
+    if run_id is not None and manifest.get("run_id") != run_id:
+        return f"it belongs to run {manifest.get('run_id')}, not this run ({run_id})"
+    for name, want in sorted(manifest.get("files", {}).items()):
+        f = path / name
+        if not f.exists():
+            return f"{name} is missing"
+        size = f.stat().st_size
+        if size != want["size"]:
+            return f"{name} has {size} bytes, the manifest says {want['size']} (truncated)" if size < want["size"] \
+                else f"{name} has {size} bytes, the manifest says {want['size']}"
+        if hashes and _sha256(f) != want["sha256"]:
+            return f"{name} does not match its SHA-256 in the manifest (corrupt)"
+    if ".metadata" not in manifest.get("files", {}):
+        return "the manifest lists no .metadata"
+    return None
+
+
+def valid_steps(root: Path, run_id: Optional[str] = None) -> list[int]:
+    """Steps of the folders under `root` whose manifest verifies (sizes only), oldest first."""
+    return sorted(s for s, d in _step_dirs(root) if verify(d, run_id, hashes=False) is None)
 
 
 def _ensure_adam_state(optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter]) -> None:
@@ -55,56 +123,231 @@ def training_state(params: dict[str, torch.nn.Parameter], optimizer: Optional[to
     return state
 
 
+def _rng_blob() -> str:
+    return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+
+
+def _set_rng_blob(blob: str) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(blob)), dtype=torch.uint8))
+
+
+class _DiskFull(FileSystem):
+    """Fault drill: DCP's file system, but every data file fails with ENOSPC after half a chunk is written,
+    as a full disk does (the file exists, partially written)."""
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Generator[io.IOBase, None, None]:
+        with super().create_stream(path, mode) as stream:
+            if str(path).endswith(".distcp"):
+                real_write = stream.write
+
+                def write(data: Any) -> int:
+                    real_write(bytes(memoryview(data)[: max(1, len(memoryview(data)) // 2)]))
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+                stream.write = write  # type: ignore[method-assign]
+            yield stream
+
+
+@dataclass
+class _Pending:
+    step: int
+    path: Path
+    future: Any
+    meta: dict[str, Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: Optional[BaseException] = None
+
+
 class Checkpointer:
-    def __init__(self, root: Path, *, keep_last: int = 2, async_save: bool = False) -> None:
+    """Saves (sync or async) and verified resume for one run's `RUN_DIR/checkpoints` (see module docstring)."""
+
+    def __init__(self, root: Path, *, run_id: str = "", keep_last: int = 2, async_save: bool = False,
+                 layout: Optional[dict[str, Any]] = None, verbose: bool = True,
+                 log_path: Optional[Path] = None) -> None:
         self.root = Path(root)
+        self.run_id = run_id
         self.keep_last = keep_last
         self.async_save = async_save
-        self._group = dist.new_group(backend="gloo") if async_save else None
-        self._pending: Optional[Any] = None
+        self.layout = dict(layout or {})
+        self.verbose = verbose
+        # Own gloo group: async saves need it (DESIGN §7) and the resume decision is broadcast on it.
+        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._pending: Optional[_Pending] = None
         self.blocking_seconds: list[float] = []
+        self.fail_next_with_enospc = False  # fault drill (faults.enospc_step)
+        # Rank 0 appends one JSON line per save / restore: how long the loop was blocked, bytes, restore time.
+        self.log_path = log_path
+
+    def _log(self, **event: Any) -> None:
+        if self.log_path is not None and self._rank == 0:
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(event) + "\n")
+
+    @property
+    def _rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
 
     def save(self, step: int, params: dict[str, torch.nn.Parameter], optimizer: Optional[torch.optim.Optimizer],
              extra: dict[str, Any]) -> Path:
+        """Save step `step`; raises `CheckpointSaveError` when it (or the previous async save) failed."""
         self.wait()
         start = time.perf_counter()
         path = self.root / f"step-{step}"
-        state = training_state(params, optimizer, extra)
-        if self.async_save:
-            self._pending = dcp.async_save(state, checkpoint_id=str(path), process_group=self._group)
+        if self._rank == 0:
+            # A folder re-saved (a resumed run passing the same step) is invalid until its new manifest exists.
+            (path / MANIFEST).unlink(missing_ok=True)
+        rngs: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+        if dist.is_initialized():
+            dist.all_gather_object(rngs, _rng_blob(), group=self._group)
         else:
-            dcp.save(state, checkpoint_id=str(path))
-            self._purge()
+            rngs = [_rng_blob()]
+        meta = {"extra": _jsonable(extra), "rng": {str(r): b for r, b in enumerate(rngs)}, "_start": start}
+        state = training_state(params, optimizer, extra)
+        writer = dcp.FileSystemWriter(str(path))
+        if self.fail_next_with_enospc:
+            self.fail_next_with_enospc = False
+            writer.fs = _DiskFull()
+        if self.async_save:
+            fut = dcp.async_save(state, storage_writer=writer, checkpoint_id=str(path), process_group=self._group)
+            pending = _Pending(step, path, fut, meta)
+            self._pending = pending
+            fut.add_done_callback(lambda f, p=pending: self._on_async_done(p))
+        else:
+            try:
+                dcp.save(state, storage_writer=writer, checkpoint_id=str(path))
+            except (Exception, CheckpointException) as exc:  # DCP's (a BaseException) carries every rank's failure
+                raise self._save_error(step, path, exc) from None
+            self._finalize(step, path, meta)
         self.blocking_seconds.append(time.perf_counter() - start)
+        self._log(event="save", step=step, async_save=self.async_save, blocked_s=self.blocking_seconds[-1])
         return path
 
+    def _on_async_done(self, pending: _Pending) -> None:
+        """Runs in DCP's background thread when the async save ends: the manifest is written at once, so a kill
+        right after still finds a valid checkpoint."""
+        try:
+            pending.future.result()
+            self._finalize(pending.step, pending.path, pending.meta)
+        except BaseException as exc:  # noqa: BLE001 - reported on the training thread by wait()
+            pending.error = exc
+        finally:
+            pending.done.set()
+
     def wait(self) -> None:
-        if self._pending is not None:
-            fut, self._pending = self._pending, None
-            fut.result()
-            self._purge()
+        """Block until the pending async save is complete; raise `CheckpointSaveError` if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.future.result()
+        except (Exception, CheckpointException):  # the callback recorded it
+            pass
+        pending.done.wait()
+        if pending.error is not None:
+            raise self._save_error(pending.step, pending.path, pending.error) from None
+
+    def _save_error(self, step: int, path: Path, exc: BaseException) -> CheckpointSaveError:
+        prev = valid_steps(self.root, self.run_id)
+        cause = _root_cause(exc)
+        return CheckpointSaveError(
+            f"checkpoint {path} failed: {cause}; "
+            + (f"the previous checkpoint step-{prev[-1]} is intact" if prev else "there is no earlier checkpoint"))
+
+    def _finalize(self, step: int, path: Path, meta: dict[str, Any]) -> None:
+        """Rank 0: write the manifest (last, atomically), then purge this run's older checkpoints."""
+        start = meta.pop("_start", None)
+        if self._rank != 0:
+            return
+        files = {f.name: {"size": f.stat().st_size, "sha256": _sha256(f)}
+                 for f in sorted(path.iterdir()) if f.is_file() and not f.name.startswith(MANIFEST)}
+        manifest = {"version": MANIFEST_VERSION, "run_id": self.run_id, "step": step,
+                    "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "layout": self.layout,
+                    "world_size": len(meta["rng"]), **meta, "files": files}
+        tmp = path / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=1))
+        os.replace(tmp, path / MANIFEST)
+        self._log(event="saved", step=step, bytes=sum(f["size"] for f in files.values()),
+                  total_s=time.perf_counter() - start if start is not None else None)
+        self._purge()
 
     def _purge(self) -> None:
-        if dist.is_initialized() and dist.get_rank() != 0:
+        if self._rank != 0 or self.keep_last <= 0:
             return
-        steps = valid_steps(self.root)
-        for s in steps[:-self.keep_last] if self.keep_last > 0 else []:
+        mine = [s for s, d in _step_dirs(self.root)
+                if (read_manifest(d) or {}).get("run_id") == self.run_id and (d / MANIFEST).exists()]
+        for s in sorted(mine)[:-self.keep_last]:
             try:
                 shutil.rmtree(self.root / f"step-{s}")
             except OSError as e:  # a failed delete must never stop training
                 print(f"[mindspeed-flow] warning: could not delete old checkpoint step-{s}: {e}", flush=True)
 
+    def choose(self) -> tuple[Optional[Path], list[str]]:
+        """Rank 0 verifies newest first; every rank gets the folder to load (or None) and the skip lines."""
+        decision: list[Any] = [None]
+        if self._rank == 0:
+            skipped, chosen = [], None
+            for _, d in _step_dirs(self.root):
+                why = verify(d, self.run_id)
+                if why is None:
+                    chosen = d
+                    break
+                skipped.append(f"{d.name} ({why})")
+            decision = [(str(chosen) if chosen else None, skipped)]
+        if dist.is_initialized():
+            dist.broadcast_object_list(decision, src=0, group=self._group)
+        chosen_s, skipped = decision[0]
+        return (Path(chosen_s) if chosen_s else None), skipped
+
     def load_latest(self, params: dict[str, torch.nn.Parameter], optimizer: Optional[torch.optim.Optimizer],
                     extra_template: dict[str, Any]) -> Optional[dict[str, Any]]:
-        """Load the newest valid checkpoint in place; returns its `extra` dict, or None when there is none."""
-        steps = valid_steps(self.root)
-        if not steps:
+        """Load the newest verified checkpoint of this run in place (DCP reshards to this layout); returns its
+        `extra` dict, or None when there is none. Skipped folders are reported in one line on rank 0."""
+        verify_start = time.perf_counter()
+        chosen, skipped = self.choose()
+        verify_s = time.perf_counter() - verify_start
+        if skipped and self.verbose and self._rank == 0:
+            print(f"[mindspeed-flow] resume: skipped {'; '.join(skipped)}; "
+                  + (f"using {chosen}" if chosen else "no valid checkpoint left"), flush=True)
+        if chosen is None:
             return None
+        start = time.perf_counter()
         if optimizer is not None:
             _ensure_adam_state(optimizer, params)
         state = training_state(params, optimizer, extra_template)
-        dcp.load(state, checkpoint_id=str(self.root / f"step-{steps[-1]}"))
+        dcp.load(state, checkpoint_id=str(chosen))
+        manifest = read_manifest(chosen) or {}
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rng = manifest.get("rng", {})
+        if len(rng) == world and str(self._rank) in rng:  # same world: every rank continues its own RNG stream
+            _set_rng_blob(rng[str(self._rank)])
+        self._log(event="restore", step=manifest.get("step"), verify_s=verify_s, restore_s=time.perf_counter() - start)
         return state["extra"]
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    return repr(obj)
+
+
+def _root_cause(exc: BaseException) -> str:
+    """DCP's CheckpointException maps each failed rank to (exception, traceback); the first OSError is what a
+    person can act on (ENOSPC, EIO ...)."""
+    failures = getattr(exc, "failures", None)
+    causes = [f[0] if isinstance(f, tuple) else f for _, f in sorted(failures.items())] \
+        if isinstance(failures, dict) else [exc]
+    for c in causes:
+        if isinstance(c, OSError):
+            return f"{type(c).__name__}: {c}"
+    first = causes[0] if causes else exc
+    return f"{type(first).__name__}: {str(first).splitlines()[0] if str(first) else ''}"
 
 
 def load_flat(path: Path) -> dict[str, torch.Tensor]:

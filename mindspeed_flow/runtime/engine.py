@@ -75,13 +75,19 @@ class StepEngine:
     def __init__(self, *, topo: Any, models: RankModels, pool: Any, dataset: Any, token_budget: int,
                  optim: PartOptimizer, norm_group: Optional[dist.ProcessGroup], grad_clip: float, base_lr: float,
                  warmup_steps: int, prefetch_depth: int = 2,
-                 keep_encoder_activations: bool = True) -> None:
+                 keep_encoder_activations: bool = True, nan_policy: str = "stop",
+                 max_nonfinite_steps: int = 0) -> None:
         self.topo, self.m, self.pool, self.dataset = topo, models, pool, dataset
         self.token_budget = token_budget
         self.optim, self.norm_group = optim, norm_group
         self.grad_clip, self.base_lr, self.warmup_steps = grad_clip, base_lr, warmup_steps
         self.prefetch_depth = prefetch_depth
         self.keep_encoder_activations = keep_encoder_activations
+        # trainer.nan_policy: "stop" raises at the first non-finite gradient norm; "skip" drops that step's update
+        # and raises only after more than `max_nonfinite_steps` such steps in a row.
+        self.nan_policy, self.max_nonfinite_steps = nan_policy, max_nonfinite_steps
+        self.nonfinite_in_a_row = 0
+        self.skipped_nonfinite = False
         self._texts: dict[int, VLMSample] = {}
 
     # ------------------------------------------------------------------------------------------------------
@@ -243,8 +249,18 @@ class StepEngine:
             return
         norm = self.optim.global_norm(self.norm_group)
         record["grad_norm"] = norm
-        if not torch.isfinite(torch.tensor(norm)):
-            raise NonFiniteLoss(f"step {step}: the global gradient norm is {norm}; refusing the optimizer step")
+        # The norm is global (one all_reduce over every trained rank), so every rank takes the same decision.
+        self.skipped_nonfinite = not torch.isfinite(torch.tensor(norm))
+        if self.skipped_nonfinite:
+            self.nonfinite_in_a_row += 1
+            if self.nan_policy != "skip" or self.nonfinite_in_a_row > self.max_nonfinite_steps:
+                raise NonFiniteLoss(f"step {step}: the global gradient norm is {norm} ({self.nonfinite_in_a_row} "
+                                    f"such step(s) in a row, trainer.nan_policy={self.nan_policy}, "
+                                    f"trainer.max_nonfinite_steps={self.max_nonfinite_steps}); refusing the "
+                                    "optimizer step")
+            opt.zero_grad(set_to_none=True)
+            return
+        self.nonfinite_in_a_row = 0
         self.optim.clip(norm, self.grad_clip)
         lr = lr_at(step, self.base_lr, self.warmup_steps)
         for g in opt.param_groups:

@@ -2,7 +2,10 @@
 the local workers through torchrun's own machinery (the elastic agent), or run as one worker when already
 inside an outer torchrun.
 
-Errors in the recipe or the layout are reported here, before any process starts, with the field and the rule.
+Errors in the recipe, the layout, the run directory or the data are reported here, before any process starts,
+in one message (exit code 2): the field or file, and the rule. The run directory is claimed here (see
+resilience/rundir.py); `trainer.max_restarts` goes to the elastic agent, whose restarted workers resume by
+themselves from the newest verified checkpoint.
 """
 from __future__ import annotations
 
@@ -14,6 +17,10 @@ from pathlib import Path
 
 from mindspeed_flow.config.load import (RecipeError, check_rules, compose, load, model_hf_config, model_limits,
                                         save, to_job_config)
+from mindspeed_flow.data.preflight import DataError, preflight
+from mindspeed_flow.resilience.preempt import EXIT_SAVED_ON_SIGNAL
+from mindspeed_flow.resilience.rundir import RunDirInUse, claim
+from mindspeed_flow.resilience.watchdog import FAILURE_FILE
 from mindspeed_flow.specs import VLMSpec
 from mindspeed_flow.topology import Layout, LayoutError
 from mindspeed_flow.utils.multiproc import free_port
@@ -24,8 +31,10 @@ def _inside_torchrun() -> bool:
                                                    and "MASTER_ADDR" in os.environ)
 
 
-def prepare(overrides: list[str]) -> tuple[Path, int]:
-    """Compose + validate + write the run's config; returns (config path, world size the layout needs)."""
+def prepare(overrides: list[str], *, owner: bool = True) -> tuple[Path, int]:
+    """Compose + validate + check the data + claim the run directory + write the run's config; returns (config
+    path, world size the layout needs). Only the `owner` (the launcher, or rank 0 under an outer torchrun)
+    claims RUN_DIR; the others validate the same recipe and write their copy of it to a private file."""
     cfg = compose(overrides)
     job = to_job_config(cfg)
     check_rules(job)
@@ -33,8 +42,16 @@ def prepare(overrides: list[str]) -> tuple[Path, int]:
     spec = VLMSpec.from_hf_config(model_hf_config(job))
     layout.validate(limits=model_limits(spec), global_batch_size=job.trainer.global_batch_size,
                     expected_world=job.parallel.world_size, max_tp=1)
+    if not owner:
+        import tempfile
+
+        fd, name = tempfile.mkstemp(prefix="msf-config-", suffix=".yaml")
+        os.close(fd)
+        save(cfg, name)
+        return Path(name), layout.world_size
+    preflight(job.data, job.trainer.global_batch_size)
     run_dir = Path(job.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    claim(run_dir, resume=job.trainer.resume, overwrite=job.trainer.overwrite, experiment=job.experiment_name)
     path = run_dir / "config.yaml"
     save(cfg, path)
     load(path)  # exactly what every worker will read must validate here, before any process starts
@@ -52,6 +69,22 @@ def launch_local(config_path: Path, nproc: int, max_restarts: int = 0) -> None:
         monitor_interval=0.1, start_method="fork",
     )
     elastic_launch(config, run_worker_recorded)(str(config_path))
+
+
+# Errors the workers raise on purpose, with a message that says it all: the launcher prints that message alone,
+# not the elastic agent's page of tracebacks (which it keeps for anything unexpected).
+CLEAR_ERRORS = ("CheckpointSaveError", "TooManyBadSamples", "DataError", "PeerHang", "NonFiniteLoss")
+
+
+def _failure_summary(exc: Exception) -> str:
+    first = getattr(exc, "get_first_failure", None)
+    if first is None:
+        return str(exc)
+    rank, failure = first()
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+    if message.split(":", 1)[0].rsplit(".", 1)[-1] in CLEAR_ERRORS:
+        return f"rank {rank}: {message}"
+    return str(exc)
 
 
 def summarize(run_dir: Path) -> dict:
@@ -72,20 +105,36 @@ def main(argv: list[str]) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    inside = _inside_torchrun()
     try:
-        config_path, nproc = prepare(argv)
+        config_path, nproc = prepare(argv, owner=not inside or os.environ.get("RANK", "0") == "0")
+    except DataError as e:
+        print(f"mindspeed-flow train: bad data: {e}", file=sys.stderr)
+        return 2
+    except RunDirInUse as e:
+        print(f"mindspeed-flow train: {e}", file=sys.stderr)
+        return 2
     except (RecipeError, LayoutError, ValueError, FileNotFoundError, HydraException, OmegaConfBaseException) as e:
         print(f"mindspeed-flow train: invalid recipe: {e}", file=sys.stderr)
         return 2
-    if _inside_torchrun():
+    if inside:
         from mindspeed_flow.runtime.worker import run_worker
 
         run_worker(str(config_path))
         return 0
+    failure = config_path.parent / FAILURE_FILE
+    failure.unlink(missing_ok=True)
     try:
-        launch_local(config_path, nproc)
+        launch_local(config_path, nproc, max_restarts=load(config_path).trainer.max_restarts)
     except Exception as e:  # ChildFailedError carries each failed rank's root cause
-        print(f"mindspeed-flow train: training failed: {e}", file=sys.stderr)
+        codes = {f.exitcode for f in getattr(e, "failures", {}).values()}
+        if codes == {EXIT_SAVED_ON_SIGNAL} or type(e).__name__ == "SignalException":
+            print(f"mindspeed-flow train: stopped by a signal ({e if not codes else 'SIGTERM/SIGINT'}); the workers "
+                  f"saved a checkpoint when they could: continue with trainer.resume=true", file=sys.stderr)
+            return EXIT_SAVED_ON_SIGNAL
+        # A hang found by the watchdog is the cause; the peers' errors (a reset connection) are its consequence.
+        cause = failure.read_text().strip() if failure.exists() else _failure_summary(e)
+        print(f"mindspeed-flow train: training failed: {cause}", file=sys.stderr)
         return 1
     summary = summarize(config_path.parent)
     print(json.dumps(summary, indent=2))

@@ -78,7 +78,8 @@ class MetricsGatherer:
     """Async all_gather of StepRecords on its own group; the writer turns them into JSON lines."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], world_size: int, writer: bool, run_dir: Path,
-                 devices: int, peak_flops: float, peak_desc: str, append: bool = False) -> None:
+                 devices: int, peak_flops: float, peak_desc: str, append: bool = False,
+                 resume_step: Optional[int] = None) -> None:
         self.group, self.world_size, self.writer = group, world_size, writer
         self.devices, self.peak_flops, self.peak_desc = devices, peak_flops, peak_desc
         self.pending: list[tuple[StepStatic, list[torch.Tensor], Any]] = []
@@ -90,6 +91,12 @@ class MetricsGatherer:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if not append:  # a resumed run continues the same file
                 self.path.write_text("")
+            elif resume_step is not None and self.path.exists():  # ... without the steps it redoes
+                kept = [x for x in self.path.read_text().splitlines(keepends=True)
+                        if x.strip() and json.loads(x)["step"] < resume_step]
+                tmp = self.path.with_suffix(".jsonl.tmp")
+                tmp.write_text("".join(kept))
+                tmp.replace(self.path)
 
     def post(self, static: StepStatic, record: StepRecord) -> None:
         out = [torch.empty_like(record.values) for _ in range(self.world_size)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import sys
 import time
 import warnings
@@ -21,8 +22,13 @@ from mindspeed_flow.config import load as config_load
 from mindspeed_flow.config.load import model_hf_config, model_limits
 from mindspeed_flow.config.schema import FlowJobConfig
 from mindspeed_flow.data import build_dataset, iter_global_batches, token_spec_from_hf_config
+from mindspeed_flow.data.guard import SampleGuard
 from mindspeed_flow.packing import CostModel
-from mindspeed_flow.resilience.checkpoint import Checkpointer
+from mindspeed_flow.resilience.checkpoint import Checkpointer, CheckpointSaveError
+from mindspeed_flow.resilience.faults import FaultDrills
+from mindspeed_flow.resilience.preempt import EXIT_SAVED_ON_SIGNAL, StopRequests
+from mindspeed_flow.resilience.rundir import new_run_id, read_run_id, write_run_id
+from mindspeed_flow.resilience.watchdog import FAILURE_FILE, Watchdog
 from mindspeed_flow.runtime import build, trace
 from mindspeed_flow.runtime.engine import StepEngine
 from mindspeed_flow.runtime.metrics import MetricsGatherer, StepRecord, StepStatic, measure_cpu_peak_flops
@@ -147,19 +153,37 @@ def run_worker(config_path: str) -> None:
                         norm_group=norm_group, grad_clip=job.trainer.grad_clip, base_lr=job.trainer.lr,
                         warmup_steps=job.trainer.warmup_steps,
                         prefetch_depth=job.data.prefetch_depth,
-                        keep_encoder_activations=job.flow.keep_encoder_activations)
-    batches = iter_global_batches(dataset, job.trainer.global_batch_size, seed=job.seed,
-                                  max_bad=job.data.max_bad_samples)
+                        keep_encoder_activations=job.flow.keep_encoder_activations,
+                        nan_policy=job.trainer.nan_policy, max_nonfinite_steps=job.trainer.max_nonfinite_steps)
+    # Every rank judges every sample alike (see data/guard.py); one rank says which it skipped and why.
+    guard = SampleGuard(job.data.max_bad_samples, job.data.max_bad_fraction, log_skips=is_writer)
+    batches = iter_global_batches(dataset, job.trainer.global_batch_size, seed=job.seed, guard=guard)
     needs_labels = not topo.is_encoder
-    checkpointer, start_step = _maybe_resume(job, rank_models, optim, batches, is_writer)
+    run_id = _run_id(job, rank, metrics_group)
+    checkpointer, start_step = _maybe_resume(job, rank_models, optim, batches, is_writer, run_id,
+                                             {"describe": layout.describe(), "world_size": world})
+    # A resumed run continues metrics.jsonl without the lines of steps it is about to redo.
     gatherer = MetricsGatherer(metrics_group, world, is_writer, Path(job.run_dir), 1, peak_total, peak_desc,
-                               append=start_step > 0)
+                               append=start_step > 0, resume_step=start_step)
     sink = open_sink(Path(job.run_dir) / "tensorboard", start_step) if is_writer and job.trainer.tensorboard else None
     gatherer.sinks += [sink] if sink is not None else []
     if job.trainer.trace:
         trace.install(trace.Tracer(rank, topo.part, Path(job.run_dir) / "trace"))
     progress = _progress(job, is_writer, start_step)
+    drills = FaultDrills(job.faults, rank)
+    side = "coupled" if layout.mode != "decoupled" else "encoder" if topo.is_encoder else "backbone"
+    doing = {"encoder": "encoding and sending its embeddings", "backbone": "waiting for embeddings and training",
+             "coupled": "forward/backward and gradient all-reduce"}[side]
+    if rank == 0:  # a hang a restart recovered from is no longer the cause of anything
+        (Path(job.run_dir) / FAILURE_FILE).unlink(missing_ok=True)
+    watchdog = Watchdog(rank, world, side, job.flow.timeout_s,
+                        attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                        report_path=Path(job.run_dir) / FAILURE_FILE).start()
+    stops = StopRequests().install()
+    stopped_on = 0
     for step in range(start_step, job.trainer.steps):
+        watchdog.activity = f"step {step} ({doing})"
+        drills.at_step_start(step, watchdog)
         sample_ids = next(batches)
         shapes = [dataset.shape(i) for i in sample_ids]
         work = plan_for_step(job, topo, step, shapes, cost_model)
@@ -172,18 +196,34 @@ def run_worker(config_path: str) -> None:
         trace.set_step(step)
         record["is_encoder"], record["is_backbone"] = float(topo.is_encoder), float(not topo.is_encoder)
         record["is_writer"] = float(is_writer)
+        nan_hooks = drills.nan_gradients(step, rank_models.named_params.values())
         engine.run_step(work, n_labels, record, texts)
+        for h in nan_hooks:
+            h.remove()
+        if engine.skipped_nonfinite and is_writer:
+            print(f"[mindspeed-flow] step {step}: non-finite gradient norm, update skipped ({engine.nonfinite_in_a_row}"
+                  f" in a row; trainer.nan_policy=skip stops after {job.trainer.max_nonfinite_steps})", flush=True)
         record["peak_rss_bytes"] = acc.memory_stats()["peak_bytes"]
         gatherer.post(step_static(work, spec, shapes, frozen, batches.guard.num_bad, optim), record)
         for line in gatherer.drain(block=is_writer):
             progress.update(line)
         last = step == job.trainer.steps - 1
         every = job.trainer.checkpoint_every
-        if checkpointer is not None and ((every and (step + 1) % every == 0) or (last and job.trainer.save_final)):
-            checkpointer.save(step, rank_models.named_params, optim.optimizer,
-                              {"step": step, "sampler": batches.state_dict()})
-    if checkpointer is not None:
-        checkpointer.wait()
+        stopped_on = stops.agreed()
+        if stopped_on or (every and (step + 1) % every == 0) or (last and job.trainer.save_final):
+            checkpointer.fail_next_with_enospc = drills.enospc(step)
+            _guarded_save(job, checkpointer, rank, lambda: checkpointer.save(
+                step, rank_models.named_params, optim.optimizer, {"step": step, "sampler": batches.state_dict()}))
+            drills.after_save(step, checkpointer, rank)
+        drills.signal_self(step)
+        if stopped_on:
+            if is_writer:
+                print(f"[mindspeed-flow] {signal.Signals(stopped_on).name}: saved {checkpointer.root}/step-{step}; "
+                      f"exiting with code {EXIT_SAVED_ON_SIGNAL} (continue with trainer.resume=true)", flush=True)
+            break
+    watchdog.activity = "the final checkpoint and metrics"
+    stops.close()
+    _guarded_save(job, checkpointer, rank, checkpointer.wait)
     for line in gatherer.drain(block=True):
         progress.update(line)
     progress.close()
@@ -196,24 +236,56 @@ def run_worker(config_path: str) -> None:
     dist.barrier(group=metrics_group)
     if is_writer and trace.current() is not None:
         trace.merge(Path(job.run_dir) / "trace", Path(job.run_dir) / "trace.json")
+    watchdog.stop()
     torch_compat.destroy_process_groups()  # a plain destroy can deadlock on torch 2.7's gloo (see there)
+    if stopped_on:
+        sys.exit(EXIT_SAVED_ON_SIGNAL)
 
 
-def _maybe_resume(job: FlowJobConfig, models: Any, optim: Any, batches: Any, verbose: bool
-                  ) -> tuple[Optional[Checkpointer], int]:
+def _run_id(job: FlowJobConfig, rank: int, group: Any) -> str:
+    """The run id of RUN_DIR/run.json (the launcher claimed the directory), the same on every rank. A worker
+    started directly by an outer torchrun on a fresh directory names the run itself."""
+    box: list[Any] = [None]
+    if rank == 0:
+        box[0] = read_run_id(Path(job.run_dir))
+        if box[0] is None:
+            box[0] = new_run_id()
+            Path(job.run_dir).mkdir(parents=True, exist_ok=True)
+            write_run_id(Path(job.run_dir), box[0], experiment=job.experiment_name)
+    dist.broadcast_object_list(box, src=0, group=group)
+    return str(box[0])
+
+
+def _guarded_save(job: FlowJobConfig, checkpointer: Checkpointer, rank: int, save: Any) -> None:
+    """A failed save never damages the previous checkpoint; `trainer.on_save_error` says whether to go on."""
+    try:
+        save()
+    except CheckpointSaveError as exc:
+        if job.trainer.on_save_error != "continue":
+            raise
+        if rank == 0:
+            print(f"[mindspeed-flow] warning: {exc}; training goes on (trainer.on_save_error=continue)", flush=True)
+
+
+def _maybe_resume(job: FlowJobConfig, models: Any, optim: Any, batches: Any, verbose: bool, run_id: str,
+                  layout: dict[str, Any]) -> tuple[Checkpointer, int]:
     t = job.trainer
-    if not (t.checkpoint_every or t.save_final or t.resume):
-        return None, 0
-    checkpointer = Checkpointer(Path(job.run_dir) / "checkpoints", keep_last=t.keep_checkpoints,
-                                async_save=t.async_checkpoint)
-    if not t.resume:
+    # A worker restarted by the elastic agent (trainer.max_restarts) resumes whatever the recipe says.
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    resume = t.resume or restarted
+    # Always a checkpointer: a SIGTERM saves even when the recipe saves nothing periodically.
+    checkpointer = Checkpointer(Path(job.run_dir) / "checkpoints", run_id=run_id, keep_last=t.keep_checkpoints,
+                                async_save=t.async_checkpoint, layout=layout,
+                                log_path=Path(job.run_dir) / "checkpoints.jsonl")
+    if not resume:
         return checkpointer, 0
     # DCP loads into the structure it is given: the sampler's own state is the template for its fields.
     extra = checkpointer.load_latest(models.named_params, optim.optimizer,
                                      {"step": -1, "sampler": batches.state_dict()})
     if extra is None:
         if verbose:
-            print(f"[mindspeed-flow] trainer.resume=true but {checkpointer.root} holds no valid checkpoint: "
+            why = "restarted by the elastic agent" if restarted else "trainer.resume=true"
+            print(f"[mindspeed-flow] {why} but {checkpointer.root} holds no valid checkpoint of run {run_id}: "
                   "starting at step 0", flush=True)
         return checkpointer, 0
     batches.load_state_dict(extra["sampler"])

@@ -1,0 +1,66 @@
+"""Fault drills from the recipe (`faults.*`): the failures a long run meets, on demand, in a real job.
+
+Each drill fires in the first attempt only (TORCHELASTIC_RESTART_COUNT == 0), so a job with
+`trainer.max_restarts >= 1` shows the recovery: the elastic agent restarts the workers and they resume from the
+newest verified checkpoint. Kill and hang act on the process itself (SIGKILL, SIGSTOP), exactly as an OOM kill or
+a wedged device would; NaN multiplies one rank's gradients by NaN for one step; ENOSPC swaps DCP's file system for one whose writes fail as a full disk does; truncation
+cuts a finished checkpoint's file in half, as a crash of the storage layer would.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+
+class FaultDrills:
+    def __init__(self, cfg: Any, rank: int) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.armed = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+
+    def _fires(self, rank: int, step: int, now: int) -> bool:
+        return self.armed and step >= 0 and step == now and rank in (self.rank, -2)
+
+    def at_step_start(self, step: int, watchdog: Any = None) -> None:
+        c = self.cfg
+        if self._fires(c.kill_rank, c.kill_step, step):
+            print(f"[mindspeed-flow] fault drill: SIGKILL rank {self.rank} at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._fires(c.hang_rank, c.hang_step, step):
+            print(f"[mindspeed-flow] fault drill: SIGSTOP rank {self.rank} at step {step}", flush=True)
+            if watchdog is not None:
+                watchdog.flush()  # a real hang strikes mid-step, after the heartbeat has told where it is
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def nan_gradients(self, step: int, params: Any) -> list[Any]:
+        """Hooks that turn this rank's gradients NaN during `step` (remove them after the step)."""
+        if not self._fires(self.cfg.nan_rank, self.cfg.nan_step, step):
+            return []
+        print(f"[mindspeed-flow] fault drill: NaN gradients on rank {self.rank} at step {step}", flush=True)
+        return [p.register_hook(lambda g: g * float("nan")) for p in params if p.requires_grad]
+
+    def signal_self(self, step: int) -> None:
+        """SIGTERM this rank after step `sigterm_step` (a preemption notice reaching one rank first)."""
+        if self._fires(self.cfg.sigterm_rank, self.cfg.sigterm_step, step):
+            print(f"[mindspeed-flow] fault drill: SIGTERM rank {self.rank} after step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def enospc(self, step: int) -> bool:
+        return self.armed and self.cfg.enospc_step == step
+
+    def after_save(self, step: int, checkpointer: Any, rank: int) -> None:
+        """Truncate a file of the checkpoint of `step` once it is complete (manifest written)."""
+        if not (self.armed and self.cfg.truncate_step == step):
+            return
+        checkpointer.wait()
+        if rank != 0:
+            return
+        folder = Path(checkpointer.root) / f"step-{step}"
+        names = sorted(p for p in folder.iterdir() if p.name.endswith(".distcp")) \
+            if self.cfg.truncate_file == "distcp" else [folder / ".metadata"]
+        victim = names[0]
+        size = victim.stat().st_size
+        os.truncate(victim, size // 2)
+        print(f"[mindspeed-flow] fault drill: truncated {victim} from {size} to {size // 2} bytes", flush=True)

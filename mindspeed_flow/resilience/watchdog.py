@@ -1,0 +1,124 @@
+"""Hang watchdog: a peer that stops answering becomes an error naming it, within `flow.timeout_s`.
+
+A dead rank is found by the elastic agent at once (its process exits), but a hung one (a wedged device, a
+SIGSTOPped or swapped-out process) keeps its sockets open: its peers block in a collective or a pool receive
+until their own timeouts, and the agent then waits another 30 s for the stuck process to obey SIGTERM. Here
+every rank's background thread bumps a heartbeat in the job's TCPStore (its own client connection, so it never
+shares a socket with the process groups) with its side (encoder/backbone) and what it is doing (`activity`,
+set by the step loop). Ranks 0 and 1 watch everyone: a heartbeat that has not changed for half of `timeout_s`
+by the watcher's own clock (no cross-host clock needed) is a hang; half, so the report comes before the peers'
+own receive timeouts (`timeout_s`), which could only say that something did not arrive. The lowest watcher that is itself alive prints one
+line naming the rank, its side, where it stopped and what the watcher's rank is waiting for, then SIGKILLs the
+stuck process when it runs on the same host (a stopped process ignores SIGTERM) or exits itself with
+`EXIT_HANG`, so the agent ends (or, with `trainer.max_restarts`, restarts) the job. The line also goes to
+`RUN_DIR/failure.txt`: the peers then fail on a connection the kill reset, and the launcher reports the hang as
+the job's cause rather than their consequential errors.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+EXIT_HANG = 3
+FAILURE_FILE = "failure.txt"
+WATCHERS = (0, 1)
+
+
+class Watchdog:
+    def __init__(self, rank: int, world: int, side: str, timeout_s: float, *, attempt: int = 0,
+                 report_path: Optional[Path] = None) -> None:
+        self.rank, self.world, self.side = rank, world, side
+        self.report_path = report_path
+        self.timeout_s = float(timeout_s)
+        self.interval = max(0.05, min(1.0, self.timeout_s / 10))
+        self.prefix = f"msf_heartbeat/{attempt}/"
+        self.activity = "starting"
+        self.stale_after = max(3 * self.interval, self.timeout_s / 2)
+        self._seq = 0
+        self._reported = False
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> "Watchdog":
+        import torch.distributed as dist
+
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=max(30.0, self.timeout_s)))
+        self._beat(store)
+        self._thread = threading.Thread(target=self._run, args=(store,), name="mindspeed-flow-watchdog",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def flush(self) -> None:
+        """Publish the current activity now (waits for the heartbeat thread, at most a few intervals)."""
+        seq, deadline = self._seq, time.monotonic() + 5 * self.interval
+        self._wake.set()
+        while self._seq == seq and time.monotonic() < deadline and self._thread is not None \
+                and self._thread.is_alive():
+            time.sleep(0.01)
+
+    def _beat(self, store: object) -> None:
+        self._seq += 1
+        store.set(self.prefix + str(self.rank),  # type: ignore[attr-defined]
+                  f"{self._seq}|{self.side}|{os.getpid()}|{socket.gethostname()}|{self.activity}")
+
+    def _run(self, store: object) -> None:
+        seen: dict[int, tuple[bytes, float]] = {}
+        while True:
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self._beat(store)
+                if self.rank in WATCHERS and not self._reported:
+                    self._watch(store, seen)
+            except Exception:  # noqa: BLE001 - the store is gone: the job is ending; the watchdog ends with it
+                return
+
+    def _watch(self, store: object, seen: dict[int, tuple[bytes, float]]) -> None:
+        now = time.monotonic()
+        for r in range(self.world):
+            if r == self.rank or not store.check([self.prefix + str(r)]):  # type: ignore[attr-defined]
+                continue
+            value = store.get(self.prefix + str(r))  # type: ignore[attr-defined]
+            if r not in seen or seen[r][0] != value:
+                seen[r] = (value, now)
+        stale = sorted(r for r, (_, t) in seen.items() if now - t > self.stale_after)
+        alive_watchers = [w for w in WATCHERS if w < self.world and w not in stale]
+        if stale and alive_watchers and alive_watchers[0] == self.rank:
+            self._report(stale[0], seen[stale[0]], now)
+
+    def _report(self, hung: int, entry: tuple[bytes, float], now: float) -> None:
+        self._reported = True
+        _, side, pid, host, activity = entry[0].decode().split("|", 4)
+        line = (f"hang: rank {hung} ({side}) stopped answering {now - entry[1]:.1f} s ago "
+                f"(flow.timeout_s={self.timeout_s:g}) during {activity}; rank {self.rank} ({self.side}) is waiting "
+                f"for it in {self.activity}. The process (pid {pid} on {host}) is alive but stuck, not dead: "
+                "stopping the job")
+        print(f"[mindspeed-flow] {line}", file=sys.stderr, flush=True)
+        if self.report_path is not None:  # the launcher prints it as the job's cause, not the peers' errors
+            try:
+                self.report_path.write_text(line + "\n")
+            except OSError:
+                pass
+        if host == socket.gethostname():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+                return
+            except OSError:
+                pass
+        os._exit(EXIT_HANG)

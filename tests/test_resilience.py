@@ -1,0 +1,178 @@
+"""Never lose a run, end to end through `mindspeed-flow train` (torchrun's elastic agent, fork, gloo):
+protected run directories, data preflight, automatic restart after a killed encoder or backbone rank with
+bitwise-equal losses, checkpoint fault drills (truncation, ENOSPC) and a hang drill."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from mindspeed_flow.resilience.checkpoint import valid_steps
+from mindspeed_flow.resilience.rundir import read_run_id
+from mindspeed_flow.runtime import launch
+
+BASE = ["experiment=parity_dp2", "trainer.progress=false", "trainer.steps=6"]
+
+
+def _run(run_dir: Path, *overrides: str) -> int:
+    return launch.main([f"run_dir={run_dir}", *BASE, *overrides])
+
+
+def _lines(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_rerun_into_used_run_dir_is_refused_and_changes_nothing(tmp_path: Path, capsys) -> None:
+    run = tmp_path / "run"
+    assert _run(run, "trainer.steps=2", "trainer.save_final=true") == 0
+    before = _tree(run)
+    capsys.readouterr()
+    assert _run(run, "trainer.steps=3", "trainer.save_final=true") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"run_dir='{run}' already holds a run" in err
+    assert "trainer.resume=true" in err and "trainer.overwrite=true" in err
+    assert _tree(run) == before  # not a byte of the old run changed
+
+    old_id = read_run_id(run)
+    assert _run(run, "trainer.steps=3", "trainer.save_final=true", "trainer.overwrite=true") == 0
+    assert read_run_id(run) != old_id
+    moved = run / "replaced" / old_id
+    assert _tree(moved) == {k: v for k, v in before.items()}  # the old run, unchanged, moved aside
+    assert [x["step"] for x in _lines(run)] == [0, 1, 2]
+
+
+def _sharegpt(root: Path, text: bytes, name: str = "train.json") -> Path:
+    path = root / name
+    path.write_bytes(text)
+    return path
+
+
+@pytest.mark.parametrize("case", ["unset", "missing", "malformed", "not_utf8", "not_a_list", "no_conversations"])
+def test_data_errors_exit_2_with_one_message_naming_the_file(tmp_path: Path, capsys, case: str) -> None:
+    good = b'[{"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}'
+    content = {
+        "malformed": good + b",\n {\"id\": \"b\" \"conversations\": []}]",
+        "not_utf8": good + b',\n {"id": "\xff\xfe", "conversations": []}]',
+        "not_a_list": b'{"id": "a"}',
+        "no_conversations": b'[{"id": "a", "text": "x"}]',
+    }
+    path = None if case == "unset" else tmp_path / "nowhere.json" if case == "missing" else \
+        _sharegpt(tmp_path, content[case])
+    args = ["data=sharegpt", "data.num_samples=12"] + ([f"data.path={path}"] if path else [])
+    assert _run(tmp_path / "run", *args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("mindspeed-flow train: bad data: ")
+    assert ("data.path is not set" in err) if path is None else (str(path) in err), err
+    if case in ("malformed", "not_utf8"):
+        assert "line 2 column" in err, err
+    assert not (tmp_path / "run").exists()  # nothing written before the data is known good
+
+
+@pytest.mark.parametrize("side, rank", [("encoder", 0), ("backbone", 2)])
+def test_killed_rank_restarts_by_itself_and_matches_an_uninterrupted_run(tmp_path: Path, capfd, side: str,
+                                                                         rank: int) -> None:
+    """SIGKILL one rank at step 4 (checkpoint every 2 steps, async): the elastic agent restarts the job, it
+    resumes from step-3, and every step's loss equals the uninterrupted run's bitwise, each step logged once."""
+    ck = ["trainer.checkpoint_every=2", "trainer.async_checkpoint=true"]
+    assert _run(tmp_path / "full", *ck) == 0
+    assert _run(tmp_path / "drill", *ck, "trainer.max_restarts=1", f"faults.kill_rank={rank}",
+                "faults.kill_step=4") == 0
+    out = capfd.readouterr().out
+    assert f"fault drill: SIGKILL rank {rank} at step 4" in out
+    assert "resumed from" in out and "step-3" in out
+    full, drill = _lines(tmp_path / "full"), _lines(tmp_path / "drill")
+    assert [x["step"] for x in drill] == list(range(6))
+    assert [x["loss"] for x in drill] == [x["loss"] for x in full]
+
+
+@pytest.mark.parametrize("victim", ["distcp", "metadata"])
+def test_truncation_drill_resume_uses_the_previous_checkpoint(tmp_path: Path, capfd, victim: str) -> None:
+    run = tmp_path / "run"
+    assert _run(run, "trainer.steps=4", "trainer.checkpoint_every=2", "faults.truncate_step=3",
+                f"faults.truncate_file={victim}") == 0
+    capfd.readouterr()
+    assert _run(run, "trainer.checkpoint_every=2", "trainer.resume=true") == 0
+    out = [x for x in capfd.readouterr().out.splitlines() if "resume:" in x]
+    assert len(out) == 1 and "skipped step-3 (" in out[0] and "(truncated)); using" in out[0], out
+    assert out[0].rstrip().endswith("step-1")
+    full = tmp_path / "full"
+    assert _run(full, "trainer.checkpoint_every=2") == 0
+    assert [x["loss"] for x in _lines(run)] == [x["loss"] for x in _lines(full)]
+    assert [x["step"] for x in _lines(run)] == list(range(6))
+
+
+@pytest.mark.parametrize("policy", ["continue", "stop"])
+def test_enospc_drill_keeps_the_previous_checkpoint(tmp_path: Path, capfd, policy: str) -> None:
+    run = tmp_path / "run"
+    rc = _run(run, "trainer.checkpoint_every=2", "faults.enospc_step=3", f"trainer.on_save_error={policy}")
+    captured = capfd.readouterr()
+    run_id = read_run_id(run)
+    if policy == "continue":
+        assert rc == 0 and "training goes on" in captured.out
+        assert "previous checkpoint step-1 is intact" in captured.out
+        assert valid_steps(run / "checkpoints", run_id) == [1, 5]
+    else:
+        assert rc == 1
+        assert "No space left on device" in captured.err and "previous checkpoint step-1 is intact" in captured.err
+        assert valid_steps(run / "checkpoints", run_id) == [1]
+
+
+@pytest.mark.parametrize("rank, side", [(0, "encoder"), (2, "backbone")])
+def test_hang_drill_is_reported_as_a_hang_naming_rank_side_and_step(tmp_path: Path, capfd, rank: int,
+                                                                    side: str) -> None:
+    """SIGSTOP one rank: a watcher names it, its side and where it stopped, and the job ends (no 30 s wait for a
+    stopped process to obey SIGTERM: the watcher SIGKILLs it). With max_restarts=1 the job then completes."""
+    rc = _run(tmp_path / "hang", "flow.timeout_s=8", f"faults.hang_rank={rank}", "faults.hang_step=2")
+    err = capfd.readouterr().err
+    assert rc == 1
+    lines = [x for x in err.splitlines() if "[mindspeed-flow] hang:" in x]
+    assert len(lines) == 1, err[-3000:]
+    assert f"rank {rank} ({side}) stopped answering" in lines[0] and "during step 2" in lines[0]
+    assert "alive but stuck, not dead" in lines[0]
+    final = err.strip().splitlines()[-1]  # the launcher's verdict: the hang, not the peers' reset connections
+    assert final.startswith("mindspeed-flow train: training failed: hang: rank"), final
+    assert _run(tmp_path / "again", "flow.timeout_s=8", f"faults.hang_rank={rank}", "faults.hang_step=2",
+                "trainer.max_restarts=1", "trainer.checkpoint_every=2") == 0
+    assert [x["step"] for x in _lines(tmp_path / "again")] == list(range(6))
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_nan_drill_skips_the_step_or_stops(tmp_path: Path, capfd, policy: str) -> None:
+    """NaN gradients on one backbone rank at step 2: the global norm is NaN on every trained rank, so all skip
+    the update together (losses stay finite and training goes on) or all stop with the cause."""
+    rc = _run(tmp_path / "nan", "faults.nan_rank=1", "faults.nan_step=2", f"trainer.nan_policy={policy}")
+    captured = capfd.readouterr()
+    if policy == "skip":
+        assert rc == 0 and "step 2: non-finite gradient norm, update skipped (1 in a row" in captured.out
+        lines = _lines(tmp_path / "nan")
+        assert [x["step"] for x in lines] == list(range(6))
+        assert all(x["loss"] == x["loss"] for x in lines)  # the update was dropped: no NaN reached the weights
+    else:
+        assert rc == 1
+        final = captured.err.strip().splitlines()[-1]
+        assert "NonFiniteLoss: step 2: the global gradient norm is nan" in final, final
+
+
+def test_sigterm_saves_exits_75_and_resume_matches(tmp_path: Path, capfd) -> None:
+    """SIGTERM reaches one backbone rank after step 1: its flag goes out with step 2 and all ranks read the agreed
+    value 2 steps later, save step-4 and exit 75;
+    a resume continues to step 5 with losses bitwise equal to an uninterrupted run, each step logged once."""
+    run = tmp_path / "run"
+    assert _run(run, "faults.sigterm_rank=2", "faults.sigterm_step=1") == 75
+    out = capfd.readouterr()
+    assert "SIGTERM: saved" in out.out and "step-4; exiting with code 75" in out.out
+    assert "continue with trainer.resume=true" in out.err
+    assert [x["step"] for x in _lines(run)] == [0, 1, 2, 3, 4]
+    assert _run(run, "trainer.resume=true") == 0
+    assert _run(tmp_path / "full") == 0
+    assert [x["step"] for x in _lines(run)] == list(range(6))
+    assert [x["loss"] for x in _lines(run)] == [x["loss"] for x in _lines(tmp_path / "full")]
