@@ -153,7 +153,10 @@ class EmbeddingPool:
         with self._cond:
             if key in self._sent or key in self._grads_owed or key in self._grads:
                 raise ValueError(f"rank {self.rank}: {what} was already put for consumer rank {consumer}")
-            while self._counters.inflight_bytes > 0 and self._counters.inflight_bytes + nbytes > self.capacity_bytes:
+            if self._over_capacity(nbytes):
+                self._counters.put_blocks += 1
+                self._cond.notify_all()  # observers of stats() see the block as soon as it starts
+            while self._over_capacity(nbytes):
                 self._raise_if_failed(self._credit_streams.values(), f"credits (to put {what})")
                 if not self._wait(deadline):
                     raise PoolTimeout(self._put_timeout_message(what, consumer, nbytes))
@@ -447,6 +450,11 @@ class EmbeddingPool:
             return PoolPeerError(f"rank {self.rank}: sending {what} to rank {peer} failed ({type(exc).__name__}: "
                                  f"{exc}); rank {peer} probably died, check its log")
         return error
+
+    def _over_capacity(self, nbytes: int) -> bool:
+        """A put of `nbytes` must wait: something is in flight and the item would push it past the capacity."""
+        c = self._counters
+        return c.inflight_bytes > 0 and c.inflight_bytes + nbytes > self.capacity_bytes
 
     def _choose_tier(self, nbytes: int) -> Tier:
         if self.host_tier_bytes is not None and nbytes > self.host_tier_bytes:

@@ -38,6 +38,7 @@ class PoolStats:
     grad_bytes_sent: int
     grad_bytes_received: int
     puts: int
+    put_blocks: int  # puts that found the pool full and waited for a credit
     gets: int
     grads_sent: int
     grads_received: int
@@ -73,6 +74,7 @@ class PoolCounters:
     grad_bytes_sent: int = 0
     grad_bytes_received: int = 0
     puts: int = 0
+    put_blocks: int = 0
     gets: int = 0
     grads_sent: int = 0
     grads_received: int = 0
