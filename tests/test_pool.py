@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from mindspeed_flow.pool import (EmbeddingPool, PoolError, PoolPeerError, PoolProtocolError, PoolShapeError,
                                  PoolTimeout)
+from mindspeed_flow.pool.wire import MAX_BATCH
 from mindspeed_flow.utils.multiproc import RankFailure, run_ranks
 
 HIDDEN = 8
@@ -270,6 +271,47 @@ def _with_collectives(rank: int, world: int) -> list[float]:
 
 def test_pool_traffic_beside_collectives_on_the_same_group():
     assert run_ranks(_with_collectives, 2, timeout_s=40) == [[1.0, 3.0, 5.0, 7.0]] * 2
+
+
+# ---------------------------------------------------------------- coalescing: items queued behind a send leave together
+
+COALESCED = [(sid, step, (3 + (5 * sid) % 7, HIDDEN), dtype)  # odd byte sizes: offsets in a batch must be aligned
+             for step in (0, 1) for sid, dtype in enumerate([torch.float32, torch.bfloat16, torch.float16] * 3)]
+
+
+def _coalesced(rank: int, world: int) -> dict:
+    pool = _pool(rank)
+    if rank == 0:
+        for sid, step, shape, dtype in COALESCED:  # both steps before the consumer expects anything
+            pool.put(_embedding(sid, step, shape[0], dtype), sample_id=sid, step=step, consumer=1)
+        _signal([1])
+        for sid, step, shape, dtype in COALESCED:
+            grad = pool.wait_grad(sample_id=sid, step=step, consumer=1)
+            assert torch.equal(grad, _grad_of(_embedding(sid, step, shape[0], dtype), sid)), (sid, step)
+    else:
+        _await_signal(0)
+        for step in (0, 1):  # step 1's plan is learnt only after step 0: its first items may already be here
+            items = [(sid, t) for sid, t, _, _ in COALESCED if t == step]
+            pool.expect(producer=0, items=items)
+            for sid, t, shape, dtype in reversed([c for c in COALESCED if c[1] == step]):
+                emb = pool.get(sample_id=sid, step=t, producer=0, expected_shape=shape)
+                assert emb.dtype == dtype and torch.equal(emb, _embedding(sid, t, shape[0], dtype)), (sid, t)
+                pool.return_grad(_grad_of(emb, sid), sample_id=sid, step=t, producer=0)
+    pool.flush()
+    dist.barrier()
+    stats = pool.stats().as_dict()
+    pool.close()
+    return stats
+
+
+def test_items_queued_behind_a_send_are_coalesced_exactly():
+    producer, consumer = run_ranks(_coalesced, 2, timeout_s=60)
+    n = len(COALESCED)
+    # A send completes only once the consumer has posted its receive, which it does after the signal, i.e. after
+    # every put: the first message may leave alone, everything else queued behind it and left in full batches.
+    assert producer["puts"] == n and producer["embedding_messages"] <= 1 + -(-(n - 1) // MAX_BATCH)
+    assert consumer["gets"] == n and consumer["grads_sent"] == n and producer["grads_received"] == n
+    assert producer["inflight_items"] == 0 and consumer["buffered_items"] == 0
 
 
 # ---------------------------------------------------------------- backpressure and the oversize rule
