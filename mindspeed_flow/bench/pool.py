@@ -3,7 +3,7 @@
 Two local gloo ranks (forked, as in the tests): rank 0 produces `--items` embeddings of `--tokens` x `--hidden`
 fp32 per size, rank 1 consumes them. "pool" is put/expect/get with headers, credits and the pool's threads, items
 coalesced as they queue behind a send (the default); "1/msg" is the same pool sending one item per message
-(`coalesce_bytes=0`, what the pool did before coalescing); "raw" is the lower bound: the same bytes as pre-agreed
+(`max_batch_items=1`, what the pool did before coalescing); "raw" is the lower bound: the same bytes as pre-agreed
 isend/irecv pairs into pre-allocated buffers, with no header, no credit, no thread. Each figure is bytes moved /
 seconds from a barrier to the consumer holding the last item, best of `--repeats`; the ratios are what to read
 (this machine is shared and noisy). The capacity defaults to the job's `flow.pool_capacity_mb`.
@@ -18,14 +18,15 @@ import torch.distributed as dist
 
 from mindspeed_flow.config.schema import FlowConfig
 from mindspeed_flow.pool import EmbeddingPool
-from mindspeed_flow.pool.pool import COALESCE_BYTES
+from mindspeed_flow.pool.wire import MAX_BATCH
 from mindspeed_flow.utils.multiproc import run_ranks
 
 
 def _pool_seconds(rank: int, items: list[torch.Tensor], capacity_bytes: int, step: int,
-                  coalesce_bytes: int) -> tuple[float, int]:
+                  max_batch_items: int) -> tuple[float, int]:
     pool = EmbeddingPool(rank=rank, group=None, capacity_bytes=capacity_bytes, timeout_s=60.0,
-                         device=torch.device("cpu"), return_grads=False, coalesce_bytes=coalesce_bytes)
+                         device=torch.device("cpu"), return_grads=False,
+                         max_batch_items=max_batch_items)
     if rank == 1:
         pool.expect(producer=0, items=[(i, step) for i in range(len(items))])
     dist.barrier()
@@ -72,8 +73,8 @@ def _bench_rank(rank: int, world: int, sizes: list[int], n_items: int, hidden: i
         # Interleaved repeats: a burst of load on the shared machine hits every variant alike.
         runs: dict[str, list[float]] = {"pool": [], "one": [], "raw": [], "alloc": []}
         for _ in range(repeats):
-            for name, coalesce in (("pool", COALESCE_BYTES), ("one", 0)):
-                seconds, messages = _pool_seconds(rank, items, capacity_bytes, step, coalesce)
+            for name, batch_items in (("pool", MAX_BATCH), ("one", 1)):
+                seconds, messages = _pool_seconds(rank, items, capacity_bytes, step, batch_items)
                 runs[name].append(seconds)
                 row[f"{name}_messages"] = messages
                 step += 1

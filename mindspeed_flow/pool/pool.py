@@ -42,7 +42,8 @@ from mindspeed_flow.pool.errors import PoolError, PoolPeerError, PoolProtocolErr
 from mindspeed_flow.pool.handle import EmbeddingHandle, Tier
 from mindspeed_flow.pool.stats import PoolCounters, PoolStats
 from mindspeed_flow.pool.transport import InboundStream, Outbox
-from mindspeed_flow.pool.wire import (CHANNEL_CREDIT, CHANNEL_EMBEDDING, CHANNEL_GRAD, CHANNEL_NAMES, HEADER_LEN, TAGS,
+from mindspeed_flow.pool.wire import (CHANNEL_CREDIT, CHANNEL_EMBEDDING, CHANNEL_GRAD, CHANNEL_NAMES, HEADER_LEN,
+                                      MAX_BATCH, TAGS,
                                       WireHeader, check_sendable, credit_header, decode_header, from_bytes,
                                       has_payload, item_header, tensor_nbytes)
 
@@ -56,10 +57,6 @@ class _Held:
 
     handle: EmbeddingHandle
     tensor: torch.Tensor | None = None  # None while the payload is still arriving
-
-# Default for `coalesce_bytes`: items queued behind a send leave together up to this much payload. Larger than a
-# 64-token item of a 4k-wide model (1 MiB in fp32), small next to a whole-image embedding, which goes alone.
-COALESCE_BYTES = 4 << 20
 
 # Outbound channels: (header tag, payload tag) and whether items carry a payload.
 _OUT_TAGS = {CHANNEL_EMBEDDING: (TAGS.embedding_header, TAGS.embedding_payload),
@@ -82,7 +79,7 @@ class EmbeddingPool:
 
     def __init__(self, *, rank: int, group: dist.ProcessGroup | None, capacity_bytes: int, timeout_s: float,
                  device: torch.device, host_tier_bytes: int | None = None, return_grads: bool = True,
-                 coalesce_bytes: int = COALESCE_BYTES) -> None:
+                 max_batch_items: int = MAX_BATCH) -> None:
         if not dist.is_initialized():
             raise RuntimeError("EmbeddingPool needs an initialized torch.distributed process group")
         if capacity_bytes <= 0:
@@ -91,8 +88,9 @@ class EmbeddingPool:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if host_tier_bytes is not None and host_tier_bytes < 0:
             raise ValueError(f"host_tier_bytes must be >= 0 or None, got {host_tier_bytes}")
-        if coalesce_bytes < 0:
-            raise ValueError(f"coalesce_bytes must be >= 0 (0: one item per message), got {coalesce_bytes}")
+        if not 1 <= max_batch_items <= MAX_BATCH:
+            raise ValueError(f"max_batch_items must be in 1..{MAX_BATCH} (1: one item per message), got "
+                             f"{max_batch_items}")
         if rank != dist.get_rank():
             raise ValueError(f"rank={rank} but this process is global rank {dist.get_rank()}")
         members = (dist.get_process_group_ranks(group) if group is not None
@@ -107,7 +105,7 @@ class EmbeddingPool:
         self.device = torch.device(device)
         self.host_tier_bytes = host_tier_bytes
         self.return_grads = return_grads
-        self.coalesce_bytes = coalesce_bytes
+        self.max_batch_items = max_batch_items
         self._wire_device = _transport_device(group, self.device)
         self._cond = threading.Condition()
         self._counters = PoolCounters(capacity_bytes)
@@ -338,7 +336,7 @@ class EmbeddingPool:
 
     # ------------------------------------------------------------------ receiving threads' callbacks
 
-    def _land_embedding(self, producer: int, raw: torch.Tensor) -> tuple[list[torch.Tensor], list[WireHeader], int]:
+    def _land_embedding(self, producer: int, raw: torch.Tensor) -> list[tuple[WireHeader, torch.Tensor | None]]:
         headers = decode_header(raw, expected_channel=CHANNEL_EMBEDDING, peer=producer)
         with self._cond:
             plan = self._plans[producer]
@@ -356,41 +354,36 @@ class EmbeddingPool:
                 self._held[(producer, *header.key)] = _Held(EmbeddingHandle(
                     header.sample_id, header.step, producer, self.rank, header.shape, header.dtype, header.nbytes,
                     tier))
-        return self._payload_buffers(headers), headers, len(headers)
+        return [(h, self._payload_buffer(h)) for h in headers]
 
-    def _deliver_embedding(self, producer: int, headers: list[WireHeader], buffers: list[torch.Tensor]) -> None:
+    def _deliver_embedding(self, producer: int, header: WireHeader, buffer: torch.Tensor | None) -> None:
+        key = (producer, *header.key)
         with self._cond:
-            tiers = [self._held[(producer, *h.key)].handle.tier for h in headers]
-        tensors = []
+            tier = self._held[key].handle.tier
+        tensor = self._unpack(header, buffer)
         # Off the lock: a device copy may take a while and get() of other items must not wait for it.
-        for tensor, tier in zip(self._unpack(headers, buffers), tiers):
-            if tier == "host" and tensor.device.type != "cpu":
-                tensor = tensor.cpu()
-            elif tier == "device" and tensor.device != self.device:
-                tensor = tensor.to(self.device)
-            tensors.append(tensor)
+        if tier == "host" and tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        elif tier == "device" and tensor.device != self.device:
+            tensor = tensor.to(self.device)
         with self._cond:
-            for header, tensor in zip(headers, tensors):
-                self._held[(producer, *header.key)].tensor = tensor
-                self._counters.bytes_received += header.nbytes
+            self._held[key].tensor = tensor
+            self._counters.bytes_received += header.nbytes
             self._cond.notify_all()
 
-    def _land_credit(self, consumer: int, raw: torch.Tensor) -> tuple[list[torch.Tensor], list[WireHeader], int]:
-        headers = decode_header(raw, expected_channel=CHANNEL_CREDIT, peer=consumer)
-        return [], headers, len(headers)
+    def _land_credit(self, consumer: int, raw: torch.Tensor) -> list[tuple[WireHeader, None]]:
+        return [(h, None) for h in decode_header(raw, expected_channel=CHANNEL_CREDIT, peer=consumer)]
 
-    def _deliver_credit(self, consumer: int, credits: list[WireHeader], _: list[torch.Tensor]) -> None:
+    def _deliver_credit(self, consumer: int, credit: WireHeader, _: torch.Tensor | None) -> None:
         with self._cond:
-            for credit in credits:
-                sent = self._sent.pop((consumer, *credit.key), None)
-                if sent is None or sent.nbytes != credit.nbytes:
-                    raise PoolProtocolError(f"rank {consumer} returned a credit for sample {credit.sample_id} (step "
-                                            f"{credit.step}, {credit.nbytes} B) that rank {self.rank} has not sent "
-                                            f"to it")
-                self._counters.add_inflight(-credit.nbytes, -1)
+            sent = self._sent.pop((consumer, *credit.key), None)
+            if sent is None or sent.nbytes != credit.nbytes:
+                raise PoolProtocolError(f"rank {consumer} returned a credit for sample {credit.sample_id} (step "
+                                        f"{credit.step}, {credit.nbytes} B) that rank {self.rank} has not sent to it")
+            self._counters.add_inflight(-credit.nbytes, -1)
             self._cond.notify_all()
 
-    def _land_grad(self, consumer: int, raw: torch.Tensor) -> tuple[list[torch.Tensor], list[WireHeader], int]:
+    def _land_grad(self, consumer: int, raw: torch.Tensor) -> list[tuple[WireHeader, torch.Tensor | None]]:
         headers = decode_header(raw, expected_channel=CHANNEL_GRAD, peer=consumer)
         with self._cond:
             for header in headers:
@@ -398,29 +391,27 @@ class EmbeddingPool:
                     raise PoolProtocolError(f"rank {consumer} returned a gradient for sample {header.sample_id} "
                                             f"(step {header.step}) that rank {self.rank} did not send it (or got "
                                             f"twice)")
-        return self._payload_buffers(headers), headers, len(headers)
+        return [(h, self._payload_buffer(h)) for h in headers]
 
-    def _deliver_grad(self, consumer: int, headers: list[WireHeader], buffers: list[torch.Tensor]) -> None:
-        grads = self._unpack(headers, buffers)
+    def _deliver_grad(self, consumer: int, header: WireHeader, buffer: torch.Tensor | None) -> None:
+        grad = self._unpack(header, buffer)
+        key = (consumer, *header.key)
         with self._cond:
-            for header, grad in zip(headers, grads):
-                key = (consumer, *header.key)
-                self._grads_owed.discard(key)
-                self._grads[key] = grad
-                self._counters.grads_received += 1
-                self._counters.grad_bytes_received += header.nbytes
+            self._grads_owed.discard(key)
+            self._grads[key] = grad
+            self._counters.grads_received += 1
+            self._counters.grad_bytes_received += header.nbytes
             self._cond.notify_all()
 
-    def _payload_buffers(self, headers: list[WireHeader]) -> list[torch.Tensor]:
-        """One receive buffer per item that has a payload, in send order."""
-        return [torch.empty(h.nbytes, dtype=torch.uint8, device=self._wire_device) for h in headers if has_payload(h)]
+    def _payload_buffer(self, header: WireHeader) -> torch.Tensor | None:
+        """The receive buffer of an item's payload (None: the item has none)."""
+        return torch.empty(header.nbytes, dtype=torch.uint8, device=self._wire_device) if has_payload(header) else None
 
-    def _unpack(self, headers: list[WireHeader], buffers: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each item's tensor, viewing its received bytes (an empty item gets an empty tensor)."""
-        it = iter(buffers)
-        return [from_bytes(next(it) if has_payload(h) else torch.empty(0, dtype=torch.uint8,
-                                                                         device=self._wire_device), h)
-                for h in headers]
+    def _unpack(self, header: WireHeader, buffer: torch.Tensor | None) -> torch.Tensor:
+        """The item's tensor, viewing its received bytes (an empty item gets an empty tensor)."""
+        if buffer is None:
+            buffer = torch.empty(0, dtype=torch.uint8, device=self._wire_device)
+        return from_bytes(buffer, header)
 
     # ------------------------------------------------------------------ helpers
 
@@ -455,7 +446,7 @@ class EmbeddingPool:
         if box is None:
             header_tag, payload_tag = _OUT_TAGS[header.channel]
             box = Outbox(cond=self._cond, peer=peer, group=self.group, channel=header.channel,
-                         header_tag=header_tag, payload_tag=payload_tag, coalesce_bytes=self.coalesce_bytes,
+                         header_tag=header_tag, payload_tag=payload_tag, max_batch_items=self.max_batch_items,
                          on_sent=self._on_sent, name=f"pool-r{self.rank}-{CHANNEL_NAMES[header.channel]}-to-r{peer}",
                          wire_device=self._wire_device)
             self._outboxes[(peer, header.channel)] = box

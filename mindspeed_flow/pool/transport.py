@@ -24,13 +24,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from mindspeed_flow.pool.wire import MAX_BATCH, WireHeader, as_bytes, encode_header, has_payload
+from mindspeed_flow.pool.wire import WireHeader, as_bytes, encode_header, has_payload
 
-# Called with the received header tensor; returns the payload buffers to receive into, in send order (empty: no
-# payload), a context handed on to `Deliver`, and how many items the message carries. Runs on the stream thread,
-# outside the pool lock.
-Land = Callable[[torch.Tensor], tuple[list[torch.Tensor], Any, int]]
-Deliver = Callable[[Any, list[torch.Tensor]], None]
+# Called with the received header tensor; returns one (context, payload buffer or None) per item of the message,
+# in send order. Runs on the stream thread, outside the pool lock. `Deliver` gets each item once its bytes are in.
+Land = Callable[[torch.Tensor], list[tuple[Any, torch.Tensor | None]]]
+Deliver = Callable[[Any, torch.Tensor | None], None]
 
 
 class InboundStream:
@@ -65,7 +64,7 @@ class InboundStream:
         self.messages = 0   # messages landed
         self.closed = False
         self.error: BaseException | None = None
-        self._landed: deque[tuple[list[dist.Work], list[torch.Tensor], Any, int]] = deque()  # in order
+        self._landed: deque[tuple[dist.Work | None, torch.Tensor | None, Any]] = deque()  # items, in order
         self._threads = [threading.Thread(target=self._guard, args=(self._next_header,), name=f"{name}-headers",
                                           daemon=True),
                          threading.Thread(target=self._guard, args=(self._next_payload,), name=f"{name}-payloads",
@@ -104,13 +103,16 @@ class InboundStream:
             header = torch.empty(self.header_len, dtype=torch.int64, device=self.wire_device)
             work = dist.irecv(header, src=self.peer, group=self.group, tag=self.header_tag)
         work.wait()  # every work is waited exactly once: a second wait on a gloo work blocks
-        buffers, context, count = self.land(header)
+        items = self.land(header)
         with self.cond:
-            assert self.payload_tag is not None or not buffers, "a payload was announced on a header-only channel"
-            works = [dist.irecv(b, src=self.peer, group=self.group, tag=self.payload_tag) for b in buffers]
-            self.announced += count
+            for context, buffer in items:
+                work = None
+                if buffer is not None:
+                    assert self.payload_tag is not None, "a payload was announced on a header-only channel"
+                    work = dist.irecv(buffer, src=self.peer, group=self.group, tag=self.payload_tag)
+                self._landed.append((work, buffer, context))
+            self.announced += len(items)
             self.messages += 1
-            self._landed.append((works, buffers, context, count))
             self.cond.notify_all()
         return True
 
@@ -120,12 +122,12 @@ class InboundStream:
                 self.cond.wait()
             if self.closed:
                 return False
-            works, buffers, context, count = self._landed.popleft()
-        for work in works:
+            work, buffer, context = self._landed.popleft()
+        if work is not None:
             work.wait()
-        self.deliver(context, buffers)
+        self.deliver(context, buffer)
         with self.cond:
-            self.received += count
+            self.received += 1
             self.cond.notify_all()
         return True
 
@@ -145,18 +147,19 @@ def run_guarded(owner: "InboundStream | Outbox", step: Callable[[], bool]) -> No
 
 
 class Outbox:
-    """Sends the items queued for one peer on one channel, coalescing those that queue up behind a send.
+    """Sends the items queued for one peer on one channel, coalescing those that queue up behind the sends.
 
-    `push` (with `cond` held) queues an item and returns; the outbox thread sends what is queued as one message
-    (one header for up to MAX_BATCH items and `coalesce_bytes` of payload, a larger item alone; the payloads are
-    posted with the header, never copied), waits for the sends to complete, and loops. An item pushed while the link is idle leaves at once, alone; items pushed
-    while a send is in flight leave together next, so per-item costs shrink exactly when items are small and
-    many, and no item ever waits for a timer or for a batch to fill.
+    `push` (with `cond` held) queues an item and returns. A posting thread sends what is queued as one message
+    (one header for up to `max_batch_items` items, their payloads posted with it, never copied) while fewer than
+    `window` messages are in flight; a reaping thread waits for the oldest message's sends to complete. Items
+    pushed while the window is free leave at once; items pushed while it is full leave together in the next
+    message, so per-item costs shrink exactly when items are small and many, and no item ever waits for a timer
+    or for a batch to fill. Two messages in flight keep the link busy while one of them is being reaped.
     """
 
     def __init__(self, *, cond: threading.Condition, peer: int, group: dist.ProcessGroup | None, channel: int,
-                 header_tag: int, payload_tag: int | None, coalesce_bytes: int,
-                 on_sent: Callable[[list[WireHeader]], None], name: str,
+                 header_tag: int, payload_tag: int | None, max_batch_items: int,
+                 on_sent: Callable[[list[WireHeader]], None], name: str, window: int = 2,
                  wire_device: torch.device = torch.device("cpu")) -> None:
         self.cond = cond
         self.peer = peer
@@ -165,19 +168,25 @@ class Outbox:
         self.on_sent = on_sent
         self.header_tag = header_tag
         self.payload_tag = payload_tag
-        self.coalesce_bytes = coalesce_bytes
+        self.max_batch_items = max_batch_items
+        self.window = window
         self.wire_device = wire_device
         self.pushed = 0     # items queued so far
         self.sent = 0       # items whose message completed
         self.messages = 0   # messages completed
-        self.in_flight: list[WireHeader] = []  # the items of the message being sent
         self.closed = False
         self.error: BaseException | None = None
         self._queue: deque[tuple[WireHeader, torch.Tensor | None]] = deque()
-        self._thread = threading.Thread(target=run_guarded, args=(self, self._send_next), name=name, daemon=True)
+        # posted messages, oldest first: (items, works, buffers kept alive until the works complete)
+        self._in_flight: deque[tuple[list[WireHeader], list[dist.Work], list[torch.Tensor]]] = deque()
+        self._threads = [threading.Thread(target=run_guarded, args=(self, self._post_next), name=f"{name}-post",
+                                          daemon=True),
+                         threading.Thread(target=run_guarded, args=(self, self._reap_next), name=f"{name}-reap",
+                                          daemon=True)]
 
     def start(self) -> None:
-        self._thread.start()
+        for t in self._threads:
+            t.start()
 
     def push(self, header: WireHeader, tensor: torch.Tensor | None) -> None:
         """Queue one item (call with `cond` held)."""
@@ -188,7 +197,7 @@ class Outbox:
         self.cond.notify_all()
 
     def close(self) -> None:
-        """Stop once the queue is empty (call with `cond` held)."""
+        """Stop once nothing is queued or in flight (call with `cond` held)."""
         self.closed = True
         self.cond.notify_all()
 
@@ -198,41 +207,44 @@ class Outbox:
 
     def pending(self) -> list[WireHeader]:
         """Items not yet received by the peer: in flight first, then queued (call with `cond` held)."""
-        return [*self.in_flight, *(h for h, _ in self._queue)]
+        return [*(h for items, _, _ in self._in_flight for h in items), *(h for h, _ in self._queue)]
 
     def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
+        for t in self._threads:
+            t.join(timeout)
 
-    def _take_batch(self) -> list[tuple[WireHeader, torch.Tensor | None]]:
-        batch = [self._queue.popleft()]
-        size = batch[0][0].nbytes
-        while self._queue and len(batch) < MAX_BATCH and size + self._queue[0][0].nbytes <= self.coalesce_bytes:
-            size += self._queue[0][0].nbytes
-            batch.append(self._queue.popleft())
-        return batch
-
-    def _send_next(self) -> bool:
+    def _post_next(self) -> bool:
         with self.cond:
-            while not self._queue and not self.closed:
+            while (not self._queue or len(self._in_flight) >= self.window) and not self.closed:
                 self.cond.wait()
             if not self._queue:
                 return False
-            batch = self._take_batch()
-            self.in_flight = [h for h, _ in batch]
-        headers = [h for h, _ in batch]
-        header = encode_header(headers).to(self.wire_device)
-        payloads = [as_bytes(t) for h, t in batch if t is not None and has_payload(h)]
-        with self.cond:  # posted under the lock (see InboundStream._next_header)
+            n = min(len(self._queue), self.max_batch_items)
+            batch = [self._queue.popleft() for _ in range(n)]
+            items = [h for h, _ in batch]
+            header = encode_header(items).to(self.wire_device)
+            payloads = [as_bytes(t) for h, t in batch if t is not None and has_payload(h)]
+            # Posted under the lock (see InboundStream._next_header); posting never blocks.
             ops = [dist.P2POp(dist.isend, header, self.peer, self.group, self.header_tag)]
             ops += [dist.P2POp(dist.isend, p, self.peer, self.group, self.payload_tag) for p in payloads]
-            works = list(dist.batch_isend_irecv(ops))
-        for work in works:  # waited here, once; the buffers stay alive until then
+            self._in_flight.append((items, list(dist.batch_isend_irecv(ops)), [header, *payloads]))
+            self.cond.notify_all()
+        return True
+
+    def _reap_next(self) -> bool:
+        with self.cond:
+            while not self._in_flight and not (self.closed and not self._queue):
+                self.cond.wait()
+            if not self._in_flight:
+                return False
+            items, works, _ = self._in_flight[0]
+        for work in works:  # waited here, once
             work.wait()
         with self.cond:
-            self.sent += len(batch)
+            self._in_flight.popleft()
+            self.sent += len(items)
             self.messages += 1
-            self.in_flight = []
-            self.on_sent(headers)
+            self.on_sent(items)
             self.cond.notify_all()
         return True
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from mindspeed_flow.data.prefetch import prefetch_samples
 from mindspeed_flow.data.sample import VLMSample
-from mindspeed_flow.hosts.torch.data_parallel import allreduce_grads_, grad_sync
+from mindspeed_flow.hosts.torch.data_parallel import allreduce_grads_, check_finite_norm, grad_sync
 from mindspeed_flow.runtime.metrics import StepRecord
 from mindspeed_flow.runtime.optim import PartOptimizer, lr_at
 from mindspeed_flow.runtime.plan import StepWork
@@ -233,16 +233,18 @@ class StepEngine:
         opt = self.optim.optimizer
         if opt is None:  # frozen encoder rank: nothing to update
             return
+        # Norm, clip and step are queued on the device with no host sync; the norm is read once, after the step.
         norm = self.optim.global_norm(self.norm_group)
-        record["grad_norm"] = norm
-        if not torch.isfinite(torch.tensor(norm)):
-            raise NonFiniteLoss(f"step {step}: the global gradient norm is {norm}; refusing the optimizer step")
         self.optim.clip(norm, self.grad_clip)
         lr = lr_at(step, self.base_lr, self.warmup_steps)
         for g in opt.param_groups:
             g["lr"] = lr
         opt.step()
         opt.zero_grad(set_to_none=True)
+        try:
+            record["grad_norm"] = check_finite_norm(norm)
+        except FloatingPointError as exc:  # the update is spoilt: stop here, the last checkpoint is intact
+            raise NonFiniteLoss(f"step {step}: {exc}; the run stops (this step's update is not saved)") from exc
 
     def _pool_stats(self, record: StepRecord) -> None:
         if self.pool is None:
