@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -104,22 +103,32 @@ def test_all_ranks_draw_the_same_batches() -> None:
 
 # ---- prefetcher --------------------------------------------------------------------------------------------------
 def test_prefetcher_keeps_order_and_runs_ahead_bounded() -> None:
-    calls: list[int] = []
-    lock = threading.Lock()
+    depth = 3
+    cond = threading.Condition()
+    calls: list[tuple[int, int]] = []  # (item, items the consumer had started to take when fn(item) began)
+    taking = 0
 
     def fn(i: int) -> int:
-        with lock:
-            calls.append(i)
+        with cond:
+            calls.append((i, taking))
+            cond.notify_all()
         return i * i
 
-    with Prefetcher(fn, range(20), depth=3) as loader:
-        assert next(loader) == 0
-        deadline = time.monotonic() + 5.0
-        while len(calls) < 5 and time.monotonic() < deadline:  # works ahead while the consumer holds item 0
-            time.sleep(0.005)
-        time.sleep(0.05)
-        assert len(calls) == 5  # item 0 consumed, 3 queued, 1 computed and waiting for room: bounded by depth
-        assert list(loader) == [i * i for i in range(1, 20)]
+    with Prefetcher(fn, range(20), depth=depth) as loader:
+        out = []
+        for _ in range(20):
+            with cond:
+                taking += 1
+            out.append(next(loader))
+            if len(out) == 1:  # hold item 0 until the loader has worked ahead to its bound
+                with cond:
+                    cond.wait_for(lambda: len(calls) >= 1 + depth + 1)
+        assert out == [i * i for i in range(20)]
+    # Work-ahead is bounded by depth (queued) plus the one being computed, whatever the threads' timing: fn(i)
+    # can only start once item i - depth - 1 has left the queue, which the consumer started to take before.
+    assert [i for i, _ in calls] == list(range(20))
+    assert all(i <= started + depth for i, started in calls), calls
+    assert any(i == started + depth for i, started in calls)  # and it does work ahead that far
 
 
 def test_prefetcher_reraises_at_the_failing_item_and_close_stops_the_thread() -> None:

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -167,17 +166,21 @@ def test_answers_are_a_function_of_the_image_and_question() -> None:
     assert len(classes) == NUM_CLASSES  # the signal is there and varied, not a constant
 
 
-def test_tiny_demo_generation_is_fast() -> None:
+def test_shapes_are_planned_without_rendering(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank plans from shapes, so shape() must stay cheap: it draws the plan, never pixels or token ids."""
+    import mindspeed_flow.data.synthetic as synthetic
+
     ds = SyntheticInfoVQA(SyntheticParams(num_samples=4096, seed=0, **TINY_DEMO), _spec())
-    ds.sample(0)
-    start = time.perf_counter()
-    for i in range(16):  # one global batch of the demo
-        ds.sample(i)
-    assert time.perf_counter() - start < 1.0
-    start = time.perf_counter()
-    for i in range(4096):
-        ds.shape(i)
-    assert time.perf_counter() - start < 10.0  # every rank plans from shapes; keep them cheap
+    rendered = []
+    real_render = synthetic.render_sample
+    monkeypatch.setattr(synthetic, "render_sample", lambda *a, **k: rendered.append(a) or real_render(*a, **k))
+    shapes = [ds.shape(i) for i in range(4096)]
+    assert rendered == []
+    assert all(ds.shape(i) is shapes[i] for i in range(0, 4096, 97))  # planned once, then cached
+    for i in range(16):  # and the shape is the rendered sample's
+        sample = ds.sample(i)
+        assert shapes[i].llm_tokens == sample.llm_tokens, i
+    assert len(rendered) == 16
 
 
 def test_invalid_parameters_name_the_field() -> None:

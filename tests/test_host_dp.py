@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_flow.hosts.torch import build_vlm, hf_compat, split_vlm
-from mindspeed_flow.hosts.torch.data_parallel import (DTensor, allreduce_grads_, apply_ddp, apply_fsdp, clip_grads_,
+from mindspeed_flow.hosts.torch.data_parallel import (DTensor, allreduce_grads_, apply_ddp, apply_fsdp,
+                                                      check_finite_norm, clip_grads_,
                                                       dp_loss_scale, global_grad_norm, grad_sq_sum, grad_sync)
 from mindspeed_flow.hosts.torch.testing import make_samples
 from mindspeed_flow.model_presets import hf_config_dict
@@ -45,9 +46,10 @@ def _train(backbone, forward, packs, embeds, mine, replicated_over, dp_group):
                 loss, _ = forward(packs[i], embeds[i])
                 (loss * scale / n_labels).backward()
         norm = global_grad_norm([grad_sq_sum(backbone, replicated_over=replicated_over)])
+        assert norm.dim() == 0 and norm.device == next(backbone.parameters()).device  # stays where the grads are
         clip_grads_(backbone.parameters(), norm, MAX_NORM)
         opt.step()
-        norms.append(norm)
+        norms.append(float(norm))
     return norms
 
 
@@ -123,10 +125,15 @@ def test_grad_sq_sum_and_clip_rules():
     p = torch.nn.Parameter(torch.zeros(4))
     p.grad = torch.full((4,), 2.0)  # squared norm 16
     assert grad_sq_sum([p], replicated_over=4).item() == 4.0
-    assert clip_grads_([p], total_norm=4.0, max_norm=8.0) == 1.0 and p.grad[0].item() == 2.0
-    coef = clip_grads_([p], total_norm=4.0, max_norm=1.0)
-    assert abs(coef - 1.0 / (4.0 + 1e-6)) < 1e-12 and abs(p.grad[0].item() - 2.0 * coef) < 1e-7
+    assert clip_grads_([p], total_norm=4.0, max_norm=8.0).item() == 1.0 and p.grad[0].item() == 2.0
+    coef = clip_grads_([p], total_norm=torch.tensor(4.0), max_norm=1.0).item()
+    assert abs(coef - 1.0 / (4.0 + 1e-6)) < 1e-7 and abs(p.grad[0].item() - 2.0 * coef) < 1e-7
     with pytest.raises(ValueError, match="replicated_over=0"):
         grad_sq_sum([p], replicated_over=0)
     with pytest.raises(FloatingPointError, match="non-finite"):
         clip_grads_([p], float("nan"), 1.0)
+    # A device norm is never read inside clip (no host sync): a NaN spoils the factor, the caller's check names it.
+    nan_coef = clip_grads_([p], torch.tensor(float("nan")), 1.0)
+    assert torch.isnan(nan_coef) and torch.isnan(p.grad).all()
+    with pytest.raises(FloatingPointError, match="global gradient norm is inf"):
+        check_finite_norm(global_grad_norm([torch.tensor(float("inf")), torch.tensor(1.0)]))

@@ -32,8 +32,13 @@ def test_every_scheduler_places_each_sample_once_within_budget(scheduler: str, p
         p.check(shapes)  # exactly once, <= budget, equal counts, every image-bearing sample encoded once
         assert p.num_slots >= 4
         assert all(mb.padded_tokens >= mb.tokens for rank in p.microbatches for mb in rank)
-        if scheduler in ("flow", "first_fit"):
-            assert p.seq_len <= 16384 and all(mb.padded_tokens == p.seq_len for r in p.microbatches for mb in r)
+        # What the engine computes over: every microbatch, empty ones included, is one packed sequence of the
+        # plan's seq_len (the runtime pads to `plan.seq_len or token_budget`); the metrics' padding is this.
+        engine_len = p.seq_len or 16384
+        assert p.seq_len <= 16384 and all(mb.padded_tokens == engine_len for r in p.microbatches for mb in r)
+        assert p.padded_tokens == sum(len(r) for r in p.microbatches) * engine_len
+        longest = max(mb.tokens for r in p.microbatches for mb in r)
+        assert engine_len == (-(-longest // pad_multiple) * pad_multiple if pad_multiple else 16384)
 
 
 def test_check_catches_a_broken_plan() -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 import warnings
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from mindspeed_flow.pool import (EmbeddingPool, PoolError, PoolPeerError, PoolProtocolError, PoolShapeError,
                                  PoolTimeout)
+from mindspeed_flow.pool.wire import MAX_BATCH
 from mindspeed_flow.utils.multiproc import RankFailure, run_ranks
 
 HIDDEN = 8
@@ -28,14 +30,37 @@ def _grad_of(emb: torch.Tensor, sample_id: int) -> torch.Tensor:
     return emb * 2 + sample_id
 
 
-def _all_credited(pool: EmbeddingPool, within_s: float = 10.0) -> bool:
-    """Wait until every item this rank sent has been credited back (False if that takes over `within_s`)."""
-    deadline = time.monotonic() + within_s
+def _wait_all_credited(pool: EmbeddingPool) -> None:
+    """Wait until every item this rank sent has been credited back (run_ranks' timeout catches a hang)."""
     while pool.stats().inflight_items:
-        if time.monotonic() > deadline:
-            return False
         time.sleep(0.01)
-    return True
+
+
+GO_TAG = 0x60  # the tests' own "go on" message between ranks, far from the pool's tags
+
+
+def _signal(peers: list[int]) -> None:
+    for peer in peers:
+        dist.send(torch.ones(1), dst=peer, tag=GO_TAG)
+
+
+def _await_signal(src: int) -> None:
+    dist.recv(torch.empty(1), src=src, tag=GO_TAG)
+
+
+def _signal_once_a_put_blocks(pool: EmbeddingPool, peers: list[int]) -> threading.Thread:
+    """From a side thread: tell `peers` to start consuming once a put of this rank is waiting for credits.
+
+    Consumers that hold back until then make "the producer blocked on a full pool" an event, not a race.
+    """
+    def run() -> None:
+        while pool.stats().put_blocks == 0:
+            time.sleep(0.005)
+        _signal(peers)
+
+    thread = threading.Thread(target=run, name="test-go-when-blocked", daemon=True)
+    thread.start()
+    return thread
 
 
 def _pool(rank: int, **kw: object) -> EmbeddingPool:
@@ -205,7 +230,7 @@ def _back_to_back_pools(rank: int, world: int) -> int:
                 assert torch.equal(pool.get(sample_id=sid, step=step, producer=0), _embedding(sid, step, 4))
                 done += 1
         pool.flush()
-        assert _all_credited(pool), f"step {step}: credits stopped arriving: {pool.inflight_handles()}"
+        _wait_all_credited(pool)
         dist.barrier()
         pool.close()
     return done
@@ -248,6 +273,48 @@ def test_pool_traffic_beside_collectives_on_the_same_group():
     assert run_ranks(_with_collectives, 2, timeout_s=40) == [[1.0, 3.0, 5.0, 7.0]] * 2
 
 
+# ---------------------------------------------------------------- coalescing: items queued behind a send leave together
+
+COALESCED = [(sid, step, (3 + (5 * sid) % 7, HIDDEN), dtype)  # odd byte sizes: offsets in a batch must be aligned
+             for step in (0, 1) for sid, dtype in enumerate([torch.float32, torch.bfloat16, torch.float16] * 3)]
+
+
+def _coalesced(rank: int, world: int) -> dict:
+    pool = _pool(rank)
+    if rank == 0:
+        for sid, step, shape, dtype in COALESCED:  # both steps before the consumer expects anything
+            pool.put(_embedding(sid, step, shape[0], dtype), sample_id=sid, step=step, consumer=1)
+        _signal([1])
+        for sid, step, shape, dtype in COALESCED:
+            grad = pool.wait_grad(sample_id=sid, step=step, consumer=1)
+            assert torch.equal(grad, _grad_of(_embedding(sid, step, shape[0], dtype), sid)), (sid, step)
+    else:
+        _await_signal(0)
+        for step in (0, 1):  # step 1's plan is learnt only after step 0: its first items may already be here
+            items = [(sid, t) for sid, t, _, _ in COALESCED if t == step]
+            pool.expect(producer=0, items=items)
+            for sid, t, shape, dtype in reversed([c for c in COALESCED if c[1] == step]):
+                emb = pool.get(sample_id=sid, step=t, producer=0, expected_shape=shape)
+                assert emb.dtype == dtype and torch.equal(emb, _embedding(sid, t, shape[0], dtype)), (sid, t)
+                pool.return_grad(_grad_of(emb, sid), sample_id=sid, step=t, producer=0)
+    pool.flush()
+    dist.barrier()
+    stats = pool.stats().as_dict()
+    pool.close()
+    return stats
+
+
+def test_items_queued_behind_a_send_are_coalesced_exactly():
+    producer, consumer = run_ranks(_coalesced, 2, timeout_s=60)
+    n = len(COALESCED)
+    # A send completes only once the consumer has posted its receive, which it does after the signal, i.e. after
+    # every put: the first two messages (the window) may leave with one item each, everything else queues behind
+    # them and leaves in full batches.
+    assert producer["puts"] == n and producer["embedding_messages"] <= 2 + -(-(n - 2) // MAX_BATCH)
+    assert consumer["gets"] == n and consumer["grads_sent"] == n and producer["grads_received"] == n
+    assert producer["inflight_items"] == 0 and consumer["buffered_items"] == 0
+
+
 # ---------------------------------------------------------------- backpressure and the oversize rule
 
 ITEM_TOKENS = [4, 6, 3, 5, 40, 4, 2, 6, 5, 3]  # 40 tokens = 1280 B > capacity: the oversize item
@@ -259,6 +326,7 @@ def _backpressure(rank: int, world: int) -> dict:
     items = [(sid, 1 + sid % 2, tokens) for sid, tokens in enumerate(ITEM_TOKENS)]
     over_capacity_seen = []
     if rank == 0:
+        go = _signal_once_a_put_blocks(pool, [1, 2])
         for sid, consumer, tokens in items:
             h = pool.put(_embedding(sid, 0, tokens), sample_id=sid, step=0, consumer=consumer)
             inflight = pool.inflight_handles()
@@ -266,11 +334,12 @@ def _backpressure(rank: int, world: int) -> dict:
                 over_capacity_seen.append([x.sample_id for x in inflight])
             if h.nbytes > CAPACITY:  # it waited for an empty pipe, and nothing may join it
                 assert [x.sample_id for x in inflight] in ([sid], []), inflight
+        go.join()
     else:
         pool.expect(producer=0, items=[(sid, 0) for sid, c, _ in items if c == rank])
+        _await_signal(0)  # a slow backbone: nothing is taken before the producer has hit the capacity
         for sid, consumer, tokens in items:
             if consumer == rank:
-                time.sleep(0.03)  # a slow backbone
                 assert torch.equal(pool.get(sample_id=sid, step=0, producer=0), _embedding(sid, 0, tokens))
     pool.flush()
     dist.barrier()
@@ -282,7 +351,7 @@ def _backpressure(rank: int, world: int) -> dict:
 def test_backpressure_bounds_inflight_bytes_and_lets_one_oversize_item_through():
     producer, c1, c2 = run_ranks(_backpressure, 3, timeout_s=40)
     oversize = 40 * HIDDEN * 4
-    assert producer["put_wait_s"] > 0.02, "the producer never blocked on a full pool"
+    assert producer["put_blocks"] >= 1, "the producer never blocked on a full pool"
     assert producer["oversize_puts"] == 1
     assert producer["inflight_peak_bytes"] <= oversize
     assert producer["occupancy_peak_bytes"] == producer["inflight_peak_bytes"]  # a pure producer holds nothing else
@@ -302,10 +371,8 @@ def _host_tier(rank: int, world: int) -> dict:
             pool.put(_embedding(sid, 0, tokens), sample_id=sid, step=0, consumer=1)
     else:
         pool.expect(producer=0, items=[(sid, 0) for sid in range(len(sizes))])
-        deadline = time.monotonic() + 10
         while len(pool.buffered_handles()) < len(sizes) or pool.stats().bytes_received < 1120:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+            time.sleep(0.01)  # all four land without a get (run_ranks' timeout catches a hang)
         tiers = {h.sample_id: h.tier for h in pool.buffered_handles()}
         assert tiers == {0: "device", 1: "host", 2: "device", 3: "host"}, tiers
         for sid, tokens in enumerate(sizes):
@@ -340,6 +407,8 @@ def _frozen(rank: int, world: int) -> dict:
                 inflight = pool.inflight_handles()
                 ran_ahead += int(min(h.step for h in inflight) < step)  # an earlier step is still being consumed
                 max_inflight = max(max_inflight, len(inflight))
+                if step > 0 and sid == 0:
+                    _signal([1])  # the consumer takes the last item of the previous step only after this put
             if step == 0:
                 pool.reset_step_stats()
         try:
@@ -351,20 +420,20 @@ def _frozen(rank: int, world: int) -> dict:
         for step in range(STEPS):  # the consumer learns each step's plan only when it starts the step
             pool.expect(producer=0, items=[(sid, step) for sid in range(PER_STEP)])
             for sid in range(PER_STEP):
-                time.sleep(0.05)
+                if step < STEPS - 1 and sid == PER_STEP - 1:
+                    _await_signal(0)
                 assert torch.equal(pool.get(sample_id=sid, step=step, producer=0), _embedding(sid, step, TOKENS))
     pool.flush()
     dist.barrier()
     stats = pool.stats()
-    return {"ran_ahead": ran_ahead, "max_inflight": max_inflight, "put_wait_s": stats.put_wait_s,
-            "puts": stats.puts, "peak": stats.inflight_peak_bytes}
+    return {"ran_ahead": ran_ahead, "max_inflight": max_inflight, "puts": stats.puts,
+            "peak": stats.inflight_peak_bytes}
 
 
 def test_frozen_encoder_runs_ahead_bounded_by_capacity():
     producer, _ = run_ranks(_frozen, 2, timeout_s=40)
     assert producer["ran_ahead"] >= 2, "the producer never put a later step while an earlier one was in flight"
-    assert producer["max_inflight"] <= 2 and producer["peak"] <= 2 * ITEM_BYTES
-    assert producer["put_wait_s"] > 0.03  # blocked on credits, not on steps
+    assert producer["max_inflight"] <= 2 and producer["peak"] <= 2 * ITEM_BYTES  # bounded by credits, not steps
     assert producer["puts"] == (STEPS - 1) * PER_STEP  # reset_step_stats() after step 0
 
 
@@ -388,7 +457,7 @@ def _timeouts(rank: int, world: int) -> dict:
 
 def test_blocking_calls_time_out_naming_the_peer_and_the_item():
     put, _, get = run_ranks(_timeouts, 3, timeout_s=30)
-    assert 0.9 < put["elapsed"] < 5 and 0.9 < get["elapsed"] < 5
+    assert put["elapsed"] >= 1.0 and get["elapsed"] >= 1.0  # never gives up before timeout_s (no upper bound)
     assert "rank 0 waited 1.0 s to put sample 17 (step 2)" in put["message"] and "consumer rank 1" in put["message"]
     assert "rank 2 waited 1.0 s for the embedding of sample 99 (step 3) from producer rank 0" in get["message"]
 
@@ -417,13 +486,12 @@ def test_plan_mismatch_is_reported():
 def _die_when_idle(pool: EmbeddingPool) -> None:
     """SIGKILL this rank once its pool has nothing in flight (so the peer sees a death, not a protocol error)."""
     pool.flush()
-    _all_credited(pool)
+    _wait_all_credited(pool)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _dead_peer(rank: int, world: int, dead: str) -> None:
-    pool = _pool(rank, timeout_s=20.0)
-    start = time.monotonic()
+    pool = _pool(rank, timeout_s=3600.0)  # only the transport, never the clock, can end the wait below
     if rank == 0:
         pool.put(_embedding(0, 0, TOKENS), sample_id=0, step=0, consumer=1)
         if dead == "producer":
@@ -438,8 +506,6 @@ def _dead_peer(rank: int, world: int, dead: str) -> None:
     try:
         call()
     except PoolPeerError as exc:
-        elapsed = time.monotonic() - start
-        assert elapsed < 5, f"the dead peer was noticed only after {elapsed:.1f} s"
         peer = 1 - rank
         assert what in str(exc) and f"from rank {peer}" in str(exc), str(exc)
         return

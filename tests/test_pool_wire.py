@@ -1,44 +1,66 @@
-"""The pool's wire format: headers round-trip every supported dtype/shape, and garbage is rejected by name."""
+"""The pool's wire format: batch headers round-trip every supported dtype/shape, payloads travel as their bytes,
+and garbage is rejected by name."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from mindspeed_flow.pool import PoolProtocolError
-from mindspeed_flow.pool.wire import (CHANNEL_EMBEDDING, CHANNEL_GRAD, DTYPE_CODES, HEADER_LEN, MAX_NDIM, TAGS,
-                                      as_bytes, check_sendable, decode_credit, decode_header, encode_credit,
-                                      encode_header, from_bytes)
+from mindspeed_flow.pool.wire import (CHANNEL_CREDIT, CHANNEL_EMBEDDING, CHANNEL_GRAD, DTYPE_CODES, HEADER_LEN,
+                                      MAX_BATCH, MAX_NDIM, TAGS, as_bytes, check_sendable, credit_header,
+                                      decode_header, encode_header, from_bytes, has_payload, item_header)
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPE_CODES, key=str))
 @pytest.mark.parametrize("shape", [(), (0, 8), (7, 3), (2, 3, 4, 1)])
 def test_header_and_payload_round_trip(dtype: torch.dtype, shape: tuple[int, ...]):
     tensor = (torch.arange(torch.Size(shape).numel()) % 5).reshape(shape).to(dtype)
-    header = encode_header(CHANNEL_EMBEDDING, 17, 3, tensor)
+    header = encode_header([item_header(CHANNEL_EMBEDDING, 17, 3, tensor)])
     assert header.shape == (HEADER_LEN,) and header.dtype == torch.int64
-    meta = decode_header(header, expected_channel=CHANNEL_EMBEDDING, peer=0)
+    [meta] = decode_header(header, expected_channel=CHANNEL_EMBEDDING, peer=0)
     assert (meta.sample_id, meta.step, meta.dtype, meta.shape) == (17, 3, dtype, shape)
+    assert has_payload(meta) == (meta.nbytes > 0)
     payload = as_bytes(tensor)
     assert payload.dtype == torch.uint8 and payload.numel() == meta.nbytes
-    assert torch.equal(from_bytes(payload.clone(), meta), tensor)
+    assert meta.nbytes == 0 or payload.data_ptr() == tensor.data_ptr()  # a contiguous tensor goes without a copy
+    back = from_bytes(payload.clone(), meta)
+    assert back.dtype == tensor.dtype and torch.equal(back, tensor)
+
+
+def test_a_batch_of_mixed_items_round_trips():
+    tensors = [torch.randn(17, 8).to(torch.bfloat16), torch.arange(3, dtype=torch.int64), torch.zeros(0, 4),
+               (torch.arange(5) % 2).bool(), torch.randn(2, 3, dtype=torch.float64)]
+    items = [item_header(CHANNEL_GRAD, sid, 7, t) for sid, t in enumerate(tensors)]
+    decoded = decode_header(encode_header(items), expected_channel=CHANNEL_GRAD, peer=1)
+    assert decoded == items
+    for meta, tensor in zip(decoded, tensors):
+        assert torch.equal(from_bytes(as_bytes(tensor).clone(), meta), tensor)
 
 
 def test_non_contiguous_tensor_travels_as_its_values():
     tensor = torch.arange(12.0).reshape(3, 4).t()
-    meta = decode_header(encode_header(CHANNEL_GRAD, 1, 0, tensor), expected_channel=CHANNEL_GRAD, peer=2)
+    [meta] = decode_header(encode_header([item_header(CHANNEL_GRAD, 1, 0, tensor)]), expected_channel=CHANNEL_GRAD,
+                           peer=2)
     assert torch.equal(from_bytes(as_bytes(tensor).clone(), meta), tensor)
 
 
 def test_garbage_and_wrong_channel_are_named():
     with pytest.raises(PoolProtocolError, match="from rank 3 is not a pool header"):
         decode_header(torch.zeros(HEADER_LEN, dtype=torch.int64), expected_channel=CHANNEL_EMBEDDING, peer=3)
-    grad_header = encode_header(CHANNEL_GRAD, 1, 0, torch.ones(2))
+    grad_header = encode_header([item_header(CHANNEL_GRAD, 1, 0, torch.ones(2))])
     with pytest.raises(PoolProtocolError, match="rank 5 sent a gradient header on the embedding channel"):
         decode_header(grad_header, expected_channel=CHANNEL_EMBEDDING, peer=5)
-    lying = encode_header(CHANNEL_EMBEDDING, 4, 1, torch.ones(2, 2))
-    lying[7] += 1  # nbytes no longer matches the shape
+    lying = encode_header([item_header(CHANNEL_EMBEDDING, 9, 9, torch.ones(1)),
+                           item_header(CHANNEL_EMBEDDING, 4, 1, torch.ones(2, 2))])
+    lying[4 + 13 + 4] += 1  # the second item's nbytes no longer matches its shape
     with pytest.raises(PoolProtocolError, match="sample 4 .step 1."):
         decode_header(lying, expected_channel=CHANNEL_EMBEDDING, peer=0)
+    too_many = encode_header([item_header(CHANNEL_EMBEDDING, 0, 0, torch.ones(1))])
+    too_many[3] = MAX_BATCH + 1
+    with pytest.raises(PoolProtocolError, match=f"announcing {MAX_BATCH + 1} items"):
+        decode_header(too_many, expected_channel=CHANNEL_EMBEDDING, peer=0)
+    with pytest.raises(ValueError, match=f"1..{MAX_BATCH} items of one channel"):
+        encode_header([item_header(CHANNEL_EMBEDDING, i, 0, torch.ones(1)) for i in range(MAX_BATCH + 1)])
 
 
 def test_unsendable_tensors_are_refused_before_sending():
@@ -48,7 +70,10 @@ def test_unsendable_tensors_are_refused_before_sending():
         check_sendable(torch.zeros([1] * (MAX_NDIM + 1)), "put of sample 3")
 
 
-def test_credit_round_trip_and_distinct_tags():
-    assert decode_credit(encode_credit(9, 2, 4096)) == (9, 2, 4096)
+def test_credits_round_trip_without_payload_and_tags_are_distinct():
+    credits = [credit_header(9, 2, 4096), credit_header(10, 2, 0)]
+    decoded = decode_header(encode_header(credits), expected_channel=CHANNEL_CREDIT, peer=0)
+    assert [(c.sample_id, c.step, c.nbytes) for c in decoded] == [(9, 2, 4096), (10, 2, 0)]
+    assert not any(has_payload(c) for c in decoded)
     tags = [TAGS.embedding_header, TAGS.embedding_payload, TAGS.grad_header, TAGS.grad_payload, TAGS.credit]
     assert len(set(tags)) == len(tags) and 0 not in tags

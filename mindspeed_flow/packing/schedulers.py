@@ -8,17 +8,19 @@ rank the same number of microbatches (at least `min_microbatches`, the pipeline 
   capacity that allows it, so tokens spread evenly instead of leaving empty bins; light packs levelled; cost
   buckets + zig-zag over DP ranks x slots; LPT of samples to encoder ranks in consumption order.
 - naive: fixed micro-batch size (as many of the step's longest sample as fit the budget), samples in arrival
-  order, each microbatch padded to its longest sample; contiguous chunks per DP rank.
-- sorted: samples sorted by length, cut into batches that fit the budget when padded to their longest; batches
+  order; contiguous chunks per DP rank.
+- sorted: samples sorted by length, cut into batches that would fit the budget padded to their longest; batches
   dealt round-robin to DP ranks.
 - first_fit: greedy first fit in arrival order into bins of the budget (O(N x bins) scan), round-robin to ranks.
+
+The engine runs every microbatch of every scheduler the same way, as one packed sequence of the step's
+`seq_len` (the longest pack rounded up to `pad_multiple`, or the budget), so each plan's padded tokens, and the
+`padding_fraction` in metrics.jsonl, are what the backbone really computes over.
 """
 from __future__ import annotations
 
 import math
 from typing import Callable, Sequence
-
-import numpy as np
 
 from mindspeed_flow.packing.balance import (
     encoder_schedule, level_bins, round_robin_encoders, split_to_count, zigzag_place,
@@ -91,9 +93,8 @@ def naive_schedule(inp: StepInputs, *, dp: int, num_encoders: int, token_budget:
     per_rank = max(max(len(rank) for rank in placement), min_microbatches)
     for rank in placement:
         rank.extend([] for _ in range(per_rank - len(rank)))
-    return assemble(inp, placement, token_budget=token_budget, num_encoders=num_encoders,
-                    footprint=padded_to_longest(lengths, empty=batch * longest), seq_len=0, scheduler="naive",
-                    balance_encoders=False)
+    return _assemble_packed(inp, placement, token_budget=token_budget, num_encoders=num_encoders,
+                            pad_multiple=pad_multiple, scheduler="naive")
 
 
 def sorted_schedule(inp: StepInputs, *, dp: int, num_encoders: int, token_budget: int, min_microbatches: int,
@@ -107,10 +108,8 @@ def sorted_schedule(inp: StepInputs, *, dp: int, num_encoders: int, token_budget
         else:
             batches.append([i])
     placement = deal_round_robin(batches, dp, min_microbatches)
-    widest = max((len(b) * int(lengths[b[0]]) for b in batches), default=token_budget)
-    return assemble(inp, placement, token_budget=token_budget, num_encoders=num_encoders,
-                    footprint=padded_to_longest(lengths, empty=widest), seq_len=0, scheduler="sorted",
-                    balance_encoders=False)
+    return _assemble_packed(inp, placement, token_budget=token_budget, num_encoders=num_encoders,
+                            pad_multiple=pad_multiple, scheduler="sorted")
 
 
 def first_fit_schedule(inp: StepInputs, *, dp: int, num_encoders: int, token_budget: int, min_microbatches: int,
@@ -128,16 +127,18 @@ def first_fit_schedule(inp: StepInputs, *, dp: int, num_encoders: int, token_bud
             bins.append([i])
             loads.append(length)
     placement = deal_round_robin(bins, dp, min_microbatches)
+    return _assemble_packed(inp, placement, token_budget=token_budget, num_encoders=num_encoders,
+                            pad_multiple=pad_multiple, scheduler="first_fit")
+
+
+def _assemble_packed(inp: StepInputs, placement: list[list[list[int]]], *, token_budget: int, num_encoders: int,
+                     pad_multiple: int, scheduler: str) -> StepPlan:
+    """A baseline's plan as the engine runs it: every microbatch (empty ones included) is one packed sequence of
+    the step's `seq_len`, so the plan's padded tokens are what the backbone really computes over."""
+    loads = [int(inp.lengths[pos].sum()) for rank in placement for pos in rank]
     seq_len = packed_seq_len(loads, token_budget, pad_multiple)
     return assemble(inp, placement, token_budget=token_budget, num_encoders=num_encoders,
-                    footprint=lambda pos: seq_len, seq_len=seq_len, scheduler="first_fit", balance_encoders=False)
-
-
-def padded_to_longest(lengths: np.ndarray, empty: int) -> Callable[[list[int]], int]:
-    """Footprint of a padded batch: rows x its longest sample (an empty one runs a dummy batch of `empty`)."""
-    def footprint(positions: list[int]) -> int:
-        return len(positions) * int(lengths[positions].max()) if positions else empty
-    return footprint
+                    footprint=lambda pos: seq_len, seq_len=seq_len, scheduler=scheduler, balance_encoders=False)
 
 
 SCHEDULERS: dict[str, Callable[..., StepPlan]] = {

@@ -32,8 +32,8 @@ import threading
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,23 +41,15 @@ import torch.distributed as dist
 from mindspeed_flow.pool.errors import PoolError, PoolPeerError, PoolProtocolError, PoolShapeError, PoolTimeout
 from mindspeed_flow.pool.handle import EmbeddingHandle, Tier
 from mindspeed_flow.pool.stats import PoolCounters, PoolStats
-from mindspeed_flow.pool.transport import InboundStream, send_message, wait_work
-from mindspeed_flow.pool.wire import (CHANNEL_EMBEDDING, CHANNEL_GRAD, CREDIT_LEN, HEADER_LEN, TAGS, WireHeader,
-                                      as_bytes, check_sendable, decode_credit, decode_header, encode_credit,
-                                      encode_header, from_bytes, tensor_nbytes)
+from mindspeed_flow.pool.transport import InboundStream, Outbox
+from mindspeed_flow.pool.wire import (CHANNEL_CREDIT, CHANNEL_EMBEDDING, CHANNEL_GRAD, CHANNEL_NAMES, HEADER_LEN,
+                                      MAX_BATCH, TAGS,
+                                      WireHeader, check_sendable, credit_header, decode_header, from_bytes,
+                                      has_payload, item_header, tensor_nbytes)
 from mindspeed_flow.runtime.trace import traced
 
 # (peer rank, sample_id, step): the pool's key for an item on one side of one producer/consumer pair.
 ItemKey = tuple[int, int, int]
-
-
-@dataclass
-class _Sent:
-    """Producer side: an embedding sent to a consumer and not yet credited back."""
-
-    handle: EmbeddingHandle
-    works: list[dist.Work]
-    buffers: tuple[torch.Tensor, ...]  # kept alive until the send completes
 
 
 @dataclass
@@ -67,15 +59,10 @@ class _Held:
     handle: EmbeddingHandle
     tensor: torch.Tensor | None = None  # None while the payload is still arriving
 
-
-@dataclass
-class _PendingSend:
-    """A credit or gradient send that flush() must see completed."""
-
-    peer: int
-    what: str
-    works: list[dist.Work]
-    buffers: tuple[torch.Tensor, ...] = field(default=())
+# Outbound channels: (header tag, payload tag) and whether items carry a payload.
+_OUT_TAGS = {CHANNEL_EMBEDDING: (TAGS.embedding_header, TAGS.embedding_payload),
+             CHANNEL_GRAD: (TAGS.grad_header, TAGS.grad_payload),
+             CHANNEL_CREDIT: (TAGS.credit, None)}
 
 
 def _transport_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
@@ -92,7 +79,8 @@ class EmbeddingPool:
     """Per-sample embedding transfer between producer and consumer ranks, with credits and a gradient path."""
 
     def __init__(self, *, rank: int, group: dist.ProcessGroup | None, capacity_bytes: int, timeout_s: float,
-                 device: torch.device, host_tier_bytes: int | None = None, return_grads: bool = True) -> None:
+                 device: torch.device, host_tier_bytes: int | None = None, return_grads: bool = True,
+                 max_batch_items: int = MAX_BATCH) -> None:
         if not dist.is_initialized():
             raise RuntimeError("EmbeddingPool needs an initialized torch.distributed process group")
         if capacity_bytes <= 0:
@@ -101,6 +89,9 @@ class EmbeddingPool:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if host_tier_bytes is not None and host_tier_bytes < 0:
             raise ValueError(f"host_tier_bytes must be >= 0 or None, got {host_tier_bytes}")
+        if not 1 <= max_batch_items <= MAX_BATCH:
+            raise ValueError(f"max_batch_items must be in 1..{MAX_BATCH} (1: one item per message), got "
+                             f"{max_batch_items}")
         if rank != dist.get_rank():
             raise ValueError(f"rank={rank} but this process is global rank {dist.get_rank()}")
         members = (dist.get_process_group_ranks(group) if group is not None
@@ -115,12 +106,13 @@ class EmbeddingPool:
         self.device = torch.device(device)
         self.host_tier_bytes = host_tier_bytes
         self.return_grads = return_grads
+        self.max_batch_items = max_batch_items
         self._wire_device = _transport_device(group, self.device)
         self._cond = threading.Condition()
         self._counters = PoolCounters(capacity_bytes)
         self._closed = False
         # producer side
-        self._sent: dict[ItemKey, _Sent] = {}            # (consumer, sample, step) -> awaiting its credit
+        self._sent: dict[ItemKey, EmbeddingHandle] = {}  # (consumer, sample, step) -> awaiting its credit
         self._grads_owed: set[ItemKey] = set()           # (consumer, sample, step) -> gradient not yet arrived
         self._grads: dict[ItemKey, torch.Tensor] = {}    # arrived, not yet taken by wait_grad
         self._credit_streams: dict[int, InboundStream] = {}
@@ -129,8 +121,10 @@ class EmbeddingPool:
         self._plans: dict[int, deque[tuple[int, int]]] = {}  # producer -> (sample, step) still to arrive, in order
         self._planned: set[ItemKey] = set()               # (producer, sample, step) expected, not yet arrived
         self._held: dict[ItemKey, _Held] = {}             # arrived or landing, not yet taken by get()
+        self._early: dict[int, deque[tuple[int, int]]] = {}  # producer -> arrived in a batch before expected
         self._embedding_streams: dict[int, InboundStream] = {}
-        self._pending_sends: list[_PendingSend] = []
+        # both sides: one coalescing sender per (peer, channel)
+        self._outboxes: dict[tuple[int, int], Outbox] = {}
 
     # ------------------------------------------------------------------ producer side
 
@@ -148,15 +142,19 @@ class EmbeddingPool:
         nbytes = tensor_nbytes(tuple(tensor.shape), tensor.dtype)
         handle = EmbeddingHandle(sample_id, step, self.rank, consumer, tuple(tensor.shape), tensor.dtype, nbytes,
                                  "device" if tensor.device == self.device else "host")
-        header = encode_header(CHANNEL_EMBEDDING, sample_id, step, tensor).to(self._wire_device)
-        payload = as_bytes(tensor.to(self._wire_device))
+        header = item_header(CHANNEL_EMBEDDING, sample_id, step, tensor)
+        payload = tensor.detach().to(self._wire_device)
         start = time.monotonic()
         deadline = start + self.timeout_s
         with self._cond:
             if key in self._sent or key in self._grads_owed or key in self._grads:
                 raise ValueError(f"rank {self.rank}: {what} was already put for consumer rank {consumer}")
-            while self._counters.inflight_bytes > 0 and self._counters.inflight_bytes + nbytes > self.capacity_bytes:
+            if self._over_capacity(nbytes):
+                self._counters.put_blocks += 1
+                self._cond.notify_all()  # observers of stats() see the block as soon as it starts
+            while self._over_capacity(nbytes):
                 self._raise_if_failed(self._credit_streams.values(), f"credits (to put {what})")
+                self._raise_if_send_failed(consumer, CHANNEL_EMBEDDING)
                 if not self._wait(deadline):
                     raise PoolTimeout(self._put_timeout_message(what, consumer, nbytes))
             c = self._counters
@@ -169,11 +167,8 @@ class EmbeddingPool:
             if self.return_grads:
                 self._grads_owed.add(key)
                 self._stream(self._grad_streams, consumer, "grad").request(1)
-            # Sent under the lock so the credit handler always finds the works it must reap.
-            works = send_message(header, payload, peer=consumer, group=self.group,
-                                 header_tag=TAGS.embedding_header, payload_tag=TAGS.embedding_payload,
-                                 on_failure=self._send_failure(f"the embedding of {what}", consumer))
-            self._sent[key] = _Sent(handle, works, (header, payload))
+            self._send(consumer, header, payload)
+            self._sent[key] = handle
         return handle
 
     @traced("pool.wait_grad")
@@ -204,14 +199,19 @@ class EmbeddingPool:
         self._check_peer(producer, "producer")
         items = [(int(s), int(t)) for s, t in items]
         with self._cond:
-            for sample_id, step in items:
-                key = (producer, sample_id, step)
+            stream = self._stream(self._embedding_streams, producer, "embedding")
+            plan = self._plans.setdefault(producer, deque())
+            for item in items:
+                key = (producer, *item)
+                if self._take_early(producer, item):
+                    stream.request(1)  # already arrived: counted, not planned
+                    continue
                 if key in self._planned or key in self._held:
-                    raise ValueError(f"rank {self.rank}: sample {sample_id} (step {step}) from producer rank "
+                    raise ValueError(f"rank {self.rank}: sample {item[0]} (step {item[1]}) from producer rank "
                                      f"{producer} is already expected")
                 self._planned.add(key)
-            self._plans.setdefault(producer, deque()).extend(items)
-            self._stream(self._embedding_streams, producer, "embedding").request(len(items))
+                plan.append(item)
+                stream.request(1)
 
     @traced("pool.get")
     def get(self, *, sample_id: int, step: int, producer: int,
@@ -226,7 +226,10 @@ class EmbeddingPool:
         start = time.monotonic()
         deadline = start + self.timeout_s
         with self._cond:
-            if key not in self._planned and key not in self._held:
+            if (sample_id, step) in self._early.get(producer, ()):
+                self._take_early(producer, (sample_id, step))
+                self._stream(self._embedding_streams, producer, "embedding").request(1)
+            elif key not in self._planned and key not in self._held:
                 self._planned.add(key)
                 self._plans.setdefault(producer, deque()).append((sample_id, step))
                 self._stream(self._embedding_streams, producer, "embedding").request(1)
@@ -257,21 +260,18 @@ class EmbeddingPool:
         self._check_peer(producer, "producer")
         what = f"gradient of sample {sample_id} (step {step})"
         check_sendable(grad, f"return_grad of {what} to producer rank {producer}")
-        header = encode_header(CHANNEL_GRAD, sample_id, step, grad).to(self._wire_device)
-        payload = as_bytes(grad.to(self._wire_device))
+        header = item_header(CHANNEL_GRAD, sample_id, step, grad)
+        payload = grad.detach().to(self._wire_device)
         with self._cond:
-            works = send_message(header, payload, peer=producer, group=self.group,
-                                 header_tag=TAGS.grad_header, payload_tag=TAGS.grad_payload,
-                                 on_failure=self._send_failure(f"the {what}", producer))
-            self._pending_sends.append(_PendingSend(producer, what, works, (header, payload)))
+            self._send(producer, header, payload)
             self._counters.grads_sent += 1
-            self._counters.grad_bytes_sent += payload.numel()
+            self._counters.grad_bytes_sent += header.nbytes
 
     # ------------------------------------------------------------------ both sides
 
     @traced("pool.flush")
     def flush(self) -> None:
-        """Wait until every send this rank started (embeddings, credits, gradients) has been received.
+        """Wait until every item this rank queued to send (embeddings, credits, gradients) has been received.
 
         A send completes only once its receiver has asked for it (`expect`/`get` for embeddings), so a producer
         running ahead of its consumers (frozen encoder) should flush where the consumers have expected the items
@@ -280,22 +280,15 @@ class EmbeddingPool:
         start = time.monotonic()
         deadline = start + self.timeout_s
         with self._cond:
-            # Take ownership of the works: a gloo send work must be waited exactly once (a second wait blocks
-            # until the group timeout), and the credit thread reaps embedding sends too.
-            pending, self._pending_sends = self._pending_sends, []
-            for s in self._sent.values():
-                if s.works:
-                    pending.append(_PendingSend(s.handle.consumer, f"embedding of {s.handle.describe()}",
-                                                s.works, s.buffers))
-                    s.works = []
-        for p in pending:
-            for work in p.works:
-                wait_work(work, deadline,
-                          on_timeout=lambda p=p: PoolTimeout(
-                              f"rank {self.rank} waited {self.timeout_s:.1f} s in flush() for the {p.what} to be "
-                              f"received by rank {p.peer}"),
-                          on_failure=self._send_failure(f"the {p.what}", p.peer))
-        with self._cond:
+            for box in self._outboxes.values():
+                while not box.idle:
+                    self._raise_if_send_failed(box.peer, box.channel)
+                    if not self._wait(deadline):
+                        pending = box.pending()
+                        what = (f"{CHANNEL_NAMES[box.channel]} of sample {pending[0].sample_id} (step "
+                                f"{pending[0].step})" if pending else CHANNEL_NAMES[box.channel])
+                        raise PoolTimeout(f"rank {self.rank} waited {self.timeout_s:.1f} s in flush() for the {what} "
+                                          f"to be received by rank {box.peer} ({len(pending)} items not yet received)")
             self._counters.flush_wait_s += time.monotonic() - start
 
     def stats(self) -> PoolStats:
@@ -309,7 +302,7 @@ class EmbeddingPool:
     def inflight_handles(self) -> list[EmbeddingHandle]:
         """Producer side: items sent and not yet consumed, in send order."""
         with self._cond:
-            return [s.handle for s in self._sent.values()]
+            return list(self._sent.values())
 
     def buffered_handles(self) -> list[EmbeddingHandle]:
         """Consumer side: items received (or landing) and not yet taken by get()."""
@@ -326,8 +319,8 @@ class EmbeddingPool:
         deadline = time.monotonic() + (self.timeout_s if wait else 0.0)
         with self._cond:
             self._closed = True
-            streams = [*self._credit_streams.values(), *self._grad_streams.values(),
-                       *self._embedding_streams.values()]
+            streams: list[InboundStream | Outbox] = [*self._credit_streams.values(), *self._grad_streams.values(),
+                                                     *self._embedding_streams.values(), *self._outboxes.values()]
             while any(not s.idle and s.error is None for s in streams) and self._wait(deadline):
                 pass
             busy = sorted({s.peer for s in streams if not s.idle})
@@ -349,30 +342,31 @@ class EmbeddingPool:
 
     # ------------------------------------------------------------------ receiving threads' callbacks
 
-    def _land_embedding(self, producer: int, raw: torch.Tensor) -> tuple[torch.Tensor, WireHeader]:
-        header = decode_header(raw, expected_channel=CHANNEL_EMBEDDING, peer=producer)
+    def _land_embedding(self, producer: int, raw: torch.Tensor) -> list[tuple[WireHeader, torch.Tensor | None]]:
+        headers = decode_header(raw, expected_channel=CHANNEL_EMBEDDING, peer=producer)
         with self._cond:
             plan = self._plans[producer]
-            if not plan or plan[0] != header.key:
-                nxt = f"sample {plan[0][0]} (step {plan[0][1]})" if plan else "nothing more"
-                raise PoolProtocolError(
-                    f"rank {self.rank} expected {nxt} next from producer rank {producer} (plan order), but it "
-                    f"sent sample {header.sample_id} (step {header.step}); the ranks disagree on the step plan")
-            plan.popleft()
-            key = (producer, *header.key)
-            self._planned.discard(key)
-            tier = self._choose_tier(header.nbytes)
-            self._counters.add_held(tier, header.nbytes, +1)
-            self._counters.host_tier_items += int(tier == "host")
-            self._held[key] = _Held(EmbeddingHandle(header.sample_id, header.step, producer, self.rank,
-                                                    header.shape, header.dtype, header.nbytes, tier))
-        return torch.empty(header.nbytes, dtype=torch.uint8, device=self._wire_device), header
+            for header in headers:
+                if plan:
+                    if plan[0] != header.key:
+                        raise PoolProtocolError(self._order_message(producer, plan[0], header.key))
+                    plan.popleft()
+                    self._planned.discard((producer, *header.key))
+                else:  # batched with planned items before this rank expected it: held until expect() names it
+                    self._early.setdefault(producer, deque()).append(header.key)
+                tier = self._choose_tier(header.nbytes)
+                self._counters.add_held(tier, header.nbytes, +1)
+                self._counters.host_tier_items += int(tier == "host")
+                self._held[(producer, *header.key)] = _Held(EmbeddingHandle(
+                    header.sample_id, header.step, producer, self.rank, header.shape, header.dtype, header.nbytes,
+                    tier))
+        return [(h, self._payload_buffer(h)) for h in headers]
 
     def _deliver_embedding(self, producer: int, header: WireHeader, buffer: torch.Tensor | None) -> None:
         key = (producer, *header.key)
         with self._cond:
             tier = self._held[key].handle.tier
-        tensor = from_bytes(buffer, header)
+        tensor = self._unpack(header, buffer)
         # Off the lock: a device copy may take a while and get() of other items must not wait for it.
         if tier == "host" and tensor.device.type != "cpu":
             tensor = tensor.cpu()
@@ -383,39 +377,47 @@ class EmbeddingPool:
             self._counters.bytes_received += header.nbytes
             self._cond.notify_all()
 
-    def _land_credit(self, consumer: int, raw: torch.Tensor) -> tuple[None, tuple[int, int, int]]:
-        return None, decode_credit(raw)
+    def _land_credit(self, consumer: int, raw: torch.Tensor) -> list[tuple[WireHeader, None]]:
+        return [(h, None) for h in decode_header(raw, expected_channel=CHANNEL_CREDIT, peer=consumer)]
 
-    def _deliver_credit(self, consumer: int, credit: tuple[int, int, int], _: torch.Tensor | None) -> None:
-        sample_id, step, nbytes = credit
+    def _deliver_credit(self, consumer: int, credit: WireHeader, _: torch.Tensor | None) -> None:
         with self._cond:
-            sent = self._sent.pop((consumer, sample_id, step), None)
-            if sent is None or sent.handle.nbytes != nbytes:
-                raise PoolProtocolError(f"rank {consumer} returned a credit for sample {sample_id} (step {step}, "
-                                        f"{nbytes} B) that rank {self.rank} has not sent to it")
-            self._counters.add_inflight(-nbytes, -1)
-            works, sent.works = sent.works, []  # flush() may have taken them already: wait each work once
+            sent = self._sent.pop((consumer, *credit.key), None)
+            if sent is None or sent.nbytes != credit.nbytes:
+                raise PoolProtocolError(f"rank {consumer} returned a credit for sample {credit.sample_id} (step "
+                                        f"{credit.step}, {credit.nbytes} B) that rank {self.rank} has not sent to it")
+            self._counters.add_inflight(-credit.nbytes, -1)
             self._cond.notify_all()
-        # The consumer holds the bytes, so these sends are complete: reaping them only releases the buffers.
-        for work in works:
-            work.wait()
 
-    def _land_grad(self, consumer: int, raw: torch.Tensor) -> tuple[torch.Tensor, WireHeader]:
-        header = decode_header(raw, expected_channel=CHANNEL_GRAD, peer=consumer)
+    def _land_grad(self, consumer: int, raw: torch.Tensor) -> list[tuple[WireHeader, torch.Tensor | None]]:
+        headers = decode_header(raw, expected_channel=CHANNEL_GRAD, peer=consumer)
         with self._cond:
-            if (consumer, *header.key) not in self._grads_owed:
-                raise PoolProtocolError(f"rank {consumer} returned a gradient for sample {header.sample_id} (step "
-                                        f"{header.step}) that rank {self.rank} did not send it (or got twice)")
-        return torch.empty(header.nbytes, dtype=torch.uint8, device=self._wire_device), header
+            for header in headers:
+                if (consumer, *header.key) not in self._grads_owed:
+                    raise PoolProtocolError(f"rank {consumer} returned a gradient for sample {header.sample_id} "
+                                            f"(step {header.step}) that rank {self.rank} did not send it (or got "
+                                            f"twice)")
+        return [(h, self._payload_buffer(h)) for h in headers]
 
     def _deliver_grad(self, consumer: int, header: WireHeader, buffer: torch.Tensor | None) -> None:
+        grad = self._unpack(header, buffer)
         key = (consumer, *header.key)
         with self._cond:
             self._grads_owed.discard(key)
-            self._grads[key] = from_bytes(buffer, header)
+            self._grads[key] = grad
             self._counters.grads_received += 1
             self._counters.grad_bytes_received += header.nbytes
             self._cond.notify_all()
+
+    def _payload_buffer(self, header: WireHeader) -> torch.Tensor | None:
+        """The receive buffer of an item's payload (None: the item has none)."""
+        return torch.empty(header.nbytes, dtype=torch.uint8, device=self._wire_device) if has_payload(header) else None
+
+    def _unpack(self, header: WireHeader, buffer: torch.Tensor | None) -> torch.Tensor:
+        """The item's tensor, viewing its received bytes (an empty item gets an empty tensor)."""
+        if buffer is None:
+            buffer = torch.empty(0, dtype=torch.uint8, device=self._wire_device)
+        return from_bytes(buffer, header)
 
     # ------------------------------------------------------------------ helpers
 
@@ -433,26 +435,53 @@ class EmbeddingPool:
             else:
                 tags, land, deliver = (TAGS.credit, None), self._land_credit, self._deliver_credit
             stream = InboundStream(cond=self._cond, peer=peer, group=self.group, header_tag=tags[0],
-                                   payload_tag=tags[1], header_len=CREDIT_LEN if channel == "credit" else HEADER_LEN,
+                                   payload_tag=tags[1], header_len=HEADER_LEN,
                                    land=lambda raw, p=peer, f=land: f(p, raw),
                                    deliver=lambda ctx, buf, p=peer, f=deliver: f(p, ctx, buf),
-                                   name=f"pool-r{self.rank}-{channel}-from-r{peer}")
+                                   name=f"pool-r{self.rank}-{channel}-from-r{peer}", wire_device=self._wire_device)
             streams[peer] = stream
             stream.start()
         return stream
 
-    def _send_credit(self, handle: EmbeddingHandle) -> None:
-        credit = encode_credit(handle.sample_id, handle.step, handle.nbytes).to(self._wire_device)
-        what = f"credit for {handle.describe()}"
-        works = send_message(credit, None, peer=handle.producer, group=self.group, header_tag=TAGS.credit,
-                             payload_tag=None, on_failure=self._send_failure(f"the {what}", handle.producer))
-        self._pending_sends.append(_PendingSend(handle.producer, what, works, (credit,)))
+    def _send(self, peer: int, header: WireHeader, payload: torch.Tensor | None) -> None:
+        """Queue one item for `peer` on its channel's coalescing sender (call with the lock held)."""
+        if self._closed:
+            raise PoolError(f"rank {self.rank}: the pool is closed")
+        self._raise_if_send_failed(peer, header.channel)
+        box = self._outboxes.get((peer, header.channel))
+        if box is None:
+            header_tag, payload_tag = _OUT_TAGS[header.channel]
+            box = Outbox(cond=self._cond, peer=peer, group=self.group, channel=header.channel,
+                         header_tag=header_tag, payload_tag=payload_tag, max_batch_items=self.max_batch_items,
+                         on_sent=self._on_sent, name=f"pool-r{self.rank}-{CHANNEL_NAMES[header.channel]}-to-r{peer}",
+                         wire_device=self._wire_device)
+            self._outboxes[(peer, header.channel)] = box
+            box.start()
+        box.push(header, payload)
 
-    def _send_failure(self, what: str, peer: int) -> Callable[[BaseException], PoolPeerError]:
-        def error(exc: BaseException) -> PoolPeerError:
-            return PoolPeerError(f"rank {self.rank}: sending {what} to rank {peer} failed ({type(exc).__name__}: "
-                                 f"{exc}); rank {peer} probably died, check its log")
-        return error
+    def _on_sent(self, items: list[WireHeader]) -> None:
+        """An outbox completed a message (called with the lock held)."""
+        if items[0].channel == CHANNEL_EMBEDDING:
+            self._counters.embedding_messages += 1
+
+    def _send_credit(self, handle: EmbeddingHandle) -> None:
+        self._send(handle.producer, credit_header(handle.sample_id, handle.step, handle.nbytes), None)
+
+    def _raise_if_send_failed(self, peer: int, channel: int) -> None:
+        box = self._outboxes.get((peer, channel))
+        if box is None or box.error is None:
+            return
+        err = box.error
+        pending = box.pending()
+        what = (f"the {CHANNEL_NAMES[channel]} of sample {pending[0].sample_id} (step {pending[0].step})"
+                if pending else f"a {CHANNEL_NAMES[channel]} message")
+        raise PoolPeerError(f"rank {self.rank}: sending {what} to rank {peer} failed ({type(err).__name__}: {err}); "
+                            f"rank {peer} probably died, check its log") from err
+
+    def _over_capacity(self, nbytes: int) -> bool:
+        """A put of `nbytes` must wait: something is in flight and the item would push it past the capacity."""
+        c = self._counters
+        return c.inflight_bytes > 0 and c.inflight_bytes + nbytes > self.capacity_bytes
 
     def _choose_tier(self, nbytes: int) -> Tier:
         if self.host_tier_bytes is not None and nbytes > self.host_tier_bytes:
@@ -493,12 +522,27 @@ class EmbeddingPool:
                             f"there is no gradient channel)")
 
     def _put_timeout_message(self, what: str, consumer: int, nbytes: int) -> str:
-        owing = sorted({s.handle.consumer for s in self._sent.values()})
+        owing = sorted({h.consumer for h in self._sent.values()})
         c = self._counters
         return (f"rank {self.rank} waited {self.timeout_s:.1f} s to put {what} ({_fmt_bytes(nbytes)}) for consumer "
                 f"rank {consumer}: {c.inflight_items} items ({_fmt_bytes(c.inflight_bytes)}) in flight to consumer "
                 f"rank(s) {owing} fill the capacity of {_fmt_bytes(self.capacity_bytes)} and no credit came back "
                 f"(is each consumer calling get()?)")
+
+    def _order_message(self, producer: int, expected: tuple[int, int], sent: tuple[int, int]) -> str:
+        return (f"rank {self.rank} expected sample {expected[0]} (step {expected[1]}) next from producer rank "
+                f"{producer} (plan order), but it sent sample {sent[0]} (step {sent[1]}); the ranks disagree on the "
+                f"step plan")
+
+    def _take_early(self, producer: int, key: tuple[int, int]) -> bool:
+        """Plan `key` against the items that arrived before they were expected; True if it is one of them."""
+        early = self._early.get(producer)
+        if not early:
+            return False
+        if early[0] != key:
+            raise PoolProtocolError(self._order_message(producer, key, early[0]))
+        early.popleft()
+        return True
 
     def _get_timeout_message(self, what: str, producer: int) -> str:
         arrived = sum(1 for (p, _, _) in self._held if p == producer)

@@ -38,6 +38,8 @@ class PoolStats:
     grad_bytes_sent: int
     grad_bytes_received: int
     puts: int
+    put_blocks: int  # puts that found the pool full and waited for a credit
+    embedding_messages: int  # messages the puts left in (fewer than puts when items were coalesced)
     gets: int
     grads_sent: int
     grads_received: int
@@ -73,6 +75,8 @@ class PoolCounters:
     grad_bytes_sent: int = 0
     grad_bytes_received: int = 0
     puts: int = 0
+    put_blocks: int = 0
+    embedding_messages: int = 0
     gets: int = 0
     grads_sent: int = 0
     grads_received: int = 0

@@ -1,14 +1,20 @@
-"""Wire format of the embedding pool: channel tags, the fixed-size header, and payload byte views.
+"""Wire format of the embedding pool: channel tags, the fixed-size batch header, and payload byte layout.
 
 Every message between a producer (encoder rank) and a consumer (backbone first-stage rank) is a small int64
-header followed, for tensors, by the payload as raw bytes. The header is fixed-size so the receiver can post
-its receive before it knows anything about the item; the payload is sent as `uint8` so one code path carries
-every dtype (gloo, NCCL and HCCL all move bytes), and its size comes from the header, so shapes never have to be
-agreed in advance.
+header describing a batch of 1..`MAX_BATCH` items, followed, for tensors, by the items' payloads, each as raw
+bytes on the payload tag, posted together with the header (so the receiver posts all of a batch's payload
+receives at once, as a raw isend/irecv exchange would, and nothing is copied to pack them). The header is
+fixed-size so the receiver can post its receive before it knows anything about the batch; payloads are `uint8`
+so one code path carries every dtype (gloo, NCCL and HCCL all move bytes), and their sizes follow from the
+header, so shapes never have to be agreed in advance. Batching is what keeps small items cheap: a 64-token
+embedding costs one record in a shared header and one credit record, not a header and a credit message of its
+own, and no thread hand-off of its own.
+
+Credits travel as payload-less batches on their own channel (an item record whose shape is the credited bytes).
 
 Each channel has its own tags (a header tag and a payload tag): messages with the same (peer, tag) are
-delivered in order, so with one tag per message kind a prefetched header can never be matched by a payload,
-and embeddings, gradients and credits never mix.
+delivered in order, so a prefetched header can never be matched by a payload, and embeddings, gradients and
+credits never mix.
 """
 from __future__ import annotations
 
@@ -19,14 +25,15 @@ import torch
 from mindspeed_flow.pool.errors import PoolProtocolError
 
 HEADER_MAGIC = 0x4D53_464C_4F57  # "MSFLOW": a header that does not start with it came from the wrong tag/peer
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: batched headers
 MAX_NDIM = 8
+MAX_BATCH = 16  # items per message: bounds the header (212 int64) while amortising per-message costs 16-fold
 
-# Header layout (int64): magic, version, channel, sample_id, step, dtype code, ndim, nbytes, dims[MAX_NDIM].
-_FIXED_FIELDS = 8
-HEADER_LEN = _FIXED_FIELDS + MAX_NDIM
-# A credit is (sample_id, step, nbytes): it tells the producer that the consumer took the item out of the pool.
-CREDIT_LEN = 3
+# Header layout (int64): magic, version, channel, count, then MAX_BATCH item records of
+# sample_id, step, dtype code, ndim, nbytes, dims[MAX_NDIM] (unused records are zero).
+_MESSAGE_FIELDS = 4
+_ITEM_FIELDS = 5 + MAX_NDIM
+HEADER_LEN = _MESSAGE_FIELDS + MAX_BATCH * _ITEM_FIELDS
 
 
 @dataclass(frozen=True)
@@ -44,7 +51,8 @@ TAGS = PoolTags()
 
 CHANNEL_EMBEDDING = 1
 CHANNEL_GRAD = 2
-CHANNEL_NAMES = {CHANNEL_EMBEDDING: "embedding", CHANNEL_GRAD: "gradient"}
+CHANNEL_CREDIT = 3
+CHANNEL_NAMES = {CHANNEL_EMBEDDING: "embedding", CHANNEL_GRAD: "gradient", CHANNEL_CREDIT: "credit"}
 
 # Stable codes (never reorder: both ends of a run must agree, and a checkpointed plan may outlive a version).
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -64,7 +72,7 @@ _CODE_TO_DTYPE = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 @dataclass(frozen=True)
 class WireHeader:
-    """A decoded header: which item this is and how to allocate its payload."""
+    """One item of a batch: which item this is and how to find and view its bytes."""
 
     channel: int
     sample_id: int
@@ -94,22 +102,33 @@ def check_sendable(tensor: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: tensor has {tensor.dim()} dims, the pool header holds at most {MAX_NDIM}")
 
 
-def encode_header(channel: int, sample_id: int, step: int, tensor: torch.Tensor) -> torch.Tensor:
-    """The int64 header announcing `tensor` as item (sample_id, step) on `channel` (a CPU tensor)."""
-    shape = tuple(tensor.shape)
-    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    header[:_FIXED_FIELDS] = torch.tensor([HEADER_MAGIC, WIRE_VERSION, channel, sample_id, step,
-                                           DTYPE_CODES[tensor.dtype], len(shape),
-                                           tensor_nbytes(shape, tensor.dtype)], dtype=torch.int64)
-    if shape:
-        header[_FIXED_FIELDS:_FIXED_FIELDS + len(shape)] = torch.tensor(shape, dtype=torch.int64)
-    return header
+def item_header(channel: int, sample_id: int, step: int, tensor: torch.Tensor) -> WireHeader:
+    """The record announcing `tensor` as item (sample_id, step) on `channel`."""
+    shape = tuple(int(d) for d in tensor.shape)
+    return WireHeader(channel, sample_id, step, tensor.dtype, shape, tensor_nbytes(shape, tensor.dtype))
 
 
-def decode_header(header: torch.Tensor, *, expected_channel: int, peer: int) -> WireHeader:
+def credit_header(sample_id: int, step: int, nbytes: int) -> WireHeader:
+    """A credit: the consumer took item (sample_id, step) of `nbytes` out of the pool (no payload)."""
+    return WireHeader(CHANNEL_CREDIT, sample_id, step, torch.uint8, (nbytes,), nbytes)
+
+
+def encode_header(items: list[WireHeader]) -> torch.Tensor:
+    """The int64 header announcing a batch of 1..MAX_BATCH items of one channel (a CPU tensor)."""
+    if not 1 <= len(items) <= MAX_BATCH or len({h.channel for h in items}) != 1:
+        raise ValueError(f"a pool message carries 1..{MAX_BATCH} items of one channel, got {len(items)}")
+    values = [HEADER_MAGIC, WIRE_VERSION, items[0].channel, len(items)]
+    for h in items:
+        values += [h.sample_id, h.step, DTYPE_CODES[h.dtype], len(h.shape), h.nbytes, *h.shape]
+        values += [0] * (MAX_NDIM - len(h.shape))
+    values += [0] * (HEADER_LEN - len(values))
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def decode_header(header: torch.Tensor, *, expected_channel: int, peer: int) -> list[WireHeader]:
     """Decode and validate a received header; garbage means a tag collision or a peer on another version."""
     values = [int(v) for v in header.cpu().tolist()]
-    magic, version, channel, sample_id, step, dtype_code, ndim, nbytes = values[:_FIXED_FIELDS]
+    magic, version, channel, count = values[:_MESSAGE_FIELDS]
     if magic != HEADER_MAGIC or version != WIRE_VERSION:
         raise PoolProtocolError(f"a message from rank {peer} is not a pool header (magic {magic:#x}, version "
                                 f"{version}); another user of the process group sends on the pool's tags, or the "
@@ -117,27 +136,30 @@ def decode_header(header: torch.Tensor, *, expected_channel: int, peer: int) -> 
     if channel != expected_channel:
         raise PoolProtocolError(f"rank {peer} sent a {CHANNEL_NAMES.get(channel, channel)} header on the "
                                 f"{CHANNEL_NAMES[expected_channel]} channel")
-    if dtype_code not in _CODE_TO_DTYPE or not 0 <= ndim <= MAX_NDIM:
-        raise PoolProtocolError(f"rank {peer} sent a header with dtype code {dtype_code} and ndim {ndim}")
-    shape = tuple(values[_FIXED_FIELDS:_FIXED_FIELDS + ndim])
-    dtype = _CODE_TO_DTYPE[dtype_code]
-    if tensor_nbytes(shape, dtype) != nbytes:
-        raise PoolProtocolError(f"rank {peer} sent a header for sample {sample_id} (step {step}) whose size "
-                                f"{nbytes} B does not match shape {list(shape)} of {dtype}")
-    return WireHeader(channel, sample_id, step, dtype, shape, nbytes)
+    if not 1 <= count <= MAX_BATCH:
+        raise PoolProtocolError(f"rank {peer} sent a header announcing {count} items (1..{MAX_BATCH} allowed)")
+    items = []
+    for i in range(count):
+        at = _MESSAGE_FIELDS + i * _ITEM_FIELDS
+        sample_id, step, dtype_code, ndim, nbytes = values[at:at + 5]
+        if dtype_code not in _CODE_TO_DTYPE or not 0 <= ndim <= MAX_NDIM:
+            raise PoolProtocolError(f"rank {peer} sent a header with dtype code {dtype_code} and ndim {ndim}")
+        shape = tuple(values[at + 5:at + 5 + ndim])
+        dtype = _CODE_TO_DTYPE[dtype_code]
+        if tensor_nbytes(shape, dtype) != nbytes:
+            raise PoolProtocolError(f"rank {peer} sent a header for sample {sample_id} (step {step}) whose size "
+                                    f"{nbytes} B does not match shape {list(shape)} of {dtype}")
+        items.append(WireHeader(channel, sample_id, step, dtype, shape, nbytes))
+    return items
 
 
-def encode_credit(sample_id: int, step: int, nbytes: int) -> torch.Tensor:
-    return torch.tensor([sample_id, step, nbytes], dtype=torch.int64)
-
-
-def decode_credit(credit: torch.Tensor) -> tuple[int, int, int]:
-    sample_id, step, nbytes = (int(v) for v in credit.tolist())
-    return sample_id, step, nbytes
+def has_payload(item: WireHeader) -> bool:
+    """Whether a payload message follows the header for this item (credits and empty tensors have none)."""
+    return item.channel != CHANNEL_CREDIT and item.nbytes > 0
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous copy of `tensor` (what goes on the wire)."""
+    """A flat uint8 view of a contiguous copy of `tensor` (what goes on the wire; no copy if contiguous)."""
     flat = tensor.detach().contiguous().reshape(-1)
     return flat.view(torch.uint8)
 

@@ -10,6 +10,7 @@ size and the embedding gradients returned to encoders are divided by it again.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -247,14 +248,18 @@ class StepEngine:
         opt = self.optim.optimizer
         if opt is None:  # frozen encoder rank: nothing to update
             return
+        # Norm and clip run on the device (no host sync while gradients are produced); the norm is read once per
+        # step, here, after the last backward, where the optimizer has to wait for the gradients anyway, so a
+        # non-finite step is caught BEFORE it spoils the parameters.
         norm = self.optim.global_norm(self.norm_group)
-        record["grad_norm"] = norm
+        value = float(norm)
+        record["grad_norm"] = value
         # The norm is global (one all_reduce over every trained rank), so every rank takes the same decision.
-        self.skipped_nonfinite = not torch.isfinite(torch.tensor(norm))
+        self.skipped_nonfinite = not math.isfinite(value)
         if self.skipped_nonfinite:
             self.nonfinite_in_a_row += 1
             if self.nan_policy != "skip" or self.nonfinite_in_a_row > self.max_nonfinite_steps:
-                raise NonFiniteLoss(f"step {step}: the global gradient norm is {norm} ({self.nonfinite_in_a_row} "
+                raise NonFiniteLoss(f"step {step}: the global gradient norm is {value} ({self.nonfinite_in_a_row} "
                                     f"such step(s) in a row, trainer.nan_policy={self.nan_policy}, "
                                     f"trainer.max_nonfinite_steps={self.max_nonfinite_steps}); refusing the "
                                     "optimizer step")

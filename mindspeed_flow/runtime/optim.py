@@ -34,11 +34,13 @@ class PartOptimizer:
     def params(self) -> list[torch.nn.Parameter]:
         return [p for s in self.shares for p in s.params]
 
-    def global_norm(self, group: Optional[dist.ProcessGroup]) -> float:
+    def global_norm(self, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+        """The global norm as a device scalar (no host sync)."""
         return global_grad_norm([grad_sq_sum(s.params, replicated_over=s.replicas) for s in self.shares], group)
 
-    def clip(self, total_norm: float, max_norm: float) -> float:
-        return clip_grads_(self.params, total_norm, max_norm) if max_norm > 0 else 1.0
+    def clip(self, total_norm: torch.Tensor, max_norm: float) -> None:
+        if max_norm > 0:
+            clip_grads_(self.params, total_norm, max_norm)
 
 
 def build_optimizer(params: list[torch.nn.Parameter], *, lr: float, betas: tuple[float, float],

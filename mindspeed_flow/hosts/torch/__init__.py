@@ -15,11 +15,13 @@ Public API (what the runtime calls):
     finish_stage0_backward(leaf, dense)                                      (pipeline.py)
     apply_ddp(module, dp_group) / apply_fsdp(module, dp_group); grad_sync(module, enabled); dp_loss_scale(group)
     allreduce_grads_(params, dp_group); grad_sq_sum(module, *, replicated_over) -> share of ||g||^2
-    global_grad_norm(shares, group) -> float; clip_grads_(params, total_norm, max_norm) -> factor  (data_parallel.py)
+    global_grad_norm(shares, group) -> device scalar; clip_grads_(params, total_norm, max_norm) -> device factor;
+    check_finite_norm(norm) -> float  (data_parallel.py)
 """
 from mindspeed_flow.hosts.torch.build import build_vlm
 from mindspeed_flow.hosts.torch.data_parallel import (allreduce_grads_, apply_ddp, apply_fsdp, clip_grads_,
-                                                      dp_loss_scale, global_grad_norm, grad_sq_sum, grad_sync)
+                                                      check_finite_norm, dp_loss_scale, global_grad_norm, grad_sq_sum,
+                                                      grad_sync)
 from mindspeed_flow.hosts.torch.packed import PackedBatch
 from mindspeed_flow.hosts.torch.pipeline import (BackboneStage, build_backbone_stage, build_backbone_stages,
                                                  finish_stage0_backward, make_schedule, pipeline_step, split_layers,
@@ -29,4 +31,4 @@ from mindspeed_flow.hosts.torch.split import BackbonePart, EncoderPart, split_vl
 __all__ = ["build_vlm", "split_vlm", "EncoderPart", "BackbonePart", "PackedBatch", "token_loss_sum",
            "BackboneStage", "build_backbone_stage", "build_backbone_stages", "make_schedule", "pipeline_step", "stage0_input",
            "finish_stage0_backward", "split_layers", "apply_ddp", "apply_fsdp", "grad_sync", "dp_loss_scale",
-           "allreduce_grads_", "grad_sq_sum", "global_grad_norm", "clip_grads_"]
+           "allreduce_grads_", "grad_sq_sum", "global_grad_norm", "clip_grads_", "check_finite_norm"]

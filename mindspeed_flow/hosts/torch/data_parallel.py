@@ -13,6 +13,11 @@ of the squared norm; the shares are summed over the whole world (all parts, all 
 is replicated on k ranks (DDP, or the encoder's DP group) contributes 1/k of its squared norm on each;
 FSDP2 shards (DTensor Shard placements) contribute their local squares as they are, DTensor Replicate
 placements are divided by their mesh size.
+
+No host sync: the shares are summed, all-reduced, square-rooted and turned into the clipping coefficient on the
+gradients' device (the reduction runs on the group's own backend, NCCL/HCCL on an accelerator), and the
+gradients are scaled by a device scalar. The caller reads the norm once, after the optimizer step is queued
+(`check_finite_norm`), where the step's metrics need it anyway.
 """
 from __future__ import annotations
 
@@ -193,26 +198,48 @@ def grad_sq_sum(module_or_params: nn.Module | Iterable[torch.Tensor], *, replica
     return total
 
 
-def global_grad_norm(shares: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup] = None) -> float:
-    """sqrt of the shares summed locally and then over `group` (the whole world by default)."""
-    local = torch.stack([s.detach().float().cpu() for s in shares]).sum() if shares else torch.zeros(())
+def global_grad_norm(shares: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup] = None, *,
+                     device: Optional[torch.device] = None) -> torch.Tensor:
+    """sqrt of the shares summed locally and then over `group` (the whole world by default), as a 0-dim fp32
+    tensor on the shares' device (`device` when there are none); never synchronises with the host."""
+    if shares:
+        local = torch.stack([s.detach().float() for s in shares]).sum()
+    else:
+        local = torch.zeros((), dtype=torch.float32, device=device or "cpu")
     if dist.is_initialized():
         dist.all_reduce(local, group=group)
-    return math.sqrt(float(local))
+    return local.sqrt()
 
 
-def clip_grads_(params: Iterable[nn.Parameter], total_norm: float, max_norm: float, eps: float = 1e-6) -> float:
+def clip_grads_(params: Iterable[nn.Parameter], total_norm: torch.Tensor | float, max_norm: float,
+                eps: float = 1e-6) -> torch.Tensor:
     """Scale gradients by min(1, max_norm / (total_norm + eps)) given the GLOBAL norm; returns the factor.
 
-    The same rule as torch.nn.utils.clip_grad_norm_, so decoupled and coupled runs clip identically.
+    The same rule as torch.nn.utils.clip_grad_norm_, so decoupled and coupled runs clip identically. With a
+    tensor norm everything stays on its device (no branch on the value, so no host sync); a non-finite norm
+    yields a non-finite factor, which `check_finite_norm` reports. A float norm is checked here.
     """
     if max_norm <= 0:
         raise ValueError(f"trainer.max_grad_norm={max_norm} must be positive (set it to a large value to disable)")
-    if not math.isfinite(total_norm):
-        raise FloatingPointError(f"global gradient norm is {total_norm}; refusing to clip with a non-finite norm")
-    coef = min(1.0, max_norm / (total_norm + eps))
-    if coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.detach().mul_(coef)
+    if not isinstance(total_norm, torch.Tensor):
+        check_finite_norm(total_norm)
+    # A DTensor (FSDP2) gradient is scaled through its local shard, which it shares storage with.
+    grads = [g.to_local() if isinstance(g, DTensor) else g
+             for g in (p.grad.detach() for p in params if p.grad is not None)]
+    device = grads[0].device if grads else "cpu"
+    norm = torch.as_tensor(total_norm, dtype=torch.float32, device=device)
+    coef = torch.clamp(max_norm / (norm + eps), max=1.0)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype, group in by_dtype.items():
+        torch._foreach_mul_(group, coef.to(dtype))
     return coef
+
+
+def check_finite_norm(total_norm: torch.Tensor | float, *, what: str = "global gradient norm") -> float:
+    """The norm as a float (a host sync for a device tensor); raise FloatingPointError if it is not finite."""
+    value = float(total_norm)
+    if not math.isfinite(value):
+        raise FloatingPointError(f"{what} is {value}; refusing to train on a non-finite gradient")
+    return value
