@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, str] = {
     "pool": "mindspeed_flow.bench.pool",
     "train": "mindspeed_flow.bench.train",
     "overlap": "mindspeed_flow.bench.overlap",
+    "attention": "mindspeed_flow.bench.attention",
 }
 
 

@@ -94,7 +94,7 @@ def test_packed_samples_never_attend_to_each_other(family):
     def logits_of(batch):
         embeds = _encode(encoder, batch)
         packed = backbone.pack(batch, embeds, budget)
-        hidden = backbone.run_layers(backbone.embed(packed, embeds), packed.position_ids, packed.segment_ids,
+        hidden = backbone.run_layers(backbone.embed(packed, embeds), packed.position_ids, packed.segments,
                                      backbone.layers)
         return backbone.logits(hidden)[0], packed
 

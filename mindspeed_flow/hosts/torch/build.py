@@ -22,8 +22,8 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 def _check_attn(attn_implementation: str) -> None:
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ValueError(f"model.attn_implementation={attn_implementation!r} is not supported by the torch host; "
-                         f"choose one of {ATTN_IMPLEMENTATIONS} (packed microbatches need an explicit "
-                         f"block-diagonal mask)")
+                         f"choose one of {ATTN_IMPLEMENTATIONS} (the whole model's attention; packed "
+                         f"microbatches run a varlen kernel over either)")
 
 
 def build_vlm(family: str, hf_config: Mapping[str, Any], *, seed: int, dtype: torch.dtype = torch.float32,

@@ -202,8 +202,12 @@ def whole_model_inputs(model: nn.Module, input_ids: torch.Tensor, pixel_values: 
 
 
 def call_decoder_layer(layer: nn.Module, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                       position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Run one decoder layer without a KV cache; returns the hidden states in every version."""
+                       position_embeddings: tuple[torch.Tensor, torch.Tensor], **attention_kwargs: Any) -> torch.Tensor:
+    """Run one decoder layer without a KV cache; returns the hidden states in every version.
+
+    `attention_kwargs` reach the attention implementation (both versions forward a layer's extra keyword
+    arguments to it), which is how the varlen kernel gets the packed sequence boundaries.
+    """
     out = layer(hidden, attention_mask=attention_mask, position_embeddings=position_embeddings,
-                position_ids=None, use_cache=False)
+                position_ids=None, use_cache=False, **attention_kwargs)
     return out[0] if isinstance(out, (tuple, list)) else out

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mindspeed_flow import torch_compat
+from mindspeed_flow.hosts.torch.attention import Segments
 from mindspeed_flow.hosts.torch.packed import PackedBatch, stack_position_ids, unstack_position_ids
 from mindspeed_flow.hosts.torch.split import BackbonePart, token_loss_sum
 
@@ -82,7 +83,8 @@ class BackboneStage(nn.Module):
         backbone = self._backbone[0]
         if self.is_first:
             x = torch.where(backbone.image_mask(input_ids), x, self.embed_tokens(input_ids))
-        x = backbone.run_layers(x, unstack_position_ids(position_ids, backbone.mrope), segment_ids, self.layers)
+        x = backbone.run_layers(x, unstack_position_ids(position_ids, backbone.mrope),
+                                Segments.from_segment_ids(segment_ids), self.layers)
         if self.is_last:
             x = self.lm_head(self.norm(x))
         return x
