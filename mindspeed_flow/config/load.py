@@ -96,9 +96,6 @@ def check_rules(job: FlowJobConfig) -> None:
         (job.parallel.backbone_dp_impl in ("ddp", "fsdp"),
          f"parallel.backbone_dp_impl={job.parallel.backbone_dp_impl!r}: 'ddp' or 'fsdp'"),
         (p.pad_multiple >= 0, f"packing.pad_multiple={p.pad_multiple}: must be >= 0"),
-        (not (p.pad_multiple and job.parallel.backbone.pp > 1 and f.mode == "decoupled"),
-         f"packing.pad_multiple={p.pad_multiple} with parallel.backbone.pp={job.parallel.backbone.pp}: pipeline "
-         "stages need one static shape, so microbatches must be padded to packing.token_budget (pad_multiple: 0)"),
         (job.parallel.pp_schedule in ("gpipe", "1f1b"),
          f"parallel.pp_schedule={job.parallel.pp_schedule!r}: 'gpipe' or '1f1b'"),
     ]

@@ -20,8 +20,9 @@ Inputs per microbatch, all with the microbatch as dim 0 so that `schedule.step` 
   scaling by the number of microbatches is switched off (`scale_grads=False`), the runtime divides by the
   global label-token count itself.
 
-Shapes are static (every microbatch is padded to the token budget), which the stage's fixed receive buffers
-need; a new shape would crash the receiving rank inside gloo.
+A PipelineStage fixes its activation shapes on its first step (its receive buffers), so all microbatches of one
+schedule share one length; a caller that changes the length builds a new PipelineStage over the same stage
+module (`runtime.pipeline.BackbonePipeline` keeps one per (length, microbatch count)).
 """
 from __future__ import annotations
 
