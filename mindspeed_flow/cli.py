@@ -31,6 +31,7 @@ BENCHMARKS: dict[str, str] = {
     "train": "mindspeed_flow.bench.train",
     "overlap": "mindspeed_flow.bench.overlap",
     "attention": "mindspeed_flow.bench.attention",
+    "build": "mindspeed_flow.bench.build",
 }
 
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from mindspeed_flow.accelerator import Accelerator
 from mindspeed_flow.hosts.torch.attention import Segments, varlen_attention
+from mindspeed_flow.utils import rss
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 VARIANTS = ("mask", "varlen")
@@ -98,23 +99,13 @@ def _peak_start(acc: Accelerator) -> float:
     if acc.module is not None:
         acc.reset_peak_memory()
         return float(acc.module.memory_allocated())
-    with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current resident set
-        f.write("5")
-    return _proc_status_kb("VmRSS") * 1024.0
+    return rss.reset_peak()
 
 
 def _peak_end(acc: Accelerator, baseline: float) -> float:
     if acc.module is not None:
         return float(acc.module.max_memory_allocated()) - baseline
-    return _proc_status_kb("VmHWM") * 1024.0 - baseline
-
-
-def _proc_status_kb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return float(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field} (the CPU memory figure needs Linux)")
+    return rss.peak_bytes() - baseline
 
 
 def _child(variant: str, args: argparse.Namespace, lengths: list[int], out: Any) -> None:
