@@ -91,7 +91,7 @@ class BackbonePipeline:
             return dp_wrap(module, topo.dp_group) if layout.dp > 1 else module
 
         stage_module, stage = build_backbone_stage(backbone, topo.pp_rank, layout.pp, topo.pp_group, device,
-                                                   job.packing.token_budget, wrap=wrap)
+                                                   wrap=wrap)
         return BackbonePipeline(backbone, stage_module, stage, job.parallel.pp_schedule, job.packing.token_budget,
                                 holder[0] if holder else None)
 
