@@ -43,6 +43,13 @@ def test_pipeline_per_step_shapes_match_coupled(tmp_path: Path) -> None:
     assert len(seq_lens) > 1 and all(n % 16 == 0 for n in seq_lens), seq_lens
 
 
+def test_encoder_batching_matches_coupled(tmp_path: Path) -> None:
+    """Encoder ranks encoding several samples per forward (up to 4096 ViT patches) train like the coupled
+    baseline, which encodes one sample per forward."""
+    dec = _assert_parity(tmp_path, "parity_enc2", ["flow.encoder_batch_tokens=4096"])
+    assert all(0 < x["encoder_forwards"] < x["encoder_samples"] for x in dec), dec
+
+
 def _assert_parity(tmp_path: Path, recipe: str, extra: list[str]) -> list[dict]:
     runs = {}
     for mode in ("decoupled", "coupled"):

@@ -88,6 +88,8 @@ def check_rules(job: FlowJobConfig) -> None:
         (f.mode in ("decoupled", "coupled"), f"flow.mode={f.mode!r}: must be 'decoupled' or 'coupled'"),
         (f.timeout_s > 0, f"flow.timeout_s={f.timeout_s}: must be > 0"),
         (f.pool_capacity_mb > 0, f"flow.pool_capacity_mb={f.pool_capacity_mb}: must be > 0"),
+        (f.encoder_batch_tokens >= 0, f"flow.encoder_batch_tokens={f.encoder_batch_tokens}: must be >= 0 "
+                                      f"(0: one sample per encoder forward)"),
         (job.model.dtype in ("float32", "bfloat16", "float16"),
          f"model.dtype={job.model.dtype!r}: float32, bfloat16 or float16"),
         (d.min_pixels <= d.max_pixels, f"data.min_pixels={d.min_pixels} > data.max_pixels={d.max_pixels}"),

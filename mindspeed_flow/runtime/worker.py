@@ -146,7 +146,8 @@ def run_worker(config_path: str) -> None:
                         norm_group=norm_group, grad_clip=job.trainer.grad_clip, base_lr=job.trainer.lr,
                         warmup_steps=job.trainer.warmup_steps,
                         prefetch_depth=job.data.prefetch_depth,
-                        keep_encoder_activations=job.flow.keep_encoder_activations)
+                        keep_encoder_activations=job.flow.keep_encoder_activations,
+                        encoder_batch_tokens=job.flow.encoder_batch_tokens)
     batches = iter_global_batches(dataset, job.trainer.global_batch_size, seed=job.seed,
                                   max_bad=job.data.max_bad_samples)
     needs_labels = not topo.is_encoder

@@ -42,6 +42,24 @@ class EncoderPart(nn.Module):
         grid = image_grid_thw.to(device) if image_grid_thw is not None else None
         return hf_compat.image_features(self._owner[0], self.family, pixel_values.to(device), grid)
 
+    def encode_many(self, samples: Sequence[VLMSample]) -> list[torch.Tensor]:
+        """Several samples' images in ONE forward, split back per sample: [image tokens of sample i, H_llm] each.
+
+        Qwen's ViT takes the images' patches concatenated with their grids (it attends within each image by the
+        grids' boundaries); LLaVA's tower takes the images stacked (one size after preprocessing).
+        """
+        if not samples:
+            return []
+        pixels = torch.cat([s.pixel_values for s in samples], dim=0)
+        grids = [s.image_grid_thw for s in samples]
+        grid = torch.cat(grids, dim=0) if all(g is not None for g in grids) else None
+        rows = self(pixels, grid)
+        counts = [sum(s.image_token_counts) for s in samples]
+        if sum(counts) != rows.shape[0]:
+            raise ValueError(f"encoder: {rows.shape[0]} embedding rows for samples "
+                             f"{[s.sample_id for s in samples]} that hold {sum(counts)} image tokens ({counts})")
+        return list(torch.split(rows, counts, dim=0))
+
     def _device(self) -> torch.device:
         p = next(self.parameters(), None)
         return p.device if p is not None else torch.device("cpu")
