@@ -99,19 +99,38 @@ class StepEngine:
         self._texts: dict[int, VLMSample] = {}
 
     # ------------------------------------------------------------------------------------------------------
-    def run_step(self, work: StepWork, n_labels: int, record: StepRecord,
-                 texts: Optional[dict[int, VLMSample]] = None) -> None:
-        """`texts`: the step's samples without pixels, if the caller already loaded them (reused, not reloaded)."""
-        self._texts = texts or {}
+    def run_step(self, work: StepWork, record: StepRecord) -> None:
         record["step_start_t"] = time.time()
         if self.topo.is_encoder:
             self._produce(work, record)
-        elif self.topo.is_backbone:
-            self._consume(work, n_labels, record)
         else:
-            self._coupled(work, n_labels, record)
+            n_labels = self._load_texts(work)
+            if self.topo.is_backbone:
+                self._consume(work, n_labels, record)
+            else:
+                self._coupled(work, n_labels, record)
         self._optimizer_step(work.step, record)
         record["step_end_t"] = time.time()
+
+    def _row(self, work: StepWork) -> list:
+        """This rank's microbatches (a backbone rank runs its DP replica's row, a coupled rank its own)."""
+        return work.plan.microbatches[self.topo.rank if self.topo.is_coupled else self.topo.dp_rank]
+
+    def _load_texts(self, work: StepWork) -> int:
+        """Load this rank's own samples without pixels (kept for the step) and return the step's label tokens,
+        the loss normaliser: each DP replica counts its own row, one all-reduce adds them up (no rank reads the
+        whole global batch; samples the plan skipped as oversize are in no row)."""
+        self._texts = {sid: self.dataset.sample(sid, with_pixels=False)
+                       for mb in self._row(work) for sid in mb.sample_ids}
+        count = torch.tensor([sum(t.label_tokens for t in self._texts.values())], dtype=torch.int64,
+                             device=self._device())
+        if len(self.topo.dp_ranks) > 1:
+            dist.all_reduce(count, group=self.topo.dp_group)
+        return int(count.item())
+
+    def _device(self) -> torch.device:
+        p = next(iter(self.m.named_params.values()), None)
+        return p.device if p is not None else torch.device("cpu")
 
     # --- encoder ranks ----------------------------------------------------------------------------------------
     # A frozen encoder never waits for gradients and does not flush per step: it runs ahead into the next
@@ -163,7 +182,7 @@ class StepEngine:
     # --- backbone ranks ---------------------------------------------------------------------------------------
     def _consume(self, work: StepWork, n_labels: int, record: StepRecord) -> None:
         timer = Timer()
-        row = work.plan.microbatches[self.topo.dp_rank]
+        row = self._row(work)
         if self.topo.is_first_stage:  # only the first stage consumes embeddings
             self.expect_embeds(work)
         if self.m.pipeline is not None:
@@ -234,7 +253,7 @@ class StepEngine:
     # --- coupled baseline ------------------------------------------------------------------------------------
     def _coupled(self, work: StepWork, n_labels: int, record: StepRecord) -> None:
         timer = Timer()
-        row = work.plan.microbatches[self.topo.rank]
+        row = self._row(work)
         model = self.m.coupled_dp
         scale = self.m.dp_loss_scale / max(n_labels, 1)
         total = 0.0

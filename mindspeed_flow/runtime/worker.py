@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import os
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -26,7 +25,7 @@ from mindspeed_flow.resilience.checkpoint import Checkpointer
 from mindspeed_flow.runtime import build
 from mindspeed_flow.runtime.engine import StepEngine
 from mindspeed_flow.runtime.metrics import MetricsGatherer, StepRecord, StepStatic, measure_cpu_peak_flops
-from mindspeed_flow.runtime.plan import StepWork, label_normalizer, plan_coupled_step, plan_decoupled_step
+from mindspeed_flow.runtime.plan import StepWork, plan_coupled_step, plan_decoupled_step
 from mindspeed_flow.specs import VLMSpec
 from mindspeed_flow.topology import Layout, Topology
 
@@ -150,7 +149,6 @@ def run_worker(config_path: str) -> None:
                         encoder_batch_tokens=job.flow.encoder_batch_tokens)
     batches = iter_global_batches(dataset, job.trainer.global_batch_size, seed=job.seed,
                                   max_bad=job.data.max_bad_samples)
-    needs_labels = not topo.is_encoder
     checkpointer, start_step = _maybe_resume(job, rank_models, optim, batches, is_writer)
     gatherer = MetricsGatherer(metrics_group, world, is_writer, Path(job.run_dir), 1, peak_total, peak_desc,
                                append=start_step > 0)
@@ -159,15 +157,10 @@ def run_worker(config_path: str) -> None:
         sample_ids = next(batches)
         shapes = [dataset.shape(i) for i in sample_ids]
         work = plan_for_step(job, topo, step, shapes, cost_model)
-        # Only ranks that compute the loss need the normaliser: the step's label tokens. They read the text of the
-        # whole global batch once (cheap, no pixels) and the engine reuses it for their own microbatches.
-        texts = {i: dataset.sample(i, with_pixels=False) for i in sample_ids} if needs_labels else {}
-        n_labels = label_normalizer({i: t.label_tokens for i, t in texts.items()}, sample_ids,
-                                    work.plan.oversize) if needs_labels else 0
         record = StepRecord()
         record["is_encoder"], record["is_backbone"] = float(topo.is_encoder), float(not topo.is_encoder)
         record["is_writer"] = float(is_writer)
-        engine.run_step(work, n_labels, record, texts)
+        engine.run_step(work, record)
         record["peak_rss_bytes"] = acc.memory_stats()["peak_bytes"]
         gatherer.post(step_static(work, spec, shapes, frozen, batches.guard.num_bad, optim), record)
         for line in gatherer.drain(block=is_writer):
