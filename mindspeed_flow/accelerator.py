@@ -127,9 +127,25 @@ class Accelerator:
 
         return peak_flops("cpu" if self.device_type == "cpu" else self.device_name, dtype)
 
+    # --- kernels --------------------------------------------------------------------------------------------
+    @property
+    def varlen_attention_kernel(self) -> str:
+        """The kernel packed microbatches attend with (see `varlen_attention_kernel`)."""
+        return varlen_attention_kernel(self.device_type)
+
     def describe(self) -> dict[str, Any]:
-        return {**asdict(self), "torch": torch.__version__, "python": sys.version.split()[0],
+        return {**asdict(self), "varlen_attention_kernel": self.varlen_attention_kernel, "torch": torch.__version__, "python": sys.version.split()[0],
                 "peak_tflops": {d: self.peak_flops(d) and self.peak_flops(d) / 1e12 for d in ("bf16", "fp32")}}
+
+
+def varlen_attention_kernel(device_type: str) -> str:
+    """Varlen attention kernel by device type (`mindspeed_flow.hosts.torch.attention.KERNELS`).
+
+    npu: `npu_fusion_attention` in the TND layout (sequence boundaries as cumulative lengths). cuda and cpu:
+    one causal SDPA call per sequence, which dispatches to the flash / memory-efficient kernels (no mask
+    argument), so no backend ever materialises a T x T mask.
+    """
+    return "npu_fusion_attention" if device_type == "npu" else "sdpa_segments"
 
 
 def _has_mc2_ops() -> bool:

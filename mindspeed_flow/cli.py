@@ -35,6 +35,8 @@ BENCHMARKS: dict[str, str] = {
     "train": "mindspeed_flow.bench.train",
     "overlap": "mindspeed_flow.bench.overlap",
     "checkpoint": "mindspeed_flow.bench.checkpoint",
+    "attention": "mindspeed_flow.bench.attention",
+    "build": "mindspeed_flow.bench.build",
 }
 
 

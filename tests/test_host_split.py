@@ -94,7 +94,7 @@ def test_packed_samples_never_attend_to_each_other(family):
     def logits_of(batch):
         embeds = _encode(encoder, batch)
         packed = backbone.pack(batch, embeds, budget)
-        hidden = backbone.run_layers(backbone.embed(packed, embeds), packed.position_ids, packed.segment_ids,
+        hidden = backbone.run_layers(backbone.embed(packed, embeds), packed.position_ids, packed.segments,
                                      backbone.layers)
         return backbone.logits(hidden)[0], packed
 
@@ -253,3 +253,28 @@ def test_tiny_presets_keep_the_token_contract(family):
         raw = hf_config_dict(family, "tiny")["text_config"]  # the 4.57 spelling agrees with the 5.x one
         assert raw["rope_scaling"]["mrope_section"] == raw["rope_parameters"]["mrope_section"]
         assert raw["rope_theta"] == raw["rope_parameters"]["rope_theta"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_encoder_batch_equals_one_image_per_forward(family):
+    """Several samples' images in one encoder forward: the same embeddings and parameter gradients as one
+    forward per sample (Qwen: concatenated patches with their grids; LLaVA: stacked images)."""
+    model = _model(family)
+    encoder, _ = split_vlm(model)
+    samples = [s for s in make_samples(family, 6, seed=5) if s.pixel_values is not None]
+    assert len(samples) >= 3 and any(len(s.image_token_counts) == 2 for s in samples)
+    grads_out = [torch.randn(sum(s.image_token_counts), model.config.text_config.hidden_size
+                             if hasattr(model.config, "text_config") else model.config.hidden_size,
+                             generator=torch.Generator().manual_seed(i)) for i, s in enumerate(samples)]
+    one = [encoder(s.pixel_values, s.image_grid_thw) for s in samples]
+    torch.autograd.backward(one, grads_out)
+    ref = {n: p.grad.clone() for n, p in encoder.named_parameters() if p.grad is not None}
+    encoder.zero_grad(set_to_none=True)
+    batched = encoder.encode_many(samples)
+    torch.autograd.backward(batched, grads_out)
+    for a, b in zip(batched, one):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert ref.keys() == {n for n, p in encoder.named_parameters() if p.grad is not None}
+    for n, p in encoder.named_parameters():
+        if n in ref:
+            torch.testing.assert_close(p.grad, ref[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")

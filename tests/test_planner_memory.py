@@ -30,6 +30,8 @@ from mindspeed_flow.specs import VLMSpec
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava")
 CPU_CFG = PlannerConfig(dtype="fp32", flash_attention=False, distributed_optimizer=False)
+# Packed backbone microbatches attend with the varlen kernel (per-sequence causal SDPA, no score matrix kept).
+CPU_CFG_VARLEN = dataclasses.replace(CPU_CFG, flash_attention=True)
 
 
 def _setup(family: str):
@@ -71,7 +73,8 @@ def test_activation_memory_within_20_percent(family: str) -> None:
         measured, _ = saved_activation_bytes(lambda: bb(packed, embeds[:k]), model.parameters())
         L = Layouts.from_rows([{"dp": 1, "tp": 1, "pp": 1, "cp": 1, "b": budget, "rc": 0}])
         # + the fp32 log-probs the loss saves (the planner books them, with their gradient, as buffers)
-        pred = float(backbone_activation_memory(pb, ctx, L, np.array([1.0]))[0]) + budget * pb.vocab * 4
+        varlen = dataclasses.replace(ctx, cfg=CPU_CFG_VARLEN)
+        pred = float(backbone_activation_memory(pb, varlen, L, np.array([1.0]))[0]) + budget * pb.vocab * 4
         rows.append(("backbone", budget, measured, pred))
     for what, size, measured, pred in rows:
         err = pred / measured - 1

@@ -45,3 +45,13 @@ def test_coupled_plan_encodes_where_it_consumes() -> None:
                              oversize_policy="error")
     assert all(work.producer_of[s] == work.consumer_of[s] for s in work.producer_of)
     assert len(work.plan.microbatches) == 3
+
+
+def test_encode_groups_keep_order_within_the_patch_budget() -> None:
+    from mindspeed_flow.runtime.engine import encode_groups
+
+    ids, patches = [7, 3, 9, 1, 4], [100, 200, 900, 50, 60]
+    assert encode_groups(ids, patches, 0) == [[7], [3], [9], [1], [4]]
+    assert encode_groups(ids, patches, 300) == [[7, 3], [9], [1, 4]]  # 900 > budget: alone
+    assert encode_groups(ids, patches, 10_000) == [ids]
+    assert [s for g in encode_groups(ids, patches, 250) for s in g] == ids

@@ -32,6 +32,25 @@ EXTRA = {"parity_dp2_fsdp": ("parity_dp2", ["parallel.backbone_dp_impl=fsdp"])}
 def test_decoupled_matches_coupled(tmp_path: Path, experiment: str) -> None:
     """Same seed and recipe: the same loss every step (rel <= 1e-5) and the same final parameters."""
     recipe, extra = EXTRA.get(experiment, (experiment, []))
+    _assert_parity(tmp_path, recipe, extra)
+
+
+def test_pipeline_per_step_shapes_match_coupled(tmp_path: Path) -> None:
+    """A pipeline padding each step to its longest pack (pad_multiple) trains exactly like the coupled baseline,
+    and the steps really ran at several sequence lengths (one schedule per shape)."""
+    dec = _assert_parity(tmp_path, "parity_pp2", ["packing.pad_multiple=16"])
+    seq_lens = {x["padded_tokens"] // x["microbatches"] for x in dec}  # padded_tokens: padding included
+    assert len(seq_lens) > 1 and all(n % 16 == 0 for n in seq_lens), seq_lens
+
+
+def test_encoder_batching_matches_coupled(tmp_path: Path) -> None:
+    """Encoder ranks encoding several samples per forward (up to 4096 ViT patches) train like the coupled
+    baseline, which encodes one sample per forward."""
+    dec = _assert_parity(tmp_path, "parity_enc2", ["flow.encoder_batch_tokens=4096"])
+    assert all(0 < x["encoder_forwards"] < x["encoder_samples"] for x in dec), dec
+
+
+def _assert_parity(tmp_path: Path, recipe: str, extra: list[str]) -> list[dict]:
     runs = {}
     for mode in ("decoupled", "coupled"):
         runs[mode] = train(tmp_path / mode, f"experiment={recipe}", "trainer.steps=8", f"flow.mode={mode}",
@@ -48,6 +67,7 @@ def test_decoupled_matches_coupled(tmp_path: Path, experiment: str) -> None:
         torch.testing.assert_close(pa[k], pb[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
     # The runs trained: parameters moved away from their initial values in both modes.
     assert dec[-1]["loss"] < dec[0]["loss"]
+    return dec
 
 
 def test_encoder_recompute_matches_kept_activations(tmp_path: Path) -> None:

@@ -88,6 +88,8 @@ def check_rules(job: FlowJobConfig) -> None:
         (f.mode in ("decoupled", "coupled"), f"flow.mode={f.mode!r}: must be 'decoupled' or 'coupled'"),
         (f.timeout_s > 0, f"flow.timeout_s={f.timeout_s}: must be > 0"),
         (f.pool_capacity_mb > 0, f"flow.pool_capacity_mb={f.pool_capacity_mb}: must be > 0"),
+        (f.encoder_batch_tokens >= 0, f"flow.encoder_batch_tokens={f.encoder_batch_tokens}: must be >= 0 "
+                                      f"(0: one sample per encoder forward)"),
         (job.model.dtype in ("float32", "bfloat16", "float16"),
          f"model.dtype={job.model.dtype!r}: float32, bfloat16 or float16"),
         (d.min_pixels <= d.max_pixels, f"data.min_pixels={d.min_pixels} > data.max_pixels={d.max_pixels}"),
@@ -96,9 +98,6 @@ def check_rules(job: FlowJobConfig) -> None:
         (job.parallel.backbone_dp_impl in ("ddp", "fsdp"),
          f"parallel.backbone_dp_impl={job.parallel.backbone_dp_impl!r}: 'ddp' or 'fsdp'"),
         (p.pad_multiple >= 0, f"packing.pad_multiple={p.pad_multiple}: must be >= 0"),
-        (not (p.pad_multiple and job.parallel.backbone.pp > 1 and f.mode == "decoupled"),
-         f"packing.pad_multiple={p.pad_multiple} with parallel.backbone.pp={job.parallel.backbone.pp}: pipeline "
-         "stages need one static shape, so microbatches must be padded to packing.token_budget (pad_multiple: 0)"),
         (job.parallel.pp_schedule in ("gpipe", "1f1b"),
          f"parallel.pp_schedule={job.parallel.pp_schedule!r}: 'gpipe' or '1f1b'"),
         (0.0 <= d.max_bad_fraction <= 1.0, f"data.max_bad_fraction={d.max_bad_fraction}: must be in [0, 1]"),

@@ -9,7 +9,7 @@ class PackingConfig:
     # flow: segment-tree best fit + cost buckets + zig-zag; naive: fixed batch padded to the longest;
     # sorted: length-sorted batches; first_fit: greedy first fit.
     scheduler: str = "flow"
-    # Tokens per backbone microbatch. Pipeline stages need static shapes, so every microbatch is padded to it.
+    # Tokens per backbone microbatch (at most; see pad_multiple).
     token_budget: int = 1024
     # What to do with a sample longer than the budget: "error" | "skip" (reported by id and length, never silent).
     oversize_policy: str = "error"
@@ -24,4 +24,5 @@ class PackingConfig:
     # 0: every microbatch is padded to token_budget (one static shape for the whole run). > 0: each step's
     # microbatches are padded to the step's longest pack rounded up to this multiple (one shape per step, from a
     # bounded set of buckets), which removes the padding left when the pack count is rounded up to a multiple of DP.
+    # Pipelines too: they keep a schedule per (length, microbatch count).
     pad_multiple: int = 0

@@ -90,6 +90,9 @@ class FlowConfig:
     timeout_s: float = 120.0
     # Encoder keeps activations between forward and backward (False: recompute per sample in backward).
     keep_encoder_activations: bool = True
+    # ViT patches per encoder forward: consecutive samples of a rank's encode (= consumption) order are encoded
+    # together up to this many patches (a larger sample alone); 0: one sample per forward.
+    encoder_batch_tokens: int = 0
 
 
 @dataclass

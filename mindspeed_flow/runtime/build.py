@@ -1,8 +1,9 @@
 """Build what one rank runs, by small ordered steps (torchtitan style): model -> split -> freeze -> place ->
 parallelize (DDP / FSDP2 / pipeline) -> optimizer -> pool.
 
-Every rank builds the whole tiny model from the same seed and keeps its half, so all layouts and both modes
-start from identical parameters (for real checkpoints each half loads the same local weights).
+Each rank materialises only the part it runs (the other part's parameters stay on the meta device: an encoder
+rank never allocates the LLM). A part's weights depend only on the seed and the part (or come from the same
+local checkpoint), so all layouts and both modes start from identical parameters.
 """
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ def freeze_(module: torch.nn.Module) -> None:
 def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.device
                ) -> tuple[RankModels, PartOptimizer, Optional[Any], Optional[dist.ProcessGroup]]:
     dtype = DTYPES[job.model.dtype]
+    parts = ("encoder", "backbone") if topo.is_coupled else ("encoder",) if topo.is_encoder else ("backbone",)
     model = build_vlm(job.model.family, hf_cfg, seed=job.seed, dtype=dtype,
-                      pretrained_path=job.model.pretrained_path)
+                      pretrained_path=job.model.pretrained_path, parts=parts)
     encoder, backbone = split_vlm(model)
     frozen = job.model.freeze_encoder
     if frozen:

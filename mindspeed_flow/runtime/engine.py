@@ -65,9 +65,25 @@ class Timer:
 
 
 @traced("encoder.forward")
-def encode_sample(encoder: torch.nn.Module, sample: VLMSample, trainable: bool) -> torch.Tensor:
+def encode_samples(encoder: Any, samples: list[VLMSample], trainable: bool) -> list[torch.Tensor]:
+    """One encoder forward over the samples' images; one embedding tensor per sample."""
     with torch.set_grad_enabled(trainable):
-        return encoder(sample.pixel_values, sample.image_grid_thw)
+        return encoder.encode_many(samples)
+
+
+def encode_groups(sample_ids: list[int], patches: list[int], budget: int) -> list[list[int]]:
+    """Consecutive runs of `sample_ids` of at most `budget` ViT patches each (order kept; a sample over the
+    budget alone); budget 0: one sample per group."""
+    groups: list[list[int]] = []
+    load = 0
+    for sid, n in zip(sample_ids, patches):
+        if groups and budget and load + n <= budget:
+            groups[-1].append(sid)
+            load += n
+        else:
+            groups.append([sid])
+            load = n
+    return groups
 
 
 class StepEngine:
@@ -76,7 +92,7 @@ class StepEngine:
     def __init__(self, *, topo: Any, models: RankModels, pool: Any, dataset: Any, token_budget: int,
                  optim: PartOptimizer, norm_group: Optional[dist.ProcessGroup], grad_clip: float, base_lr: float,
                  warmup_steps: int, prefetch_depth: int = 2,
-                 keep_encoder_activations: bool = True, nan_policy: str = "stop",
+                 keep_encoder_activations: bool = True, encoder_batch_tokens: int = 0, nan_policy: str = "stop",
                  max_nonfinite_steps: int = 0) -> None:
         self.topo, self.m, self.pool, self.dataset = topo, models, pool, dataset
         self.token_budget = token_budget
@@ -84,6 +100,7 @@ class StepEngine:
         self.grad_clip, self.base_lr, self.warmup_steps = grad_clip, base_lr, warmup_steps
         self.prefetch_depth = prefetch_depth
         self.keep_encoder_activations = keep_encoder_activations
+        self.encoder_batch_tokens = encoder_batch_tokens
         # trainer.nan_policy: "stop" raises at the first non-finite gradient norm; "skip" drops that step's update
         # and raises only after more than `max_nonfinite_steps` such steps in a row.
         self.nan_policy, self.max_nonfinite_steps = nan_policy, max_nonfinite_steps
@@ -93,19 +110,38 @@ class StepEngine:
 
     # ------------------------------------------------------------------------------------------------------
     @traced("step")
-    def run_step(self, work: StepWork, n_labels: int, record: StepRecord,
-                 texts: Optional[dict[int, VLMSample]] = None) -> None:
-        """`texts`: the step's samples without pixels, if the caller already loaded them (reused, not reloaded)."""
-        self._texts = texts or {}
+    def run_step(self, work: StepWork, record: StepRecord) -> None:
         record["step_start_t"] = time.time()
         if self.topo.is_encoder:
             self._produce(work, record)
-        elif self.topo.is_backbone:
-            self._consume(work, n_labels, record)
         else:
-            self._coupled(work, n_labels, record)
+            n_labels = self._load_texts(work)
+            if self.topo.is_backbone:
+                self._consume(work, n_labels, record)
+            else:
+                self._coupled(work, n_labels, record)
         self._optimizer_step(work.step, record)
         record["step_end_t"] = time.time()
+
+    def _row(self, work: StepWork) -> list:
+        """This rank's microbatches (a backbone rank runs its DP replica's row, a coupled rank its own)."""
+        return work.plan.microbatches[self.topo.rank if self.topo.is_coupled else self.topo.dp_rank]
+
+    def _load_texts(self, work: StepWork) -> int:
+        """Load this rank's own samples without pixels (kept for the step) and return the step's label tokens,
+        the loss normaliser: each DP replica counts its own row, one all-reduce adds them up (no rank reads the
+        whole global batch; samples the plan skipped as oversize are in no row)."""
+        self._texts = {sid: self.dataset.sample(sid, with_pixels=False)
+                       for mb in self._row(work) for sid in mb.sample_ids}
+        count = torch.tensor([sum(t.label_tokens for t in self._texts.values())], dtype=torch.int64,
+                             device=self._device())
+        if len(self.topo.dp_ranks) > 1:
+            dist.all_reduce(count, group=self.topo.dp_group)
+        return int(count.item())
+
+    def _device(self) -> torch.device:
+        p = next(iter(self.m.named_params.values()), None)
+        return p.device if p is not None else torch.device("cpu")
 
     # --- encoder ranks ----------------------------------------------------------------------------------------
     # A frozen encoder never waits for gradients and does not flush per step: it runs ahead into the next
@@ -118,26 +154,33 @@ class StepEngine:
         # (one extra ViT forward per sample; the ViT has no dropout, so the recomputed forward is identical).
         keep = trainable and self.keep_encoder_activations
         order = work.encode_order.get(rank, [])
-        held: list[tuple[int, Any]] = []  # (sample id, graph-holding embedding or the sample to recompute)
+        # Several samples per forward (flow.encoder_batch_tokens), in encode order: each group's embeddings go to
+        # the pool as soon as the group is encoded, and its backward runs once all its gradients are back.
+        patches = [self.dataset.shape(sid).vit_patches if self.encoder_batch_tokens else 0 for sid in order]
+        groups = encode_groups(order, patches, self.encoder_batch_tokens)
+        held: list[tuple[list[int], Any]] = []  # (sample ids, graph-holding embeddings or the samples to recompute)
         # Pixels are decoded/generated in a background thread while the encoder computes.
         loader = iter(prefetch_samples(self.dataset, order, with_pixels=True, depth=self.prefetch_depth))
-        for sid in order:
-            sample = timer.timed("wait", lambda: next(loader))
-            emb = timer.timed("busy", lambda: encode_sample(self.m.encoder, sample, keep))
-            # The pool sends a detached copy; the graph (if kept) stays here until the gradient comes back.
-            timer.timed("wait", lambda: self.pool.put(emb.detach(), sample_id=sid, step=work.step,
-                                                      consumer=work.consumer_of[sid]))
+        for group in groups:
+            samples = [timer.timed("wait", lambda: next(loader)) for _ in group]
+            embs = timer.timed("busy", lambda: encode_samples(self.m.encoder, samples, keep))
+            for sid, emb in zip(group, embs):
+                # The pool sends a detached copy; the graph (if kept) stays here until the gradient comes back.
+                timer.timed("wait", lambda: self.pool.put(emb.detach(), sample_id=sid, step=work.step,
+                                                          consumer=work.consumer_of[sid]))
             if trainable:
-                held.append((sid, emb if keep else sample))
+                held.append((group, embs if keep else samples))
         record["encoder_last_sample_done_t"] = time.time()
         record["encoder_samples"] = len(order)
-        for sid, kept in held:  # gradients come back in consumption order, as they are computed
-            grad = timer.timed("wait", lambda: self.pool.wait_grad(sample_id=sid, step=work.step,
-                                                                   consumer=work.consumer_of[sid]))
+        record["encoder_forwards"] = len(groups)
+        for group, kept in held:  # gradients come back in consumption order, as they are computed
+            grads = [timer.timed("wait", lambda: self.pool.wait_grad(sample_id=sid, step=work.step,
+                                                                     consumer=work.consumer_of[sid]))
+                     for sid in group]
 
             def backward() -> None:
-                emb = kept if keep else encode_sample(self.m.encoder, kept, True)
-                emb.backward(grad.to(emb.dtype))
+                embs = kept if keep else encode_samples(self.m.encoder, kept, True)
+                torch.autograd.backward(embs, [g.to(e.dtype) for g, e in zip(grads, embs)])
 
             timer.timed("busy", backward)
         if trainable:
@@ -152,7 +195,7 @@ class StepEngine:
     @traced("backbone.consume")
     def _consume(self, work: StepWork, n_labels: int, record: StepRecord) -> None:
         timer = Timer()
-        row = work.plan.microbatches[self.topo.dp_rank]
+        row = self._row(work)
         if self.topo.is_first_stage:  # only the first stage consumes embeddings
             self.expect_embeds(work)
         if self.m.pipeline is not None:
@@ -224,7 +267,7 @@ class StepEngine:
     @traced("coupled.step")
     def _coupled(self, work: StepWork, n_labels: int, record: StepRecord) -> None:
         timer = Timer()
-        row = work.plan.microbatches[self.topo.rank]
+        row = self._row(work)
         model = self.m.coupled_dp
         scale = self.m.dp_loss_scale / max(n_labels, 1)
         total = 0.0
@@ -292,7 +335,7 @@ class CoupledModel(torch.nn.Module):
         self.frozen_encoder = frozen_encoder
 
     def forward(self, samples: list[VLMSample], token_budget: int) -> tuple[torch.Tensor, int]:
-        embeds = [encode_sample(self.encoder, s, not self.frozen_encoder) if s.image_token_counts else None
+        embeds = [encode_samples(self.encoder, [s], not self.frozen_encoder)[0] if s.image_token_counts else None
                   for s in samples]
         packed = self.backbone.pack(samples, embeds, token_budget)
         return self.backbone(packed, embeds)

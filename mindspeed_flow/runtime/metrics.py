@@ -19,7 +19,7 @@ import torch.distributed as dist
 SLOTS = (
     "is_encoder", "is_backbone", "is_writer",
     "step_start_t", "step_end_t",
-    "encoder_busy_s", "encoder_wait_s", "encoder_last_sample_done_t", "encoder_samples",
+    "encoder_busy_s", "encoder_wait_s", "encoder_last_sample_done_t", "encoder_samples", "encoder_forwards",
     "backbone_busy_s", "backbone_wait_s", "backbone_first_mb_start_t",
     "loss_sum", "label_tokens", "pool_peak_bytes", "pool_bytes_sent", "grad_norm", "peak_rss_bytes",
 )
@@ -155,6 +155,9 @@ class MetricsGatherer:
             "step_seconds": seconds,
             "encoder_busy_s": agg("encoder_busy_s", enc),
             "encoder_wait_s": agg("encoder_wait_s", enc),
+            # encoder forwards over all encoder ranks (fewer than the samples when flow.encoder_batch_tokens > 0)
+            "encoder_forwards": agg("encoder_forwards", enc, "sum"),
+            "encoder_samples": agg("encoder_samples", enc, "sum"),
             "backbone_busy_s": agg("backbone_busy_s", bb),
             "backbone_wait_s": agg("backbone_wait_s", bb),
             "pool_occupancy_peak_bytes": agg("pool_peak_bytes", everyone),

@@ -10,12 +10,17 @@ so the pipeline starts on microbatch 0 while the encoder still encodes later sam
 a gradient hook that returns d(loss)/d(embedding) to its producer the moment the schedule's backward computes
 it, so the encoder can start its backward before the pipeline has drained.
 
-Shapes are static (every microbatch padded to `packing.token_budget`); one schedule object per microbatch count
-is cached, since a schedule is bound to its count.
+Per-step shapes: a step's microbatches are padded to the step's sequence length (`StepPlan.seq_len`: the longest
+pack rounded up to `packing.pad_multiple`, or the token budget when that is 0), as on the flat path. A
+PipelineStage fixes its activation shapes on its first step and a schedule is bound to its microbatch count, so
+(stage, schedule) pairs are cached by (sequence length, microbatch count), a few at a time; every rank of the
+pipeline knows the plan, so all of them build a new pair on the same step. The loss scale (1 / the step's label
+tokens) is read at loss time, not baked into the cached schedule.
 """
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -60,12 +65,18 @@ class StreamingFirstStage(torch.nn.Module):
 
 
 class BackbonePipeline:
+    # (sequence length, microbatch count) pairs kept: pad_multiple gives a bounded set of lengths, and each
+    # entry holds the stage's receive buffers for its shape.
+    MAX_CACHED_SHAPES = 4
+
     def __init__(self, backbone: BackbonePart, stage_module: BackboneStage, stage: Any, kind: str,
                  token_budget: int, first: Optional[StreamingFirstStage]) -> None:
         self.backbone, self.stage_module, self.stage = backbone, stage_module, stage
         self.kind, self.token_budget = kind, token_budget
         self.first = first
-        self._schedules: dict[tuple[int, float], Any] = {}
+        self._schedules: OrderedDict[tuple[int, int], Any] = OrderedDict()
+        self._loss_scale = 1.0
+        self.schedules_built = 0
 
     @staticmethod
     def build(job, topo, backbone: BackbonePart, device: torch.device) -> "BackbonePipeline":
@@ -80,30 +91,40 @@ class BackbonePipeline:
             return dp_wrap(module, topo.dp_group) if layout.dp > 1 else module
 
         stage_module, stage = build_backbone_stage(backbone, topo.pp_rank, layout.pp, topo.pp_group, device,
-                                                   job.packing.token_budget, wrap=wrap)
+                                                   wrap=wrap)
         return BackbonePipeline(backbone, stage_module, stage, job.parallel.pp_schedule, job.packing.token_budget,
                                 holder[0] if holder else None)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.stage_module.parameters())
 
-    def _schedule(self, n_micro: int, scale: float) -> Any:
-        key = (n_micro, scale)
-        if key not in self._schedules:
-            def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-                return token_loss_sum(logits, labels) * scale
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(logits, labels) * self._loss_scale
 
-            self._schedules = {k: v for k, v in self._schedules.items() if k[0] != n_micro}
-            self._schedules[key] = make_schedule(self.stage, n_micro, loss_fn, self.kind)
+    def _schedule(self, seq_len: int, n_micro: int) -> Any:
+        """The schedule for this shape: the first one built reuses the PipelineStage made at build time, later
+        shapes get a fresh PipelineStage over the same (wrapped) stage module."""
+        key = (seq_len, n_micro)
+        if key in self._schedules:
+            self._schedules.move_to_end(key)
+            return self._schedules[key]
+        stage = self.stage
+        if self.schedules_built:
+            stage = type(stage)(stage.submod, stage.stage_index, stage.num_stages, stage.device, group=stage.group)
+        self._schedules[key] = make_schedule(stage, n_micro, self._loss, self.kind)
+        self.schedules_built += 1
+        while len(self._schedules) > self.MAX_CACHED_SHAPES:
+            self._schedules.popitem(last=False)
         return self._schedules[key]
 
     def run(self, work: "StepWork", row: list, n_labels: int, engine: "StepEngine", timer: "Timer",
             record: "StepRecord") -> float:
-        scale = engine.m.dp_loss_scale / max(n_labels, 1)
+        scale = self._loss_scale = engine.m.dp_loss_scale / max(n_labels, 1)
+        seq_len = work.plan.seq_len or self.token_budget
         samples = [timer.timed("busy", lambda mb=mb: engine.load_samples(mb.sample_ids, with_pixels=False))
                    for mb in row]
-        packs = [self.backbone.pack(s, None, self.token_budget) for s in samples]
-        schedule = self._schedule(len(packs), scale)
+        packs = [self.backbone.pack(s, None, seq_len) for s in samples]
+        schedule = self._schedule(seq_len, len(packs))
         placeholder: Optional[torch.Tensor] = None
         feed_timer = type(timer)()
         if self.first is not None:

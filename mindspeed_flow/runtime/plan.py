@@ -9,7 +9,7 @@ Every rank runs this on the same inputs and gets the same answer, so no rank ask
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -88,9 +88,3 @@ def plan_coupled_step(step: int, shapes: Sequence[SampleShape], *, world_size: i
                 work.consumer_of[sid] = d
                 work.producer_of[sid] = d
     return work
-
-
-def label_normalizer(label_counts: dict[int, int], sample_ids: Sequence[int], oversize: Optional[list] = None) -> int:
-    """Label tokens of the step's trained samples: the loss is their global per-token mean."""
-    skipped = {sid for sid, _ in (oversize or [])}
-    return sum(label_counts[s] for s in sample_ids if s not in skipped)

@@ -8,7 +8,6 @@ import datetime
 import os
 import signal
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -32,7 +31,7 @@ from mindspeed_flow.resilience.watchdog import FAILURE_FILE, Watchdog
 from mindspeed_flow.runtime import build, trace
 from mindspeed_flow.runtime.engine import StepEngine
 from mindspeed_flow.runtime.metrics import MetricsGatherer, StepRecord, StepStatic, measure_cpu_peak_flops
-from mindspeed_flow.runtime.plan import StepWork, label_normalizer, plan_coupled_step, plan_decoupled_step
+from mindspeed_flow.runtime.plan import StepWork, plan_coupled_step, plan_decoupled_step
 from mindspeed_flow.runtime.tensorboard import open_sink
 from mindspeed_flow.specs import VLMSpec
 from mindspeed_flow.topology import Layout, Topology
@@ -154,11 +153,11 @@ def run_worker(config_path: str) -> None:
                         warmup_steps=job.trainer.warmup_steps,
                         prefetch_depth=job.data.prefetch_depth,
                         keep_encoder_activations=job.flow.keep_encoder_activations,
+                        encoder_batch_tokens=job.flow.encoder_batch_tokens,
                         nan_policy=job.trainer.nan_policy, max_nonfinite_steps=job.trainer.max_nonfinite_steps)
     # Every rank judges every sample alike (see data/guard.py); one rank says which it skipped and why.
     guard = SampleGuard(job.data.max_bad_samples, job.data.max_bad_fraction, log_skips=is_writer)
     batches = iter_global_batches(dataset, job.trainer.global_batch_size, seed=job.seed, guard=guard)
-    needs_labels = not topo.is_encoder
     run_id = _run_id(job, rank, metrics_group)
     checkpointer, start_step = _maybe_resume(job, rank_models, optim, batches, is_writer, run_id,
                                              {"describe": layout.describe(), "world_size": world})
@@ -187,17 +186,12 @@ def run_worker(config_path: str) -> None:
         sample_ids = next(batches)
         shapes = [dataset.shape(i) for i in sample_ids]
         work = plan_for_step(job, topo, step, shapes, cost_model)
-        # Only ranks that compute the loss need the normaliser: the step's label tokens. They read the text of the
-        # whole global batch once (cheap, no pixels) and the engine reuses it for their own microbatches.
-        texts = {i: dataset.sample(i, with_pixels=False) for i in sample_ids} if needs_labels else {}
-        n_labels = label_normalizer({i: t.label_tokens for i, t in texts.items()}, sample_ids,
-                                    work.plan.oversize) if needs_labels else 0
         record = StepRecord()
         trace.set_step(step)
         record["is_encoder"], record["is_backbone"] = float(topo.is_encoder), float(not topo.is_encoder)
         record["is_writer"] = float(is_writer)
         nan_hooks = drills.nan_gradients(step, rank_models.named_params.values())
-        engine.run_step(work, n_labels, record, texts)
+        engine.run_step(work, record)
         for h in nan_hooks:
             h.remove()
         if engine.skipped_nonfinite and is_writer:

@@ -3,14 +3,15 @@ microbatches, with backbone pipeline parallelism (torch.distributed.pipelining) 
 FSDP2).
 
 Public API (what the runtime calls):
-    build_vlm(family, hf_config, *, seed, dtype, pretrained_path, attn_implementation) -> HF model
+    build_vlm(family, hf_config, *, seed, dtype, pretrained_path, attn_implementation, parts) -> HF model with
+        only `parts` ("encoder", "backbone") materialised, the rest on meta                      (build.py)
     split_vlm(model) -> (EncoderPart, BackbonePart)
+    Segments / varlen_attention: packed attention over sequence boundaries, no T x T mask      (attention.py)
     EncoderPart.forward(pixel_values, image_grid_thw) -> [n_image_tokens, H]
     BackbonePart.pack(samples, image_embeds, token_budget) -> PackedBatch
     BackbonePart.embed(packed, image_embeds) / .image_dense(...) / .forward(packed, image_embeds) -> (loss_sum, n)
-    build_backbone_stage(backbone, pp_rank, pp_size, pp_group, device, token_budget, layer_split, wrap)
-        -> (module, stage);  build_backbone_stages(..., virtual_stages=v) -> [(module, stage), ...]
-    make_schedule(stage | stages, n_microbatches, loss_fn, kind="1f1b"|"gpipe"|"interleaved1f1b")
+    build_backbone_stage(backbone, pp_rank, pp_size, pp_group, device, layer_split, wrap) -> (module, stage)
+    make_schedule(stage, n_microbatches, loss_fn, kind="1f1b"|"gpipe")
     stage0_input(backbone, packs, image_embeds) -> (leaf, dense); pipeline_step(schedule, module, packs, leaf)
     finish_stage0_backward(leaf, dense)                                      (pipeline.py)
     apply_ddp(module, dp_group) / apply_fsdp(module, dp_group); grad_sync(module, enabled); dp_loss_scale(group)
@@ -23,12 +24,11 @@ from mindspeed_flow.hosts.torch.data_parallel import (allreduce_grads_, apply_dd
                                                       check_finite_norm, dp_loss_scale, global_grad_norm, grad_sq_sum,
                                                       grad_sync)
 from mindspeed_flow.hosts.torch.packed import PackedBatch
-from mindspeed_flow.hosts.torch.pipeline import (BackboneStage, build_backbone_stage, build_backbone_stages,
-                                                 finish_stage0_backward, make_schedule, pipeline_step, split_layers,
-                                                 stage0_input)
+from mindspeed_flow.hosts.torch.pipeline import (BackboneStage, build_backbone_stage, finish_stage0_backward,
+                                                 make_schedule, pipeline_step, split_layers, stage0_input)
 from mindspeed_flow.hosts.torch.split import BackbonePart, EncoderPart, split_vlm, token_loss_sum
 
 __all__ = ["build_vlm", "split_vlm", "EncoderPart", "BackbonePart", "PackedBatch", "token_loss_sum",
-           "BackboneStage", "build_backbone_stage", "build_backbone_stages", "make_schedule", "pipeline_step", "stage0_input",
+           "BackboneStage", "build_backbone_stage", "make_schedule", "pipeline_step", "stage0_input",
            "finish_stage0_backward", "split_layers", "apply_ddp", "apply_fsdp", "grad_sync", "dp_loss_scale",
            "allreduce_grads_", "grad_sq_sum", "global_grad_norm", "clip_grads_", "check_finite_norm"]

@@ -202,8 +202,45 @@ def whole_model_inputs(model: nn.Module, input_ids: torch.Tensor, pixel_values: 
 
 
 def call_decoder_layer(layer: nn.Module, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                       position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Run one decoder layer without a KV cache; returns the hidden states in every version."""
+                       position_embeddings: tuple[torch.Tensor, torch.Tensor], **attention_kwargs: Any) -> torch.Tensor:
+    """Run one decoder layer without a KV cache; returns the hidden states in every version.
+
+    `attention_kwargs` reach the attention implementation (both versions forward a layer's extra keyword
+    arguments to it), which is how the varlen kernel gets the packed sequence boundaries.
+    """
     out = layer(hidden, attention_mask=attention_mask, position_embeddings=position_embeddings,
-                position_ids=None, use_cache=False)
+                position_ids=None, use_cache=False, **attention_kwargs)
     return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def model_names_of_checkpoint(model: nn.Module, keys: list[str]) -> dict[str, str]:
+    """Model parameter name -> checkpoint tensor name, by the model's own renaming rules.
+
+    Both versions save (and publish) the older layout (`visual.*`, `model.layers.*`) and rename on load:
+    5.x through `core_model_loading.rename_source_key` over the model's conversion mapping, 4.57 through the
+    regexes of `_checkpoint_conversion_mapping` (first matching pattern wins, as its loader does).
+    """
+    import re
+
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # 4.57
+        mapping = getattr(model, "_checkpoint_conversion_mapping", None) or {}
+
+        def rename(key: str) -> str:
+            for pattern, replacement in mapping.items():
+                key, n = re.subn(pattern, replacement, key)
+                if n:
+                    break
+            return key
+    else:
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        state = model.state_dict()
+
+        def rename(key: str) -> str:
+            return rename_source_key(key, renamings, converters, model.base_model_prefix, state)[0]
+
+    return {rename(k): k for k in keys}

@@ -4,8 +4,8 @@ A `PackedBatch` is model-ready metadata for one backbone microbatch (batch dimen
 token budget, so pipeline shapes never change). Samples never see each other:
 
 - `segment_ids` numbers the samples 0..n-1 in order and gives the padding tail its own segment n;
-- the attention mask is block-diagonal causal over segments (built with tensor ops from `segment_ids`), so the
-  padding tail only attends to itself: every row attends to at least one key, which keeps SDPA free of NaNs;
+- attention is causal within each segment (`segments`: the boundaries a varlen kernel takes, never a T x T
+  mask), so the padding tail only attends to itself: every row attends to at least one key;
 - position ids restart at 0 for every sample (and for the padding tail);
 - `labels` are already shifted per sample (label at t is the token predicted from position t), so the last
   token of one sample never predicts the first token of the next; padding carries IGNORE_INDEX.
@@ -16,12 +16,13 @@ for Qwen, computed by the model's own rope index) and the pad token.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from mindspeed_flow.data.sample import IGNORE_INDEX
+from mindspeed_flow.hosts.torch.attention import Segments
 
 
 @dataclass
@@ -38,7 +39,6 @@ class PackedBatch:
     image_token_counts: list[int]  # image placeholder tokens per sample
     n_label_tokens: int
     token_budget: int
-    _mask_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def n_samples(self) -> int:
@@ -59,14 +59,12 @@ class PackedBatch:
             return self
         moved = {name: getattr(self, name).to(device)
                  for name in ("input_ids", "labels", "position_ids", "segment_ids", "cu_seqlens")}
-        return dataclasses.replace(self, **moved, _mask_cache={})
+        return dataclasses.replace(self, **moved)
 
     @property
-    def attention_mask(self) -> torch.Tensor:
-        """Block-diagonal causal mask, bool [1, 1, T, T], True where a query may attend to a key."""
-        if "bool" not in self._mask_cache:
-            self._mask_cache["bool"] = block_causal_mask(self.segment_ids)
-        return self._mask_cache["bool"]
+    def segments(self) -> Segments:
+        """The sequence boundaries the varlen attention kernel takes (host integers, no device sync)."""
+        return Segments.from_lengths(_segment_lens(self.seq_lens, self.token_budget))
 
 
 def _segment_lens(seq_lens: Sequence[int], token_budget: int) -> list[int]:
@@ -94,32 +92,6 @@ def restart_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     starts[1:] = seg[1:] != seg[:-1]
     start_index = torch.cummax(torch.where(starts, t, torch.zeros_like(t)), dim=0).values
     return (t - start_index).view(1, -1)
-
-
-def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """bool [B, 1, T, T]: query q may attend key k iff same segment and k <= q.
-
-    Segments are contiguous, so "same segment and causal" is start(q) <= k <= q: two broadcast comparisons,
-    about twice as fast as comparing segment ids and intersecting with a materialized tril.
-    """
-    t = torch.arange(segment_ids.shape[-1], device=segment_ids.device)
-    rows = []
-    for seg in segment_ids.reshape(-1, segment_ids.shape[-1]):
-        start = t - restart_positions(seg.view(1, -1)).view(-1).to(t.device)
-        rows.append((t[None, :] <= t[:, None]) & (t[None, :] >= start[:, None]))
-    return rows[0][None, None] if len(rows) == 1 else torch.stack(rows)[:, None]
-
-
-def single_segment(segment_ids: torch.Tensor) -> bool:
-    """True when the whole microbatch is one causal sequence (one sample filling the budget, or all padding)."""
-    seg = segment_ids.view(-1)
-    return bool((seg == seg[0]).all())
-
-
-def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Eager attention adds its mask to the scores: 0 where allowed, the dtype's minimum where not."""
-    zero = torch.zeros((), dtype=dtype, device=mask.device)
-    return torch.where(mask, zero, torch.full((), torch.finfo(dtype).min, dtype=dtype, device=mask.device))
 
 
 def shifted_labels(labels: torch.Tensor) -> torch.Tensor:

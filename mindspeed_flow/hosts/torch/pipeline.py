@@ -1,5 +1,4 @@
-"""Backbone pipeline parallelism with torch.distributed.pipelining (PipelineStage + GPipe / 1F1B, and
-interleaved 1F1B over virtual stages).
+"""Backbone pipeline parallelism with torch.distributed.pipelining (PipelineStage + GPipe / 1F1B).
 
 Layout of a stage (`BackboneStage`): a contiguous range of decoder layers; stage 0 also owns embed_tokens and
 the last stage owns the final norm and lm_head, so DDP/FSDP wrapping a stage covers every backbone parameter
@@ -20,8 +19,9 @@ Inputs per microbatch, all with the microbatch as dim 0 so that `schedule.step` 
   scaling by the number of microbatches is switched off (`scale_grads=False`), the runtime divides by the
   global label-token count itself.
 
-Shapes are static (every microbatch is padded to the token budget), which the stage's fixed receive buffers
-need; a new shape would crash the receiving rank inside gloo.
+A PipelineStage fixes its activation shapes on its first step (its receive buffers), so all microbatches of one
+schedule share one length; a caller that changes the length builds a new PipelineStage over the same stage
+module (`runtime.pipeline.BackbonePipeline` keeps one per (length, microbatch count)).
 """
 from __future__ import annotations
 
@@ -32,10 +32,11 @@ import torch.distributed as dist
 from torch import nn
 
 from mindspeed_flow import torch_compat
+from mindspeed_flow.hosts.torch.attention import Segments
 from mindspeed_flow.hosts.torch.packed import PackedBatch, stack_position_ids, unstack_position_ids
 from mindspeed_flow.hosts.torch.split import BackbonePart, token_loss_sum
 
-SCHEDULE_KINDS = ("1f1b", "gpipe", "interleaved1f1b")
+SCHEDULE_KINDS = ("1f1b", "gpipe")
 
 
 def split_layers(n_layers: int, pp_size: int, layer_split: Optional[Sequence[int]] = None) -> list[tuple[int, int]]:
@@ -82,76 +83,50 @@ class BackboneStage(nn.Module):
         backbone = self._backbone[0]
         if self.is_first:
             x = torch.where(backbone.image_mask(input_ids), x, self.embed_tokens(input_ids))
-        x = backbone.run_layers(x, unstack_position_ids(position_ids, backbone.mrope), segment_ids, self.layers)
+        x = backbone.run_layers(x, unstack_position_ids(position_ids, backbone.mrope),
+                                Segments.from_segment_ids(segment_ids), self.layers)
         if self.is_last:
             x = self.lm_head(self.norm(x))
         return x
 
 
 def build_backbone_stage(backbone: BackbonePart, pp_rank: int, pp_size: int, pp_group: Optional[dist.ProcessGroup],
-                         device: torch.device, token_budget: int, layer_split: Optional[Sequence[int]] = None,
+                         device: torch.device, layer_split: Optional[Sequence[int]] = None,
                          wrap: Optional[Callable[[nn.Module], nn.Module]] = None
                          ) -> tuple[BackboneStage, "PipelineStage"]:
-    """(stage module, PipelineStage) for this rank's stage; microbatches are [1, token_budget] packed batches.
+    """(stage module, PipelineStage) for this rank's stage of `pp_size`.
 
     `wrap`: data parallelism for the stage, e.g. `lambda m: apply_ddp(m, dp_group)` or `apply_fsdp`; the
     PipelineStage then drives the wrapper (no_sync / deferred reduce until the last microbatch). The returned
-    stage module is the unwrapped one (for `pipeline_step` and parameter lists).
-    """
-    return build_backbone_stages(backbone, pp_rank, pp_size, pp_group, device, token_budget, virtual_stages=1,
-                                 layer_split=layer_split, wrap=wrap)[0]
-
-
-def build_backbone_stages(backbone: BackbonePart, pp_rank: int, pp_size: int,
-                          pp_group: Optional[dist.ProcessGroup], device: torch.device, token_budget: int, *,
-                          virtual_stages: int = 1, layer_split: Optional[Sequence[int]] = None,
-                          wrap: Optional[Callable[[nn.Module], nn.Module]] = None
-                          ) -> list[tuple[BackboneStage, "PipelineStage"]]:
-    """This rank's `virtual_stages` stages (indices pp_rank + k * pp_size, the interleaved "loop" placement).
-
-    `layer_split` gives layers per global stage (pp_size * virtual_stages entries). With virtual_stages > 1
-    use `make_schedule(..., kind="interleaved1f1b")` with the list of PipelineStages.
+    stage module is the unwrapped one (for `pipeline_step` and parameter lists). Activation shapes are inferred
+    on the PipelineStage's first step (2.13's static mode needs gradient shapes too, which 2.7 lacks).
     """
     from torch.distributed.pipelining import PipelineStage
 
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"pp_rank={pp_rank} is outside 0..{pp_size - 1}")
-    if virtual_stages < 1:
-        raise ValueError(f"parallel.backbone.virtual_stages={virtual_stages} must be >= 1")
-    n_stages = pp_size * virtual_stages
-    if n_stages > 1 and backbone.tied_embeddings:
+    if pp_size > 1 and backbone.tied_embeddings:
         raise ValueError("tie_word_embeddings=True with parallel.backbone.pp > 1: embed_tokens (stage 0) and lm_head "
                          "(last stage) would be one parameter on two ranks; untie it in the model config")
-    bounds = split_layers(len(backbone.layers), n_stages, layer_split)
+    start, stop = split_layers(len(backbone.layers), pp_size, layer_split)[pp_rank]
     torch_compat.prepare_pipelining()  # at build time, so the start-up line names what this torch lacks
-    out = []
-    for index in range(pp_rank, n_stages, pp_size):
-        start, stop = bounds[index]
-        module = BackboneStage(backbone, start, stop, is_first=index == 0, is_last=index == n_stages - 1).to(device)
-        # Shapes are inferred on the first step (2.13's static mode needs gradient shapes too, which 2.7 lacks);
-        # every microbatch then has the same [1, token_budget] shapes.
-        wrapped = wrap(module) if wrap is not None else module
-        out.append((module, PipelineStage(wrapped, index, n_stages, device, group=pp_group)))
-    return out
+    module = BackboneStage(backbone, start, stop, is_first=pp_rank == 0, is_last=pp_rank == pp_size - 1).to(device)
+    wrapped = wrap(module) if wrap is not None else module
+    return module, PipelineStage(wrapped, pp_rank, pp_size, device, group=pp_group)
 
 
-def make_schedule(stage: "PipelineStage | Sequence[PipelineStage]", n_microbatches: int,
+def make_schedule(stage: "PipelineStage", n_microbatches: int,
                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
                   kind: str = "1f1b"):
-    """A schedule bound to `n_microbatches` (a schedule object serves one microbatch count): "gpipe" or "1f1b"
-    over one stage per rank, "interleaved1f1b" over this rank's virtual stages (a list)."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    """A "gpipe" or "1f1b" schedule over one stage per rank, bound to `n_microbatches` (a schedule object
+    serves one microbatch count)."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     if kind not in SCHEDULE_KINDS:
         raise ValueError(f"parallel.backbone.pp_schedule={kind!r} is not supported; choose one of {SCHEDULE_KINDS}")
-    cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved1f1b": ScheduleInterleaved1F1B}[kind]
-    multi = kind == "interleaved1f1b"
-    if multi != isinstance(stage, (list, tuple)):
-        raise ValueError(f"pp_schedule={kind!r} takes {'a list of stages' if multi else 'one stage'}; use "
-                         f"build_backbone_stages(virtual_stages=...) for interleaved schedules")
+    cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[kind]
     torch_compat.ensure_pipeline_p2p_waits_all()  # torch 2.7 on gloo: 1F1B would deadlock otherwise
-    return cls(list(stage) if multi else stage, n_microbatches=n_microbatches, loss_fn=loss_fn,
-               **torch_compat.schedule_kwargs(cls))
+    return cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn, **torch_compat.schedule_kwargs(cls))
 
 
 def stage0_input(backbone: BackbonePart, packs: Sequence[PackedBatch],
@@ -171,19 +146,18 @@ def finish_stage0_backward(leaf: torch.Tensor, dense: Sequence[torch.Tensor]) ->
         torch.autograd.backward([d for d, _ in pairs], [g for _, g in pairs])
 
 
-def pipeline_step(schedule, stage_module: BackboneStage | Sequence[BackboneStage], packs: Sequence[PackedBatch],
+def pipeline_step(schedule, stage_module: BackboneStage, packs: Sequence[PackedBatch],
                   stage0_leaf: Optional[torch.Tensor] = None) -> Optional[list[torch.Tensor]]:
-    """One forward+backward of all microbatches through this rank's stage(s).
+    """One forward+backward of all microbatches through this rank's stage.
 
     Every pipeline rank calls this with the same `packs` (in order); only the rank holding stage 0 passes
     `stage0_leaf`. Returns the per-microbatch summed losses on the rank holding the last stage, None elsewhere.
     """
-    modules = list(stage_module) if isinstance(stage_module, (list, tuple)) else [stage_module]
-    is_first, is_last = any(m.is_first for m in modules), any(m.is_last for m in modules)
+    is_first, is_last = stage_module.is_first, stage_module.is_last
     n = getattr(schedule, "_n_microbatches", len(packs))
     if len(packs) != n:
         raise ValueError(f"schedule is bound to {n} microbatches but the step has {len(packs)} packed microbatches")
-    device = next(modules[0].parameters()).device
+    device = next(stage_module.parameters()).device
     # kwargs reach every local stage; non-first stages ignore input_ids
     kwargs = {"position_ids": stack_position_ids(packs).to(device),
               "segment_ids": torch.cat([p.segment_ids for p in packs]).to(device)}

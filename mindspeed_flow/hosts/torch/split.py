@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mindspeed_flow.data.sample import IGNORE_INDEX, VLMSample
-from mindspeed_flow.hosts.torch import hf_compat
-from mindspeed_flow.hosts.torch.packed import (PackedBatch, additive_mask, block_causal_mask, check_budget,
-                                               cu_seqlens_for, pad_tail, restart_positions, segment_ids_for, shifted_labels, single_segment)
+from mindspeed_flow.hosts.torch import attention, hf_compat
+from mindspeed_flow.hosts.torch.attention import Segments
+from mindspeed_flow.hosts.torch.packed import (PackedBatch, check_budget, cu_seqlens_for, pad_tail,
+                                               restart_positions, segment_ids_for, shifted_labels)
 
 
 class EncoderPart(nn.Module):
@@ -40,6 +41,24 @@ class EncoderPart(nn.Module):
         device = self._device()
         grid = image_grid_thw.to(device) if image_grid_thw is not None else None
         return hf_compat.image_features(self._owner[0], self.family, pixel_values.to(device), grid)
+
+    def encode_many(self, samples: Sequence[VLMSample]) -> list[torch.Tensor]:
+        """Several samples' images in ONE forward, split back per sample: [image tokens of sample i, H_llm] each.
+
+        Qwen's ViT takes the images' patches concatenated with their grids (it attends within each image by the
+        grids' boundaries); LLaVA's tower takes the images stacked (one size after preprocessing).
+        """
+        if not samples:
+            return []
+        pixels = torch.cat([s.pixel_values for s in samples], dim=0)
+        grids = [s.image_grid_thw for s in samples]
+        grid = torch.cat(grids, dim=0) if all(g is not None for g in grids) else None
+        rows = self(pixels, grid)
+        counts = [sum(s.image_token_counts) for s in samples]
+        if sum(counts) != rows.shape[0]:
+            raise ValueError(f"encoder: {rows.shape[0]} embedding rows for samples "
+                             f"{[s.sample_id for s in samples]} that hold {sum(counts)} image tokens ({counts})")
+        return list(torch.split(rows, counts, dim=0))
 
     def _device(self) -> torch.device:
         p = next(self.parameters(), None)
@@ -61,7 +80,8 @@ class BackbonePart(nn.Module):
         self.lm_head = hf_compat.lm_head(model)
         self._owner = (hf_compat.multimodal_owner(model),)
         self.image_token_id = hf_compat.image_token_id(model.config)
-        self.attn_implementation = lm.config._attn_implementation
+        # Packed microbatches attend through a varlen kernel; the whole model keeps its own implementation.
+        self.attn_implementation = attention.install(lm.config)
         self.vocab_size = int(self.lm_head.out_features)
         self.hidden_size = int(self.embed_tokens.embedding_dim)
         self.pad_token_id = self._pick_pad_id(lm.config)
@@ -177,19 +197,12 @@ class BackbonePart(nn.Module):
         return torch.where(self.image_mask(input_ids), dense, self.embed_tokens(input_ids))
 
     # ---- decoder -------------------------------------------------------------------------------------------
-    def attention_mask(self, segment_ids: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
-        """The mask in the form the attention implementation expects; None means "plain causal" (SDPA only)."""
-        if self.attn_implementation == "sdpa" and single_segment(segment_ids):
-            return None  # is_causal=True: the exact path the whole model takes for one unpadded sample
-        mask = block_causal_mask(segment_ids)
-        return mask if self.attn_implementation == "sdpa" else additive_mask(mask, dtype)
-
-    def run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor,
+    def run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, segments: Segments,
                    layers: Sequence[nn.Module]) -> torch.Tensor:
-        mask = self.attention_mask(segment_ids, hidden.dtype)
+        """`layers` over one packed microbatch; attention stays within each of `segments` (varlen kernel)."""
         position_embeddings = self.rotary_emb(hidden, position_ids)
         for layer in layers:
-            hidden = hf_compat.call_decoder_layer(layer, hidden, mask, position_embeddings)
+            hidden = hf_compat.call_decoder_layer(layer, hidden, None, position_embeddings, segments=segments)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -199,7 +212,7 @@ class BackbonePart(nn.Module):
                 inputs_embeds: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, int]:
         """(loss_sum, n_label_tokens): summed token cross entropy of one packed microbatch."""
         hidden = inputs_embeds if inputs_embeds is not None else self.embed(packed, image_embeds)
-        hidden = self.run_layers(hidden, packed.position_ids, packed.segment_ids, self.layers)
+        hidden = self.run_layers(hidden, packed.position_ids, packed.segments, self.layers)
         return token_loss_sum(self.logits(hidden), packed.labels), packed.n_label_tokens
 
 
