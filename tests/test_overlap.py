@@ -13,8 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mindspeed_flow.overlap import (ColumnParallelLinearSP, OverlapContext, RowParallelLinearSP, all_gather_rows,
-                                    column_parallel_linear_sp, reduce_scatter_rows, row_parallel_linear_sp)
+from mindspeed_flow.overlap import (ColumnParallelLinear, ColumnParallelLinearSP, OverlapContext, RowParallelLinear,
+                                    RowParallelLinearSP, all_gather_rows, column_parallel_linear,
+                                    column_parallel_linear_sp, reduce_scatter_rows, row_parallel_linear,
+                                    row_parallel_linear_sp)
 from mindspeed_flow.utils.multiproc import run_ranks
 
 M_LOCAL, IN, OUT = 7, 12, 8  # 7 rows per rank: 2 and 4 chunks split unevenly (4+3, 2+2+2+1)
@@ -61,6 +63,11 @@ def _impls_rank(rank: int, world: int) -> list[str]:
         _check(got, col_want, f"column {impl}x{chunks} world {world}")
         got = _run(row_parallel_linear_sp, x_full[:, ks], w_full[:, ks], g_full[rows], impl=impl, chunks=chunks)
         _check(got, row_want, f"row {impl}x{chunks} world {world}")
+        # Without sequence parallelism the activations outside the TP region are replicated (full rows).
+        got = _run(column_parallel_linear, x_full, w_full[cols], g_full[:, cols], impl=impl)
+        _check(got, (ref[:, cols], g_full @ w_full, g_full[:, cols].t() @ x_full), f"column-ar {impl}x{chunks}")
+        got = _run(row_parallel_linear, x_full[:, ks], w_full[:, ks], g_full, impl=impl, chunks=chunks)
+        _check(got, (ref, (g_full @ w_full)[:, ks], g_full.t() @ x_full[:, ks]), f"row-ar {impl}x{chunks}")
         done.append(f"{impl}x{chunks}")
     return done
 
@@ -93,6 +100,21 @@ def _modules_rank(rank: int, world: int) -> dict[str, object]:
     torch.testing.assert_close(z, full_z[rank * s_local:(rank + 1) * s_local], rtol=1e-5, atol=1e-5)
     z.sum().backward()
     assert col.weight.grad is not None and col.bias.grad is not None
+
+    # Sharding dense layers: column -> row equals the dense MLP; a fused [q|k|v] projection splits per part.
+    torch.manual_seed(3)
+    fc1, fc2, qkv = torch.nn.Linear(IN, 2 * OUT), torch.nn.Linear(2 * OUT, IN), torch.nn.Linear(IN, 3 * OUT)
+    tp_ctx = OverlapContext(impl="chunked")
+    fc1_tp, fc2_tp = ColumnParallelLinear.from_linear(fc1, tp_ctx), RowParallelLinear.from_linear(fc2, tp_ctx)
+    xin = torch.randn(5, IN, generator=torch.Generator().manual_seed(9))
+    torch.testing.assert_close(fc2_tp(torch.nn.functional.gelu(fc1_tp(xin))), fc2(torch.nn.functional.gelu(fc1(xin))),
+                               rtol=1e-5, atol=1e-5)
+    qkv_tp = ColumnParallelLinear.from_linear(qkv, tp_ctx, fused=3)
+    local = OUT // world
+    picks = torch.cat([torch.arange(p * OUT + rank * local, p * OUT + (rank + 1) * local) for p in range(3)])
+    assert torch.equal(qkv_tp.weight, qkv.weight[picks]) and torch.equal(qkv_tp.bias, qkv.bias[picks])
+    assert getattr(fc1_tp.weight, "tensor_parallel_dim") == 0 and getattr(fc2_tp.weight, "tensor_parallel_dim") == 1
+    assert not hasattr(fc2_tp.bias, "tensor_parallel_dim")  # replicated: added once after the all-reduce
 
     # reduce-scatter fallback (all_reduce + this rank's rows), sync and async, equals the native collective.
     inp = torch.randn(world * 3, 5, generator=torch.Generator().manual_seed(rank))
@@ -165,7 +187,7 @@ def _record_mc2_calls(torch_npu, calls: list) -> None:
     """Wrap the (emulated) torch_npu ops and the HCCL name lookup so every call's arguments are kept."""
     from mindspeed_flow.emulation import hccl
 
-    for op in ("npu_all_gather_base_mm", "npu_mm_reduce_scatter_base"):
+    for op in ("npu_all_gather_base_mm", "npu_mm_reduce_scatter_base", "npu_mm_all_reduce_base"):
         fn = getattr(torch_npu, op)
 
         def wrapped(*args, _op=op, _fn=fn, **kwargs):
@@ -207,7 +229,9 @@ def _mc2_rank(rank: int, world: int) -> dict[str, object]:
     cases = {"column": (column_parallel_linear_sp, x_full[rows, :k].contiguous(), w_full[cols, :k].contiguous(),
                         g_full[:, cols].contiguous()),
              "row": (row_parallel_linear_sp, x_full[:, ks].contiguous(), w_full[:, ks].contiguous(),
-                     g_full[rows].contiguous())}
+                     g_full[rows].contiguous()),
+             "row_allreduce": (row_parallel_linear, x_full[:, ks].contiguous(), w_full[:, ks].contiguous(),
+                               g_full.contiguous())}
     picked = {}
     for kind, (fn, x, w, g) in cases.items():
         picked[kind] = ctx.explain(x, w, kind)[0]
@@ -254,11 +278,12 @@ def _mc2_rank(rank: int, world: int) -> dict[str, object]:
 def test_mc2_path_under_emulation_matches_chunked_bf16_and_the_documented_api() -> None:
     results = run_ranks(_mc2_rank, 4, timeout_s=120)
     for rank, r in enumerate(results):
-        assert r["picked"] == {"column": "mc2", "row": "mc2"}
+        assert r["picked"] == {"column": "mc2", "row": "mc2", "row_allreduce": "mc2"}
         assert str(r["domain"]).startswith("fakehccl_")
         assert any("float16 or bfloat16" in s for s in r["fp32"])
         assert any("k=128 outside" in s for s in r["small_k"])
-        assert r["ops"] == ["get_hccl_comm_name", "npu_all_gather_base_mm", "npu_mm_reduce_scatter_base"], r["ops"]
+        assert r["ops"] == ["get_hccl_comm_name", "npu_all_gather_base_mm", "npu_mm_all_reduce_base",
+                            "npu_mm_reduce_scatter_base"], r["ops"]
         assert r["violations"] == [], (rank, r["violations"])
         assert all(r["slips"].values()), (rank, r["slips"])
         assert "world_size=3" in r["raised"]

@@ -1,9 +1,13 @@
-"""Tensor-parallel linears with sequence parallelism whose collectives overlap the matmuls.
+"""Tensor-parallel linears whose collectives overlap the matmuls, with and without sequence parallelism.
 
+With sequence parallelism (kinds "column" / "row"; activations outside the TP region are sequence shards):
 Column-parallel (W is the local [out/tp, in] shard, x the local [m, in] sequence shard):
     out = all_gather(x) @ W^T            grad_x = reduce_scatter(grad_out @ W), grad_W = grad_out^T @ all_gather(x)
 Row-parallel (W is the local [out, in/tp] shard, x the full-sequence [tp * m, in/tp] activation):
     out = reduce_scatter(x @ W^T)        grad_x = all_gather(grad_out) @ W,     grad_W = all_gather(grad_out)^T @ x
+Without it (kinds "column_allreduce" / "row_allreduce"; activations outside the TP region are replicated):
+    column: out = x @ W^T                grad_x = all_reduce(grad_out @ W)  (overlapped with grad_W's matmul)
+    row:    out = all_reduce(x @ W^T)    grad_x = grad_out @ W
 
 Three implementations compute the same thing, chosen per call by `OverlapContext.select`:
 - "mc2": torch_npu's fused all-gather+matmul / matmul+reduce-scatter (HCCL, Ascend only, dtype/shape limits);
@@ -36,12 +40,14 @@ from mindspeed_flow.overlap.collectives import Waitable, all_gather_rows, defaul
 log = logging.getLogger(__name__)
 
 IMPLS = ("mc2", "chunked", "plain")
-KINDS = ("column", "row")
+KINDS = ("column", "row", "column_allreduce", "row_allreduce")
+SP_KINDS = ("column", "row")
 MC2_DTYPES = mc2_api.DTYPES
 MC2_K_RANGE = mc2_api.K_RANGE  # k in [256, 65535): op-plugin docs for AllGatherMatmul / MatmulReduceScatter
 MC2_WORLDS_A2 = (2, 4, 8)  # A2: HCCS full mesh inside one server
 MC2_WORLDS_A3 = mc2_api.WORLD_SIZES  # A3 "double ring"
 MC2_OPS = ("npu_all_gather_base_mm", "npu_mm_reduce_scatter_base")
+MC2_ALLREDUCE_OP = "npu_mm_all_reduce_base"
 
 
 # ------------------------------------------------------------------------------------------------ context
@@ -108,10 +114,13 @@ class OverlapContext:
         chunks = self.chunks if chunks is None else chunks
         _check_impl(requested)
         if kind not in KINDS:
-            raise ValueError(f"overlap kind {kind!r}: expected column or row")
+            raise ValueError(f"overlap kind {kind!r}: expected one of {', '.join(KINDS)}")
         if requested in ("chunked", "plain"):
             return requested, [f"{requested} requested"]
         rejected = self.mc2_rejections(x, weight, kind)
+        if requested == "mc2" and kind == "column_allreduce":
+            # No fused op exists for this kind at all: "mc2" for a model means MC2 wherever an op exists.
+            return "chunked", rejected
         if requested == "mc2":
             if rejected:
                 raise ValueError("overlap impl 'mc2' requested but unusable: " + "; ".join(rejected))
@@ -168,6 +177,12 @@ def _static_mc2_rejections(x: torch.Tensor, weight: torch.Tensor, group: Optiona
     torch_npu = _torch_npu()
     if torch_npu is None:
         return ["torch_npu is not imported (MC2 needs Ascend + CANN)"]
+    if kind == "column_allreduce":
+        # Its only communication is the backward all-reduce of grad x, which no fused op covers; MindSpeed, too,
+        # runs MC2 only on the sequence-parallel path.
+        return ["no MC2 op fuses the replicated-input column backward (all-reduce of grad x)"]
+    if kind == "row_allreduce":
+        return _allreduce_mc2_rejections(torch_npu, x, weight)
     reasons = [f"torch_npu has no {op}" for op in MC2_OPS if not hasattr(torch_npu, op)]
     # The CPU emulation's "npu" tensors live on the host; a real torch_npu needs them on the device.
     if x.device.type != "npu" and not getattr(torch_npu, "EMULATED", False):
@@ -187,10 +202,22 @@ def _static_mc2_rejections(x: torch.Tensor, weight: torch.Tensor, group: Optiona
     return reasons
 
 
+def _allreduce_mc2_rejections(torch_npu: Any, x: torch.Tensor, weight: torch.Tensor) -> list[str]:
+    """npu_mm_all_reduce_base (matmul + all-reduce): fp16/bf16, and documented for Atlas A2 only."""
+    reasons = [] if hasattr(torch_npu, MC2_ALLREDUCE_OP) else [f"torch_npu has no {MC2_ALLREDUCE_OP}"]
+    if x.device.type != "npu" and not getattr(torch_npu, "EMULATED", False):
+        reasons.append(f"input is on {x.device.type}, not npu")
+    if x.dtype not in MC2_DTYPES or weight.dtype != x.dtype:
+        reasons.append(f"dtypes {x.dtype}/{weight.dtype}: MC2 takes float16 or bfloat16 for both")
+    if _is_a3():
+        reasons.append(f"{MC2_ALLREDUCE_OP} is documented for Atlas A2 only")
+    return reasons
+
+
 def _local_rows(x: torch.Tensor, kind: str, world: int) -> int:
-    """Rows each chunked step splits: the local shard (column) or one rank's output share (row)."""
+    """Rows each chunked step splits: the local rows, or one rank's output share for the SP row kind."""
     rows = x.numel() // max(1, x.shape[-1])
-    return rows if kind == "column" else rows // world
+    return rows // world if kind == "row" else rows
 
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -292,6 +319,66 @@ def _backward_scatter_plan(plan: _Plan) -> _Plan:
     return _Plan("chunked", 1, plan.group, plan.world, ctx=plan.ctx)
 
 
+def _matmul_allreduce(a: torch.Tensor, b: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """all_reduce(a @ b) over the TP group, for a [m, k] and b [k, n]."""
+    if plan.impl == "mc2":
+        return plan.mc2_op(MC2_ALLREDUCE_OP)(a.contiguous(), b, plan.hcom, reduce_op="sum", bias=None)
+    if plan.impl == "plain":
+        out = a @ b
+        dist.all_reduce(out, group=plan.group)
+        return out
+    # Chunk i's all-reduce runs while chunk i+1 multiplies; each chunk is a contiguous row block of `out`.
+    out = a.new_empty(a.shape[0], b.shape[1])
+    works = []
+    for s, e in _chunk_bounds(a.shape[0], plan.chunks):
+        torch.matmul(a[s:e], b, out=out[s:e])
+        works.append(dist.all_reduce(out[s:e], group=plan.group, async_op=True))
+    for work in works:
+        work.wait()
+    return out
+
+
+class _ColumnParallel(torch.autograd.Function):
+    """Replicated input, column-sharded weight: no forward communication; grad x is all-reduced."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.plan = plan
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        x, weight = ctx.saved_tensors
+        plan, grad_out = ctx.plan, grad_out.contiguous()
+        grad_x, work = None, None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_out @ weight
+            # chunked: the all-reduce of grad x is in flight while grad W multiplies (MindSpeed's order too)
+            work = dist.all_reduce(grad_x, group=plan.group, async_op=plan.impl != "plain")
+        grad_w = grad_out.t() @ x if ctx.needs_input_grad[1] else None
+        if work is not None and plan.impl != "plain":
+            work.wait()
+        return grad_x, grad_w, None
+
+
+class _RowParallel(torch.autograd.Function):
+    """Input sharded on features, row-sharded weight: the partial products are all-reduced in forward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return _matmul_allreduce(x, weight.t(), plan)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        x, weight = ctx.saved_tensors
+        grad_out = grad_out.contiguous()  # replicated on every TP rank: no communication
+        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad_out.t() @ x if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
+
+
 class _ColumnParallelSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, plan: _Plan) -> torch.Tensor:
@@ -346,9 +433,7 @@ def column_parallel_linear_sp(x: torch.Tensor, weight: torch.Tensor, bias: Optio
     """all_gather(x, dim 0) @ weight^T + bias; x [s/tp, ..., in] -> [s, ..., out/tp] with weight [out/tp, in].
 
     The TP group, default implementation and chunk count come from `ctx`; `impl` / `chunks` override them."""
-    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"column-parallel linear: x {tuple(x.shape)} last dim != weight {tuple(weight.shape)} "
-                         "dim 1 (weight is the local [out/tp, in] shard)")
+    _check_linear_shapes("column-parallel", x, weight, "[out/tp, in]")
     x2d = x.reshape(-1, x.shape[-1])
     plan = _plan(x2d, weight, ctx, impl, "column", chunks)
     out = _ColumnParallelSP.apply(x2d, weight, plan)
@@ -362,9 +447,7 @@ def row_parallel_linear_sp(x: torch.Tensor, weight: torch.Tensor, bias: Optional
                            chunks: Optional[int] = None) -> torch.Tensor:
     """reduce_scatter(x @ weight^T, dim 0) + bias; x [s, ..., in/tp] -> [s/tp, ..., out], weight [out, in/tp]."""
     world = ctx.world
-    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"row-parallel linear: x {tuple(x.shape)} last dim != weight {tuple(weight.shape)} "
-                         "dim 1 (weight is the local [out, in/tp] shard)")
+    _check_linear_shapes("row-parallel", x, weight, "[out, in/tp]")
     if x.shape[0] % world:
         raise ValueError(f"row-parallel linear: sequence dim {x.shape[0]} of x {tuple(x.shape)} is not a "
                          f"multiple of the tensor-parallel size {world} (reduce-scatter splits it)")
@@ -376,47 +459,147 @@ def row_parallel_linear_sp(x: torch.Tensor, weight: torch.Tensor, bias: Optional
     return out.view(x.shape[0] // world, *x.shape[1:-1], weight.shape[0])
 
 
-# ------------------------------------------------------------------------------------------------ modules
-class _ParallelLinearSP(nn.Module):
-    """Shared parameter handling; subclasses decide the shard shapes and the function applied."""
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                           ctx: OverlapContext, impl: Optional[str] = None) -> torch.Tensor:
+    """x @ weight^T + bias on a replicated input; x [..., in] -> [..., out/tp] with weight [out/tp, in]."""
+    _check_linear_shapes("column-parallel", x, weight, "[out/tp, in]")
+    x2d = x.reshape(-1, x.shape[-1])
+    plan = _plan(x2d, weight, ctx, impl, "column_allreduce", None)
+    out = _ColumnParallel.apply(x2d, weight, plan)
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
 
-    def __init__(self, weight_shape: tuple[int, int], bias_size: Optional[int], ctx: OverlapContext,
-                 impl: Optional[str], chunks: Optional[int], dtype: Optional[torch.dtype],
-                 device: Optional[torch.device]) -> None:
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                        ctx: OverlapContext, impl: Optional[str] = None, chunks: Optional[int] = None) -> torch.Tensor:
+    """all_reduce(x @ weight^T) + bias; x [..., in/tp] -> [..., out] replicated, weight [out, in/tp]."""
+    _check_linear_shapes("row-parallel", x, weight, "[out, in/tp]")
+    x2d = x.reshape(-1, x.shape[-1])
+    plan = _plan(x2d, weight, ctx, impl, "row_allreduce", chunks)
+    out = _RowParallel.apply(x2d, weight, plan)
+    if bias is not None:
+        out = out + bias  # once, after the reduction
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _check_linear_shapes(what: str, x: torch.Tensor, weight: torch.Tensor, layout: str) -> None:
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{what} linear: x {tuple(x.shape)} last dim != weight {tuple(weight.shape)} dim 1 "
+                         f"(weight is the local {layout} shard)")
+
+
+# ------------------------------------------------------------------------------------------------ modules
+TP_DIM_ATTR = "tensor_parallel_dim"  # on a parameter: the dim it is sharded along over the TP group (absent: replicated)
+
+
+class _ParallelLinear(nn.Module):
+    """Shared parameter handling; subclasses decide the shard shapes and the function applied.
+
+    Sharded parameters carry `tensor_parallel_dim` (the dim split over the TP group), so the gradient norm counts
+    them once per shard and checkpoints can save them as shards of one tensor.
+    """
+
+    column: bool  # True: weight rows (output features) are split; False: weight columns (input features)
+
+    def __init__(self, in_features: int, out_features: int, ctx: OverlapContext, bias: bool, impl: Optional[str],
+                 chunks: Optional[int], dtype: Optional[torch.dtype], device: Optional[torch.device]) -> None:
         super().__init__()
         if impl is not None:
             _check_impl(impl)
+        world = ctx.world
+        split = out_features if self.column else in_features
+        if split % world:
+            raise ValueError(f"{type(self).__name__}: {'out' if self.column else 'in'}_features={split} not "
+                             f"divisible by tp={world}")
         self.ctx, self.impl, self.chunks = ctx, impl, chunks
-        self.weight = nn.Parameter(torch.empty(weight_shape, dtype=dtype, device=device))
-        self.bias = None if bias_size is None else nn.Parameter(torch.zeros(bias_size, dtype=dtype, device=device))
+        self.in_features, self.out_features = in_features, out_features
+        shape = (out_features // world, in_features) if self.column else (out_features, in_features // world)
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+        setattr(self.weight, TP_DIM_ATTR, 0 if self.column else 1)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(shape[0], dtype=dtype, device=device))
+            if self.column:
+                setattr(self.bias, TP_DIM_ATTR, 0)
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, ctx: OverlapContext, *, fused: int = 1, impl: Optional[str] = None,
+                    chunks: Optional[int] = None) -> "_ParallelLinear":
+        """This rank's shard of a dense `nn.Linear` (same dtype and device).
+
+        `fused` > 1 (column only): the weight stacks that many projections (a ViT's fused qkv); each is split on
+        its own, so rank r holds q_r, k_r, v_r rather than a slice across the q|k|v boundary.
+        """
+        out_features, in_features = linear.weight.shape
+        if fused > 1 and not cls.column:
+            raise ValueError("fused projections can only be split column-wise")
+        if out_features % fused:
+            raise ValueError(f"{cls.__name__}.from_linear: out_features={out_features} is not {fused} fused parts")
+        w = linear.weight
+        mod = cls(in_features, out_features, ctx, bias=linear.bias is not None, impl=impl, chunks=chunks,
+                  dtype=w.dtype, device=w.device)
+        world, rank = ctx.world, dist.get_rank(ctx.group)
+        with torch.no_grad():
+            if cls.column:
+                rows = w.view(fused, out_features // fused, in_features).chunk(world, dim=1)[rank]
+                mod.weight.copy_(rows.reshape(-1, in_features))
+                if linear.bias is not None:
+                    mod.bias.copy_(linear.bias.view(fused, -1).chunk(world, dim=1)[rank].reshape(-1))
+            else:
+                mod.weight.copy_(w.chunk(world, dim=1)[rank])
+                if linear.bias is not None:
+                    mod.bias.copy_(linear.bias)
+        return mod
+
     def extra_repr(self) -> str:
-        return f"weight={tuple(self.weight.shape)}, bias={self.bias is not None}, " \
-               f"impl={self.impl or self.ctx.impl}, chunks={self.chunks or self.ctx.chunks}"
+        return f"in={self.in_features}, out={self.out_features}, shard={tuple(self.weight.shape)}, " \
+               f"bias={self.bias is not None}, impl={self.impl or self.ctx.impl}, " \
+               f"chunks={self.chunks or self.ctx.chunks}"
 
 
-class ColumnParallelLinearSP(_ParallelLinearSP):
-    """Column-parallel linear on a sequence-parallel input: [s/tp, ..., in] -> [s, ..., out/tp].
+class ColumnParallelLinear(_ParallelLinear):
+    """Column-parallel linear on a replicated input: [..., in] -> [..., out/tp]; weight shard [out/tp, in]."""
 
-    Holds the local weight shard [out/tp, in] and bias shard [out/tp]; the TP group is `ctx.group`.
-    """
+    column = True
 
     def __init__(self, in_features: int, out_features: int, ctx: OverlapContext, bias: bool = True,
                  impl: Optional[str] = None, chunks: Optional[int] = None, dtype: Optional[torch.dtype] = None,
                  device: Optional[torch.device] = None) -> None:
-        world = ctx.world
-        if out_features % world:
-            raise ValueError(f"ColumnParallelLinearSP: out_features={out_features} not divisible by tp={world}")
-        local = out_features // world
-        super().__init__((local, in_features), local if bias else None, ctx, impl, chunks, dtype, device)
+        super().__init__(in_features, out_features, ctx, bias, impl, chunks, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return column_parallel_linear(x, self.weight, self.bias, ctx=self.ctx, impl=self.impl)
+
+
+class RowParallelLinear(_ParallelLinear):
+    """Row-parallel linear producing a replicated output: [..., in/tp] -> [..., out]; weight shard [out, in/tp],
+    full bias (added once, after the all-reduce; its gradient is the same on every TP rank)."""
+
+    column = False
+
+    def __init__(self, in_features: int, out_features: int, ctx: OverlapContext, bias: bool = True,
+                 impl: Optional[str] = None, chunks: Optional[int] = None, dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device] = None) -> None:
+        super().__init__(in_features, out_features, ctx, bias, impl, chunks, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return row_parallel_linear(x, self.weight, self.bias, ctx=self.ctx, impl=self.impl, chunks=self.chunks)
+
+
+class ColumnParallelLinearSP(ColumnParallelLinear):
+    """Column-parallel linear on a sequence-parallel input: [s/tp, ..., in] -> [s, ..., out/tp].
+
+    Holds the local weight shard [out/tp, in] and bias shard [out/tp]; the TP group is `ctx.group`.
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column_parallel_linear_sp(x, self.weight, self.bias, ctx=self.ctx, impl=self.impl,
                                          chunks=self.chunks)
 
 
-class RowParallelLinearSP(_ParallelLinearSP):
+class RowParallelLinearSP(RowParallelLinear):
     """Row-parallel linear producing a sequence-parallel output: [s, ..., in/tp] -> [s/tp, ..., out].
 
     Holds the local weight shard [out, in/tp] and the full bias [out]. The bias is replicated while each rank
@@ -427,11 +610,7 @@ class RowParallelLinearSP(_ParallelLinearSP):
     def __init__(self, in_features: int, out_features: int, ctx: OverlapContext, bias: bool = True,
                  impl: Optional[str] = None, chunks: Optional[int] = None, dtype: Optional[torch.dtype] = None,
                  device: Optional[torch.device] = None) -> None:
-        world = ctx.world
-        if in_features % world:
-            raise ValueError(f"RowParallelLinearSP: in_features={in_features} not divisible by tp={world}")
-        super().__init__((out_features, in_features // world), out_features if bias else None, ctx, impl,
-                         chunks, dtype, device)
+        super().__init__(in_features, out_features, ctx, bias, impl, chunks, dtype, device)
         if self.bias is not None:
             self.bias.sequence_parallel = True  # type: ignore[attr-defined]
 

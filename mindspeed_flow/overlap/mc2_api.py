@@ -10,7 +10,7 @@ convention slip (a transposed first input, a bias handed to the op, a group-loca
 Sources (torch_npu API reference, "torch_npu.npu_all_gather_base_mm" / "torch_npu.npu_mm_reduce_scatter_base" /
 "get_hccl_comm_name"): https://www.hiascend.com/document/detail/zh/Pytorch/60RC2/apiref/apilist/ (6.0.RC2 form, the
 keyword-only one MindSpeed calls) and the op-plugin 7.3.0 docs, https://gitcode.com/Ascend/op-plugin (newer form with
-quantisation arguments). MindSpeed's own calls (mindspeed/core/tensor_parallel/mc2_feature/linear_function.py) use
+quantisation arguments; `npu_mm_all_reduce_base` is documented there for Atlas A2). MindSpeed's own calls (mindspeed/core/tensor_parallel/mc2_feature/linear_function.py) use
 the same conventions: 2-D inputs, `weight.t()` as x2, bias=None with the bias added afterwards, gather_index=0.
 """
 from __future__ import annotations
@@ -45,6 +45,12 @@ def _mm_reduce_scatter_base_7_3(input, x2, hcom, world_size, *, reduce_op="sum",
                                 comm_mode=None): ...  # noqa: ANN202
 
 
+def _mm_all_reduce_base_7_3(x1, x2, hcom, *, reduce_op="sum", bias=None, antiquant_scale=None,  # noqa: ANN001
+                            antiquant_offset=None, x3=None, dequant_scale=None, pertoken_scale=None,
+                            comm_quant_scale_1=None, comm_quant_scale_2=None, comm_turn=0,
+                            antiquant_group_size=0): ...  # noqa: ANN202
+
+
 def _get_hccl_comm_name(rankid, init_comm=True): ...  # noqa: ANN001, ANN202
 
 
@@ -52,6 +58,7 @@ PROTOTYPES: dict[str, tuple[inspect.Signature, ...]] = {
     "npu_all_gather_base_mm": (inspect.signature(_all_gather_base_mm_6_0), inspect.signature(_all_gather_base_mm_7_3)),
     "npu_mm_reduce_scatter_base": (inspect.signature(_mm_reduce_scatter_base_6_0),
                                    inspect.signature(_mm_reduce_scatter_base_7_3)),
+    "npu_mm_all_reduce_base": (inspect.signature(_mm_all_reduce_base_7_3),),
     "get_hccl_comm_name": (inspect.signature(_get_hccl_comm_name),),
 }
 
@@ -83,9 +90,12 @@ def _check_matmul_inputs(op: str, a: Any, b: Any, errors: list[str]) -> Optional
     if a.dtype not in DTYPES or b.dtype != a.dtype:
         errors.append(f"{op}: dtypes {a.dtype}/{b.dtype}, both must be float16 or bfloat16")
     k = a.shape[1]
-    if not K_RANGE[0] <= k < K_RANGE[1]:
+    if op != "npu_mm_all_reduce_base" and not K_RANGE[0] <= k < K_RANGE[1]:  # the range is AG/RS's
         errors.append(f"{op}: k={k} outside [{K_RANGE[0]}, {K_RANGE[1]})")
     return a.shape[0]
+
+
+MATMUL_OPS = ("npu_all_gather_base_mm", "npu_mm_reduce_scatter_base", "npu_mm_all_reduce_base")
 
 
 def check_call(op: str, args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -93,10 +103,11 @@ def check_call(op: str, args: Sequence[Any], kwargs: Mapping[str, Any],
     """Every way the call `torch_npu.<op>(*args, **kwargs)` breaks the documented API (empty: it conforms).
 
     It must bind to every documented release of the prototype (so it runs on old and new torch_npu alike), and
-    obey the constraint tables: 2-D inputs, k range, dtypes, world size, bias None, gather_index 0, comm_turn 0,
-    reduce_op "sum", m divisible by the world size for the reduce-scatter, and the TP group's own communicator.
+    obey the constraint tables: 2-D inputs (the all-reduce op also takes a 3-D first input, but this layer always
+    flattens), k range, dtypes, world size, bias None, gather_index 0, comm_turn 0, reduce_op "sum", m divisible by
+    the world size for the reduce-scatter, and the TP group's own communicator.
     """
-    if op not in ("npu_all_gather_base_mm", "npu_mm_reduce_scatter_base"):
+    if op not in MATMUL_OPS:
         raise KeyError(f"no documented MC2 prototype for {op!r}")
     bound, errors = _bind_all(op, args, kwargs)
     if not bound:
@@ -104,22 +115,24 @@ def check_call(op: str, args: Sequence[Any], kwargs: Mapping[str, Any],
     call = bound[0]
     first = call.get("input", call.get("x1"))
     m = _check_matmul_inputs(op, first, call["x2"], errors)
-    world = call["world_size"]
-    if world not in WORLD_SIZES:
-        errors.append(f"{op}: world_size={world} not in {WORLD_SIZES}")
-    if group_size is not None and world != group_size:
-        errors.append(f"{op}: world_size={world} but the TP group has {group_size} ranks")
     if expected_hcom is not None and call["hcom"] != expected_hcom:
         errors.append(f"{op}: hcom {call['hcom']!r} is not the TP group's communicator {expected_hcom!r}")
     if call["bias"] is not None:
         errors.append(f"{op}: bias must be None (current releases reject it; add the bias after the op)")
     if call["comm_turn"] != 0:
         errors.append(f"{op}: comm_turn={call['comm_turn']}, must be 0")
+    if call.get("reduce_op", "sum") != "sum":
+        errors.append(f"{op}: reduce_op={call['reduce_op']!r}, only 'sum' is supported")
+    if op == "npu_mm_all_reduce_base":  # no world size argument; the communicator carries it
+        return errors
+    world = call["world_size"]
+    if world not in WORLD_SIZES:
+        errors.append(f"{op}: world_size={world} not in {WORLD_SIZES}")
+    if group_size is not None and world != group_size:
+        errors.append(f"{op}: world_size={world} but the TP group has {group_size} ranks")
     if op == "npu_all_gather_base_mm" and call["gather_index"] != 0:
         errors.append(f"{op}: gather_index={call['gather_index']}, must be 0 (gather the first input)")
     if op == "npu_mm_reduce_scatter_base":
-        if call["reduce_op"] != "sum":
-            errors.append(f"{op}: reduce_op={call['reduce_op']!r}, only 'sum' is supported")
         if m is not None and isinstance(world, int) and world > 0 and m % world:
             errors.append(f"{op}: m={m} is not divisible by world_size={world}")
     return errors
