@@ -491,6 +491,26 @@ def _check_linear_shapes(what: str, x: torch.Tensor, weight: torch.Tensor, layou
 
 # ------------------------------------------------------------------------------------------------ modules
 TP_DIM_ATTR = "tensor_parallel_dim"  # on a parameter: the dim it is sharded along over the TP group (absent: replicated)
+TP_FUSED_ATTR = "tensor_parallel_fused"  # how many projections a column shard stacks (a ViT's fused qkv: 3)
+
+
+def local_shard(full: torch.Tensor, dim: int, rank: int, world: int, fused: int = 1) -> torch.Tensor:
+    """Rank `rank`'s shard of a dense tensor split along `dim` over `world` ranks; with `fused` > 1 (dim 0 only)
+    each of the stacked projections is split on its own (rank r gets q_r|k_r|v_r)."""
+    if fused > 1:
+        if dim != 0:
+            raise ValueError("fused projections are split along dim 0 only")
+        parts = full.reshape(fused, full.shape[0] // fused, *full.shape[1:])
+        return parts.chunk(world, dim=1)[rank].reshape(-1, *full.shape[1:])
+    return full.chunk(world, dim=dim)[rank]
+
+
+def shard_of(full: torch.Tensor, param: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """The shard of `full` (a dense tensor shaped like the unsplit parameter) that `param` holds on `rank`."""
+    dim = getattr(param, TP_DIM_ATTR, None)
+    if dim is None:
+        return full
+    return local_shard(full, dim, rank, world, getattr(param, TP_FUSED_ATTR, 1))
 
 
 class _ParallelLinear(nn.Module):
@@ -541,16 +561,14 @@ class _ParallelLinear(nn.Module):
         mod = cls(in_features, out_features, ctx, bias=linear.bias is not None, impl=impl, chunks=chunks,
                   dtype=w.dtype, device=w.device)
         world, rank = ctx.world, dist.get_rank(ctx.group)
+        if fused > 1:
+            setattr(mod.weight, TP_FUSED_ATTR, fused)
+            if mod.bias is not None:
+                setattr(mod.bias, TP_FUSED_ATTR, fused)
         with torch.no_grad():
-            if cls.column:
-                rows = w.view(fused, out_features // fused, in_features).chunk(world, dim=1)[rank]
-                mod.weight.copy_(rows.reshape(-1, in_features))
-                if linear.bias is not None:
-                    mod.bias.copy_(linear.bias.view(fused, -1).chunk(world, dim=1)[rank].reshape(-1))
-            else:
-                mod.weight.copy_(w.chunk(world, dim=1)[rank])
-                if linear.bias is not None:
-                    mod.bias.copy_(linear.bias)
+            mod.weight.copy_(shard_of(w, mod.weight, rank, world))
+            if linear.bias is not None:
+                mod.bias.copy_(shard_of(linear.bias, mod.bias, rank, world))
         return mod
 
     def extra_repr(self) -> str:
