@@ -28,7 +28,7 @@ import math
 import sys
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -60,11 +60,13 @@ class OverlapContext:
     groups fall back to "chunked" instead of failing inside HCCL.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, impl: str = "auto", chunks: int = 2) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, impl: str = "auto", chunks: int = 2,
+                 announce: Optional[Callable[[str], None]] = None) -> None:
+        """`announce`: also called with each selection line (e.g. a launcher's print on one rank of the part)."""
         _check_impl(impl)
         if chunks < 1:
             raise ValueError(f"overlap chunks={chunks}: must be >= 1")
-        self.group, self.impl, self.chunks = group, impl, chunks
+        self.group, self.impl, self.chunks, self.announce = group, impl, chunks, announce
         self.domain: Optional[str] = None
         self._names: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
         self._logged: set[tuple] = set()
@@ -140,10 +142,13 @@ class OverlapContext:
         chosen, reasons = self.explain(x, weight, kind, impl, chunks)
         # Keyed on the reasons, not the shape: packed batches change m every step and would log every step.
         key = (kind, self.impl if impl is None else impl, chosen, tuple(reasons))
-        if reasons and key not in self._logged:
+        if key not in self._logged:
             self._logged.add(key)
-            log.info("overlap %s linear x%s w%s %s: %s (%s)", kind, tuple(x.shape), tuple(weight.shape),
-                     str(x.dtype).replace("torch.", ""), chosen, "; ".join(reasons))
+            line = (f"overlap {kind} linear x{tuple(x.shape)} w{tuple(weight.shape)} "
+                    f"{str(x.dtype).replace('torch.', '')}: {chosen}" + (f" ({'; '.join(reasons)})" if reasons else ""))
+            log.info(line)
+            if self.announce is not None:
+                self.announce(line)
         return chosen
 
 
@@ -569,6 +574,9 @@ class _ParallelLinear(nn.Module):
             mod.weight.copy_(shard_of(w, mod.weight, rank, world))
             if linear.bias is not None:
                 mod.bias.copy_(shard_of(linear.bias, mod.bias, rank, world))
+        mod.weight.requires_grad_(w.requires_grad)  # a frozen layer stays frozen
+        if linear.bias is not None:
+            mod.bias.requires_grad_(linear.bias.requires_grad)
         return mod
 
     def extra_repr(self) -> str:

@@ -7,6 +7,11 @@ modes never changes the loss or the gradients (up to float summation order).
 
 DP wrappers (DDP / FSDP2) average gradients over their group, so the backward loss is multiplied by the group
 size and the embedding gradients returned to encoders are divided by it again.
+
+Tensor parallelism: only TP rank 0 of a part (the leader) talks to the pool. Its TP peers compute the same
+thing on replicated activations: a backbone peer receives the leader's embeddings by broadcast, an encoder peer
+encodes the leader's samples and receives the returned gradients by broadcast; only the leader returns gradients
+and reports the loss.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import torch.distributed as dist
 from mindspeed_flow.data.prefetch import prefetch_samples
 from mindspeed_flow.data.sample import VLMSample
 from mindspeed_flow.hosts.torch.data_parallel import allreduce_grads_, grad_sync
+from mindspeed_flow.hosts.torch.tensor_parallel import broadcast_like, broadcast_rows
 from mindspeed_flow.runtime.metrics import StepRecord
 from mindspeed_flow.runtime.optim import PartOptimizer, lr_at
 from mindspeed_flow.runtime.plan import StepWork
@@ -81,6 +87,15 @@ class StepEngine:
         self.keep_encoder_activations = keep_encoder_activations
         self._texts: dict[int, VLMSample] = {}
 
+    @property
+    def tp(self) -> int:
+        return self.topo.part_layout.tp
+
+    @property
+    def is_tp_leader(self) -> bool:
+        """TP rank 0 of this rank's part: the rank that puts to / gets from the pool."""
+        return self.topo.rank == self.topo.tp_leader
+
     # ------------------------------------------------------------------------------------------------------
     def run_step(self, work: StepWork, n_labels: int, record: StepRecord,
                  texts: Optional[dict[int, VLMSample]] = None) -> None:
@@ -105,7 +120,8 @@ class StepEngine:
         # flight); recompute: forward without a graph now, forward again with one when the gradient arrives
         # (one extra ViT forward per sample; the ViT has no dropout, so the recomputed forward is identical).
         keep = trainable and self.keep_encoder_activations
-        order = work.encode_order.get(rank, [])
+        leader = self.is_tp_leader
+        order = work.encode_order.get(self.topo.tp_leader, [])  # TP peers encode their leader's samples
         held: list[tuple[int, Any]] = []  # (sample id, graph-holding embedding or the sample to recompute)
         # Pixels are decoded/generated in a background thread while the encoder computes.
         loader = iter(prefetch_samples(self.dataset, order, with_pixels=True, depth=self.prefetch_depth))
@@ -113,15 +129,20 @@ class StepEngine:
             sample = timer.timed("wait", lambda: next(loader))
             emb = timer.timed("busy", lambda: encode_sample(self.m.encoder, sample, keep))
             # The pool sends a detached copy; the graph (if kept) stays here until the gradient comes back.
-            timer.timed("wait", lambda: self.pool.put(emb.detach(), sample_id=sid, step=work.step,
-                                                      consumer=work.consumer_of[sid]))
+            if leader:
+                timer.timed("wait", lambda: self.pool.put(emb.detach(), sample_id=sid, step=work.step,
+                                                          consumer=work.consumer_of[sid]))
             if trainable:
-                held.append((sid, emb if keep else sample))
+                held.append((sid, emb if keep else sample, (emb.shape, emb.dtype, emb.device)))
         record["encoder_last_sample_done_t"] = time.time()
         record["encoder_samples"] = len(order)
-        for sid, kept in held:  # gradients come back in consumption order, as they are computed
-            grad = timer.timed("wait", lambda: self.pool.wait_grad(sample_id=sid, step=work.step,
-                                                                   consumer=work.consumer_of[sid]))
+        for sid, kept, like in held:  # gradients come back in consumption order, as they are computed
+            grad = None
+            if leader:
+                grad = timer.timed("wait", lambda: self.pool.wait_grad(sample_id=sid, step=work.step,
+                                                                       consumer=work.consumer_of[sid]))
+            if self.tp > 1:
+                grad = timer.timed("wait", lambda: broadcast_like(grad, like, self.topo.tp_group))
 
             def backward() -> None:
                 emb = kept if keep else encode_sample(self.m.encoder, kept, True)
@@ -140,13 +161,14 @@ class StepEngine:
     def _consume(self, work: StepWork, n_labels: int, record: StepRecord) -> None:
         timer = Timer()
         row = work.plan.microbatches[self.topo.dp_rank]
-        if self.topo.is_first_stage:  # only the first stage consumes embeddings
+        if self.topo.is_first_stage and self.is_tp_leader:  # only the first stage's TP leader uses the pool
             self.expect_embeds(work)
         if self.m.pipeline is not None:
             loss_sum = self.m.pipeline.run(work, row, n_labels, self, timer, record)
         else:
             loss_sum = self._consume_flat(work, row, n_labels, timer, record)
-        record["loss_sum"] = loss_sum
+        # TP peers computed the same loss: one of them reports it (the metrics sum it over ranks).
+        record["loss_sum"] = loss_sum if self.topo.tp_rank == 0 else float("nan")
         record["label_tokens"] = n_labels
         record["backbone_busy_s"], record["backbone_wait_s"] = timer.busy, timer.wait
         self._pool_stats(record)
@@ -161,17 +183,23 @@ class StepEngine:
                 self.pool.expect(producer=producer, items=items)
 
     def fetch_embeds(self, work: StepWork, sample_ids: list[int], timer: Timer) -> dict[int, torch.Tensor]:
-        """Blocking gets from the pool, as leaves that collect d(loss)/d(embedding)."""
-        out = {}
-        for sid in sample_ids:
-            if sid in work.producer_of:
-                emb = timer.timed("wait", lambda: self.pool.get(sample_id=sid, step=work.step,
-                                                                producer=work.producer_of[sid]))
-                out[sid] = emb.detach().requires_grad_(not self.m.frozen_encoder)
-        return out
+        """Blocking gets from the pool (TP peers: the leader's, by broadcast), as leaves that collect
+        d(loss)/d(embedding)."""
+        ids = [sid for sid in sample_ids if sid in work.producer_of]
+        got: Optional[list[torch.Tensor]] = None
+        if self.is_tp_leader:
+            got = [timer.timed("wait", lambda: self.pool.get(sample_id=sid, step=work.step,
+                                                             producer=work.producer_of[sid])) for sid in ids]
+        if self.tp > 1:
+            part = self.m.backbone_part
+            weight = part.embed_tokens.weight
+            got = timer.timed("wait", lambda: broadcast_rows(got, len(ids), self.topo.tp_group,
+                                                             width=part.hidden_size, dtype=weight.dtype,
+                                                             device=weight.device))
+        return {sid: emb.detach().requires_grad_(not self.m.frozen_encoder) for sid, emb in zip(ids, got or [])}
 
     def return_grads(self, work: StepWork, leaves: dict[int, torch.Tensor], timer: Timer) -> None:
-        if self.m.frozen_encoder:
+        if self.m.frozen_encoder or not self.is_tp_leader:  # TP peers hold the same gradients
             return
         for sid, leaf in leaves.items():
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)

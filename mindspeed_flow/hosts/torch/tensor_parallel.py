@@ -17,8 +17,9 @@ is chosen per call by the part's `OverlapContext`, which logs its choice and rea
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -116,14 +117,15 @@ def parallelize_encoder_modules(modules: dict[str, nn.Module], family: str, ctx:
 
 
 def apply_tensor_parallel(part: nn.Module, group: Optional[dist.ProcessGroup], *, impl: str = "auto",
-                          chunks: int = 2) -> Optional[OverlapContext]:
+                          chunks: int = 2, announce: Optional[Callable[[str], None]] = None
+                          ) -> Optional[OverlapContext]:
     """Split an EncoderPart or BackbonePart over `group` in place; returns the part's overlap context (None when
-    the group has one rank: nothing to split)."""
+    the group has one rank: nothing to split). `announce` receives the overlap choices, once each."""
     from mindspeed_flow.hosts.torch.split import BackbonePart, EncoderPart
 
     if group is None or dist.get_world_size(group) == 1:
         return None
-    ctx = OverlapContext(group, impl=impl, chunks=chunks)
+    ctx = OverlapContext(group, impl=impl, chunks=chunks, announce=announce)
     if isinstance(part, BackbonePart):
         # Every HF attention module keeps its (text) config: the head counts come from there.
         parallelize_language_model(part.layers, part.layers[0].self_attn.config, ctx)
@@ -140,3 +142,40 @@ def apply_tensor_parallel(part: nn.Module, group: Optional[dist.ProcessGroup], *
 
 def is_tp_sharded(param: nn.Parameter) -> bool:
     return hasattr(param, TP_DIM_ATTR)
+
+
+# ------------------------------------------------------------------------------------------------ TP peers' inputs
+# Only TP rank 0 of a part talks to the pool (the pool's bridges pair TP leaders); its TP peers need the same
+# embeddings (backbone) or the same returned gradients (encoder), which cross the TP group by broadcast.
+def _leader(group: dist.ProcessGroup) -> int:
+    return dist.get_global_rank(group, 0)
+
+
+def broadcast_rows(tensors: Optional[list[torch.Tensor]], n: int, group: dist.ProcessGroup, *, width: int,
+                   dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """The TP leader's `n` tensors of shape [rows_i, width] on every rank of `group`, in order: one broadcast of
+    the row counts, one of all rows together (few large messages instead of one pair per sample)."""
+    if n == 0:
+        return []
+    leader = dist.get_rank(group) == 0
+    if leader and (tensors is None or len(tensors) != n):
+        raise ValueError(f"broadcast_rows: the TP leader holds {0 if tensors is None else len(tensors)} tensors, "
+                         f"expected {n}")
+    counts = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64, device=device) if leader else \
+        torch.empty(n, dtype=torch.int64, device=device)
+    dist.broadcast(counts, src=_leader(group), group=group)
+    sizes = [int(c) for c in counts.tolist()]
+    flat = torch.cat([t.reshape(-1, width).to(device=device, dtype=dtype) for t in tensors]) if leader else \
+        torch.empty(sum(sizes), width, dtype=dtype, device=device)
+    dist.broadcast(flat, src=_leader(group), group=group)
+    return list(flat.split(sizes))
+
+
+def broadcast_like(tensor: Optional[torch.Tensor], like: tuple[torch.Size, torch.dtype, torch.device],
+                   group: dist.ProcessGroup) -> torch.Tensor:
+    """The TP leader's `tensor` on every rank of `group`; `like` is its (shape, dtype, device) on this rank."""
+    shape, dtype, device = like
+    out = tensor.to(device=device, dtype=dtype).contiguous() if dist.get_rank(group) == 0 else \
+        torch.empty(shape, dtype=dtype, device=device)
+    dist.broadcast(out, src=_leader(group), group=group)
+    return out
