@@ -98,8 +98,7 @@ class Layout:
         raise KeyError(name)
 
     def validate(self, *, world_size: Optional[int] = None, limits: Optional[ModelLimits] = None,
-                 global_batch_size: Optional[int] = None, expected_world: int = 0,
-                 max_tp: Optional[int] = None) -> None:
+                 global_batch_size: Optional[int] = None, expected_world: int = 0) -> None:
         """Raise LayoutError naming the field and the rule. Called before any process group exists."""
         field_of = {ENCODER: "parallel.encoder", BACKBONE: "parallel.backbone", COUPLED: "parallel"}
         for p in self.parts:
@@ -110,9 +109,6 @@ class Layout:
                     raise LayoutError(f"{f}.{dim}={v!r}: every parallel size must be an integer >= 1")
             if p.cp != 1:
                 raise LayoutError(f"{f}.cp={p.cp}: context parallelism is not supported by the torch host (cp must be 1)")
-            if max_tp is not None and p.tp > max_tp:
-                raise LayoutError(f"{f}.tp={p.tp}: this host runs at most tp={max_tp} here (the torch host's "
-                                  "coupled baseline runs tp=1; decoupled parts take any tp)")
             if limits is not None:
                 heads = limits.vit_heads if p.name == ENCODER else limits.llm_heads
                 if heads % p.tp:

@@ -6,11 +6,11 @@ async-collective decomposition everywhere else, or with a plain blocking referen
 picks one per call, says once why MC2 was not used, and holds every cache (no module-level state).
 """
 from mindspeed_flow.overlap.collectives import all_gather_rows, reduce_scatter_rows
-from mindspeed_flow.overlap.linear import (IMPLS, TP_DIM_ATTR, TP_FUSED_ATTR, ColumnParallelLinear, ColumnParallelLinearSP,
+from mindspeed_flow.overlap.linear import (IMPLS, TP_CTX_ATTR, TP_DIM_ATTR, TP_FUSED_ATTR, ColumnParallelLinear, ColumnParallelLinearSP,
                                            OverlapContext, RowParallelLinear, RowParallelLinearSP,
                                            column_parallel_linear, column_parallel_linear_sp, row_parallel_linear,
-                                           row_parallel_linear_sp, shard_of)
+                                           local_shard, row_parallel_linear_sp, shard_of)
 
-__all__ = ["IMPLS", "TP_DIM_ATTR", "TP_FUSED_ATTR", "shard_of", "ColumnParallelLinear", "ColumnParallelLinearSP", "OverlapContext",
+__all__ = ["IMPLS", "TP_CTX_ATTR", "TP_DIM_ATTR", "TP_FUSED_ATTR", "local_shard", "shard_of", "ColumnParallelLinear", "ColumnParallelLinearSP", "OverlapContext",
            "RowParallelLinear", "RowParallelLinearSP", "all_gather_rows", "column_parallel_linear",
            "column_parallel_linear_sp", "reduce_scatter_rows", "row_parallel_linear", "row_parallel_linear_sp"]

@@ -73,6 +73,14 @@ class OverlapContext:
         # Set once the backend's reduce-scatter raised on this group (old gloo): later calls use the fallback.
         self.reduce_scatter_unsupported: Optional[str] = None
 
+    def mesh(self, device_type: str) -> Any:
+        """A one-dimensional DeviceMesh over the TP group (for DTensor views of the shards, e.g. checkpoints)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if getattr(self, "_mesh", None) is None:
+            self._mesh = DeviceMesh.from_group(default_group(self.group), device_type)
+        return self._mesh
+
     def mark_reduce_scatter_unsupported(self, reason: str) -> None:
         self.reduce_scatter_unsupported = reason
 
@@ -497,6 +505,7 @@ def _check_linear_shapes(what: str, x: torch.Tensor, weight: torch.Tensor, layou
 # ------------------------------------------------------------------------------------------------ modules
 TP_DIM_ATTR = "tensor_parallel_dim"  # on a parameter: the dim it is sharded along over the TP group (absent: replicated)
 TP_FUSED_ATTR = "tensor_parallel_fused"  # how many projections a column shard stacks (a ViT's fused qkv: 3)
+TP_CTX_ATTR = "tensor_parallel_context"  # the OverlapContext (TP group) a parallel linear's parameters belong to
 
 
 def local_shard(full: torch.Tensor, dim: int, rank: int, world: int, fused: int = 1) -> torch.Tensor:
@@ -566,6 +575,8 @@ class _ParallelLinear(nn.Module):
         mod = cls(in_features, out_features, ctx, bias=linear.bias is not None, impl=impl, chunks=chunks,
                   dtype=w.dtype, device=w.device)
         world, rank = ctx.world, dist.get_rank(ctx.group)
+        for p in mod.parameters():  # checkpoints find the group (and its mesh) of a shard through it
+            setattr(p, TP_CTX_ATTR, ctx)
         if fused > 1:
             setattr(mod.weight, TP_FUSED_ATTR, fused)
             if mod.bias is not None:

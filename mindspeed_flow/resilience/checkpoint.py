@@ -16,11 +16,13 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+from mindspeed_flow.hosts.torch.tensor_parallel import checkpoint_tensor
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -45,13 +47,24 @@ def _ensure_adam_state(optimizer: torch.optim.Optimizer, params: dict[str, torch
 
 
 def training_state(params: dict[str, torch.nn.Parameter], optimizer: Optional[torch.optim.Optimizer],
-                   extra: dict[str, Any]) -> dict[str, Any]:
-    state: dict[str, Any] = {"model": {k: p.data for k, p in params.items()}, "optim": {}, "extra": dict(extra)}
+                   extra: dict[str, Any], after_load: Optional[list[Callable[[], None]]] = None) -> dict[str, Any]:
+    """The DCP state dict. Tensor-parallel shards appear as whole tensors (`checkpoint_tensor`), so keys and
+    shapes do not depend on the TP size; `after_load` collects what must run once a load has filled them."""
+    def view(p: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0:  # Adam's step counter
+            return t
+        stored, finish = checkpoint_tensor(p, t)
+        if finish is not None and after_load is not None:
+            after_load.append(finish)
+        return stored
+
+    state: dict[str, Any] = {"model": {k: view(p, p.data) for k, p in params.items()}, "optim": {},
+                             "extra": dict(extra)}
     if optimizer is not None:
         for k, p in params.items():
             for name, t in optimizer.state.get(p, {}).items():
                 if name in ADAM_KEYS:
-                    state["optim"][f"{k}.{name}"] = t
+                    state["optim"][f"{k}.{name}"] = view(p, t)
     return state
 
 
@@ -102,8 +115,11 @@ class Checkpointer:
             return None
         if optimizer is not None:
             _ensure_adam_state(optimizer, params)
-        state = training_state(params, optimizer, extra_template)
+        after_load: list[Callable[[], None]] = []
+        state = training_state(params, optimizer, extra_template, after_load)
         dcp.load(state, checkpoint_id=str(self.root / f"step-{steps[-1]}"))
+        for finish in after_load:
+            finish()
         return state["extra"]
 
 

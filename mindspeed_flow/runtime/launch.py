@@ -32,8 +32,7 @@ def prepare(overrides: list[str]) -> tuple[Path, int]:
     layout = Layout.from_config(job.parallel, job.flow.mode)
     spec = VLMSpec.from_hf_config(model_hf_config(job))
     layout.validate(limits=model_limits(spec), global_batch_size=job.trainer.global_batch_size,
-                    expected_world=job.parallel.world_size,
-                    max_tp=1 if job.flow.mode == "coupled" else None)
+                    expected_world=job.parallel.world_size)
     run_dir = Path(job.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"
