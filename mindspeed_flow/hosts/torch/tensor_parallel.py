@@ -17,10 +17,12 @@ is chosen per call by the part's `OverlapContext`, which logs its choice and rea
 from __future__ import annotations
 
 import logging
+import types
 from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from mindspeed_flow.hosts.torch import hf_compat
@@ -90,6 +92,25 @@ def _qwen_vision_block(block: nn.Module, ctx: OverlapContext) -> None:
         _swap(mlp, "down_proj", RowParallelLinear, ctx)
 
 
+def _clip_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
+                            attention_mask: Optional[torch.Tensor] = None,
+                            causal_attention_mask: Optional[torch.Tensor] = None,
+                            output_attentions: Optional[bool] = False, **_: object
+                            ) -> tuple[torch.Tensor, None]:
+    """CLIP attention on this rank's heads. Some transformers releases reshape the attention output to the
+    input's full width before out_proj, which a head shard does not have; this forward keeps the local width."""
+    if output_attentions:
+        raise TensorParallelError("output_attentions is not available with tensor parallelism")
+    b, s, _ = hidden_states.shape
+    q, k, v = (proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
+               for proj in (self.q_proj, self.k_proj, self.v_proj))
+    mask = attention_mask
+    if causal_attention_mask is not None:
+        mask = causal_attention_mask if mask is None else mask + causal_attention_mask
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+    return self.out_proj(out.transpose(1, 2).reshape(b, s, -1)), None
+
+
 def _clip_layer(layer: nn.Module, ctx: OverlapContext) -> None:
     """CLIP / SigLIP encoder layer (LLaVA's vision tower)."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -97,6 +118,7 @@ def _clip_layer(layer: nn.Module, ctx: OverlapContext) -> None:
         _swap(attn, name, ColumnParallelLinear, ctx)
     _swap(attn, "out_proj", RowParallelLinear, ctx)
     _set_local_head_counts(attn, ctx.world, ("num_heads",))
+    attn.forward = types.MethodType(_clip_attention_forward, attn)
     _swap(mlp, "fc1", ColumnParallelLinear, ctx)
     _swap(mlp, "fc2", RowParallelLinear, ctx)
 
