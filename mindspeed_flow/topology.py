@@ -98,8 +98,7 @@ class Layout:
         raise KeyError(name)
 
     def validate(self, *, world_size: Optional[int] = None, limits: Optional[ModelLimits] = None,
-                 global_batch_size: Optional[int] = None, expected_world: int = 0,
-                 max_tp: Optional[int] = None) -> None:
+                 global_batch_size: Optional[int] = None, expected_world: int = 0) -> None:
         """Raise LayoutError naming the field and the rule. Called before any process group exists."""
         field_of = {ENCODER: "parallel.encoder", BACKBONE: "parallel.backbone", COUPLED: "parallel"}
         for p in self.parts:
@@ -110,9 +109,6 @@ class Layout:
                     raise LayoutError(f"{f}.{dim}={v!r}: every parallel size must be an integer >= 1")
             if p.cp != 1:
                 raise LayoutError(f"{f}.cp={p.cp}: context parallelism is not supported by the torch host (cp must be 1)")
-            if max_tp is not None and p.tp > max_tp:
-                raise LayoutError(f"{f}.tp={p.tp}: this host runs at most tp={max_tp} "
-                                  "(tensor parallelism runs on the MindSpeed-MM host)")
             if limits is not None:
                 heads = limits.vit_heads if p.name == ENCODER else limits.llm_heads
                 if heads % p.tp:
@@ -201,6 +197,12 @@ class Topology:
     dp_ranks: list[int]
     pp_ranks: list[int]
     bridge: Optional[Bridge]
+    tp_ranks: list[int] = field(default_factory=list)  # this rank's TP group, TP rank 0 (the leader) first
+
+    @property
+    def tp_leader(self) -> int:
+        """The global rank of TP rank 0 of this rank's TP group: the one that talks to the pool."""
+        return self.tp_ranks[0] if self.tp_ranks else self.rank
 
     @property
     def part_layout(self) -> PartLayout:
@@ -257,7 +259,7 @@ class Topology:
             layout=layout, rank=rank, world_size=world_size, part=mine["part"], part_ranks=mine["part_ranks"],
             part_group=mine["part_group"], dp_group=mine["dp"][0], pp_group=mine["pp"][0],
             tp_group=mine["tp"][0], dp_rank=c["dp"], pp_rank=c["pp"], tp_rank=c["tp"], dp_ranks=mine["dp"][1],
-            pp_ranks=mine["pp"][1], bridge=bridge,
+            pp_ranks=mine["pp"][1], bridge=bridge, tp_ranks=mine["tp"][1],
         )
 
     def backbone_rank(self, *, dp: int, pp: int, tp: int = 0) -> int:

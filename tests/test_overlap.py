@@ -13,8 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mindspeed_flow.overlap import (ColumnParallelLinearSP, all_gather_rows, RowParallelLinearSP, column_parallel_linear_sp,
-                                    explain_impl, reduce_scatter_rows, row_parallel_linear_sp, select_impl)
+from mindspeed_flow.overlap import (ColumnParallelLinear, ColumnParallelLinearSP, OverlapContext, RowParallelLinear,
+                                    RowParallelLinearSP, all_gather_rows, column_parallel_linear,
+                                    column_parallel_linear_sp, reduce_scatter_rows, row_parallel_linear,
+                                    row_parallel_linear_sp)
 from mindspeed_flow.utils.multiproc import run_ranks
 
 M_LOCAL, IN, OUT = 7, 12, 8  # 7 rows per rank: 2 and 4 chunks split unevenly (4+3, 2+2+2+1)
@@ -30,9 +32,10 @@ def _dense(world: int, dtype: torch.dtype = torch.float32, m: int = M_LOCAL, k: 
     return x.to(dtype), w.to(dtype), grad.to(dtype)
 
 
-def _run(fn, x: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, **kw) -> tuple[torch.Tensor, ...]:
+def _run(fn, x: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, ctx: OverlapContext | None = None,
+         **kw) -> tuple[torch.Tensor, ...]:
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
-    out = fn(x, w, **kw)
+    out = fn(x, w, ctx=ctx or OverlapContext(), **kw)
     out.backward(grad)
     return out.detach(), x.grad, w.grad
 
@@ -60,6 +63,11 @@ def _impls_rank(rank: int, world: int) -> list[str]:
         _check(got, col_want, f"column {impl}x{chunks} world {world}")
         got = _run(row_parallel_linear_sp, x_full[:, ks], w_full[:, ks], g_full[rows], impl=impl, chunks=chunks)
         _check(got, row_want, f"row {impl}x{chunks} world {world}")
+        # Without sequence parallelism the activations outside the TP region are replicated (full rows).
+        got = _run(column_parallel_linear, x_full, w_full[cols], g_full[:, cols], impl=impl)
+        _check(got, (ref[:, cols], g_full @ w_full, g_full[:, cols].t() @ x_full), f"column-ar {impl}x{chunks}")
+        got = _run(row_parallel_linear, x_full[:, ks], w_full[:, ks], g_full, impl=impl, chunks=chunks)
+        _check(got, (ref, (g_full @ w_full)[:, ks], g_full.t() @ x_full[:, ks]), f"row-ar {impl}x{chunks}")
         done.append(f"{impl}x{chunks}")
     return done
 
@@ -71,8 +79,9 @@ def _modules_rank(rank: int, world: int) -> dict[str, object]:
     bias_col, bias_row = torch.arange(OUT, dtype=torch.float32), torch.ones(OUT)
     ref = x_full @ w_full.t()
     s_local = M_LOCAL
-    col = ColumnParallelLinearSP(IN, OUT, impl="chunked", chunks=2)
-    row = RowParallelLinearSP(OUT, OUT, impl="chunked", chunks=2)
+    ctx = OverlapContext(impl="chunked", chunks=2)
+    col = ColumnParallelLinearSP(IN, OUT, ctx)
+    row = RowParallelLinearSP(OUT, OUT, ctx)
     cols = slice(rank * OUT // world, (rank + 1) * OUT // world)
     with torch.no_grad():
         col.weight.copy_(w_full[cols])
@@ -91,6 +100,21 @@ def _modules_rank(rank: int, world: int) -> dict[str, object]:
     torch.testing.assert_close(z, full_z[rank * s_local:(rank + 1) * s_local], rtol=1e-5, atol=1e-5)
     z.sum().backward()
     assert col.weight.grad is not None and col.bias.grad is not None
+
+    # Sharding dense layers: column -> row equals the dense MLP; a fused [q|k|v] projection splits per part.
+    torch.manual_seed(3)
+    fc1, fc2, qkv = torch.nn.Linear(IN, 2 * OUT), torch.nn.Linear(2 * OUT, IN), torch.nn.Linear(IN, 3 * OUT)
+    tp_ctx = OverlapContext(impl="chunked")
+    fc1_tp, fc2_tp = ColumnParallelLinear.from_linear(fc1, tp_ctx), RowParallelLinear.from_linear(fc2, tp_ctx)
+    xin = torch.randn(5, IN, generator=torch.Generator().manual_seed(9))
+    torch.testing.assert_close(fc2_tp(torch.nn.functional.gelu(fc1_tp(xin))), fc2(torch.nn.functional.gelu(fc1(xin))),
+                               rtol=1e-5, atol=1e-5)
+    qkv_tp = ColumnParallelLinear.from_linear(qkv, tp_ctx, fused=3)
+    local = OUT // world
+    picks = torch.cat([torch.arange(p * OUT + rank * local, p * OUT + (rank + 1) * local) for p in range(3)])
+    assert torch.equal(qkv_tp.weight, qkv.weight[picks]) and torch.equal(qkv_tp.bias, qkv.bias[picks])
+    assert getattr(fc1_tp.weight, "tensor_parallel_dim") == 0 and getattr(fc2_tp.weight, "tensor_parallel_dim") == 1
+    assert not hasattr(fc2_tp.bias, "tensor_parallel_dim")  # replicated: added once after the all-reduce
 
     # reduce-scatter fallback (all_reduce + this rank's rows), sync and async, equals the native collective.
     inp = torch.randn(world * 3, 5, generator=torch.Generator().manual_seed(rank))
@@ -113,10 +137,11 @@ def _modules_rank(rank: int, world: int) -> dict[str, object]:
 
     # Dispatcher on CPU/gloo without torch_npu.
     xs, ws = x_full[:M_LOCAL], w_full[cols]
-    impl, why = explain_impl(xs, ws, None, "auto", "column", chunks=2)
-    tiny = select_impl(xs[:1], ws, None, "auto", "column", chunks=2)
+    auto = OverlapContext()
+    impl, why = auto.explain(xs, ws, "column")
+    tiny = auto.select(xs[:1], ws, "column")
     try:
-        select_impl(xs, ws, None, "mc2")
+        auto.select(xs, ws, "column", impl="mc2")
         forced = "no error"
     except ValueError as err:
         forced = str(err)
@@ -138,7 +163,7 @@ def test_modules_fallback_and_dispatcher_on_cpu() -> None:
 
 def test_select_impl_logs_reason_once() -> None:
     r = run_ranks(_log_rank, 2, timeout_s=60)
-    assert r[0] == 1, r[0]
+    assert r[0] == 12, r[0]  # once for the first context, then once more for the second
 
 
 def _log_rank(rank: int, world: int) -> int:
@@ -149,47 +174,134 @@ def _log_rank(rank: int, world: int) -> int:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     x, w = torch.randn(4, 5), torch.randn(3, 5)
+    first, second = OverlapContext(), OverlapContext()
     for _ in range(3):
-        select_impl(x, w, None)
-    return sum("torch_npu is not imported" in rec.getMessage() for rec in records)
+        first.select(x, w)
+    once = sum("torch_npu is not imported" in rec.getMessage() for rec in records)
+    second.select(x, w)  # another part's context has its own log memory: it says it again, once
+    return once * 10 + sum("torch_npu is not imported" in rec.getMessage() for rec in records)
 
 
 # ------------------------------------------------------------------------------------------------ mc2 (emulated)
+def _record_mc2_calls(torch_npu, calls: list) -> None:
+    """Wrap the (emulated) torch_npu ops and the HCCL name lookup so every call's arguments are kept."""
+    from mindspeed_flow.emulation import hccl
+
+    for op in ("npu_all_gather_base_mm", "npu_mm_reduce_scatter_base", "npu_mm_all_reduce_base"):
+        fn = getattr(torch_npu, op)
+
+        def wrapped(*args, _op=op, _fn=fn, **kwargs):
+            calls.append((_op, args, kwargs))
+            return _fn(*args, **kwargs)
+
+        setattr(torch_npu, op, wrapped)
+    backend_cls = hccl.FakeHcclBackend
+    original = backend_cls.get_hccl_comm_name
+
+    def name(self, *args, **kwargs):
+        calls.append(("get_hccl_comm_name", args, kwargs))
+        return original(self, *args, **kwargs)
+
+    backend_cls.get_hccl_comm_name = name
+
+
 def _mc2_rank(rank: int, world: int) -> dict[str, object]:
+    """Two TP groups of 2 on 4 ranks ({0,1}, {2,3}): ranks 2 and 3 have group ranks 0 and 1, so a group-local rank
+    handed to get_hccl_comm_name would show. Every MC2 call is recorded and checked against the documented API."""
+    import sys
+
     from mindspeed_flow import emulation
+    from mindspeed_flow.overlap import mc2_api
 
     emulation.activate()
-    from mindspeed_flow.overlap import linear
-
-    group = dist.new_group(list(range(world)), backend="hccl")
+    calls: list = []
+    groups = [dist.new_group([0, 1], backend="hccl"), dist.new_group([2, 3], backend="hccl")]
+    _record_mc2_calls(sys.modules["torch_npu"], calls)
+    group = groups[rank // 2]
+    tp, tp_rank = 2, rank % 2
+    ctx = OverlapContext(group)
     k = 256
     m, n = 8, 256  # row backward contracts over n, which must also be >= 256
-    x_full, w_full, g_full = _dense(world, torch.bfloat16, m=m, k=k * world, n=n)
-    rows = slice(rank * m, (rank + 1) * m)
-    cols = slice(rank * n // world, (rank + 1) * n // world)
-    ks = slice(rank * k, (rank + 1) * k)
+    x_full, w_full, g_full = _dense(tp, torch.bfloat16, m=m, k=k * tp, n=n)
+    rows = slice(tp_rank * m, (tp_rank + 1) * m)
+    cols = slice(tp_rank * n // tp, (tp_rank + 1) * n // tp)
+    ks = slice(tp_rank * k, (tp_rank + 1) * k)
     cases = {"column": (column_parallel_linear_sp, x_full[rows, :k].contiguous(), w_full[cols, :k].contiguous(),
                         g_full[:, cols].contiguous()),
              "row": (row_parallel_linear_sp, x_full[:, ks].contiguous(), w_full[:, ks].contiguous(),
-                     g_full[rows].contiguous())}
+                     g_full[rows].contiguous()),
+             "row_allreduce": (row_parallel_linear, x_full[:, ks].contiguous(), w_full[:, ks].contiguous(),
+                               g_full.contiguous())}
     picked = {}
     for kind, (fn, x, w, g) in cases.items():
-        picked[kind] = explain_impl(x, w, group, "auto", kind)[0]
-        mc2 = _run(fn, x, w, g, group=group, impl="mc2")
-        chunked = _run(fn, x, w, g, group=group, impl="chunked", chunks=2)
-        fp32 = _run(fn, x.float(), w.float(), g.float(), group=group, impl="plain")
+        picked[kind] = ctx.explain(x, w, kind)[0]
+        mc2 = _run(fn, x, w, g, ctx, impl="mc2")
+        chunked = _run(fn, x, w, g, OverlapContext(group), impl="chunked", chunks=2)
+        fp32 = _run(fn, x.float(), w.float(), g.float(), OverlapContext(group), impl="plain")
         for name, a, b, c in zip(("out", "grad_x", "grad_w"), mc2, chunked, fp32):
             assert a.dtype == torch.bfloat16, (kind, name, a.dtype)
             torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2, msg=lambda s: f"{kind} {name} mc2 vs chunked: {s}")
             torch.testing.assert_close(a.float(), c, rtol=3e-2, atol=3e-2, msg=lambda s: f"{kind} {name} vs fp32: {s}")
-    fp32_why = explain_impl(x_full[rows, :k].float(), w_full[cols, :k].float(), group, "auto", "column")[1]
-    small_k = explain_impl(x_full[rows, :128], w_full[cols, :128], group, "auto", "column")[1]
-    return {"picked": picked, "domain": linear._COMMS.domain, "fp32": fp32_why, "small_k": small_k}
+    fp32_why = ctx.explain(x_full[rows, :k].float(), w_full[cols, :k].float(), "column")[1]
+    small_k = ctx.explain(x_full[rows, :128], w_full[cols, :128], "column")[1]
+
+    # Every recorded call, checked against the documented prototypes (both releases) and their rules.
+    violations, ops = [], []
+    for op, args, kwargs in calls:
+        ops.append(op)
+        if op == "get_hccl_comm_name":
+            violations += mc2_api.check_comm_name_call(args, kwargs, dist.get_process_group_ranks(group), rank)
+        else:
+            violations += mc2_api.check_call(op, args, kwargs, ctx.domain, tp)
+    # The checker is not vacuous: the slips it exists for are caught.
+    x, w = cases["column"][1], cases["column"][2]
+    slips = {
+        "transposed first input": mc2_api.check_call("npu_all_gather_base_mm", (w.t()[:, :8], w.t(), ctx.domain, 2),
+                                                     {}, ctx.domain, 2),
+        "bias given": mc2_api.check_call("npu_mm_reduce_scatter_base", (x, w.t(), ctx.domain, 2),
+                                         {"bias": torch.zeros(128, dtype=x.dtype)}, ctx.domain, 2),
+        "positional reduce_op": mc2_api.check_call("npu_mm_reduce_scatter_base", (x, w.t(), ctx.domain, 2, "sum"),
+                                                   {}, ctx.domain, 2),
+        "gather_index 1": mc2_api.check_call("npu_all_gather_base_mm", (x, w.t(), ctx.domain, 2),
+                                             {"gather_index": 1}, ctx.domain, 2),
+        "group-local rank": mc2_api.check_comm_name_call((tp_rank,), {}, [0, 1], rank) if rank >= 2 else ["n/a"],
+    }
+    try:
+        mc2_api.checked("npu_all_gather_base_mm", lambda *a, **k: None, ctx.domain, 2)(x, w.t(), ctx.domain, 3)
+        raised = ""
+    except ValueError as err:
+        raised = str(err)
+    return {"picked": picked, "domain": ctx.domain, "fp32": fp32_why, "small_k": small_k, "ops": sorted(set(ops)),
+            "violations": violations, "slips": {k: bool(v) for k, v in slips.items()}, "raised": raised}
 
 
-def test_mc2_path_under_emulation_matches_chunked_bf16() -> None:
-    r = run_ranks(_mc2_rank, 2, timeout_s=60)[0]
-    assert r["picked"] == {"column": "mc2", "row": "mc2"}
-    assert str(r["domain"]).startswith("fakehccl_")
-    assert any("float16 or bfloat16" in s for s in r["fp32"])
-    assert any("k=128 outside" in s for s in r["small_k"])
+def test_mc2_path_under_emulation_matches_chunked_bf16_and_the_documented_api() -> None:
+    results = run_ranks(_mc2_rank, 4, timeout_s=120)
+    for rank, r in enumerate(results):
+        assert r["picked"] == {"column": "mc2", "row": "mc2", "row_allreduce": "mc2"}
+        assert str(r["domain"]).startswith("fakehccl_")
+        assert any("float16 or bfloat16" in s for s in r["fp32"])
+        assert any("k=128 outside" in s for s in r["small_k"])
+        assert r["ops"] == ["get_hccl_comm_name", "npu_all_gather_base_mm", "npu_mm_all_reduce_base",
+                            "npu_mm_reduce_scatter_base"], r["ops"]
+        assert r["violations"] == [], (rank, r["violations"])
+        assert all(r["slips"].values()), (rank, r["slips"])
+        assert "world_size=3" in r["raised"]
+    # Ranks of one TP group agree on their communication domain.
+    assert results[0]["domain"] == results[1]["domain"] and results[2]["domain"] == results[3]["domain"]
+
+
+def test_no_module_level_mutable_state_in_the_overlap_layer() -> None:
+    """Caches live on the part's OverlapContext: the modules hold only constants, functions and classes."""
+    import types
+
+    from mindspeed_flow.overlap import collectives, linear, mc2_api
+
+    for module in (collectives, linear, mc2_api):
+        for name, value in vars(module).items():
+            if name.startswith("__") or isinstance(value, (types.ModuleType, types.FunctionType, type, int, float,
+                                                          str, tuple, frozenset, torch.dtype, logging.Logger)):
+                continue
+            if name in ("Any", "Callable", "Mapping", "Optional", "Sequence", "Protocol", "annotations"):
+                continue
+            assert name == "PROTOTYPES", f"{module.__name__}.{name} is module-level state ({type(value).__name__})"

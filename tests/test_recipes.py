@@ -36,7 +36,7 @@ def test_experiment_composes_and_validates(experiment: str) -> None:
     spec = VLMSpec.from_hf_config(model_hf_config(job))
     for mode in ("decoupled", "coupled"):
         Layout.from_config(job.parallel, mode).validate(limits=model_limits(spec),
-                                                        global_batch_size=job.trainer.global_batch_size, max_tp=1)
+                                                        global_batch_size=job.trainer.global_batch_size)
 
 
 @pytest.mark.parametrize("name", options("model"))
@@ -84,7 +84,7 @@ def test_parallel_recipe_validates(name: str) -> None:
     job = to_job_config(compose([f"parallel={name}"]))
     spec = VLMSpec.from_hf_config(model_hf_config(job))
     layout = Layout.from_config(job.parallel, "decoupled")
-    layout.validate(limits=model_limits(spec), global_batch_size=job.trainer.global_batch_size, max_tp=1)
+    layout.validate(limits=model_limits(spec), global_batch_size=job.trainer.global_batch_size)
     assert layout.world_size >= 2
 
 

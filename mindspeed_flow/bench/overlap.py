@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from mindspeed_flow.overlap import column_parallel_linear_sp, row_parallel_linear_sp
+from mindspeed_flow.overlap import OverlapContext, column_parallel_linear_sp, row_parallel_linear_sp
 from mindspeed_flow.utils.multiproc import run_ranks
 
 CPU_NOTE = ("CPU/gloo: no speedup is expected and these ratios do not predict NPU/GPU: gloo collectives run on "
@@ -78,21 +78,23 @@ def _layer_inputs(kind: str, rank: int, world: int, m: int, k: int, n: int) -> t
     return x.requires_grad_(), w.requires_grad_(), grad
 
 
-def _time_step(kind: str, impl: str, chunks: int, x: torch.Tensor, w: torch.Tensor, grad: torch.Tensor) -> float:
+def _time_step(kind: str, ctx: OverlapContext, impl: str, chunks: int, x: torch.Tensor, w: torch.Tensor,
+               grad: torch.Tensor) -> float:
     fn = column_parallel_linear_sp if kind == "column" else row_parallel_linear_sp
     x.grad = w.grad = None
     dist.barrier()  # every rank starts together, so a rank's time is not another's straggling
     start = time.perf_counter()
-    fn(x, w, impl=impl, chunks=chunks).backward(grad)
+    fn(x, w, ctx=ctx, impl=impl, chunks=chunks).backward(grad)
     return time.perf_counter() - start
 
 
 def _bench_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {}
+    ctx = OverlapContext()  # the world group is the TP group here
     for kind in args.kind_list:
         x, w, grad = _layer_inputs(kind, rank, world, args.m, args.k, args.n)
         for label, impl, chunks in _variants(args.chunk_list):
-            runs = [_time_step(kind, impl, chunks, x, w, grad) for _ in range(args.warmup + args.iters)]
+            runs = [_time_step(kind, ctx, impl, chunks, x, w, grad) for _ in range(args.warmup + args.iters)]
             times[f"{kind} {label}"] = runs[args.warmup:]
     return times
 

@@ -109,6 +109,14 @@ def check_rules(job: FlowJobConfig) -> None:
                                          "continues the run in run_dir, overwrite starts a new one there)"),
         (job.faults.truncate_file in ("distcp", "metadata"),
          f"faults.truncate_file={job.faults.truncate_file!r}: 'distcp' or 'metadata'"),
+        (job.parallel.tp_overlap in ("auto", "mc2", "chunked", "plain"),
+         f"parallel.tp_overlap={job.parallel.tp_overlap!r}: 'auto', 'mc2', 'chunked' or 'plain'"),
+        (job.parallel.tp_overlap_chunks >= 1,
+         f"parallel.tp_overlap_chunks={job.parallel.tp_overlap_chunks}: must be >= 1"),
+        (not (job.parallel.backbone.tp > 1 and job.parallel.backbone.dp > 1 and
+              job.parallel.backbone_dp_impl == "fsdp" and f.mode == "decoupled"),
+         f"parallel.backbone_dp_impl='fsdp' with parallel.backbone.tp={job.parallel.backbone.tp}: the torch host "
+         "shards over DP with FSDP2 only without TP; use 'ddp' with tp > 1"),
     ]
     for ok, msg in rules:
         if not ok:

@@ -76,6 +76,12 @@ class ParallelConfig:
     backbone_dp_impl: str = "ddp"
     # gpipe | 1f1b
     pp_schedule: str = "1f1b"
+    # Tensor-parallel linears (tp > 1): auto (MC2 on Ascend where its limits hold, else chunked async
+    # collectives behind the matmuls) | mc2 (MC2 wherever a fused op exists, error where it cannot run) | chunked
+    # | plain (blocking collectives; the reference)
+    tp_overlap: str = "auto"
+    # Row chunks the chunked implementation splits a matmul into (each chunk's collective hides behind the next)
+    tp_overlap_chunks: int = 2
     # Expected world size; 0 means "whatever the layout needs". A mismatch with the launched world is an error.
     world_size: int = 0
 

@@ -7,13 +7,14 @@ old names warn; `torch_compat.dist_fn` picks the one present), and gloo on older
 at all, which is handled here.
 
 Every helper can run asynchronously and returns a handle with `.wait()`; on a backend whose reduce-scatter
-raises, the sum is done with `all_reduce` and the caller's rows are copied out when the handle is waited on.
+raises, the sum is done with `all_reduce` and the caller's rows are copied out when the handle is waited on. The
+module keeps no state: the caller (the part's `OverlapContext`) remembers that a group lacks reduce-scatter and asks
+for the fallback directly from then on.
 """
 from __future__ import annotations
 
 import logging
-import weakref
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -21,11 +22,6 @@ import torch.distributed as dist
 from mindspeed_flow.torch_compat import dist_fn
 
 log = logging.getLogger(__name__)
-
-# Groups on which reduce-scatter raised once: later calls go straight to the all_reduce fallback instead of
-# raising (and logging) every step. Weak keys, so a destroyed group does not linger.
-_RS_UNSUPPORTED: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
-
 
 class Waitable(Protocol):
     def wait(self) -> Any: ...
@@ -86,11 +82,13 @@ def all_gather_rows(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.P
 
 
 def reduce_scatter_rows(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup],
-                        async_op: bool = False, via_all_reduce: bool = False) -> Waitable:
+                        async_op: bool = False, via_all_reduce: bool = False,
+                        on_unsupported: Optional[Callable[[str], None]] = None) -> Waitable:
     """out = (sum over ranks of inp)[r * m:(r + 1) * m] on rank r, for `out` of m rows and `inp` of world * m.
 
     `via_all_reduce=True` forces the fallback (all_reduce of a copy, then this rank's rows), which moves twice
-    the bytes; it is taken automatically once the backend's reduce-scatter has raised on this group.
+    the bytes. When the backend's reduce-scatter raises, the fallback is taken and `on_unsupported(reason)` tells
+    the caller, so it can pass `via_all_reduce=True` from then on instead of raising (and logging) every step.
     """
     world = dist.get_world_size(group)
     if inp.shape[0] != out.shape[0] * world or out.shape[1:] != inp.shape[1:]:
@@ -99,8 +97,7 @@ def reduce_scatter_rows(out: torch.Tensor, inp: torch.Tensor, group: Optional[di
     if world == 1:
         out.copy_(inp)
         return _Done()
-    key = default_group(group)
-    if not via_all_reduce and key not in _RS_UNSUPPORTED:
+    if not via_all_reduce:
         try:
             inp = inp.contiguous()
             work = dist_fn("reduce_scatter_single", "reduce_scatter_tensor")(out, inp, group=group,
@@ -109,7 +106,8 @@ def reduce_scatter_rows(out: torch.Tensor, inp: torch.Tensor, group: Optional[di
         except (RuntimeError, NotImplementedError) as err:
             # Old gloo raised here (sync or async); every rank of the group raises alike, so all take the
             # fallback together and the collective sequence stays matched.
-            _RS_UNSUPPORTED[key] = str(err)
+            if on_unsupported is not None:
+                on_unsupported(str(err))
             log.warning("reduce-scatter unsupported on backend %s (%s); using all_reduce + chunk",
                         dist.get_backend(group), err)
     summed = inp.clone()  # all_reduce is in place; the caller's input must stay intact for autograd

@@ -30,13 +30,15 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generator, Optional
+from typing import Any, Callable, Generator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
+
+from mindspeed_flow.hosts.torch.tensor_parallel import checkpoint_tensor
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -113,13 +115,24 @@ def _ensure_adam_state(optimizer: torch.optim.Optimizer, params: dict[str, torch
 
 
 def training_state(params: dict[str, torch.nn.Parameter], optimizer: Optional[torch.optim.Optimizer],
-                   extra: dict[str, Any]) -> dict[str, Any]:
-    state: dict[str, Any] = {"model": {k: p.data for k, p in params.items()}, "optim": {}, "extra": dict(extra)}
+                   extra: dict[str, Any], after_load: Optional[list[Callable[[], None]]] = None) -> dict[str, Any]:
+    """The DCP state dict. Tensor-parallel shards appear as whole tensors (`checkpoint_tensor`), so keys and
+    shapes do not depend on the TP size; `after_load` collects what must run once a load has filled them."""
+    def view(p: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0:  # Adam's step counter
+            return t
+        stored, finish = checkpoint_tensor(p, t)
+        if finish is not None and after_load is not None:
+            after_load.append(finish)
+        return stored
+
+    state: dict[str, Any] = {"model": {k: view(p, p.data) for k, p in params.items()}, "optim": {},
+                             "extra": dict(extra)}
     if optimizer is not None:
         for k, p in params.items():
             for name, t in optimizer.state.get(p, {}).items():
                 if name in ADAM_KEYS:
-                    state["optim"][f"{k}.{name}"] = t
+                    state["optim"][f"{k}.{name}"] = view(p, t)
     return state
 
 
@@ -314,8 +327,11 @@ class Checkpointer:
         start = time.perf_counter()
         if optimizer is not None:
             _ensure_adam_state(optimizer, params)
-        state = training_state(params, optimizer, extra_template)
+        after_load: list[Callable[[], None]] = []
+        state = training_state(params, optimizer, extra_template, after_load)
         dcp.load(state, checkpoint_id=str(chosen))
+        for finish in after_load:
+            finish()
         manifest = read_manifest(chosen) or {}
         world = dist.get_world_size() if dist.is_initialized() else 1
         rng = manifest.get("rng", {})

@@ -1,5 +1,5 @@
-"""Build what one rank runs, by small ordered steps (torchtitan style): model -> split -> freeze -> place ->
-parallelize (DDP / FSDP2 / pipeline) -> optimizer -> pool.
+"""Build what one rank runs, by small ordered steps (torchtitan style): model -> split -> freeze -> tensor
+parallel -> place -> parallelize (DDP / FSDP2 / pipeline) -> optimizer -> pool.
 
 Each rank materialises only the part it runs (the other part's parameters stay on the meta device: an encoder
 rank never allocates the LLM). A part's weights depend only on the seed and the part (or come from the same
@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from mindspeed_flow.config.schema import FlowJobConfig
 from mindspeed_flow.hosts.torch import build_vlm, dp_loss_scale, split_vlm
+from mindspeed_flow.hosts.torch.tensor_parallel import apply_tensor_parallel, is_tp_sharded
 from mindspeed_flow.pool import EmbeddingPool
 from mindspeed_flow.runtime.engine import CoupledModel, RankModels
 from mindspeed_flow.runtime.optim import ParamShare, PartOptimizer, build_optimizer
@@ -37,6 +38,26 @@ def apply_fsdp(module: torch.nn.Module, group: Optional[dist.ProcessGroup]) -> t
 def freeze_(module: torch.nn.Module) -> None:
     for p in module.parameters():
         p.requires_grad_(False)
+
+
+def param_shares(params: list[torch.nn.Parameter], dp: int, tp: int) -> list[ParamShare]:
+    """Gradient-norm shares: a TP-sharded parameter's gradient lives on its DP replicas; a replicated one (norms,
+    embeddings, biases after an all-reduce) identically on every rank of the DP x TP block."""
+    sharded = [p for p in params if is_tp_sharded(p)]
+    replicated = [p for p in params if not is_tp_sharded(p)]
+    shares = [ParamShare(replicated, replicas=dp * tp)]
+    return shares + [ParamShare(sharded, replicas=dp)] if sharded else shares
+
+
+def apply_tp(part: torch.nn.Module, job: FlowJobConfig, topo: Topology) -> None:
+    """Split the part over its TP group; the part's TP leader prints each overlap choice (and why) once."""
+    if topo.part_layout.tp > 1:
+        def announce(line: str) -> None:
+            print(f"[mindspeed-flow] {topo.part} tp={topo.part_layout.tp} (rank {topo.rank}): {line}", flush=True)
+
+        apply_tensor_parallel(part, topo.tp_group, impl=job.parallel.tp_overlap,
+                              chunks=job.parallel.tp_overlap_chunks,
+                              announce=announce if topo.rank == topo.tp_leader and topo.dp_rank == 0 else None)
 
 
 def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.device
@@ -66,15 +87,18 @@ def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.d
 
     pool = EmbeddingPool(rank=topo.rank, group=None, capacity_bytes=int(job.flow.pool_capacity_mb * 2**20),
                          timeout_s=job.flow.timeout_s, device=device, return_grads=not frozen)
+    tp = topo.part_layout.tp
     if topo.is_encoder:
-        models.encoder = encoder.to(device)
         del backbone
+        apply_tp(encoder, job, topo)
+        models.encoder = encoder.to(device)
         params = [p for p in encoder.parameters() if p.requires_grad]
-        optim.shares = [ParamShare(params, replicas=topo.part_layout.dp)]
+        optim.shares = param_shares(params, topo.part_layout.dp, tp)
         optim.optimizer = build_optimizer(params, **opt_kwargs)
         models.named_params = {f"encoder.{n}": p for n, p in encoder.named_parameters()}
     else:
         del encoder
+        apply_tp(backbone, job, topo)
         backbone = backbone.to(device)
         models.backbone_part = backbone
         bb = topo.part_layout
@@ -85,14 +109,14 @@ def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.d
             stage_params = models.pipeline.parameters()
             # the stage module holds the FSDP units (if any): their measured reduction sets the scale
             models.dp_loss_scale = dp_loss_scale(topo.dp_group, models.pipeline.stage_module) if bb.dp > 1 else 1.0
-            optim.shares = [ParamShare(stage_params, replicas=bb.dp)]
+            optim.shares = param_shares(stage_params, bb.dp, tp)
         else:
             if bb.dp > 1 and job.parallel.backbone_dp_impl == "fsdp":
                 models.backbone = apply_fsdp(backbone, topo.dp_group)
                 optim.shares = [ParamShare(list(models.backbone.parameters()))]
             else:
                 models.backbone = apply_ddp(backbone, topo.dp_group) if bb.dp > 1 else backbone
-                optim.shares = [ParamShare(list(backbone.parameters()), replicas=bb.dp)]
+                optim.shares = param_shares(list(backbone.parameters()), bb.dp, tp)
             models.dp_loss_scale = dp_loss_scale(topo.dp_group, models.backbone) if bb.dp > 1 else 1.0
         optim.optimizer = build_optimizer(optim.params, **opt_kwargs)
         # Name each parameter this rank holds by its place in the whole backbone (a pipeline stage holds a slice).

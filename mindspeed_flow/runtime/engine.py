@@ -7,6 +7,11 @@ modes never changes the loss or the gradients (up to float summation order).
 
 DP wrappers (DDP / FSDP2) average gradients over their group, so the backward loss is multiplied by the group
 size and the embedding gradients returned to encoders are divided by it again.
+
+Tensor parallelism: only TP rank 0 of a part (the leader) talks to the pool. Its TP peers compute the same
+thing on replicated activations: a backbone peer receives the leader's embeddings by broadcast, an encoder peer
+encodes the leader's samples and receives the returned gradients by broadcast; only the leader returns gradients
+and reports the loss.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch.distributed as dist
 from mindspeed_flow.data.prefetch import prefetch_samples
 from mindspeed_flow.data.sample import VLMSample
 from mindspeed_flow.hosts.torch.data_parallel import allreduce_grads_, grad_sync
+from mindspeed_flow.hosts.torch.tensor_parallel import broadcast_like, broadcast_rows
 from mindspeed_flow.runtime.metrics import StepRecord
 from mindspeed_flow.runtime.optim import PartOptimizer, lr_at
 from mindspeed_flow.runtime.plan import StepWork
@@ -108,6 +114,15 @@ class StepEngine:
         self.skipped_nonfinite = False
         self._texts: dict[int, VLMSample] = {}
 
+    @property
+    def tp(self) -> int:
+        return self.topo.part_layout.tp
+
+    @property
+    def is_tp_leader(self) -> bool:
+        """TP rank 0 of this rank's part: the rank that puts to / gets from the pool."""
+        return self.topo.rank == self.topo.tp_leader
+
     # ------------------------------------------------------------------------------------------------------
     @traced("step")
     def run_step(self, work: StepWork, record: StepRecord) -> None:
@@ -153,30 +168,38 @@ class StepEngine:
         # flight); recompute: forward without a graph now, forward again with one when the gradient arrives
         # (one extra ViT forward per sample; the ViT has no dropout, so the recomputed forward is identical).
         keep = trainable and self.keep_encoder_activations
-        order = work.encode_order.get(rank, [])
+        leader = self.is_tp_leader
+        order = work.encode_order.get(self.topo.tp_leader, [])  # TP peers encode their leader's samples
         # Several samples per forward (flow.encoder_batch_tokens), in encode order: each group's embeddings go to
         # the pool as soon as the group is encoded, and its backward runs once all its gradients are back.
         patches = [self.dataset.shape(sid).vit_patches if self.encoder_batch_tokens else 0 for sid in order]
         groups = encode_groups(order, patches, self.encoder_batch_tokens)
-        held: list[tuple[list[int], Any]] = []  # (sample ids, graph-holding embeddings or the samples to recompute)
+        # (sample ids, graph-holding embeddings or the samples to recompute, (shape, dtype, device) per embedding)
+        held: list[tuple[list[int], Any, list[tuple]]] = []
         # Pixels are decoded/generated in a background thread while the encoder computes.
         loader = iter(prefetch_samples(self.dataset, order, with_pixels=True, depth=self.prefetch_depth))
         for group in groups:
             samples = [timer.timed("wait", lambda: next(loader)) for _ in group]
             embs = timer.timed("busy", lambda: encode_samples(self.m.encoder, samples, keep))
-            for sid, emb in zip(group, embs):
-                # The pool sends a detached copy; the graph (if kept) stays here until the gradient comes back.
-                timer.timed("wait", lambda: self.pool.put(emb.detach(), sample_id=sid, step=work.step,
-                                                          consumer=work.consumer_of[sid]))
+            if leader:
+                for sid, emb in zip(group, embs):
+                    # The pool sends a detached copy; the graph (if kept) stays here until the gradient comes back.
+                    timer.timed("wait", lambda: self.pool.put(emb.detach(), sample_id=sid, step=work.step,
+                                                              consumer=work.consumer_of[sid]))
             if trainable:
-                held.append((group, embs if keep else samples))
+                held.append((group, embs if keep else samples, [(e.shape, e.dtype, e.device) for e in embs]))
         record["encoder_last_sample_done_t"] = time.time()
         record["encoder_samples"] = len(order)
         record["encoder_forwards"] = len(groups)
-        for group, kept in held:  # gradients come back in consumption order, as they are computed
-            grads = [timer.timed("wait", lambda: self.pool.wait_grad(sample_id=sid, step=work.step,
-                                                                     consumer=work.consumer_of[sid]))
-                     for sid in group]
+        for group, kept, likes in held:  # gradients come back in consumption order, as they are computed
+            grads: list = [None] * len(group)
+            if leader:
+                grads = [timer.timed("wait", lambda: self.pool.wait_grad(sample_id=sid, step=work.step,
+                                                                         consumer=work.consumer_of[sid]))
+                         for sid in group]
+            if self.tp > 1:  # TP peers run the same backward with the leader's gradients
+                grads = [timer.timed("wait", lambda: broadcast_like(g, like, self.topo.tp_group))
+                         for g, like in zip(grads, likes)]
 
             def backward() -> None:
                 embs = kept if keep else encode_samples(self.m.encoder, kept, True)
@@ -196,13 +219,14 @@ class StepEngine:
     def _consume(self, work: StepWork, n_labels: int, record: StepRecord) -> None:
         timer = Timer()
         row = self._row(work)
-        if self.topo.is_first_stage:  # only the first stage consumes embeddings
+        if self.topo.is_first_stage and self.is_tp_leader:  # only the first stage's TP leader uses the pool
             self.expect_embeds(work)
         if self.m.pipeline is not None:
             loss_sum = self.m.pipeline.run(work, row, n_labels, self, timer, record)
         else:
             loss_sum = self._consume_flat(work, row, n_labels, timer, record)
-        record["loss_sum"] = loss_sum
+        # TP peers computed the same loss: one of them reports it (the metrics sum it over ranks).
+        record["loss_sum"] = loss_sum if self.topo.tp_rank == 0 else float("nan")
         record["label_tokens"] = n_labels
         record["backbone_busy_s"], record["backbone_wait_s"] = timer.busy, timer.wait
         self._pool_stats(record)
@@ -217,17 +241,23 @@ class StepEngine:
                 self.pool.expect(producer=producer, items=items)
 
     def fetch_embeds(self, work: StepWork, sample_ids: list[int], timer: Timer) -> dict[int, torch.Tensor]:
-        """Blocking gets from the pool, as leaves that collect d(loss)/d(embedding)."""
-        out = {}
-        for sid in sample_ids:
-            if sid in work.producer_of:
-                emb = timer.timed("wait", lambda: self.pool.get(sample_id=sid, step=work.step,
-                                                                producer=work.producer_of[sid]))
-                out[sid] = emb.detach().requires_grad_(not self.m.frozen_encoder)
-        return out
+        """Blocking gets from the pool (TP peers: the leader's, by broadcast), as leaves that collect
+        d(loss)/d(embedding)."""
+        ids = [sid for sid in sample_ids if sid in work.producer_of]
+        got: Optional[list[torch.Tensor]] = None
+        if self.is_tp_leader:
+            got = [timer.timed("wait", lambda: self.pool.get(sample_id=sid, step=work.step,
+                                                             producer=work.producer_of[sid])) for sid in ids]
+        if self.tp > 1:
+            part = self.m.backbone_part
+            weight = part.embed_tokens.weight
+            got = timer.timed("wait", lambda: broadcast_rows(got, len(ids), self.topo.tp_group,
+                                                             width=part.hidden_size, dtype=weight.dtype,
+                                                             device=weight.device))
+        return {sid: emb.detach().requires_grad_(not self.m.frozen_encoder) for sid, emb in zip(ids, got or [])}
 
     def return_grads(self, work: StepWork, leaves: dict[int, torch.Tensor], timer: Timer) -> None:
-        if self.m.frozen_encoder:
+        if self.m.frozen_encoder or not self.is_tp_leader:  # TP peers hold the same gradients
             return
         for sid, leaf in leaves.items():
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)

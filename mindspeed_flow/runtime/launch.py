@@ -41,7 +41,7 @@ def prepare(overrides: list[str], *, owner: bool = True) -> tuple[Path, int]:
     layout = Layout.from_config(job.parallel, job.flow.mode)
     spec = VLMSpec.from_hf_config(model_hf_config(job))
     layout.validate(limits=model_limits(spec), global_batch_size=job.trainer.global_batch_size,
-                    expected_world=job.parallel.world_size, max_tp=1)
+                    expected_world=job.parallel.world_size)
     if not owner:
         import tempfile
 

@@ -97,9 +97,8 @@ def plan_from_recipe(recipe: str | Path, cluster: str | None = None, job: str = 
                                 f"({', '.join(PRESET_CLUSTERS)}); pass --cluster a2 or --cluster a3")
     try:
         layout = Layout.from_config(cfg.parallel, cfg.flow.mode)
-        # the torch host's rules (tp 1) for `train`, the same the launcher applies before starting any rank
-        layout.validate(expected_world=cfg.parallel.world_size, global_batch_size=cfg.trainer.global_batch_size,
-                        max_tp=1 if job == "train" else None)
+        # the layout rules the launcher applies before starting any rank
+        layout.validate(expected_world=cfg.parallel.world_size, global_batch_size=cfg.trainer.global_batch_size)
     except LayoutError as err:
         raise LaunchScriptError(f"{path.name}: {err}") from None
     if job == "mm":

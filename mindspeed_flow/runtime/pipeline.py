@@ -153,7 +153,7 @@ class BackbonePipeline:
             if k == 0:
                 record["backbone_first_mb_start_t"] = time.time()
             for sid, leaf in leaves.items():
-                if leaf.requires_grad:
+                if leaf.requires_grad and engine.is_tp_leader:  # TP peers hold the same gradients
                     leaf.register_hook(self._grad_sender(work, sid, engine))
         return self.backbone.image_dense(packs[k], [leaves.get(s.sample_id) for s in samples[k]])
 

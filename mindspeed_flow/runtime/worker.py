@@ -125,7 +125,7 @@ def run_worker(config_path: str) -> None:
     spec = VLMSpec.from_hf_config(hf_cfg)
     layout = Layout.from_config(job.parallel, job.flow.mode)
     layout.validate(world_size=world, limits=model_limits(spec), global_batch_size=job.trainer.global_batch_size,
-                    expected_world=job.parallel.world_size, max_tp=1)
+                    expected_world=job.parallel.world_size)
     topo = Topology.build(layout)
     token_spec = token_spec_from_hf_config(hf_cfg)
     dataset = build_dataset(job.data, token_spec)
