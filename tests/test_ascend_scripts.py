@@ -22,7 +22,7 @@ MM_PINS = ["backbone.cp=1", "encoder.cp=1", "backbone.recompute=0", "encoder.rec
            "planner.distributed_optimizer=false", "samples=256", "data=infovqa_1280", "--no-baselines"]
 PLANS = {  # name: (planner arguments, cluster, nodes, devices per node)
     "a2_2node": (["cluster=atlas_800t_a2", "model=qwen2_5_vl_7b", "devices=16"], "a2", 2, 8),
-    "a3_4node": (["cluster=atlas_900_a3_384", "model=qwen2_5_vl_72b", "devices=64"], "a3", 4, 16),
+    "a3_4node": (["cluster=atlas_900_a3_384", "model=qwen2_5_vl_32b", "devices=64"], "a3", 4, 16),
 }
 NODE_LINE = re.compile(r"^# node (\d+): ranks (\d+)-(\d+): (.*)$")
 
@@ -42,8 +42,9 @@ def _plan(name: str, tmp_path: Path) -> tuple[Path, Path]:
                            "--launch-script", str(script)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"launch script written to {script}" in proc.stdout
-    # the A3 preset prices 910C packages, the A3 runtime has one rank per die: said, not hidden
-    assert ("counts 8 devices per node, the script launches 16 ranks per node" in proc.stderr) == (cluster == "a3")
+    # the cluster presets count the devices the runtime schedules (A3: one per 910C die, 16 per node), so the
+    # script and the plan agree and no per-node mismatch note is printed
+    assert "devices per node, the script launches" not in proc.stderr, proc.stderr
     return recipe, script
 
 
