@@ -97,3 +97,22 @@ def test_top_k_ranked_by_simulated_time_from_the_cli(capsys, tmp_path) -> None:
     assert rc == 0 and png.exists()
     obj = json.loads(capsys.readouterr().out)
     assert len(obj["simulated"]) == 2 and {"simulated_s", "analytic_s", "encoder", "backbone"} <= set(obj["simulated"][0])
+
+
+def test_two_rank_layouts_ranked_with_the_vit_on_stage_zero() -> None:
+    """Coupled DP2, coupled PP2 with the ViT inside stage 0's microbatches, decoupled 1 + 1: all simulated on
+    the same recipe and batches; the coupled pipeline charges the ViT to stage 0 only."""
+    from mindspeed_flow.planner.simulate import two_rank_ranking
+
+    problem, _ = build_problem(parse_kv(["model=tiny_qwen2_vl", "data=infovqa_tiny", "cluster=cpu", "devices=2",
+                                         "samples=64"]))
+    ranking = two_rank_ranking(problem.ctx, ["experiment=default"], steps=(1,))
+    assert set(ranking) == {"coupled_dp2", "coupled_pp2_vit_stage0", "decoupled_1+1"}
+    assert list(ranking.values()) == sorted(ranking.values()) and min(ranking.values()) > 0
+    job = to_job_config(compose(["experiment=default", "parallel=enc1_bb_pp2"]))
+    plain = simulate_job(job, problem.ctx, [1], cores=0)[1]  # unshared cores: compare work, not sharing
+    vit0 = simulate_job(job, problem.ctx, [1], cores=0, vit_on_stage0=True)[1]
+    assert set(vit0.roles) == {1, 2} and not any(op.tag in ("enc_fwd", "put") for op in vit0.ops)
+    stage0 = lambda res: sum(op.end - op.start for op in res.ops if op.rank == 1 and op.tag in ("fwd", "bwd"))  # noqa: E731
+    stage1 = lambda res: sum(op.end - op.start for op in res.ops if op.rank == 2 and op.tag in ("fwd", "bwd"))  # noqa: E731
+    assert stage0(vit0) > stage0(plain) and stage1(vit0) == pytest.approx(stage1(plain), rel=1e-9)

@@ -6,7 +6,11 @@ constraint analysis; baselines excluded, workload loading excluded) against the 
 devices and < 1 s at 16,384.
 
     mindspeed-flow bench planner [--sizes 1024,16384] [--repeats 5] [--model qwen2_5_vl_72b]
-                                 [--cluster atlas_800t_a2] [--sanity]
+                                 [--cluster atlas_800t_a2] [--sanity] [--two-rank [--profile P]]
+
+--two-rank prints the step simulator's ranking of the three 2-rank layouts of the default CPU recipe (coupled
+DP2, coupled PP2 with the ViT on stage 0, decoupled 1 + 1), calibrated by a `mindspeed-flow profile` table;
+`mindspeed-flow bench train` measures two of them (the torch host has no coupled pipeline mode).
 
 --sanity prints, instead, published figures beside the planner's predictions for the nearest job it can price
 (same model size and device count; its workload is InfoVQA-like images, so a figure measured on other data is
@@ -94,7 +98,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="qwen2_5_vl_72b")
     ap.add_argument("--cluster", default="atlas_800t_a2")
     ap.add_argument("--sanity", action="store_true", help="published figures vs the planner's predictions")
+    ap.add_argument("--two-rank", action="store_true", help="simulated ranking of the 2-rank CPU layouts")
+    ap.add_argument("--profile", default="", help="profile table for --two-rank")
     args = ap.parse_args(argv)
+    if args.two_rank:
+        from mindspeed_flow.planner.simulate import two_rank_ranking
+
+        kv = ["model=tiny_qwen2_vl", "data=infovqa_tiny", "cluster=cpu", "devices=2", "samples=64"]
+        problem, _ = build_problem(parse_kv(kv + ([f"planner.profile={args.profile}"] if args.profile else [])))
+        print("simulated mean step seconds, steps 1-3 of experiment=default on 2 ranks (fastest first):")
+        for name, sec in two_rank_ranking(problem.ctx, ["experiment=default"]).items():
+            print(f"  {name:<24} {sec:.3f} s  ({12 / sec:.1f} samples/s)")
+        return 0
     if args.sanity:
         print("published figure vs planner prediction (Qwen2.5-VL-72B, InfoVQA-like data unless noted)")
         for r in sanity_rows():

@@ -267,16 +267,22 @@ class StepResult:
 
 def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCosts, *, pool_capacity: int,
                   pp_schedule: str = "1f1b", layer_split: Optional[Sequence[int]] = None,
-                  cores: float = 0.0, step_overhead_s: float = 0.0, spinning_waits: bool = False) -> StepResult:
+                  cores: float = 0.0, step_overhead_s: float = 0.0, spinning_waits: bool = False,
+                  vit_on_stage0: bool = False) -> StepResult:
     """Simulate one step. `work`: the runtime's StepWork; `layout`: the runtime's topology.Layout;
-    `pool_capacity`: samples a producer may have in the pool not yet taken by the backbone."""
+    `pool_capacity`: samples a producer may have in the pool not yet taken by the backbone.
+
+    `vit_on_stage0`: the coupled pipeline layout (MindSpeed-MM's): no encoder ranks; each first-stage rank
+    encodes its microbatch's images inside that microbatch's forward (and backward), and holds the ViT's
+    parameters. The step plan is the decoupled layout's (its encoder ranks are left out)."""
     from mindspeed_flow.topology import BACKBONE, ENCODER
 
     by_id = {s.sample_id: s for s in shapes}
-    sim = Simulator(layout.world_size, cores, spinning_waits=spinning_waits)
+    off = layout.part_ranks(BACKBONE)[0] if vit_on_stage0 else 0
+    sim = _OffsetSimulator(layout.world_size - off, cores, spinning_waits=spinning_waits, offset=off)
     spec = costs.spec
     roles: dict[int, str] = {}
-    start = {r: sim.add(r, "step start", step_overhead_s, tag="overhead") for r in range(layout.world_size)}
+    start = {r: sim.add(r, "step start", step_overhead_s, tag="overhead") for r in range(off, layout.world_size)}
     emb_bytes = lambda sid: by_id[sid].image_tokens * spec.vision.out_hidden_size * 4.0  # noqa: E731
     if layout.mode == "coupled":
         _coupled_program(sim, work, by_id, layout, costs, roles, start)
@@ -305,7 +311,7 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
                 bb_programs.append((d, s, _one_f_one_b(bb.pp, s, len(row), pp_schedule)))
         # encoder forwards + puts (deps on pool credits are filled in after the backbone ops exist)
         credit_deps: list[tuple[int, int]] = []  # (put op, sample whose consumption frees the credit)
-        for r in enc_ranks:
+        for r in enc_ranks if not vit_on_stage0 else ():
             if r not in work.encode_order:
                 roles[r] = "encoder (tp peer)"
                 continue
@@ -328,6 +334,11 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
                 seqs = [by_id[sid].llm_tokens for sid in mb.sample_ids]
                 budget = work.plan.seq_len or max(sum(seqs), 1)
                 fwd, bwd = costs.backbone_stage(budget, seqs, stage_layers[s], s == bb.pp - 1)
+                if vit_on_stage0 and s == 0:
+                    enc_cost = [costs.encoder_fwd_bwd(by_id[sid].vit_patches_per_image) for sid in mb.sample_ids
+                                if by_id[sid].num_images]
+                    fwd += sum(c[0] for c in enc_cost)
+                    bwd += sum(c[1] for c in enc_cost)
                 deps: list[tuple[int, float]] = [(start[rank], 0.0)]
                 if kind == "F":
                     if s == 0:
@@ -343,6 +354,8 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
                         for sid in mb.sample_ids:
                             bwd0[sid] = ids[(d, s, "B", k)]
             params = _stage_params(spec, stage_layers, s, bb.pp) / costs.bb_tp
+            if vit_on_stage0 and s == 0:
+                params += spec.vision.params / costs.bb_tp
             if bb.dp > 1:
                 sim.add(rank, f"dp sync s{s}", costs.allreduce(params, bb.dp), kind=COMM, collective=f"bbdp{s}",
                         tag="sync")
@@ -355,7 +368,7 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
         for put, sid in credit_deps:
             sim.ops[put].deps.append((fwd0[sid], 0.0))
         # encoder backwards in encode order (the runtime waits for each gradient in that order), sync, optimizer
-        for r in enc_ranks:
+        for r in enc_ranks if not vit_on_stage0 else ():
             if r not in work.encode_order:
                 continue
             if costs.trainable_encoder:
@@ -369,6 +382,28 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
                 sim.add(r, "optimizer", costs.optimizer(p_enc, enc.dp), tag="optim")
     total = sim.run()
     return _result(sim, total, roles)
+
+
+class _OffsetSimulator(Simulator):
+    """A Simulator whose ranks are numbered from `offset` (the layout's ranks without its encoder part)."""
+
+    def __init__(self, world: int, cores: float, spinning_waits: bool, offset: int) -> None:
+        super().__init__(world, cores, spinning_waits)
+        self.offset = offset
+
+    def add(self, rank: int, *args: Any, **kwargs: Any) -> int:
+        i = super().add(rank - self.offset, *args, **kwargs)
+        self.ops[i].rank = rank
+        return i
+
+    def run(self) -> float:
+        for op in self.ops:
+            op.rank -= self.offset
+        try:
+            return super().run()
+        finally:
+            for op in self.ops:
+                op.rank += self.offset
 
 
 def _stage_params(spec: Any, stage_layers: Sequence[int], s: int, pp: int) -> float:
@@ -402,9 +437,10 @@ def _coupled_program(sim: Simulator, work: Any, by_id: dict, layout: Any, costs:
 
 
 def _result(sim: Simulator, total: float, roles: dict[int, str]) -> StepResult:
+    off = getattr(sim, "offset", 0)
     ranks: dict[int, dict[str, float]] = {}
-    for r in range(sim.world):
-        mine = [sim.ops[i] for i in sim.program[r]]
+    for r in range(off, off + sim.world):
+        mine = [sim.ops[i] for i in sim.program[r - off]]
         busy = sum(op.end - op.start for op in mine if op.kind == COMPUTE and op.tag not in ("overhead",))
         # a put starts once the pool has room: the wait is from the end of the op before it
         pool = sum(op.start - prev.end for prev, op in zip(mine, mine[1:]) if op.tag == "put")
@@ -412,7 +448,7 @@ def _result(sim: Simulator, total: float, roles: dict[int, str]) -> StepResult:
     bb = [r for r, role in roles.items() if role.startswith("backbone")]
     bubbles, stage_busy = [], []
     for r in bb:
-        mine = [sim.ops[i] for i in sim.program[r] if sim.ops[i].tag in ("fwd", "bwd")]
+        mine = [sim.ops[i] for i in sim.program[r - off] if sim.ops[i].tag in ("fwd", "bwd")]
         if mine:
             span = max(op.end for op in mine) - min(op.start for op in mine)
             busy = sum(op.end - op.start for op in mine)
@@ -464,8 +500,8 @@ def write_timeline(result: StepResult, path: str, title: str = "") -> None:
 
 # ------------------------------------------------------------------------------------------------ a whole job
 def simulate_job(job: Any, ctx: CostContext, steps: Sequence[int], cores: float = 0.0,
-                 step_overhead_s: Optional[float] = None, spinning_waits: Optional[bool] = None
-                 ) -> dict[int, StepResult]:
+                 step_overhead_s: Optional[float] = None, spinning_waits: Optional[bool] = None,
+                 vit_on_stage0: bool = False) -> dict[int, StepResult]:
     """Simulate the given steps of a training job (a FlowJobConfig) with the planner's rates in `ctx`: the same
     global batches (sampler, seed), step plans (`runtime.worker.plan_for_step`) and layout the runtime uses.
 
@@ -507,7 +543,7 @@ def simulate_job(job: Any, ctx: CostContext, steps: Sequence[int], cores: float 
         spin = ctx.cluster.config.backend == "cpu" if spinning_waits is None else spinning_waits
         out[step] = simulate_step(work, shapes, layout, costs, pool_capacity=capacity,
                                   pp_schedule=job.parallel.pp_schedule, cores=cores, step_overhead_s=overhead,
-                                  spinning_waits=spin)
+                                  spinning_waits=spin, vit_on_stage0=vit_on_stage0)
     return out
 
 
@@ -593,3 +629,22 @@ def rank_by_simulation(problem: Any, k: int, cores: float = 0.0) -> list[dict]:
                  stage_imbalance=res.stage_imbalance, pool_wait_s=res.pool_wait_s, pool_stall=res.pool_stall,
                  result=res)
     return sorted(rows, key=lambda r: r["simulated_s"])
+
+
+def two_rank_ranking(ctx: CostContext, overrides: Sequence[str] = (), steps: Sequence[int] = (1, 2, 3),
+                     cores: float = 2.0) -> dict[str, float]:
+    """Simulated mean step seconds of the three 2-rank layouts of one recipe: coupled DP2, coupled PP2 with the
+    ViT on stage 0 (MindSpeed-MM's pipeline layout), decoupled 1 encoder + 1 backbone; fastest first."""
+    from mindspeed_flow.config.load import compose, to_job_config
+
+    jobs = {
+        "coupled_dp2": (["parallel=enc1_bb_dp2", "parallel.backbone.dp=1", "flow.mode=coupled"], False),
+        "coupled_pp2_vit_stage0": (["parallel=enc1_bb_pp2"], True),
+        "decoupled_1+1": (["parallel=enc1_bb_dp2", "parallel.backbone.dp=1"], False),
+    }
+    out = {}
+    for name, (extra, vit0) in jobs.items():
+        job = to_job_config(compose([*overrides, *extra]))
+        res = simulate_job(job, ctx, list(steps), cores=cores, vit_on_stage0=vit0)
+        out[name] = float(np.mean([r.step_seconds for r in res.values()]))
+    return dict(sorted(out.items(), key=lambda kv: kv[1]))
