@@ -75,3 +75,25 @@ def test_report_draws_curves_and_a_step_timeline(run_dir: Path, tmp_path: Path, 
     assert "the trace has steps 0..3" in capsys.readouterr().err
     assert report.main([str(tmp_path / "nothing")]) == 2
     assert "metrics.jsonl: no such file" in capsys.readouterr().err
+
+
+def test_resumed_run_keeps_one_tensorboard_history(tmp_path: Path) -> None:
+    """A run that logged steps 0-3 but whose last checkpoint is step 1 resumes at step 2: the curves then hold
+    steps 0-3 once each, the resumed values for 2-3 (TensorBoard's purge_step drops the abandoned ones)."""
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    common = [f"run_dir={run}", "experiment=parity_enc2", f"trainer.steps={STEPS}", "trainer.progress=false",
+              "trainer.checkpoint_every=2", "trainer.keep_checkpoints=4"]
+    assert launch.main(common) == 0
+    shutil.rmtree(run / "checkpoints" / f"step-{STEPS - 1}")  # as if the job died before its last checkpoint
+    assert launch.main(common + ["trainer.resume=true"]) == 0
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    events = acc.Scalars("train/loss")
+    assert [e.step for e in events] == list(range(STEPS))
+    resumed = {ln["step"]: ln["loss"] for ln in lines}  # the last line of each step is the resumed run's
+    assert [e.value for e in events] == pytest.approx([resumed[s] for s in range(STEPS)], rel=1e-6)
