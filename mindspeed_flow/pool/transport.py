@@ -48,10 +48,12 @@ class InboundStream:
 
     def __init__(self, *, cond: threading.Condition, peer: int, group: dist.ProcessGroup | None,
                  header_tag: int, payload_tag: int | None, header_len: int, land: Land, deliver: Deliver,
-                 name: str, wire_device: torch.device = torch.device("cpu")) -> None:
+                 name: str, wire_device: torch.device = torch.device("cpu"),
+                 payload_group: dist.ProcessGroup | None = None) -> None:
         self.cond = cond
         self.peer = peer
         self.group = group
+        self.payload_group = payload_group or group  # a device group moves payloads where one is given
         self.header_tag = header_tag
         self.payload_tag = payload_tag
         self.header_len = header_len
@@ -109,7 +111,7 @@ class InboundStream:
                 work = None
                 if buffer is not None:
                     assert self.payload_tag is not None, "a payload was announced on a header-only channel"
-                    work = dist.irecv(buffer, src=self.peer, group=self.group, tag=self.payload_tag)
+                    work = dist.irecv(buffer, src=self.peer, group=self.payload_group, tag=self.payload_tag)
                 self._landed.append((work, buffer, context))
             self.announced += len(items)
             self.messages += 1
@@ -160,10 +162,12 @@ class Outbox:
     def __init__(self, *, cond: threading.Condition, peer: int, group: dist.ProcessGroup | None, channel: int,
                  header_tag: int, payload_tag: int | None, max_batch_items: int,
                  on_sent: Callable[[list[WireHeader]], None], name: str, window: int = 2,
-                 wire_device: torch.device = torch.device("cpu")) -> None:
+                 wire_device: torch.device = torch.device("cpu"),
+                 payload_group: dist.ProcessGroup | None = None) -> None:
         self.cond = cond
         self.peer = peer
         self.group = group
+        self.payload_group = payload_group or group
         self.channel = channel
         self.on_sent = on_sent
         self.header_tag = header_tag
@@ -225,9 +229,15 @@ class Outbox:
             header = encode_header(items).to(self.wire_device)
             payloads = [as_bytes(t) for h, t in batch if t is not None and has_payload(h)]
             # Posted under the lock (see InboundStream._next_header); posting never blocks.
-            ops = [dist.P2POp(dist.isend, header, self.peer, self.group, self.header_tag)]
-            ops += [dist.P2POp(dist.isend, p, self.peer, self.group, self.payload_tag) for p in payloads]
-            self._in_flight.append((items, list(dist.batch_isend_irecv(ops)), [header, *payloads]))
+            header_op = dist.P2POp(dist.isend, header, self.peer, self.group, self.header_tag)
+            payload_ops = [dist.P2POp(dist.isend, p, self.peer, self.payload_group, self.payload_tag)
+                           for p in payloads]
+            if self.payload_group is self.group:
+                works = list(dist.batch_isend_irecv([header_op, *payload_ops]))
+            else:  # header on the gloo group, payloads on the device group: one batch per backend
+                works = list(dist.batch_isend_irecv([header_op]))
+                works += list(dist.batch_isend_irecv(payload_ops)) if payload_ops else []
+            self._in_flight.append((items, works, [header, *payloads]))
             self.cond.notify_all()
         return True
 
