@@ -30,9 +30,10 @@ def _grad_of(emb: torch.Tensor, sample_id: int) -> torch.Tensor:
     return emb * 2 + sample_id
 
 
-def _wait_all_credited(pool: EmbeddingPool) -> None:
-    """Wait until every item this rank sent has been credited back (run_ranks' timeout catches a hang)."""
-    while pool.stats().inflight_items:
+def _wait_all_credited(pool: EmbeddingPool, leave: int = 0) -> None:
+    """Wait until every item this rank sent but `leave` has been credited back (run_ranks' timeout catches a
+    hang). Credits are delivered asynchronously: a consumer's flush() returns once the producer has the bytes."""
+    while pool.stats().inflight_items > leave:
         time.sleep(0.01)
 
 
@@ -108,6 +109,7 @@ def _round_trip(rank: int, world: int) -> dict:
                 assert part in msg, f"{part!r} missing from: {msg}"
     pool.flush()
     dist.barrier()
+    _wait_all_credited(pool, leave=1 if rank == 0 else 0)  # sample 9 is never taken
     stats = pool.stats()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -200,6 +202,7 @@ def _run_plan(rank: int, world: int, plan_name: str) -> dict:
         assert torch.equal(grad, _grad_of(_embedding(sid, step, tokens), sid)), f"gradient of sample {sid} differs"
     pool.flush()
     dist.barrier(group=group)
+    _wait_all_credited(pool)
     stats = pool.stats()
     pool.close()
     return {"puts": stats.puts, "gets": stats.gets, "inflight": stats.inflight_items,
@@ -299,6 +302,7 @@ def _coalesced(rank: int, world: int) -> dict:
                 pool.return_grad(_grad_of(emb, sid), sample_id=sid, step=t, producer=0)
     pool.flush()
     dist.barrier()
+    _wait_all_credited(pool)
     stats = pool.stats().as_dict()
     pool.close()
     return stats
@@ -343,6 +347,7 @@ def _backpressure(rank: int, world: int) -> dict:
                 assert torch.equal(pool.get(sample_id=sid, step=0, producer=0), _embedding(sid, 0, tokens))
     pool.flush()
     dist.barrier()
+    _wait_all_credited(pool)
     stats = pool.stats().as_dict()
     pool.close()
     return {**stats, "over_capacity_seen": over_capacity_seen}

@@ -152,7 +152,8 @@ class Outbox:
     """Sends the items queued for one peer on one channel, coalescing those that queue up behind the sends.
 
     `push` (with `cond` held) queues an item and returns. A posting thread sends what is queued as one message
-    (one header for up to `max_batch_items` items, their payloads posted with it, never copied) while fewer than
+    (one header for up to `max_batch_items` items and `max_batch_bytes` of payload, a larger item alone; the
+    payloads are posted with the header, never copied) while fewer than
     `window` messages are in flight; a reaping thread waits for the oldest message's sends to complete. Items
     pushed while the window is free leave at once; items pushed while it is full leave together in the next
     message, so per-item costs shrink exactly when items are small and many, and no item ever waits for a timer
@@ -160,7 +161,7 @@ class Outbox:
     """
 
     def __init__(self, *, cond: threading.Condition, peer: int, group: dist.ProcessGroup | None, channel: int,
-                 header_tag: int, payload_tag: int | None, max_batch_items: int,
+                 header_tag: int, payload_tag: int | None, max_batch_items: int, max_batch_bytes: int,
                  on_sent: Callable[[list[WireHeader]], None], name: str, window: int = 2,
                  wire_device: torch.device = torch.device("cpu"),
                  payload_group: dist.ProcessGroup | None = None) -> None:
@@ -173,6 +174,7 @@ class Outbox:
         self.header_tag = header_tag
         self.payload_tag = payload_tag
         self.max_batch_items = max_batch_items
+        self.max_batch_bytes = max_batch_bytes
         self.window = window
         self.wire_device = wire_device
         self.pushed = 0     # items queued so far
@@ -223,8 +225,12 @@ class Outbox:
                 self.cond.wait()
             if not self._queue:
                 return False
-            n = min(len(self._queue), self.max_batch_items)
-            batch = [self._queue.popleft() for _ in range(n)]
+            batch = [self._queue.popleft()]
+            size = _payload_bytes(batch[0][0])
+            while (self._queue and len(batch) < self.max_batch_items
+                   and size + _payload_bytes(self._queue[0][0]) <= self.max_batch_bytes):
+                size += _payload_bytes(self._queue[0][0])
+                batch.append(self._queue.popleft())
             items = [h for h, _ in batch]
             header = encode_header(items).to(self.wire_device)
             payloads = [as_bytes(t) for h, t in batch if t is not None and has_payload(h)]
@@ -257,6 +263,10 @@ class Outbox:
             self.on_sent(items)
             self.cond.notify_all()
         return True
+
+
+def _payload_bytes(item: WireHeader) -> int:
+    return item.nbytes if has_payload(item) else 0  # a credit's nbytes are what it frees, not what it carries
 
 
 def wait_work(work: dist.Work, deadline: float, *, on_timeout: Callable[[], BaseException],
