@@ -197,6 +197,10 @@ class Topology:
     dp_ranks: list[int]
     pp_ranks: list[int]
     bridge: Optional[Bridge]
+    # The embedding pool's groups (decoupled jobs): headers and credits on gloo over every rank; payloads on two
+    # groups of the job's device backend (embeddings, gradients: one per direction), None on a CPU/gloo job.
+    pool_group: Optional[dist.ProcessGroup] = None
+    pool_data_groups: Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
     tp_ranks: list[int] = field(default_factory=list)  # this rank's TP group, TP rank 0 (the leader) first
 
     @property
@@ -254,12 +258,14 @@ class Topology:
                 c = p.coords(rank - base)
                 mine = dict(part=p.name, part_ranks=ranks, part_group=part_group, coords=c, **handles)
         bridge = bridge_of(layout)
+        pool_group, pool_data_groups = _pool_groups(world_size, backend) if bridge is not None else (None, None)
         c = mine["coords"]
         return Topology(
             layout=layout, rank=rank, world_size=world_size, part=mine["part"], part_ranks=mine["part_ranks"],
             part_group=mine["part_group"], dp_group=mine["dp"][0], pp_group=mine["pp"][0],
             tp_group=mine["tp"][0], dp_rank=c["dp"], pp_rank=c["pp"], tp_rank=c["tp"], dp_ranks=mine["dp"][1],
-            pp_ranks=mine["pp"][1], bridge=bridge, tp_ranks=mine["tp"][1],
+            pp_ranks=mine["pp"][1], bridge=bridge, pool_group=pool_group, pool_data_groups=pool_data_groups,
+            tp_ranks=mine["tp"][1],
         )
 
     def backbone_rank(self, *, dp: int, pp: int, tp: int = 0) -> int:
@@ -293,6 +299,17 @@ def _axis_groups(p: PartLayout, base: int, axis: str) -> list[list[int]]:
                 fixed = dict(zip(others, (o0, o1, o2)))
                 groups.append([base + p.local_rank_of(**{**fixed, axis: i}) for i in range(sizes[axis])])
     return groups
+
+
+def _pool_groups(world_size: int, backend: Optional[str]
+                 ) -> tuple[dist.ProcessGroup, Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]]]:
+    """The pool's gloo group and, when the job runs a device backend, its two payload groups (every rank)."""
+    ranks = list(range(world_size))
+    device_backend = str(backend or dist.get_backend()).lower()
+    control = dist.new_group(ranks=ranks, backend="gloo")
+    if device_backend == "gloo":
+        return control, None
+    return control, (_new_group(ranks, backend), _new_group(ranks, backend))
 
 
 def _new_group(ranks: Iterable[int], backend: Optional[str]) -> dist.ProcessGroup:

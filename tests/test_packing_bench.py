@@ -11,6 +11,7 @@ import pytest
 from mindspeed_flow.bench import packing as bench
 from mindspeed_flow.cli import main as cli_main
 from mindspeed_flow.data.shapes import SampleShape, write_length_table
+from mindspeed_flow.packing.workloads import near_budget_lengths
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKER = ROOT / "scripts" / "check_packing_emit.py"
@@ -107,3 +108,16 @@ def test_streaming_method_static_shapes(capsys: pytest.CaptureFixture) -> None:
     stream, flow = methods["flow_stream"], methods["flow"]
     assert stream["padding_fraction"] <= 0.02 and stream["dp_imbalance"] <= 1.03 and stream["empty_microbatches"] == 0
     assert flow["padding_fraction"] == pytest.approx(flow["padding_at_budget"])  # pad multiple 0: budget shape
+
+
+def test_near_budget_workload_is_hard_and_streaming_packs_it_tightly(capsys: pytest.CaptureFixture) -> None:
+    lengths = near_budget_lengths(4096, 16384, seed=5)
+    assert lengths.min() >= 16 and lengths.max() <= 16384
+    assert (lengths > 16384 // 2).mean() > 0.15  # many samples fill most of a pack on their own
+    assert bench.main(["--workload", "near_budget", "--budget", "16384", "--dp", "4", "--pp", "2", "--steps", "4",
+                       "--global-batch", "512", "--stream", "--json", "--repeats", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["workload"]["name"] == "near_budget" and result["workload"]["samples"] == 4 * 512
+    m = {k: v["padding_fraction"] for k, v in result["methods"].items()}
+    # Per-step plans must round the pack count up to a multiple of DP; the stream carries leftovers over.
+    assert m["flow_stream"] < m["flow"] < m["first_fit"] < m["sorted"] < m["naive"], m

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from mindspeed_flow.pool import (EmbeddingPool, PoolError, PoolPeerError, PoolProtocolError, PoolShapeError,
                                  PoolTimeout)
-from mindspeed_flow.pool.wire import MAX_BATCH
+from mindspeed_flow.pool.wire import CHANNEL_EMBEDDING, CHANNEL_GRAD, MAX_BATCH
 from mindspeed_flow.utils.multiproc import RankFailure, run_ranks
 
 HIDDEN = 8
@@ -30,9 +30,10 @@ def _grad_of(emb: torch.Tensor, sample_id: int) -> torch.Tensor:
     return emb * 2 + sample_id
 
 
-def _wait_all_credited(pool: EmbeddingPool) -> None:
-    """Wait until every item this rank sent has been credited back (run_ranks' timeout catches a hang)."""
-    while pool.stats().inflight_items:
+def _wait_all_credited(pool: EmbeddingPool, leave: int = 0) -> None:
+    """Wait until every item this rank sent but `leave` has been credited back (run_ranks' timeout catches a
+    hang). Credits are delivered asynchronously: a consumer's flush() returns once the producer has the bytes."""
+    while pool.stats().inflight_items > leave:
         time.sleep(0.01)
 
 
@@ -108,6 +109,7 @@ def _round_trip(rank: int, world: int) -> dict:
                 assert part in msg, f"{part!r} missing from: {msg}"
     pool.flush()
     dist.barrier()
+    _wait_all_credited(pool, leave=1 if rank == 0 else 0)  # sample 9 is never taken
     stats = pool.stats()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -200,6 +202,7 @@ def _run_plan(rank: int, world: int, plan_name: str) -> dict:
         assert torch.equal(grad, _grad_of(_embedding(sid, step, tokens), sid)), f"gradient of sample {sid} differs"
     pool.flush()
     dist.barrier(group=group)
+    _wait_all_credited(pool)
     stats = pool.stats()
     pool.close()
     return {"puts": stats.puts, "gets": stats.gets, "inflight": stats.inflight_items,
@@ -299,6 +302,7 @@ def _coalesced(rank: int, world: int) -> dict:
                 pool.return_grad(_grad_of(emb, sid), sample_id=sid, step=t, producer=0)
     pool.flush()
     dist.barrier()
+    _wait_all_credited(pool)
     stats = pool.stats().as_dict()
     pool.close()
     return stats
@@ -343,6 +347,7 @@ def _backpressure(rank: int, world: int) -> dict:
                 assert torch.equal(pool.get(sample_id=sid, step=0, producer=0), _embedding(sid, 0, tokens))
     pool.flush()
     dist.barrier()
+    _wait_all_credited(pool)
     stats = pool.stats().as_dict()
     pool.close()
     return {**stats, "over_capacity_seen": over_capacity_seen}
@@ -519,3 +524,52 @@ def test_dead_peer_is_reported_fast(dead: str):
     text = str(info.value)
     dead_rank = 0 if dead == "producer" else 1
     assert "1 of 2 ranks failed" in text and f"rank {dead_rank} exited with code -9" in text, text
+
+
+# ---------------------------------------------------------------- device groups (HCCL under emulation)
+
+def _pool_on_emulated_hccl(rank: int, world: int) -> dict:
+    """Topology's pool groups on an 'hccl' job: headers and credits on gloo, payloads on two HCCL groups."""
+    from mindspeed_flow import emulation
+    from mindspeed_flow.config.schema import ParallelConfig, PartParallelConfig
+    from mindspeed_flow.topology import Layout, Topology
+
+    emulation.activate()  # fake NPU: npu tensors live in host memory, 'hccl' groups are gloo underneath
+    layout = Layout.from_config(ParallelConfig(encoder=PartParallelConfig(dp=1), backbone=PartParallelConfig(dp=1)),
+                                "decoupled")
+    topo = Topology.build(layout, backend="hccl")
+    emb_group, grad_group = topo.pool_data_groups
+    # HCCL plumbing: each payload group has a communicator name, distinct from the other's
+    names = [g._get_backend(torch.device("npu")).get_hccl_comm_name(rank) for g in (emb_group, grad_group)]
+    pool = EmbeddingPool(rank=rank, group=topo.pool_group, data_groups=topo.pool_data_groups, device=torch.device(
+        "npu", 0), capacity_bytes=1 << 20, timeout_s=60.0)
+    shapes = [(5, HIDDEN), (0, HIDDEN), (33, HIDDEN)]
+    if rank == 0:
+        for sid, shape in enumerate(shapes):
+            pool.put(_embedding(sid, 0, shape[0]), sample_id=sid, step=0, consumer=1)
+        for sid, shape in enumerate(shapes):
+            grad = pool.wait_grad(sample_id=sid, step=0, consumer=1)
+            assert torch.equal(grad, _grad_of(_embedding(sid, 0, shape[0]), sid))
+        routed = pool._outboxes[(1, CHANNEL_EMBEDDING)].payload_group is emb_group
+        routed &= pool._grad_streams[1].payload_group is grad_group
+    else:
+        pool.expect(producer=0, items=[(sid, 0) for sid in range(len(shapes))])
+        for sid, shape in enumerate(shapes):
+            emb = pool.get(sample_id=sid, step=0, producer=0, expected_shape=shape)
+            assert torch.equal(emb, _embedding(sid, 0, shape[0]))
+            pool.return_grad(_grad_of(emb, sid), sample_id=sid, step=0, producer=0)
+        routed = pool._embedding_streams[0].payload_group is emb_group
+        routed &= pool._outboxes[(0, CHANNEL_GRAD)].payload_group is grad_group
+    pool.flush()
+    dist.barrier(group=topo.pool_group)
+    stats = pool.stats()
+    pool.close()
+    return {"names": names, "control": str(dist.get_backend(topo.pool_group)), "gets": stats.gets,
+            "grads": stats.grads_received, "routed": routed}
+
+
+def test_pool_payloads_ride_the_topology_hccl_groups_under_emulation():
+    producer, consumer = run_ranks(_pool_on_emulated_hccl, 2, timeout_s=120)
+    assert producer["control"] == "gloo" and producer["routed"] and consumer["routed"]
+    assert len(set(producer["names"])) == 2 and all(n.startswith("fakehccl_") for n in producer["names"])
+    assert consumer["gets"] == 3 and producer["grads"] == 3

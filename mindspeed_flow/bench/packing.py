@@ -1,6 +1,6 @@
 """`mindspeed-flow bench packing`: the packing scheduler side by side with its baselines on one workload.
 
-    mindspeed-flow bench packing --workload infovqa|PATH.csv --budget T --dp D --pp P --steps S
+    mindspeed-flow bench packing --workload infovqa|near_budget|PATH.csv --budget T --dp D --pp P --steps S
         [--global-batch G] [--max-pixels PX] [--pad-multiple M] [--encoders E] [--model FAMILY:PRESET]
         [--json] [--emit PATH.json] [--trl] [--scaling]
 
@@ -15,7 +15,8 @@ little as possible). `--emit` writes the flow assignment for `scripts/check_pack
 number of full-budget packs (dp x the flow plan's microbatches per rank) instead of a fixed number of samples.
 
 `--trl` packs the same lengths with TRL's `pack_dataset(strategy="bfd")` (optional dev extra) and compares fill
-(real tokens / (bins x budget)) and time with `best_fit_pack`. `--scaling` times `best_fit_pack` from 10^3 to
+(real tokens / (bins x budget)) and time with `best_fit_pack`, and the flow scheduler's padding (per step, with
+its DP/pipeline constraints) with TRL's unconstrained padding (1 - fill) in points. `--scaling` times `best_fit_pack` from 10^3 to
 10^6 samples and at several budgets, and fits the exponent of time vs N (1.0 = linear; log B from the budgets).
 """
 from __future__ import annotations
@@ -32,14 +33,15 @@ import numpy as np
 
 from mindspeed_flow.data.shapes import LengthTableError, SampleShape, read_length_table
 from mindspeed_flow.packing import SCHEDULERS, CostModel, PackingError, StepPlan, best_fit_pack, check_budget, plan_step
-from mindspeed_flow.packing.workloads import FACTOR, infovqa_arrays
+from mindspeed_flow.packing.workloads import FACTOR, infovqa_arrays, near_budget_shapes
 
 METHODS = ("naive", "sorted", "first_fit", "flow")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mindspeed-flow bench packing", description=__doc__.split("\n")[0])
-    p.add_argument("--workload", default="infovqa", help="'infovqa' (synthetic) or a length table PATH.csv")
+    p.add_argument("--workload", default="infovqa",
+                   help="'infovqa' or 'near_budget' (synthetic; see packing/workloads.py) or a length table PATH.csv")
     p.add_argument("--budget", type=int, default=16384, help="tokens per backbone microbatch")
     p.add_argument("--dp", type=int, default=8, help="backbone data-parallel size")
     p.add_argument("--pp", type=int, default=4, help="pipeline size: at least this many microbatches per rank")
@@ -85,6 +87,8 @@ def load_shapes(args: argparse.Namespace) -> list[SampleShape]:
     if args.workload == "infovqa":
         n = args.steps * args.global_batch
         return infovqa_arrays(n, seed=args.seed, max_pixels=args.max_pixels, min_pixels=args.min_pixels).shapes()
+    if args.workload == "near_budget":
+        return near_budget_shapes(args.steps * args.global_batch, args.budget, seed=args.seed)
     return read_length_table(args.workload)
 
 
@@ -312,6 +316,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.trl:
         lengths = np.array([s.llm_tokens for s in used if s.llm_tokens <= args.budget], dtype=np.int64)
         result["trl"] = trl_compare(lengths, args.budget)
+        trl = result["trl"].get("trl_pack_dataset")
+        if isinstance(trl, dict):
+            flow = result["methods"]["flow"]["padding_fraction"]
+            result["trl"]["padding_points"] = {"flow": 100 * flow, "trl_bfd": 100 * (1 - trl["fill"]),
+                                               "flow_minus_trl": 100 * (flow - (1 - trl["fill"]))}
     if args.scaling:
         result["scaling"] = scaling(args.scaling_max, args.budget, args.seed, args.max_pixels)
     if args.json:

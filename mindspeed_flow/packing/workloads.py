@@ -6,6 +6,10 @@ clamped to [min_pixels, max_pixels]); image tokens = (H/28)*(W/28), ViT grid (1,
 k ~ Poisson(qa_turns_mean) >= 1 QA turns of a 10-20 token question and a 1-5 token answer. A fraction of
 samples can be text-only (ShareGPT-like, up to 2K tokens).
 
+Near-budget: text-only samples whose lengths are drawn relative to the budget (log-normal around 40% of it,
+clipped to [16, budget]), so many samples fill most of a pack on their own and packing has to pair large
+samples with small ones: the hard case for any packer, where the InfoVQA mix is the easy one.
+
 Vectorized numpy: a million shapes take about a second.
 """
 from __future__ import annotations
@@ -92,3 +96,16 @@ def _turn_tokens(rng: np.random.Generator, turns: np.ndarray, question: Sequence
     return np.add.reduceat(per_turn, starts).astype(np.int64) if total else np.zeros(0, np.int64)
 
 
+
+
+def near_budget_lengths(n: int, budget: int, *, seed: int = 1234) -> np.ndarray:
+    """`n` sample lengths (LLM tokens) close to `budget` (see the module docstring)."""
+    if n < 0 or budget < 16:
+        raise ValueError(f"n={n}, budget={budget}: need n >= 0 and budget >= 16")
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(np.log(0.4 * budget), 0.6, n), 16, budget).astype(np.int64)
+
+
+def near_budget_shapes(n: int, budget: int, *, seed: int = 1234, start_id: int = 0) -> list[SampleShape]:
+    """`n` text-only sample shapes of `near_budget_lengths`, ids start_id .. start_id + n - 1."""
+    return [SampleShape(start_id + i, int(t)) for i, t in enumerate(near_budget_lengths(n, budget, seed=seed))]

@@ -21,10 +21,13 @@ Transport: see `transport.py` (one receiving thread per peer and channel; deadli
 `PoolTimeout` after `timeout_s`, naming this rank, the peer and the awaited item, and `PoolPeerError` when the
 transport to the peer fails (a dead peer fails within milliseconds on gloo).
 
-Device backends (NCCL/HCCL) match point-to-point messages by order, not by tag, and run a pair's sends and
-receives on one stream; this first version is written for, and tested on, gloo. On an accelerator cluster give
-the pool a gloo group (`dist.new_group(ranks, backend="gloo")`): the pool then stages embeddings through host
-memory and moves them to `device` in `get`/`wait_grad`.
+Groups. Headers and credits always travel on `group`, a gloo group (tags keep channels apart; `Topology` builds
+it). Payloads travel on `data_groups` when given: two groups of the job's device backend (NCCL/HCCL), one per
+direction (embeddings producer->consumer, gradients consumer->producer), because device backends match
+point-to-point messages by order, not by tag, and run a pair's sends and receives on one stream, where
+embeddings and gradients crossing in opposite directions could wait on each other. Payloads then go from device
+memory to device memory (the device tier is device memory). Without `data_groups` (CPU jobs, or as a fallback)
+payloads are staged through host memory on `group` and moved to `device` in `get`/`wait_grad`.
 """
 from __future__ import annotations
 
@@ -59,6 +62,10 @@ class _Held:
     handle: EmbeddingHandle
     tensor: torch.Tensor | None = None  # None while the payload is still arriving
 
+# Items queued behind a send share a message up to this much payload; a larger item goes alone. Large items gain
+# nothing from sharing a header (their transfer dwarfs it) and, measured with `bench pool`, lose pipelining.
+MAX_BATCH_BYTES = 4 << 20
+
 # Outbound channels: (header tag, payload tag) and whether items carry a payload.
 _OUT_TAGS = {CHANNEL_EMBEDDING: (TAGS.embedding_header, TAGS.embedding_payload),
              CHANNEL_GRAD: (TAGS.grad_header, TAGS.grad_payload),
@@ -80,7 +87,8 @@ class EmbeddingPool:
 
     def __init__(self, *, rank: int, group: dist.ProcessGroup | None, capacity_bytes: int, timeout_s: float,
                  device: torch.device, host_tier_bytes: int | None = None, return_grads: bool = True,
-                 max_batch_items: int = MAX_BATCH) -> None:
+                 max_batch_items: int = MAX_BATCH,
+                 data_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("EmbeddingPool needs an initialized torch.distributed process group")
         if capacity_bytes <= 0:
@@ -108,6 +116,10 @@ class EmbeddingPool:
         self.return_grads = return_grads
         self.max_batch_items = max_batch_items
         self._wire_device = _transport_device(group, self.device)
+        # Payloads: on the device groups in device memory, else staged like the headers.
+        self.data_groups = data_groups
+        self._payload_groups = {CHANNEL_EMBEDDING: data_groups[0], CHANNEL_GRAD: data_groups[1]} if data_groups else {}
+        self._payload_device = _transport_device(data_groups[0], self.device) if data_groups else self._wire_device
         self._cond = threading.Condition()
         self._counters = PoolCounters(capacity_bytes)
         self._closed = False
@@ -143,7 +155,7 @@ class EmbeddingPool:
         handle = EmbeddingHandle(sample_id, step, self.rank, consumer, tuple(tensor.shape), tensor.dtype, nbytes,
                                  "device" if tensor.device == self.device else "host")
         header = item_header(CHANNEL_EMBEDDING, sample_id, step, tensor)
-        payload = tensor.detach().to(self._wire_device)
+        payload = tensor.detach().to(self._payload_device)
         start = time.monotonic()
         deadline = start + self.timeout_s
         with self._cond:
@@ -261,7 +273,7 @@ class EmbeddingPool:
         what = f"gradient of sample {sample_id} (step {step})"
         check_sendable(grad, f"return_grad of {what} to producer rank {producer}")
         header = item_header(CHANNEL_GRAD, sample_id, step, grad)
-        payload = grad.detach().to(self._wire_device)
+        payload = grad.detach().to(self._payload_device)
         with self._cond:
             self._send(producer, header, payload)
             self._counters.grads_sent += 1
@@ -411,12 +423,14 @@ class EmbeddingPool:
 
     def _payload_buffer(self, header: WireHeader) -> torch.Tensor | None:
         """The receive buffer of an item's payload (None: the item has none)."""
-        return torch.empty(header.nbytes, dtype=torch.uint8, device=self._wire_device) if has_payload(header) else None
+        if not has_payload(header):
+            return None
+        return torch.empty(header.nbytes, dtype=torch.uint8, device=self._payload_device)
 
     def _unpack(self, header: WireHeader, buffer: torch.Tensor | None) -> torch.Tensor:
         """The item's tensor, viewing its received bytes (an empty item gets an empty tensor)."""
         if buffer is None:
-            buffer = torch.empty(0, dtype=torch.uint8, device=self._wire_device)
+            buffer = torch.empty(0, dtype=torch.uint8, device=self._payload_device)
         return from_bytes(buffer, header)
 
     # ------------------------------------------------------------------ helpers
@@ -438,7 +452,9 @@ class EmbeddingPool:
                                    payload_tag=tags[1], header_len=HEADER_LEN,
                                    land=lambda raw, p=peer, f=land: f(p, raw),
                                    deliver=lambda ctx, buf, p=peer, f=deliver: f(p, ctx, buf),
-                                   name=f"pool-r{self.rank}-{channel}-from-r{peer}", wire_device=self._wire_device)
+                                   name=f"pool-r{self.rank}-{channel}-from-r{peer}", wire_device=self._wire_device,
+                                   payload_group=self._payload_groups.get(
+                                       CHANNEL_GRAD if channel == "grad" else CHANNEL_EMBEDDING))
             streams[peer] = stream
             stream.start()
         return stream
@@ -453,8 +469,9 @@ class EmbeddingPool:
             header_tag, payload_tag = _OUT_TAGS[header.channel]
             box = Outbox(cond=self._cond, peer=peer, group=self.group, channel=header.channel,
                          header_tag=header_tag, payload_tag=payload_tag, max_batch_items=self.max_batch_items,
+                         max_batch_bytes=MAX_BATCH_BYTES,
                          on_sent=self._on_sent, name=f"pool-r{self.rank}-{CHANNEL_NAMES[header.channel]}-to-r{peer}",
-                         wire_device=self._wire_device)
+                         wire_device=self._wire_device, payload_group=self._payload_groups.get(header.channel))
             self._outboxes[(peer, header.channel)] = box
             box.start()
         box.push(header, payload)

@@ -48,10 +48,12 @@ class InboundStream:
 
     def __init__(self, *, cond: threading.Condition, peer: int, group: dist.ProcessGroup | None,
                  header_tag: int, payload_tag: int | None, header_len: int, land: Land, deliver: Deliver,
-                 name: str, wire_device: torch.device = torch.device("cpu")) -> None:
+                 name: str, wire_device: torch.device = torch.device("cpu"),
+                 payload_group: dist.ProcessGroup | None = None) -> None:
         self.cond = cond
         self.peer = peer
         self.group = group
+        self.payload_group = payload_group or group  # a device group moves payloads where one is given
         self.header_tag = header_tag
         self.payload_tag = payload_tag
         self.header_len = header_len
@@ -109,7 +111,7 @@ class InboundStream:
                 work = None
                 if buffer is not None:
                     assert self.payload_tag is not None, "a payload was announced on a header-only channel"
-                    work = dist.irecv(buffer, src=self.peer, group=self.group, tag=self.payload_tag)
+                    work = dist.irecv(buffer, src=self.peer, group=self.payload_group, tag=self.payload_tag)
                 self._landed.append((work, buffer, context))
             self.announced += len(items)
             self.messages += 1
@@ -150,7 +152,8 @@ class Outbox:
     """Sends the items queued for one peer on one channel, coalescing those that queue up behind the sends.
 
     `push` (with `cond` held) queues an item and returns. A posting thread sends what is queued as one message
-    (one header for up to `max_batch_items` items, their payloads posted with it, never copied) while fewer than
+    (one header for up to `max_batch_items` items and `max_batch_bytes` of payload, a larger item alone; the
+    payloads are posted with the header, never copied) while fewer than
     `window` messages are in flight; a reaping thread waits for the oldest message's sends to complete. Items
     pushed while the window is free leave at once; items pushed while it is full leave together in the next
     message, so per-item costs shrink exactly when items are small and many, and no item ever waits for a timer
@@ -158,17 +161,20 @@ class Outbox:
     """
 
     def __init__(self, *, cond: threading.Condition, peer: int, group: dist.ProcessGroup | None, channel: int,
-                 header_tag: int, payload_tag: int | None, max_batch_items: int,
+                 header_tag: int, payload_tag: int | None, max_batch_items: int, max_batch_bytes: int,
                  on_sent: Callable[[list[WireHeader]], None], name: str, window: int = 2,
-                 wire_device: torch.device = torch.device("cpu")) -> None:
+                 wire_device: torch.device = torch.device("cpu"),
+                 payload_group: dist.ProcessGroup | None = None) -> None:
         self.cond = cond
         self.peer = peer
         self.group = group
+        self.payload_group = payload_group or group
         self.channel = channel
         self.on_sent = on_sent
         self.header_tag = header_tag
         self.payload_tag = payload_tag
         self.max_batch_items = max_batch_items
+        self.max_batch_bytes = max_batch_bytes
         self.window = window
         self.wire_device = wire_device
         self.pushed = 0     # items queued so far
@@ -219,15 +225,25 @@ class Outbox:
                 self.cond.wait()
             if not self._queue:
                 return False
-            n = min(len(self._queue), self.max_batch_items)
-            batch = [self._queue.popleft() for _ in range(n)]
+            batch = [self._queue.popleft()]
+            size = _payload_bytes(batch[0][0])
+            while (self._queue and len(batch) < self.max_batch_items
+                   and size + _payload_bytes(self._queue[0][0]) <= self.max_batch_bytes):
+                size += _payload_bytes(self._queue[0][0])
+                batch.append(self._queue.popleft())
             items = [h for h, _ in batch]
             header = encode_header(items).to(self.wire_device)
             payloads = [as_bytes(t) for h, t in batch if t is not None and has_payload(h)]
             # Posted under the lock (see InboundStream._next_header); posting never blocks.
-            ops = [dist.P2POp(dist.isend, header, self.peer, self.group, self.header_tag)]
-            ops += [dist.P2POp(dist.isend, p, self.peer, self.group, self.payload_tag) for p in payloads]
-            self._in_flight.append((items, list(dist.batch_isend_irecv(ops)), [header, *payloads]))
+            header_op = dist.P2POp(dist.isend, header, self.peer, self.group, self.header_tag)
+            payload_ops = [dist.P2POp(dist.isend, p, self.peer, self.payload_group, self.payload_tag)
+                           for p in payloads]
+            if self.payload_group is self.group:
+                works = list(dist.batch_isend_irecv([header_op, *payload_ops]))
+            else:  # header on the gloo group, payloads on the device group: one batch per backend
+                works = list(dist.batch_isend_irecv([header_op]))
+                works += list(dist.batch_isend_irecv(payload_ops)) if payload_ops else []
+            self._in_flight.append((items, works, [header, *payloads]))
             self.cond.notify_all()
         return True
 
@@ -247,6 +263,10 @@ class Outbox:
             self.on_sent(items)
             self.cond.notify_all()
         return True
+
+
+def _payload_bytes(item: WireHeader) -> int:
+    return item.nbytes if has_payload(item) else 0  # a credit's nbytes are what it frees, not what it carries
 
 
 def wait_work(work: dist.Work, deadline: float, *, on_timeout: Callable[[], BaseException],

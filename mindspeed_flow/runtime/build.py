@@ -85,8 +85,9 @@ def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.d
         models.named_params = dict(coupled.named_parameters())
         return models, optim, None, None  # default (world) group for the norm
 
-    pool = EmbeddingPool(rank=topo.rank, group=None, capacity_bytes=int(job.flow.pool_capacity_mb * 2**20),
-                         timeout_s=job.flow.timeout_s, device=device, return_grads=not frozen)
+    pool = EmbeddingPool(rank=topo.rank, group=topo.pool_group, data_groups=topo.pool_data_groups,
+                         capacity_bytes=int(job.flow.pool_capacity_mb * 2**20), timeout_s=job.flow.timeout_s,
+                         device=device, return_grads=not frozen)
     tp = topo.part_layout.tp
     if topo.is_encoder:
         del backbone
