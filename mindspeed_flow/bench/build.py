@@ -90,5 +90,5 @@ def _table(report: dict[str, Any], args: argparse.Namespace) -> str:
                f"backbone {pb['backbone'] / mib:,.1f} MiB of parameters (fp32)")
     for name, b in report["builds"].items():
         out.append(f"  build {name:>8}: peak {b['peak_bytes'] / mib:,.1f} MiB above start, "
-                       f"{b['materialized_bytes'] / mib:,.1f} MiB of parameters materialised")
+                   f"{b['materialized_bytes'] / mib:,.1f} MiB of parameters materialised")
     return "\n".join(out)
