@@ -1,5 +1,6 @@
 """The backbone as a pipeline (pp > 1) inside the step engine: torch.distributed.pipelining stages built by the
-torch host, fed from the pool on stage 0, with the same loss normalisation as the flat path.
+torch host, fed on stage 0 through a narrow `EmbeddingSource` (fetch microbatch k's embeddings, return their
+gradients; the engine backs it with the pool), with the same loss normalisation as the flat path.
 
 Every rank of one pipeline knows the step plan, so each builds the same packed microbatches itself (position
 ids, segment ids, labels) and only activations travel between stages.
@@ -30,9 +31,9 @@ from mindspeed_flow.hosts.torch.pipeline import BackboneStage, build_backbone_st
 from mindspeed_flow.hosts.torch.split import BackbonePart, token_loss_sum
 
 if TYPE_CHECKING:
-    from mindspeed_flow.runtime.engine import StepEngine, Timer
+    from mindspeed_flow.data.sample import VLMSample
+    from mindspeed_flow.runtime.engine import EmbeddingSource, Timer
     from mindspeed_flow.runtime.metrics import StepRecord
-    from mindspeed_flow.runtime.plan import StepWork
 
 
 class StreamingFirstStage(torch.nn.Module):
@@ -117,20 +118,21 @@ class BackbonePipeline:
             self._schedules.popitem(last=False)
         return self._schedules[key]
 
-    def run(self, work: "StepWork", row: list, n_labels: int, engine: "StepEngine", timer: "Timer",
-            record: "StepRecord") -> float:
-        scale = self._loss_scale = engine.m.dp_loss_scale / max(n_labels, 1)
-        seq_len = work.plan.seq_len or self.token_budget
-        samples = [timer.timed("busy", lambda mb=mb: engine.load_samples(mb.sample_ids, with_pixels=False))
-                   for mb in row]
+    def run(self, samples: list[list["VLMSample"]], seq_len: int, loss_scale: float,
+            source: Optional["EmbeddingSource"], timer: "Timer", record: "StepRecord") -> float:
+        """One step over this rank's microbatches (`samples`, without pixels), padded to `seq_len`; returns the
+        summed token loss on the last stage (nan elsewhere). `source` (stage 0 only) gives microbatch k's
+        embeddings and takes their gradients back; the loss is multiplied by `loss_scale` at loss time."""
+        self._loss_scale = loss_scale
         packs = [self.backbone.pack(s, None, seq_len) for s in samples]
         schedule = self._schedule(seq_len, len(packs))
         placeholder: Optional[torch.Tensor] = None
         feed_timer = type(timer)()
         if self.first is not None:
+            if source is None:
+                raise ValueError("pipeline stage 0 needs an EmbeddingSource")
             fetched: dict[int, dict[int, torch.Tensor]] = {}
-            self.first.feed = lambda k: self._feed(k, work, row, samples, packs, engine, feed_timer, record,
-                                                   fetched)
+            self.first.feed = lambda k: self._feed(k, samples, packs, source, feed_timer, record, fetched)
             placeholder = torch.arange(len(packs), dtype=torch.float32).view(-1, 1)
         else:
             record["backbone_first_mb_start_t"] = time.time()
@@ -140,27 +142,20 @@ class BackbonePipeline:
         timer.wait += feed_timer.wait
         if self.first is not None:
             self.first.feed = None
-            timer.timed("wait", engine.pool.flush)
         if total is None:
             return float("nan")
-        return float(sum(float(x.detach()) for x in total)) / scale
+        return float(sum(float(x.detach()) for x in total)) / loss_scale
 
-    def _feed(self, k: int, work: "StepWork", row: list, samples: list, packs: list, engine: "StepEngine",
-              timer: "Timer", record: "StepRecord", fetched: dict[int, dict[int, torch.Tensor]]) -> torch.Tensor:
+    def _feed(self, k: int, samples: list, packs: list, source: "EmbeddingSource", timer: "Timer",
+              record: "StepRecord", fetched: dict[int, dict[int, torch.Tensor]]) -> torch.Tensor:
         leaves = fetched.get(k)
-        if leaves is None:  # first request for microbatch k: take it from the pool (a repeat reuses it)
-            leaves = fetched[k] = engine.fetch_embeds(work, row[k].sample_ids, timer)
+        if leaves is None:  # first request for microbatch k: take it from the source (a repeat reuses it)
+            leaves = fetched[k] = source.fetch(k, timer)
             if k == 0:
                 record["backbone_first_mb_start_t"] = time.time()
             for sid, leaf in leaves.items():
                 if leaf.requires_grad:
-                    leaf.register_hook(self._grad_sender(work, sid, engine))
+                    # d(loss)/d(embedding) goes back the moment the schedule's backward computes it
+                    # (a copy: autograd may reuse the hook's tensor)
+                    leaf.register_hook(lambda grad, sid=sid: source.return_grad(sid, grad.clone()))
         return self.backbone.image_dense(packs[k], [leaves.get(s.sample_id) for s in samples[k]])
-
-    @staticmethod
-    def _grad_sender(work: "StepWork", sid: int, engine: "StepEngine") -> Callable[[torch.Tensor], None]:
-        def send(grad: torch.Tensor) -> None:
-            g = grad / engine.m.dp_loss_scale if engine.m.dp_loss_scale != 1.0 else grad
-            engine.pool.return_grad(g.detach().clone(), sample_id=sid, step=work.step,
-                                    producer=work.producer_of[sid])
-        return send
