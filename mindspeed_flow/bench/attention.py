@@ -18,8 +18,6 @@ T^2 bytes whatever the head count (268M elements at 16,384 tokens).
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing as mp
 import random
 from typing import Any, Sequence
 
@@ -28,6 +26,7 @@ import torch.nn.functional as F
 
 from mindspeed_flow.accelerator import Accelerator
 from mindspeed_flow.hosts.torch.attention import Segments, varlen_attention
+from mindspeed_flow.bench import bench_main
 from mindspeed_flow.utils import rss
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -108,11 +107,11 @@ def _peak_end(acc: Accelerator, baseline: float) -> float:
     return rss.peak_bytes() - baseline
 
 
-def _child(variant: str, args: argparse.Namespace, lengths: list[int], out: Any) -> None:
+def _child(variant: str, args: argparse.Namespace, lengths: list[int]) -> float:
     # Warm-up on a small problem first: one-time kernel and thread-pool set-up is not the variant's memory.
     small = argparse.Namespace(**{**vars(args), "tokens": 64})
     _run_variant(variant, small, Accelerator.for_type("cpu"), segment_lengths(64, min(args.segments, 8), 0))
-    out.put(_run_variant(variant, args, Accelerator.for_type("cpu"), lengths))
+    return _run_variant(variant, args, Accelerator.for_type("cpu"), lengths)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -123,14 +122,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if acc.module is not None:
             peaks[variant] = _run_variant(variant, args, acc, lengths)
             continue
-        ctx = mp.get_context("spawn")  # a fresh process: no pages freed by the other variant to reuse
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_child, args=(variant, args, lengths, queue))
-        proc.start()
-        peaks[variant] = queue.get()
-        proc.join()
-        if proc.exitcode != 0:
-            raise RuntimeError(f"bench attention: the {variant!r} process exited with {proc.exitcode}")
+        peaks[variant] = rss.in_fresh_process(_child, variant, args, lengths, what=f"bench attention {variant}")
     return {"device": acc.device_type, "kernel": acc.varlen_attention_kernel, "tokens": args.tokens,
             "segments": len(lengths), "longest_segment": max(lengths), "heads": args.heads,
             "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype,
@@ -139,17 +131,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv or [])
-    report = measure(args)
-    if args.json:
-        print(json.dumps(report))
-        return 0
+    return bench_main(argv, parse_args, measure, _table)
+
+
+def _table(report: dict[str, Any], args: argparse.Namespace) -> str:
     mib = 2.0 ** 20
-    print(f"packed attention, {report['tokens']} tokens in {report['segments']} sequences (longest "
-          f"{report['longest_segment']}), {args.heads}/{args.kv_heads} heads x {args.head_dim}, {args.dtype}, "
-          f"{report['device']}; varlen kernel: {report['kernel']}")
-    print(f"  explicit mask alone: {report['mask_bytes'] / mib:,.0f} MiB")
+    out: list[str] = []
+    out.append(f"packed attention, {report['tokens']} tokens in {report['segments']} sequences (longest "
+               f"{report['longest_segment']}), {args.heads}/{args.kv_heads} heads x {args.head_dim}, {args.dtype}, "
+               f"{report['device']}; varlen kernel: {report['kernel']}")
+    out.append(f"  explicit mask alone: {report['mask_bytes'] / mib:,.0f} MiB")
     for variant in VARIANTS:
-        print(f"  {variant:>7}: peak {report['peak_bytes'][variant] / mib:,.1f} MiB above the inputs (fwd+bwd)")
-    print(f"  mask / varlen: {report['mask_over_varlen']:.1f}x")
-    return 0
+        out.append(f"  {variant:>7}: peak {report['peak_bytes'][variant] / mib:,.1f} MiB above the inputs (fwd+bwd)")
+    out.append(f"  mask / varlen: {report['mask_over_varlen']:.1f}x")
+    return "\n".join(out)

@@ -12,11 +12,10 @@ each part: an encoder rank's peak should sit near the encoder's bytes, with no b
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing as mp
 import tempfile
 from typing import Any, Sequence
 
+from mindspeed_flow.bench import bench_main
 from mindspeed_flow.utils import rss
 
 BUILDS = {"whole": ("encoder", "backbone"), "encoder": ("encoder",), "backbone": ("backbone",)}
@@ -52,53 +51,44 @@ def checkpoint(family: str, text_intermediate: int, path: str) -> dict[str, int]
             for part, params in part_parameters(model, family).items()}
 
 
-def _build(family: str, path: str, parts: tuple[str, ...], out: Any) -> None:
+def _build(family: str, path: str, parts: tuple[str, ...]) -> dict[str, float]:
     from mindspeed_flow.hosts.torch.build import build_vlm
 
     baseline = rss.reset_peak()
     model = build_vlm(family, {}, seed=0, pretrained_path=path, parts=parts)
     real = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
-    out.put({"peak_bytes": rss.peak_bytes() - baseline, "materialized_bytes": real})
+    return {"peak_bytes": rss.peak_bytes() - baseline, "materialized_bytes": real}
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")  # fresh processes: the transformers import is paid before the baseline
     with tempfile.TemporaryDirectory(prefix="msf-bench-build-") as tmp:
         part_bytes = checkpoint(args.family, args.text_intermediate, tmp)
         builds = {}
         for name in args.build_list:
-            parts = BUILDS[name]
-            queue = ctx.Queue()
-            proc = ctx.Process(target=_warm_then_build, args=(args.family, tmp, parts, queue))
-            proc.start()
-            builds[name] = queue.get()
-            proc.join()
-            if proc.exitcode != 0:
-                raise RuntimeError(f"bench build: the {name!r} build exited with {proc.exitcode}")
+            builds[name] = rss.in_fresh_process(_warm_then_build, args.family, tmp, BUILDS[name],
+                                                what=f"bench build {name}")
     return {"family": args.family, "text_intermediate": args.text_intermediate, "part_bytes": part_bytes,
             "builds": builds}
 
 
-def _warm_then_build(family: str, path: str, parts: tuple[str, ...], out: Any) -> None:
-    import transformers  # noqa: F401  (library import and its lazy modules are not the build's memory)
-
+def _warm_then_build(family: str, path: str, parts: tuple[str, ...]) -> dict[str, float]:
     from mindspeed_flow.hosts.torch import hf_compat
 
-    hf_compat.family_classes(family)
-    _build(family, path, parts, out)
+    hf_compat.family_classes(family)  # the library import and its lazy modules are not the build's memory
+    return _build(family, path, parts)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv or [])
-    report = measure(args)
-    if args.json:
-        print(json.dumps(report))
-        return 0
+    return bench_main(argv, parse_args, measure, _table)
+
+
+def _table(report: dict[str, Any], args: argparse.Namespace) -> str:
     mib = 2.0 ** 20
+    out: list[str] = []
     pb = report["part_bytes"]
-    print(f"{args.family}, LLM MLP width {args.text_intermediate}: encoder {pb['encoder'] / mib:,.1f} MiB, "
-          f"backbone {pb['backbone'] / mib:,.1f} MiB of parameters (fp32)")
+    out.append(f"{args.family}, LLM MLP width {args.text_intermediate}: encoder {pb['encoder'] / mib:,.1f} MiB, "
+               f"backbone {pb['backbone'] / mib:,.1f} MiB of parameters (fp32)")
     for name, b in report["builds"].items():
-        print(f"  build {name:>8}: peak {b['peak_bytes'] / mib:,.1f} MiB above start, "
-              f"{b['materialized_bytes'] / mib:,.1f} MiB of parameters materialised")
-    return 0
+        out.append(f"  build {name:>8}: peak {b['peak_bytes'] / mib:,.1f} MiB above start, "
+                   f"{b['materialized_bytes'] / mib:,.1f} MiB of parameters materialised")
+    return "\n".join(out)

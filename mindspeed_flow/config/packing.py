@@ -13,8 +13,6 @@ class PackingConfig:
     token_budget: int = 1024
     # What to do with a sample longer than the budget: "error" | "skip" (reported by id and length, never silent).
     oversize_policy: str = "error"
-    # Samples the streaming packer may hold before it must emit (bounded look-ahead).
-    lookahead: int = 1024
     # Optional profiled coefficients (FLOPs-equivalent seconds); 0 means "derive from the model spec".
     linear_coeff: float = 0.0
     quadratic_coeff: float = 0.0

@@ -70,6 +70,16 @@ class Timer:
             setattr(self, kind, getattr(self, kind) + dt)
 
 
+@dataclass
+class EmbeddingSource:
+    """What a pipeline's first stage needs from the step, and nothing more: `fetch(k, timer)` gives microbatch
+    k's embedding leaves by sample id (blocking on the pool), `return_grad(sample_id, grad)` sends
+    d(loss)/d(embedding) back to the sample's producer."""
+
+    fetch: Callable[[int, "Timer"], dict[int, torch.Tensor]]
+    return_grad: Callable[[int, torch.Tensor], None]
+
+
 @traced("encoder.forward")
 def encode_samples(encoder: Any, samples: list[VLMSample], trainable: bool) -> list[torch.Tensor]:
     """One encoder forward over the samples' images; one embedding tensor per sample."""
@@ -222,7 +232,16 @@ class StepEngine:
         if self.topo.is_first_stage and self.is_tp_leader:  # only the first stage's TP leader uses the pool
             self.expect_embeds(work)
         if self.m.pipeline is not None:
-            loss_sum = self.m.pipeline.run(work, row, n_labels, self, timer, record)
+            samples = [timer.timed("busy", lambda mb=mb: self.load_samples(mb.sample_ids, with_pixels=False))
+                       for mb in row]
+            source = None
+            if self.topo.is_first_stage:
+                source = EmbeddingSource(fetch=lambda k, t: self.fetch_embeds(work, row[k].sample_ids, t),
+                                         return_grad=lambda sid, g: self.return_grad(work, sid, g))
+            loss_sum = self.m.pipeline.run(samples, work.plan.seq_len or self.token_budget,
+                                           self.m.dp_loss_scale / max(n_labels, 1), source, timer, record)
+            if source is not None and self.is_tp_leader:
+                timer.timed("wait", self.pool.flush)
         else:
             loss_sum = self._consume_flat(work, row, n_labels, timer, record)
         # TP peers computed the same loss: one of them reports it (the metrics sum it over ranks).
@@ -261,10 +280,16 @@ class StepEngine:
             return
         for sid, leaf in leaves.items():
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            if self.m.dp_loss_scale != 1.0:
-                grad = grad / self.m.dp_loss_scale  # undo the DP-average compensation of the loss scale
-            timer.timed("wait", lambda: self.pool.return_grad(grad, sample_id=sid, step=work.step,
-                                                              producer=work.producer_of[sid]))
+            timer.timed("wait", lambda: self.return_grad(work, sid, grad))
+
+    def return_grad(self, work: StepWork, sid: int, grad: torch.Tensor) -> None:
+        """Send d(loss)/d(embedding) of one sample to its producer (the DP loss-scale compensation undone); TP
+        peers of the leader hold the same gradient and send nothing."""
+        if not self.is_tp_leader:
+            return
+        if self.m.dp_loss_scale != 1.0:
+            grad = grad / self.m.dp_loss_scale
+        self.pool.return_grad(grad.detach(), sample_id=sid, step=work.step, producer=work.producer_of[sid])
 
     def load_samples(self, sample_ids: list[int], with_pixels: bool) -> list[VLMSample]:
         if not with_pixels:

@@ -1,11 +1,12 @@
 """The backbone as a pipeline (pp > 1) inside the step engine: torch.distributed.pipelining stages built by the
-torch host, fed from the pool on stage 0, with the same loss normalisation as the flat path.
+torch host, fed on stage 0 through a narrow `EmbeddingSource` (fetch microbatch k's embeddings, return their
+gradients; the engine backs it with the pool), with the same loss normalisation as the flat path.
 
 Every rank of one pipeline knows the step plan, so each builds the same packed microbatches itself (position
 ids, segment ids, labels) and only activations travel between stages.
 
-Streaming through the pipeline: stage 0 is wrapped in `StreamingFirstStage`, whose forward pulls microbatch
-k's embeddings from the pool when the schedule runs that forward (schedules run forwards in microbatch order),
+Streaming through the pipeline: stage 0's feed pulls microbatch k's embeddings from the source when the
+schedule runs that forward (schedules run forwards in microbatch order),
 so the pipeline starts on microbatch 0 while the encoder still encodes later samples. Each embedding leaf has
 a gradient hook that returns d(loss)/d(embedding) to its producer the moment the schedule's backward computes
 it, so the encoder can start its backward before the pipeline has drained.
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -30,38 +31,9 @@ from mindspeed_flow.hosts.torch.pipeline import BackboneStage, build_backbone_st
 from mindspeed_flow.hosts.torch.split import BackbonePart, token_loss_sum
 
 if TYPE_CHECKING:
-    from mindspeed_flow.runtime.engine import StepEngine, Timer
+    from mindspeed_flow.data.sample import VLMSample
+    from mindspeed_flow.runtime.engine import EmbeddingSource, Timer
     from mindspeed_flow.runtime.metrics import StepRecord
-    from mindspeed_flow.runtime.plan import StepWork
-
-
-class StreamingFirstStage(torch.nn.Module):
-    """Pipeline stage 0 whose image input is pulled from the pool at forward time (see the module docstring).
-
-    Its positional input is the microbatch index as a [1, 1] tensor (the schedule needs a tensor to chunk, and
-    the index survives the extra forward torch runs to infer shapes on the first step); `feed(k)` returns
-    microbatch k's dense image tensor [1, T, H], attached to that microbatch's embedding leaves.
-    """
-
-    def __init__(self, stage: BackboneStage) -> None:
-        super().__init__()
-        self.stage = stage
-        self.feed: Optional[Callable[[int], torch.Tensor]] = None
-
-    def forward(self, placeholder: torch.Tensor, input_ids: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None,
-                segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if placeholder.device.type == "meta":
-            # The pipeline infers stage shapes on its first step with meta copies of the inputs: answer with a
-            # meta image tensor of the real shape and never touch the pool.
-            hidden = self.stage.embed_tokens.embedding_dim
-            dense = torch.empty(input_ids.shape[0], input_ids.shape[1], hidden,
-                                dtype=self.stage.embed_tokens.weight.dtype, device="meta")
-            return self.stage(dense, input_ids, position_ids, segment_ids)
-        if self.feed is None:
-            raise RuntimeError("StreamingFirstStage.feed is not set: BackbonePipeline.run sets it each step")
-        dense = self.feed(int(placeholder.reshape(-1)[0].item()))
-        return self.stage(dense, input_ids, position_ids, segment_ids)
 
 
 class BackbonePipeline:
@@ -69,11 +41,9 @@ class BackbonePipeline:
     # entry holds the stage's receive buffers for its shape.
     MAX_CACHED_SHAPES = 4
 
-    def __init__(self, backbone: BackbonePart, stage_module: BackboneStage, stage: Any, kind: str,
-                 token_budget: int, first: Optional[StreamingFirstStage]) -> None:
+    def __init__(self, backbone: BackbonePart, stage_module: BackboneStage, stage: Any, kind: str) -> None:
         self.backbone, self.stage_module, self.stage = backbone, stage_module, stage
-        self.kind, self.token_budget = kind, token_budget
-        self.first = first
+        self.kind = kind
         self._schedules: OrderedDict[tuple[int, int], Any] = OrderedDict()
         self._loss_scale = 1.0
         self.schedules_built = 0
@@ -82,18 +52,10 @@ class BackbonePipeline:
     def build(job, topo, backbone: BackbonePart, device: torch.device) -> "BackbonePipeline":
         layout = topo.part_layout
         dp_wrap = apply_fsdp if job.parallel.backbone_dp_impl == "fsdp" else apply_ddp
-        holder: list[StreamingFirstStage] = []
-
-        def wrap(module: torch.nn.Module) -> torch.nn.Module:
-            if topo.is_first_stage:
-                holder.append(StreamingFirstStage(module))
-                module = holder[0]
-            return dp_wrap(module, topo.dp_group) if layout.dp > 1 else module
-
+        wrap = (lambda m: dp_wrap(m, topo.dp_group)) if layout.dp > 1 else None
         stage_module, stage = build_backbone_stage(backbone, topo.pp_rank, layout.pp, topo.pp_group, device,
                                                    wrap=wrap)
-        return BackbonePipeline(backbone, stage_module, stage, job.parallel.pp_schedule, job.packing.token_budget,
-                                holder[0] if holder else None)
+        return BackbonePipeline(backbone, stage_module, stage, job.parallel.pp_schedule)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.stage_module.parameters())
@@ -117,50 +79,44 @@ class BackbonePipeline:
             self._schedules.popitem(last=False)
         return self._schedules[key]
 
-    def run(self, work: "StepWork", row: list, n_labels: int, engine: "StepEngine", timer: "Timer",
-            record: "StepRecord") -> float:
-        scale = self._loss_scale = engine.m.dp_loss_scale / max(n_labels, 1)
-        seq_len = work.plan.seq_len or self.token_budget
-        samples = [timer.timed("busy", lambda mb=mb: engine.load_samples(mb.sample_ids, with_pixels=False))
-                   for mb in row]
+    def run(self, samples: list[list["VLMSample"]], seq_len: int, loss_scale: float,
+            source: Optional["EmbeddingSource"], timer: "Timer", record: "StepRecord") -> float:
+        """One step over this rank's microbatches (`samples`, without pixels), padded to `seq_len`; returns the
+        summed token loss on the last stage (nan elsewhere). `source` (stage 0 only) gives microbatch k's
+        embeddings and takes their gradients back; the loss is multiplied by `loss_scale` at loss time."""
+        self._loss_scale = loss_scale
         packs = [self.backbone.pack(s, None, seq_len) for s in samples]
         schedule = self._schedule(seq_len, len(packs))
-        placeholder: Optional[torch.Tensor] = None
         feed_timer = type(timer)()
-        if self.first is not None:
+        first = self.stage_module.is_first
+        if first:
+            if source is None:
+                raise ValueError("pipeline stage 0 needs an EmbeddingSource")
             fetched: dict[int, dict[int, torch.Tensor]] = {}
-            self.first.feed = lambda k: self._feed(k, work, row, samples, packs, engine, feed_timer, record,
-                                                   fetched)
-            placeholder = torch.arange(len(packs), dtype=torch.float32).view(-1, 1)
+            self.stage_module.feed = lambda k: self._feed(k, samples, packs, source, feed_timer, record, fetched)
         else:
             record["backbone_first_mb_start_t"] = time.time()
-        total = timer.timed("busy", lambda: pipeline_step(schedule, self.stage_module, packs, placeholder))
+        try:
+            total = timer.timed("busy", lambda: pipeline_step(schedule, self.stage_module, packs))
+        finally:
+            self.stage_module.feed = None  # the step's samples and source are not kept past the step
         # Time spent inside the schedule waiting for embeddings is waiting, not compute.
         timer.busy -= feed_timer.wait
         timer.wait += feed_timer.wait
-        if self.first is not None:
-            self.first.feed = None
-            timer.timed("wait", engine.pool.flush)
         if total is None:
             return float("nan")
-        return float(sum(float(x.detach()) for x in total)) / scale
+        return float(sum(float(x.detach()) for x in total)) / loss_scale
 
-    def _feed(self, k: int, work: "StepWork", row: list, samples: list, packs: list, engine: "StepEngine",
-              timer: "Timer", record: "StepRecord", fetched: dict[int, dict[int, torch.Tensor]]) -> torch.Tensor:
+    def _feed(self, k: int, samples: list, packs: list, source: "EmbeddingSource", timer: "Timer",
+              record: "StepRecord", fetched: dict[int, dict[int, torch.Tensor]]) -> torch.Tensor:
         leaves = fetched.get(k)
-        if leaves is None:  # first request for microbatch k: take it from the pool (a repeat reuses it)
-            leaves = fetched[k] = engine.fetch_embeds(work, row[k].sample_ids, timer)
+        if leaves is None:  # first request for microbatch k: take it from the source (a repeat reuses it)
+            leaves = fetched[k] = source.fetch(k, timer)
             if k == 0:
                 record["backbone_first_mb_start_t"] = time.time()
             for sid, leaf in leaves.items():
-                if leaf.requires_grad and engine.is_tp_leader:  # TP peers hold the same gradients
-                    leaf.register_hook(self._grad_sender(work, sid, engine))
+                if leaf.requires_grad:
+                    # d(loss)/d(embedding) goes back the moment the schedule's backward computes it
+                    # (a copy: autograd may reuse the hook's tensor)
+                    leaf.register_hook(lambda grad, sid=sid: source.return_grad(sid, grad.clone()))
         return self.backbone.image_dense(packs[k], [leaves.get(s.sample_id) for s in samples[k]])
-
-    @staticmethod
-    def _grad_sender(work: "StepWork", sid: int, engine: "StepEngine") -> Callable[[torch.Tensor], None]:
-        def send(grad: torch.Tensor) -> None:
-            g = grad / engine.m.dp_loss_scale if engine.m.dp_loss_scale != 1.0 else grad
-            engine.pool.return_grad(g.detach().clone(), sample_id=sid, step=work.step,
-                                    producer=work.producer_of[sid])
-        return send

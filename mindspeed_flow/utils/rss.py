@@ -7,6 +7,9 @@ process: pages freed by an earlier piece may be reused without the resident set 
 """
 from __future__ import annotations
 
+import multiprocessing as mp
+from typing import Any, Callable
+
 
 def _status_kb(field: str) -> float:
     with open("/proc/self/status") as f:
@@ -29,3 +32,21 @@ def reset_peak() -> float:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return current_bytes()
+
+
+def _call_and_put(fn: Callable[..., Any], args: tuple, queue: Any) -> None:
+    queue.put(fn(*args))
+
+
+def in_fresh_process(fn: Callable[..., Any], *args: Any, what: str) -> Any:
+    """`fn(*args)` in a newly spawned process (no pages freed by earlier work to reuse); returns its result.
+    `fn` must be importable (module level) and its result picklable."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_call_and_put, args=(fn, args, queue))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    if proc.exitcode != 0:
+        raise RuntimeError(f"{what}: the measuring process exited with {proc.exitcode}")
+    return result

@@ -5,12 +5,13 @@ the last stage owns the final norm and lm_head, so DDP/FSDP wrapping a stage cov
 exactly once over the pipeline.
 
 Inputs per microbatch, all with the microbatch as dim 0 so that `schedule.step` chunks them:
-- stage 0's positional input is the *dense image tensor* [1, T, H]: zeros except the image embeddings at the
-  placeholder positions (`BackbonePart.image_dense`). Stage 0 merges it with its own token embeddings
-  (`embed_dense`), which gives the same values and gradients as scattering. The runtime passes the
-  microbatches stacked as one detached leaf [n_micro, T, H] with requires_grad; after `step()` its `.grad[i]`
-  is d(loss)/d(dense_i) (the schedule never scales input gradients), and `finish_stage0_backward` routes it
-  to each sample's embeddings.
+- stage 0's positional input is the microbatch index as a [1, 1] tensor (the schedule needs a tensor to chunk,
+  and the index survives the extra forward torch runs on meta inputs to infer shapes). Its forward asks
+  `BackboneStage.feed(k)` for microbatch k's *dense image tensor* [1, T, H] (zeros except the image embeddings
+  at the placeholder positions, `BackbonePart.image_dense`) when the schedule runs that forward, and merges it
+  with its own token embeddings (`embed_dense`: the same values and gradients as scattering). The dense tensor
+  stays attached to the embeddings, so the schedule's backward reaches them (and an encoder's graph behind
+  them) directly; a caller can stream: feed(k) may block until microbatch k's embeddings exist.
 - keyword inputs reach EVERY stage: torch.distributed.pipelining passes `step(**kwargs)` chunks to the local
   stage's forward on every rank (2.13 documents "kwargs can be passed to all stages via respective step
   calls"; 2.7's forward_one_chunk does the same), so each rank calls `pipeline_step` with the same packed
@@ -76,18 +77,30 @@ class BackboneStage(nn.Module):
             self.norm = backbone.norm
             self.lm_head = backbone.lm_head
         self._backbone = (backbone,)  # helpers (masks, image id); not a submodule: its other layers are not ours
+        # first stage: microbatch index -> dense image tensor [1, T, H] (set by the caller for each step)
+        self.feed: Optional[Callable[[int], torch.Tensor]] = None
 
     def forward(self, x: torch.Tensor, input_ids: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
                 segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         backbone = self._backbone[0]
         if self.is_first:
-            x = torch.where(backbone.image_mask(input_ids), x, self.embed_tokens(input_ids))
+            x = torch.where(backbone.image_mask(input_ids), self._dense(x, input_ids), self.embed_tokens(input_ids))
         x = backbone.run_layers(x, unstack_position_ids(position_ids, backbone.mrope),
                                 Segments.from_segment_ids(segment_ids), self.layers)
         if self.is_last:
             x = self.lm_head(self.norm(x))
         return x
+
+    def _dense(self, index: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        if index.device.type == "meta":
+            # Shape inference on the first step runs on meta copies of the inputs: a meta image tensor of the
+            # real shape, and the feed is not asked.
+            return torch.empty(*input_ids.shape, self.embed_tokens.embedding_dim,
+                               dtype=self.embed_tokens.weight.dtype, device="meta")
+        if self.feed is None:
+            raise RuntimeError("pipeline stage 0 has no feed: set BackboneStage.feed before pipeline_step")
+        return self.feed(int(index.reshape(-1)[0].item()))
 
 
 def build_backbone_stage(backbone: BackbonePart, pp_rank: int, pp_size: int, pp_group: Optional[dist.ProcessGroup],
@@ -129,29 +142,12 @@ def make_schedule(stage: "PipelineStage", n_microbatches: int,
     return cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn, **torch_compat.schedule_kwargs(cls))
 
 
-def stage0_input(backbone: BackbonePart, packs: Sequence[PackedBatch],
-                 image_embeds: Sequence[Sequence[Optional[torch.Tensor]]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(leaf [n_micro, T, H] for `pipeline_step`, per-microbatch dense tensors still attached to the embeddings)."""
-    dense = [backbone.image_dense(p, e) for p, e in zip(packs, image_embeds)]
-    leaf = torch.cat(dense, dim=0).detach().requires_grad_()
-    return leaf, dense
-
-
-def finish_stage0_backward(leaf: torch.Tensor, dense: Sequence[torch.Tensor]) -> None:
-    """Send the pipeline's input gradient on to each sample's image embeddings (their .grad afterwards)."""
-    if leaf.grad is None:
-        raise RuntimeError("stage-0 input has no gradient: call pipeline_step (with a loss) before this")
-    pairs = [(d, leaf.grad[i:i + 1]) for i, d in enumerate(dense) if d.requires_grad]
-    if pairs:
-        torch.autograd.backward([d for d, _ in pairs], [g for _, g in pairs])
-
-
-def pipeline_step(schedule, stage_module: BackboneStage, packs: Sequence[PackedBatch],
-                  stage0_leaf: Optional[torch.Tensor] = None) -> Optional[list[torch.Tensor]]:
+def pipeline_step(schedule, stage_module: BackboneStage, packs: Sequence[PackedBatch]
+                  ) -> Optional[list[torch.Tensor]]:
     """One forward+backward of all microbatches through this rank's stage.
 
-    Every pipeline rank calls this with the same `packs` (in order); only the rank holding stage 0 passes
-    `stage0_leaf`. Returns the per-microbatch summed losses on the rank holding the last stage, None elsewhere.
+    Every pipeline rank calls this with the same `packs` (in order); stage 0's `feed` gives the image inputs.
+    Returns the per-microbatch summed losses on the rank holding the last stage, None elsewhere.
     """
     is_first, is_last = stage_module.is_first, stage_module.is_last
     n = getattr(schedule, "_n_microbatches", len(packs))
@@ -163,9 +159,9 @@ def pipeline_step(schedule, stage_module: BackboneStage, packs: Sequence[PackedB
               "segment_ids": torch.cat([p.segment_ids for p in packs]).to(device)}
     args: tuple = ()
     if is_first:
-        if stage0_leaf is None:
-            raise ValueError("pipeline stage 0 needs stage0_leaf (see stage0_input)")
-        args = (stage0_leaf,)
+        if stage_module.feed is None:
+            raise ValueError("pipeline stage 0 needs BackboneStage.feed (microbatch index -> dense image tensor)")
+        args = (torch.arange(len(packs), dtype=torch.float32, device=device).view(-1, 1),)
         kwargs["input_ids"] = torch.cat([p.input_ids for p in packs]).to(device)
     step_kwargs = torch_compat.step_kwargs(schedule)
     if is_last:
