@@ -18,7 +18,8 @@ from typing import Optional
 
 RUN_FILE = "run.json"
 # What a run leaves in its directory; any of these means "another run's state is here".
-STATE_NAMES = ("run.json", "config.yaml", "metrics.jsonl", "checkpoints", "checkpoints.jsonl", "failure.txt")
+STATE_NAMES = ("run.json", "config.yaml", "metrics.jsonl", "checkpoints", "checkpoints.jsonl", "failure.txt",
+               "tensorboard", "trace", "trace.json", "curves.png", "timeline.png")
 REPLACED = "replaced"
 
 
