@@ -82,10 +82,9 @@ def test_killed_rank_restarts_by_itself_and_matches_an_uninterrupted_run(tmp_pat
                                                                          rank: int) -> None:
     """SIGKILL one rank at step 4 (checkpoint every 2 steps, async): the elastic agent restarts the job, it
     resumes from step-3, and every step's loss equals the uninterrupted run's bitwise, each step logged once."""
-    ck = ["trainer.checkpoint_every=2", "trainer.async_checkpoint=true"]
-    assert _run(tmp_path / "full", *ck) == 0
-    assert _run(tmp_path / "drill", *ck, "trainer.max_restarts=1", f"faults.kill_rank={rank}",
-                "faults.kill_step=4") == 0
+    recipe = ["experiment=drill_restart", "trainer.progress=false", "trainer.steps=6"]  # kill at step 4
+    assert launch.main([f"run_dir={tmp_path / 'full'}", *recipe, "faults.kill_step=-1"]) == 0
+    assert launch.main([f"run_dir={tmp_path / 'drill'}", *recipe, f"faults.kill_rank={rank}"]) == 0
     out = capfd.readouterr().out
     assert f"fault drill: SIGKILL rank {rank} at step 4" in out
     assert "resumed from" in out and "step-3" in out
