@@ -175,3 +175,19 @@ def test_sigterm_saves_exits_75_and_resume_matches(tmp_path: Path, capfd) -> Non
     assert _run(tmp_path / "full") == 0
     assert [x["step"] for x in _lines(run)] == list(range(6))
     assert [x["loss"] for x in _lines(run)] == [x["loss"] for x in _lines(tmp_path / "full")]
+
+
+def test_resume_on_another_dp_size_reshards(tmp_path: Path) -> None:
+    """Saved with backbone DP 2, resumed with backbone DP 1 (and, separately, encoder DP 2): DCP reshards the
+    checkpoint; training continues from step-3 with losses close to the uninterrupted DP-2 run (same global
+    batches; the reduction order differs, so not bitwise)."""
+    full = tmp_path / "full"
+    assert _run(full) == 0
+    for name, layout in (("bb1", ["parallel.backbone.dp=1"]), ("enc2", ["parallel.encoder.dp=2"])):
+        run = tmp_path / name
+        assert _run(run, "trainer.steps=4", "trainer.checkpoint_every=2") == 0
+        assert _run(run, "trainer.checkpoint_every=2", "trainer.resume=true", *layout) == 0
+        resumed = _lines(run)
+        assert [x["step"] for x in resumed] == list(range(6))
+        for a, b in zip(resumed[4:], _lines(full)[4:]):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (name, a["step"])
