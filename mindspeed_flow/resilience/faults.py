@@ -21,7 +21,7 @@ class FaultDrills:
         self.armed = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
 
     def _fires(self, rank: int, step: int, now: int) -> bool:
-        return self.armed and step >= 0 and step == now and rank in (self.rank, -2)
+        return self.armed and step >= 0 and step == now and rank == self.rank
 
     def at_step_start(self, step: int, watchdog: Any = None) -> None:
         c = self.cfg
