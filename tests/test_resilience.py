@@ -192,3 +192,15 @@ def test_resume_on_another_dp_size_reshards(tmp_path: Path) -> None:
         assert [x["step"] for x in resumed] == list(range(6))
         for a, b in zip(resumed[4:], _lines(full)[4:]):
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (name, a["step"])
+
+
+def test_loader_error_drill_restarts_and_resumes(tmp_path: Path, capfd) -> None:
+    """An exception in one backbone rank's data loading at step 3: the agent restarts the job (max_restarts=1),
+    which resumes from step-1 and logs each step once."""
+    run = tmp_path / "run"
+    assert _run(run, "trainer.checkpoint_every=2", "trainer.max_restarts=1", "faults.loader_error_rank=1",
+                "faults.loader_error_step=3") == 0
+    captured = capfd.readouterr()
+    assert "fault drill: data loader error on rank 1 at step 3" in captured.out
+    assert f"resumed from {run / 'checkpoints'}/step-1" in captured.out
+    assert [x["step"] for x in _lines(run)] == list(range(6))
