@@ -82,13 +82,13 @@ def test_killed_rank_restarts_by_itself_and_matches_an_uninterrupted_run(tmp_pat
                                                                          rank: int) -> None:
     """SIGKILL one rank at step 4 (checkpoint every 2 steps, async): the elastic agent restarts the job, it
     resumes from step-3, and every step's loss equals the uninterrupted run's bitwise, each step logged once."""
-    ck = ["trainer.checkpoint_every=2", "trainer.async_checkpoint=true"]
-    assert _run(tmp_path / "full", *ck) == 0
-    assert _run(tmp_path / "drill", *ck, "trainer.max_restarts=1", f"faults.kill_rank={rank}",
-                "faults.kill_step=4") == 0
+    recipe = ["experiment=drill_restart", "trainer.progress=false", "trainer.steps=6"]  # kill at step 4
+    assert launch.main([f"run_dir={tmp_path / 'full'}", *recipe, "faults.kill_step=-1"]) == 0
+    assert launch.main([f"run_dir={tmp_path / 'drill'}", *recipe, f"faults.kill_rank={rank}"]) == 0
     out = capfd.readouterr().out
     assert f"fault drill: SIGKILL rank {rank} at step 4" in out
-    assert "resumed from" in out and "step-3" in out
+    # step-3 when its async save completed before the kill, else step-1: either way the same losses.
+    assert "resumed from" in out
     full, drill = _lines(tmp_path / "full"), _lines(tmp_path / "drill")
     assert [x["step"] for x in drill] == list(range(6))
     assert [x["loss"] for x in drill] == [x["loss"] for x in full]
@@ -176,3 +176,31 @@ def test_sigterm_saves_exits_75_and_resume_matches(tmp_path: Path, capfd) -> Non
     assert _run(tmp_path / "full") == 0
     assert [x["step"] for x in _lines(run)] == list(range(6))
     assert [x["loss"] for x in _lines(run)] == [x["loss"] for x in _lines(tmp_path / "full")]
+
+
+def test_resume_on_another_dp_size_reshards(tmp_path: Path) -> None:
+    """Saved with backbone DP 2, resumed with backbone DP 1 (and, separately, encoder DP 2): DCP reshards the
+    checkpoint; training continues from step-3 with losses close to the uninterrupted DP-2 run (same global
+    batches; the reduction order differs, so not bitwise)."""
+    full = tmp_path / "full"
+    assert _run(full) == 0
+    for name, layout in (("bb1", ["parallel.backbone.dp=1"]), ("enc2", ["parallel.encoder.dp=2"])):
+        run = tmp_path / name
+        assert _run(run, "trainer.steps=4", "trainer.checkpoint_every=2") == 0
+        assert _run(run, "trainer.checkpoint_every=2", "trainer.resume=true", *layout) == 0
+        resumed = _lines(run)
+        assert [x["step"] for x in resumed] == list(range(6))
+        for a, b in zip(resumed[4:], _lines(full)[4:]):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (name, a["step"])
+
+
+def test_loader_error_drill_restarts_and_resumes(tmp_path: Path, capfd) -> None:
+    """An exception in one backbone rank's data loading at step 3: the agent restarts the job (max_restarts=1),
+    which resumes from step-1 and logs each step once."""
+    run = tmp_path / "run"
+    assert _run(run, "trainer.checkpoint_every=2", "trainer.max_restarts=1", "faults.loader_error_rank=1",
+                "faults.loader_error_step=3") == 0
+    captured = capfd.readouterr()
+    assert "fault drill: data loader error on rank 1 at step 3" in captured.out
+    assert f"resumed from {run / 'checkpoints'}/step-1" in captured.out
+    assert [x["step"] for x in _lines(run)] == list(range(6))

@@ -156,6 +156,9 @@ class FaultsConfig:
     # Global rank `sigterm_rank` receives SIGTERM after step `sigterm_step`: the job saves and exits with 75.
     sigterm_rank: int = -1
     sigterm_step: int = -1
+    # Global rank `loader_error_rank` raises where it reads the batch of step `loader_error_step`.
+    loader_error_rank: int = -1
+    loader_error_step: int = -1
 
 
 @dataclass

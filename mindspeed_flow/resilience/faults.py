@@ -3,7 +3,7 @@
 Each drill fires in the first attempt only (TORCHELASTIC_RESTART_COUNT == 0), so a job with
 `trainer.max_restarts >= 1` shows the recovery: the elastic agent restarts the workers and they resume from the
 newest verified checkpoint. Kill and hang act on the process itself (SIGKILL, SIGSTOP), exactly as an OOM kill or
-a wedged device would; NaN multiplies one rank's gradients by NaN for one step; ENOSPC swaps DCP's file system for one whose writes fail as a full disk does; truncation
+a wedged device would; the loader drill raises where the step reads its batch; NaN multiplies one rank's gradients by NaN for one step; ENOSPC swaps DCP's file system for one whose writes fail as a full disk does; truncation
 cuts a finished checkpoint's file in half, as a crash of the storage layer would.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ class FaultDrills:
         self.armed = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
 
     def _fires(self, rank: int, step: int, now: int) -> bool:
-        return self.armed and step >= 0 and step == now and rank in (self.rank, -2)
+        return self.armed and step >= 0 and step == now and rank == self.rank
 
     def at_step_start(self, step: int, watchdog: Any = None) -> None:
         c = self.cfg
@@ -40,6 +40,12 @@ class FaultDrills:
             return []
         print(f"[mindspeed-flow] fault drill: NaN gradients on rank {self.rank} at step {step}", flush=True)
         return [p.register_hook(lambda g: g * float("nan")) for p in params if p.requires_grad]
+
+    def loader_error(self, step: int) -> None:
+        """Raise in this rank's data loading at step `loader_error_step` (a reader bug, a vanished mount)."""
+        if self._fires(self.cfg.loader_error_rank, self.cfg.loader_error_step, step):
+            print(f"[mindspeed-flow] fault drill: data loader error on rank {self.rank} at step {step}", flush=True)
+            raise RuntimeError(f"fault drill: the data loader of rank {self.rank} failed at step {step}")
 
     def signal_self(self, step: int) -> None:
         """SIGTERM this rank after step `sigterm_step` (a preemption notice reaching one rank first)."""

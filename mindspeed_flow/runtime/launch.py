@@ -51,7 +51,10 @@ def prepare(overrides: list[str], *, owner: bool = True) -> tuple[Path, int]:
         return Path(name), layout.world_size
     preflight(job.data, job.trainer.global_batch_size)
     run_dir = Path(job.run_dir)
-    claim(run_dir, resume=job.trainer.resume, overwrite=job.trainer.overwrite, experiment=job.experiment_name)
+    # Under an outer torchrun that restarted its workers, this is the same run continuing, not a rerun.
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    claim(run_dir, resume=job.trainer.resume or restarted, overwrite=job.trainer.overwrite and not restarted,
+          experiment=job.experiment_name)
     path = run_dir / "config.yaml"
     save(cfg, path)
     load(path)  # exactly what every worker will read must validate here, before any process starts

@@ -183,6 +183,7 @@ def run_worker(config_path: str) -> None:
     for step in range(start_step, job.trainer.steps):
         watchdog.activity = f"step {step} ({doing})"
         drills.at_step_start(step, watchdog)
+        drills.loader_error(step)
         sample_ids = next(batches)
         shapes = [dataset.shape(i) for i in sample_ids]
         work = plan_for_step(job, topo, step, shapes, cost_model)
