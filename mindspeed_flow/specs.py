@@ -1,4 +1,4 @@
-"""Architecture specs of the two parts of a VLM, with exact parameter counts and the FLOP formulas of DESIGN §5.
+"""Architecture specs of the two parts of a VLM, with exact parameter counts and their FLOP formulas.
 
 Pure computation (no torch). Shared by the packing cost model, the planner and the MFU estimate, so the
 three always agree. `VLMSpec.from_hf_config` reads a HF transformers config (object or dict) of Qwen2-VL,
@@ -60,7 +60,7 @@ class LLMSpec:
 
     @property
     def flops_params(self) -> int:
-        """P_llm of DESIGN §5: non-embedding parameters plus the output head (always computed, tied or not)."""
+        """P_llm: non-embedding parameters plus the output head (always computed, tied or not)."""
         return self.non_embedding_params + self.vocab_size * self.hidden_size
 
     def linear_flops_per_token(self, trainable: bool = True) -> float:

@@ -1,5 +1,5 @@
 """Backbone data parallelism: DDP and FSDP2 over 2 gloo ranks equal one process after AdamW steps, and the
-global gradient norm / clipping helpers count every gradient exactly once (issue 2 item 5)."""
+global gradient norm / clipping helpers count every gradient exactly once."""
 from __future__ import annotations
 
 import pytest
@@ -80,7 +80,7 @@ def _dp_rank(rank: int, world: int, mode: str) -> dict:
     norms = _train(backbone, forward, packs, embeds, mine, replicated, dist.group.WORLD)
     ref = dict(ref_bb.named_parameters())
     worst = max((_full(p) - ref[n]).abs().max().item() for n, p in backbone.named_parameters())
-    # the parity criterion of issue 2: allclose(rtol=1e-4, atol=1e-6) on every parameter
+    # the parity criterion: allclose(rtol=1e-4, atol=1e-6) on every parameter
     close = all(torch.allclose(_full(p), ref[n], rtol=1e-4, atol=1e-6) for n, p in backbone.named_parameters())
     moved = min((_full(p) - q).abs().max().item() for (n, p), q in zip(backbone.named_parameters(), _initial()))
     sharded = any(isinstance(p, DTensor) for p in backbone.parameters())

@@ -1,4 +1,4 @@
-"""Backbone pipeline parallelism: 2 stages over gloo equal the single-process BackbonePart (issue 2 item 5)."""
+"""Backbone pipeline parallelism: 2 stages over gloo equal the single-process BackbonePart."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""The torch host's split is exact, and packed microbatches equal their unpacked samples (issue 2 item 5, issue 3 item 6)."""
+"""The torch host's split is exact, and packed microbatches equal their unpacked samples."""
 from __future__ import annotations
 
 import dataclasses

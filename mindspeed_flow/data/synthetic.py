@@ -1,4 +1,4 @@
-"""`SyntheticInfoVQA`: a seeded InfoVQA-like workload (DESIGN §8) with real pixels, token ids and labels.
+"""`SyntheticInfoVQA`: a seeded InfoVQA-like workload with real pixels, token ids and labels.
 
 Shape statistics follow InfoVQA: tall infographics, width log-normal around 1000 px (600-6250), height
 log-normal around 3x the width (up to 9400), Qwen2-VL dynamic resolution (`smart_resize` within

@@ -1,4 +1,4 @@
-"""Dynamic packing scheduler: cost-balanced backbone microbatches over DP ranks x slots (issue 3).
+"""Dynamic packing scheduler: cost-balanced backbone microbatches over DP ranks x slots.
 
 The runtime calls `plan_step` on every rank with the step's sample shapes; the result, a `StepPlan`, says which
 samples form each microbatch of each DP rank (same count on every rank), and in which order each encoder rank

@@ -1,4 +1,4 @@
-"""Compute-cost model of one sample for the packing scheduler (DESIGN §5).
+"""Compute-cost model of one sample for the packing scheduler.
 
 The scheduler balances *cost*, not tokens, so this module turns a `SampleShape` into two numbers:
 
@@ -45,7 +45,7 @@ class CostModel:
 
     @staticmethod
     def from_spec(spec: VLMSpec, frozen_encoder: bool = False) -> "CostModel":
-        """FLOP coefficients of DESIGN §5 for a trainable backbone and a trainable or frozen encoder."""
+        """FLOP coefficients (specs.py) for a trainable backbone and a trainable or frozen encoder."""
         vision = spec.vision
         enc_mult = 2.0 if frozen_encoder else 6.0  # forward only = one third of forward + backward
         attn_mult = 4.0 if frozen_encoder else 12.0  # QK^T and AV, 2 FLOPs per MAC, non-causal

@@ -1,4 +1,4 @@
-"""Seeded shape-only workloads for the packing scheduler and its benchmark (DESIGN §8); no pixels.
+"""Seeded shape-only workloads for the packing scheduler and its benchmark; no pixels.
 
 InfoVQA-like: tall infographics, width about 600-6250 px (typically ~1000), aspect height/width mostly 1:1 to 1:6
 (heights up to ~9400 px, typically 1000x3000), resized the Qwen2-VL way (each side to a multiple of 28, pixels

@@ -13,7 +13,7 @@ first and loads the first that verifies, printing one line per folder it skipped
 truncated `.metadata`, unfinished save, another run's). Older checkpoints are deleted only after a newer one is
 complete, only this run's, and a failed delete never stops training. A failed save (ENOSPC ...) leaves a folder
 without a manifest, so the previous checkpoint stays the newest valid one. Async saves use their own gloo group
-(DESIGN §7: on the default group `async_save` deadlocks while training runs).
+(on the default group `async_save` deadlocks while training runs).
 """
 from __future__ import annotations
 
@@ -184,7 +184,7 @@ class Checkpointer:
         self.async_save = async_save
         self.layout = dict(layout or {})
         self.verbose = verbose
-        # Own gloo group: async saves need it (DESIGN §7) and the resume decision is broadcast on it.
+        # Own gloo group: async saves need it and the resume decision is broadcast on it.
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._pending: Optional[_Pending] = None
         self.blocking_seconds: list[float] = []

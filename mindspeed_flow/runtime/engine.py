@@ -1,4 +1,4 @@
-"""The step engine (DESIGN §4): producer loop on encoder ranks, consumer loop on backbone ranks, and the
+"""The step engine: producer loop on encoder ranks, consumer loop on backbone ranks, and the
 coupled baseline, sharing the plan, the loss normalisation and the optimizer code.
 
 Loss: the global per-token mean over the step's label tokens. Each backbone microbatch contributes

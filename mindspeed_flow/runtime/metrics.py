@@ -2,7 +2,7 @@
 
 Each rank fills a fixed vector of named slots; one all_gather on a dedicated gloo group (async, so a frozen
 encoder running ahead never waits for the backbone's metrics) brings them to the writer, which aggregates and
-appends to RUN_DIR/metrics.jsonl. MFU follows DESIGN §5: model FLOPs actually trained (padding excluded) per
+appends to RUN_DIR/metrics.jsonl. MFU: model FLOPs actually trained (padding excluded) per
 second over devices x per-device peak; the formula and the peak used are printed once at start.
 """
 from __future__ import annotations

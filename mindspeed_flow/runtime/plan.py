@@ -1,4 +1,4 @@
-"""From a global batch's sample shapes to every rank's work for one step (DESIGN §4, steps 1-2).
+"""From a global batch's sample shapes to every rank's work for one step.
 
 Every rank runs this on the same inputs and gets the same answer, so no rank asks another what to do:
   1. the packing scheduler assigns samples to (backbone DP rank, microbatch slot) by LLM cost;

@@ -39,7 +39,7 @@ from mindspeed_flow.topology import Layout, Topology
 
 def init_distributed(acc: Accelerator, timeout_s: float) -> tuple[int, int]:
     """Join the world. A worker restarted by the elastic agent gets a fresh store prefix: a restarted worker's
-    plain init_process_group fails to connect the gloo mesh (DESIGN §7)."""
+    plain init_process_group fails to connect the gloo mesh."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -139,7 +139,7 @@ def run_worker(config_path: str) -> None:
     peak_total, peak_desc = machine_peak_flops(acc, job, world)
     if is_writer:
         print(f"[mindspeed-flow] {layout.describe()} on {world} x {acc.device_name}; "
-              f"MFU = model FLOPs per step (DESIGN §5, padding excluded) / step seconds / peak of all devices "
+              f"MFU = model FLOPs per step (padding excluded) / step seconds / peak of all devices "
               f"({peak_desc})", flush=True)
         # What the installed torch lacks and how this run works around it (nothing on a current torch). The writer
         # is a backbone rank of the last stage, so it has met every adaptation the layout needs (FSDP, pipeline).
