@@ -573,3 +573,44 @@ def test_pool_payloads_ride_the_topology_hccl_groups_under_emulation():
     assert producer["control"] == "gloo" and producer["routed"] and consumer["routed"]
     assert len(set(producer["names"])) == 2 and all(n.startswith("fakehccl_") for n in producer["names"])
     assert consumer["gets"] == 3 and producer["grads"] == 3
+
+
+# ------------------------------------------------------------------------------------------------ receive ahead
+def _transfer_rank(rank: int, world: int, receive_ahead: bool) -> dict[str, float]:
+    """Rank 0 puts 6 embeddings for rank 1. With receive_ahead, rank 1 lets them all land before its first get
+    (as if it were computing earlier microbatches): no transfer time is exposed. Without it, nothing is received
+    before get() asks, so the transfers happen while a get() is blocked: exposed."""
+    n = 6
+    pool = EmbeddingPool(rank=rank, group=None, capacity_bytes=1 << 24, timeout_s=60, device=CPU,
+                         return_grads=False, receive_ahead=receive_ahead)
+    out: dict[str, float] = {}
+    if rank == 0:
+        for sid in range(n):
+            pool.put(_embedding(sid, 0, 64), sample_id=sid, step=0, consumer=1)
+        _signal([1])
+        pool.flush()
+    else:
+        pool.expect(producer=0, items=[(sid, 0) for sid in range(n)])
+        _await_signal(0)  # every put was issued
+        if receive_ahead:
+            while pool.stats().bytes_received < n * 64 * HIDDEN * 4:
+                time.sleep(0.005)
+        out["received_before_get"] = float(pool.stats().bytes_received)
+        for sid in range(n):
+            assert torch.equal(pool.get(sample_id=sid, step=0, producer=0), _embedding(sid, 0, 64))
+        s = pool.stats()
+        out.update(transfer_s=s.transfer_s, exposed_s=s.transfer_exposed_s)
+    pool.close()
+    return out
+
+
+@pytest.mark.parametrize("receive_ahead", [True, False])
+def test_receiving_ahead_hides_the_transfer_and_on_demand_exposes_it(receive_ahead: bool) -> None:
+    r = run_ranks(_transfer_rank, 2, receive_ahead, timeout_s=120)[1]
+    assert r["transfer_s"] > 0
+    if receive_ahead:
+        assert r["received_before_get"] == 6 * 64 * HIDDEN * 4 and r["exposed_s"] == 0.0
+    else:
+        # nothing moved before get() asked; the first message's transfer happened while get() was blocked (later
+        # payloads of the same message may land between two gets: those count as hidden)
+        assert r["received_before_get"] == 0 and 0 < r["exposed_s"] <= r["transfer_s"]

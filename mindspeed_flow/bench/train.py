@@ -14,6 +14,11 @@ compare ratios within one invocation, not absolute figures across machines.
         --variant "pp2_per_step=parallel=enc1_bb_pp2 packing.pad_multiple=64" \
         --variant "flat_per_step=packing.pad_multiple=64"
 
+and the embedding transfer time exposed per step with and without receiving ahead:
+
+    mindspeed-flow bench train --modes decoupled --variant "prefetch=flow.prefetch_embeddings=true" \
+        --variant "no_prefetch=flow.prefetch_embeddings=false"
+
 Ratios are against the first row (samples/s).
 """
 from __future__ import annotations
@@ -36,6 +41,9 @@ def _summarize(lines: list[dict], warmup: int) -> dict:
         "padding_fraction": statistics.mean(x["padding_fraction"] for x in steady),
         "encoder_busy_s": statistics.mean(x["encoder_busy_s"] for x in steady),
         "backbone_wait_s": statistics.mean(x["backbone_wait_s"] for x in steady),
+        # per step, summed over backbone ranks: embedding transfer time a get() was blocked on, and the rest
+        "transfer_exposed_s": statistics.mean(x.get("transfer_exposed_s") or 0.0 for x in steady),
+        "transfer_hidden_s": statistics.mean(x.get("transfer_hidden_s") or 0.0 for x in steady),
         "final_loss": lines[-1]["loss"],
     }
 
@@ -92,7 +100,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps(out, indent=2))
         return 0
     cols = ["samples_per_s", "samples_per_s_vs_first", "median_step_s", "mfu", "padding_fraction",
-            "encoder_busy_s", "backbone_wait_s", "final_loss"]
+            "encoder_busy_s", "backbone_wait_s", "transfer_exposed_s", "transfer_hidden_s", "final_loss"]
     width = max(10, *(len(m) + 2 for m in results))
     print(f"{'mode':<{width}}" + "".join(f"{c:>24}" for c in cols))
     for mode, r in results.items():

@@ -94,6 +94,9 @@ class FlowConfig:
     pool_capacity_mb: float = 64.0
     # Every blocking receive gives up after this many seconds, naming the peer and what was awaited.
     timeout_s: float = 120.0
+    # Receive embeddings ahead, in the background, while the backbone computes earlier microbatches (False:
+    # receive each one when the backbone asks for it; the baseline for the hidden / exposed transfer figures).
+    prefetch_embeddings: bool = True
     # Encoder keeps activations between forward and backward (False: recompute per sample in backward).
     keep_encoder_activations: bool = True
     # ViT patches per encoder forward: consecutive samples of a rank's encode (= consumption) order are encoded

@@ -61,6 +61,7 @@ class _Held:
 
     handle: EmbeddingHandle
     tensor: torch.Tensor | None = None  # None while the payload is still arriving
+    landing_t: float = 0.0  # time.monotonic() when its header landed (the payload transfer starts)
 
 # Items queued behind a send share a message up to this much payload; a larger item goes alone. Large items gain
 # nothing from sharing a header (their transfer dwarfs it) and, measured with `bench pool`, lose pipelining.
@@ -88,7 +89,11 @@ class EmbeddingPool:
     def __init__(self, *, rank: int, group: dist.ProcessGroup | None, capacity_bytes: int, timeout_s: float,
                  device: torch.device, host_tier_bytes: int | None = None, return_grads: bool = True,
                  max_batch_items: int = MAX_BATCH,
-                 data_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None) -> None:
+                 data_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
+                 receive_ahead: bool = True) -> None:
+        """`receive_ahead`: receive expected embeddings in the background as soon as they are sent (prefetch:
+        their transfer hides behind the consumer's compute); False receives an item only once get() asks for it
+        (or for a later one of the same producer), the baseline that shows what prefetching hides."""
         if not dist.is_initialized():
             raise RuntimeError("EmbeddingPool needs an initialized torch.distributed process group")
         if capacity_bytes <= 0:
@@ -115,6 +120,10 @@ class EmbeddingPool:
         self.host_tier_bytes = host_tier_bytes
         self.return_grads = return_grads
         self.max_batch_items = max_batch_items
+        self.receive_ahead = receive_ahead
+        self._get_blocked_since: float | None = None  # when the get() now waiting began to wait
+        self._last_landed: dict[int, float] = {}  # per producer: when its previous payload landed
+        self._unrequested: dict[int, deque[tuple[int, int]]] = {}  # receive_ahead=False: expected, not asked for
         self._wire_device = _transport_device(group, self.device)
         # Payloads: on the device groups in device memory, else staged like the headers.
         self.data_groups = data_groups
@@ -223,7 +232,10 @@ class EmbeddingPool:
                                      f"{producer} is already expected")
                 self._planned.add(key)
                 plan.append(item)
-                stream.request(1)
+                if self.receive_ahead:
+                    stream.request(1)
+                else:
+                    self._unrequested.setdefault(producer, deque()).append(item)
 
     @traced("pool.get")
     def get(self, *, sample_id: int, step: int, producer: int,
@@ -245,10 +257,23 @@ class EmbeddingPool:
                 self._planned.add(key)
                 self._plans.setdefault(producer, deque()).append((sample_id, step))
                 self._stream(self._embedding_streams, producer, "embedding").request(1)
-            while key not in self._held or self._held[key].tensor is None:
-                self._raise_if_failed([self._embedding_streams[producer]], what)
-                if not self._wait(deadline):
-                    raise PoolTimeout(self._get_timeout_message(what, producer))
+            elif (sample_id, step) in self._unrequested.get(producer, ()):
+                # Receive on demand: this item and the producer's earlier ones (they come first on the wire).
+                pending, n = self._unrequested[producer], 0
+                while pending:
+                    n += 1
+                    if pending.popleft() == (sample_id, step):
+                        break
+                self._stream(self._embedding_streams, producer, "embedding").request(n)
+            if key not in self._held or self._held[key].tensor is None:
+                self._get_blocked_since = start
+            try:
+                while key not in self._held or self._held[key].tensor is None:
+                    self._raise_if_failed([self._embedding_streams[producer]], what)
+                    if not self._wait(deadline):
+                        raise PoolTimeout(self._get_timeout_message(what, producer))
+            finally:
+                self._get_blocked_since = None
             held = self._held[key]
             h = held.handle
             if expected_shape is not None and tuple(expected_shape) != h.shape:
@@ -371,7 +396,7 @@ class EmbeddingPool:
                 self._counters.host_tier_items += int(tier == "host")
                 self._held[(producer, *header.key)] = _Held(EmbeddingHandle(
                     header.sample_id, header.step, producer, self.rank, header.shape, header.dtype, header.nbytes,
-                    tier))
+                    tier), landing_t=time.monotonic())
         return [(h, self._payload_buffer(h)) for h in headers]
 
     def _deliver_embedding(self, producer: int, header: WireHeader, buffer: torch.Tensor | None) -> None:
@@ -386,8 +411,21 @@ class EmbeddingPool:
             tensor = tensor.to(self.device)
         with self._cond:
             self._held[key].tensor = tensor
+            self._account_transfer(producer, self._held[key].landing_t)
             self._counters.bytes_received += header.nbytes
             self._cond.notify_all()
+
+    def _account_transfer(self, producer: int, landing_t: float) -> None:
+        """Count one landed payload (under the lock): its time on the wire, from its header landing or the
+        producer's previous payload landing (payloads of one stream arrive one after another), and the part of it
+        during which a get() was blocked (exposed; the rest was hidden behind the consumer's compute)."""
+        now = time.monotonic()
+        begin = max(landing_t, self._last_landed.get(producer, 0.0))
+        self._last_landed[producer] = now
+        c = self._counters
+        c.transfer_s += now - begin
+        if self._get_blocked_since is not None:
+            c.transfer_exposed_s += max(0.0, now - max(begin, self._get_blocked_since))
 
     def _land_credit(self, consumer: int, raw: torch.Tensor) -> list[tuple[WireHeader, None]]:
         return [(h, None) for h in decode_header(raw, expected_channel=CHANNEL_CREDIT, peer=consumer)]

@@ -30,6 +30,11 @@ class PoolStats:
     # seconds blocked: put (backpressure), get, wait_grad, flush
     put_wait_s: float
     get_wait_s: float
+    # consumer side, per embedding taken by get(): seconds its payload was on the wire (from its header landing to
+    # its payload landing), and the part of that during which get() was blocked on it (exposed; the rest was hidden
+    # behind the consumer's compute by receiving ahead)
+    transfer_s: float
+    transfer_exposed_s: float
     grad_wait_s: float
     flush_wait_s: float
     # traffic and counts
@@ -68,6 +73,8 @@ class PoolCounters:
     buffered_items: int = 0
     put_wait_s: float = 0.0
     get_wait_s: float = 0.0
+    transfer_s: float = 0.0
+    transfer_exposed_s: float = 0.0
     grad_wait_s: float = 0.0
     flush_wait_s: float = 0.0
     bytes_sent: int = 0

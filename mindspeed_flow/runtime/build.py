@@ -87,7 +87,7 @@ def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.d
 
     pool = EmbeddingPool(rank=topo.rank, group=topo.pool_group, data_groups=topo.pool_data_groups,
                          capacity_bytes=int(job.flow.pool_capacity_mb * 2**20), timeout_s=job.flow.timeout_s,
-                         device=device, return_grads=not frozen)
+                         device=device, return_grads=not frozen, receive_ahead=job.flow.prefetch_embeddings)
     tp = topo.part_layout.tp
     if topo.is_encoder:
         del backbone

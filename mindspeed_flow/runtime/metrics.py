@@ -22,6 +22,7 @@ SLOTS = (
     "encoder_busy_s", "encoder_wait_s", "encoder_last_sample_done_t", "encoder_samples", "encoder_forwards",
     "backbone_busy_s", "backbone_wait_s", "backbone_first_mb_start_t",
     "loss_sum", "label_tokens", "pool_peak_bytes", "pool_bytes_sent", "grad_norm", "peak_rss_bytes",
+    "pool_transfer_s", "pool_transfer_exposed_s",
 )
 INDEX = {name: i for i, name in enumerate(SLOTS)}
 
@@ -162,6 +163,11 @@ class MetricsGatherer:
             "backbone_wait_s": agg("backbone_wait_s", bb),
             "pool_occupancy_peak_bytes": agg("pool_peak_bytes", everyone),
             "pool_bytes_sent": agg("pool_bytes_sent", enc, "sum"),
+            # embedding transfers as the backbone ranks saw them (summed over ranks): on the wire, and the part
+            # a get() was blocked on (exposed); the rest was hidden behind compute by receiving ahead
+            "transfer_s": agg("pool_transfer_s", bb, "sum"),
+            "transfer_exposed_s": agg("pool_transfer_exposed_s", bb, "sum"),
+            "transfer_hidden_s": agg("pool_transfer_s", bb, "sum") - agg("pool_transfer_exposed_s", bb, "sum"),
             "grad_norm": agg("grad_norm", everyone),
             "mfu": mfu,
             "model_tflops": s.model_flops / 1e12,

@@ -25,6 +25,8 @@ SCALARS: dict[str, Callable[[dict[str, Any]], Optional[float]]] = {
     "parts/backbone_wait_s": lambda m: m.get("backbone_wait_s"),
     "pool/occupancy_peak_mb": lambda m: (m.get("pool_occupancy_peak_bytes") or 0.0) / 2**20,
     "pool/sent_mb": lambda m: (m.get("pool_bytes_sent") or 0.0) / 2**20,
+    "pool/transfer_exposed_s": lambda m: m.get("transfer_exposed_s"),
+    "pool/transfer_hidden_s": lambda m: m.get("transfer_hidden_s"),
     "memory/peak_rss_mb": lambda m: m.get("peak_rss_mb"),
 }
 
