@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,9 @@ def compare(layouts: list[str], model: str, data: str, global_batch: int, steps:
         shutil.copytree(recipes_dir(), recipes)
     rows: list[dict[str, Any]] = []
     overhead = sim_overhead = 0.0
+    # One fresh folder of runs per invocation: a reused --workdir keeps earlier runs (run directories are never
+    # overwritten) and this invocation's runs sit beside them.
+    runs = workdir / "runs" / time.strftime("%Y%m%d-%H%M%S")
     for k, text in enumerate(layouts):
         layout = parse_layout(text)
         plan, ref = plan_layout(layout, model, data, global_batch, profile, overhead, token_budget)
@@ -109,7 +113,7 @@ def compare(layouts: list[str], model: str, data: str, global_batch: int, steps:
             recipe_yaml(plan, name, ref.recipe, data_recipe, ref.inline, data_inline))
         share = core_share(plan.devices)
         try:
-            metrics = run_training(recipes, name, steps, workdir / "runs" / name)
+            metrics = run_training(recipes, name, steps, runs / name)
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # one broken layout must not hide the others
             print(f"validate: layout {text} did not train: {str(e)[-400:]}", file=sys.stderr)
             continue
@@ -117,7 +121,7 @@ def compare(layouts: list[str], model: str, data: str, global_batch: int, steps:
         measured = measured_step_seconds(metrics)
         step = measured_step_index(metrics)
         # the simulator replays that very step (same batch, same step plan)
-        job = config_load.load(workdir / "runs" / name / "config.yaml")
+        job = config_load.load(runs / name / "config.yaml")
         # the fastest step is the one the other jobs on the machine disturbed least: the host's own cores
         simulated = simulate_job(job, plan.problem.ctx, [step], cores=min(plan.devices, os.cpu_count() or 1),
                                  step_overhead_s=sim_overhead)[step]
