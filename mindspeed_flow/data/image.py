@@ -11,7 +11,6 @@ LLaVA: resize to image_size x image_size, normalize; [n, 3, S, S] and grid (1, S
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,25 +26,35 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200.0
 
 
+def smart_resize_many(height: np.ndarray, width: np.ndarray, min_pixels: int, max_pixels: int,
+                      factor: int = 28) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen2-VL's target sizes, vectorised (a million samples' shapes at once): both sides multiples of
+    `factor`, h*w within [min_pixels, max_pixels]. The one implementation of the rule; `smart_resize` is its
+    checked scalar form."""
+    h = np.asarray(height, dtype=np.float64)
+    w = np.asarray(width, dtype=np.float64)
+    # np.round is half to even, as Python's round() the reference processor uses
+    hb, wb = np.round(h / factor) * factor, np.round(w / factor) * factor
+    too_big = hb * wb > max_pixels
+    too_small = ~too_big & (hb * wb < min_pixels)
+    shrink = np.sqrt(h * w / max_pixels)
+    grow = np.sqrt(min_pixels / (h * w))
+    hb = np.where(too_big, np.maximum(factor, np.floor(h / shrink / factor) * factor), hb)
+    wb = np.where(too_big, np.maximum(factor, np.floor(w / shrink / factor) * factor), wb)
+    hb = np.where(too_small, np.ceil(h * grow / factor) * factor, hb)
+    wb = np.where(too_small, np.ceil(w * grow / factor) * factor, wb)
+    return hb.astype(np.int64), wb.astype(np.int64)
+
+
 def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,
                  max_pixels: int = 28 * 28 * 1280) -> tuple[int, int]:
-    """Qwen2-VL's target size: both sides multiples of `factor`, h*w within [min_pixels, max_pixels]."""
+    """Qwen2-VL's target size of one image (see `smart_resize_many`), with its size checks."""
     if height <= 0 or width <= 0:
         raise ValueError(f"image size must be positive, got {height}x{width}")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise ValueError(f"image {height}x{width}: aspect ratio above {MAX_ASPECT_RATIO:.0f} is not supported")
-    # Python's round() (half to even) on purpose: the reference processor uses it too.
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        shrink = math.sqrt(height * width / max_pixels)
-        h_bar = max(factor, math.floor(height / shrink / factor) * factor)
-        w_bar = max(factor, math.floor(width / shrink / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        grow = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * grow / factor) * factor
-        w_bar = math.ceil(width * grow / factor) * factor
-    return h_bar, w_bar
+    hb, wb = smart_resize_many(np.array([height]), np.array([width]), min_pixels, max_pixels, factor)
+    return int(hb[0]), int(wb[0])
 
 
 def qwen2_grid(height: int, width: int, spec: TokenSpec, min_pixels: int, max_pixels: int) -> tuple[int, int, int]:

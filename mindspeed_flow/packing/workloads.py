@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from mindspeed_flow.data.image import smart_resize_many
 from mindspeed_flow.data.shapes import SampleShape
 
 PATCH = 14
@@ -27,20 +28,8 @@ FACTOR = 28  # patch 14 x spatial merge 2
 
 def smart_resize(height: np.ndarray, width: np.ndarray, min_pixels: int,
                  max_pixels: int) -> tuple[np.ndarray, np.ndarray]:
-    """Qwen2-VL resize: sides to multiples of 28 (nearest), then scaled down/up into [min_pixels, max_pixels]."""
-    h = np.asarray(height, dtype=np.float64)
-    w = np.asarray(width, dtype=np.float64)
-    hb = np.maximum(FACTOR, np.round(h / FACTOR) * FACTOR)
-    wb = np.maximum(FACTOR, np.round(w / FACTOR) * FACTOR)
-    too_big = hb * wb > max_pixels
-    beta = np.sqrt(h * w / max_pixels)
-    hb = np.where(too_big, np.maximum(FACTOR, np.floor(h / beta / FACTOR) * FACTOR), hb)
-    wb = np.where(too_big, np.maximum(FACTOR, np.floor(w / beta / FACTOR) * FACTOR), wb)
-    too_small = hb * wb < min_pixels
-    beta = np.sqrt(min_pixels / (h * w))
-    hb = np.where(too_small, np.ceil(h * beta / FACTOR) * FACTOR, hb)
-    wb = np.where(too_small, np.ceil(w * beta / FACTOR) * FACTOR, wb)
-    return hb.astype(np.int64), wb.astype(np.int64)
+    """Qwen2-VL resize of many shapes (patch 14 x merge 2): the data layer's one rule, vectorised."""
+    return smart_resize_many(height, width, min_pixels, max_pixels, FACTOR)
 
 
 @dataclass
