@@ -106,7 +106,9 @@ def pad_tail(t: torch.Tensor, n: int, value: int) -> torch.Tensor:
     return torch.cat([t, torch.full((*t.shape[:-1], n), value, dtype=t.dtype, device=t.device)], dim=-1)
 
 
-def check_budget(sample_ids: Sequence[int], seq_lens: Sequence[int], token_budget: int) -> None:
+def check_pack_fits(sample_ids: Sequence[int], seq_lens: Sequence[int], token_budget: int) -> None:
+    """One packed microbatch within the token budget (the packer's contract; the recipe's budget rule is
+    `packing.check_budget`)."""
     if token_budget <= 0:
         raise ValueError(f"packing.token_budget={token_budget} must be positive")
     total = sum(seq_lens)

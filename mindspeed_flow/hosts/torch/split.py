@@ -21,7 +21,7 @@ from torch import nn
 from mindspeed_flow.data.sample import IGNORE_INDEX, VLMSample
 from mindspeed_flow.hosts.torch import attention, hf_compat
 from mindspeed_flow.hosts.torch.attention import Segments
-from mindspeed_flow.hosts.torch.packed import (PackedBatch, check_budget, cu_seqlens_for, pad_tail,
+from mindspeed_flow.hosts.torch.packed import (PackedBatch, check_pack_fits, cu_seqlens_for, pad_tail,
                                                restart_positions, segment_ids_for, shifted_labels)
 
 
@@ -103,7 +103,7 @@ class BackbonePart(nn.Module):
         """One packed microbatch of exactly `token_budget` tokens (zero samples gives an all-padding batch)."""
         seq_lens = [s.llm_tokens for s in samples]
         sample_ids = [s.sample_id for s in samples]
-        check_budget(sample_ids, seq_lens, token_budget)
+        check_pack_fits(sample_ids, seq_lens, token_budget)
         counts = [self._image_tokens_of(s) for s in samples]
         if image_embeds is not None:
             self._check_embeds(sample_ids, counts, image_embeds)
