@@ -7,4 +7,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 source scripts/torch_flavour.sh  # MSF_TORCH=2.7: the same demo on torch 2.7.1 (.venv-torch27)
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec "$VENV/bin/mindspeed-flow" train experiment=default run_dir=runs/demo "$@"
+# Each demo writes a new run directory (run directories are never overwritten): runs/demo-YYYYmmdd-HHMMSS.
+exec "$VENV/bin/mindspeed-flow" train experiment=default "run_dir=runs/demo-$(date +%Y%m%d-%H%M%S)" "$@"
