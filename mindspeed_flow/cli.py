@@ -37,6 +37,7 @@ BENCHMARKS: dict[str, str] = {
     "checkpoint": "mindspeed_flow.bench.checkpoint",
     "attention": "mindspeed_flow.bench.attention",
     "build": "mindspeed_flow.bench.build",
+    "device": "mindspeed_flow.bench.device",
 }
 
 

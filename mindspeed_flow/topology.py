@@ -68,7 +68,8 @@ class Layout:
     @staticmethod
     def from_config(parallel_cfg, mode: str) -> "Layout":
         """From the `parallel` recipe group. Coupled mode puts every rank in one DP group running the whole model
-        on the same number of ranks the decoupled layout would use, so the two compare on equal hardware."""
+        on the same number of ranks the decoupled layout would use, so the two compare on equal hardware (or on
+        `parallel.world_size` ranks when that is set)."""
         enc = PartLayout(ENCODER, parallel_cfg.encoder.dp, parallel_cfg.encoder.tp, parallel_cfg.encoder.pp,
                          parallel_cfg.encoder.cp)
         bb = PartLayout(BACKBONE, parallel_cfg.backbone.dp, parallel_cfg.backbone.tp, parallel_cfg.backbone.pp,
@@ -76,7 +77,10 @@ class Layout:
         if mode == "decoupled":
             return Layout((enc, bb), "decoupled")
         if mode == "coupled":
-            return Layout((PartLayout(COUPLED, dp=enc.size + bb.size),), "coupled")
+            # `parallel.world_size`, when set, sizes the coupled DP group on its own: a one-device coupled job
+            # (the single-accelerator check of `bench device`) has no decoupled layout of its size.
+            ranks = int(getattr(parallel_cfg, "world_size", 0) or 0) or enc.size + bb.size
+            return Layout((PartLayout(COUPLED, dp=ranks),), "coupled")
         raise LayoutError(f"flow.mode={mode!r}: must be 'decoupled' or 'coupled'")
 
     @property

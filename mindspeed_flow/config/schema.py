@@ -83,6 +83,7 @@ class ParallelConfig:
     # Row chunks the chunked implementation splits a matmul into (each chunk's collective hides behind the next)
     tp_overlap_chunks: int = 2
     # Expected world size; 0 means "whatever the layout needs". A mismatch with the launched world is an error.
+    # In coupled mode (flow.mode=coupled) a value > 0 is the number of coupled DP ranks.
     world_size: int = 0
 
 

@@ -67,8 +67,13 @@ def _greedy_pack(lengths: list[int], budget: int) -> list[int]:
 
 
 def measure(model_name: str, data: str, cluster: str, budgets: list[int], repeats: int,
-            n_encoder_samples: int = 6, links: bool = True) -> dict[str, Any]:
+            n_encoder_samples: int = 6, links: bool = True, device: str = "cpu") -> dict[str, Any]:
+    """The profile table. `device` (cpu | cuda | npu | auto): where the model runs. On the CPU each call is
+    charged its thread CPU time; on an accelerator its wall time between two device synchronisations (the
+    device is this process's alone, and host CPU time says nothing of the kernels)."""
     import torch
+
+    from mindspeed_flow.accelerator import Accelerator
 
     from mindspeed_flow.data.synthetic import SyntheticInfoVQA, SyntheticParams
     from mindspeed_flow.data.tokens import token_spec_from_hf_config
@@ -85,8 +90,22 @@ def measure(model_name: str, data: str, cluster: str, budgets: list[int], repeat
     flash = problem.cfg.flash_attention
     spec = VLMSpec.from_hf_config(ref.hf_config)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[ref.dtype]
-    model = build_vlm(ref.hf_config["model_type"], ref.hf_config, seed=0, dtype=dtype)
+    acc = Accelerator.detect(device)
+    model = build_vlm(ref.hf_config["model_type"], ref.hf_config, seed=0, dtype=dtype).to(acc.device())
     encoder, backbone = split_vlm(model)
+    on_device = acc.device_type != "cpu"
+
+    def timed(fn: Any) -> tuple[float, float]:
+        """(wall, charged) seconds: the charged figure is what the fit uses (see the docstring)."""
+        if not on_device:
+            return time_call(fn, repeats=repeats)
+
+        def synced() -> None:
+            fn()
+            acc.synchronize()
+        acc.synchronize()
+        wall, _ = time_call(synced, repeats=repeats)
+        return wall, wall
     dc = _data_config(data)
     ds = SyntheticInfoVQA(SyntheticParams(num_samples=min(dc.num_samples, 256), seed=dc.seed,
                                           min_pixels=dc.min_pixels, max_pixels=dc.max_pixels),
@@ -103,7 +122,7 @@ def measure(model_name: str, data: str, cluster: str, budgets: list[int], repeat
             out = encoder(s.pixel_values, s.image_grid_thw)
             if enc_part.trainable:
                 out.float().sum().backward()
-        wall, cpu = time_call(enc_step, repeats=repeats)
+        wall, cpu = timed(enc_step)
         shape = ds.shape(s.sample_id)
         rows.append({"part": "encoder", "size": shape.vit_patches,
                      "flops": encoder_call_flops(enc_part, list(shape.vit_patches_per_image), spec),
@@ -120,7 +139,7 @@ def measure(model_name: str, data: str, cluster: str, budgets: list[int], repeat
         def bb_step(packed=packed, idx=idx) -> None:
             loss, _ = backbone(packed, [embeds[i] for i in idx])
             loss.backward()
-        wall, cpu = time_call(bb_step, repeats=repeats)
+        wall, cpu = timed(bb_step)
         rows.append({"part": "backbone", "size": budget,
                      "flops": backbone_call_flops(bb_part, budget, flash, [lengths[i] for i in idx]),
                      "seconds": cpu, "wall_seconds": wall})
@@ -132,12 +151,14 @@ def measure(model_name: str, data: str, cluster: str, budgets: list[int], repeat
     spread = {"encoder": _spread(enc_rows, item_oh, enc_spf), "backbone": _spread(bb_rows, mb_oh, bb_spf)}
     calibration: dict[str, Any] = {"seconds_per_flop": {"encoder": enc_spf, "backbone": bb_spf},
                                    "item_overhead_s": item_oh, "microbatch_overhead_s": mb_oh, "spread": spread}
-    if links:
+    if links and not on_device:  # two ranks on one accelerator would share it: the link needs two devices
         link_rows = measure_links()
         rows += link_rows
         calibration["link"] = fit_link(link_rows)
     return {
-        "model": model_name, "data": data, "cluster": cluster, "device": platform.processor() or platform.machine(),
+        "model": model_name, "data": data, "cluster": cluster,
+        "device": acc.device_name if on_device else platform.processor() or platform.machine(),
+        "clock": "device wall (synchronised)" if on_device else "thread CPU",
         "threads": torch.get_num_threads(), "dtype": ref.dtype, "rows": rows, "calibration": calibration,
     }
 
@@ -204,15 +225,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budgets", default="512,1024,2048")
     ap.add_argument("--no-links", action="store_true", help="skip the 2-rank collective measurement")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | npu | auto: where the model is timed (an "
+                    "accelerator is timed by synchronised wall clock; the 2-rank link needs two devices and is "
+                    "skipped on one)")
     args = ap.parse_args(argv)
     kv = dict(a.split("=", 1) for a in args.kv)
     table = measure(kv.get("model", "tiny_qwen2_vl"), kv.get("data", "infovqa_tiny"), kv.get("cluster", "cpu"),
-                    [int(b) for b in args.budgets.split(",")], args.repeats, links=not args.no_links)
+                    [int(b) for b in args.budgets.split(",")], args.repeats, links=not args.no_links,
+                    device=args.device)
     write_outputs(table, args.out, args.csv)
     cal = table["calibration"]
     for r in table["rows"]:
         print(f"  {r['part']:<8} size {r['size']:>6}: {r['flops'] / 1e9:8.3f} GFLOP in {r['seconds'] * 1e3:7.2f} ms "
-              f"CPU ({r['wall_seconds'] * 1e3:7.2f} ms wall)")
+              f"charged ({r['wall_seconds'] * 1e3:7.2f} ms wall)")
+    print(f"clock: {table['clock']} on {table['device']}")
     spf = cal["seconds_per_flop"]
     print(f"calibration: encoder {1 / spf['encoder'] / 1e9:.2f} GFLOP/s + {cal['item_overhead_s'] * 1e3:.2f} ms/sample;"
           f" backbone {1 / spf['backbone'] / 1e9:.2f} GFLOP/s + {cal['microbatch_overhead_s'] * 1e3:.2f} ms/microbatch")
