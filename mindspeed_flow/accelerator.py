@@ -138,6 +138,18 @@ class Accelerator:
                 "peak_tflops": {d: self.peak_flops(d) and self.peak_flops(d) / 1e12 for d in ("bf16", "fp32")}}
 
 
+def detect_type(prefer: str = "auto") -> str:
+    """The device type `Accelerator.detect(prefer)` would pick, found without initialising the device runtime:
+    a process that forks workers (the local launcher, `bench device`) must not have touched CUDA/NPU first."""
+    if prefer in ("npu", "cuda", "cpu"):
+        return prefer
+    if prefer != "auto":
+        raise ValueError(f"device {prefer!r}: expected auto, npu, cuda or cpu")
+    if _torch_npu_available():
+        return "npu"
+    return "cuda" if torch.cuda.is_available() else "cpu"  # is_available() does not initialise CUDA
+
+
 def varlen_attention_kernel(device_type: str) -> str:
     """Varlen attention kernel by device type (`mindspeed_flow.hosts.torch.attention.KERNELS`).
 

@@ -26,6 +26,7 @@ others.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -35,6 +36,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from mindspeed_flow.accelerator import detect_type
 
 SECTIONS = ("pool", "attention", "build", "norm", "job")
 
@@ -61,19 +64,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.steps < 3:
         p.error(f"--steps {args.steps}: need at least 3 (2 warm-up steps, then measured ones)")
     return args
-
-
-def _device_type(requested: str) -> str:
-    """Resolve auto without initialising the device runtime: the pool section forks its ranks first."""
-    import importlib.util
-
-    import torch
-
-    if requested != "auto":
-        return requested
-    if importlib.util.find_spec("torch_npu") is not None and os.environ.get("ASCEND_HOME_PATH"):
-        return "npu"
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 # ------------------------------------------------------------------------------------------------------ pool
@@ -207,6 +197,7 @@ def section_build(args: argparse.Namespace, device_type: str) -> dict[str, Any]:
                              for p, ps in by_part.items()},
         }
         del model, encoder, backbone, by_part
+        gc.collect()  # the parts refer back to the model: free this build before the next one is measured
         if mod is not None:
             mod.empty_cache()
     enc = rows["encoder"]
@@ -324,7 +315,7 @@ def section_job(args: argparse.Namespace, device_type: str, out: Path) -> dict[s
 
 # ------------------------------------------------------------------------------------------------------ main
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    device_type = _device_type(args.device)
+    device_type = detect_type(args.device)  # without initialising it: the pool section forks first
     out = Path(args.out or f"runs/bench-device-{time.strftime('%Y%m%d-%H%M%S')}")
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"bench device: --out {out} already holds files; give a new folder (nothing is "

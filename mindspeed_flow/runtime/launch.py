@@ -64,12 +64,17 @@ def prepare(overrides: list[str], *, owner: bool = True) -> tuple[Path, int]:
 def launch_local(config_path: Path, nproc: int, max_restarts: int = 0) -> None:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from mindspeed_flow.accelerator import detect_type
     from mindspeed_flow.runtime.worker import run_worker_recorded
 
+    # Workers on CPU are forked (fast start). On a GPU/NPU they are spawned: a forked child cannot initialise
+    # CUDA/NPU once anything in this process has (a library import may), and fresh interpreters are what torchrun
+    # starts on a real cluster too.
+    start_method = "fork" if detect_type(os.environ.get("MSF_DEVICE", "auto")) == "cpu" else "spawn"
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"msf-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
-        monitor_interval=0.1, start_method="fork",
+        monitor_interval=0.1, start_method=start_method,
     )
     elastic_launch(config, run_worker_recorded)(str(config_path))
 
