@@ -196,7 +196,7 @@ def section_build(args: argparse.Namespace, device_type: str) -> dict[str, Any]:
             "materialized": {p: sum(t.numel() * t.element_size() for t in ps if t.device.type != "meta")
                              for p, ps in by_part.items()},
         }
-        del model, encoder, backbone, by_part
+        del model, encoder, backbone, by_part, module
         gc.collect()  # the parts refer back to the model: free this build before the next one is measured
         if mod is not None:
             mod.empty_cache()

@@ -327,14 +327,20 @@ class StepEngine:
         scale = self.m.dp_loss_scale / max(n_labels, 1)
         total = 0.0
         record["backbone_first_mb_start_t"] = time.time()
-        for k, mb in enumerate(row):
-            samples = timer.timed("busy", lambda: self.load_samples(mb.sample_ids, with_pixels=True))
-            with grad_sync(model, enabled=k == len(row) - 1):
-                def fwd_bwd() -> float:
-                    loss_sum, _ = model(samples, work.plan.seq_len or self.token_budget)
-                    (loss_sum * scale).backward()
-                    return float(loss_sum.detach())
-                total += timer.timed("busy", fwd_bwd)
+        # Pixels are prepared in a background thread a microbatch ahead, as a tuned coupled job's data loader does
+        # (the decoupled encoder prefetches too): the baseline is not charged for loading on its critical path.
+        order = [sid for mb in row for sid in mb.sample_ids]
+        depth = max(self.prefetch_depth, max((len(mb.sample_ids) for mb in row), default=1))
+        with prefetch_samples(self.dataset, order, with_pixels=True, depth=depth) as prefetched:
+            loader = iter(prefetched)
+            for k, mb in enumerate(row):
+                samples = [timer.timed("wait", lambda: next(loader)) for _ in mb.sample_ids]
+                with grad_sync(model, enabled=k == len(row) - 1):
+                    def fwd_bwd() -> float:
+                        loss_sum, _ = model(samples, work.plan.seq_len or self.token_budget)
+                        (loss_sum * scale).backward()
+                        return float(loss_sum.detach())
+                    total += timer.timed("busy", fwd_bwd)
         record["encoder_last_sample_done_t"] = time.time()
         record["loss_sum"], record["label_tokens"] = total, n_labels
         record["backbone_busy_s"], record["backbone_wait_s"] = timer.busy, timer.wait
