@@ -10,7 +10,7 @@ import pytest
 from mindspeed_flow.bench import device as bench_device
 
 CPU_ARGS = ["--device", "cpu", "--model", "tiny_qwen2_vl", "--data", "infovqa_tiny", "--tokens", "1024",
-            "--budgets", "256,512,1024", "--steps", "3", "--experiment", "default",
+            "--budgets", "256,512,1024", "--steps", "3", "--warmup", "2", "--experiment", "default",
             "--overrides", "parallel.world_size=1 flow=coupled trainer.global_batch_size=6"]
 
 

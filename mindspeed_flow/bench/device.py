@@ -51,7 +51,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--model", default="small_qwen2_vl", help="model recipe of the build and job sections")
     p.add_argument("--data", default="infovqa_1280", help="data recipe the profile samples")
     p.add_argument("--experiment", default="device_small", help="the job section's experiment recipe")
-    p.add_argument("--steps", type=int, default=8, help="training steps of the job (the first 2 are warm-up)")
+    p.add_argument("--steps", type=int, default=12, help="training steps of the job")
+    p.add_argument("--warmup", type=int, default=4, help="first steps of the job left out of the comparison "
+                   "(allocator and kernel warm-up)")
     p.add_argument("--tokens", type=int, default=16384, help="packed microbatch of the attention memory figure")
     p.add_argument("--budgets", default="4096,8192,16384", help="backbone token budgets the profile times")
     p.add_argument("--overrides", default="", help="extra Hydra overrides for the job, space separated")
@@ -61,8 +63,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     bad = [s for s in args.section_list if s not in SECTIONS]
     if bad:
         p.error(f"--sections: unknown {bad}; choose from {list(SECTIONS)}")
-    if args.steps < 3:
-        p.error(f"--steps {args.steps}: need at least 3 (2 warm-up steps, then measured ones)")
+    if args.warmup < 0 or args.steps <= args.warmup:
+        p.error(f"--steps {args.steps} --warmup {args.warmup}: need warmup >= 0 and at least one measured step")
     return args
 
 
@@ -291,7 +293,7 @@ def section_job(args: argparse.Namespace, device_type: str, out: Path) -> dict[s
     if proc.returncode != 0:
         raise RuntimeError(f"training failed (exit {proc.returncode}): {(proc.stdout + proc.stderr)[-1500:]}")
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    measured = {int(r["step"]): float(r["step_seconds"]) for r in lines if int(r["step"]) >= 2}
+    measured = {int(r["step"]): float(r["step_seconds"]) for r in lines if int(r["step"]) >= args.warmup}
     # 3. predict each measured step with the calibrated simulator (same batches, same step plans)
     job = config_load.load(run_dir / "config.yaml")
     problem, _ = build_problem(parse_kv([f"model={args.model}", f"data={args.data}", f"cluster={cluster}",
@@ -303,7 +305,7 @@ def section_job(args: argparse.Namespace, device_type: str, out: Path) -> dict[s
     spread = table["calibration"]["spread"]
     mean_meas = statistics.mean(measured.values())
     mean_sim = statistics.mean(r["simulated_s"] for r in rows)
-    mfu = [float(r["mfu"]) for r in lines if int(r["step"]) >= 2 and "mfu" in r]
+    mfu = [float(r["mfu"]) for r in lines if int(r["step"]) >= args.warmup and "mfu" in r]
     return {"ok": True, "cluster_preset": cluster, "device": acc.device_name, "profile_seconds": profile_s,
             "train_seconds": train_s, "calibration": table["calibration"], "profile_rows": table["rows"],
             "steps": rows, "mean_measured_s": mean_meas, "mean_simulated_s": mean_sim,

@@ -70,7 +70,13 @@ def launch_local(config_path: Path, nproc: int, max_restarts: int = 0) -> None:
     # Workers on CPU are forked (fast start). On a GPU/NPU they are spawned: a forked child cannot initialise
     # CUDA/NPU once anything in this process has (a library import may), and fresh interpreters are what torchrun
     # starts on a real cluster too.
-    start_method = "fork" if detect_type(os.environ.get("MSF_DEVICE", "auto")) == "cpu" else "spawn"
+    device_type = detect_type(os.environ.get("MSF_DEVICE", "auto"))
+    start_method = "fork" if device_type == "cpu" else "spawn"
+    if device_type != "cpu":
+        # Microbatches change shape every step (images of every size, per-step padding): without expandable
+        # segments the caching allocator keeps mapping new blocks for many steps (MindSpeed's own launch
+        # scripts set the same for NPUs). A value the user exported wins.
+        os.environ.setdefault(f"PYTORCH_{device_type.upper()}_ALLOC_CONF", "expandable_segments:True")
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"msf-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
