@@ -11,9 +11,12 @@ When no open bin fits a length, none will fit the rest of that length's run eith
 run goes into fresh bins in bulk, `budget // length` per bin: this is exactly what the sequential algorithm
 would do, without a tree query per sample.
 
-`pack_into_bins` packs into a *given* number of bins (the step needs a multiple of the DP size): it runs best
-fit with the smallest capacity <= budget that needs no more bins, which spreads the tokens evenly instead of
-leaving the extra bins empty.
+`pack_into_bins` packs into a *given* number of bins (the step needs a multiple of the DP size): it looks for
+the smallest capacity <= budget at which that many bins hold every sample, which spreads the tokens evenly
+instead of leaving the extra bins empty. At each capacity it runs best fit, and when best fit opens a few bins
+too many, `repair_to_count` tries to bring them back to the target count (see there): best fit alone loses up
+to a whole bin per step to its greedy order, which on a step of a few dozen packs is several points of padding
+once every pack is padded to the same length.
 
 Determinism: ties in length keep the caller's order (stable sort) and every structure is a list or a dict
 keyed by int, so the same input gives the same bins on every rank.
@@ -26,8 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 
-FIRST_SLACK = 0.006  # first capacity tried by pack_into_bins, above the lower bound total / bins
-SLACK_STEP = 0.003  # then grow by this fraction, doubling the step each time
+CAPACITY_STEP = 1 / 1024  # pack_into_bins grows a failed capacity by at least this share (then doubles the step)
 
 
 class CapacityTree:
@@ -189,13 +191,13 @@ def _open_bins_in_bulk(items: list[int], length: int, budget: int, bins: list[li
 
 
 def pack_into_bins(lengths: np.ndarray, budget: int, num_bins: int, granularity: int = 1) -> Packing:
-    """Best fit into at most `num_bins` bins with the smallest capacity (<= budget) that allows it.
+    """Every sample in at most `num_bins` bins, at the smallest capacity (<= budget) this search finds.
 
-    The capacity starts just above the lower bound max(longest, ceil(total / num_bins)) (by FIRST_SLACK) and grows
-    geometrically (rounded to `granularity`) until best fit needs no more than `num_bins` bins; best fit is
-    near-optimal for many small items, so this usually takes one or two passes. If even the full budget needs more bins, the full-budget
-    packing is returned (the caller rounds the bin count up). Fewer bins than asked are possible when there are
-    few samples; the caller splits or pads.
+    The capacity starts at the lower bound max(longest, ceil(total / num_bins)) rounded up to `granularity` and
+    grows by one granularity step (at least CAPACITY_STEP of the capacity) twice, then by doubling steps, until best
+    fit, repaired if it opened too many bins, fits in `num_bins`. If even the full budget needs more bins, the
+    full-budget best fit is returned (the caller rounds the bin count up). Fewer bins than asked are possible when
+    there are few samples; the caller splits or pads.
     """
     lengths = check_lengths(lengths, budget)
     if num_bins < 1:
@@ -204,18 +206,93 @@ def pack_into_bins(lengths: np.ndarray, budget: int, num_bins: int, granularity:
         return Packing([], [], budget)
     granularity = max(1, int(granularity))
     total, longest = int(lengths.sum()), int(lengths.max())
-    lower = max(longest, math.ceil(total / num_bins))
-    # Best fit usually needs 0.5-1% above the lower bound on InfoVQA-like steps: start a little above it.
-    capacity = _round_up(min(budget, max(longest, int(lower * (1 + FIRST_SLACK)))), granularity)
-    step = max(granularity, _round_up(max(1, int(capacity * SLACK_STEP)), granularity))
-    while capacity < budget:
+    capacity = min(budget, _round_up(max(longest, math.ceil(total / num_bins)), granularity))
+    step = _round_up(max(1, int(capacity * CAPACITY_STEP)), granularity)
+    for attempt in range(64):
         packing = best_fit_pack(lengths, capacity)
-        if len(packing.bins) <= num_bins:
+        if len(packing.bins) > num_bins:
+            repaired = repair_to_count(lengths, packing.bins, capacity, num_bins)
+            if repaired is not None:
+                packing = repaired
+        if len(packing.bins) <= num_bins or capacity >= budget:
             packing.capacity = capacity
             return packing
         capacity = min(budget, _round_up(capacity + step, granularity))
-        step *= 2
-    return best_fit_pack(lengths, budget)
+        if attempt >= 1:
+            step *= 2
+    raise AssertionError("unreachable: the capacity reaches the budget within 64 doublings")
+
+
+def repair_to_count(lengths: np.ndarray, bins: list[list[int]], capacity: int, count: int,
+                    max_moves: int = 0) -> Packing | None:
+    """Best fit's `bins` brought down to `count` bins of `capacity`, or None when the repair gets stuck.
+
+    The lightest surplus bins are emptied and their samples, longest first, go to the bins with the most room,
+    even past the capacity. Then, while a bin is over, its excess is pushed out by the one exchange that fits:
+    a sample moved to the roomiest bin, or swapped with a shorter sample of another bin so that neither ends over
+    the capacity (the exchange that leaves the receiving bin tightest is taken, which keeps large gaps for later
+    ones). When no exchange clears the excess, the one that lowers it most is taken; total excess strictly falls
+    at every exchange, so the loop ends. Each round is one vectorised pass over the step's samples; at most
+    `max_moves` rounds (default 2 per sample of the emptied bins, plus 64). Deterministic: ties go to the lowest
+    position.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n, have = int(lengths.size), len(bins)
+    if have <= count:
+        return Packing([list(b) for b in bins], [int(lengths[b].sum()) for b in bins], capacity)
+    sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=have)
+    owner = np.repeat(np.arange(have), sizes)
+    bin_of = np.empty(n, dtype=np.int64)
+    bin_of[np.fromiter((i for b in bins for i in b), dtype=np.int64, count=n)] = owner
+    loads = np.bincount(bin_of, weights=lengths, minlength=have).astype(np.int64)
+    kept = np.ones(have, dtype=bool)
+    kept[np.argsort(loads, kind="stable")[:have - count]] = False
+    new_index = np.cumsum(kept) - 1
+    emptied = np.flatnonzero(~kept[bin_of])
+    bin_of = np.where(kept[bin_of], new_index[bin_of], -1)
+    loads = loads[kept]
+    for i in emptied[np.argsort(-lengths[emptied], kind="stable")].tolist():
+        b = int(np.argmin(loads))  # the most room; overflow is fixed below
+        bin_of[i] = b
+        loads[b] += lengths[i]
+    never = np.iinfo(np.int64).max
+    for _ in range(max_moves or 2 * int(emptied.size) + 64):
+        over = np.flatnonzero(loads > capacity)
+        if not over.size:
+            return _packing_of(bin_of, lengths, loads, count, capacity)
+        heavy = int(over[np.argmax(loads[over])])
+        excess = int(loads[heavy]) - capacity
+        room = capacity - loads
+        mine = np.flatnonzero(bin_of == heavy)
+        theirs = np.flatnonzero(bin_of != heavy)
+        room_else = room.copy()
+        room_else[heavy] = -1
+        roomiest = int(np.argmax(room_else))
+        # Column k < len(theirs): swap with sample theirs[k]; the last column: move to the roomiest bin.
+        other_len = np.r_[lengths[theirs], 0]
+        other_room = np.r_[room[bin_of[theirs]], room_else[roomiest]]
+        delta = lengths[mine][:, None] - other_len[None, :]  # tokens that leave the heavy bin
+        fits = (delta > 0) & (delta <= other_room[None, :])
+        if not fits.any():
+            return None
+        clears = fits & (delta >= excess)
+        score = np.where(clears, other_room[None, :] - delta, never) if clears.any() else np.where(fits, -delta, never)
+        row, col = divmod(int(np.argmin(score)), delta.shape[1])
+        i, moved = int(mine[row]), int(delta[row, col])
+        target = roomiest if col == theirs.size else int(bin_of[theirs[col]])
+        if col < theirs.size:
+            bin_of[theirs[col]] = heavy
+        bin_of[i] = target
+        loads[heavy] -= moved
+        loads[target] += moved
+    return None
+
+
+def _packing_of(bin_of: np.ndarray, lengths: np.ndarray, loads: np.ndarray, count: int, capacity: int) -> Packing:
+    """Bins as index lists (ascending positions) from a bin-per-sample array."""
+    order = np.argsort(bin_of, kind="stable")
+    cuts = np.cumsum(np.bincount(bin_of, minlength=count))[:-1]
+    return Packing([part.tolist() for part in np.split(order, cuts)], loads.tolist(), capacity)
 
 
 def _round_up(value: int, multiple: int) -> int:
