@@ -260,6 +260,8 @@ def repair_to_count(lengths: np.ndarray, bins: list[list[int]], capacity: int, c
         bin_of[i] = b
         loads[b] += lengths[i]
     never = np.iinfo(np.int64).max
+    # Columns of the exchange matrix: sample k < n (take it back in exchange), or n (take nothing back).
+    column_len = np.append(lengths, 0)
     stalled = 0  # exchanges in a row that cleared no bin
     for _ in range(max_moves or 2 * int(emptied.size) + 64):
         over = np.flatnonzero(loads > capacity)
@@ -268,17 +270,13 @@ def repair_to_count(lengths: np.ndarray, bins: list[list[int]], capacity: int, c
         heavy = int(over[np.argmax(loads[over])])
         excess = int(loads[heavy]) - capacity
         room = capacity - loads
+        room[heavy] = -capacity  # the heavy bin takes nothing from itself
+        roomiest = int(np.argmax(room))
         mine = np.flatnonzero(bin_of == heavy)
-        theirs = np.flatnonzero(bin_of != heavy)
-        room_else = room.copy()
-        room_else[heavy] = -1
-        roomiest = int(np.argmax(room_else))
+        column_room = np.append(room[bin_of], room[roomiest])  # room of the bin each column's sample sits in
         # Rows: what the heavy bin gives, one of its samples or, when no single one clears the excess (and the bin
         # has at most PAIR_LIMIT samples), also two of them: a bin of two or three near-budget samples needs that
-        # (no single swap clears 45+45 | 35+35+20+20 at 100). Columns k < len(theirs): take sample theirs[k] back;
-        # the last column: take nothing, to the roomiest bin.
-        other_len = np.append(lengths[theirs], 0)  # np.append, not np.r_: this runs every round
-        other_room = np.append(room[bin_of[theirs]], room_else[roomiest])
+        # (no single swap clears 45+45 | 35+35+20+20 at 100).
         first, second = mine, np.full(mine.size, -1)
         for with_pairs in (False, True):
             if with_pairs:
@@ -289,9 +287,9 @@ def repair_to_count(lengths: np.ndarray, bins: list[list[int]], capacity: int, c
             give = lengths[first] + np.where(second >= 0, lengths[second], 0)
             # Only columns some row can use (shorter than what it gives, with room for the difference): the
             # matrix shrinks from rows x samples to rows x a few candidates.
-            cols = np.flatnonzero((other_len < give.max()) & (other_len + other_room >= give.min()))
-            delta = give[:, None] - other_len[cols][None, :]  # tokens that leave the heavy bin
-            fits = (delta > 0) & (delta <= other_room[cols][None, :])
+            cols = np.flatnonzero((column_len < give.max()) & (column_len + column_room >= give.min()))
+            delta = give[:, None] - column_len[cols][None, :]  # tokens that leave the heavy bin
+            fits = (delta > 0) & (delta <= column_room[cols][None, :])
             clears = fits & (delta >= excess)
             if clears.any():
                 break
@@ -300,14 +298,13 @@ def repair_to_count(lengths: np.ndarray, bins: list[list[int]], capacity: int, c
         stalled = 0 if clears.any() else stalled + 1
         if stalled > STALL_LIMIT:
             return None
-        score = (np.where(clears, other_room[cols][None, :] - delta, never) if clears.any()
+        score = (np.where(clears, column_room[cols][None, :] - delta, never) if clears.any()
                  else np.where(fits, -delta, never))
         row, k = divmod(int(np.argmin(score)), delta.shape[1])
-        col = int(cols[k])
-        moved = int(delta[row, k])
-        target = roomiest if col == theirs.size else int(bin_of[theirs[col]])
-        if col < theirs.size:
-            bin_of[theirs[col]] = heavy
+        col, moved = int(cols[k]), int(delta[row, k])
+        target = roomiest if col == n else int(bin_of[col])
+        if col < n:
+            bin_of[col] = heavy
         bin_of[first[row]] = target
         if second[row] >= 0:
             bin_of[second[row]] = target

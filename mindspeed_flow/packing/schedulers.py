@@ -5,8 +5,9 @@ alike. Every one places each sample exactly once, keeps every microbatch within 
 rank the same number of microbatches (at least `min_microbatches`, the pipeline depth).
 
 - flow: best fit decreasing into a multiple-of-DP number of bins (>= DP x min_microbatches) at the smallest
-  capacity that allows it, so tokens spread evenly instead of leaving empty bins; light packs levelled; cost
-  buckets + zig-zag over DP ranks x slots; LPT of samples to encoder ranks in consumption order.
+  capacity that allows it, with a repair pass when best fit opens a bin or two too many (bestfit.repair_to_count),
+  so tokens spread evenly instead of leaving empty bins; light packs levelled; cost buckets + zig-zag over DP
+  ranks x slots; LPT of samples to encoder ranks in consumption order.
 - naive: fixed micro-batch size (as many of the step's longest sample as fit the budget), samples in arrival
   order; contiguous chunks per DP rank.
 - sorted: samples sorted by length, cut into batches that would fit the budget padded to their longest; batches
