@@ -122,3 +122,23 @@ def test_padding_floor_is_below_every_scheduler(workload: str) -> None:
             assert plan.padded_tokens == plan.dp * plan.num_slots * plan.seq_len  # what the engine pads
             assert max(mb.tokens for rank in plan.microbatches for mb in rank) <= plan.seq_len
             assert plan.padding_fraction >= floor - 1e-12, (scheduler, plan.padding_fraction, floor)
+
+
+def test_flow_takes_more_packs_when_the_least_count_only_fits_at_the_budget() -> None:
+    """8,192 InfoVQA-like samples: the least pack count (a multiple of 8) needs the full 16,384 tokens per pack;
+    dp more packs fit at a shorter per-step length and pad fewer tokens in all. Flow must find that plan, and it
+    must still be a valid plan that pads exactly what the engine pads."""
+    budget, dp, pp, pad_multiple = 16384, 8, 4, 128
+    shapes = infovqa_arrays(8192, seed=1234).shapes()
+    lengths = np.array([s.llm_tokens for s in shapes])
+    least = -(-max(math.ceil(lengths.sum() / budget), dp * pp) // dp) * dp
+    packing = pack_into_bins(lengths, budget, least, granularity=pad_multiple)
+    least_count = -(-max(len(packing.bins), least) // dp) * dp
+    least_padded = least_count * min(budget, -(-max(packing.loads) // pad_multiple) * pad_multiple)
+    assert least_padded == least_count * budget  # the situation this path is for
+    plan = plan_step(shapes, dp=dp, num_encoders=4, token_budget=budget, cost_model=CostModel(),
+                     min_microbatches=pp, pad_multiple=pad_multiple)
+    plan.check(shapes)
+    assert plan.dp * plan.num_slots > least_count and plan.seq_len < budget
+    assert plan.padded_tokens == plan.dp * plan.num_slots * plan.seq_len < least_padded
+    assert plan.padding_fraction >= padding_floor([lengths], budget, dp, pp, pad_multiple)
