@@ -15,9 +15,18 @@ little as possible). `--emit` writes the flow assignment for `scripts/check_pack
 number of full-budget packs (dp x the flow plan's microbatches per rank) instead of a fixed number of samples.
 
 `--trl` packs the same lengths with TRL's `pack_dataset(strategy="bfd")` (optional dev extra) and compares fill
-(real tokens / (bins x budget)) and time with `best_fit_pack`, and the flow scheduler's padding (per step, with
-its DP/pipeline constraints) with TRL's unconstrained padding (1 - fill) in points. `--scaling` times `best_fit_pack` from 10^3 to
-10^6 samples and at several budgets, and fits the exponent of time vs N (1.0 = linear; log B from the budgets).
+(real tokens / (bins x budget)) and time with `best_fit_pack`. Padding is measured one way for everyone: the share
+of the tokens the backbone computes over that are padding. Three references sit beside flow's padding, in points:
+- `trl_bfd`: TRL's bfd over all samples at once, every pack padded to the budget (1 - fill): no step boundary, no
+  DP, one shape. This is the figure flow is asked to come within 0.5 points of;
+- `trl_bfd_same_constraints`: TRL's bfd run in the runtime's shoes: per step (the step's samples only), its packs
+  rounded up to a multiple of DP (>= dp x pp, the added packs empty), all padded to the step's longest pack rounded
+  to --pad-multiple (the budget at 0). This is the apples-to-apples comparison;
+- `floor_same_constraints`: a lower bound on the padding of *any* packer under those constraints, per step: at least
+  `bins_lower_bound` packs (rounded up to a multiple of DP, >= dp x pp), padded to at least the longest sample and
+  the even share, rounded to --pad-multiple.
+`--scaling` times `best_fit_pack` from 10^3 to 10^6 samples and at several budgets, and fits the exponent of time
+vs N (1.0 = linear; log B from the budgets).
 """
 from __future__ import annotations
 
@@ -33,6 +42,7 @@ import numpy as np
 
 from mindspeed_flow.data.shapes import LengthTableError, SampleShape, read_length_table
 from mindspeed_flow.packing import SCHEDULERS, CostModel, PackingError, StepPlan, best_fit_pack, check_budget, plan_step
+from mindspeed_flow.packing.schedulers import packed_seq_len, round_up
 from mindspeed_flow.packing.workloads import FACTOR, infovqa_arrays, near_budget_shapes
 
 METHODS = ("naive", "sorted", "first_fit", "flow")
@@ -179,29 +189,14 @@ def trl_compare(lengths: np.ndarray, budget: int) -> dict[str, Any]:
     out["flow_best_fit"] = {"seconds": time.process_time() - start, "bins": len(ours.bins),
                             "fill": float(lengths.sum()) / (len(ours.bins) * budget)}
     try:
-        import pyarrow as pa
-        from datasets import Dataset
         from trl import __version__ as trl_version
-        from trl.data_utils import pack_dataset
     except ImportError as exc:
         out["trl"] = f"not installed ({exc}); pip install -c scripts/constraints.txt trl"
         return out
     out["trl_version"] = trl_version
-    try:
-        from datasets import disable_progress_bars
-
-        disable_progress_bars()
-    except ImportError:  # pragma: no cover - older datasets
-        pass
-    offsets = np.r_[0, np.cumsum(lengths)].astype(np.int64)
-    values = pa.array(np.zeros(int(offsets[-1]), dtype=np.int32))
-    table = pa.table({"input_ids": pa.LargeListArray.from_arrays(pa.array(offsets), values)})
-    dataset = Dataset(table)
     start = time.process_time()
-    # One map batch holding every sample, so TRL's bins may use the whole set (its default batch is 1000).
-    packed = pack_dataset(dataset, budget, strategy="bfd", map_kwargs={"batch_size": int(lengths.size)})
+    packed_lengths, table = trl_pack_loads(lengths, budget)
     seconds = time.process_time() - start
-    packed_lengths = [sum(x) for x in packed["seq_lengths"]]
     out["trl_pack_dataset"] = {"seconds": seconds, "bins": len(packed_lengths),
                                "fill": float(sum(packed_lengths)) / (len(packed_lengths) * budget),
                                "tokens_kept": int(sum(packed_lengths))}
@@ -214,6 +209,95 @@ def trl_compare(lengths: np.ndarray, budget: int) -> dict[str, Any]:
     except (ImportError, TypeError, AttributeError) as exc:  # pragma: no cover - depends on the TRL version
         out["trl_core_pack_bfd"] = f"unavailable: {exc}"
     return out
+
+
+def trl_pack_loads(lengths: np.ndarray, budget: int) -> tuple[list[int], Any]:
+    """Token load of every pack TRL's `pack_dataset(strategy="bfd")` makes of these lengths (and its input table)."""
+    import pyarrow as pa
+    from datasets import Dataset
+    from trl.data_utils import pack_dataset
+
+    try:
+        from datasets import disable_progress_bars
+
+        disable_progress_bars()
+    except ImportError:  # pragma: no cover - older datasets
+        pass
+    offsets = np.r_[0, np.cumsum(lengths)].astype(np.int64)
+    values = pa.array(np.zeros(int(offsets[-1]), dtype=np.int32))
+    table = pa.table({"input_ids": pa.LargeListArray.from_arrays(pa.array(offsets), values)})
+    # One map batch holding every sample, so TRL's bins may use the whole set (its default batch is 1000).
+    packed = pack_dataset(Dataset(table), budget, strategy="bfd", map_kwargs={"batch_size": max(1, int(lengths.size))})
+    return [int(sum(x)) for x in packed["seq_lengths"]], table
+
+
+def trl_same_constraints(step_lengths: Sequence[np.ndarray], budget: int, dp: int, min_microbatches: int,
+                         pad_multiple: int) -> float:
+    """Padding of TRL's bfd packs made per step, then placed as the runtime must (see the module docstring)."""
+    real = padded = 0
+    for lengths in step_lengths:
+        loads = trl_pack_loads(lengths, budget)[0] if lengths.size else []
+        count = round_up(max(len(loads), dp * min_microbatches), dp)
+        real += int(lengths.sum())
+        padded += count * packed_seq_len(loads, budget, pad_multiple)
+    return 1.0 - real / padded if padded else 0.0
+
+
+def bins_lower_bound(lengths: np.ndarray, capacity: int) -> int:
+    """A lower bound on the bins of `capacity` any packing of `lengths` needs; the largest of three counts.
+
+    - tokens: ceil(total / capacity);
+    - count: a bin holds at most m samples, m the most of the shortest samples that fit together; so n / m bins;
+    - large samples: for every threshold k <= capacity / 2 (0 and each length up to half the capacity), samples
+      longer than half the capacity each need their own bin (no two share one); the samples from k to half the
+      capacity cannot join those longer than capacity - k and fit with the others only in those bins' free space,
+      so whatever of their tokens exceeds that free space needs further bins.
+    Vectorised over the thresholds (sorted lengths, prefix sums).
+    """
+    lengths = np.sort(np.asarray(lengths, dtype=np.int64))
+    if not lengths.size:
+        return 0
+    prefix = np.r_[0, np.cumsum(lengths)]
+    n, half = int(lengths.size), capacity // 2  # "longer than half" is length > capacity / 2, i.e. > capacity // 2
+    per_bin = int(np.searchsorted(prefix, capacity, side="right")) - 1
+    k = np.unique(np.r_[0, lengths[lengths <= half]])
+    upto_half = int(np.searchsorted(lengths, half, side="right"))
+    upto_hi = np.searchsorted(lengths, capacity - k, side="right")  # samples <= capacity - k
+    below_k = np.searchsorted(lengths, k, side="left")
+    own = n - upto_half  # samples longer than half: one bin each
+    mid = upto_hi - upto_half  # longer than half but at most capacity - k: their bins have free space
+    free = mid * capacity - (prefix[upto_hi] - prefix[upto_half])
+    rest = (prefix[upto_half] - prefix[below_k]) - free  # tokens of samples in [k, half] beyond that free space
+    large = int(np.max(own + np.maximum(0, -(-rest // capacity))))
+    return max(-(-int(prefix[-1]) // capacity), -(-n // max(per_bin, 1)), large)
+
+
+def padding_floor(step_lengths: Sequence[np.ndarray], budget: int, dp: int, min_microbatches: int,
+                  pad_multiple: int) -> float:
+    """Least padding any packer can reach under the runtime's step constraints (see the module docstring).
+
+    Per step: for each pack count (a multiple of DP, from the least that `bins_lower_bound` allows at the budget),
+    the shortest padded length (a multiple of --pad-multiple, at least the longest sample) at which
+    `bins_lower_bound` allows that count; the least count x length over the counts is the step's floor.
+    """
+    real = padded = 0
+    for lengths in step_lengths:
+        if not lengths.size:
+            continue
+        total, longest = int(lengths.sum()), int(lengths.max())
+        count = round_up(max(bins_lower_bound(lengths, budget), dp * min_microbatches, 1), dp)
+        best = count * budget
+        # More packs than the least may allow a shorter padded length: try counts until even the longest sample
+        # alone would make count x length exceed the best so far.
+        while pad_multiple and count * min(budget, round_up(longest, pad_multiple)) < best:
+            seq_len = min(budget, round_up(max(longest, -(-total // count)), pad_multiple))
+            while count * seq_len < best and seq_len < budget and bins_lower_bound(lengths, seq_len) > count:
+                seq_len += pad_multiple
+            best = min(best, count * min(seq_len, budget))
+            count += dp
+        real += total
+        padded += best
+    return 1.0 - real / padded if padded else 0.0
 
 
 # ---- scaling ----------------------------------------------------------------------------------------------------
@@ -272,7 +356,16 @@ def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
               f"{m['slot_imbalance']:>8.4f} {m['microbatches_per_rank']:>7.1f} {m['empty_microbatches']:>5d} "
               f"{m['encoder_imbalance']:>7.4f} {m['samples_per_s']:>10.0f}")
     if "trl" in result:
-        print("TRL side by side:", json.dumps(result["trl"], indent=1))
+        points = result["trl"].get("padding_points")
+        if points:
+            print(f"padding in points: TRL bfd (all samples, unconstrained) {points['trl_bfd']:.3f}; TRL bfd under the "
+                  f"runtime's step constraints {points['trl_bfd_same_constraints']:.3f}; floor of any packer under "
+                  f"them {points['floor_same_constraints']:.3f}")
+            for name in ("flow", "flow_stream"):
+                if name in points:
+                    print(f"  {name:<11} {points[name]:.3f}, {points[name + '_minus_trl_bfd']:+.3f} vs TRL bfd")
+        print("TRL side by side:", json.dumps({k: v for k, v in result["trl"].items() if k != "padding_points"},
+                                              indent=1))
     if "scaling" in result:
         s = result["scaling"]
         for r in s["rows"]:
@@ -314,13 +407,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.emit:
         emit(args.emit, flow_plans, used, args.budget)
     if args.trl:
-        lengths = np.array([s.llm_tokens for s in used if s.llm_tokens <= args.budget], dtype=np.int64)
+        step_lengths = [np.array([s.llm_tokens for s in step if s.llm_tokens <= args.budget], dtype=np.int64)
+                        for step in steps]
+        lengths = np.concatenate(step_lengths) if step_lengths else np.zeros(0, np.int64)
         result["trl"] = trl_compare(lengths, args.budget)
         trl = result["trl"].get("trl_pack_dataset")
         if isinstance(trl, dict):
-            flow = result["methods"]["flow"]["padding_fraction"]
-            result["trl"]["padding_points"] = {"flow": 100 * flow, "trl_bfd": 100 * (1 - trl["fill"]),
-                                               "flow_minus_trl": 100 * (flow - (1 - trl["fill"]))}
+            constraints = (args.budget, args.dp, args.pp, args.pad_multiple)
+            unconstrained = 1 - trl["fill"]
+            points = {"trl_bfd": 100 * unconstrained,
+                      "trl_bfd_same_constraints": 100 * trl_same_constraints(step_lengths, *constraints),
+                      "floor_same_constraints": 100 * padding_floor(step_lengths, *constraints)}
+            for name in ("flow", "flow_stream"):
+                if name in result["methods"]:
+                    padding = result["methods"][name]["padding_fraction"]
+                    points[name] = 100 * padding
+                    points[f"{name}_minus_trl_bfd"] = 100 * (padding - unconstrained)
+            result["trl"]["padding_points"] = points
     if args.scaling:
         result["scaling"] = scaling(args.scaling_max, args.budget, args.seed, args.max_pixels)
     if args.json:

@@ -5,15 +5,18 @@ into the open bin whose remaining capacity is the *smallest one that still fits 
 query on a max segment tree indexed by remaining capacity (0..B): leaf v is "present" when at least one open
 bin has exactly v free tokens, and a left-first descent finds the smallest present v >= length in O(log B).
 Bins sharing a capacity wait on a per-capacity stack, so the tree only changes when a capacity value appears
-or disappears (and a vanished capacity is removed lazily, when a query first lands on it).
+or disappears.
 
 When no open bin fits a length, none will fit the rest of that length's run either (bins only shrink), so the
 run goes into fresh bins in bulk, `budget // length` per bin: this is exactly what the sequential algorithm
 would do, without a tree query per sample.
 
-`pack_into_bins` packs into a *given* number of bins (the step needs a multiple of the DP size): it runs best
-fit with the smallest capacity <= budget that needs no more bins, which spreads the tokens evenly instead of
-leaving the extra bins empty.
+`pack_into_bins` packs into a *given* number of bins (the step needs a multiple of the DP size): it looks for
+the smallest capacity <= budget at which that many bins hold every sample, which spreads the tokens evenly
+instead of leaving the extra bins empty. At each capacity it runs best fit, and when best fit opens a few bins
+too many, `repair_to_count` tries to bring them back to the target count (see there): best fit alone loses up
+to a whole bin per step to its greedy order, which on a step of a few dozen packs is several points of padding
+once every pack is padded to the same length.
 
 Determinism: ties in length keep the caller's order (stable sort) and every structure is a list or a dict
 keyed by int, so the same input gives the same bins on every rank.
@@ -26,8 +29,11 @@ from dataclasses import dataclass
 import numpy as np
 
 
-FIRST_SLACK = 0.006  # first capacity tried by pack_into_bins, above the lower bound total / bins
-SLACK_STEP = 0.003  # then grow by this fraction, doubling the step each time
+PAIR_LIMIT = 16  # repair_to_count also moves pairs out of bins of at most this many samples
+# repair_to_count gives up after this many exchanges in a row that clear no bin: longer runs rarely end in a fit
+# (InfoVQA-like steps: 0.906% padding at 8, 0.864% unbounded, for 1.6x the planning time).
+STALL_LIMIT = 8
+CAPACITY_STEP = 1 / 1024  # pack_into_bins grows a failed capacity by at least this share (then doubles the step)
 
 
 class CapacityTree:
@@ -124,9 +130,10 @@ def best_fit_pack(lengths: np.ndarray, budget: int) -> Packing:
 
     tree = CapacityTree(budget)
     nodes, size, insert, remove = tree.tree, tree.size, tree.insert, tree.remove
-    # remaining capacity -> open bins with exactly that capacity. A key stays (possibly with an empty list) as
-    # long as its leaf is present in the tree: a capacity whose last bin left is removed lazily, only if a query
-    # lands on it. Most such capacities are below every length still to come and are never touched again.
+    # remaining capacity -> open bins with exactly that capacity; a key and its leaf live exactly as long as the
+    # list is not empty. Removing a capacity as its last bin leaves costs a walk up the tree that usually stops
+    # after a level or two; removing it lazily, when a query first lands on it, cost a wasted descent as well
+    # (10-15% slower on InfoVQA-like and near-budget lengths, where most capacities are queried again).
     holders: dict[int, list[int]] = {}
     bins: list[list[int]] = []
     loads: list[int] = []
@@ -151,11 +158,10 @@ def best_fit_pack(lengths: np.ndarray, budget: int) -> Packing:
                     node += 1
             capacity = node - size
             stack = holders[capacity]
-            if not stack:  # stale capacity: drop it now and ask again
+            bin_id = stack.pop()
+            if not stack:  # the capacity's last bin leaves it: drop it now (queries land on live leaves only)
                 del holders[capacity]
                 remove(capacity)
-                continue
-            bin_id = stack.pop()
             bins[bin_id].append(order_list[i])
             loads[bin_id] += length
             capacity -= length
@@ -189,13 +195,13 @@ def _open_bins_in_bulk(items: list[int], length: int, budget: int, bins: list[li
 
 
 def pack_into_bins(lengths: np.ndarray, budget: int, num_bins: int, granularity: int = 1) -> Packing:
-    """Best fit into at most `num_bins` bins with the smallest capacity (<= budget) that allows it.
+    """Every sample in at most `num_bins` bins, at the smallest capacity (<= budget) this search finds.
 
-    The capacity starts just above the lower bound max(longest, ceil(total / num_bins)) (by FIRST_SLACK) and grows
-    geometrically (rounded to `granularity`) until best fit needs no more than `num_bins` bins; best fit is
-    near-optimal for many small items, so this usually takes one or two passes. If even the full budget needs more bins, the full-budget
-    packing is returned (the caller rounds the bin count up). Fewer bins than asked are possible when there are
-    few samples; the caller splits or pads.
+    The capacity starts at the lower bound max(longest, ceil(total / num_bins)) rounded up to `granularity` and
+    grows by one granularity step (at least CAPACITY_STEP of the capacity) twice, then by doubling steps, until best
+    fit, repaired if it opened too many bins, fits in `num_bins`. If even the full budget needs more bins, the
+    full-budget best fit is returned (the caller rounds the bin count up). Fewer bins than asked are possible when
+    there are few samples; the caller splits or pads.
     """
     lengths = check_lengths(lengths, budget)
     if num_bins < 1:
@@ -204,18 +210,114 @@ def pack_into_bins(lengths: np.ndarray, budget: int, num_bins: int, granularity:
         return Packing([], [], budget)
     granularity = max(1, int(granularity))
     total, longest = int(lengths.sum()), int(lengths.max())
-    lower = max(longest, math.ceil(total / num_bins))
-    # Best fit usually needs 0.5-1% above the lower bound on InfoVQA-like steps: start a little above it.
-    capacity = _round_up(min(budget, max(longest, int(lower * (1 + FIRST_SLACK)))), granularity)
-    step = max(granularity, _round_up(max(1, int(capacity * SLACK_STEP)), granularity))
-    while capacity < budget:
+    capacity = min(budget, _round_up(max(longest, math.ceil(total / num_bins)), granularity))
+    step = _round_up(max(1, int(capacity * CAPACITY_STEP)), granularity)
+    for attempt in range(64):
         packing = best_fit_pack(lengths, capacity)
-        if len(packing.bins) <= num_bins:
+        if len(packing.bins) > num_bins:
+            repaired = repair_to_count(lengths, packing.bins, capacity, num_bins)
+            if repaired is not None:
+                packing = repaired
+        if len(packing.bins) <= num_bins or capacity >= budget:
             packing.capacity = capacity
             return packing
         capacity = min(budget, _round_up(capacity + step, granularity))
-        step *= 2
-    return best_fit_pack(lengths, budget)
+        if attempt >= 1:
+            step *= 2
+    raise AssertionError("unreachable: the capacity reaches the budget within 64 doublings")
+
+
+def repair_to_count(lengths: np.ndarray, bins: list[list[int]], capacity: int, count: int,
+                    max_moves: int = 0) -> Packing | None:
+    """Best fit's `bins` brought down to `count` bins of `capacity`, or None when the repair gets stuck.
+
+    The lightest surplus bins are emptied and their samples, longest first, go to the bins with the most room,
+    even past the capacity. Then, while a bin is over, its excess is pushed out by the one exchange that fits:
+    a sample (or two) moved to the roomiest bin, or swapped with a shorter sample of another bin so that neither
+    ends over the capacity (the exchange that leaves the receiving bin tightest is taken, which keeps large gaps for later
+    ones). When no exchange clears the excess, the one that lowers it most is taken; total excess strictly falls
+    at every exchange, so the loop ends. Each round is one vectorised pass over the step's samples; it gives up
+    after STALL_LIMIT rounds in a row that clear no bin, or `max_moves` rounds in all (default 2 per sample of the
+    emptied bins, plus 64). Deterministic: ties go to the lowest position.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n, have = int(lengths.size), len(bins)
+    if have <= count:
+        return Packing([list(b) for b in bins], [int(lengths[b].sum()) for b in bins], capacity)
+    sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=have)
+    owner = np.repeat(np.arange(have), sizes)
+    bin_of = np.empty(n, dtype=np.int64)
+    bin_of[np.fromiter((i for b in bins for i in b), dtype=np.int64, count=n)] = owner
+    loads = np.bincount(bin_of, weights=lengths, minlength=have).astype(np.int64)
+    kept = np.ones(have, dtype=bool)
+    kept[np.argsort(loads, kind="stable")[:have - count]] = False
+    new_index = np.cumsum(kept) - 1
+    emptied = np.flatnonzero(~kept[bin_of])
+    bin_of = np.where(kept[bin_of], new_index[bin_of], -1)
+    loads = loads[kept]
+    for i in emptied[np.argsort(-lengths[emptied], kind="stable")].tolist():
+        b = int(np.argmin(loads))  # the most room; overflow is fixed below
+        bin_of[i] = b
+        loads[b] += lengths[i]
+    never = np.iinfo(np.int64).max
+    # Columns of the exchange matrix: sample k < n (take it back in exchange), or n (take nothing back).
+    column_len = np.append(lengths, 0)
+    stalled = 0  # exchanges in a row that cleared no bin
+    for _ in range(max_moves or 2 * int(emptied.size) + 64):
+        over = np.flatnonzero(loads > capacity)
+        if not over.size:
+            return _packing_of(bin_of, lengths, loads, count, capacity)
+        heavy = int(over[np.argmax(loads[over])])
+        excess = int(loads[heavy]) - capacity
+        room = capacity - loads
+        room[heavy] = -capacity  # the heavy bin takes nothing from itself
+        roomiest = int(np.argmax(room))
+        mine = np.flatnonzero(bin_of == heavy)
+        column_room = np.append(room[bin_of], room[roomiest])  # room of the bin each column's sample sits in
+        # Rows: what the heavy bin gives, one of its samples or, when no single one clears the excess (and the bin
+        # has at most PAIR_LIMIT samples), also two of them: a bin of two or three near-budget samples needs that
+        # (no single swap clears 45+45 | 35+35+20+20 at 100).
+        first, second = mine, np.full(mine.size, -1)
+        for with_pairs in (False, True):
+            if with_pairs:
+                if not 2 <= mine.size <= PAIR_LIMIT:
+                    break
+                a, b = np.triu_indices(mine.size, 1)
+                first, second = np.concatenate((mine, mine[a])), np.concatenate((second, mine[b]))
+            give = lengths[first] + np.where(second >= 0, lengths[second], 0)
+            # Only columns some row can use (shorter than what it gives, with room for the difference): the
+            # matrix shrinks from rows x samples to rows x a few candidates.
+            cols = np.flatnonzero((column_len < give.max()) & (column_len + column_room >= give.min()))
+            delta = give[:, None] - column_len[cols][None, :]  # tokens that leave the heavy bin
+            fits = (delta > 0) & (delta <= column_room[cols][None, :])
+            clears = fits & (delta >= excess)
+            if clears.any():
+                break
+        if not fits.any():
+            return None
+        stalled = 0 if clears.any() else stalled + 1
+        if stalled > STALL_LIMIT:
+            return None
+        score = (np.where(clears, column_room[cols][None, :] - delta, never) if clears.any()
+                 else np.where(fits, -delta, never))
+        row, k = divmod(int(np.argmin(score)), delta.shape[1])
+        col, moved = int(cols[k]), int(delta[row, k])
+        target = roomiest if col == n else int(bin_of[col])
+        if col < n:
+            bin_of[col] = heavy
+        bin_of[first[row]] = target
+        if second[row] >= 0:
+            bin_of[second[row]] = target
+        loads[heavy] -= moved
+        loads[target] += moved
+    return None
+
+
+def _packing_of(bin_of: np.ndarray, lengths: np.ndarray, loads: np.ndarray, count: int, capacity: int) -> Packing:
+    """Bins as index lists (ascending positions) from a bin-per-sample array."""
+    order = np.argsort(bin_of, kind="stable")
+    cuts = np.cumsum(np.bincount(bin_of, minlength=count))[:-1]
+    return Packing([part.tolist() for part in np.split(order, cuts)], loads.tolist(), capacity)
 
 
 def _round_up(value: int, multiple: int) -> int:
