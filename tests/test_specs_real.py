@@ -23,7 +23,10 @@ _CLASSES = {
 
 def _build_on_meta(config: dict) -> torch.nn.Module:
     cls = getattr(transformers, _CLASSES[config["model_type"]])
-    hf_config = transformers.AutoConfig.for_model(**config)
+    if config["model_type"] == "qwen2_5_omni_thinker":  # a sub-config: transformers 4.57's AutoConfig lacks it
+        hf_config = transformers.Qwen2_5OmniThinkerConfig.from_dict(config)
+    else:
+        hf_config = transformers.AutoConfig.for_model(**config)
     with torch.device("meta"):
         return cls(hf_config)
 

@@ -1,7 +1,8 @@
 """`build_dataset`: the one place that turns a `DataConfig` (recipes/data/*.yaml) into a dataset.
 
 Sources: `synthetic_infovqa` (SyntheticInfoVQA), `sharegpt` (ShareGPTDataset over data.path + data.image_root),
-`length_table` (LengthTableDataset replaying data.path). Field errors name the `data.` field and the rule.
+`length_table` (LengthTableDataset replaying data.path), `synthetic_omni` (SyntheticOmni: audio + images for the
+Qwen2.5-Omni thinker). Field errors name the `data.` field and the rule.
 """
 from __future__ import annotations
 

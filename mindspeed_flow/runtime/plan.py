@@ -31,8 +31,14 @@ class StepWork:
     encode_order: dict[int, list[int]] = field(default_factory=dict)
     # encoder global rank -> total ViT cost this step (for the balance metric)
     encoder_cost: dict[int, float] = field(default_factory=dict)
-    # several encoder parts: part -> sample id -> producer rank (producer_of stays empty then)
+    # several encoder parts: part -> sample id -> producer rank (producer_of stays empty then), and part -> the
+    # part's producer ranks
     producers: dict[str, dict[int, int]] = field(default_factory=dict)
+    part_producers: dict[str, list[int]] = field(default_factory=dict)
+
+    def producer_ranks(self) -> dict[str, list[int]]:
+        """Encoder part -> its producer ranks (one part, "encoder", unless several were planned)."""
+        return dict(self.part_producers) if self.part_producers else {"encoder": list(self.encoder_cost)}
 
     def consumption_order(self) -> list[int]:
         """Slot-major order in which the backbone consumes samples: slot 0 of every DP rank, then slot 1..."""
@@ -104,6 +110,7 @@ def plan_multipart_step(step: int, shapes: Sequence[SampleShape], *, bridges: di
         cost = part_costs[part]
         _assign_producers(work, bridge, cost, lambda sid, cost=cost: cost(sid) > 0,
                           work.producers.setdefault(part, {}))
+        work.part_producers[part] = list(bridge.producers)
     return work
 
 

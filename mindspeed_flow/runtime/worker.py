@@ -111,8 +111,9 @@ def step_static(work: StepWork, spec: VLMSpec, shapes: list, frozen: bool, bad_s
 
 def plan_stats(work: StepWork) -> dict[str, float]:
     plan = work.plan
-    loads = list(work.encoder_cost.values())
-    enc_imb = max(loads) / (sum(loads) / len(loads)) if loads and sum(loads) > 0 else 1.0
+    # each encoder part's producers against each other (an audio part's frames never compare with ViT costs)
+    by_part = [[work.encoder_cost[r] for r in ranks] for ranks in work.producer_ranks().values()]
+    enc_imb = max((max(x) / (sum(x) / len(x)) for x in by_part if x and sum(x) > 0), default=1.0)
     n_mb = sum(len(r) for r in plan.microbatches)
     return dict(microbatches=n_mb, real_tokens=plan.real_tokens, padded_tokens=plan.padded_tokens,
                 padding_fraction=float(plan.padding_fraction), dp_imbalance=float(plan.dp_imbalance),
