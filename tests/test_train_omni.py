@@ -191,3 +191,14 @@ def test_layout_and_bridges_of_three_parts() -> None:
     assert bridges["audio"].consumers == bridges["vision"].consumers == [3, 4]
     assert bridges["audio"].groups == [([0], [3]), ([1], [4])] and bridges["vision"].groups == [([2], [3, 4])]
     assert Layout.from_config(cfg, "coupled").world_size == 5
+
+
+def test_three_part_resume_continues_exactly(tmp_path: Path) -> None:
+    """Checkpoint the three parts at step 2, resume, and the next steps equal an uninterrupted run's."""
+    full = _train(tmp_path / "full", "experiment=omni_3part", "trainer.steps=4")
+    _train(tmp_path / "part", "experiment=omni_3part", "trainer.steps=2", "trainer.checkpoint_every=2")
+    resumed = _train(tmp_path / "part", "experiment=omni_3part", "trainer.steps=4", "trainer.resume=true",
+                     "trainer.checkpoint_every=2")
+    assert [x["step"] for x in resumed] == list(range(4))
+    for a, b in zip(full[2:], resumed[2:]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
