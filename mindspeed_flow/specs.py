@@ -145,15 +145,35 @@ class VisionSpec:
 
 
 @dataclass(frozen=True)
+class AudioSpec:
+    """A Whisper-style audio encoder (the Qwen2.5-Omni thinker's audio tower): two convolutions, pre-norm
+    layers (k projection without bias), final LayerNorm and projection to the LLM width."""
+
+    num_mel_bins: int
+    d_model: int
+    layers: int
+    ffn: int
+    output_dim: int
+
+    @property
+    def params(self) -> int:
+        d, f = self.d_model, self.ffn
+        convs = (self.num_mel_bins * d * 3 + d) + (d * d * 3 + d)
+        layer = 4 * d * d + 3 * d + 2 * 2 * d + (d * f + f) + (f * d + d)
+        return convs + 2 * self.output_dim + self.layers * layer + 2 * d + d * self.output_dim + self.output_dim
+
+
+@dataclass(frozen=True)
 class VLMSpec:
     name: str
     vision: VisionSpec
     llm: LLMSpec
     image_token_id: int | None = None
+    audio: AudioSpec | None = None  # models with an audio encoder part (the Omni thinker); not in FLOPs yet
 
     @property
     def total_params(self) -> int:
-        return self.vision.params + self.llm.total_params
+        return self.vision.params + self.llm.total_params + (self.audio.params if self.audio else 0)
 
     def with_name(self, name: str) -> "VLMSpec":
         return replace(self, name=name)
@@ -187,7 +207,7 @@ class VLMSpec:
                 temporal_patch_size=int(v["temporal_patch_size"]), in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
                 spatial_merge_size=int(v["spatial_merge_size"]),
             )
-        elif model_type == "qwen2_5_vl":
+        elif model_type in ("qwen2_5_vl", "qwen2_5_omni_thinker"):  # the Omni thinker's ViT is Qwen2.5-VL's
             vision = VisionSpec(
                 kind="qwen2_5_vl", depth=int(v["depth"]), hidden_size=int(v["hidden_size"]),
                 intermediate_size=int(v["intermediate_size"]), num_heads=int(v["num_heads"]),
@@ -205,5 +225,9 @@ class VLMSpec:
             )
         else:
             raise ValueError(f"unsupported model_type {model_type!r}: expected qwen2_vl, qwen2_5_vl or llava")
+        a = cfg.get("audio_config")
+        audio = None if not a else AudioSpec(
+            num_mel_bins=int(a["num_mel_bins"]), d_model=int(a["d_model"]), layers=int(a["encoder_layers"]),
+            ffn=int(a["encoder_ffn_dim"]), output_dim=int(a["output_dim"]))
         return VLMSpec(name=name or model_type, vision=vision, llm=llm,
-                       image_token_id=cfg.get("image_token_id", cfg.get("image_token_index")))
+                       image_token_id=cfg.get("image_token_id", cfg.get("image_token_index")), audio=audio)

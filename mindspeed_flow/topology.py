@@ -70,22 +70,31 @@ class Layout:
         """From the `parallel` recipe group. Coupled mode puts every rank in one DP group running the whole model
         on the same number of ranks the decoupled layout would use, so the two compare on equal hardware (or on
         `parallel.world_size` ranks when that is set)."""
-        enc = PartLayout(ENCODER, parallel_cfg.encoder.dp, parallel_cfg.encoder.tp, parallel_cfg.encoder.pp,
-                         parallel_cfg.encoder.cp)
+        encoders = _encoder_part_layouts(parallel_cfg)
         bb = PartLayout(BACKBONE, parallel_cfg.backbone.dp, parallel_cfg.backbone.tp, parallel_cfg.backbone.pp,
                         parallel_cfg.backbone.cp)
         if mode == "decoupled":
-            return Layout((enc, bb), "decoupled")
+            return Layout((*encoders, bb), "decoupled")
         if mode == "coupled":
             # `parallel.world_size`, when set, sizes the coupled DP group on its own: a one-device coupled job
             # (the single-accelerator check of `bench device`) has no decoupled layout of its size.
-            ranks = int(getattr(parallel_cfg, "world_size", 0) or 0) or enc.size + bb.size
+            ranks = int(getattr(parallel_cfg, "world_size", 0) or 0) or sum(e.size for e in encoders) + bb.size
             return Layout((PartLayout(COUPLED, dp=ranks),), "coupled")
         raise LayoutError(f"flow.mode={mode!r}: must be 'decoupled' or 'coupled'")
 
     @property
     def world_size(self) -> int:
         return sum(p.size for p in self.parts)
+
+    @property
+    def encoder_parts(self) -> list[str]:
+        """The encoder parts' names, in rank order (["encoder"] for a VLM; e.g. ["audio", "vision"])."""
+        return [p.name for p in self.parts if p.name not in (BACKBONE, COUPLED)]
+
+    @property
+    def multipart(self) -> bool:
+        """Several encoder parts (parallel.encoders) feed the backbone."""
+        return self.encoder_parts not in ([ENCODER], [])
 
     def part(self, name: str) -> PartLayout:
         for p in self.parts:
@@ -104,9 +113,11 @@ class Layout:
     def validate(self, *, world_size: Optional[int] = None, limits: Optional[ModelLimits] = None,
                  global_batch_size: Optional[int] = None, expected_world: int = 0) -> None:
         """Raise LayoutError naming the field and the rule. Called before any process group exists."""
-        field_of = {ENCODER: "parallel.encoder", BACKBONE: "parallel.backbone", COUPLED: "parallel"}
+        field_of = {ENCODER: "parallel.encoder", BACKBONE: "parallel.backbone", COUPLED: "parallel",
+                    **{n: f"parallel.encoders.{n}" for n in self.encoder_parts if n != ENCODER}}
         for p in self.parts:
             f = field_of[p.name]
+            is_encoder = p.name not in (BACKBONE, COUPLED)
             for dim in ("dp", "tp", "pp", "cp"):
                 v = getattr(p, dim)
                 if not isinstance(v, int) or v < 1:
@@ -114,17 +125,21 @@ class Layout:
             if p.cp != 1:
                 raise LayoutError(f"{f}.cp={p.cp}: context parallelism is not supported by the torch host (cp must be 1)")
             if limits is not None:
-                heads = limits.vit_heads if p.name == ENCODER else limits.llm_heads
+                heads = limits.vit_heads if is_encoder else limits.llm_heads
                 if heads % p.tp:
                     raise LayoutError(f"{f}.tp={p.tp}: the attention heads ({heads}) must be divisible by tp")
-                if p.name != ENCODER and limits.llm_kv_heads % p.tp and p.tp % limits.llm_kv_heads:
+                if not is_encoder and limits.llm_kv_heads % p.tp and p.tp % limits.llm_kv_heads:
                     raise LayoutError(f"{f}.tp={p.tp}: the KV heads ({limits.llm_kv_heads}) and tp must divide "
                                       "one another")
-                layers = limits.vit_layers if p.name == ENCODER else limits.llm_layers
+                layers = limits.vit_layers if is_encoder else limits.llm_layers
                 if p.pp > layers:
                     raise LayoutError(f"{f}.pp={p.pp}: more pipeline stages than layers ({layers})")
-            if p.name == ENCODER and p.pp != 1:
+            if is_encoder and p.pp != 1:
                 raise LayoutError(f"{f}.pp={p.pp}: the encoder part runs data/tensor parallel only (pp must be 1)")
+            if self.multipart and (p.tp != 1 or p.pp != 1):
+                # the N-part step has no TP broadcast of several parts' rows nor a pipeline source for them yet
+                raise LayoutError(f"{f}.tp={p.tp}, pp={p.pp}: with several encoder parts (parallel.encoders) "
+                                  "every part runs data parallel only (tp and pp must be 1)")
         if expected_world and expected_world != self.world_size:
             raise LayoutError(f"parallel.world_size={expected_world} but the layout needs {self.world_size} ranks "
                               f"({self.describe()})")
@@ -206,6 +221,7 @@ class Topology:
     pool_group: Optional[dist.ProcessGroup] = None
     pool_data_groups: Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
     tp_ranks: list[int] = field(default_factory=list)  # this rank's TP group, TP rank 0 (the leader) first
+    bridges: dict[str, Bridge] = field(default_factory=dict)  # encoder part -> its bridge to the backbone
 
     @property
     def tp_leader(self) -> int:
@@ -218,7 +234,8 @@ class Topology:
 
     @property
     def is_encoder(self) -> bool:
-        return self.part == ENCODER
+        """Any encoder part (the one "encoder" of a VLM, or one of several: "audio", "vision", ...)."""
+        return self.part not in (BACKBONE, COUPLED)
 
     @property
     def is_backbone(self) -> bool:
@@ -261,15 +278,16 @@ class Topology:
             if rank in ranks:
                 c = p.coords(rank - base)
                 mine = dict(part=p.name, part_ranks=ranks, part_group=part_group, coords=c, **handles)
-        bridge = bridge_of(layout)
-        pool_group, pool_data_groups = _pool_groups(world_size, backend) if bridge is not None else (None, None)
+        bridges = bridges_of(layout)
+        bridge = bridges.get(ENCODER)
+        pool_group, pool_data_groups = _pool_groups(world_size, backend) if bridges else (None, None)
         c = mine["coords"]
         return Topology(
             layout=layout, rank=rank, world_size=world_size, part=mine["part"], part_ranks=mine["part_ranks"],
             part_group=mine["part_group"], dp_group=mine["dp"][0], pp_group=mine["pp"][0],
             tp_group=mine["tp"][0], dp_rank=c["dp"], pp_rank=c["pp"], tp_rank=c["tp"], dp_ranks=mine["dp"][1],
             pp_ranks=mine["pp"][1], bridge=bridge, pool_group=pool_group, pool_data_groups=pool_data_groups,
-            tp_ranks=mine["tp"][1],
+            tp_ranks=mine["tp"][1], bridges=bridges,
         )
 
     def backbone_rank(self, *, dp: int, pp: int, tp: int = 0) -> int:
@@ -280,16 +298,43 @@ class Topology:
                 f"pp={self.pp_rank}/{self.part_layout.pp} tp={self.tp_rank}/{self.part_layout.tp}")
 
 
-def bridge_of(layout: Layout) -> Optional[Bridge]:
-    """The encoder -> backbone bridge of a decoupled layout (None when coupled); needs no process group."""
+def bridge_of(layout: Layout, part: str = ENCODER) -> Optional[Bridge]:
+    """The `part` -> backbone bridge of a decoupled layout (None when coupled); needs no process group."""
     if layout.mode != "decoupled":
         return None
-    enc, bb = layout.part(ENCODER), layout.part(BACKBONE)
+    enc, bb = layout.part(part), layout.part(BACKBONE)
     bb_base = layout.part_ranks(BACKBONE)[0]
     # One consumer per backbone DP rank: the first stage, TP rank 0 (TP peers get it by broadcast).
     consumers = [bb_base + bb.local_rank_of(dp=d, pp=0) for d in range(bb.dp)]
-    producers = [r for r in layout.part_ranks(ENCODER) if enc.coords(r).get("tp") == 0]
+    base = layout.part_ranks(part)[0]
+    producers = [r for r in layout.part_ranks(part) if enc.coords(r - base).get("tp") == 0]
     return Bridge.build(producers, consumers)
+
+
+def bridges_of(layout: Layout) -> dict[str, Bridge]:
+    """Every encoder part's bridge to the backbone ({} when coupled)."""
+    if layout.mode != "decoupled":
+        return {}
+    return {name: bridge_of(layout, name) for name in layout.encoder_parts}
+
+
+def _encoder_part_layouts(parallel_cfg) -> list[PartLayout]:
+    """`parallel.encoders` (several named encoder parts) when set, else the one `parallel.encoder`."""
+    encoders = getattr(parallel_cfg, "encoders", None) or {}
+    if not encoders:
+        e = parallel_cfg.encoder
+        return [PartLayout(ENCODER, e.dp, e.tp, e.pp, e.cp)]
+    parts = []
+    for name, e in encoders.items():
+        if name in (ENCODER, BACKBONE, COUPLED):
+            raise LayoutError(f"parallel.encoders.{name}: {name!r} is reserved; name each part by its modality "
+                              "(e.g. audio, vision)")
+        sizes = dict(e) if e is not None else {}
+        unknown = sorted(set(sizes) - {"dp", "tp", "pp", "cp"})
+        if unknown:
+            raise LayoutError(f"parallel.encoders.{name}: unknown keys {unknown}; each part takes dp, tp, pp, cp")
+        parts.append(PartLayout(str(name), **{k: sizes.get(k, 1) for k in ("dp", "tp", "pp", "cp")}))
+    return parts
 
 
 def _axis_groups(p: PartLayout, base: int, axis: str) -> list[list[int]]:

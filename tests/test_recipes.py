@@ -46,14 +46,21 @@ def test_model_recipe_instantiates(name: str) -> None:
     spec = VLMSpec.from_hf_config(cfg)
     assert spec.total_params > 0
     if job.model.preset == "tiny":  # real sizes are counted (tests/test_specs_real.py builds them on meta)
-        from mindspeed_flow.hosts.torch import build_vlm, split_vlm
+        from mindspeed_flow.hosts.torch import build_vlm, hf_compat, split_vlm
 
         # a CPU-sized model is materialised; a bigger one built from the tiny preset (small_qwen2_vl, for one
-        # accelerator) only as its encoder part, the backbone staying on meta: the counts are the same
-        parts = ("encoder", "backbone") if spec.total_params < 50e6 else ("encoder",)
+        # accelerator) only as its encoder part(s), the backbone staying on meta: the counts are the same
+        parts = None if spec.total_params < 50e6 else hf_compat.encoder_parts(job.model.family)
         model = build_vlm(job.model.family, cfg, seed=0, parts=parts)
-        encoder, backbone = split_vlm(model)
         assert sum(p.numel() for p in model.parameters()) == spec.total_params
+        if len(hf_compat.encoder_parts(job.model.family)) > 1:  # audio + vision encoder parts
+            from mindspeed_flow.hosts.torch.omni import split_omni
+
+            parts = split_omni(model)
+            assert sum(p.numel() for p in parts["audio"].parameters()) == spec.audio.params
+            encoder = parts["vision"]
+        else:
+            encoder, backbone = split_vlm(model)
         assert sum(p.numel() for p in encoder.parameters()) == spec.vision.params
 
 
@@ -71,13 +78,16 @@ def _data_overrides(name: str, tmp_path: Path) -> list[str]:
         (tmp_path / "d.json").write_text(json.dumps(rows))
         return [f"data.path={tmp_path / 'd.json'}", f"data.image_root={tmp_path}", "data.num_samples=2",
                 "trainer.global_batch_size=2"]
+    if name.startswith("omni"):  # audio + image data needs the Omni thinker's config (audio ids, mel bins)
+        return ["model=tiny_qwen2_5_omni"]
     return []
 
 
 @pytest.mark.parametrize("name", options("data"))
 def test_data_recipe_instantiates(name: str, tmp_path: Path) -> None:
     job = to_job_config(compose([f"data={name}", *_data_overrides(name, tmp_path)]))
-    ds = build_dataset(job.data, token_spec_from_hf_config(model_hf_config(job)))
+    hf_config = model_hf_config(job)
+    ds = build_dataset(job.data, token_spec_from_hf_config(hf_config), hf_config=hf_config)
     sample = ds.sample(0, with_pixels=True)
     assert sample.shape(ds.merge_size) == ds.shape(0)
 

@@ -17,18 +17,24 @@ _CLASSES = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",
+    "qwen2_5_omni_thinker": "Qwen2_5OmniThinkerForConditionalGeneration",
 }
 
 
 def _build_on_meta(config: dict) -> torch.nn.Module:
     cls = getattr(transformers, _CLASSES[config["model_type"]])
-    hf_config = transformers.AutoConfig.for_model(**config)
+    if config["model_type"] == "qwen2_5_omni_thinker":  # a sub-config: transformers 4.57's AutoConfig lacks it
+        hf_config = transformers.Qwen2_5OmniThinkerConfig.from_dict(config)
+    else:
+        hf_config = transformers.AutoConfig.for_model(**config)
     with torch.device("meta"):
         return cls(hf_config)
 
 
 def _vision_numel(model: torch.nn.Module, family: str) -> int:
     inner = model.model
+    if family == "qwen2_5_omni_thinker" and not hasattr(inner, "visual"):  # transformers 4.57: on the thinker
+        inner = model
     if family == "llava":
         return sum(p.numel() for p in inner.vision_tower.parameters()) + sum(
             p.numel() for p in inner.multi_modal_projector.parameters())
@@ -42,6 +48,9 @@ def test_spec_counts_equal_hf_modules(family: str, preset: str) -> None:
     spec = VLMSpec.from_hf_config(config)
     assert spec.total_params == sum(p.numel() for p in model.parameters()), (family, preset)
     assert spec.vision.params == _vision_numel(model, family), (family, preset)
+    if spec.audio is not None:  # the Omni thinker's audio tower
+        tower = getattr(model.model, "audio_tower", None) or model.audio_tower
+        assert spec.audio.params == sum(p.numel() for p in tower.parameters()), (family, preset)
 
 
 def test_real_presets_have_published_sizes() -> None:

@@ -121,3 +121,9 @@ def check_rules(job: FlowJobConfig) -> None:
     for ok, msg in rules:
         if not ok:
             raise RecipeError(msg)
+    from mindspeed_flow.runtime.multipart import check_encoder_parts
+
+    try:
+        check_encoder_parts(job)
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from None

@@ -58,6 +58,8 @@ class DataConfig:
     shape_table: Optional[str] = None
     # Samples loaded ahead of the consumer by the background prefetch thread (bounds prefetched memory).
     prefetch_depth: int = 2
+    # synthetic_omni: [lo, hi] mel frames (10 ms each) per audio clip.
+    audio_frames: list = field(default_factory=lambda: [40, 300])
 
 
 @dataclass
@@ -72,6 +74,9 @@ class PartParallelConfig:
 class ParallelConfig:
     encoder: PartParallelConfig = field(default_factory=PartParallelConfig)
     backbone: PartParallelConfig = field(default_factory=lambda: PartParallelConfig(dp=2))
+    # Several encoder parts, each its own group and DP (e.g. {audio: {dp: 1}, vision: {dp: 1}} for the Omni
+    # thinker); when set, `encoder` is unused. Empty: the one `encoder` part.
+    encoders: dict = field(default_factory=dict)
     # ddp | fsdp (FSDP2 fully_shard)
     backbone_dp_impl: str = "ddp"
     # gpipe | 1f1b

@@ -3,7 +3,9 @@
 Public API (imported lazily, so `mindspeed_flow.data.shapes` stays importable without torch for the planner):
 
     token_spec_from_hf_config(cfg) -> TokenSpec            tokens.py
-    build_dataset(data_cfg, token_spec, tokenizer=None)    build.py   (synthetic_infovqa | sharegpt | length_table)
+    build_dataset(data_cfg, token_spec, tokenizer=None, hf_config=None)  build.py (synthetic_infovqa | sharegpt |
+                                                           length_table | synthetic_omni)
+    SyntheticOmni, OmniSample                              omni.py (audio + image samples for the Omni thinker)
     SyntheticInfoVQA, ShareGPTDataset, LengthTableDataset  every one: len(ds), ds.shape(i), ds.sample(i, with_pixels)
     export_length_table(ds, path)                          length_table.py
     iter_global_batches(ds, global_batch_size, seed, ...)  sampler.py (good ids only; state_dict/load_state_dict)
@@ -25,6 +27,7 @@ _EXPORTS = {
     "VLMDataset": "base",
     "SyntheticInfoVQA": "synthetic", "SyntheticParams": "synthetic",
     "ShareGPTDataset": "sharegpt",
+    "SyntheticOmni": "omni", "OmniSample": "omni",
     "LengthTableDataset": "length_table", "export_length_table": "length_table",
     "BadSample": "guard", "TooManyBadSamples": "guard", "SampleGuard": "guard", "BadSampleTracker": "guard",
     "GlobalBatchSampler": "sampler", "iter_global_batches": "sampler",

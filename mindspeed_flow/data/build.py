@@ -1,12 +1,13 @@
 """`build_dataset`: the one place that turns a `DataConfig` (recipes/data/*.yaml) into a dataset.
 
 Sources: `synthetic_infovqa` (SyntheticInfoVQA), `sharegpt` (ShareGPTDataset over data.path + data.image_root),
-`length_table` (LengthTableDataset replaying data.path). Field errors name the `data.` field and the rule.
+`length_table` (LengthTableDataset replaying data.path), `synthetic_omni` (SyntheticOmni: audio + images for the
+Qwen2.5-Omni thinker). Field errors name the `data.` field and the rule.
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from mindspeed_flow.data.base import VLMDataset
 from mindspeed_flow.data.length_table import LengthTableDataset
@@ -15,7 +16,7 @@ from mindspeed_flow.data.sharegpt import ShareGPTDataset
 from mindspeed_flow.data.synthetic import SyntheticInfoVQA, SyntheticParams
 from mindspeed_flow.data.tokens import Tokenizer
 
-SOURCES = ("synthetic_infovqa", "sharegpt", "length_table")
+SOURCES = ("synthetic_infovqa", "sharegpt", "length_table", "synthetic_omni")
 
 
 def _pair(data_cfg: Any, name: str) -> tuple[int, int]:
@@ -43,8 +44,10 @@ def _required_path(data_cfg: Any) -> str:
     return str(data_cfg.path)
 
 
-def build_dataset(data_cfg: Any, token_spec: TokenSpec, tokenizer: Optional[Tokenizer] = None) -> VLMDataset:
-    """A dataset for `data_cfg.source`; `tokenizer` (str -> ids) is used by sharegpt (default: byte-level)."""
+def build_dataset(data_cfg: Any, token_spec: TokenSpec, tokenizer: Optional[Tokenizer] = None,
+                  hf_config: Optional[Mapping[str, Any]] = None) -> VLMDataset:
+    """A dataset for `data_cfg.source`; `tokenizer` (str -> ids) is used by sharegpt (default: byte-level),
+    `hf_config` (the model's config.json dict) by synthetic_omni (audio ids and mel bins)."""
     source = data_cfg.source
     if int(data_cfg.max_bad_samples) < 0:
         raise ValueError(f"data.max_bad_samples must be >= 0, got {data_cfg.max_bad_samples}")
@@ -69,4 +72,11 @@ def build_dataset(data_cfg: Any, token_spec: TokenSpec, tokenizer: Optional[Toke
         return LengthTableDataset(_required_path(data_cfg), token_spec, seed=int(data_cfg.seed),
                                   question_tokens=_pair(data_cfg, "question_tokens"),
                                   answer_tokens=_pair(data_cfg, "answer_tokens"))
+    if source == "synthetic_omni":
+        from mindspeed_flow.data.omni import AudioSpec, SyntheticOmni
+
+        if hf_config is None:
+            raise ValueError("data.source='synthetic_omni' needs the model's HF config (a Qwen2.5-Omni thinker)")
+        return SyntheticOmni(synthetic_params(data_cfg), token_spec, AudioSpec.from_hf_config(hf_config),
+                             _pair(data_cfg, "audio_frames"))
     raise ValueError(f"data.source={source!r} is unknown; choose one of {SOURCES}")

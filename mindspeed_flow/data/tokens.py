@@ -25,7 +25,7 @@ Tokenizer = Callable[[str], list[int]]
 LLAVA_DEFAULT_VISION_START_ID = 381
 LLAVA_DEFAULT_VISION_END_ID = 382
 
-QWEN2_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+QWEN2_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni_thinker")  # the Omni thinker: Qwen2.5-VL images
 LLAVA_FAMILIES = ("llava",)
 
 

@@ -10,6 +10,10 @@ IMAGE_TOKEN_ID = 380
 VISION_START_ID = 381
 VISION_END_ID = 382
 EOS_ID = 383
+# Qwen2.5-Omni thinker only: audio pad / audio start / audio end (below the four shared ids above).
+AUDIO_TOKEN_ID = 376
+AUDIO_START_ID = 377
+AUDIO_END_ID = 378
 
 _TINY_TEXT = {
     "vocab_size": TINY_VOCAB,
@@ -69,5 +73,26 @@ TINY_PRESETS: dict[tuple[str, str], dict] = {
         "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
                           "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 56, "patch_size": 14,
                           "projection_dim": 32},
+    },
+    # Qwen2.5-Omni thinker: audio encoder (Whisper-style, 16 mel bins), Qwen2.5-VL vision encoder, mrope LLM.
+    ("qwen2_5_omni_thinker", "tiny"): {
+        "model_type": "qwen2_5_omni_thinker",
+        "audio_token_id": AUDIO_TOKEN_ID,
+        "audio_start_token_id": AUDIO_START_ID,
+        "audio_end_token_id": AUDIO_END_ID,
+        "image_token_id": IMAGE_TOKEN_ID,
+        "video_token_id": IMAGE_TOKEN_ID - 1,
+        "vision_start_token_id": VISION_START_ID,
+        "vision_end_token_id": VISION_END_ID,
+        "position_id_per_seconds": 25,
+        "seconds_per_chunk": 2,
+        "tie_word_embeddings": False,
+        "text_config": dict(_TINY_QWEN_TEXT),
+        "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                          "out_hidden_size": 64, "in_channels": 3, "patch_size": 14, "spatial_merge_size": 2,
+                          "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1]},
+        "audio_config": {"num_mel_bins": 16, "encoder_layers": 2, "encoder_attention_heads": 2,
+                         "encoder_ffn_dim": 64, "d_model": 32, "output_dim": 64, "max_source_positions": 1500,
+                         "n_window": 50},
     },
 }

@@ -63,6 +63,12 @@ def apply_tp(part: torch.nn.Module, job: FlowJobConfig, topo: Topology) -> None:
 def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.device
                ) -> tuple[RankModels, PartOptimizer, Optional[Any], Optional[dist.ProcessGroup]]:
     dtype = DTYPES[job.model.dtype]
+    t = job.trainer
+    opt_kwargs = dict(lr=t.lr, betas=(float(t.betas[0]), float(t.betas[1])), weight_decay=t.weight_decay, eps=t.adam_eps)
+    from mindspeed_flow.runtime.multipart import build_multipart_rank, is_multipart
+
+    if is_multipart(job):  # several encoder parts (e.g. audio + vision): runtime/multipart.py
+        return build_multipart_rank(job, topo, hf_cfg, device, dtype, opt_kwargs)
     parts = ("encoder", "backbone") if topo.is_coupled else ("encoder",) if topo.is_encoder else ("backbone",)
     model = build_vlm(job.model.family, hf_cfg, seed=job.seed, dtype=dtype,
                       pretrained_path=job.model.pretrained_path, parts=parts)
@@ -70,8 +76,6 @@ def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.d
     frozen = job.model.freeze_encoder
     if frozen:
         freeze_(encoder)
-    t = job.trainer
-    opt_kwargs = dict(lr=t.lr, betas=(float(t.betas[0]), float(t.betas[1])), weight_decay=t.weight_decay, eps=t.adam_eps)
     models = RankModels(frozen_encoder=frozen)
     optim = PartOptimizer()
     pool = None

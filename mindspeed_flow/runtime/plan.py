@@ -9,7 +9,7 @@ Every rank runs this on the same inputs and gets the same answer, so no rank ask
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -31,6 +31,14 @@ class StepWork:
     encode_order: dict[int, list[int]] = field(default_factory=dict)
     # encoder global rank -> total ViT cost this step (for the balance metric)
     encoder_cost: dict[int, float] = field(default_factory=dict)
+    # several encoder parts: part -> sample id -> producer rank (producer_of stays empty then), and part -> the
+    # part's producer ranks
+    producers: dict[str, dict[int, int]] = field(default_factory=dict)
+    part_producers: dict[str, list[int]] = field(default_factory=dict)
+
+    def producer_ranks(self) -> dict[str, list[int]]:
+        """Encoder part -> its producer ranks (one part, "encoder", unless several were planned)."""
+        return dict(self.part_producers) if self.part_producers else {"encoder": list(self.encoder_cost)}
 
     def consumption_order(self) -> list[int]:
         """Slot-major order in which the backbone consumes samples: slot 0 of every DP rank, then slot 1..."""
@@ -53,6 +61,15 @@ def plan_decoupled_step(step: int, shapes: Sequence[SampleShape], *, bridge: Bri
         for mb in row:
             for sid in mb.sample_ids:
                 work.consumer_of[sid] = bridge.consumers[d]
+    _assign_producers(work, bridge, lambda sid: cost_model.encoder_cost(by_id[sid]),
+                      lambda sid: by_id[sid].num_images > 0, work.producer_of)
+    return work
+
+
+def _assign_producers(work: StepWork, bridge: Bridge, cost: Callable[[int], float], has: Callable[[int], bool],
+                      producer_of: dict[int, int]) -> None:
+    """Give each sample that `has` something to encode a producer of `bridge`, in consumption order."""
+    plan = work.plan
     for producers, consumers in bridge.groups:
         # The group's samples slot by slot (what its consumers run together), balanced over its producers by the
         # packing scheduler's encoder-side rule: within a slot heaviest first onto the least-loaded producer.
@@ -63,14 +80,37 @@ def plan_decoupled_step(step: int, shapes: Sequence[SampleShape], *, bridge: Bri
                     for sid in row[k].sample_ids]
             slots.append(list(range(len(ids), len(ids) + len(slot))))
             ids.extend(slot)
-        costs = np.array([cost_model.encoder_cost(by_id[sid]) for sid in ids], dtype=np.float64)
-        has_images = np.array([by_id[sid].num_images > 0 for sid in ids], dtype=bool)
-        order, loads = encoder_schedule(slots, costs, ids, len(producers), has_images)
+        costs = np.array([cost(sid) for sid in ids], dtype=np.float64)
+        has_input = np.array([has(sid) for sid in ids], dtype=bool)
+        order, loads = encoder_schedule(slots, costs, ids, len(producers), has_input)
         for p, sids, load in zip(producers, order, loads):
             work.encode_order[p] = sids
             work.encoder_cost[p] = load
             for sid in sids:
-                work.producer_of[sid] = p
+                producer_of[sid] = p
+
+
+def plan_multipart_step(step: int, shapes: Sequence[SampleShape], *, bridges: dict[str, Bridge],
+                        part_costs: dict[str, Callable[[int], float]], token_budget: int, cost_model: CostModel,
+                        scheduler: str, min_microbatches: int, oversize_policy: str, pad_multiple: int = 0
+                        ) -> StepWork:
+    """Several encoder parts feeding one backbone: the backbone plan as for one part, then each part's samples
+    (those whose cost is > 0: the part has something to encode) balanced over that part's producers, in the
+    order the backbone consumes them. `work.producers[part][sid]` names each embedding's producer."""
+    any_bridge = next(iter(bridges.values()))
+    plan = plan_step(list(shapes), dp=len(any_bridge.consumers), num_encoders=len(any_bridge.producers),
+                     token_budget=token_budget, cost_model=cost_model, scheduler=scheduler,
+                     min_microbatches=min_microbatches, oversize_policy=oversize_policy, pad_multiple=pad_multiple)
+    work = StepWork(step, [s.sample_id for s in shapes], plan)
+    for d, row in enumerate(plan.microbatches):
+        for mb in row:
+            for sid in mb.sample_ids:
+                work.consumer_of[sid] = any_bridge.consumers[d]  # every bridge has the same consumers
+    for part, bridge in bridges.items():
+        cost = part_costs[part]
+        _assign_producers(work, bridge, cost, lambda sid, cost=cost: cost(sid) > 0,
+                          work.producers.setdefault(part, {}))
+        work.part_producers[part] = list(bridge.producers)
     return work
 
 

@@ -81,11 +81,19 @@ def machine_peak_flops(acc: Accelerator, job: FlowJobConfig, world: int) -> tupl
     return total, f"{total / 1e12:.4f} TFLOPS: {world} ranks timing an fp32 matmul concurrently, summed"
 
 
-def plan_for_step(job: FlowJobConfig, topo: Topology, step: int, shapes: list, cost_model: CostModel) -> StepWork:
+def plan_for_step(job: FlowJobConfig, topo: Topology, step: int, shapes: list, cost_model: CostModel,
+                  dataset: Any = None) -> StepWork:
     """The step plan, identical on every rank (see runtime/plan.py)."""
     p = job.packing
     common = dict(token_budget=p.token_budget, cost_model=cost_model, scheduler=p.scheduler,
                   oversize_policy=p.oversize_policy, pad_multiple=p.pad_multiple)
+    if topo.layout.multipart:  # several encoder parts: each balanced over its own producers
+        from mindspeed_flow.runtime.multipart import part_costs
+        from mindspeed_flow.runtime.plan import plan_multipart_step
+
+        costs = part_costs(dataset, cost_model)
+        return plan_multipart_step(step, shapes, bridges=topo.bridges, part_costs={n: costs[n] for n in topo.bridges},
+                                   min_microbatches=topo.layout.part("backbone").pp, **common)
     if topo.layout.mode == "decoupled":
         return plan_decoupled_step(step, shapes, bridge=topo.bridge,
                                    min_microbatches=topo.layout.part("backbone").pp, **common)
@@ -103,8 +111,9 @@ def step_static(work: StepWork, spec: VLMSpec, shapes: list, frozen: bool, bad_s
 
 def plan_stats(work: StepWork) -> dict[str, float]:
     plan = work.plan
-    loads = list(work.encoder_cost.values())
-    enc_imb = max(loads) / (sum(loads) / len(loads)) if loads and sum(loads) > 0 else 1.0
+    # each encoder part's producers against each other (an audio part's frames never compare with ViT costs)
+    by_part = [[work.encoder_cost[r] for r in ranks] for ranks in work.producer_ranks().values()]
+    enc_imb = max((max(x) / (sum(x) / len(x)) for x in by_part if x and sum(x) > 0), default=1.0)
     n_mb = sum(len(r) for r in plan.microbatches)
     return dict(microbatches=n_mb, real_tokens=plan.real_tokens, padded_tokens=plan.padded_tokens,
                 padding_fraction=float(plan.padding_fraction), dp_imbalance=float(plan.dp_imbalance),
@@ -128,7 +137,7 @@ def run_worker(config_path: str) -> None:
                     expected_world=job.parallel.world_size)
     topo = Topology.build(layout)
     token_spec = token_spec_from_hf_config(hf_cfg)
-    dataset = build_dataset(job.data, token_spec)
+    dataset = build_dataset(job.data, token_spec, hf_config=hf_cfg)
     rank_models, optim, pool, norm_group = build.build_rank(job, topo, hf_cfg, device)
     frozen = job.model.freeze_encoder
     cost_model = CostModel.from_config(job.packing, spec, frozen_encoder=frozen)
@@ -147,7 +156,10 @@ def run_worker(config_path: str) -> None:
         if compat:
             print(compat, flush=True)
 
-    engine = StepEngine(topo=topo, models=rank_models, pool=pool, dataset=dataset,
+    from mindspeed_flow.runtime.multipart import MultiPartEngine, is_multipart
+
+    engine_cls = MultiPartEngine if is_multipart(job) else StepEngine
+    engine = engine_cls(topo=topo, models=rank_models, pool=pool, dataset=dataset,
                         token_budget=job.packing.token_budget, optim=optim,
                         norm_group=norm_group, grad_clip=job.trainer.grad_clip, base_lr=job.trainer.lr,
                         warmup_steps=job.trainer.warmup_steps,
@@ -186,7 +198,7 @@ def run_worker(config_path: str) -> None:
         drills.loader_error(step)
         sample_ids = next(batches)
         shapes = [dataset.shape(i) for i in sample_ids]
-        work = plan_for_step(job, topo, step, shapes, cost_model)
+        work = plan_for_step(job, topo, step, shapes, cost_model, dataset)
         record = StepRecord()
         trace.set_step(step)
         record["is_encoder"], record["is_backbone"] = float(topo.is_encoder), float(not topo.is_encoder)

@@ -58,23 +58,26 @@ def parameters_on_meta() -> Iterator[None]:
 
 def build_vlm(family: str, hf_config: Mapping[str, Any], *, seed: int, dtype: torch.dtype = torch.float32,
               pretrained_path: Optional[str] = None, attn_implementation: str = "sdpa",
-              parts: Sequence[str] = PARTS) -> nn.Module:
-    """The HF model (Qwen2VL / Qwen2_5_VL / Llava ...ForConditionalGeneration) in train mode, with the
-    parameters of `parts` (a subset of "encoder", "backbone") on the CPU and every other parameter on meta.
+              parts: Optional[Sequence[str]] = None) -> nn.Module:
+    """The HF model (Qwen2VL / Qwen2_5_VL / Llava ...ForConditionalGeneration, the Qwen2.5-Omni thinker) in train
+    mode, with the parameters of `parts` (a subset of `parts_of(family)`, default all) on the CPU and every other
+    parameter on meta.
 
     `pretrained_path`: a local directory with config.json and safetensors weights; `hf_config` is then ignored.
     """
     _check_attn(attn_implementation)
-    unknown = [p for p in parts if p not in PARTS]
+    all_parts = parts_of(family)
+    parts = all_parts if parts is None else parts
+    unknown = [p for p in parts if p not in all_parts]
     if unknown or not parts:
-        raise ValueError(f"build_vlm parts={list(parts)}: choose one or more of {PARTS}")
+        raise ValueError(f"build_vlm parts={list(parts)}: choose one or more of {all_parts}")
     model_cls, config_cls = hf_compat.family_classes(family)
     config = config_cls.from_dict(_read_config(family, pretrained_path) if pretrained_path else dict(hf_config))
     with torch.random.fork_rng(devices=[]), parameters_on_meta():  # HF's own init on meta: no memory, no RNG
         model = model_cls._from_config(config, attn_implementation=attn_implementation)
     hf_compat.family_of(model)
     by_part = part_parameters(model, family)
-    for k, part in enumerate(PARTS):
+    for k, part in enumerate(all_parts):
         if part not in parts:
             continue
         modules, materialized = _materialize(model, {id(p) for p in by_part[part]})
@@ -92,11 +95,19 @@ def build_vlm(family: str, hf_config: Mapping[str, Any], *, seed: int, dtype: to
     return model
 
 
+def parts_of(family: str) -> tuple[str, ...]:
+    """A family's parts in build order (the order sets each part's seed stream): encoder part(s), backbone."""
+    return hf_compat.encoder_parts(family) + ("backbone",)
+
+
 def part_parameters(model: nn.Module, family: str) -> dict[str, list[nn.Parameter]]:
-    """Parameters per part: the encoder's vision modules, and everything else (the backbone)."""
-    encoder = [p for m in hf_compat.vision_modules(model, family).values() for p in m.parameters()]
-    enc_ids = {id(p) for p in encoder}
-    return {"encoder": encoder, "backbone": [p for p in model.parameters() if id(p) not in enc_ids]}
+    """Parameters per part: each encoder part's modules, and everything else (the backbone)."""
+    out: dict[str, list[nn.Parameter]] = {}
+    for part, modules in hf_compat.encoder_modules(model, family).items():
+        out[part] = [p for m in modules.values() for p in m.parameters()]
+    enc_ids = {id(p) for ps in out.values() for p in ps}
+    out["backbone"] = [p for p in model.parameters() if id(p) not in enc_ids]
+    return out
 
 
 def _materialize(model: nn.Module, wanted: set[int]) -> tuple[list[nn.Module], set[int]]:

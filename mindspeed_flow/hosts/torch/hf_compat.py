@@ -31,8 +31,26 @@ FAMILY_CLASSES: dict[str, tuple[str, str]] = {
     "qwen2_vl": ("Qwen2VLForConditionalGeneration", "Qwen2VLConfig"),
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig"),
     "llava": ("LlavaForConditionalGeneration", "LlavaConfig"),
+    # several encoders (audio + vision) feeding one LLM; its parts are in hosts/torch/omni.py
+    "qwen2_5_omni_thinker": ("Qwen2_5OmniThinkerForConditionalGeneration", "Qwen2_5OmniThinkerConfig"),
 }
-MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni_thinker")
+# family -> its encoder parts, in part order; a family not listed has one encoder part, "encoder" (vision)
+ENCODER_PARTS: dict[str, tuple[str, ...]] = {"qwen2_5_omni_thinker": ("audio", "vision")}
+
+
+def encoder_parts(family: str) -> tuple[str, ...]:
+    """The names of a family's encoder parts: ("encoder",) for a VLM, ("audio", "vision") for the Omni thinker."""
+    return ENCODER_PARTS.get(family, ("encoder",))
+
+
+def encoder_modules(model: nn.Module, family: str) -> dict[str, dict[str, nn.Module]]:
+    """Encoder part -> its modules by name. The Omni thinker keeps its towers on `model.model` in 5.x and on the
+    thinker itself in 4.57."""
+    if family == "qwen2_5_omni_thinker":
+        return {"audio": {"audio_tower": _first_attr(model, ("model.audio_tower", "audio_tower"), "audio tower")},
+                "vision": vision_modules(model, family)}
+    return {"encoder": vision_modules(model, family)}
 
 
 def _transformers_attr(name: str) -> Any:
@@ -127,7 +145,10 @@ def unused_vision_parameters(model: nn.Module, family: str) -> list[nn.Parameter
 
 
 def multimodal_owner(model: nn.Module) -> nn.Module:
-    """The module whose `get_image_features` / `get_rope_index` the whole model calls (`model.model`)."""
+    """The module whose `get_image_features` / `get_rope_index` the whole model calls (`model.model`; the Omni
+    thinker itself, which has both in 4.57 and 5.x while its `model` is the text model in 4.57)."""
+    if type(model).__name__ == FAMILY_CLASSES["qwen2_5_omni_thinker"][0]:
+        return model
     return _first_attr(model, ("model",), "multimodal base model")
 
 
