@@ -15,6 +15,15 @@ from mindspeed_flow.bench import simulator as sb
 from mindspeed_flow.planner.simulate import Simulator
 
 
+def test_fair_share_between_groups() -> None:
+    assert sb.fair_share(2.0, [1, 1]) == [1.0, 1.0]
+    assert sb.fair_share(2.0, [2, 1, 1]) == pytest.approx([2 / 3] * 3)
+    assert sb.fair_share(2.0, [3, 0.5]) == pytest.approx([1.5, 0.5])  # a light group leaves the rest
+    assert sb.fair_share(2.0, [1]) == [1.0]  # never more than its runnable threads
+    runnable = sb.runnable_by_group({})
+    assert all(v >= 1 for v in runnable.values())
+
+
 def test_host_capacity_and_simulator_capacity_hook() -> None:
     assert sb.host_capacity(0.5, 3, 2.0) == [0.0, 0.5, 1.0, 1.0]
     # two ranks computing 1 s each on 2 cores: 1 s alone, 2 s when each gets half a core
@@ -51,6 +60,9 @@ def test_step_watch_windows_and_host_probe(tmp_path: Path) -> None:
     share = probe.share(probe.samples[0][0], probe.samples[-1][0])
     assert 0.0 < share <= 1.0  # a computing probe always gets some of a core
     assert probe.cpu_cost(probe.samples[0][0], probe.samples[-1][0]) > 0
+    cap = probe.group_capacity(probe.samples[0][0], probe.samples[-1][0] + 1, "no-such-group", 3, 2.0)
+    assert len(cap) == 4 and cap[0] == 0.0 and all(0 < c <= min(n, 2.0) + 1e-9 for n, c in enumerate(cap) if n)
+    assert cap == sorted(cap)  # more computing ranks never get fewer cores
     assert math.isnan(probe.share(hi + 10, hi + 11))
 
 
@@ -76,6 +88,7 @@ def test_bench_runs_end_to_end_on_one_layout(tmp_path: Path, capsys: pytest.Capt
     assert report["mean_abs_sim_error"] == pytest.approx(abs(row["sim_error"]))
     assert len(row["simulated_steps_s"]) == len(row["measured_steps_s"]) == 2
     assert 0.0 < row["core_share"] <= 1.0
+    assert row["fair_groups_s"] > 0 and row["own_cores_s"] > 0
     assert row["charged_cpu_per_step_s"] > 0 and row["pool_item_cpu_s"][0] > 0
     text = sb.table(report)
     assert "e1-b1" in text and "mean |error|" in text

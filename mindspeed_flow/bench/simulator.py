@@ -20,7 +20,10 @@ For each layout (`eA-bB[pP][@T]`, as `python -m mindspeed_flow.planner.validate`
    block, they do not spin), charging those costs, with n computing ranks getting min(n, cores) x (the
    probe's share over the measured steps) cores, each slower by the probe's CPU cost then over its cost
    while the primitives were measured;
-4. price the same layout with the analytic model (calibrated by a `profile` table measured at the start of
+4. replay the same steps twice more, for comparison: on the host's cores as if the job had them alone, and
+   with the cores shared fairly (`fair_share`) between the job's scheduling group and the other groups the
+   probe saw runnable (with the kernel's autogroup, a group is a session);
+5. price the same layout with the analytic model (calibrated by a `profile` table measured at the start of
    this run).
 Measured is the median step time after --warmup steps, simulated the median of the same steps' replays. No
 figure is fitted to a step time: every input is a primitive's measurement or the probe's. As a check that no
@@ -58,13 +61,71 @@ def _probe_loop(conn: Any, interval_s: float, burst_s: float, size: int) -> None
     torch.set_num_threads(1)
     a, b = torch.randn(size, size), torch.randn(size, size)
     out: list[tuple[float, float, float, int]] = []
+    groups: list[tuple[float, dict[str, int]]] = []
+    names: dict[str, str] = {}
     while not conn.poll(interval_s):
         t0, c0, n = time.perf_counter(), time.thread_time(), 0
         while time.perf_counter() - t0 < burst_s:
             torch.mm(a, b)
             n += 1
         out.append((t0, time.perf_counter() - t0, time.thread_time() - c0, n))
-    conn.send(out)
+        groups.append((time.perf_counter(), runnable_by_group(names)))
+    conn.send((out, groups))
+
+
+def sched_group(pid: str, cache: dict[str, str]) -> str:
+    """The scheduling group of a process: its session's autogroup when the kernel has autogroup on (each
+    session then shares the CPU as one), else the process itself."""
+    if pid not in cache:
+        try:
+            cache[pid] = Path(f"/proc/{pid}/autogroup").read_text().split()[0]
+        except (OSError, IndexError):
+            cache[pid] = pid
+    return cache[pid]
+
+
+def runnable_by_group(cache: dict[str, str]) -> dict[str, int]:
+    """Runnable threads on the host per scheduling group, the calling thread left out."""
+    me = str(threading.get_native_id())
+    out: dict[str, int] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            if tid == me:
+                continue
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                    text = f.read()
+            except OSError:
+                continue
+            k = text.rfind(b")")
+            if text[k + 2:k + 3] == b"R":
+                g = sched_group(pid, cache)
+                out[g] = out.get(g, 0) + 1
+    return out
+
+
+def fair_share(cores: float, demands: Sequence[float]) -> list[float]:
+    """Cores each group gets when groups of `demands` runnable threads share `cores` fairly (max-min: no group
+    gets more than it can run; the rest is split evenly among the others)."""
+    left, out = float(cores), [0.0] * len(demands)
+    todo = sorted(range(len(demands)), key=lambda i: demands[i])
+    while todo:
+        level = left / len(todo)
+        if demands[todo[0]] <= level:
+            i = todo.pop(0)
+            out[i] = float(demands[i])
+            left -= out[i]
+        else:
+            for j in todo:
+                out[j] = level
+            break
+    return out
 
 
 class HostProbe:
@@ -84,10 +145,11 @@ class HostProbe:
         self._proc = ctx.Process(target=_probe_loop, args=(child, interval_s, burst_s, size), daemon=True)
         self._proc.start()
         self.samples: list[tuple[float, float, float, int]] = []
+        self.groups: list[tuple[float, dict[str, int]]] = []  # (time, runnable threads per scheduling group)
 
     def stop(self) -> None:
         self._conn.send("stop")
-        self.samples = self._conn.recv()
+        self.samples, self.groups = self._conn.recv()
         self._proc.join(timeout=5)
 
     def _in(self, lo: float, hi: float) -> list[tuple[float, float, float, int]]:
@@ -97,6 +159,19 @@ class HostProbe:
         """Share of a core the bursts started in [lo, hi] got (CPU over wall seconds, summed)."""
         xs = self._in(lo, hi)
         return min(1.0, sum(c for _, _, c, _ in xs) / sum(w for _, w, _, _ in xs)) if xs else float("nan")
+
+    def group_capacity(self, lo: float, hi: float, job_group: str, world: int, cores: float) -> list[float]:
+        """[n] -> cores the job's group gets with n ranks computing, shared fairly with the other groups that
+        had runnable threads (`fair_share`), averaged over the scans in [lo, hi]."""
+        scans = [g for t, g in self.groups if lo <= t <= hi]
+        if not scans:
+            return [0.0] + [min(float(n), cores) for n in range(1, world + 1)]
+        cap = [0.0] * (world + 1)
+        for g in scans:
+            others = [float(v) for k, v in g.items() if k != job_group]
+            for n in range(1, world + 1):
+                cap[n] += fair_share(cores, [float(n)] + others)[0] / len(scans)
+        return cap
 
     def cpu_cost(self, lo: float, hi: float) -> float:
         """CPU seconds per matmul in the bursts started in [lo, hi]."""
@@ -113,6 +188,7 @@ class StepWatch(threading.Thread):
         self.root, self.metrics, self.interval_s = root, metrics, interval_s
         self.step_ends: list[float] = []
         self.job_cpu: list[float] = []  # job CPU seconds at each step end
+        self.job_group = ""  # the job's scheduling group (read once it runs)
         self._stop_event = threading.Event()
 
     def stop(self) -> None:
@@ -135,6 +211,8 @@ class StepWatch(threading.Thread):
             except OSError:
                 n = lines
             if n > lines:
+                if not self.job_group:
+                    self.job_group = sched_group(str(self.root), {})
                 now, cpu = time.perf_counter(), self._job_cpu_seconds()
                 self.step_ends += [now] * (n - lines)
                 self.job_cpu += [cpu] * (n - lines)
@@ -504,6 +582,10 @@ def measure_layout(text: str, *, workdir: Path, recipes: Path, profile: str, lin
     # Waiting ranks block (gloo, the pool's condition variables): only computing ranks take core time.
     sims = simulate_job(job, plan.problem.ctx, measured_steps, cores=cores, step_overhead_s=overhead,
                         spinning_waits=False, costs=costs, host_share=capacity)
+    # the same replay with the job's group sharing the cores fairly with the other groups the probe saw runnable
+    by_group = {k: probe.group_capacity(*span, watch.job_group, plan.devices, cores) for k in measured_steps}
+    grouped = simulate_job(job, plan.problem.ctx, measured_steps, cores=cores, step_overhead_s=overhead,
+                           spinning_waits=False, costs=costs, host_share=by_group)
     # the same replay on cores of the job's own (no other jobs): how much the host's load input moves the figure
     alone = simulate_job(job, plan.problem.ctx, measured_steps, cores=cores, step_overhead_s=overhead,
                          spinning_waits=False, costs=costs)
@@ -520,6 +602,8 @@ def measure_layout(text: str, *, workdir: Path, recipes: Path, profile: str, lin
         "sim_error": simulated / measured - 1, "analytic_s": plan.step_seconds,
         "analytic_error": plan.step_seconds / measured - 1,
         "own_cores_s": statistics.median(alone[k].step_seconds for k in measured_steps),
+        "fair_groups_s": statistics.median(grouped[k].step_seconds for k in measured_steps),
+        "fair_groups_capacity": by_group[measured_steps[0]],
         "core_share": share,
         "measured_steps_s": [metrics[k]["step_seconds"] for k in measured_steps],
         "simulated_steps_s": [sims[k].step_seconds for k in measured_steps],
@@ -564,6 +648,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "rows": rows, "workdir": str(workdir),
         "mean_abs_sim_error": sum(abs(r["sim_error"]) for r in rows) / n if rows else None,
         "mean_abs_analytic_error": sum(abs(r["analytic_error"]) for r in rows) / n if rows else None,
+        "mean_abs_fair_groups_error":
+            sum(abs(r["fair_groups_s"] / r["measured_s"] - 1) for r in rows) / n if rows else None,
         "mean_abs_own_cores_error":
             sum(abs(r["own_cores_s"] / r["measured_s"] - 1) for r in rows) / n if rows else None,
     }
@@ -574,21 +660,26 @@ def table(report: dict[str, Any], args: Any = None) -> str:
            f"{report['global_batch']}, median of steps {report['warmup']}..{report['steps'] - 1}; "
            f"{report['cores']} cores, load average {report['load_average']:.1f})",
            f"  {'layout':<10} {'world':>5} {'measured s':>10} {'simulated s':>11} {'err %':>7} {'analytic s':>10} "
-           f"{'err %':>7} {'own cores s':>11} {'err %':>7} {'core share':>10} {'job CPU s':>9} {'charged':>8}"]
+           f"{'err %':>7} {'own cores s':>11} {'err %':>7} {'groups s':>8} {'err %':>7} {'core share':>10} "
+           f"{'job CPU s':>9} {'charged':>8}"]
     for r in report["rows"]:
         out.append(f"  {r['layout']:<10} {r['world']:>5} {r['measured_s']:>10.3f} {r['simulated_s']:>11.3f} "
                    f"{100 * r['sim_error']:>+7.1f} {r['analytic_s']:>10.3f} {100 * r['analytic_error']:>+7.1f} "
                    f"{r['own_cores_s']:>11.3f} {100 * (r['own_cores_s'] / r['measured_s'] - 1):>+7.1f} "
+                   f"{r['fair_groups_s']:>8.3f} {100 * (r['fair_groups_s'] / r['measured_s'] - 1):>+7.1f} "
                    f"{r['core_share']:>10.2f} {r['job_cpu_per_step_s']:>9.3f} {r['charged_cpu_per_step_s']:>8.3f}")
     if report["rows"]:
         out.append(f"mean |error| over {len(report['rows'])} layouts: simulator "
                    f"{100 * report['mean_abs_sim_error']:.1f}%, analytic model "
                    f"{100 * report['mean_abs_analytic_error']:.1f}%, simulator on own cores "
-                   f"{100 * report['mean_abs_own_cores_error']:.1f}%  (goal for the simulator: <= 10%)")
+                   f"{100 * report['mean_abs_own_cores_error']:.1f}%, with fair groups "
+                   f"{100 * report['mean_abs_fair_groups_error']:.1f}%  (goal for the simulator: <= 10%)")
     out.append(f"core share: the share of a core the host probe ({report['probe_burst_ms']:g} ms bursts) got over "
                "the measured steps (1.0 = a core of its own). job CPU s: CPU seconds per step the job's "
                "ranks used, beside the compute the simulator charged (a check; no prediction reads it). own cores s: "
-               "the same replay with the host's cores to the job alone (no load input). "
+               "the same replay with the host's cores to the job alone (no load input). groups s: the same replay "
+               "with the cores shared fairly between the job's session and the other sessions the probe saw "
+               "runnable. "
                f"Runs in {report['workdir']}")
     return "\n".join(out)
 
