@@ -31,6 +31,7 @@ SUBCOMMANDS: dict[str, str] = {
 BENCHMARKS: dict[str, str] = {
     "packing": "mindspeed_flow.bench.packing",
     "planner": "mindspeed_flow.bench.planner",
+    "simulator": "mindspeed_flow.bench.simulator",
     "pool": "mindspeed_flow.bench.pool",
     "train": "mindspeed_flow.bench.train",
     "overlap": "mindspeed_flow.bench.overlap",

@@ -13,8 +13,10 @@ The analytic cost model (cost.py) prices a layout from workload averages; this m
 - then each group's gradient all-reduce (a collective: it starts when all members are ready) and the optimizer.
 Every rank runs its operations in program order; an operation starts when its rank is free and its
 dependencies have finished (plus a link delay). Compute shares the host's cores (processor sharing: with n
-busy ranks on c cores each runs at min(1, c / n) speed; with `spinning_waits` every rank counts as busy), which
-is how CPU-emulated clusters behave; on real devices set cores=0 (every rank owns its device).
+busy ranks on c cores each runs at min(1, c / n) speed; with `spinning_waits` every rank counts as busy; on a
+host shared with other jobs, `capacity[n]` gives the cores the job gets while n of its ranks compute, and each
+runs at min(1, capacity[n] / n)), which is how CPU-emulated clusters behave; on real devices set cores=0 (every
+rank owns its device).
 
 The rates are the planner's: seconds per FLOP per part (calibrated by `mindspeed-flow profile`), per-item,
 per-microbatch and per-step overheads, link bandwidths from the cluster preset. The result gives the step time,
@@ -55,9 +57,11 @@ class Op:
 class Simulator:
     """Ranks run their ops in program order; see the module docstring."""
 
-    def __init__(self, world: int, cores: float = 0.0, spinning_waits: bool = False) -> None:
+    def __init__(self, world: int, cores: float = 0.0, spinning_waits: bool = False,
+                 capacity: Optional[Sequence[float]] = None) -> None:
         self.world, self.cores = world, float(cores)
         self.spinning_waits = spinning_waits
+        self.capacity = list(capacity) if capacity else None  # [n] -> cores the job gets with n ranks computing
         self.ops: list[Op] = []
         self.program: list[list[int]] = [[] for _ in range(world)]
         self._done = 0
@@ -92,6 +96,8 @@ class Simulator:
             if self.spinning_waits:  # waiting ranks poll and hold their share of the cores too
                 n_compute = self.world
             share = min(1.0, self.cores / n_compute) if self.cores > 0 and n_compute else 1.0
+            if self.capacity and n_compute:
+                share = min(1.0, self.capacity[min(n_compute, len(self.capacity) - 1)] / n_compute)
             rate = {i: (share if ops[i].kind == COMPUTE else 1.0) for i in remaining}
             dt = min(remaining[i] / rate[i] for i in remaining)
             # the next release time of a delayed dependency may come first: advance to it instead
@@ -170,6 +176,8 @@ class StepCosts:
     bb_tp: int = 1
     bb_cp: int = 1
     bb_rc: int = 0
+    # On a CPU host a collective's reduction and copies run on the ranks' cores: its time shares them too
+    sync_kind: str = COMM
 
     def spf(self, role: str, group: int = 1) -> float:
         """Seconds per FLOP of the whole tp (x cp) group of one part."""
@@ -268,7 +276,7 @@ class StepResult:
 def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCosts, *, pool_capacity: int,
                   pp_schedule: str = "1f1b", layer_split: Optional[Sequence[int]] = None,
                   cores: float = 0.0, step_overhead_s: float = 0.0, spinning_waits: bool = False,
-                  vit_on_stage0: bool = False) -> StepResult:
+                  vit_on_stage0: bool = False, capacity: Optional[Sequence[float]] = None) -> StepResult:
     """Simulate one step. `work`: the runtime's StepWork; `layout`: the runtime's topology.Layout;
     `pool_capacity`: samples a producer may have in the pool not yet taken by the backbone.
 
@@ -279,7 +287,8 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
 
     by_id = {s.sample_id: s for s in shapes}
     off = layout.part_ranks(BACKBONE)[0] if vit_on_stage0 else 0
-    sim = _OffsetSimulator(layout.world_size - off, cores, spinning_waits=spinning_waits, offset=off)
+    sim = _OffsetSimulator(layout.world_size - off, cores, spinning_waits=spinning_waits, offset=off,
+                           capacity=capacity)
     spec = costs.spec
     roles: dict[int, str] = {}
     start = {r: sim.add(r, "step start", step_overhead_s, tag="overhead") for r in range(off, layout.world_size)}
@@ -357,7 +366,8 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
             if vit_on_stage0 and s == 0:
                 params += spec.vision.params / costs.bb_tp
             if bb.dp > 1:
-                sim.add(rank, f"dp sync s{s}", costs.allreduce(params, bb.dp), kind=COMM, collective=f"bbdp{s}",
+                sim.add(rank, f"dp sync s{s}", costs.allreduce(params, bb.dp), kind=costs.sync_kind,
+                        collective=f"bbdp{s}",
                         tag="sync")
             sim.add(rank, "optimizer", costs.optimizer(params, bb.dp), tag="optim")
         for (d, s, kind, k), i in ids.items():  # stage-to-stage sends: activations forward, gradients back
@@ -377,7 +387,7 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
                     sim.add(r, f"enc bwd {sid}", b, deps=[(bwd0[sid], costs.link(emb_bytes(sid)))], tag="enc_bwd")
                 p_enc = spec.vision.params / costs.enc_tp
                 if enc.dp > 1:
-                    sim.add(r, "enc dp sync", costs.allreduce(p_enc, enc.dp), kind=COMM, collective="encdp",
+                    sim.add(r, "enc dp sync", costs.allreduce(p_enc, enc.dp), kind=costs.sync_kind, collective="encdp",
                             tag="sync")
                 sim.add(r, "optimizer", costs.optimizer(p_enc, enc.dp), tag="optim")
     total = sim.run()
@@ -387,8 +397,9 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
 class _OffsetSimulator(Simulator):
     """A Simulator whose ranks are numbered from `offset` (the layout's ranks without its encoder part)."""
 
-    def __init__(self, world: int, cores: float, spinning_waits: bool, offset: int) -> None:
-        super().__init__(world, cores, spinning_waits)
+    def __init__(self, world: int, cores: float, spinning_waits: bool, offset: int,
+                 capacity: Optional[Sequence[float]] = None) -> None:
+        super().__init__(world, cores, spinning_waits, capacity)
         self.offset = offset
 
     def add(self, rank: int, *args: Any, **kwargs: Any) -> int:
@@ -432,7 +443,7 @@ def _coupled_program(sim: Simulator, work: Any, by_id: dict, layout: Any, costs:
             sim.add(r, f"mb{k} fwd", f + sum(e[0] for e in enc), deps=[(start[r], 0.0)], tag="fwd")
             sim.add(r, f"mb{k} bwd", b + sum(e[1] for e in enc), tag="bwd")
         if world > 1:
-            sim.add(r, "dp sync", costs.allreduce(params, world), kind=COMM, collective="dp", tag="sync")
+            sim.add(r, "dp sync", costs.allreduce(params, world), kind=costs.sync_kind, collective="dp", tag="sync")
         sim.add(r, "optimizer", costs.optimizer(params, world), tag="optim")
 
 
@@ -501,13 +512,16 @@ def write_timeline(result: StepResult, path: str, title: str = "") -> None:
 # ------------------------------------------------------------------------------------------------ a whole job
 def simulate_job(job: Any, ctx: CostContext, steps: Sequence[int], cores: float = 0.0,
                  step_overhead_s: Optional[float] = None, spinning_waits: Optional[bool] = None,
-                 vit_on_stage0: bool = False) -> dict[int, StepResult]:
+                 vit_on_stage0: bool = False, costs: Optional[StepCosts] = None,
+                 host_share: Optional[dict[int, Sequence[float]]] = None) -> dict[int, StepResult]:
     """Simulate the given steps of a training job (a FlowJobConfig) with the planner's rates in `ctx`: the same
     global batches (sampler, seed), step plans (`runtime.worker.plan_for_step`) and layout the runtime uses.
 
     `spinning_waits` (default: on for CPU clusters): a waiting rank keeps its share of the host cores, as the
     CPU runtime's ranks do (gloo waits, the pool's receiving threads, the pixel prefetcher); measured on 6 CPU
-    layouts this predicted the step better than counting only computing ranks (see README)."""
+    layouts this predicted the step better than counting only computing ranks (see README).
+    `costs`: per-call costs to charge instead of the planner's FLOP rates (e.g. `bench.simulator`'s measured
+    ones); `host_share`: per step, the cores the job got with n ranks computing (`Simulator`'s capacity)."""
     from types import SimpleNamespace
 
     from mindspeed_flow.config.load import model_hf_config
@@ -528,8 +542,8 @@ def simulate_job(job: Any, ctx: CostContext, steps: Sequence[int], cores: float 
     cost_model = CostModel.from_config(job.packing, spec, frozen_encoder=frozen)
     batches = iter_global_batches(dataset, job.trainer.global_batch_size, seed=job.seed,
                                   max_bad=job.data.max_bad_samples)
-    costs = StepCosts(spec, ctx, trainable_encoder=not frozen,
-                      keep_encoder_activations=bool(job.flow.keep_encoder_activations))
+    costs = costs or StepCosts(spec, ctx, trainable_encoder=not frozen,
+                               keep_encoder_activations=bool(job.flow.keep_encoder_activations))
     overhead = ctx.cfg.step_overhead_s if step_overhead_s is None else step_overhead_s
     out: dict[int, StepResult] = {}
     for step in range(max(steps) + 1):
@@ -543,7 +557,8 @@ def simulate_job(job: Any, ctx: CostContext, steps: Sequence[int], cores: float 
         spin = ctx.cluster.config.backend == "cpu" if spinning_waits is None else spinning_waits
         out[step] = simulate_step(work, shapes, layout, costs, pool_capacity=capacity,
                                   pp_schedule=job.parallel.pp_schedule, cores=cores, step_overhead_s=overhead,
-                                  spinning_waits=spin, vit_on_stage0=vit_on_stage0)
+                                  spinning_waits=spin, vit_on_stage0=vit_on_stage0,
+                                  capacity=(host_share or {}).get(step))
     return out
 
 

@@ -1,0 +1,716 @@
+"""`mindspeed-flow bench simulator`: the step simulator and the analytic model against measured CPU steps.
+
+    mindspeed-flow bench simulator [--layouts e1-b1,e1-b2,e2-b1,e1-b1p2,e2-b1p2] [--steps 10] [--warmup 2]
+                                   [--repeats 3] [--probe-burst-ms 2] [--workdir DIR] [--timelines DIR] [--json]
+
+For each layout (`eA-bB[pP][@T]`, as `python -m mindspeed_flow.planner.validate` reads it), in one run:
+1. train it with `mindspeed-flow train` for --steps steps (a subprocess in a session of its own, as a user
+   runs it) while a probe process (its own session too) runs a matmul for 2 ms every 20 ms and records
+   the share of a core it got (`HostProbe`: what a rank that alternates compute and waits should get from a
+   host other jobs share), and a watcher notes when each step's metrics line lands (the step's window);
+2. right after, measure this job's primitives in this process, one thread, process CPU time (the median of
+   --repeats): each encoder call the measured steps make (the runtime's own `encode_samples`, pixel
+   generation included, since the prefetch thread spends that CPU on the encoder's rank), each packed
+   microbatch's text loading + packing + embedding, one decoder layer, and LM head + loss, forward and backward
+   apart, at the token budget and sequence lengths the packer produced; AdamW + clipping per parameter; the
+   step planner; the pool's CPU per embedding on both sides (two gloo ranks, the job's median embedding size);
+   and (once per run) gloo all-reduce bandwidth and latency between two ranks;
+3. replay each measured step with the simulator (the runtime's step plan, 1F1B per stage, pool credits,
+   collectives, which on this host reduce on the ranks' cores; waiting ranks off the cores: gloo and the pool
+   block, they do not spin), charging those costs, with n computing ranks getting min(n, cores) x (the
+   probe's share over the measured steps) cores, each slower by the probe's CPU cost then over its cost
+   while the primitives were measured;
+4. replay the same steps twice more, for comparison: on the host's cores as if the job had them alone, and
+   with the cores shared fairly (`fair_share`) between the job's scheduling group and the other groups the
+   probe saw runnable (with the kernel's autogroup, a group is a session);
+5. price the same layout with the analytic model (calibrated by a `profile` table measured at the start of
+   this run).
+Measured is the median step time after --warmup steps, simulated the median of the same steps' replays. No
+figure is fitted to a step time: every input is a primitive's measurement or the probe's. As a check that no
+prediction uses, the JSON also gives the CPU seconds per step the job's processes really used beside the
+compute the simulator charged.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+DEFAULT_LAYOUTS = "e1-b1,e1-b2,e2-b1,e1-b1p2,e2-b1p2"
+
+
+# ------------------------------------------------------------------------------------------------ host load
+def _probe_loop(conn: Any, interval_s: float, burst_s: float, size: int) -> None:
+    """In a session of its own (with the kernel's autogroup, a scheduling group apart from the job's): every
+    `interval_s`, fixed float32 matmuls (size x size, one thread) for `burst_s` of wall time, recording its wall
+    and CPU seconds and the matmuls done; send [(time, wall, cpu, matmuls)] when told to stop."""
+    import torch
+
+    os.setsid()
+    torch.set_num_threads(1)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    out: list[tuple[float, float, float, int]] = []
+    groups: list[tuple[float, dict[str, int]]] = []
+    names: dict[str, str] = {}
+    while not conn.poll(interval_s):
+        t0, c0, n = time.perf_counter(), time.thread_time(), 0
+        while time.perf_counter() - t0 < burst_s:
+            torch.mm(a, b)
+            n += 1
+        out.append((t0, time.perf_counter() - t0, time.thread_time() - c0, n))
+        groups.append((time.perf_counter(), runnable_by_group(names)))
+    conn.send((out, groups))
+
+
+def sched_group(pid: str, cache: dict[str, str]) -> str:
+    """The scheduling group of a process: its session's autogroup when the kernel has autogroup on (each
+    session then shares the CPU as one), else the process itself."""
+    if pid not in cache:
+        try:
+            cache[pid] = Path(f"/proc/{pid}/autogroup").read_text().split()[0]
+        except (OSError, IndexError):
+            cache[pid] = pid
+    return cache[pid]
+
+
+def runnable_by_group(cache: dict[str, str]) -> dict[str, int]:
+    """Runnable threads on the host per scheduling group, the calling thread left out."""
+    me = str(threading.get_native_id())
+    out: dict[str, int] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            if tid == me:
+                continue
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                    text = f.read()
+            except OSError:
+                continue
+            k = text.rfind(b")")
+            if text[k + 2:k + 3] == b"R":
+                g = sched_group(pid, cache)
+                out[g] = out.get(g, 0) + 1
+    return out
+
+
+def fair_share(cores: float, demands: Sequence[float]) -> list[float]:
+    """Cores each group gets when groups of `demands` runnable threads share `cores` fairly (max-min: no group
+    gets more than it can run; the rest is split evenly among the others)."""
+    left, out = float(cores), [0.0] * len(demands)
+    todo = sorted(range(len(demands)), key=lambda i: demands[i])
+    while todo:
+        level = left / len(todo)
+        if demands[todo[0]] <= level:
+            i = todo.pop(0)
+            out[i] = float(demands[i])
+            left -= out[i]
+        else:
+            for j in todo:
+                out[j] = level
+            break
+    return out
+
+
+class HostProbe:
+    """A reference kernel run in bursts (by default 2 ms every 20 ms, a tenth of a core) all along a run, from
+    before the job starts until its primitives are measured. Two readings per window: the share of a core it
+    got (CPU / wall seconds: what a rank that alternates compute and waits gets from a host other jobs share;
+    1.0 = a core of its own), and its CPU seconds per matmul, whose ratio between a step and the primitives'
+    measurement says how much slower the same work was then (other jobs' cache and memory traffic, a virtual
+    CPU's stolen time). The share read depends on the burst length (the kernel's scheduler favours short
+    wake-ups): see --probe-burst-ms."""
+
+    def __init__(self, interval_s: float = 0.02, burst_s: float = 0.002, size: int = 192) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("fork")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_probe_loop, args=(child, interval_s, burst_s, size), daemon=True)
+        self._proc.start()
+        self.samples: list[tuple[float, float, float, int]] = []
+        self.groups: list[tuple[float, dict[str, int]]] = []  # (time, runnable threads per scheduling group)
+
+    def stop(self) -> None:
+        self._conn.send("stop")
+        self.samples, self.groups = self._conn.recv()
+        self._proc.join(timeout=5)
+
+    def _in(self, lo: float, hi: float) -> list[tuple[float, float, float, int]]:
+        return [x for x in self.samples if lo <= x[0] <= hi and x[1] > 0 and x[3] > 0]
+
+    def share(self, lo: float, hi: float) -> float:
+        """Share of a core the bursts started in [lo, hi] got (CPU over wall seconds, summed)."""
+        xs = self._in(lo, hi)
+        return min(1.0, sum(c for _, _, c, _ in xs) / sum(w for _, w, _, _ in xs)) if xs else float("nan")
+
+    def group_capacity(self, lo: float, hi: float, job_group: str, world: int, cores: float) -> list[float]:
+        """[n] -> cores the job's group gets with n ranks computing, shared fairly with the other groups that
+        had runnable threads (`fair_share`), averaged over the scans in [lo, hi]."""
+        scans = [g for t, g in self.groups if lo <= t <= hi]
+        if not scans:
+            return [0.0] + [min(float(n), cores) for n in range(1, world + 1)]
+        cap = [0.0] * (world + 1)
+        for g in scans:
+            others = [float(v) for k, v in g.items() if k != job_group]
+            for n in range(1, world + 1):
+                cap[n] += fair_share(cores, [float(n)] + others)[0] / len(scans)
+        return cap
+
+    def cpu_cost(self, lo: float, hi: float) -> float:
+        """CPU seconds per matmul in the bursts started in [lo, hi]."""
+        xs = self._in(lo, hi)
+        return sum(c for _, _, c, _ in xs) / sum(n for _, _, _, n in xs) if xs else float("nan")
+
+
+class StepWatch(threading.Thread):
+    """Notes when the job's metrics file gains a line (a step's end) and, as a check that no prediction uses,
+    the CPU seconds the job's processes have used so far."""
+
+    def __init__(self, root: int, metrics: Path, interval_s: float = 0.01) -> None:
+        super().__init__(daemon=True)
+        self.root, self.metrics, self.interval_s = root, metrics, interval_s
+        self.step_ends: list[float] = []
+        self.job_cpu: list[float] = []  # job CPU seconds at each step end
+        self.job_group = ""  # the job's scheduling group (read once it runs)
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=5)
+
+    def _job_cpu_seconds(self) -> float:
+        import psutil
+
+        try:
+            return float(sum(sum(p.cpu_times()[:2]) for p in psutil.Process(self.root).children(recursive=True)))
+        except psutil.Error:
+            return float("nan")
+
+    def run(self) -> None:
+        lines = 0
+        while not self._stop_event.is_set():
+            try:
+                n = self.metrics.read_bytes().count(b"\n") if self.metrics.exists() else 0
+            except OSError:
+                n = lines
+            if n > lines:
+                if not self.job_group:
+                    self.job_group = sched_group(str(self.root), {})
+                now, cpu = time.perf_counter(), self._job_cpu_seconds()
+                self.step_ends += [now] * (n - lines)
+                self.job_cpu += [cpu] * (n - lines)
+                lines = n
+            self._stop_event.wait(self.interval_s)
+
+    def window(self, step: int) -> tuple[float, float]:
+        """(start, end) of `step`: from the previous step's end to its own."""
+        return self.step_ends[step - 1], self.step_ends[step]
+
+    def job_cpu_per_step(self, steps: Sequence[int]) -> float:
+        """CPU seconds the job's ranks used per step over consecutive `steps` (what the simulator's compute
+        charges should add up to)."""
+        return (self.job_cpu[steps[-1]] - self.job_cpu[steps[0] - 1]) / len(steps)
+
+
+def host_capacity(share: float, world: int, cores: float, slowdown: float = 1.0) -> list[float]:
+    """[n] -> cores (in cores of the primitives' measurement) the job gets while n of its ranks compute:
+    min(n, cores) cores at `share` of each, each `slowdown` times slower than when the primitives were timed."""
+    return [0.0] + [min(float(n), cores) * share / slowdown for n in range(1, world + 1)]
+
+
+# ------------------------------------------------------------------------------------------- pool primitive
+def _pool_cpu_rank(rank: int, world: int, items: int, nbytes: int, with_grads: bool, repeats: int) -> float:
+    """Process CPU seconds per item of the pool on this side (pool and gloo threads included): the producer
+    puts `items` embeddings (and waits for their gradients), the consumer gets them (and returns gradients)."""
+    import torch
+    import torch.distributed as dist
+
+    from mindspeed_flow.pool import EmbeddingPool
+
+    pool = EmbeddingPool(rank=rank, group=None, capacity_bytes=max(64 * nbytes * items, 1 << 26), timeout_s=60.0,
+                         device=torch.device("cpu"), return_grads=with_grads)
+    tensor = torch.randn(max(nbytes // 4, 1))
+    times: list[float] = []
+    for step in range(repeats + 1):  # the first round sets up connections and buffers
+        if rank == 1:
+            pool.expect(producer=0, items=[(i, step) for i in range(items)])
+        dist.barrier()
+        c0 = time.process_time()
+        if rank == 0:
+            for i in range(items):
+                pool.put(tensor, sample_id=i, step=step, consumer=1)
+            for i in range(items) if with_grads else ():
+                pool.wait_grad(sample_id=i, step=step, consumer=1)
+        else:
+            for i in range(items):
+                emb = pool.get(sample_id=i, step=step, producer=0)
+                if with_grads:
+                    pool.return_grad(emb, sample_id=i, step=step, producer=0)
+        pool.flush()
+        if step:
+            times.append(time.process_time() - c0)
+        dist.barrier()
+    pool.close()
+    return statistics.median(times) / items
+
+
+def pool_cpu_per_item(nbytes: int, with_grads: bool, items: int = 24, repeats: int = 3) -> tuple[float, float]:
+    """(producer, consumer) CPU seconds per embedding of `nbytes` through the pool between two gloo ranks."""
+    from mindspeed_flow.utils.multiproc import run_ranks
+
+    prod, cons = run_ranks(_pool_cpu_rank, 2, items, int(nbytes), with_grads, repeats, timeout_s=120.0)
+    return prod, cons
+
+
+# --------------------------------------------------------------------------------------- measured primitives
+def _cpu_time(fn: Any, repeats: int) -> tuple[float, Any]:
+    """(median process CPU seconds of fn() over `repeats`, the last result); torch runs one thread here.
+    The median, not the fastest: the job's ranks pay the caches other jobs on the host disturb too."""
+    times, out = [], None
+    for _ in range(repeats):
+        c0 = time.process_time()
+        out = fn()
+        times.append(time.process_time() - c0)
+    return statistics.median(times), out
+
+
+def _make_measured_costs() -> type:
+    from mindspeed_flow.planner.simulate import StepCosts
+
+    class MeasuredCosts(StepCosts):
+        """StepCosts whose per-call figures are measured on this machine at the exact call shapes (see the
+        module docstring), on demand and cached: the simulator asks, the real model answers."""
+
+        def __init__(self, job: Any, ctx: Any, link: dict[str, float], repeats: int = 3) -> None:
+            import torch
+
+            from mindspeed_flow.config.load import model_hf_config
+            from mindspeed_flow.data.build import build_dataset
+            from mindspeed_flow.data.tokens import token_spec_from_hf_config
+            from mindspeed_flow.hosts.torch.build import build_vlm
+            from mindspeed_flow.hosts.torch.split import split_vlm
+            from mindspeed_flow.specs import VLMSpec
+
+            hf = model_hf_config(job)
+            frozen = bool(job.model.freeze_encoder)
+            super().__init__(VLMSpec.from_hf_config(hf), ctx, trainable_encoder=not frozen,
+                             keep_encoder_activations=bool(job.flow.keep_encoder_activations))
+            torch.set_num_threads(int(os.environ.get("MSF_THREADS_PER_RANK", "1")))  # as a rank runs
+            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[job.model.dtype]
+            model = build_vlm(hf["model_type"], hf, seed=job.seed, dtype=dtype)
+            self.encoder, self.backbone = split_vlm(model)
+            self.dataset = build_dataset(job.data, token_spec_from_hf_config(hf))
+            self.repeats, self.link_fit = repeats, link
+            self.by_patches: dict[tuple[int, ...], int] = {}
+            self.by_tokens: dict[int, int] = {}
+            self._enc: dict[tuple[int, ...], tuple[float, float]] = {}
+            self._bb: dict[tuple, tuple[float, ...]] = {}
+            self._opt_per_param: Optional[float] = None
+            self.sync_kind = "compute"  # gloo on this host reduces and copies on the ranks' own cores
+            self.pool_item = (0.0, 0.0)  # (producer, consumer) CPU seconds per embedding through the pool
+
+        def register(self, sample_ids: Sequence[int]) -> None:
+            """Samples whose shapes the simulator will ask about (the measured steps' samples); measures the
+            pool's cost per item at their median embedding size."""
+            tokens = sorted(self.dataset.shape(sid).image_tokens for sid in sample_ids)
+            nbytes = tokens[len(tokens) // 2] * self.spec.vision.out_hidden_size * 4
+            self.pool_item = pool_cpu_per_item(nbytes, self.trainable_encoder, repeats=self.repeats)
+            for sid in sample_ids:
+                shape = self.dataset.shape(sid)
+                self.by_patches.setdefault(tuple(shape.vit_patches_per_image), sid)
+                self.by_tokens.setdefault(shape.llm_tokens, sid)
+
+        # -- encoder: one sample's images, forward (pixels generated as the prefetch thread does) and backward
+        def encoder_fwd_bwd(self, patches_per_image: Sequence[int]) -> tuple[float, float]:
+            key = tuple(int(p) for p in patches_per_image)
+            if key not in self._enc:
+                self._enc[key] = self._measure_encoder(self.by_patches[key])
+            f, b = self._enc[key]
+            f += self.pool_item[0]  # its put (and, when trained, the wait for its gradient)
+            if not self.trainable_encoder:
+                return f, 0.0
+            return f, b + (0.0 if self.keep_encoder_activations else f)  # recompute: the forward again
+
+        def _measure_encoder(self, sid: int) -> tuple[float, float]:
+            import torch
+
+            from mindspeed_flow.runtime.engine import encode_samples
+
+            load, sample = _cpu_time(lambda: self.dataset.sample(sid, with_pixels=True), self.repeats)
+            trainable = self.trainable_encoder
+            fwds, bwds = [], [0.0]
+            for _ in range(self.repeats):
+                c0 = time.process_time()
+                embs = encode_samples(self.encoder, [sample], trainable)
+                fwds.append(time.process_time() - c0)
+                if trainable:
+                    grads = [torch.ones_like(e) for e in embs]
+                    c0 = time.process_time()
+                    torch.autograd.backward(embs, grads)
+                    bwds.append(time.process_time() - c0)
+            self.encoder.zero_grad(set_to_none=True)
+            return load + statistics.median(fwds), statistics.median(bwds[1:] or bwds)
+
+        # -- backbone: text loading + packing + embedding, one decoder layer, LM head + loss
+        def backbone_stage(self, budget: int, seq_lens: Sequence[int], layers: int, last: bool) -> tuple[float, float]:
+            key = (int(budget), tuple(sorted(int(s) for s in seq_lens)))
+            if key not in self._bb:
+                self._bb[key] = self._measure_backbone(*key)
+            emb_f, emb_b, lay_f, lay_b, head_f, head_b = self._bb[key]
+            # a stage that does not end the model starts it (the CPU runtime runs pp <= 2 here); a whole model
+            # (layers == all) does both
+            first = not last or layers == self.spec.llm.num_layers
+            fwd = layers * lay_f + (emb_f + self.pool_item[1] * len(seq_lens) if first else 0.0) \
+                + (head_f if last else 0.0)
+            bwd = layers * lay_b + (emb_b if first else 0.0) + (head_b if last else 0.0)
+            if self.bb_rc:
+                bwd += layers * lay_f
+            return fwd, bwd
+
+        def _measure_backbone(self, budget: int, seq_lens: tuple[int, ...]) -> tuple[float, ...]:
+            import torch
+
+            from mindspeed_flow.hosts.torch.split import token_loss_sum
+
+            pool = dict(self.by_tokens)
+            ids = [pool[n] for n in seq_lens]
+            with torch.no_grad():
+                embeds = [self.encoder.encode_many([self.dataset.sample(i, with_pixels=True)])[0]
+                          if self.dataset.shape(i).num_images else None for i in ids]
+            bb, runs = self.backbone, []
+            for _ in range(self.repeats):
+                leaves = [e.clone().requires_grad_() if e is not None else None for e in embeds]
+                c0 = time.process_time()
+                samples = [self.dataset.sample(i, with_pixels=False) for i in ids]
+                packed = bb.pack(samples, leaves, budget)
+                hidden = bb.embed(packed, leaves)
+                c1 = time.process_time()
+                h_in = hidden.detach().requires_grad_()
+                h_out = bb.run_layers(h_in, packed.position_ids, packed.segments, bb.layers[:1])
+                c2 = time.process_time()
+                h_top = h_out.detach().requires_grad_()
+                loss = token_loss_sum(bb.logits(h_top), packed.labels)
+                c3 = time.process_time()
+                loss.backward()
+                c4 = time.process_time()
+                h_out.backward(h_top.grad)
+                c5 = time.process_time()
+                hidden.backward(h_in.grad)
+                c6 = time.process_time()
+                runs.append((c1 - c0, c6 - c5, c2 - c1, c5 - c4, c3 - c2, c4 - c3))
+            bb.zero_grad(set_to_none=True)
+            return tuple(statistics.median(col) for col in zip(*runs))
+
+        # -- optimizer, collectives, links: measured rates
+        def optimizer(self, params: float, dp: int = 1) -> float:
+            if self._opt_per_param is None:
+                self._opt_per_param = self._measure_optimizer()
+            return self._opt_per_param * params
+
+        def _measure_optimizer(self) -> float:
+            """CPU seconds per parameter of the runtime's update: norm, clip, AdamW (foreach off), zero_grad."""
+            import torch
+
+            from mindspeed_flow.runtime.optim import build_optimizer
+
+            params = [p for p in self.backbone.parameters() if p.requires_grad]
+            opt = build_optimizer(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
+
+            def update() -> None:
+                for p in params:
+                    p.grad = torch.full_like(p, 1e-3)
+                c0 = time.process_time()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                return time.process_time() - c0
+
+            update()  # AdamW allocates its states on the first step
+            return statistics.median(update() for _ in range(self.repeats)) / sum(p.numel() for p in params)
+
+        def link(self, nbytes: float) -> float:
+            return nbytes / (self.link_fit["gbps"] * 1e9) + self.link_fit["latency_us"] * 1e-6
+
+        def allreduce(self, params: float, n: int) -> float:
+            """Ring all-reduce of fp32 gradients over n ranks at the measured 2-rank link."""
+            nbytes = params * 4.0
+            return 2.0 * (n - 1) / n * nbytes / (self.link_fit["gbps"] * 1e9) \
+                + 2.0 * (n - 1) * self.link_fit["latency_us"] * 1e-6
+
+    return MeasuredCosts
+
+
+def step_planning_seconds(job: Any, steps: Sequence[int], repeats: int = 3) -> float:
+    """CPU seconds every rank spends between steps on the runtime's own step plan (median over `steps`)."""
+    from types import SimpleNamespace
+
+    from mindspeed_flow.config.load import model_hf_config
+    from mindspeed_flow.data.build import build_dataset
+    from mindspeed_flow.data.sampler import iter_global_batches
+    from mindspeed_flow.data.tokens import token_spec_from_hf_config
+    from mindspeed_flow.packing import CostModel
+    from mindspeed_flow.runtime.worker import plan_for_step
+    from mindspeed_flow.specs import VLMSpec
+    from mindspeed_flow.topology import Layout, bridge_of
+
+    hf = model_hf_config(job)
+    layout = Layout.from_config(job.parallel, job.flow.mode)
+    topo = SimpleNamespace(layout=layout, bridge=bridge_of(layout), world_size=layout.world_size)
+    dataset = build_dataset(job.data, token_spec_from_hf_config(hf))
+    cost_model = CostModel.from_config(job.packing, VLMSpec.from_hf_config(hf),
+                                       frozen_encoder=bool(job.model.freeze_encoder))
+    batches = iter_global_batches(dataset, job.trainer.global_batch_size, seed=job.seed,
+                                  max_bad=job.data.max_bad_samples)
+    out = []
+    for step in range(max(steps) + 1):
+        ids = next(batches)
+        if step in steps:
+            t, _ = _cpu_time(lambda: plan_for_step(job, topo, step, [dataset.shape(i) for i in ids], cost_model),
+                             repeats)
+            out.append(t)
+    return statistics.median(out)
+
+
+def step_sample_ids(job: Any, steps: Sequence[int]) -> list[int]:
+    """The sample ids of the given steps' global batches (the runtime's sampler, same seed)."""
+    from mindspeed_flow.config.load import model_hf_config
+    from mindspeed_flow.data.build import build_dataset
+    from mindspeed_flow.data.sampler import iter_global_batches
+    from mindspeed_flow.data.tokens import token_spec_from_hf_config
+
+    dataset = build_dataset(job.data, token_spec_from_hf_config(model_hf_config(job)))
+    batches = iter_global_batches(dataset, job.trainer.global_batch_size, seed=job.seed,
+                                  max_bad=job.data.max_bad_samples)
+    ids: list[int] = []
+    for step in range(max(steps) + 1):
+        batch = next(batches)
+        if step in steps:
+            ids += list(batch)
+    return ids
+
+
+# ------------------------------------------------------------------------------------------------ the bench
+def train_watched(recipes: Path, name: str, steps: int, run_dir: Path, timeout_s: float = 900
+                  ) -> tuple[list[dict], StepWatch]:
+    """`mindspeed-flow train experiment=name` in a subprocess, with a StepWatch running."""
+    env = dict(os.environ, MSF_RECIPES=str(recipes))
+    cmd = [sys.executable, "-m", "mindspeed_flow.cli", "train", f"experiment={name}", f"trainer.steps={steps}",
+           f"run_dir={run_dir}", "trainer.progress=false"]
+    # A session of its own: with the kernel's autogroup the job is one scheduling group, as the probe is.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    watch = StepWatch(proc.pid, run_dir / "metrics.jsonl")
+    watch.start()
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        watch.stop()
+    if proc.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{err[-3000:]}")
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return lines, watch
+
+
+def _fill(per_step: dict[int, float]) -> dict[int, float]:
+    """A step too short to hold a probe burst takes the median of the other steps' readings (1.0 if none)."""
+    ok = [v for v in per_step.values() if math.isfinite(v)]
+    fill = statistics.median(ok) if ok else 1.0
+    return {k: v if math.isfinite(v) else fill for k, v in per_step.items()}
+
+
+def measure_layout(text: str, *, workdir: Path, recipes: Path, profile: str, link: dict[str, float],
+                   steps: int, warmup: int, repeats: int, global_batch: int, model: str, data: str,
+                   timeline_dir: Optional[str] = None, probe_burst_s: float = 0.002) -> dict[str, Any]:
+    """One row of the table: train, calibrate, simulate, price (see the module docstring)."""
+    from mindspeed_flow.config import load as config_load
+    from mindspeed_flow.planner.inputs import data_recipe_fields
+    from mindspeed_flow.planner.report import recipe_yaml
+    from mindspeed_flow.planner.simulate import simulate_job, write_timeline
+    from mindspeed_flow.planner.validate import parse_layout, plan_layout
+
+    layout = parse_layout(text)
+    plan, ref = plan_layout(layout, model, data, global_batch, profile)
+    name = "simbench_" + re.sub(r"[^A-Za-z0-9]", "_", text)
+    data_recipe, data_inline = data_recipe_fields(data)
+    (recipes / "experiment" / f"{name}.yaml").write_text(
+        recipe_yaml(plan, name, ref.recipe, data_recipe, ref.inline, data_inline))
+    run_dir = workdir / "runs" / name
+    # runs from before the job until its primitives are measured
+    probe = HostProbe(interval_s=10 * probe_burst_s, burst_s=probe_burst_s)
+    try:
+        metrics, watch = train_watched(recipes, name, steps, run_dir)
+        measured_steps = list(range(max(1, min(warmup, len(metrics) - 1)), len(metrics)))
+        job = config_load.load(run_dir / "config.yaml")
+        cal_start = time.perf_counter()
+        costs = _make_measured_costs()(job, plan.problem.ctx, link, repeats)
+        costs.register(step_sample_ids(job, measured_steps))
+        for k in measured_steps:  # the simulator's questions, answered (measured) now, inside the window
+            simulate_job(job, plan.problem.ctx, [k], cores=1.0, step_overhead_s=0.0, spinning_waits=False,
+                         costs=costs)
+        overhead = step_planning_seconds(job, measured_steps)
+        cal_end = time.perf_counter()
+    finally:
+        probe.stop()
+    shares = _fill({k: probe.share(*watch.window(k)) for k in measured_steps})
+    reference = probe.cpu_cost(cal_start, cal_end)
+    slowdowns = _fill({k: probe.cpu_cost(*watch.window(k)) / reference for k in measured_steps})
+    # One step holds about ten probe bursts, too few to read a share from (the readings swing 0.05-0.9 from
+    # step to step on a busy host): every step is replayed at the readings over all the measured steps.
+    span = (watch.window(measured_steps[0])[0], watch.window(measured_steps[-1])[1])
+    share, slowdown = probe.share(*span), probe.cpu_cost(*span) / reference
+    cores = float(os.cpu_count() or 1)
+    capacity = {k: host_capacity(share, plan.devices, cores, slowdown) for k in measured_steps}
+    # Waiting ranks block (gloo, the pool's condition variables): only computing ranks take core time.
+    sims = simulate_job(job, plan.problem.ctx, measured_steps, cores=cores, step_overhead_s=overhead,
+                        spinning_waits=False, costs=costs, host_share=capacity)
+    # the same replay with the job's group sharing the cores fairly with the other groups the probe saw runnable
+    by_group = {k: probe.group_capacity(*span, watch.job_group, plan.devices, cores) for k in measured_steps}
+    grouped = simulate_job(job, plan.problem.ctx, measured_steps, cores=cores, step_overhead_s=overhead,
+                           spinning_waits=False, costs=costs, host_share=by_group)
+    # the same replay on cores of the job's own (no other jobs): how much the host's load input moves the figure
+    alone = simulate_job(job, plan.problem.ctx, measured_steps, cores=cores, step_overhead_s=overhead,
+                         spinning_waits=False, costs=costs)
+    measured = statistics.median(metrics[k]["step_seconds"] for k in measured_steps)
+    simulated = statistics.median(sims[k].step_seconds for k in measured_steps)
+    mid = sorted(measured_steps, key=lambda k: sims[k].step_seconds)[len(measured_steps) // 2]
+    if timeline_dir is not None:
+        write_timeline(sims[mid], str(Path(timeline_dir) / f"{name}.png"),
+                       f"{text}: simulated {sims[mid].step_seconds:.3g} s, measured "
+                       f"{metrics[mid]['step_seconds']:.3g} s (step {mid})")
+    return {
+        "layout": text, "world": plan.devices, "token_budget": plan.parts[-1].layout["b"],
+        "steps": measured_steps, "measured_s": measured, "simulated_s": simulated,
+        "sim_error": simulated / measured - 1, "analytic_s": plan.step_seconds,
+        "analytic_error": plan.step_seconds / measured - 1,
+        "own_cores_s": statistics.median(alone[k].step_seconds for k in measured_steps),
+        "fair_groups_s": statistics.median(grouped[k].step_seconds for k in measured_steps),
+        "fair_groups_capacity": by_group[measured_steps[0]],
+        "core_share": share,
+        "measured_steps_s": [metrics[k]["step_seconds"] for k in measured_steps],
+        "simulated_steps_s": [sims[k].step_seconds for k in measured_steps],
+        "bubble_fraction": sims[mid].bubble_fraction, "step_overhead_s": overhead,
+        "job_cpu_per_step_s": watch.job_cpu_per_step(measured_steps),
+        "pool_item_cpu_s": list(costs.pool_item),
+        "core_shares": [shares[k] for k in measured_steps],  # per step, for the record
+        "slowdowns": [slowdowns[k] for k in measured_steps],
+        "slowdown": slowdown,
+        "charged_cpu_per_step_s": statistics.mean(
+            sum(op.work for op in sims[k].ops if op.kind == "compute") for k in measured_steps),
+    }
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from mindspeed_flow.planner.hardware import recipes_dir
+    from mindspeed_flow.planner.profile import measure as profile_measure, write_outputs
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="msf-simbench-"))
+    workdir = workdir / time.strftime("%Y%m%d-%H%M%S")  # a fresh folder per invocation
+    recipes = workdir / "recipes"
+    shutil.copytree(recipes_dir(), recipes)
+    # The analytic model's calibration and the link figures, measured now on this machine (same run).
+    table = profile_measure(args.model, args.data, "cpu", [512, 1024, 2048], args.repeats)
+    profile = str(workdir / "profile.json")
+    write_outputs(table, profile, None)
+    link = table["calibration"]["link"]
+    rows = []
+    for text in args.layouts.split(","):
+        try:
+            rows.append(measure_layout(text, workdir=workdir, recipes=recipes, profile=profile, link=link,
+                                       steps=args.steps, warmup=args.warmup, repeats=args.repeats,
+                                       global_batch=args.global_batch, model=args.model, data=args.data,
+                                       timeline_dir=args.timelines, probe_burst_s=args.probe_burst_ms / 1e3))
+        except (RuntimeError, subprocess.TimeoutExpired) as e:  # one broken layout must not hide the others
+            print(f"bench simulator: layout {text} failed: {str(e)[-400:]}", file=sys.stderr)
+    n = max(len(rows), 1)
+    return {
+        "model": args.model, "data": args.data, "global_batch": args.global_batch, "steps": args.steps,
+        "probe_burst_ms": args.probe_burst_ms,
+        "warmup": args.warmup, "cores": os.cpu_count(), "load_average": os.getloadavg()[0], "link": link,
+        "rows": rows, "workdir": str(workdir),
+        "mean_abs_sim_error": sum(abs(r["sim_error"]) for r in rows) / n if rows else None,
+        "mean_abs_analytic_error": sum(abs(r["analytic_error"]) for r in rows) / n if rows else None,
+        "mean_abs_fair_groups_error":
+            sum(abs(r["fair_groups_s"] / r["measured_s"] - 1) for r in rows) / n if rows else None,
+        "mean_abs_own_cores_error":
+            sum(abs(r["own_cores_s"] / r["measured_s"] - 1) for r in rows) / n if rows else None,
+    }
+
+
+def table(report: dict[str, Any], args: Any = None) -> str:
+    out = [f"step time: measured vs simulated vs analytic ({report['model']}, {report['data']}, global batch "
+           f"{report['global_batch']}, median of steps {report['warmup']}..{report['steps'] - 1}; "
+           f"{report['cores']} cores, load average {report['load_average']:.1f})",
+           f"  {'layout':<10} {'world':>5} {'measured s':>10} {'simulated s':>11} {'err %':>7} {'analytic s':>10} "
+           f"{'err %':>7} {'own cores s':>11} {'err %':>7} {'groups s':>8} {'err %':>7} {'core share':>10} "
+           f"{'job CPU s':>9} {'charged':>8}"]
+    for r in report["rows"]:
+        out.append(f"  {r['layout']:<10} {r['world']:>5} {r['measured_s']:>10.3f} {r['simulated_s']:>11.3f} "
+                   f"{100 * r['sim_error']:>+7.1f} {r['analytic_s']:>10.3f} {100 * r['analytic_error']:>+7.1f} "
+                   f"{r['own_cores_s']:>11.3f} {100 * (r['own_cores_s'] / r['measured_s'] - 1):>+7.1f} "
+                   f"{r['fair_groups_s']:>8.3f} {100 * (r['fair_groups_s'] / r['measured_s'] - 1):>+7.1f} "
+                   f"{r['core_share']:>10.2f} {r['job_cpu_per_step_s']:>9.3f} {r['charged_cpu_per_step_s']:>8.3f}")
+    if report["rows"]:
+        out.append(f"mean |error| over {len(report['rows'])} layouts: simulator "
+                   f"{100 * report['mean_abs_sim_error']:.1f}%, analytic model "
+                   f"{100 * report['mean_abs_analytic_error']:.1f}%, simulator on own cores "
+                   f"{100 * report['mean_abs_own_cores_error']:.1f}%, with fair groups "
+                   f"{100 * report['mean_abs_fair_groups_error']:.1f}%  (goal for the simulator: <= 10%)")
+    out.append(f"core share: the share of a core the host probe ({report['probe_burst_ms']:g} ms bursts) got over "
+               "the measured steps (1.0 = a core of its own). job CPU s: CPU seconds per step the job's "
+               "ranks used, beside the compute the simulator charged (a check; no prediction reads it). own cores s: "
+               "the same replay with the host's cores to the job alone (no load input). groups s: the same replay "
+               "with the cores shared fairly between the job's session and the other sessions the probe saw "
+               "runnable. "
+               f"Runs in {report['workdir']}")
+    return "\n".join(out)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="mindspeed-flow bench simulator", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layouts", default=DEFAULT_LAYOUTS)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
+    ap.add_argument("--repeats", type=int, default=3, help="repeats of each primitive (the median counts)")
+    ap.add_argument("--global-batch", type=int, default=12)
+    ap.add_argument("--model", default="tiny_qwen2_vl")
+    ap.add_argument("--data", default="infovqa_tiny")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--timelines", default=None, help="folder for the simulated step timelines (PNG)")
+    ap.add_argument("--probe-burst-ms", type=float, default=2.0,
+                    help="length of the host probe's bursts (one every 10 bursts' time); see HostProbe")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(list(argv))
+    if args.steps < 2 or not 0 <= args.warmup < args.steps:
+        ap.error(f"--steps {args.steps} / --warmup {args.warmup}: need steps >= 2 and 0 <= warmup < steps")
+    if not 0.1 <= args.probe_burst_ms <= 100:
+        ap.error(f"--probe-burst-ms {args.probe_burst_ms}: must be within [0.1, 100]")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from mindspeed_flow.bench import bench_main
+
+    return bench_main(sys.argv[1:] if argv is None else argv, parse_args, measure, table)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
