@@ -32,6 +32,8 @@ class PartLayout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    # LLM layers per pipeline stage (None: an even split); checked against the model in Layout.validate
+    layer_split: Optional[tuple[int, ...]] = None
 
     @property
     def size(self) -> int:
@@ -69,14 +71,24 @@ class Layout:
     def from_config(parallel_cfg, mode: str) -> "Layout":
         """From the `parallel` recipe group. Coupled mode puts every rank in one DP group running the whole model
         on the same number of ranks the decoupled layout would use, so the two compare on equal hardware."""
+        if getattr(parallel_cfg.encoder, "layer_split", None) is not None:
+            raise LayoutError(f"parallel.encoder.layer_split={list(parallel_cfg.encoder.layer_split)}: the encoder "
+                              "part is not pipelined (leave it null)")
         enc = PartLayout(ENCODER, parallel_cfg.encoder.dp, parallel_cfg.encoder.tp, parallel_cfg.encoder.pp,
                          parallel_cfg.encoder.cp)
         bb = PartLayout(BACKBONE, parallel_cfg.backbone.dp, parallel_cfg.backbone.tp, parallel_cfg.backbone.pp,
-                        parallel_cfg.backbone.cp)
+                        parallel_cfg.backbone.cp, _split(getattr(parallel_cfg.backbone, "layer_split", None)))
         if mode == "decoupled":
             return Layout((enc, bb), "decoupled")
         if mode == "coupled":
-            return Layout((PartLayout(COUPLED, dp=enc.size + bb.size),), "coupled")
+            ranks = enc.size + bb.size
+            coupled = getattr(parallel_cfg, "coupled", None)
+            pp = coupled.pp if coupled is not None else 1
+            if not isinstance(pp, int) or pp < 1 or ranks % pp:
+                raise LayoutError(f"parallel.coupled.pp={pp!r}: must be an integer >= 1 that divides the {ranks} "
+                                  "ranks of the layout (coupled mode runs on the ranks the decoupled one uses)")
+            split = _split(coupled.layer_split) if coupled is not None else None
+            return Layout((PartLayout(COUPLED, dp=ranks // pp, pp=pp, layer_split=split),), "coupled")
         raise LayoutError(f"flow.mode={mode!r}: must be 'decoupled' or 'coupled'")
 
     @property
@@ -121,6 +133,14 @@ class Layout:
                     raise LayoutError(f"{f}.pp={p.pp}: more pipeline stages than layers ({layers})")
             if p.name == ENCODER and p.pp != 1:
                 raise LayoutError(f"{f}.pp={p.pp}: the encoder part runs data/tensor parallel only (pp must be 1)")
+            if p.layer_split is not None:
+                where = "parallel.coupled" if p.name == COUPLED else f
+                split = list(p.layer_split)
+                layers = f" and sum to the {limits.llm_layers} LLM layers" if limits is not None else ""
+                if (len(split) != p.pp or min(split) < 1
+                        or (limits is not None and sum(split) != limits.llm_layers)):
+                    raise LayoutError(f"{where}.layer_split={split}: must list {p.pp} stage(s) ({where}.pp), "
+                                      f"each >= 1 layer{layers}")
         if expected_world and expected_world != self.world_size:
             raise LayoutError(f"parallel.world_size={expected_world} but the layout needs {self.world_size} ranks "
                               f"({self.describe()})")
@@ -136,7 +156,8 @@ class Layout:
                                       f"{field_of[p.name]}.dp={p.dp}: every DP rank must get the same share")
 
     def describe(self) -> str:
-        return " + ".join(f"{p.name}[dp{p.dp} tp{p.tp} pp{p.pp}]" for p in self.parts)
+        return " + ".join(f"{p.name}[dp{p.dp} tp{p.tp} pp{p.pp}"
+                          + (f" layers {list(p.layer_split)}" if p.layer_split else "") + "]" for p in self.parts)
 
 
 @dataclass
@@ -274,6 +295,15 @@ class Topology:
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size} part={self.part} dp={self.dp_rank}/{self.part_layout.dp} "
                 f"pp={self.pp_rank}/{self.part_layout.pp} tp={self.tp_rank}/{self.part_layout.tp}")
+
+
+def _split(value: Optional[Sequence[int]]) -> Optional[tuple[int, ...]]:
+    """A recipe's layer_split (a list, or null) as a hashable tuple of ints."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not all(isinstance(v, int) for v in value):
+        raise LayoutError(f"layer_split={value!r}: must be a list of integers (layers per pipeline stage)")
+    return tuple(int(v) for v in value)
 
 
 def bridge_of(layout: Layout) -> Optional[Bridge]:
