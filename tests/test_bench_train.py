@@ -1,0 +1,33 @@
+"""`mindspeed-flow bench train --ranking`: the planner's prediction for the three 2-rank layouts, and one real
+interleaved round of all three through the launcher (gloo, fork), reported side by side."""
+from __future__ import annotations
+
+import json
+
+from mindspeed_flow.bench import train as bench_train
+
+
+def test_planner_ranks_the_three_two_rank_layouts() -> None:
+    """Heavy-encoder workload on 2 CPU devices: coupled DP2 splits the ViT over both ranks and is predicted
+    fastest; coupled PP2 gets a split that moves LLM layers off the ViT's stage, and (encoder-bound) trails
+    decoupled 1 + 1, whose backbone runs beside the encoder."""
+    pred = bench_train.predict_ranking(bench_train.RANKING_MODEL, bench_train.RANKING_DATA, 8, 1024, None)
+    assert set(pred) == {"coupled_dp2", "coupled_pp2", "decoupled_1+1"}
+    layers = pred["coupled_pp2"]["layers"]
+    assert len(layers) == 2 and sum(layers) == 4 and layers[0] < layers[1], layers
+    order = sorted(pred, key=lambda k: -pred[k]["samples_per_s"])
+    assert order == ["coupled_dp2", "decoupled_1+1", "coupled_pp2"], pred
+
+
+def test_ranking_runs_all_three_layouts(capsys) -> None:
+    rc = bench_train.main(["--ranking", "--repeats", "1", "--steps", "2", "--warmup", "1", "--json"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    # each training run prints its own summary first; the bench's report is the last JSON object
+    out, _ = json.JSONDecoder().raw_decode(text[text.rindex('{\n  "rows"'):])
+    assert set(out["rows"]) == {"coupled_dp2", "coupled_pp2", "decoupled_1+1"}
+    for row in out["rows"].values():
+        assert row["samples_per_s_median"] > 0 and row["predicted_samples_per_s"] > 0
+        assert 0 < row["final_loss"] < 10
+    assert sorted(out["measured_ranking"]) == sorted(out["rows"]) and len(out["core_share_per_round"]) == 1
+    assert 0 < out["core_share_per_round"][0] <= 1.05
