@@ -224,15 +224,16 @@ def ranking_main(args: argparse.Namespace, overrides: list[str]) -> int:
     rows = {name: list(extra) for name, extra in RANKING_ROWS.items()}
     rows["coupled_pp2"].append(f"parallel.coupled.layer_split=[{','.join(str(n) for n in layers)}]")
     runs: dict[str, list[dict]] = {name: [] for name in rows}
-    shares: list[float] = []
+    shares: list[tuple[float, float]] = []  # per round: the core share before and after it
     with tempfile.TemporaryDirectory(prefix="msf-bench-rank-") as tmp:
         for r in range(args.repeats):  # interleaved: each round runs every row once
-            shares.append(_quiet_share(args.min_core_share, args.max_wait))
+            before = _quiet_share(args.min_core_share, args.max_wait)
             for name, extra in rows.items():
                 res = _train_once(launch, [*overrides, *extra], Path(tmp) / f"{name}-{r}", args.steps, args.warmup)
                 if res is None:
                     return 1
                 runs[name].append(res)
+            shares.append((before, _quiet_share(0.0, 0.0)))
     # a row's figure: the median over rounds of each run's median-step samples/s
     measured = {n: statistics.median(x["median_step_samples_per_s"] for x in rs) for n, rs in runs.items()}
     fastest = {n: max(x["fastest_step_samples_per_s"] for x in rs) for n, rs in runs.items()}
@@ -267,8 +268,8 @@ def ranking_main(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"{n:<15}{t['samples_per_s_median']:>12.3f}{t['vs_first']:>10.3f}{spread:>26}"
               f"{t['samples_per_s_fastest_step']:>11.3f}{t['predicted_samples_per_s']:>13.3f}"
               f"{t['predicted_vs_first']:>10.3f}  {t['layers'] or ''}")
-    for r, (share, order) in enumerate(zip(shares, per_round)):
-        print(f"  round {r}: core share {share:.2f}, measured {' > '.join(order)}")
+    for r, ((before, after), order) in enumerate(zip(shares, per_round)):
+        print(f"  round {r}: core share {before:.2f} before, {after:.2f} after; measured {' > '.join(order)}")
     print(f"measured ranking:  {' > '.join(m_order)}  (by fastest step: {' > '.join(out['fastest_step_ranking'])})")
     print(f"predicted ranking: {' > '.join(p_order)}  -> {'match' if out['match'] else 'MISMATCH'} "
           f"({out['rounds_matching_prediction']} of {args.repeats} rounds alone match)")
