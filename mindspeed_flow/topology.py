@@ -77,7 +77,8 @@ class Layout:
         enc = PartLayout(ENCODER, parallel_cfg.encoder.dp, parallel_cfg.encoder.tp, parallel_cfg.encoder.pp,
                          parallel_cfg.encoder.cp)
         bb = PartLayout(BACKBONE, parallel_cfg.backbone.dp, parallel_cfg.backbone.tp, parallel_cfg.backbone.pp,
-                        parallel_cfg.backbone.cp, _split(getattr(parallel_cfg.backbone, "layer_split", None)))
+                        parallel_cfg.backbone.cp,
+                        _split(getattr(parallel_cfg.backbone, "layer_split", None), "parallel.backbone.layer_split"))
         if mode == "decoupled":
             return Layout((enc, bb), "decoupled")
         if mode == "coupled":
@@ -87,7 +88,7 @@ class Layout:
             if not isinstance(pp, int) or pp < 1 or ranks % pp:
                 raise LayoutError(f"parallel.coupled.pp={pp!r}: must be an integer >= 1 that divides the {ranks} "
                                   "ranks of the layout (coupled mode runs on the ranks the decoupled one uses)")
-            split = _split(coupled.layer_split) if coupled is not None else None
+            split = _split(coupled.layer_split, "parallel.coupled.layer_split") if coupled is not None else None
             return Layout((PartLayout(COUPLED, dp=ranks // pp, pp=pp, layer_split=split),), "coupled")
         raise LayoutError(f"flow.mode={mode!r}: must be 'decoupled' or 'coupled'")
 
@@ -297,12 +298,12 @@ class Topology:
                 f"pp={self.pp_rank}/{self.part_layout.pp} tp={self.tp_rank}/{self.part_layout.tp}")
 
 
-def _split(value: Optional[Sequence[int]]) -> Optional[tuple[int, ...]]:
+def _split(value: Optional[Sequence[int]], field: str) -> Optional[tuple[int, ...]]:
     """A recipe's layer_split (a list, or null) as a hashable tuple of ints."""
     if value is None:
         return None
-    if isinstance(value, (str, bytes)) or not all(isinstance(v, int) for v in value):
-        raise LayoutError(f"layer_split={value!r}: must be a list of integers (layers per pipeline stage)")
+    if isinstance(value, (str, bytes, int)) or not all(isinstance(v, int) for v in value):
+        raise LayoutError(f"{field}={value!r}: must be a list of integers (layers per pipeline stage)")
     return tuple(int(v) for v in value)
 
 
