@@ -32,6 +32,8 @@ class PartLayout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    # LLM layers per pipeline stage (None: an even split); checked against the model in Layout.validate
+    layer_split: Optional[tuple[int, ...]] = None
 
     @property
     def size(self) -> int:
@@ -70,16 +72,26 @@ class Layout:
         """From the `parallel` recipe group. Coupled mode puts every rank in one DP group running the whole model
         on the same number of ranks the decoupled layout would use, so the two compare on equal hardware (or on
         `parallel.world_size` ranks when that is set)."""
+        if getattr(parallel_cfg.encoder, "layer_split", None) is not None:
+            raise LayoutError(f"parallel.encoder.layer_split={list(parallel_cfg.encoder.layer_split)}: the encoder "
+                              "part is not pipelined (leave it null)")
         encoders = _encoder_part_layouts(parallel_cfg)
         bb = PartLayout(BACKBONE, parallel_cfg.backbone.dp, parallel_cfg.backbone.tp, parallel_cfg.backbone.pp,
-                        parallel_cfg.backbone.cp)
+                        parallel_cfg.backbone.cp,
+                        _split(getattr(parallel_cfg.backbone, "layer_split", None), "parallel.backbone.layer_split"))
         if mode == "decoupled":
             return Layout((*encoders, bb), "decoupled")
         if mode == "coupled":
-            # `parallel.world_size`, when set, sizes the coupled DP group on its own: a one-device coupled job
+            # `parallel.world_size`, when set, sizes the coupled group on its own: a one-device coupled job
             # (the single-accelerator check of `bench device`) has no decoupled layout of its size.
             ranks = int(getattr(parallel_cfg, "world_size", 0) or 0) or sum(e.size for e in encoders) + bb.size
-            return Layout((PartLayout(COUPLED, dp=ranks),), "coupled")
+            coupled = getattr(parallel_cfg, "coupled", None)
+            pp = coupled.pp if coupled is not None else 1
+            if not isinstance(pp, int) or pp < 1 or ranks % pp:
+                raise LayoutError(f"parallel.coupled.pp={pp!r}: must be an integer >= 1 that divides the {ranks} "
+                                  "ranks of the layout (coupled mode runs on the ranks the decoupled one uses)")
+            split = _split(coupled.layer_split, "parallel.coupled.layer_split") if coupled is not None else None
+            return Layout((PartLayout(COUPLED, dp=ranks // pp, pp=pp, layer_split=split),), "coupled")
         raise LayoutError(f"flow.mode={mode!r}: must be 'decoupled' or 'coupled'")
 
     @property
@@ -140,6 +152,14 @@ class Layout:
                 # the N-part step has no TP broadcast of several parts' rows nor a pipeline source for them yet
                 raise LayoutError(f"{f}.tp={p.tp}, pp={p.pp}: with several encoder parts (parallel.encoders) "
                                   "every part runs data parallel only (tp and pp must be 1)")
+            if p.layer_split is not None:
+                where = "parallel.coupled" if p.name == COUPLED else f
+                split = list(p.layer_split)
+                layers = f" and sum to the {limits.llm_layers} LLM layers" if limits is not None else ""
+                if (len(split) != p.pp or min(split) < 1
+                        or (limits is not None and sum(split) != limits.llm_layers)):
+                    raise LayoutError(f"{where}.layer_split={split}: must list {p.pp} stage(s) ({where}.pp), "
+                                      f"each >= 1 layer{layers}")
         if expected_world and expected_world != self.world_size:
             raise LayoutError(f"parallel.world_size={expected_world} but the layout needs {self.world_size} ranks "
                               f"({self.describe()})")
@@ -155,7 +175,8 @@ class Layout:
                                       f"{field_of[p.name]}.dp={p.dp}: every DP rank must get the same share")
 
     def describe(self) -> str:
-        return " + ".join(f"{p.name}[dp{p.dp} tp{p.tp} pp{p.pp}]" for p in self.parts)
+        return " + ".join(f"{p.name}[dp{p.dp} tp{p.tp} pp{p.pp}"
+                          + (f" layers {list(p.layer_split)}" if p.layer_split else "") + "]" for p in self.parts)
 
 
 @dataclass
@@ -296,6 +317,15 @@ class Topology:
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size} part={self.part} dp={self.dp_rank}/{self.part_layout.dp} "
                 f"pp={self.pp_rank}/{self.part_layout.pp} tp={self.tp_rank}/{self.part_layout.tp}")
+
+
+def _split(value: Optional[Sequence[int]], field: str) -> Optional[tuple[int, ...]]:
+    """A recipe's layer_split (a list, or null) as a hashable tuple of ints."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, int)) or not all(isinstance(v, int) for v in value):
+        raise LayoutError(f"{field}={value!r}: must be a list of integers (layers per pipeline stage)")
+    return tuple(int(v) for v in value)
 
 
 def bridge_of(layout: Layout, part: str = ENCODER) -> Optional[Bridge]:

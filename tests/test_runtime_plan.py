@@ -41,7 +41,7 @@ def test_decoupled_plan_respects_bridge_and_order(producers: list[int], consumer
 
 def test_coupled_plan_encodes_where_it_consumes() -> None:
     shapes = infovqa_shapes(24, seed=1, max_pixels=64 * 28 * 28)
-    work = plan_coupled_step(0, shapes, world_size=3, token_budget=2048, cost_model=COST, scheduler="flow",
+    work = plan_coupled_step(0, shapes, dp=3, token_budget=2048, cost_model=COST, scheduler="flow",
                              oversize_policy="error")
     assert all(work.producer_of[s] == work.consumer_of[s] for s in work.producer_of)
     assert len(work.plan.microbatches) == 3

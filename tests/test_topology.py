@@ -1,7 +1,7 @@
 """Topology: layouts are validated before any group exists; groups and the bridge match the layout."""
 import pytest
 
-from mindspeed_flow.config.schema import ParallelConfig, PartParallelConfig
+from mindspeed_flow.config.schema import CoupledParallelConfig, ParallelConfig, PartParallelConfig
 from mindspeed_flow.topology import Bridge, Layout, LayoutError, ModelLimits, PartLayout, Topology
 from mindspeed_flow.utils.multiproc import run_ranks
 
@@ -27,6 +27,26 @@ def _layout(enc_dp=1, bb_dp=2, bb_pp=1, bb_tp=1, mode="decoupled"):
 def test_invalid_layouts_name_field_and_rule(kwargs, validate, match):
     with pytest.raises(LayoutError, match=match):
         _layout(**kwargs).validate(**validate)
+
+
+def test_coupled_pipeline_layout_and_layer_split():
+    """Coupled mode keeps the decoupled layout's rank count: 4 ranks as pp2 x dp2, LLM layers [1, 3] per stage;
+    a split that does not match pp or the model's layers names the field and the rule."""
+    cfg = ParallelConfig(encoder=PartParallelConfig(dp=2), backbone=PartParallelConfig(dp=2),
+                         coupled=CoupledParallelConfig(pp=2, layer_split=[1, 3]))
+    layout = Layout.from_config(cfg, "coupled")
+    (part,) = layout.parts
+    assert (part.dp, part.pp, part.layer_split, layout.world_size) == (2, 2, (1, 3), 4)
+    layout.validate(limits=LIMITS, world_size=4, global_batch_size=8)
+    cfg.coupled.layer_split = [2, 3]
+    with pytest.raises(LayoutError, match=r"parallel.coupled.layer_split=\[2, 3\]: .* sum to the 4 LLM layers"):
+        Layout.from_config(cfg, "coupled").validate(limits=LIMITS)
+    cfg.coupled.pp = 3
+    with pytest.raises(LayoutError, match=r"parallel.coupled.pp=3: must be an integer >= 1 that divides the 4"):
+        Layout.from_config(cfg, "coupled")
+    cfg.backbone.layer_split = [3, 1]
+    cfg.backbone.pp, cfg.backbone.dp = 2, 1
+    assert Layout.from_config(cfg, "decoupled").part("backbone").layer_split == (3, 1)
 
 
 def test_bad_mode():

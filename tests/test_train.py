@@ -50,11 +50,25 @@ def test_encoder_batching_matches_coupled(tmp_path: Path) -> None:
     assert all(0 < x["encoder_forwards"] < x["encoder_samples"] for x in dec), dec
 
 
-def _assert_parity(tmp_path: Path, recipe: str, extra: list[str]) -> list[dict]:
+def test_coupled_pipeline_matches_decoupled(tmp_path: Path) -> None:
+    """Coupled PP2 on 2 ranks (MindSpeed-MM's layout: the ViT on stage 0, uneven LLM layers [1, 3] to balance it)
+    trains like decoupled 1 encoder + 1 backbone rank: same losses, same final parameters under the same names."""
+    _assert_parity(tmp_path, "parity_dp2", ["parallel.backbone.dp=1"],
+                   coupled_extra=["parallel.coupled.pp=2", "parallel.coupled.layer_split=[1,3]"])
+
+
+def test_uneven_backbone_pipeline_matches_coupled(tmp_path: Path) -> None:
+    """A decoupled backbone pipeline with layers [3, 1] per stage (parallel.backbone.layer_split) trains like the
+    coupled baseline."""
+    _assert_parity(tmp_path, "parity_pp2", ["parallel.backbone.layer_split=[3,1]"])
+
+
+def _assert_parity(tmp_path: Path, recipe: str, extra: list[str], coupled_extra: tuple[str, ...] = ()
+                   ) -> list[dict]:
     runs = {}
     for mode in ("decoupled", "coupled"):
         runs[mode] = train(tmp_path / mode, f"experiment={recipe}", "trainer.steps=8", f"flow.mode={mode}",
-                           "trainer.save_final=true", *extra)
+                           "trainer.save_final=true", *extra, *(coupled_extra if mode == "coupled" else ()))
     dec, cou = runs["decoupled"], runs["coupled"]
     assert [x["step"] for x in dec] == list(range(8)) == [x["step"] for x in cou]
     for a, b in zip(dec, cou):
@@ -121,6 +135,16 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
         (["trainer.steps=abc"], r"trainer.steps"),
         (["packing.token_budget=8"], r"packing.token_budget=8"),
         (["model.preset=huge"], r"model.preset='huge' is unknown"),
+        (["parallel.backbone.dp=1", "parallel.backbone.pp=2", "parallel.backbone.layer_split=[1,2]"],
+         r"parallel.backbone.layer_split=\[1, 2\]: must list 2 stage\(s\).*sum to the 4 LLM layers"),
+        (["parallel.backbone.layer_split=[4]", "parallel.backbone.dp=1", "parallel.backbone.pp=2"],
+         r"parallel.backbone.layer_split=\[4\]: must list 2 stage"),
+        (["flow.mode=coupled", "parallel.coupled.pp=2"], r"parallel.coupled.pp=2: must be an integer >= 1 that "
+                                                          r"divides the 3 ranks"),
+        (["flow.mode=coupled", "parallel.backbone.dp=1", "parallel.coupled.pp=2", "parallel.coupled.layer_split=[0,4]"],
+         r"parallel.coupled.layer_split=\[0, 4\]: must list 2 stage\(s\) \(parallel.coupled.pp\), each >= 1"),
+        (["parallel.encoder.layer_split=[1]"], r"parallel.encoder.layer_split=\[1\]: the encoder part is not "
+                                              r"pipelined"),
     ],
 )
 def test_bad_recipe_names_field_and_rule(tmp_path: Path, capsys, overrides: list[str], match: str) -> None:

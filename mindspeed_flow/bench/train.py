@@ -20,6 +20,19 @@ and the embedding transfer time exposed per step with and without receiving ahea
         --variant "no_prefetch=flow.prefetch_embeddings=false"
 
 Ratios are against the first row (samples/s).
+
+--ranking: the three ways to run one job on 2 ranks (`experiment=heavy_encoder_2rank` unless given: a heavy
+encoder share), measured side by side and ranked beside the planner's prediction for the same layouts:
+coupled DP2, coupled PP2 with the ViT on stage 0 (its LLM layers per stage: the split the planner balances
+around the ViT, as a tuned MindSpeed-MM job sets pipeline_num_layers), and decoupled 1 encoder + 1 backbone
+rank. The rows run in interleaved rounds (--repeats) so that load from other jobs hits all three alike; the
+table gives each row's median samples/s over the rounds, its spread, and the planner's predicted samples/s.
+Before each round two busy processes measure the core share they get (`planner.measure.core_share`): 1.0 on
+an idle 2-core machine, less when other jobs load it. --min-core-share waits (up to --max-wait seconds) for a
+machine that quiet before each round, so the three are compared without oversubscription:
+
+    mindspeed-flow bench train --ranking [--repeats 3] [--steps 8] [--profile runs/profile/profile.json]
+        [--min-core-share 0.8 --max-wait 900]
 """
 from __future__ import annotations
 
@@ -28,6 +41,15 @@ import json
 import statistics
 import tempfile
 from pathlib import Path
+from typing import Optional
+
+# --ranking: row -> the overrides that make the layout from the 2-rank (1 encoder + 1 backbone) recipe
+RANKING_ROWS = {
+    "coupled_dp2": ["flow.mode=coupled"],
+    "coupled_pp2": ["flow.mode=coupled", "parallel.coupled.pp=2"],  # + the planner's layer_split
+    "decoupled_1+1": ["flow.mode=decoupled"],
+}
+RANKING_MODEL, RANKING_DATA = "tiny_qwen2_vl_big_vit", "infovqa_tiny_large"
 
 
 def _summarize(lines: list[dict], warmup: int) -> dict:
@@ -73,7 +95,16 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--modes", default="decoupled,coupled")
     ap.add_argument("--variant", action="append", default=[], metavar='NAME="k=v ..."',
                     help="an extra set of overrides, run for every mode (repeatable)")
+    ap.add_argument("--ranking", action="store_true",
+                    help="coupled DP2 / coupled PP2 / decoupled 1+1 on 2 ranks, measured and predicted")
+    ap.add_argument("--repeats", type=int, default=3, help="--ranking: interleaved rounds (medians reported)")
+    ap.add_argument("--profile", default=None, help="--ranking: a `mindspeed-flow profile` table for the planner")
+    ap.add_argument("--min-core-share", type=float, default=0.0,
+                    help="--ranking: before each round wait until 2 busy processes get this share of a core each")
+    ap.add_argument("--max-wait", type=float, default=600.0, help="--ranking: longest wait per round (seconds)")
     args, overrides = ap.parse_known_args(argv)
+    if args.ranking:
+        return ranking_main(args, overrides)
     variants = _parse_variants(ap, args.variant)
     if not any(o.startswith("experiment=") for o in overrides):
         overrides = ["experiment=default", *overrides]
@@ -107,4 +138,139 @@ def main(argv: list[str]) -> int:
         print(f"{mode:<{width}}" + "".join(f"{r[c]:>24.4g}" for c in cols))
     if "speedup_samples_per_s" in out:
         print(f"decoupled / coupled samples/s: {out['speedup_samples_per_s']:.3f}")
+    return 0
+
+
+def _train_once(launch, overrides: list[str], run_dir: Path, steps: int, warmup: int) -> Optional[dict]:
+    rc = launch.main([*overrides, f"run_dir={run_dir}", f"trainer.steps={steps}", "trainer.progress=false"])
+    if rc != 0:
+        return None
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    out = _summarize(lines, warmup)
+    steady = lines[warmup:] or lines
+    # per step, not per run: a burst of load from other jobs slows a few steps, and the median step (or the
+    # fastest, the one least disturbed) ignores it where the run's mean does not
+    samples = statistics.mean(x["samples"] for x in steady)
+    out["median_step_samples_per_s"] = samples / out["median_step_s"]
+    out["fastest_step_samples_per_s"] = samples / min(x["step_seconds"] for x in steady)
+    return out
+
+
+def predict_ranking(model: str, data: str, global_batch: int, token_budget: int,
+                    profile: Optional[str]) -> dict[str, dict]:
+    """The planner's samples/s for the three 2-rank layouts, each priced exactly as it runs: no recompute (the
+    runtime keeps activations), the recipe's token budget, and for coupled PP2 the stage split the planner
+    balances around the ViT (returned as `layers`, which the run then uses)."""
+    from mindspeed_flow.planner.baselines import megatron_coupled
+    from mindspeed_flow.planner.inputs import build_problem, parse_kv
+    from mindspeed_flow.planner.plan import make_plan
+
+    kv = [f"model={model}", f"data={data}", "cluster=cpu", "devices=2", f"global_batch={global_batch}",
+          "samples=512", "planner.recompute=[false]"] + ([f"planner.profile={profile}"] if profile else [])
+    problem, _ = build_problem(parse_kv(kv + ["encoder.dp=1", "backbone.dp=1", "backbone.pp=1",
+                                              f"backbone.b={token_budget}"]))
+    dec = make_plan(problem, with_baselines=False)
+    out = {"decoupled_1+1": {"samples_per_s": dec.samples_per_s, "step_s": dec.step_seconds, "layers": None}}
+    enc, bb = problem.parts
+    for row, pins in (("coupled_dp2", {"dp": 2, "pp": 1}), ("coupled_pp2", {"dp": 1, "pp": 2})):
+        # the coupled baselines' own cost model (ViT on stage 0), pinned to this layout
+        res = megatron_coupled(enc, bb, problem.baseline_ctx, 2, fixed={**pins, "tp": 1, "cp": 1, "b": token_budget})
+        if res is None:
+            raise RuntimeError(f"the planner finds no coupled layout {pins} that fits (model={model}, data={data})")
+        out[row] = {"samples_per_s": res.samples_per_s, "step_s": res.step_seconds,
+                    "layers": res.layout["coupled"].get("layers")}
+    return out
+
+
+def _quiet_share(min_share: float, max_wait: float) -> float:
+    """The core share 2 busy processes get now; with min_share > 0, polled until it reaches min_share or
+    max_wait seconds have passed (then the last reading is returned and the round runs anyway)."""
+    import time
+
+    from mindspeed_flow.planner.measure import core_share
+
+    deadline = time.monotonic() + max_wait
+    share = core_share(2)
+    while share < min_share and time.monotonic() < deadline:
+        time.sleep(5.0)
+        share = core_share(2)
+    return share
+
+
+def _order(values: dict[str, float]) -> list[str]:
+    return sorted(values, key=lambda k: -values[k])
+
+
+def ranking_main(args: argparse.Namespace, overrides: list[str]) -> int:
+    """`bench train --ranking`: see the module docstring."""
+    from mindspeed_flow.config.load import compose, to_job_config
+    from mindspeed_flow.runtime import launch
+
+    if not any(o.startswith("experiment=") for o in overrides):
+        overrides = ["experiment=heavy_encoder_2rank", *overrides]
+    if not any(o.startswith("model=") for o in overrides):
+        overrides.append(f"model={RANKING_MODEL}")
+    if not any(o.startswith("data=") for o in overrides):
+        overrides.append(f"data={RANKING_DATA}")
+    model = next(o.split("=", 1)[1] for o in overrides if o.startswith("model="))
+    data = next(o.split("=", 1)[1] for o in overrides if o.startswith("data="))
+    job = to_job_config(compose(overrides))
+    p = job.parallel
+    if (p.encoder.dp, p.encoder.tp, p.backbone.dp, p.backbone.tp, p.backbone.pp) != (1, 1, 1, 1, 1):
+        raise SystemExit("bench train --ranking: the recipe must be 1 encoder + 1 backbone rank (parallel.encoder and "
+                         "parallel.backbone all 1), got " f"encoder {p.encoder} backbone {p.backbone}")
+    predicted = predict_ranking(model, data, job.trainer.global_batch_size, job.packing.token_budget, args.profile)
+    layers = predicted["coupled_pp2"]["layers"]
+    rows = {name: list(extra) for name, extra in RANKING_ROWS.items()}
+    rows["coupled_pp2"].append(f"parallel.coupled.layer_split=[{','.join(str(n) for n in layers)}]")
+    runs: dict[str, list[dict]] = {name: [] for name in rows}
+    shares: list[tuple[float, float]] = []  # per round: the core share before and after it
+    with tempfile.TemporaryDirectory(prefix="msf-bench-rank-") as tmp:
+        for r in range(args.repeats):  # interleaved: each round runs every row once
+            before = _quiet_share(args.min_core_share, args.max_wait)
+            for name, extra in rows.items():
+                res = _train_once(launch, [*overrides, *extra], Path(tmp) / f"{name}-{r}", args.steps, args.warmup)
+                if res is None:
+                    return 1
+                runs[name].append(res)
+            shares.append((before, _quiet_share(0.0, 0.0)))
+    # a row's figure: the median over rounds of each run's median-step samples/s
+    measured = {n: statistics.median(x["median_step_samples_per_s"] for x in rs) for n, rs in runs.items()}
+    fastest = {n: max(x["fastest_step_samples_per_s"] for x in rs) for n, rs in runs.items()}
+    first = next(iter(measured.values()))
+    table = {n: {"samples_per_s_median": measured[n], "vs_first": measured[n] / first,
+                 "samples_per_s_runs": [x["median_step_samples_per_s"] for x in runs[n]],
+                 "samples_per_s_fastest_step": fastest[n],
+                 "median_step_s": statistics.median(x["median_step_s"] for x in runs[n]),
+                 "predicted_samples_per_s": predicted[n]["samples_per_s"],
+                 "predicted_vs_first": predicted[n]["samples_per_s"] / predicted["coupled_dp2"]["samples_per_s"],
+                 "layers": predicted[n]["layers"], "final_loss": runs[n][-1]["final_loss"]} for n in rows}
+    m_order, p_order = _order(measured), _order({n: predicted[n]["samples_per_s"] for n in rows})
+    # the same ranking in each round on its own, as a measure of how settled the measured order is
+    per_round = [_order({n: runs[n][r]["median_step_samples_per_s"] for n in rows}) for r in range(args.repeats)]
+    out = {"rows": table, "measured_ranking": m_order, "predicted_ranking": p_order, "match": m_order == p_order,
+           "fastest_step_ranking": _order(fastest),
+           "rounds_matching_prediction": sum(o == p_order for o in per_round), "repeats": args.repeats,
+           "core_share_per_round": shares, "ranking_per_round": per_round,
+           "steps": args.steps, "warmup": args.warmup, "overrides": overrides, "profile": args.profile}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"2 ranks, {model} on {data}, global batch {job.trainer.global_batch_size}, {args.repeats} interleaved "
+          f"rounds of {args.steps} steps (first {args.warmup} excluded); planner: cluster=cpu"
+          + (f", profile {args.profile}" if args.profile else ", uncalibrated"))
+    print("samples/s: median over rounds of each run's median step (runs: each round's), fastest step of all "
+          "rounds, planner")
+    print(f"{'layout':<15}{'measured/s':>12}{'vs first':>10}{'runs':>26}{'fastest/s':>11}{'predicted/s':>13}"
+          f"{'vs first':>10}  layers")
+    for n, t in table.items():
+        spread = "/".join(f"{x:.2f}" for x in t["samples_per_s_runs"])
+        print(f"{n:<15}{t['samples_per_s_median']:>12.3f}{t['vs_first']:>10.3f}{spread:>26}"
+              f"{t['samples_per_s_fastest_step']:>11.3f}{t['predicted_samples_per_s']:>13.3f}"
+              f"{t['predicted_vs_first']:>10.3f}  {t['layers'] or ''}")
+    for r, ((before, after), order) in enumerate(zip(shares, per_round)):
+        print(f"  round {r}: core share {before:.2f} before, {after:.2f} after; measured {' > '.join(order)}")
+    print(f"measured ranking:  {' > '.join(m_order)}  (by fastest step: {' > '.join(out['fastest_step_ranking'])})")
+    print(f"predicted ranking: {' > '.join(p_order)}  -> {'match' if out['match'] else 'MISMATCH'} "
+          f"({out['rounds_matching_prediction']} of {args.repeats} rounds alone match)")
     return 0

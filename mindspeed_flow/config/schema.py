@@ -68,6 +68,18 @@ class PartParallelConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    # Layers per pipeline stage (length pp, each >= 1, summing to the part's layers); null: an even split.
+    layer_split: Optional[list] = None
+
+
+@dataclass
+class CoupledParallelConfig:
+    """flow.mode=coupled: the ranks the decoupled layout would use run the whole model as `pp` pipeline stages x
+    (ranks / pp) DP replicas; stage 0 holds the ViT (+ merger) beside its LLM layers (MindSpeed-MM's layout)."""
+
+    pp: int = 1
+    # LLM layers per stage; null: an even split. A tuned job gives stage 0 fewer layers to carry the ViT.
+    layer_split: Optional[list] = None
 
 
 @dataclass
@@ -77,6 +89,7 @@ class ParallelConfig:
     # Several encoder parts, each its own group and DP (e.g. {audio: {dp: 1}, vision: {dp: 1}} for the Omni
     # thinker); when set, `encoder` is unused. Empty: the one `encoder` part.
     encoders: dict = field(default_factory=dict)
+    coupled: CoupledParallelConfig = field(default_factory=CoupledParallelConfig)
     # ddp | fsdp (FSDP2 fully_shard)
     backbone_dp_impl: str = "ddp"
     # gpipe | 1f1b
@@ -198,6 +211,6 @@ def register_configs() -> None:
 
 
 __all__ = [
-    "ModelConfig", "DataConfig", "PartParallelConfig", "ParallelConfig", "FlowConfig", "TrainerConfig", "FaultsConfig",
+    "ModelConfig", "DataConfig", "PartParallelConfig", "CoupledParallelConfig", "ParallelConfig", "FlowConfig", "TrainerConfig", "FaultsConfig",
     "FlowJobConfig", "PackingConfig", "ClusterConfig", "register_configs", "MISSING", "Any",
 ]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
 
@@ -68,14 +69,16 @@ def _split_row(L: Layouts, mb: dict, i: int) -> dict:
 
 
 def megatron_coupled(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int,
-                     tuned: bool = True) -> BaselineResult | None:
+                     tuned: bool = True, fixed: Mapping[str, int] | None = None) -> BaselineResult | None:
     """Best coupled (ViT on stage 0) layout within `budget` devices, or None if none fits in memory.
 
-    tuned=False is `coupled_uniform` (even split, shared TP and recompute, no CP)."""
+    tuned=False is `coupled_uniform` (even split, shared TP and recompute, no CP). `fixed` pins layout fields of
+    the coupled model (dp, pp, tp, cp, b, rc), e.g. to price the exact layout a run uses."""
     name = "megatron_coupled" if tuned else "coupled_uniform"
     cctx = ctx if tuned else dataclasses.replace(ctx, cfg=dataclasses.replace(ctx.cfg, uneven_pp=False))
+    pins = {**({} if tuned else {"cp": 1}), **dict(fixed or {})}
     try:
-        L = enumerate_layouts(bb, cctx, budget, None if tuned else {"cp": 1})
+        L = enumerate_layouts(bb, cctx, budget, pins or None)
     except PlanError:
         return None
     if not tuned:

@@ -12,8 +12,8 @@ Time of one optimizer step of a part (seconds), for the global batch G split ove
   (reduce-scatter + all-gather with the distributed optimizer, all-reduce without) and the optimizer update
   (memory bound). Causal attention FLOPs are counted per sample (varlen), linear FLOPs on padded tokens.
 - encoder: its G/dp samples' images, TP all-reduces per layer, the embedding traffic to the backbone (and the
-  gradient back when trainable), DP sync and optimizer when trainable, plus one sample of pipeline fill (the
-  backbone waits for the first embedding). A frozen encoder runs forward only (2x its parameters per patch).
+  gradient back when trainable), DP sync and optimizer when trainable, plus one sample's forward of pipeline fill
+  (the backbone waits for the first embedding). A frozen encoder runs forward only (2x its parameters per patch).
 Compute rate = devices x peak x efficiency(role) x tp_scaling^log2(tp), or profiled seconds per FLOP.
 
 Memory per device (bytes), the most loaded pipeline stage:
@@ -484,7 +484,9 @@ def encoder_costs(part: PartSpec, ctx: CostContext, L: Layouts) -> Costs:
     samples = ctx.global_batch / L.dp
     enc = encoder_samples_time(part, ctx, samples, L.tp, L.rc)
     work = sum(enc.values())
-    fill = work / np.maximum(samples, 1.0)  # the backbone waits for the first sample's embedding
+    # The backbone waits for the first sample's embedding: one sample's forward. Its backward is not on that path
+    # (it runs once the gradient is back, while later samples are still in flight), so it is not counted.
+    fill = work * part.forward_fraction / np.maximum(samples, 1.0)
     p_dev = encoder_static_params(part, L.tp)
     if part.trainable:
         dp_t = dp_sync_time(ctx, p_dev, L.dp, L.tp * L.dp)

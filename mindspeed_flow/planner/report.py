@@ -171,7 +171,9 @@ def recipe_yaml(plan: Plan, name: str, model_recipe: str | None, data_recipe: st
         lines.append("# The plan assumes full activation recompute in the backbone.")
     if bb is not None and len(set(bb.stage_layers)) > 1:
         lines.append(f"# The plan assumes backbone layers per pipeline stage {bb.stage_layers} (MindSpeed-MM: "
-                     f"pipeline_num_layers); the torch host splits layers evenly.")
+                     f"pipeline_num_layers); on the torch host add parallel.backbone.layer_split: "
+                     f"{list(bb.stage_layers)} (not written here: a MindSpeed-MM job takes the split from its own "
+                     "pipeline_num_layers).")
     overrides = [f"  - override /cluster: {pr.cluster.name}"]
     if model_recipe:
         overrides.insert(0, f"  - override /model: {model_recipe}")

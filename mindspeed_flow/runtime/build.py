@@ -80,6 +80,8 @@ def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.d
     optim = PartOptimizer()
     pool = None
 
+    if topo.is_coupled and topo.part_layout.pp > 1:
+        return _build_coupled_pipeline(job, topo, encoder, backbone, device, models, optim, opt_kwargs)
     if topo.is_coupled:
         coupled = CoupledModel(encoder.to(device), backbone.to(device), frozen)
         models.coupled_dp = apply_ddp(coupled, topo.dp_group) if topo.world_size > 1 else coupled
@@ -131,3 +133,28 @@ def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.d
     # the encoder never joins that collective (so it can run ahead).
     norm_group = topo.part_group if frozen else None
     return models, optim, pool, norm_group
+
+
+def _build_coupled_pipeline(job: FlowJobConfig, topo: Topology, encoder: torch.nn.Module, backbone: torch.nn.Module,
+                            device: torch.device, models: RankModels, optim: PartOptimizer, opt_kwargs: dict
+                            ) -> tuple[RankModels, PartOptimizer, None, None]:
+    """Coupled pipeline: stage 0 holds the ViT (+ merger) and its LLM layers, the last stage the LM head; the same
+    torch.distributed.pipelining path as a decoupled backbone, DDP over each stage's DP group."""
+    from mindspeed_flow.runtime.pipeline import BackbonePipeline
+
+    backbone = backbone.to(device)
+    first = topo.pp_rank == 0
+    models.encoder = encoder.to(device) if first else None
+    models.backbone_part = backbone
+    models.pipeline = BackbonePipeline.build(job, topo, backbone, device, encoder=models.encoder)
+    layout = topo.part_layout
+    models.dp_loss_scale = dp_loss_scale(topo.dp_group, models.pipeline.stage_module) if layout.dp > 1 else 1.0
+    params = [p for p in models.pipeline.parameters() if p.requires_grad]
+    optim.shares = param_shares(params, layout.dp, 1)
+    optim.optimizer = build_optimizer(params, **opt_kwargs)
+    # the layout-independent names of the coupled DP path (`encoder.*`, `backbone.*`) for what this stage holds
+    held = {id(p) for p in models.pipeline.parameters()}
+    models.named_params = {f"backbone.{n}": p for n, p in backbone.named_parameters() if id(p) in held}
+    if models.encoder is not None:
+        models.named_params.update({f"encoder.{n}": p for n, p in models.encoder.named_parameters()})
+    return models, optim, None, None  # default (world) group for the norm

@@ -73,11 +73,12 @@ class Timer:
 @dataclass
 class EmbeddingSource:
     """What a pipeline's first stage needs from the step, and nothing more: `fetch(k, timer)` gives microbatch
-    k's embedding leaves by sample id (blocking on the pool), `return_grad(sample_id, grad)` sends
+    k's embeddings by sample id (blocking on the pool), `return_grad(sample_id, grad)` sends
     d(loss)/d(embedding) back to the sample's producer."""
 
     fetch: Callable[[int, "Timer"], dict[int, torch.Tensor]]
-    return_grad: Callable[[int, torch.Tensor], None]
+    # None: the embeddings are computed on this rank (coupled pipeline) and their gradients stay in the graph
+    return_grad: Optional[Callable[[int, torch.Tensor], None]]
 
 
 @traced("encoder.forward")
@@ -149,8 +150,8 @@ class StepEngine:
         record["step_end_t"] = time.time()
 
     def _row(self, work: StepWork) -> list:
-        """This rank's microbatches (a backbone rank runs its DP replica's row, a coupled rank its own)."""
-        return work.plan.microbatches[self.topo.rank if self.topo.is_coupled else self.topo.dp_rank]
+        """This rank's microbatches: its DP replica's row (backbone and coupled ranks alike)."""
+        return work.plan.microbatches[self.topo.dp_rank]
 
     def _load_texts(self, work: StepWork) -> int:
         """Load this rank's own samples without pixels (kept for the step) and return the step's label tokens,
@@ -323,6 +324,8 @@ class StepEngine:
     def _coupled(self, work: StepWork, n_labels: int, record: StepRecord) -> None:
         timer = Timer()
         row = self._row(work)
+        if self.m.pipeline is not None:
+            return self._coupled_pipeline(work, row, n_labels, timer, record)
         model = self.m.coupled_dp
         scale = self.m.dp_loss_scale / max(n_labels, 1)
         total = 0.0
@@ -343,6 +346,30 @@ class StepEngine:
                     total += timer.timed("busy", fwd_bwd)
         record["encoder_last_sample_done_t"] = time.time()
         record["loss_sum"], record["label_tokens"] = total, n_labels
+        record["backbone_busy_s"], record["backbone_wait_s"] = timer.busy, timer.wait
+        record["encoder_busy_s"] = 0.0
+
+    def _coupled_pipeline(self, work: StepWork, row: list, n_labels: int, timer: Timer, record: StepRecord) -> None:
+        """Coupled pipeline (MindSpeed-MM's layout): stage 0 encodes microbatch k's images itself when the schedule
+        runs that forward; the embeddings stay in the autograd graph, so the schedule's backward reaches the ViT
+        and no gradient travels (nothing to return)."""
+        samples = [timer.timed("busy", lambda mb=mb: self.load_samples(mb.sample_ids, with_pixels=False))
+                   for mb in row]
+        source = None
+        if self.topo.is_first_stage:
+            trainable = not self.m.frozen_encoder
+
+            def fetch(k: int, _: Timer) -> dict[int, torch.Tensor]:
+                pixels = self.load_samples(row[k].sample_ids, with_pixels=True)
+                # one forward per sample, as the coupled DP path (the same float summation order)
+                return {s.sample_id: encode_samples(self.m.encoder, [s], trainable)[0]
+                        for s in pixels if s.image_token_counts}
+
+            source = EmbeddingSource(fetch=fetch, return_grad=None)
+        loss_sum = self.m.pipeline.run(samples, work.plan.seq_len or self.token_budget,
+                                       self.m.dp_loss_scale / max(n_labels, 1), source, timer, record)
+        record["encoder_last_sample_done_t"] = time.time()
+        record["loss_sum"], record["label_tokens"] = loss_sum, n_labels
         record["backbone_busy_s"], record["backbone_wait_s"] = timer.busy, timer.wait
         record["encoder_busy_s"] = 0.0
 

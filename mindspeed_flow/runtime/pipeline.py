@@ -49,12 +49,17 @@ class BackbonePipeline:
         self.schedules_built = 0
 
     @staticmethod
-    def build(job, topo, backbone: BackbonePart, device: torch.device) -> "BackbonePipeline":
+    def build(job, topo, backbone: BackbonePart, device: torch.device,
+              encoder: Optional[torch.nn.Module] = None) -> "BackbonePipeline":
+        """This rank's stage of the part's pipeline (layers per stage from the layout's layer_split); `encoder`:
+        a coupled pipeline's ViT, held by stage 0 (coupled pipelines wrap DP with DDP)."""
         layout = topo.part_layout
-        dp_wrap = apply_fsdp if job.parallel.backbone_dp_impl == "fsdp" else apply_ddp
+        fsdp = job.parallel.backbone_dp_impl == "fsdp" and encoder is None
+        dp_wrap = apply_fsdp if fsdp else apply_ddp
         wrap = (lambda m: dp_wrap(m, topo.dp_group)) if layout.dp > 1 else None
         stage_module, stage = build_backbone_stage(backbone, topo.pp_rank, layout.pp, topo.pp_group, device,
-                                                   wrap=wrap)
+                                                   layer_split=layout.layer_split, wrap=wrap,
+                                                   encoder=encoder if topo.pp_rank == 0 else None)
         return BackbonePipeline(backbone, stage_module, stage, job.parallel.pp_schedule)
 
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -115,7 +120,7 @@ class BackbonePipeline:
             if k == 0:
                 record["backbone_first_mb_start_t"] = time.time()
             for sid, leaf in leaves.items():
-                if leaf.requires_grad:
+                if leaf.requires_grad and source.return_grad is not None:
                     # d(loss)/d(embedding) goes back the moment the schedule's backward computes it
                     # (a copy: autograd may reuse the hook's tensor)
                     leaf.register_hook(lambda grad, sid=sid: source.return_grad(sid, grad.clone()))

@@ -114,12 +114,13 @@ def plan_multipart_step(step: int, shapes: Sequence[SampleShape], *, bridges: di
     return work
 
 
-def plan_coupled_step(step: int, shapes: Sequence[SampleShape], *, world_size: int, token_budget: int,
-                      cost_model: CostModel, scheduler: str, oversize_policy: str, pad_multiple: int = 0
-                      ) -> StepWork:
-    """Coupled baseline: the same scheduler over all ranks as one DP group; each rank encodes what it consumes."""
-    plan = plan_step(list(shapes), dp=world_size, num_encoders=world_size, token_budget=token_budget,
-                     cost_model=cost_model, scheduler=scheduler, min_microbatches=1,
+def plan_coupled_step(step: int, shapes: Sequence[SampleShape], *, dp: int, token_budget: int,
+                      cost_model: CostModel, scheduler: str, oversize_policy: str, pad_multiple: int = 0,
+                      min_microbatches: int = 1) -> StepWork:
+    """Coupled baseline: the same scheduler over the `dp` replicas (every rank when not pipelined); each replica
+    encodes what it consumes (a pipelined replica on its stage 0). Ids below are DP indices."""
+    plan = plan_step(list(shapes), dp=dp, num_encoders=dp, token_budget=token_budget,
+                     cost_model=cost_model, scheduler=scheduler, min_microbatches=min_microbatches,
                      oversize_policy=oversize_policy, pad_multiple=pad_multiple)
     work = StepWork(step, [s.sample_id for s in shapes], plan)
     for d, row in enumerate(plan.microbatches):

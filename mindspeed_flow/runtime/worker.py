@@ -97,7 +97,8 @@ def plan_for_step(job: FlowJobConfig, topo: Topology, step: int, shapes: list, c
     if topo.layout.mode == "decoupled":
         return plan_decoupled_step(step, shapes, bridge=topo.bridge,
                                    min_microbatches=topo.layout.part("backbone").pp, **common)
-    return plan_coupled_step(step, shapes, world_size=topo.world_size, **common)
+    coupled = topo.layout.part("coupled")
+    return plan_coupled_step(step, shapes, dp=coupled.dp, min_microbatches=coupled.pp, **common)
 
 
 def step_static(work: StepWork, spec: VLMSpec, shapes: list, frozen: bool, bad_samples: int,

@@ -140,6 +140,9 @@ def _unsupported(job: FlowJobConfig) -> list[str]:
     if par.encoder.pp != 1:
         out.append(f"parallel.encoder.pp={par.encoder.pp}: the image-encoder part runs data/tensor parallel only "
                    "(pp must be 1)")
+    if par.backbone.layer_split is not None:
+        out.append(f"parallel.backbone.layer_split={list(par.backbone.layer_split)}: the decoder's stages come from "
+                   "the job's own --pipeline-num-layers / model.json pipeline_num_layers (leave it null)")
     return out
 
 

@@ -105,14 +105,17 @@ class BackboneStage(nn.Module):
 
 def build_backbone_stage(backbone: BackbonePart, pp_rank: int, pp_size: int, pp_group: Optional[dist.ProcessGroup],
                          device: torch.device, layer_split: Optional[Sequence[int]] = None,
-                         wrap: Optional[Callable[[nn.Module], nn.Module]] = None
-                         ) -> tuple[BackboneStage, "PipelineStage"]:
+                         wrap: Optional[Callable[[nn.Module], nn.Module]] = None,
+                         encoder: Optional[nn.Module] = None) -> tuple[BackboneStage, "PipelineStage"]:
     """(stage module, PipelineStage) for this rank's stage of `pp_size`.
 
     `wrap`: data parallelism for the stage, e.g. `lambda m: apply_ddp(m, dp_group)` or `apply_fsdp`; the
     PipelineStage then drives the wrapper (no_sync / deferred reduce until the last microbatch). The returned
     stage module is the unwrapped one (for `pipeline_step` and parameter lists). Activation shapes are inferred
     on the PipelineStage's first step (2.13's static mode needs gradient shapes too, which 2.7 lacks).
+
+    `encoder` (stage 0 of a coupled pipeline): the ViT (+ merger) becomes a submodule of the stage, so the DP
+    wrapper reduces its gradients and `parameters()` lists them; `feed` runs it inside the stage's forward.
     """
     from torch.distributed.pipelining import PipelineStage
 
@@ -124,6 +127,10 @@ def build_backbone_stage(backbone: BackbonePart, pp_rank: int, pp_size: int, pp_
     start, stop = split_layers(len(backbone.layers), pp_size, layer_split)[pp_rank]
     torch_compat.prepare_pipelining()  # at build time, so the start-up line names what this torch lacks
     module = BackboneStage(backbone, start, stop, is_first=pp_rank == 0, is_last=pp_rank == pp_size - 1).to(device)
+    if encoder is not None:
+        if pp_rank != 0:
+            raise ValueError(f"the encoder belongs to pipeline stage 0, not stage {pp_rank}")
+        module.encoder = encoder.to(device)
     wrapped = wrap(module) if wrap is not None else module
     return module, PipelineStage(wrapped, pp_rank, pp_size, device, group=pp_group)
 
