@@ -37,6 +37,13 @@ def test_decoupled_plan_respects_bridge_and_order(producers: list[int], consumer
             assert p in group_producers and work.consumer_of[sid] in group_consumers
     loads = [v for v in work.encoder_cost.values()]
     assert max(loads) / (sum(loads) / len(loads)) < 1.25
+    # each consumer takes a producer's items in the order that producer puts them (no pool-credit deadlock)
+    for consumer in consumers:
+        taken = [sid for row, c in zip(work.plan.microbatches, bridge.consumers) if c == consumer
+                 for mb in row for sid in work.in_put_order([s for s in mb.sample_ids if s in work.producer_of])]
+        for p, sids in work.encode_order.items():
+            mine = [sid for sid in taken if work.producer_of[sid] == p]
+            assert mine == [sid for sid in sids if work.consumer_of[sid] == consumer]
 
 
 def test_coupled_plan_encodes_where_it_consumes() -> None:

@@ -35,6 +35,14 @@ def test_decoupled_matches_coupled(tmp_path: Path, experiment: str) -> None:
     _assert_parity(tmp_path, recipe, extra)
 
 
+def test_pool_smaller_than_a_microbatch_does_not_deadlock(tmp_path: Path) -> None:
+    """A pool of a few embeddings (less than one microbatch) only slows the encoder down: consumers take items in
+    their producer's put order, so every credit the encoder waits for is one a consumer is about to return."""
+    lines = train(tmp_path / "tiny_pool", "experiment=default", "trainer.steps=2", "flow.pool_capacity_mb=0.05",
+                  "flow.timeout_s=60")
+    assert [x["step"] for x in lines] == [0, 1]
+
+
 def test_pipeline_per_step_shapes_match_coupled(tmp_path: Path) -> None:
     """A pipeline padding each step to its longest pack (pad_multiple) trains exactly like the coupled baseline,
     and the steps really ran at several sequence lengths (one schedule per shape)."""

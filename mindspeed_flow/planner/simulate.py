@@ -309,6 +309,7 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
         fwd0: dict[int, int] = {}  # sample id -> first-stage forward op that consumes it
         bwd0: dict[int, int] = {}  # sample id -> first-stage backward op that produces its gradient
         put_ops: dict[int, int] = {}
+        get_ops: dict[int, int] = {}  # sample id -> the consumer's get, which returns the producer's credit
         enc_fwd_ids: dict[int, int] = {}
         # encoders' forwards and puts are created after the backbone's ops but referenced by them: reserve order
         bb_programs: list[tuple[int, int, list[tuple[str, int]]]] = []
@@ -351,7 +352,12 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
                 deps: list[tuple[int, float]] = [(start[rank], 0.0)]
                 if kind == "F":
                     if s == 0:
-                        deps += [(put_ops[sid], costs.link(emb_bytes(sid))) for sid in mb.sample_ids if sid in put_ops]
+                        # the consumer takes the microbatch's embeddings one by one in their producers' put
+                        # order (`StepWork.in_put_order`), each get freeing a pool credit
+                        for sid in work.in_put_order([sid for sid in mb.sample_ids if sid in put_ops]):
+                            get_ops[sid] = sim.add(rank, f"get {sid}", 0.0, kind=COMM, tag="get",
+                                                   deps=[(put_ops[sid], costs.link(emb_bytes(sid)))])
+                            deps.append((get_ops[sid], 0.0))
                     ids[(d, s, "F", k)] = sim.add(rank, f"F{k} s{s} d{d}", fwd, deps=deps, tag="fwd")
                     if s == 0:
                         for sid in mb.sample_ids:
@@ -376,7 +382,7 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
             if kind == "B" and s < bb.pp - 1:
                 sim.ops[i].deps.append((ids[(d, s + 1, "B", k)], p2p))
         for put, sid in credit_deps:
-            sim.ops[put].deps.append((fwd0[sid], 0.0))
+            sim.ops[put].deps.append((get_ops[sid], 0.0))
         # encoder backwards in encode order (the runtime waits for each gradient in that order), sync, optimizer
         for r in enc_ranks if not vit_on_stage0 else ():
             if r not in work.encode_order:

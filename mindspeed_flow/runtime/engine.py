@@ -263,7 +263,7 @@ class StepEngine:
     def fetch_embeds(self, work: StepWork, sample_ids: list[int], timer: Timer) -> dict[int, torch.Tensor]:
         """Blocking gets from the pool (TP peers: the leader's, by broadcast), as leaves that collect
         d(loss)/d(embedding)."""
-        ids = [sid for sid in sample_ids if sid in work.producer_of]
+        ids = work.in_put_order([sid for sid in sample_ids if sid in work.producer_of])
         got: Optional[list[torch.Tensor]] = None
         if self.is_tp_leader:
             got = [timer.timed("wait", lambda: self.pool.get(sample_id=sid, step=work.step,
@@ -274,7 +274,8 @@ class StepEngine:
             got = timer.timed("wait", lambda: broadcast_rows(got, len(ids), self.topo.tp_group,
                                                              width=part.hidden_size, dtype=weight.dtype,
                                                              device=weight.device))
-        return {sid: emb.detach().requires_grad_(not self.m.frozen_encoder) for sid, emb in zip(ids, got or [])}
+        leaves = {sid: emb.detach().requires_grad_(not self.m.frozen_encoder) for sid, emb in zip(ids, got or [])}
+        return {sid: leaves[sid] for sid in sample_ids if sid in leaves}  # the microbatch's own order, as before
 
     def return_grads(self, work: StepWork, leaves: dict[int, torch.Tensor], timer: Timer) -> None:
         if self.m.frozen_encoder or not self.is_tp_leader:  # TP peers hold the same gradients

@@ -40,6 +40,17 @@ class StepWork:
         """Encoder part -> its producer ranks (one part, "encoder", unless several were planned)."""
         return dict(self.part_producers) if self.part_producers else {"encoder": list(self.encoder_cost)}
 
+    def in_put_order(self, sample_ids: Sequence[int]) -> list[int]:
+        """`sample_ids` in the order their producers put them (each producer's encode order): a consumer that
+        gets a microbatch's embeddings in this order frees pool capacity in the order it was taken, so a pool
+        smaller than a microbatch cannot deadlock (the producer waits on a credit only for an item the consumer
+        is about to get)."""
+        pos = self.__dict__.get("_put_position")
+        if pos is None:
+            pos = {sid: i for sids in self.encode_order.values() for i, sid in enumerate(sids)}
+            self.__dict__["_put_position"] = pos
+        return sorted(sample_ids, key=lambda sid: pos.get(sid, -1))
+
     def consumption_order(self) -> list[int]:
         """Slot-major order in which the backbone consumes samples: slot 0 of every DP rank, then slot 1..."""
         mbs = self.plan.microbatches
