@@ -48,11 +48,13 @@ from mindspeed_flow.pool.transport import InboundStream, Outbox
 from mindspeed_flow.pool.wire import (CHANNEL_CREDIT, CHANNEL_EMBEDDING, CHANNEL_GRAD, CHANNEL_NAMES, HEADER_LEN,
                                       MAX_BATCH, TAGS,
                                       WireHeader, check_sendable, credit_header, decode_header, from_bytes,
-                                      has_payload, item_header, tensor_nbytes)
+                                      item_header, slice_payloads, tensor_nbytes)
 from mindspeed_flow.runtime.trace import traced
 
 # (peer rank, sample_id, step): the pool's key for an item on one side of one producer/consumer pair.
 ItemKey = tuple[int, int, int]
+# A landed batch: each item's header and view of the payload, and the one buffer those views slice.
+_Landed = tuple[list[tuple[WireHeader, torch.Tensor | None]], torch.Tensor | None]
 
 
 @dataclass
@@ -379,7 +381,7 @@ class EmbeddingPool:
 
     # ------------------------------------------------------------------ receiving threads' callbacks
 
-    def _land_embedding(self, producer: int, raw: torch.Tensor) -> list[tuple[WireHeader, torch.Tensor | None]]:
+    def _land_embedding(self, producer: int, raw: torch.Tensor) -> _Landed:
         headers = decode_header(raw, expected_channel=CHANNEL_EMBEDDING, peer=producer)
         with self._cond:
             plan = self._plans[producer]
@@ -397,7 +399,7 @@ class EmbeddingPool:
                 self._held[(producer, *header.key)] = _Held(EmbeddingHandle(
                     header.sample_id, header.step, producer, self.rank, header.shape, header.dtype, header.nbytes,
                     tier), landing_t=time.monotonic())
-        return [(h, self._payload_buffer(h)) for h in headers]
+        return self._payload_views(headers)
 
     def _deliver_embedding(self, producer: int, header: WireHeader, buffer: torch.Tensor | None) -> None:
         key = (producer, *header.key)
@@ -427,8 +429,8 @@ class EmbeddingPool:
         if self._get_blocked_since is not None:
             c.transfer_exposed_s += max(0.0, now - max(begin, self._get_blocked_since))
 
-    def _land_credit(self, consumer: int, raw: torch.Tensor) -> list[tuple[WireHeader, None]]:
-        return [(h, None) for h in decode_header(raw, expected_channel=CHANNEL_CREDIT, peer=consumer)]
+    def _land_credit(self, consumer: int, raw: torch.Tensor) -> _Landed:
+        return [(h, None) for h in decode_header(raw, expected_channel=CHANNEL_CREDIT, peer=consumer)], None
 
     def _deliver_credit(self, consumer: int, credit: WireHeader, _: torch.Tensor | None) -> None:
         with self._cond:
@@ -439,7 +441,7 @@ class EmbeddingPool:
             self._counters.add_inflight(-credit.nbytes, -1)
             self._cond.notify_all()
 
-    def _land_grad(self, consumer: int, raw: torch.Tensor) -> list[tuple[WireHeader, torch.Tensor | None]]:
+    def _land_grad(self, consumer: int, raw: torch.Tensor) -> _Landed:
         headers = decode_header(raw, expected_channel=CHANNEL_GRAD, peer=consumer)
         with self._cond:
             for header in headers:
@@ -447,7 +449,7 @@ class EmbeddingPool:
                     raise PoolProtocolError(f"rank {consumer} returned a gradient for sample {header.sample_id} "
                                             f"(step {header.step}) that rank {self.rank} did not send it (or got "
                                             f"twice)")
-        return [(h, self._payload_buffer(h)) for h in headers]
+        return self._payload_views(headers)
 
     def _deliver_grad(self, consumer: int, header: WireHeader, buffer: torch.Tensor | None) -> None:
         grad = self._unpack(header, buffer)
@@ -459,11 +461,10 @@ class EmbeddingPool:
             self._counters.grad_bytes_received += header.nbytes
             self._cond.notify_all()
 
-    def _payload_buffer(self, header: WireHeader) -> torch.Tensor | None:
-        """The receive buffer of an item's payload (None: the item has none)."""
-        if not has_payload(header):
-            return None
-        return torch.empty(header.nbytes, dtype=torch.uint8, device=self._payload_device)
+    def _payload_views(self, headers: list[WireHeader]) -> _Landed:
+        """The batch's receive buffer and each item's view of it (None: the item has no payload)."""
+        views, buffer = slice_payloads(headers, self._payload_device)
+        return list(zip(headers, views)), buffer
 
     def _unpack(self, header: WireHeader, buffer: torch.Tensor | None) -> torch.Tensor:
         """The item's tensor, viewing its received bytes (an empty item gets an empty tensor)."""
