@@ -90,12 +90,14 @@ class EmbeddingPool:
 
     def __init__(self, *, rank: int, group: dist.ProcessGroup | None, capacity_bytes: int, timeout_s: float,
                  device: torch.device, host_tier_bytes: int | None = None, return_grads: bool = True,
-                 max_batch_items: int = MAX_BATCH,
+                 max_batch_items: int = MAX_BATCH, max_batch_bytes: int = MAX_BATCH_BYTES,
                  data_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
                  receive_ahead: bool = True) -> None:
         """`receive_ahead`: receive expected embeddings in the background as soon as they are sent (prefetch:
         their transfer hides behind the consumer's compute); False receives an item only once get() asks for it
-        (or for a later one of the same producer), the baseline that shows what prefetching hides."""
+        (or for a later one of the same producer), the baseline that shows what prefetching hides.
+        `max_batch_items` / `max_batch_bytes`: how many items and payload bytes one message may carry (items queued
+        behind a send leave together; an item over `max_batch_bytes` goes alone)."""
         if not dist.is_initialized():
             raise RuntimeError("EmbeddingPool needs an initialized torch.distributed process group")
         if capacity_bytes <= 0:
@@ -107,6 +109,9 @@ class EmbeddingPool:
         if not 1 <= max_batch_items <= MAX_BATCH:
             raise ValueError(f"max_batch_items must be in 1..{MAX_BATCH} (1: one item per message), got "
                              f"{max_batch_items}")
+        if max_batch_bytes <= 0:
+            raise ValueError(f"max_batch_bytes must be > 0 (an item larger than it travels alone), got "
+                             f"{max_batch_bytes}")
         if rank != dist.get_rank():
             raise ValueError(f"rank={rank} but this process is global rank {dist.get_rank()}")
         members = (dist.get_process_group_ranks(group) if group is not None
@@ -122,6 +127,7 @@ class EmbeddingPool:
         self.host_tier_bytes = host_tier_bytes
         self.return_grads = return_grads
         self.max_batch_items = max_batch_items
+        self.max_batch_bytes = max_batch_bytes
         self.receive_ahead = receive_ahead
         self._get_blocked_since: float | None = None  # when the get() now waiting began to wait
         self._last_landed: dict[int, float] = {}  # per producer: when its previous payload landed
@@ -508,7 +514,7 @@ class EmbeddingPool:
             header_tag, payload_tag = _OUT_TAGS[header.channel]
             box = Outbox(cond=self._cond, peer=peer, group=self.group, channel=header.channel,
                          header_tag=header_tag, payload_tag=payload_tag, max_batch_items=self.max_batch_items,
-                         max_batch_bytes=MAX_BATCH_BYTES,
+                         max_batch_bytes=self.max_batch_bytes,
                          on_sent=self._on_sent, name=f"pool-r{self.rank}-{CHANNEL_NAMES[header.channel]}-to-r{peer}",
                          wire_device=self._wire_device, payload_group=self._payload_groups.get(header.channel))
             self._outboxes[(peer, header.channel)] = box
