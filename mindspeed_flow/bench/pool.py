@@ -1,22 +1,25 @@
 """`mindspeed-flow bench pool`: embedding-pool throughput against raw isend/irecv, side by side.
 
 Two local gloo ranks (forked, as in the tests): rank 0 produces `--items` embeddings of `--tokens` x `--hidden`
-fp32 per size, rank 1 consumes them. Three ways to move the same tensors, each timed from a barrier to the
-consumer holding the last item:
+fp32 per size, rank 1 consumes them. Three ways to move the same tensors, each timed from the producer starting
+to send (after a barrier) to the consumer holding the last item, on the host's monotonic clock that both ranks
+share:
 
 - "pool": put/expect/get with headers, credits and the pool's threads; items queued behind a send leave together
   in one message (one header, one payload transfer), up to `--max-batch-items` per message;
 - "1/msg": the same pool with one item per message (`max_batch_items=1`, the pool without coalescing);
 - "raw": what a skilled user writes by hand with the same sizes agreed in advance: every isend/irecv of the step
-  posted at once on the same process group, into receive buffers allocated before the clock starts (the lower
-  bound: no header, no credit, no thread, no allocation); "raw+alloc" allocates those buffers inside the timed
-  region, as any receiver that hands out fresh tensors (the pool included) must.
+  posted at once on the same process group, the receives posted before the barrier into buffers allocated then
+  (the lower bound: no header, no credit, no thread, no allocation on the clock); "raw+alloc" allocates and posts
+  the receives after the barrier, as a receiver that hands out fresh tensors each step would.
 
 The pools live for the whole bench, as in training (one pool per run): an untimed warm-up step per size starts
 their threads, then every repeat runs all variants back to back in a rotating order, so a burst of load on the
-shared machine hits each variant alike. Reported: the median seconds per variant, and the ratios as the median
-of the per-repeat ratios (each repeat's pool time against the raw time of the same repeat). The capacity
-defaults to the job's `flow.pool_capacity_mb`.
+shared machine hits each variant alike. Reported: GB/s from the median seconds per variant, and the ratios as the
+median of the per-repeat ratios (each repeat's pool time against the raw time of the same repeat). The last
+column times each run on the consumer's clock alone (its barrier exit to its last item), as this bench did
+before: it misses whatever the pool received ahead while the consumer was still leaving the barrier, so it
+flatters the pool on a loaded machine. The capacity defaults to the job's `flow.pool_capacity_mb`.
 """
 from __future__ import annotations
 
@@ -38,8 +41,14 @@ _LABELS = {"pool": "pool", "one": "1/msg", "raw": "raw", "alloc": "raw+alloc"}
 _RAW_TAG = 7
 
 
-def _pool_step(pool: EmbeddingPool, rank: int, items: list[torch.Tensor], step: int) -> float:
-    """One step through `pool`; the consumer's seconds from the barrier to holding the last item."""
+# A run's (start, end) on this rank, in time.perf_counter() seconds: the two ranks share this host's monotonic clock,
+# so a run is timed from the producer starting to send to the consumer holding the last item (the barrier releases
+# the ranks up to a scheduler slice apart on a loaded machine; neither rank's own clock alone would be fair).
+Span = tuple[float, float]
+
+
+def _pool_step(pool: EmbeddingPool, rank: int, items: list[torch.Tensor], step: int) -> Span:
+    """One step through `pool`: the consumer expects the step's items (its receives go out) before the barrier."""
     if rank == 1:
         pool.expect(producer=0, items=[(i, step) for i in range(len(items))])
     dist.barrier()
@@ -50,26 +59,30 @@ def _pool_step(pool: EmbeddingPool, rank: int, items: list[torch.Tensor], step: 
     else:
         for i in range(len(items)):
             pool.get(sample_id=i, step=step, producer=0)
-    elapsed = time.perf_counter() - start
+    end = time.perf_counter()
     pool.flush()  # credits and sends settle off the clock, so the next variant starts on a quiet link
     dist.barrier()
-    return elapsed
+    return start, end
 
 
-def _raw_step(rank: int, items: list[torch.Tensor], allocate: bool, group: dist.ProcessGroup | None) -> float:
-    """Every isend/irecv of the step posted at once; `allocate`: the receiver allocates inside the clock."""
-    buffers = items if rank == 0 or allocate else [torch.empty_like(t) for t in items]
+def _raw_step(rank: int, items: list[torch.Tensor], allocate: bool, group: dist.ProcessGroup | None) -> Span:
+    """Every isend/irecv of the step posted at once. Without `allocate` the receiver posts its receives into
+    buffers allocated before the barrier, as the pool's consumer posts its receives at expect(); with `allocate`
+    it allocates and posts after it."""
+    works: list[dist.Work] = []
+    if rank == 1 and not allocate:
+        works = [dist.irecv(torch.empty_like(t), 0, group=group, tag=_RAW_TAG) for t in items]
     dist.barrier()
     start = time.perf_counter()
-    if rank == 1 and allocate:
-        buffers = [torch.empty_like(t) for t in items]
-    op = dist.isend if rank == 0 else dist.irecv
-    works = [op(t, 1 - rank, group=group, tag=_RAW_TAG) for t in buffers]
+    if rank == 0:
+        works = [dist.isend(t, 1, group=group, tag=_RAW_TAG) for t in items]
+    elif allocate:
+        works = [dist.irecv(torch.empty_like(t), 0, group=group, tag=_RAW_TAG) for t in items]
     for w in works:
         w.wait()
-    elapsed = time.perf_counter() - start
+    end = time.perf_counter()
     dist.barrier()
-    return elapsed
+    return start, end
 
 
 def _bench_rank(rank: int, world: int, sizes: list[int], n_items: int, hidden: int, repeats: int,
@@ -82,7 +95,7 @@ def _bench_rank(rank: int, world: int, sizes: list[int], n_items: int, hidden: i
              "one": EmbeddingPool(rank=rank, group=one_group, capacity_bytes=capacity_bytes, timeout_s=120.0,
                                   device=torch.device("cpu"), return_grads=False, max_batch_items=1)}
     steps = iter(range(1 << 30))  # a fresh step number per pool step: (sample, step) keys are never reused
-    run: dict[str, Callable[[list[torch.Tensor]], float]] = {
+    run: dict[str, Callable[[list[torch.Tensor]], Span]] = {
         "pool": lambda items: _pool_step(pools["pool"], rank, items, next(steps)),
         "one": lambda items: _pool_step(pools["one"], rank, items, next(steps)),
         "raw": lambda items: _raw_step(rank, items, allocate=False, group=None),
@@ -95,12 +108,12 @@ def _bench_rank(rank: int, world: int, sizes: list[int], n_items: int, hidden: i
         for name in VARIANTS:  # warm-up, untimed: threads started, allocator and sockets warm for this size
             run[name](items)
         messages = {name: pools[name].stats().embedding_messages for name in pools}
-        times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        spans: dict[str, list[Span]] = {name: [] for name in VARIANTS}
         for r in range(repeats):
             for k in range(len(VARIANTS)):  # rotating order: no variant always runs first after the warm-up
                 name = VARIANTS[(r + k) % len(VARIANTS)]
-                times[name].append(run[name](items))
-        row: dict = {"tokens": tokens, "item_bytes": nbytes // n_items, "bytes": nbytes, "times": times}
+                spans[name].append(run[name](items))
+        row: dict = {"tokens": tokens, "item_bytes": nbytes // n_items, "bytes": nbytes, "spans": spans}
         for name in pools:  # messages per step, from the producer's counters
             row[f"{name}_messages"] = (pools[name].stats().embedding_messages - messages[name]) / repeats
         rows.append(row)
@@ -151,12 +164,15 @@ def main(argv: list[str]) -> int:
           f"{args.items} items per step, capacity {args.capacity_mb:g} MiB, pool: up to {args.max_batch_items} "
           f"items per message; medians of {args.repeats} interleaved repeats")
     print(f"{'tokens':>7} {'item MiB':>9} {'pool GB/s':>10} {'msgs':>5} {'1/msg GB/s':>11} {'msgs':>5} "
-          f"{'raw GB/s':>9} {'raw+alloc':>10} {'pool/raw':>9} {'1/msg/raw':>10} {'pool/raw+alloc':>15}")
-    for r, p in zip(rows, producer_rows):  # times: the consumer's (it holds the last item); messages: the producer's
-        times = r["times"]
+          f"{'raw GB/s':>9} {'raw+alloc':>10} {'pool/raw':>9} {'1/msg/raw':>10} {'pool/raw+alloc':>15} "
+          f"{'pool/raw (consumer clock)':>26}")
+    for r, p in zip(rows, producer_rows):  # messages: the producer's counters
+        # shared clock: the producer's start to the consumer's end; consumer clock: the consumer's own start to end
+        times = {k: [end - start for (start, _), (_, end) in zip(p["spans"][k], r["spans"][k])] for k in VARIANTS}
+        consumer = {k: [end - start for start, end in r["spans"][k]] for k in VARIANTS}
         gbs = {k: r["bytes"] / statistics.median(times[k]) / 1e9 for k in VARIANTS}
         print(f"{r['tokens']:>7} {r['item_bytes'] / 2**20:>9.3f} {gbs['pool']:>10.2f} {p['pool_messages']:>5.1f} "
               f"{gbs['one']:>11.2f} {p['one_messages']:>5.1f} {gbs['raw']:>9.2f} {gbs['alloc']:>10.2f} "
               f"{_paired_ratio(times, 'pool', 'raw'):>9.2f} {_paired_ratio(times, 'one', 'raw'):>10.2f} "
-              f"{_paired_ratio(times, 'pool', 'alloc'):>15.2f}")
+              f"{_paired_ratio(times, 'pool', 'alloc'):>15.2f} {_paired_ratio(consumer, 'pool', 'raw'):>26.2f}")
     return 0
