@@ -520,7 +520,6 @@ class EmbeddingPool:
             self._outboxes[(peer, header.channel)] = box
             box.start()
         box.push(header, payload)
-        self._raise_if_send_failed(peer, header.channel)  # posting from this thread can fail (dead peer)
 
     def _on_sent(self, items: list[WireHeader]) -> None:
         """An outbox completed a message (called with the lock held)."""

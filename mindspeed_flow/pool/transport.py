@@ -169,14 +169,13 @@ def run_guarded(owner: "InboundStream | Outbox", step: Callable[[], bool]) -> No
 class Outbox:
     """Sends the items queued for one peer on one channel, coalescing those that queue up behind the sends.
 
-    `push` (with `cond` held) hands over one item. While fewer than `window` messages are in flight it is posted
-    at once from the caller's thread (posting never blocks, and no thread hand-off sits on the critical path);
-    otherwise it queues. A reaping thread waits for the oldest message's sends to complete and then sends what
-    has queued as one message: one header for up to `max_batch_items` items and `max_batch_bytes` of payload (a
-    larger item alone), the payloads as one transfer posted with the header (copied into one buffer when there
-    are several, `wire.pack_payloads`). Per-item costs thus shrink exactly when items are small and many, no item
-    ever waits for a timer or for a batch to fill, and two messages in flight keep the link busy while one of them
-    is being reaped.
+    `push` (with `cond` held) queues an item and returns. A posting thread sends what is queued as one message
+    (one header for up to `max_batch_items` items and `max_batch_bytes` of payload, a larger item alone; the
+    batch's payloads go as one transfer posted with the header, copied into one buffer when there are several,
+    `wire.pack_payloads`) while fewer than `window` messages are in flight; a reaping thread waits for the oldest message's sends to complete. Items
+    pushed while the window is free leave at once; items pushed while it is full leave together in the next
+    message, so per-item costs shrink exactly when items are small and many, and no item ever waits for a timer
+    or for a batch to fill. Two messages in flight keep the link busy while one of them is being reaped.
     """
 
     def __init__(self, *, cond: threading.Condition, peer: int, group: dist.ProcessGroup | None, channel: int,
@@ -196,17 +195,18 @@ class Outbox:
         self.max_batch_bytes = max_batch_bytes
         self.window = window
         self.wire_device = wire_device
-        self.pushed = 0     # items handed over so far
+        self.pushed = 0     # items queued so far
         self.sent = 0       # items whose message completed
         self.messages = 0   # messages completed
         self.closed = False
         self.error: BaseException | None = None
-        # Items wait here only while the window is full or a batch is being packed (so order is kept).
         self._queue: deque[tuple[WireHeader, torch.Tensor | None]] = deque()
         self._packing: list[WireHeader] = []  # the batch being packed (taken off the queue, not yet posted)
         # posted messages, oldest first: (items, works, buffers kept alive until the works complete)
         self._in_flight: deque[tuple[list[WireHeader], list[dist.Work], list[torch.Tensor]]] = deque()
-        self._threads = [threading.Thread(target=run_guarded, args=(self, self._reap_next), name=f"{name}-reap",
+        self._threads = [threading.Thread(target=run_guarded, args=(self, self._post_next), name=f"{name}-post",
+                                          daemon=True),
+                         threading.Thread(target=run_guarded, args=(self, self._reap_next), name=f"{name}-reap",
                                           daemon=True)]
 
     def start(self) -> None:
@@ -214,19 +214,11 @@ class Outbox:
             t.start()
 
     def push(self, header: WireHeader, tensor: torch.Tensor | None) -> None:
-        """Send or queue one item (call with `cond` held). A failure to post is recorded in `error`."""
+        """Queue one item (call with `cond` held)."""
         if self.error is not None:
             raise self.error
         self._queue.append((header, tensor))
         self.pushed += 1
-        if not self._packing and len(self._in_flight) < self.window:
-            # The queue was empty (it only fills while the window is full or a batch is packing): one item, posted
-            # as its own bytes, no copy, from this thread.
-            items, tensors = self._take_batch()
-            try:
-                self._post(items, encode_header(items).to(self.wire_device), pack_payloads(items, tensors))
-            except BaseException as exc:  # noqa: BLE001 - reported like a failure of the reaping thread
-                self.error = exc
         self.cond.notify_all()
 
     def close(self) -> None:
@@ -246,27 +238,37 @@ class Outbox:
         for t in self._threads:
             t.join(timeout)
 
-    def _take_batch(self) -> tuple[list[WireHeader], list[torch.Tensor | None]]:
-        """Take the next message's items off the queue (call with `cond` held; the queue is not empty)."""
-        batch = [self._queue.popleft()]
-        size = _payload_bytes(batch[0][0])
-        while (self._queue and len(batch) < self.max_batch_items
-               and size + _payload_bytes(self._queue[0][0]) <= self.max_batch_bytes):
-            size += _payload_bytes(self._queue[0][0])
-            batch.append(self._queue.popleft())
-        return [h for h, _ in batch], [t for _, t in batch]
-
-    def _post(self, items: list[WireHeader], header: torch.Tensor, payload: torch.Tensor | None) -> None:
-        """Post one message's sends (call with `cond` held; see InboundStream._post_header). Never blocks."""
-        header_op = dist.P2POp(dist.isend, header, self.peer, self.group, self.header_tag)
-        payload_ops = ([] if payload is None else
-                       [dist.P2POp(dist.isend, payload, self.peer, self.payload_group, self.payload_tag)])
-        if self.payload_group is self.group:
-            works = list(dist.batch_isend_irecv([header_op, *payload_ops]))
-        else:  # header on the gloo group, payload on the device group: one batch per backend
-            works = list(dist.batch_isend_irecv([header_op]))
-            works += list(dist.batch_isend_irecv(payload_ops)) if payload_ops else []
-        self._in_flight.append((items, works, [header] if payload is None else [header, payload]))
+    def _post_next(self) -> bool:
+        with self.cond:
+            while (not self._queue or len(self._in_flight) >= self.window) and not self.closed:
+                self.cond.wait()
+            if not self._queue:
+                return False
+            batch = [self._queue.popleft()]
+            size = _payload_bytes(batch[0][0])
+            while (self._queue and len(batch) < self.max_batch_items
+                   and size + _payload_bytes(self._queue[0][0]) <= self.max_batch_bytes):
+                size += _payload_bytes(self._queue[0][0])
+                batch.append(self._queue.popleft())
+            items = [h for h, _ in batch]
+            self._packing = items
+        # Packed off the lock: copying several payloads into one buffer must not hold up put()/get().
+        header = encode_header(items).to(self.wire_device)
+        payload = pack_payloads(items, [t for _, t in batch])
+        with self.cond:
+            self._packing = []
+            # Posted under the lock (see InboundStream._post_header); posting never blocks.
+            header_op = dist.P2POp(dist.isend, header, self.peer, self.group, self.header_tag)
+            payload_ops = ([] if payload is None else
+                           [dist.P2POp(dist.isend, payload, self.peer, self.payload_group, self.payload_tag)])
+            if self.payload_group is self.group:
+                works = list(dist.batch_isend_irecv([header_op, *payload_ops]))
+            else:  # header on the gloo group, payload on the device group: one batch per backend
+                works = list(dist.batch_isend_irecv([header_op]))
+                works += list(dist.batch_isend_irecv(payload_ops)) if payload_ops else []
+            self._in_flight.append((items, works, [header] if payload is None else [header, payload]))
+            self.cond.notify_all()
+        return True
 
     def _reap_next(self) -> bool:
         with self.cond:
@@ -282,18 +284,6 @@ class Outbox:
             self.sent += len(items)
             self.messages += 1
             self.on_sent(items)
-            self.cond.notify_all()
-            if not self._queue:
-                return True
-            # A slot is free and items queued behind the window: they leave together in the next message.
-            items, tensors = self._take_batch()
-            self._packing = items
-        # Packed off the lock: copying several payloads into one buffer must not hold up put()/get().
-        header = encode_header(items).to(self.wire_device)
-        payload = pack_payloads(items, tensors)
-        with self.cond:
-            self._packing = []
-            self._post(items, header, payload)
             self.cond.notify_all()
         return True
 
