@@ -133,7 +133,8 @@ def test_round_trip_dtypes_shapes_and_gradients():
 
 def _bad_arguments(rank: int, world: int) -> list[str]:
     messages = []
-    for kwargs in ({"rank": 1}, {"capacity_bytes": 0}, {"timeout_s": 0}, {"host_tier_bytes": -1}):
+    for kwargs in ({"rank": 1}, {"capacity_bytes": 0}, {"timeout_s": 0}, {"host_tier_bytes": -1},
+                   {"max_batch_bytes": 0}):
         try:
             EmbeddingPool(**{"rank": rank, "group": None, "capacity_bytes": 1, "timeout_s": 1.0, "device": CPU,
                              **kwargs})
@@ -156,8 +157,9 @@ def test_bad_arguments_are_named():
     assert "rank=1 but this process is global rank 0" in messages[0]
     assert "capacity_bytes must be > 0" in messages[1] and "timeout_s must be > 0" in messages[2]
     assert "host_tier_bytes must be >= 0" in messages[3]
-    assert "the consumer rank is this rank" in messages[4]
-    assert "producer rank 3 is not in the pool's process group (ranks [0])" in messages[5]
+    assert "max_batch_bytes must be > 0" in messages[4]
+    assert "the consumer rank is this rank" in messages[5]
+    assert "producer rank 3 is not in the pool's process group (ranks [0])" in messages[6]
 
 
 # ---------------------------------------------------------------- plans with several producers/consumers
@@ -317,6 +319,63 @@ def test_items_queued_behind_a_send_are_coalesced_exactly():
     assert producer["puts"] == n and producer["embedding_messages"] <= 2 + -(-(n - 2) // MAX_BATCH)
     assert consumer["gets"] == n and consumer["grads_sent"] == n and producer["grads_received"] == n
     assert producer["inflight_items"] == 0 and consumer["buffered_items"] == 0
+
+
+# (sample_id, tokens, dtype): mixed dtypes and odd byte counts (aligned offsets inside one payload buffer), an empty
+# item (no bytes in the buffer) and one over SPLIT_BATCH_BYTES (it must travel alone).
+SPLIT_ITEMS = [(0, 3, torch.float32), (1, 9, torch.bfloat16), (2, 1, torch.float16), (3, 0, torch.float32),
+               (4, 5, torch.float64), (5, 2, torch.int64), (6, 7, torch.float32), (7, 11, torch.bfloat16),
+               (8, 19, torch.float32), (9, 33, torch.uint8), (10, 13, torch.float16), (11, 6, torch.bool),
+               (12, 4, torch.int32), (13, 1, torch.float64)]
+SPLIT_CAPACITY = 800  # bytes: the producer blocks at sample 6 (96 + 144 + 16 + 0 + 320 + 128 + 224 > 800)
+SPLIT_BATCH_BYTES = 512  # payload bytes per message: samples 2-5 (464 B) fit one message, sample 8 (608 B) not
+
+
+def _coalesced_split(rank: int, world: int) -> dict:
+    pool = _pool(rank, capacity_bytes=SPLIT_CAPACITY, max_batch_bytes=SPLIT_BATCH_BYTES)
+    if rank == 0:
+        go = _signal_once_a_put_blocks(pool, [1])
+        for sid, tokens, dtype in SPLIT_ITEMS:
+            pool.put(_embedding(sid, 0, tokens, dtype), sample_id=sid, step=0, consumer=1)
+        go.join()
+        for sid, tokens, dtype in SPLIT_ITEMS:
+            grad = pool.wait_grad(sample_id=sid, step=0, consumer=1)
+            want = _grad_of(_embedding(sid, 0, tokens, dtype), sid)
+            assert grad.dtype == want.dtype and grad.shape == want.shape and torch.equal(grad, want), sid
+    else:
+        _await_signal(0)  # nothing is received before the producer is blocked: the queued items share a message
+        pool.expect(producer=0, items=[(sid, 0) for sid, _, _ in SPLIT_ITEMS])
+        got = {}
+        for sid, tokens, dtype in SPLIT_ITEMS:
+            emb = pool.get(sample_id=sid, step=0, producer=0, expected_shape=(tokens, HIDDEN))
+            want = _embedding(sid, 0, tokens, dtype)
+            assert emb.dtype == dtype and torch.equal(emb, want), sid
+            got[sid] = emb
+        for sid, emb in got.items():  # items of one batch are views of one buffer: writing one leaves the rest
+            emb.zero_()
+            for other, _, dtype in SPLIT_ITEMS[sid + 1:]:
+                assert torch.equal(got[other], _embedding(other, 0, got[other].shape[0], dtype)), (sid, other)
+        for sid, tokens, dtype in reversed(SPLIT_ITEMS):  # gradients leave in another order, batched as they queue
+            pool.return_grad(_grad_of(_embedding(sid, 0, tokens, dtype), sid), sample_id=sid, step=0, producer=0)
+    pool.flush()
+    dist.barrier()
+    _wait_all_credited(pool)
+    stats = pool.stats().as_dict()
+    pool.close()
+    return stats
+
+
+def test_a_coalesced_batch_split_by_capacity_round_trips_exactly():
+    producer, consumer = run_ranks(_coalesced_split, 2, timeout_s=60)
+    n = len(SPLIT_ITEMS)
+    assert producer["put_blocks"] >= 1, "the capacity never split the stream"
+    # Samples 0 and 1 leave alone (the window of two messages), samples 2-5 queue behind them and leave in one
+    # message; whatever follows depends on when credits come back.
+    assert producer["embedding_messages"] <= n - 3, producer["embedding_messages"]
+    assert producer["inflight_peak_bytes"] <= SPLIT_CAPACITY
+    assert producer["puts"] == consumer["gets"] == n and producer["grads_received"] == consumer["grads_sent"] == n
+    assert consumer["bytes_received"] == producer["bytes_sent"] == sum(
+        tokens * HIDDEN * torch.empty((), dtype=dtype).element_size() for _, tokens, dtype in SPLIT_ITEMS)
 
 
 # ---------------------------------------------------------------- backpressure and the oversize rule

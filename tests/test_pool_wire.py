@@ -7,8 +7,9 @@ import torch
 
 from mindspeed_flow.pool import PoolProtocolError
 from mindspeed_flow.pool.wire import (CHANNEL_CREDIT, CHANNEL_EMBEDDING, CHANNEL_GRAD, DTYPE_CODES, HEADER_LEN,
-                                      MAX_BATCH, MAX_NDIM, TAGS, as_bytes, check_sendable, credit_header,
-                                      decode_header, encode_header, from_bytes, has_payload, item_header)
+                                      MAX_BATCH, MAX_NDIM, PAYLOAD_ALIGN, TAGS, as_bytes, check_sendable,
+                                      credit_header, decode_header, encode_header, from_bytes, has_payload,
+                                      item_header, pack_payloads, payload_layout, slice_payloads)
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPE_CODES, key=str))
@@ -77,3 +78,38 @@ def test_credits_round_trip_without_payload_and_tags_are_distinct():
     assert not any(has_payload(c) for c in decoded)
     tags = [TAGS.embedding_header, TAGS.embedding_payload, TAGS.grad_header, TAGS.grad_payload, TAGS.credit]
     assert len(set(tags)) == len(tags) and 0 not in tags
+
+
+def _mixed_batch() -> list[torch.Tensor]:
+    """Every dtype, odd byte counts, an empty tensor and a non-contiguous one: one batch's worth."""
+    tensors = [(torch.arange(3 + 2 * i) % 7).to(dtype) for i, dtype in enumerate(sorted(DTYPE_CODES, key=str))]
+    return tensors + [torch.zeros(0, 3), torch.arange(12.0).reshape(3, 4).t()]
+
+
+def test_a_packed_batch_lands_as_one_buffer_and_slices_back_exactly():
+    tensors = _mixed_batch()
+    items = [item_header(CHANNEL_EMBEDDING, sid, 4, t) for sid, t in enumerate(tensors)]
+    offsets, total = payload_layout(items)
+    placed = sorted((off, h.nbytes) for off, h in zip(offsets, items) if off is not None)
+    assert all(off % PAYLOAD_ALIGN == 0 for off, _ in placed)
+    assert all(a + n <= b for (a, n), (b, _) in zip(placed, placed[1:]))  # disjoint, in order
+    assert total == placed[-1][0] + placed[-1][1]
+    assert [off is None for off in offsets] == [not has_payload(h) for h in items]
+    sent = pack_payloads(items, tensors)
+    assert sent.dtype == torch.uint8 and sent.numel() == total
+    views, buffer = slice_payloads(decode_header(encode_header(items), expected_channel=CHANNEL_EMBEDDING, peer=0),
+                                   torch.device("cpu"))
+    buffer.copy_(sent)  # what the one receive of the batch delivers
+    for tensor, meta, view in zip(tensors, items, views):
+        back = from_bytes(torch.empty(0, dtype=torch.uint8) if view is None else view, meta)
+        assert back.dtype == tensor.dtype and back.shape == tensor.shape and torch.equal(back, tensor)
+        assert view is None or view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+
+
+def test_one_payload_goes_uncopied_and_no_payload_means_no_buffer():
+    tensor = torch.randn(5, 3)
+    items = [item_header(CHANNEL_GRAD, 1, 0, tensor), item_header(CHANNEL_GRAD, 2, 0, torch.zeros(0, 3))]
+    assert pack_payloads(items, [tensor, torch.zeros(0, 3)]).data_ptr() == tensor.data_ptr()
+    credits = [credit_header(1, 0, 4096), credit_header(2, 0, 64)]
+    assert pack_payloads(credits, [None, None]) is None
+    assert slice_payloads(credits, torch.device("cpu")) == ([None, None], None)

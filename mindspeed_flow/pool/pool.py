@@ -48,11 +48,13 @@ from mindspeed_flow.pool.transport import InboundStream, Outbox
 from mindspeed_flow.pool.wire import (CHANNEL_CREDIT, CHANNEL_EMBEDDING, CHANNEL_GRAD, CHANNEL_NAMES, HEADER_LEN,
                                       MAX_BATCH, TAGS,
                                       WireHeader, check_sendable, credit_header, decode_header, from_bytes,
-                                      has_payload, item_header, tensor_nbytes)
+                                      item_header, slice_payloads, tensor_nbytes)
 from mindspeed_flow.runtime.trace import traced
 
 # (peer rank, sample_id, step): the pool's key for an item on one side of one producer/consumer pair.
 ItemKey = tuple[int, int, int]
+# A landed batch: each item's header and view of the payload, and the one buffer those views slice.
+_Landed = tuple[list[tuple[WireHeader, torch.Tensor | None]], torch.Tensor | None]
 
 
 @dataclass
@@ -88,12 +90,14 @@ class EmbeddingPool:
 
     def __init__(self, *, rank: int, group: dist.ProcessGroup | None, capacity_bytes: int, timeout_s: float,
                  device: torch.device, host_tier_bytes: int | None = None, return_grads: bool = True,
-                 max_batch_items: int = MAX_BATCH,
+                 max_batch_items: int = MAX_BATCH, max_batch_bytes: int = MAX_BATCH_BYTES,
                  data_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
                  receive_ahead: bool = True) -> None:
         """`receive_ahead`: receive expected embeddings in the background as soon as they are sent (prefetch:
         their transfer hides behind the consumer's compute); False receives an item only once get() asks for it
-        (or for a later one of the same producer), the baseline that shows what prefetching hides."""
+        (or for a later one of the same producer), the baseline that shows what prefetching hides.
+        `max_batch_items` / `max_batch_bytes`: how many items and payload bytes one message may carry (items queued
+        behind a send leave together; an item over `max_batch_bytes` goes alone)."""
         if not dist.is_initialized():
             raise RuntimeError("EmbeddingPool needs an initialized torch.distributed process group")
         if capacity_bytes <= 0:
@@ -105,6 +109,9 @@ class EmbeddingPool:
         if not 1 <= max_batch_items <= MAX_BATCH:
             raise ValueError(f"max_batch_items must be in 1..{MAX_BATCH} (1: one item per message), got "
                              f"{max_batch_items}")
+        if max_batch_bytes <= 0:
+            raise ValueError(f"max_batch_bytes must be > 0 (an item larger than it travels alone), got "
+                             f"{max_batch_bytes}")
         if rank != dist.get_rank():
             raise ValueError(f"rank={rank} but this process is global rank {dist.get_rank()}")
         members = (dist.get_process_group_ranks(group) if group is not None
@@ -120,6 +127,7 @@ class EmbeddingPool:
         self.host_tier_bytes = host_tier_bytes
         self.return_grads = return_grads
         self.max_batch_items = max_batch_items
+        self.max_batch_bytes = max_batch_bytes
         self.receive_ahead = receive_ahead
         self._get_blocked_since: float | None = None  # when the get() now waiting began to wait
         self._last_landed: dict[int, float] = {}  # per producer: when its previous payload landed
@@ -379,7 +387,7 @@ class EmbeddingPool:
 
     # ------------------------------------------------------------------ receiving threads' callbacks
 
-    def _land_embedding(self, producer: int, raw: torch.Tensor) -> list[tuple[WireHeader, torch.Tensor | None]]:
+    def _land_embedding(self, producer: int, raw: torch.Tensor) -> _Landed:
         headers = decode_header(raw, expected_channel=CHANNEL_EMBEDDING, peer=producer)
         with self._cond:
             plan = self._plans[producer]
@@ -397,7 +405,7 @@ class EmbeddingPool:
                 self._held[(producer, *header.key)] = _Held(EmbeddingHandle(
                     header.sample_id, header.step, producer, self.rank, header.shape, header.dtype, header.nbytes,
                     tier), landing_t=time.monotonic())
-        return [(h, self._payload_buffer(h)) for h in headers]
+        return self._payload_views(headers)
 
     def _deliver_embedding(self, producer: int, header: WireHeader, buffer: torch.Tensor | None) -> None:
         key = (producer, *header.key)
@@ -427,8 +435,8 @@ class EmbeddingPool:
         if self._get_blocked_since is not None:
             c.transfer_exposed_s += max(0.0, now - max(begin, self._get_blocked_since))
 
-    def _land_credit(self, consumer: int, raw: torch.Tensor) -> list[tuple[WireHeader, None]]:
-        return [(h, None) for h in decode_header(raw, expected_channel=CHANNEL_CREDIT, peer=consumer)]
+    def _land_credit(self, consumer: int, raw: torch.Tensor) -> _Landed:
+        return [(h, None) for h in decode_header(raw, expected_channel=CHANNEL_CREDIT, peer=consumer)], None
 
     def _deliver_credit(self, consumer: int, credit: WireHeader, _: torch.Tensor | None) -> None:
         with self._cond:
@@ -439,7 +447,7 @@ class EmbeddingPool:
             self._counters.add_inflight(-credit.nbytes, -1)
             self._cond.notify_all()
 
-    def _land_grad(self, consumer: int, raw: torch.Tensor) -> list[tuple[WireHeader, torch.Tensor | None]]:
+    def _land_grad(self, consumer: int, raw: torch.Tensor) -> _Landed:
         headers = decode_header(raw, expected_channel=CHANNEL_GRAD, peer=consumer)
         with self._cond:
             for header in headers:
@@ -447,7 +455,7 @@ class EmbeddingPool:
                     raise PoolProtocolError(f"rank {consumer} returned a gradient for sample {header.sample_id} "
                                             f"(step {header.step}) that rank {self.rank} did not send it (or got "
                                             f"twice)")
-        return [(h, self._payload_buffer(h)) for h in headers]
+        return self._payload_views(headers)
 
     def _deliver_grad(self, consumer: int, header: WireHeader, buffer: torch.Tensor | None) -> None:
         grad = self._unpack(header, buffer)
@@ -459,11 +467,10 @@ class EmbeddingPool:
             self._counters.grad_bytes_received += header.nbytes
             self._cond.notify_all()
 
-    def _payload_buffer(self, header: WireHeader) -> torch.Tensor | None:
-        """The receive buffer of an item's payload (None: the item has none)."""
-        if not has_payload(header):
-            return None
-        return torch.empty(header.nbytes, dtype=torch.uint8, device=self._payload_device)
+    def _payload_views(self, headers: list[WireHeader]) -> _Landed:
+        """The batch's receive buffer and each item's view of it (None: the item has no payload)."""
+        views, buffer = slice_payloads(headers, self._payload_device)
+        return list(zip(headers, views)), buffer
 
     def _unpack(self, header: WireHeader, buffer: torch.Tensor | None) -> torch.Tensor:
         """The item's tensor, viewing its received bytes (an empty item gets an empty tensor)."""
@@ -507,7 +514,7 @@ class EmbeddingPool:
             header_tag, payload_tag = _OUT_TAGS[header.channel]
             box = Outbox(cond=self._cond, peer=peer, group=self.group, channel=header.channel,
                          header_tag=header_tag, payload_tag=payload_tag, max_batch_items=self.max_batch_items,
-                         max_batch_bytes=MAX_BATCH_BYTES,
+                         max_batch_bytes=self.max_batch_bytes,
                          on_sent=self._on_sent, name=f"pool-r{self.rank}-{CHANNEL_NAMES[header.channel]}-to-r{peer}",
                          wire_device=self._wire_device, payload_group=self._payload_groups.get(header.channel))
             self._outboxes[(peer, header.channel)] = box

@@ -1,12 +1,13 @@
 """Wire format of the embedding pool: channel tags, the fixed-size batch header, and payload byte layout.
 
 Every message between a producer (encoder rank) and a consumer (backbone first-stage rank) is a small int64
-header describing a batch of 1..`MAX_BATCH` items, followed, for tensors, by the items' payloads, each as raw
-bytes on the payload tag, posted together with the header (so the receiver posts all of a batch's payload
-receives at once, as a raw isend/irecv exchange would, and nothing is copied to pack them). The header is
-fixed-size so the receiver can post its receive before it knows anything about the batch; payloads are `uint8`
-so one code path carries every dtype (gloo, NCCL and HCCL all move bytes), and their sizes follow from the
-header, so shapes never have to be agreed in advance. Batching is what keeps small items cheap: a 64-token
+header describing a batch of 1..`MAX_BATCH` items, followed, for tensors, by one payload message on the payload
+tag holding the items' raw bytes at aligned offsets (`payload_layout`), posted together with the header. One item
+goes as its own bytes without a copy; several are copied into one buffer, so a batch of small embeddings is one
+transfer (one rendezvous on gloo) and the receiver hands out views of one buffer instead of allocating per item.
+The header is fixed-size so the receiver can post its receive before it knows anything about the batch; payloads
+are `uint8` so one code path carries every dtype (gloo, NCCL and HCCL all move bytes), and their sizes follow from
+the header, so shapes never have to be agreed in advance. Batching is what keeps small items cheap: a 64-token
 embedding costs one record in a shared header and one credit record, not a header and a credit message of its
 own, and no thread hand-off of its own.
 
@@ -25,9 +26,10 @@ import torch
 from mindspeed_flow.pool.errors import PoolProtocolError
 
 HEADER_MAGIC = 0x4D53_464C_4F57  # "MSFLOW": a header that does not start with it came from the wrong tag/peer
-WIRE_VERSION = 2  # 2: batched headers
+WIRE_VERSION = 3  # 2: batched headers; 3: one payload buffer per batch
 MAX_NDIM = 8
 MAX_BATCH = 16  # items per message: bounds the header (212 int64) while amortising per-message costs 16-fold
+PAYLOAD_ALIGN = 64  # byte alignment of each item inside a batch's payload buffer (>= every dtype's element size)
 
 # Header layout (int64): magic, version, channel, count, then MAX_BATCH item records of
 # sample_id, step, dtype code, ndim, nbytes, dims[MAX_NDIM] (unused records are zero).
@@ -167,3 +169,57 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 def from_bytes(buffer: torch.Tensor, header: WireHeader) -> torch.Tensor:
     """The tensor described by `header`, viewing the received bytes without a copy."""
     return buffer.view(header.dtype).reshape(header.shape)
+
+
+def payload_layout(items: list[WireHeader]) -> tuple[list[int | None], int]:
+    """Where each item's bytes sit in its batch's one payload buffer, and the buffer's size.
+
+    Offsets are multiples of `PAYLOAD_ALIGN`, so every item's view of the buffer can be reinterpreted as its
+    dtype (a view needs an offset divisible by the element size) and starts on its own cache line. Items without
+    a payload get None. Both ends compute the layout from the header alone, so it never travels.
+    """
+    offsets: list[int | None] = []
+    total = 0
+    for item in items:
+        if not has_payload(item):
+            offsets.append(None)
+            continue
+        total = -(-total // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+        offsets.append(total)
+        total += item.nbytes
+    return offsets, total
+
+
+def pack_payloads(items: list[WireHeader], tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The batch's one payload buffer, on the tensors' device (None: no item has a payload).
+
+    A batch with one payload sends that tensor's bytes as they are (no copy); several are copied into one buffer
+    at `payload_layout`'s offsets, so the batch costs one transfer instead of one per item (and, on gloo, one
+    rendezvous round trip instead of one per item).
+    """
+    offsets, total = payload_layout(items)
+    with_payload = [(off, t) for off, t in zip(offsets, tensors) if off is not None]
+    if not with_payload:
+        return None
+    if len(with_payload) == 1:
+        return as_bytes(with_payload[0][1])
+    buffer = torch.empty(total, dtype=torch.uint8, device=with_payload[0][1].device)
+    for off, tensor in with_payload:
+        flat = as_bytes(tensor)
+        buffer[off:off + flat.numel()].copy_(flat)
+    return buffer
+
+
+def slice_payloads(items: list[WireHeader], device: torch.device) -> tuple[list[torch.Tensor | None],
+                                                                              torch.Tensor | None]:
+    """A receive buffer for the batch's payload and each item's view of it (None: the item has no payload).
+
+    The views share the buffer: an item kept alive keeps its whole batch's buffer (at most one batch, whose size
+    the sender bounds), which is why large items travel alone.
+    """
+    offsets, total = payload_layout(items)
+    if all(off is None for off in offsets):
+        return [None] * len(items), None
+    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    views = [None if off is None else buffer[off:off + item.nbytes] for off, item in zip(offsets, items)]
+    return views, buffer

@@ -1,0 +1,31 @@
+"""`mindspeed-flow bench pool` runs end to end on two real gloo ranks and prints one row per item size; bad
+options are refused by name. (Its figures are for reading, not asserting: no timing assertions here.)"""
+from __future__ import annotations
+
+import pytest
+
+from mindspeed_flow.bench import pool as bench_pool
+
+
+def test_bench_pool_prints_one_row_per_size_with_exact_message_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_pool.main(["--tokens", "2,8", "--hidden", "4", "--items", "3", "--repeats", "2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "medians of 2 interleaved repeats" in lines[0]
+    rows = [line.split() for line in lines[2:]]
+    assert [int(r[0]) for r in rows] == [2, 8]
+    for r in rows:
+        pool_msgs, one_msgs = float(r[3]), float(r[5])
+        assert one_msgs == 3.0  # one item per message: exactly one message per put
+        assert 1.0 <= pool_msgs <= 3.0  # coalescing never adds messages
+        assert len(r) == 11 and all(float(x) > 0 for x in r[8:])  # the three ratios were measured
+
+
+@pytest.mark.parametrize("argv, field", [(["--max-batch-items", "0"], "--max-batch-items"),
+                                         (["--tokens", "64,x"], "--tokens"),
+                                         (["--repeats", "0"], "--repeats"),
+                                         (["--capacity-mb", "0"], "--capacity-mb")])
+def test_bench_pool_refuses_bad_options_by_name(argv: list[str], field: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench_pool.main(argv)
+    assert field in capsys.readouterr().err
