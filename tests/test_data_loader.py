@@ -249,8 +249,16 @@ def test_every_data_recipe_composes_and_builds(tmp_path: Path) -> None:
     for name in names:
         first_line = (RECIPES / f"{name}.yaml").read_text().splitlines()[0]
         assert first_line.startswith("# mindspeed-flow ") and f"data={name}" in first_line, name
-        job = to_job_config(compose([f"data={name}", *extra.get(name, [])]))
-        ds = build_dataset(job.data, QWEN)
+        if name.startswith("omni"):  # audio + image data reads the Omni thinker's config (audio ids, mel bins)
+            from mindspeed_flow.config.load import model_hf_config
+            from mindspeed_flow.data.tokens import token_spec_from_hf_config
+
+            job = to_job_config(compose([f"data={name}", "model=tiny_qwen2_5_omni"]))
+            hf = model_hf_config(job)
+            ds = build_dataset(job.data, token_spec_from_hf_config(hf), hf_config=hf)
+        else:
+            job = to_job_config(compose([f"data={name}", *extra.get(name, [])]))
+            ds = build_dataset(job.data, QWEN)
         assert ds.shape(0).llm_tokens > 0, name
     with pytest.raises(ValueError, match="needs data.path"):  # the recipe marks the path as required
         build_dataset(to_job_config(compose(["data=sharegpt"])).data, QWEN)
