@@ -20,6 +20,8 @@ setup(
         "tqdm",
         "pillow",
         "safetensors",
+        # `bench simulator` reads the job's CPU seconds across its worker processes
+        "psutil",
     ],
     extras_require={
         # torch_npu must match the CANN toolkit of the Ascend machine; never install it elsewhere.
