@@ -132,3 +132,13 @@ def test_packed_steps_resume_like_an_uninterrupted_run(stop_after: int) -> None:
 def test_packed_steps_rejects_fewer_packs_than_pipeline_stages() -> None:
     with pytest.raises(ValueError, match=r"packing.packs_per_rank=2: must be >= the backbone's pipeline size 3"):
         packed_steps(LengthsDataset(np.full(40, 100)), packs_per_rank=2)
+
+
+def test_packs_recipe_composes_and_the_mindspeed_mm_host_refuses_it() -> None:
+    from mindspeed_flow.config.load import compose, to_job_config
+    from mindspeed_flow.hosts.mindspeed_mm.recipe import _unsupported
+
+    job = to_job_config(compose(["packing=flow_packs"]))
+    assert (job.packing.step_mode, job.packing.packs_per_rank, job.packing.lookahead) == ("packs", 0, 1024)
+    assert any(x.startswith("packing.step_mode='packs'") for x in _unsupported(job))
+    assert not any("step_mode" in x for x in _unsupported(to_job_config(compose([]))))
