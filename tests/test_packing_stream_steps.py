@@ -142,3 +142,31 @@ def test_packs_recipe_composes_and_the_mindspeed_mm_host_refuses_it() -> None:
     assert (job.packing.step_mode, job.packing.packs_per_rank, job.packing.lookahead) == ("packs", 0, 1024)
     assert any(x.startswith("packing.step_mode='packs'") for x in _unsupported(job))
     assert not any("step_mode" in x for x in _unsupported(to_job_config(compose([]))))
+
+
+def test_a_sample_that_comes_again_while_in_flight_waits_for_its_first_copy() -> None:
+    """A sampler's next epoch can bring an id that still waits in the buffer: no step holds it twice, every copy
+    is placed once, and the waiting copies survive a state round trip."""
+    shapes = near_budget_shapes(90, 2048, seed=2)
+    epochs = 6
+    source = Counting([shapes[i] for e in range(epochs) for i in np.random.default_rng(e).permutation(90)])
+    geometry = dict(dp=2, num_encoders=1, microbatches_per_rank=3)
+    packer = StreamingPacker(source, token_budget=2048, cost_model=COST, lookahead=48)
+    plans = [packer.next_step(**geometry) for _ in range(10)]
+    state = json.loads(json.dumps(packer.state_dict()))
+    assert state["deferred"], "the crafted source must make an id come back while in flight"
+    resumed = StreamingPacker(iter(source.shapes[source.taken:]), token_budget=2048, cost_model=COST, lookahead=48)
+    resumed.load_state_dict(state, lambda sid: shapes[sid])
+    plans += list(resumed.steps(**geometry))
+    for p in plans:
+        ids = p.sample_ids()
+        assert len(ids) == len(set(ids))
+    counts = np.bincount([sid for p in plans for sid in p.sample_ids()], minlength=90)
+    assert (counts == epochs).all()
+
+
+def test_a_source_with_fewer_distinct_samples_than_the_buffer_is_one_clear_error() -> None:
+    shapes = near_budget_shapes(5, 2048, seed=2)
+    packer = StreamingPacker(itertools.cycle(shapes), token_budget=2048, cost_model=COST, lookahead=16)
+    with pytest.raises(PackingError, match=r"too few distinct samples for lookahead=16"):
+        packer.next_step(dp=1, num_encoders=1, microbatches_per_rank=1)

@@ -165,6 +165,8 @@ def test_packs_steps_resume_continues_exactly(tmp_path: Path) -> None:
         (["packing.token_budget=8"], r"packing.token_budget=8"),
         (["packing.step_mode=tokens"], r"packing.step_mode='tokens': 'samples' or 'packs'"),
         (["packing.step_mode=packs", "packing.pad_multiple=64"], r"packing.pad_multiple=64: packing.step_mode=packs"),
+        (["packing.step_mode=packs", "packing.lookahead=5000"], r"packing.lookahead=5000: packing.step_mode=packs "
+                                                                r"needs it below data.num_samples=4096"),
         (["model.preset=huge"], r"model.preset='huge' is unknown"),
         (["parallel.backbone.dp=1", "parallel.backbone.pp=2", "parallel.backbone.layer_split=[1,2]"],
          r"parallel.backbone.layer_split=\[1, 2\]: must list 2 stage\(s\).*sum to the 4 LLM layers"),

@@ -103,6 +103,9 @@ def check_rules(job: FlowJobConfig) -> None:
         (p.packs_per_rank >= 0, f"packing.packs_per_rank={p.packs_per_rank}: must be >= 0 (0: the pipeline size)"),
         (p.step_mode != "packs" or p.scheduler == "flow",
          f"packing.scheduler={p.scheduler!r}: packing.step_mode=packs runs the flow streaming packer; use 'flow'"),
+        (p.step_mode != "packs" or p.lookahead < d.num_samples,
+         f"packing.lookahead={p.lookahead}: packing.step_mode=packs needs it below data.num_samples={d.num_samples} "
+         f"(a sample cannot wait in the buffer while its next epoch's copy arrives)"),
         (p.step_mode != "packs" or p.pad_multiple == 0,
          f"packing.pad_multiple={p.pad_multiple}: packing.step_mode=packs pads every pack to token_budget; use 0"),
         (job.parallel.pp_schedule in ("gpipe", "1f1b"),

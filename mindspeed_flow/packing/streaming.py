@@ -61,21 +61,54 @@ class StreamingPacker:
         self._lengths = np.zeros(0, dtype=np.int64)
         self._ready: deque[Microbatch] = deque()
         self._exhausted = False
+        self._deferred: list[SampleShape] = []  # repeats of in-flight sample ids, in arrival order (see _fill)
         self._reported = 0  # oversize samples already reported by a step
 
     # ---- packs ------------------------------------------------------------------------------------------------
     def _fill(self) -> None:
-        """Top the buffer up to `lookahead` samples; notes when the source has ended."""
-        while not self._exhausted and self._ids.size < self.lookahead:
-            new: list[SampleShape] = []
-            want = self.lookahead - int(self._ids.size)
-            for shape in self.source:
-                new.append(shape)
-                if len(new) == want:
-                    break
-            else:
+        """Top the buffer up (see `_fill_once`) until it holds a sample or the source has ended."""
+        while True:
+            self._fill_once()
+            if self._ids.size or self._exhausted:
+                return
+
+    def _fill_once(self) -> None:
+        """Top the buffer up to `lookahead` samples (fewer when some are left out as oversize); notes when the
+        source has ended.
+
+        A sample id that is still in flight (buffered, or in a pack no step has taken yet) when it arrives again, as
+        a sampler's next epoch can bring it, waits in `_deferred` until its first copy has left: one step never holds
+        a sample twice, and every copy is placed once.
+        """
+        want = self.lookahead - int(self._ids.size)
+        if want <= 0:
+            return
+        new: list[SampleShape] = []
+        seen: set[int] = set()
+        if self._deferred:
+            waiting = []
+            for shape in self._deferred:
+                sid = shape.sample_id
+                if len(new) < want and sid not in self.shapes and sid not in seen:
+                    new.append(shape)
+                    seen.add(sid)
+                else:
+                    waiting.append(shape)
+            self._deferred = waiting
+        while not self._exhausted and len(new) < want:
+            shape = next(self.source, None)
+            if shape is None:
                 self._exhausted = True
-            self._admit(new)
+            elif shape.sample_id in self.shapes or shape.sample_id in seen:
+                self._deferred.append(shape)
+                if len(self._deferred) > self.lookahead:
+                    raise PackingError(f"sample ids repeat within the look-ahead buffer ({len(self._deferred)} "
+                                       f"repeats waiting, e.g. sample {shape.sample_id}): the source has too few "
+                                       f"distinct samples for lookahead={self.lookahead}; lower it")
+            else:
+                new.append(shape)
+                seen.add(shape.sample_id)
+        self._admit(new)
 
     def _admit(self, new: list[SampleShape]) -> None:
         """Append `new` to the buffer, leaving out (or refusing) samples over the budget."""
@@ -128,7 +161,7 @@ class StreamingPacker:
         """Up to `count` packs from the ready queue, packing more rounds as needed (fewer only at the end)."""
         while len(self._ready) < count:
             self._fill()
-            if not self._ids.size:
+            if not self._ids.size:  # nothing buffered: the source has ended (deferred repeats wait for a step)
                 break
             self._round()
         return [self._ready.popleft() for _ in range(min(count, len(self._ready)))]
@@ -138,6 +171,8 @@ class StreamingPacker:
             packs = self._next_packs(1)
             if not packs:
                 return
+            for sid in packs[0].sample_ids:  # the pack leaves the packer here (no step takes it)
+                self.shapes.pop(sid)
             yield packs[0]
 
     # ---- steps ------------------------------------------------------------------------------------------------
@@ -181,14 +216,15 @@ class StreamingPacker:
 
     # ---- resume -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Buffered sample ids (arrival order), ready packs (ids each), whether the source ended, and the oversize
-        samples not yet reported by a step."""
+        """Buffered sample ids (arrival order), ready packs (ids each), deferred repeats, whether the source ended,
+        and the oversize samples not yet reported by a step."""
         return {"buffer": self._ids.tolist(), "ready": [mb.sample_ids for mb in self._ready],
-                "exhausted": self._exhausted, "oversize": [list(x) for x in self.oversize[self._reported:]]}
+                "deferred": [s.sample_id for s in self._deferred], "exhausted": self._exhausted,
+                "oversize": [list(x) for x in self.oversize[self._reported:]]}
 
     def load_state_dict(self, state: dict[str, Any], shape_of: Callable[[int], SampleShape]) -> None:
         """Restore a state on a fresh packer; `shape_of(sample_id)` gives each named sample's shape."""
-        if self._ids.size or self._ready or self.shapes:
+        if self._ids.size or self._ready or self.shapes or self._deferred:
             raise PackingError("load_state_dict needs a fresh StreamingPacker (nothing buffered or ready)")
         self._exhausted = False
         self._admit([shape_of(int(sid)) for sid in state["buffer"]])
@@ -203,6 +239,7 @@ class StreamingPacker:
             self._ready.append(Microbatch(sample_ids=[int(s) for s in pack], tokens=sum(tokens),
                                           cost=cm.linear * sum(tokens) + cm.quadratic * sum(t * t for t in tokens),
                                           padded_tokens=self.token_budget))
+        self._deferred = [shape_of(int(sid)) for sid in state.get("deferred", [])]
         self._exhausted = bool(state["exhausted"])
         self.oversize = [(int(sid), int(t)) for sid, t in state.get("oversize", [])]
         self._reported = 0
