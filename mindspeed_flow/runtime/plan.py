@@ -64,9 +64,10 @@ def plan_decoupled_step(step: int, shapes: Sequence[SampleShape], *, bridge: Bri
                         cost_model: CostModel, scheduler: str, min_microbatches: int, oversize_policy: str,
                         pad_multiple: int = 0, plan: StepPlan | None = None) -> StepWork:
     dp = len(bridge.consumers)
-    plan = plan if plan is not None else plan_step(list(shapes), dp=dp, num_encoders=len(bridge.producers), token_budget=token_budget,
-                     cost_model=cost_model, scheduler=scheduler, min_microbatches=min_microbatches,
-                     oversize_policy=oversize_policy, pad_multiple=pad_multiple)
+    if plan is None:
+        plan = plan_step(list(shapes), dp=dp, num_encoders=len(bridge.producers), token_budget=token_budget,
+                         cost_model=cost_model, scheduler=scheduler, min_microbatches=min_microbatches,
+                         oversize_policy=oversize_policy, pad_multiple=pad_multiple)
     work = StepWork(step, [s.sample_id for s in shapes], plan)
     by_id = {s.sample_id: s for s in shapes}
     for d, row in enumerate(plan.microbatches):
@@ -110,9 +111,10 @@ def plan_multipart_step(step: int, shapes: Sequence[SampleShape], *, bridges: di
     (those whose cost is > 0: the part has something to encode) balanced over that part's producers, in the
     order the backbone consumes them. `work.producers[part][sid]` names each embedding's producer."""
     any_bridge = next(iter(bridges.values()))
-    plan = plan if plan is not None else plan_step(list(shapes), dp=len(any_bridge.consumers), num_encoders=len(any_bridge.producers),
-                     token_budget=token_budget, cost_model=cost_model, scheduler=scheduler,
-                     min_microbatches=min_microbatches, oversize_policy=oversize_policy, pad_multiple=pad_multiple)
+    if plan is None:
+        plan = plan_step(list(shapes), dp=len(any_bridge.consumers), num_encoders=len(any_bridge.producers),
+                         token_budget=token_budget, cost_model=cost_model, scheduler=scheduler,
+                         min_microbatches=min_microbatches, oversize_policy=oversize_policy, pad_multiple=pad_multiple)
     work = StepWork(step, [s.sample_id for s in shapes], plan)
     for d, row in enumerate(plan.microbatches):
         for mb in row:
@@ -131,9 +133,10 @@ def plan_coupled_step(step: int, shapes: Sequence[SampleShape], *, dp: int, toke
                       min_microbatches: int = 1, plan: StepPlan | None = None) -> StepWork:
     """Coupled baseline: the same scheduler over the `dp` replicas (every rank when not pipelined); each replica
     encodes what it consumes (a pipelined replica on its stage 0). Ids below are DP indices."""
-    plan = plan if plan is not None else plan_step(list(shapes), dp=dp, num_encoders=dp, token_budget=token_budget,
-                     cost_model=cost_model, scheduler=scheduler, min_microbatches=min_microbatches,
-                     oversize_policy=oversize_policy, pad_multiple=pad_multiple)
+    if plan is None:
+        plan = plan_step(list(shapes), dp=dp, num_encoders=dp, token_budget=token_budget,
+                         cost_model=cost_model, scheduler=scheduler, min_microbatches=min_microbatches,
+                         oversize_policy=oversize_policy, pad_multiple=pad_multiple)
     work = StepWork(step, [s.sample_id for s in shapes], plan)
     for d, row in enumerate(plan.microbatches):
         for mb in row:

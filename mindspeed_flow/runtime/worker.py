@@ -83,7 +83,8 @@ def machine_peak_flops(acc: Accelerator, job: FlowJobConfig, world: int) -> tupl
 
 def plan_for_step(job: FlowJobConfig, topo: Topology, step: int, shapes: list, cost_model: CostModel,
                   dataset: Any = None, plan: Any = None) -> StepWork:
-    """The step plan, identical on every rank (see runtime/plan.py); `plan`: the streaming packer's (step_mode packs)."""
+    """The step plan, identical on every rank (see runtime/plan.py); `plan` is the streaming packer's plan of this
+    step (packing.step_mode=packs), used instead of packing `shapes`."""
     p = job.packing
     common = dict(token_budget=p.token_budget, cost_model=cost_model, scheduler=p.scheduler,
                   oversize_policy=p.oversize_policy, pad_multiple=p.pad_multiple, plan=plan)
