@@ -132,6 +132,27 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
 
 
+PACKS = ("experiment=parity_dp2", "data=infovqa_tiny_large", "packing.token_budget=1024", "packing.step_mode=packs",
+         "packing.lookahead=16", "packing.packs_per_rank=2")
+
+
+def test_packs_steps_resume_continues_exactly(tmp_path: Path) -> None:
+    """Token-defined steps: every step runs dp x packs_per_rank packs (samples wait in the look-ahead buffer), the
+    metrics' padding is what those packs pad to the budget, and a resumed run (buffer restored from the checkpoint)
+    continues exactly like an uninterrupted one."""
+    full = train(tmp_path / "full", *PACKS, "trainer.steps=6")
+    train(tmp_path / "part", *PACKS, "trainer.steps=4", "trainer.checkpoint_every=2")
+    resumed = train(tmp_path / "part", *PACKS, "trainer.steps=6", "trainer.resume=true", "trainer.checkpoint_every=2")
+    assert [x["step"] for x in resumed] == list(range(6))
+    for x in full:
+        assert x["microbatches"] == 4 and x["padded_tokens"] == 4 * 1024
+        assert x["padding_fraction"] == pytest.approx(1 - x["real_tokens"] / x["padded_tokens"])
+    assert len({x["samples"] for x in full}) > 1  # steps are defined by packs, not by a sample count
+    for a, b in zip(full[4:], resumed[4:]):
+        assert (a["samples"], a["real_tokens"]) == (b["samples"], b["real_tokens"])
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+
+
 @pytest.mark.parametrize(
     "overrides, match",
     [
@@ -142,6 +163,10 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
         (["+trainer.bogus=1"], r"bogus"),
         (["trainer.steps=abc"], r"trainer.steps"),
         (["packing.token_budget=8"], r"packing.token_budget=8"),
+        (["packing.step_mode=tokens"], r"packing.step_mode='tokens': 'samples' or 'packs'"),
+        (["packing.step_mode=packs", "packing.pad_multiple=64"], r"packing.pad_multiple=64: packing.step_mode=packs"),
+        (["packing.step_mode=packs", "packing.lookahead=5000"], r"packing.lookahead=5000: packing.step_mode=packs "
+                                                                r"needs it below data.num_samples=4096"),
         (["model.preset=huge"], r"model.preset='huge' is unknown"),
         (["parallel.backbone.dp=1", "parallel.backbone.pp=2", "parallel.backbone.layer_split=[1,2]"],
          r"parallel.backbone.layer_split=\[1, 2\]: must list 2 stage\(s\).*sum to the 4 LLM layers"),

@@ -24,3 +24,11 @@ class PackingConfig:
     # bounded set of buckets), which removes the padding left when the pack count is rounded up to a multiple of DP.
     # Pipelines too: they keep a schedule per (length, microbatch count).
     pad_multiple: int = 0
+    # What makes a step. "samples": trainer.global_batch_size samples, packed into as few packs as the step rules
+    # allow (a multiple of DP, >= pp per rank). "packs": token-defined steps of DP x packs_per_rank packs filled by
+    # the streaming packer (packing/streaming.py): samples that do not fit a nearly full pack wait in a look-ahead
+    # buffer of `lookahead` samples for a later step (saved with checkpoints), so packs stay nearly full; every pack
+    # is padded to token_budget (pad_multiple must be 0). The sampler still hands out global_batch_size ids at a time.
+    step_mode: str = "samples"
+    packs_per_rank: int = 0  # step_mode=packs: packs per DP rank per step; 0 = the backbone's pipeline size
+    lookahead: int = 1024  # step_mode=packs: look-ahead buffer, in samples

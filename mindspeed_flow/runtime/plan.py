@@ -1,7 +1,8 @@
 """From a global batch's sample shapes to every rank's work for one step.
 
 Every rank runs this on the same inputs and gets the same answer, so no rank asks another what to do:
-  1. the packing scheduler assigns samples to (backbone DP rank, microbatch slot) by LLM cost;
+  1. the packing scheduler assigns samples (or, with `packing.step_mode: packs`, the streaming packer already has:
+     its plan comes in as `plan`) to (backbone DP rank, microbatch slot) by LLM cost;
   2. within each bridge group, samples with images go to encoder ranks by ViT cost, slot by slot (the packing
      scheduler's `encoder_schedule`), so each encoder rank encodes in the order the backbone consumes: microbatch 0
      of every DP rank is encoded first and the backbone starts while later images are still being encoded.
@@ -61,11 +62,12 @@ class StepWork:
 
 def plan_decoupled_step(step: int, shapes: Sequence[SampleShape], *, bridge: Bridge, token_budget: int,
                         cost_model: CostModel, scheduler: str, min_microbatches: int, oversize_policy: str,
-                        pad_multiple: int = 0) -> StepWork:
+                        pad_multiple: int = 0, plan: StepPlan | None = None) -> StepWork:
     dp = len(bridge.consumers)
-    plan = plan_step(list(shapes), dp=dp, num_encoders=len(bridge.producers), token_budget=token_budget,
-                     cost_model=cost_model, scheduler=scheduler, min_microbatches=min_microbatches,
-                     oversize_policy=oversize_policy, pad_multiple=pad_multiple)
+    if plan is None:
+        plan = plan_step(list(shapes), dp=dp, num_encoders=len(bridge.producers), token_budget=token_budget,
+                         cost_model=cost_model, scheduler=scheduler, min_microbatches=min_microbatches,
+                         oversize_policy=oversize_policy, pad_multiple=pad_multiple)
     work = StepWork(step, [s.sample_id for s in shapes], plan)
     by_id = {s.sample_id: s for s in shapes}
     for d, row in enumerate(plan.microbatches):
@@ -103,15 +105,16 @@ def _assign_producers(work: StepWork, bridge: Bridge, cost: Callable[[int], floa
 
 def plan_multipart_step(step: int, shapes: Sequence[SampleShape], *, bridges: dict[str, Bridge],
                         part_costs: dict[str, Callable[[int], float]], token_budget: int, cost_model: CostModel,
-                        scheduler: str, min_microbatches: int, oversize_policy: str, pad_multiple: int = 0
-                        ) -> StepWork:
+                        scheduler: str, min_microbatches: int, oversize_policy: str, pad_multiple: int = 0,
+                        plan: StepPlan | None = None) -> StepWork:
     """Several encoder parts feeding one backbone: the backbone plan as for one part, then each part's samples
     (those whose cost is > 0: the part has something to encode) balanced over that part's producers, in the
     order the backbone consumes them. `work.producers[part][sid]` names each embedding's producer."""
     any_bridge = next(iter(bridges.values()))
-    plan = plan_step(list(shapes), dp=len(any_bridge.consumers), num_encoders=len(any_bridge.producers),
-                     token_budget=token_budget, cost_model=cost_model, scheduler=scheduler,
-                     min_microbatches=min_microbatches, oversize_policy=oversize_policy, pad_multiple=pad_multiple)
+    if plan is None:
+        plan = plan_step(list(shapes), dp=len(any_bridge.consumers), num_encoders=len(any_bridge.producers),
+                         token_budget=token_budget, cost_model=cost_model, scheduler=scheduler,
+                         min_microbatches=min_microbatches, oversize_policy=oversize_policy, pad_multiple=pad_multiple)
     work = StepWork(step, [s.sample_id for s in shapes], plan)
     for d, row in enumerate(plan.microbatches):
         for mb in row:
@@ -127,12 +130,13 @@ def plan_multipart_step(step: int, shapes: Sequence[SampleShape], *, bridges: di
 
 def plan_coupled_step(step: int, shapes: Sequence[SampleShape], *, dp: int, token_budget: int,
                       cost_model: CostModel, scheduler: str, oversize_policy: str, pad_multiple: int = 0,
-                      min_microbatches: int = 1) -> StepWork:
+                      min_microbatches: int = 1, plan: StepPlan | None = None) -> StepWork:
     """Coupled baseline: the same scheduler over the `dp` replicas (every rank when not pipelined); each replica
     encodes what it consumes (a pipelined replica on its stage 0). Ids below are DP indices."""
-    plan = plan_step(list(shapes), dp=dp, num_encoders=dp, token_budget=token_budget,
-                     cost_model=cost_model, scheduler=scheduler, min_microbatches=min_microbatches,
-                     oversize_policy=oversize_policy, pad_multiple=pad_multiple)
+    if plan is None:
+        plan = plan_step(list(shapes), dp=dp, num_encoders=dp, token_budget=token_budget,
+                         cost_model=cost_model, scheduler=scheduler, min_microbatches=min_microbatches,
+                         oversize_policy=oversize_policy, pad_multiple=pad_multiple)
     work = StepWork(step, [s.sample_id for s in shapes], plan)
     for d, row in enumerate(plan.microbatches):
         for mb in row:

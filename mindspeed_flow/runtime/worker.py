@@ -82,11 +82,12 @@ def machine_peak_flops(acc: Accelerator, job: FlowJobConfig, world: int) -> tupl
 
 
 def plan_for_step(job: FlowJobConfig, topo: Topology, step: int, shapes: list, cost_model: CostModel,
-                  dataset: Any = None) -> StepWork:
-    """The step plan, identical on every rank (see runtime/plan.py)."""
+                  dataset: Any = None, plan: Any = None) -> StepWork:
+    """The step plan, identical on every rank (see runtime/plan.py); `plan` is the streaming packer's plan of this
+    step (packing.step_mode=packs), used instead of packing `shapes`."""
     p = job.packing
     common = dict(token_budget=p.token_budget, cost_model=cost_model, scheduler=p.scheduler,
-                  oversize_policy=p.oversize_policy, pad_multiple=p.pad_multiple)
+                  oversize_policy=p.oversize_policy, pad_multiple=p.pad_multiple, plan=plan)
     if topo.layout.multipart:  # several encoder parts: each balanced over its own producers
         from mindspeed_flow.runtime.multipart import part_costs
         from mindspeed_flow.runtime.plan import plan_multipart_step
@@ -171,6 +172,13 @@ def run_worker(config_path: str) -> None:
     # Every rank judges every sample alike (see data/guard.py); one rank says which it skipped and why.
     guard = SampleGuard(job.data.max_bad_samples, job.data.max_bad_fraction, log_skips=is_writer)
     batches = iter_global_batches(dataset, job.trainer.global_batch_size, seed=job.seed, guard=guard)
+    if job.packing.step_mode == "packs":  # token-defined steps: the sampler's ids through the streaming packer
+        from mindspeed_flow.runtime.packed_steps import PackedSteps, step_geometry
+
+        dp, num_encoders, pp = step_geometry(topo)
+        batches = PackedSteps(batches, dataset, token_budget=job.packing.token_budget, cost_model=cost_model,
+                              lookahead=job.packing.lookahead, oversize_policy=job.packing.oversize_policy, dp=dp,
+                              num_encoders=num_encoders, packs_per_rank=job.packing.packs_per_rank, pp=pp)
     run_id = _run_id(job, rank, metrics_group)
     checkpointer, start_step = _maybe_resume(job, rank_models, optim, batches, is_writer, run_id,
                                              {"describe": layout.describe(), "world_size": world})
@@ -199,7 +207,7 @@ def run_worker(config_path: str) -> None:
         drills.loader_error(step)
         sample_ids = next(batches)
         shapes = [dataset.shape(i) for i in sample_ids]
-        work = plan_for_step(job, topo, step, shapes, cost_model, dataset)
+        work = plan_for_step(job, topo, step, shapes, cost_model, dataset, getattr(batches, "plan", None))
         record = StepRecord()
         trace.set_step(step)
         record["is_encoder"], record["is_backbone"] = float(topo.is_encoder), float(not topo.is_encoder)

@@ -133,6 +133,9 @@ def _unsupported(job: FlowJobConfig) -> list[str]:
     if pack.pad_multiple:
         out.append(f"packing.pad_multiple={pack.pad_multiple}: MindSpeed-MM microbatches are padded to their own "
                    "longest sample (use 0)")
+    if pack.step_mode != "samples":
+        out.append(f"packing.step_mode={pack.step_mode!r}: MindSpeed-MM's loader makes the steps (a fixed "
+                   "--global-batch-size of samples); use 'samples'")
     for name, p in (("encoder", par.encoder), ("backbone", par.backbone)):
         if p.cp != 1:
             out.append(f"parallel.{name}.cp={p.cp}: MindSpeed's context-parallel group wrappers build their groups "
