@@ -47,7 +47,19 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-DEFAULT_LAYOUTS = "e1-b1,e1-b2,e2-b1,e1-b1p2,e2-b1p2"
+# The headline layouts: at most one rank per physical core of a 2-core host, as overrides on --experiment
+# (heavy_encoder_2rank: a 6-layer ViT on images of up to 1024 patches beside a 4-layer LLM, 1 + 1 ranks).
+HEADLINE_LAYOUTS: dict[str, tuple[str, ...]] = {
+    "coupled-dp1": ("flow.mode=coupled", "parallel.world_size=1"),
+    "coupled-dp2": ("flow.mode=coupled",),
+    "coupled-pp2": ("flow.mode=coupled", "parallel.coupled.pp=2"),
+    "coupled-pp2-split13": ("flow.mode=coupled", "parallel.coupled.pp=2", "parallel.coupled.layer_split=[1,3]"),
+    "decoupled-1+1": ("flow.mode=decoupled",),
+    "decoupled-1+1-frozen": ("flow.mode=decoupled", "model.freeze_encoder=true"),
+}
+DEFAULT_LAYOUTS = "coupled-dp1,coupled-dp2,coupled-pp2,coupled-pp2-split13,decoupled-1+1"
+# 3-4 ranks on a 2-core host: measured only with --oversubscribed (the OS scheduler then sets the step time)
+OVERSUBSCRIBED_LAYOUTS = "e1-b1,e1-b2,e2-b1,e1-b1p2,e2-b1p2"
 
 
 # ------------------------------------------------------------------------------------------------ host load
@@ -326,34 +338,48 @@ def _make_measured_costs() -> type:
             self.sync_kind = "compute"  # gloo on this host reduces and copies on the ranks' own cores
             self.pool_item = (0.0, 0.0)  # (producer, consumer) CPU seconds per embedding through the pool
 
-        def register(self, sample_ids: Sequence[int]) -> None:
-            """Samples whose shapes the simulator will ask about (the measured steps' samples); measures the
-            pool's cost per item at their median embedding size."""
+        def register(self, sample_ids: Sequence[int], with_pool: bool = True) -> None:
+            """Samples whose shapes the simulator will ask about (the measured steps' samples); with_pool (a
+            decoupled job) measures the pool's cost per item at their median embedding size."""
             tokens = sorted(self.dataset.shape(sid).image_tokens for sid in sample_ids)
             nbytes = tokens[len(tokens) // 2] * self.spec.vision.out_hidden_size * 4
-            self.pool_item = pool_cpu_per_item(nbytes, self.trainable_encoder, repeats=self.repeats)
+            if with_pool:
+                self.pool_item = pool_cpu_per_item(nbytes, self.trainable_encoder, repeats=self.repeats)
             for sid in sample_ids:
                 shape = self.dataset.shape(sid)
                 self.by_patches.setdefault(tuple(shape.vit_patches_per_image), sid)
                 self.by_tokens.setdefault(shape.llm_tokens, sid)
 
-        # -- encoder: one sample's images, forward (pixels generated as the prefetch thread does) and backward
-        def encoder_fwd_bwd(self, patches_per_image: Sequence[int]) -> tuple[float, float]:
+        # -- encoder: one sample's pixels (generated as the prefetch thread does), its images' forward and backward
+        def _encoder(self, patches_per_image: Sequence[int]) -> tuple[float, float, float]:
             key = tuple(int(p) for p in patches_per_image)
             if key not in self._enc:
                 self._enc[key] = self._measure_encoder(self.by_patches[key])
-            f, b = self._enc[key]
+            return self._enc[key]
+
+        def sample_load(self, patches_per_image: Sequence[int]) -> float:
+            return self._encoder(patches_per_image)[0]
+
+        def encoder_fwd_bwd(self, patches_per_image: Sequence[int]) -> tuple[float, float]:
+            _, f, b = self._encoder(patches_per_image)
             f += self.pool_item[0]  # its put (and, when trained, the wait for its gradient)
             if not self.trainable_encoder:
                 return f, 0.0
             return f, b + (0.0 if self.keep_encoder_activations else f)  # recompute: the forward again
 
-        def _measure_encoder(self, sid: int) -> tuple[float, float]:
+        def coupled_encoder_fwd_bwd(self, patches_per_image: Sequence[int]) -> tuple[float, float]:
+            _, f, b = self._encoder(patches_per_image)  # inside the rank's own graph: no pool, no recompute
+            return f, b if self.trainable_encoder else 0.0
+
+        def _measure_encoder(self, sid: int) -> tuple[float, float, float]:
+            """(pixel loading, forward, backward) CPU seconds of one sample, as the runtime's ranks run them."""
             import torch
 
             from mindspeed_flow.runtime.engine import encode_samples
 
             load, sample = _cpu_time(lambda: self.dataset.sample(sid, with_pixels=True), self.repeats)
+            if not sample.image_token_counts:
+                return load, 0.0, 0.0
             trainable = self.trainable_encoder
             fwds, bwds = [], [0.0]
             for _ in range(self.repeats):
@@ -366,7 +392,7 @@ def _make_measured_costs() -> type:
                     torch.autograd.backward(embs, grads)
                     bwds.append(time.process_time() - c0)
             self.encoder.zero_grad(set_to_none=True)
-            return load + statistics.median(fwds), statistics.median(bwds[1:] or bwds)
+            return load, statistics.median(fwds), statistics.median(bwds[1:] or bwds)
 
         # -- backbone: text loading + packing + embedding, one decoder layer, LM head + loss
         def backbone_stage(self, budget: int, seq_lens: Sequence[int], layers: int, last: bool) -> tuple[float, float]:
@@ -507,11 +533,18 @@ def step_sample_ids(job: Any, steps: Sequence[int]) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------------ the bench
-def train_watched(recipes: Path, name: str, steps: int, run_dir: Path, timeout_s: float = 900
+def physical_cores() -> int:
+    """Physical cores of this host (logical CPUs when psutil cannot tell): one rank per core at most."""
+    import psutil
+
+    return int(psutil.cpu_count(logical=False) or os.cpu_count() or 1)
+
+
+def train_watched(recipes: Path, overrides: Sequence[str], steps: int, run_dir: Path, timeout_s: float = 900
                   ) -> tuple[list[dict], StepWatch]:
-    """`mindspeed-flow train experiment=name` in a subprocess, with a StepWatch running."""
+    """`mindspeed-flow train <overrides>` in a subprocess, with a StepWatch running."""
     env = dict(os.environ, MSF_RECIPES=str(recipes))
-    cmd = [sys.executable, "-m", "mindspeed_flow.cli", "train", f"experiment={name}", f"trainer.steps={steps}",
+    cmd = [sys.executable, "-m", "mindspeed_flow.cli", "train", *overrides, f"trainer.steps={steps}",
            f"run_dir={run_dir}", "trainer.progress=false"]
     # A session of its own: with the kernel's autogroup the job is one scheduling group, as the probe is.
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -537,85 +570,140 @@ def _fill(per_step: dict[int, float]) -> dict[int, float]:
     return {k: v if math.isfinite(v) else fill for k, v in per_step.items()}
 
 
-def measure_layout(text: str, *, workdir: Path, recipes: Path, profile: str, link: dict[str, float],
-                   steps: int, warmup: int, repeats: int, global_batch: int, model: str, data: str,
-                   timeline_dir: Optional[str] = None, probe_burst_s: float = 0.002) -> dict[str, Any]:
-    """One row of the table: train, calibrate, simulate, price (see the module docstring)."""
-    from mindspeed_flow.config import load as config_load
+def layout_overrides(text: str, args: argparse.Namespace) -> list[str]:
+    """The `train` overrides of a named layout (HEADLINE_LAYOUTS) on the bench's workload."""
+    if text not in HEADLINE_LAYOUTS:
+        raise ValueError(f"--layouts: {text!r} is neither a layout name ({', '.join(HEADLINE_LAYOUTS)}) nor "
+                         "eA-bB[pP][@T]")
+    return [f"experiment={args.experiment}", f"model={args.model}", f"data={args.data}",
+            f"trainer.global_batch_size={args.global_batch}", *HEADLINE_LAYOUTS[text]]
+
+
+def analytic_seconds(job: Any, model: str, data: str, profile: str) -> tuple[float, Any, Optional[list[int]]]:
+    """The analytic model's step seconds for exactly the job's layout, calibrated by `profile`: (seconds, its
+    CostContext, the LLM layers per stage it priced). Decoupled: the planner pinned to the layout; coupled: the
+    coupled baseline's own model (ViT on stage 0) pinned to it, its tuned (uneven, balanced around the ViT)
+    split when the job sets one, else the even split."""
+    from mindspeed_flow.planner.baselines import megatron_coupled
+    from mindspeed_flow.planner.inputs import build_problem, parse_kv
+    from mindspeed_flow.planner.plan import make_plan
+    from mindspeed_flow.topology import COUPLED, ENCODER, BACKBONE, Layout
+
+    layout = Layout.from_config(job.parallel, job.flow.mode)
+    budget = job.packing.token_budget
+    kv = [f"model={model}", f"data={data}", "cluster=cpu", f"devices={max(layout.world_size, 2)}",
+          f"global_batch={job.trainer.global_batch_size}", "samples=512", "planner.recompute=[false]",
+          f"planner.profile={profile}", f"freeze_encoder={str(bool(job.model.freeze_encoder)).lower()}"]
+    if layout.mode == "decoupled":
+        enc, bb = layout.part(ENCODER), layout.part(BACKBONE)
+        problem, _ = build_problem(parse_kv(kv + [f"encoder.dp={enc.dp}", f"backbone.dp={bb.dp}",
+                                                  f"backbone.pp={bb.pp}", f"backbone.b={budget}"]))
+        return make_plan(problem, with_baselines=False).step_seconds, problem.ctx, None
+    part = layout.part(COUPLED)
+    problem, _ = build_problem(parse_kv(kv))
+    enc, bb = problem.parts
+    res = megatron_coupled(enc, bb, problem.baseline_ctx, layout.world_size, tuned=bool(part.layer_split),
+                           fixed={"dp": part.dp, "pp": part.pp, "tp": 1, "cp": 1, "b": budget})
+    if res is None:
+        raise RuntimeError(f"the analytic model finds no coupled layout dp{part.dp} pp{part.pp} that fits")
+    return res.step_seconds, problem.ctx, res.layout["coupled"].get("layers")
+
+
+def prepare_layout(text: str, args: argparse.Namespace, recipes: Path, profile: str) -> dict[str, Any]:
+    """What a layout trains with (overrides), and its analytic prediction. `eA-bB[pP][@T]` layouts (the
+    oversubscribing set) go through the planner as `planner.validate` does and run its recipe."""
+    from mindspeed_flow.config.load import compose, to_job_config
     from mindspeed_flow.planner.inputs import data_recipe_fields
     from mindspeed_flow.planner.report import recipe_yaml
-    from mindspeed_flow.planner.simulate import simulate_job, write_timeline
-    from mindspeed_flow.planner.validate import parse_layout, plan_layout
+    from mindspeed_flow.planner.validate import _LAYOUT, parse_layout, plan_layout
 
-    layout = parse_layout(text)
-    plan, ref = plan_layout(layout, model, data, global_batch, profile)
-    name = "simbench_" + re.sub(r"[^A-Za-z0-9]", "_", text)
-    data_recipe, data_inline = data_recipe_fields(data)
-    (recipes / "experiment" / f"{name}.yaml").write_text(
-        recipe_yaml(plan, name, ref.recipe, data_recipe, ref.inline, data_inline))
-    run_dir = workdir / "runs" / name
-    # runs from before the job until its primitives are measured
-    probe = HostProbe(interval_s=10 * probe_burst_s, burst_s=probe_burst_s)
-    try:
-        metrics, watch = train_watched(recipes, name, steps, run_dir)
-        measured_steps = list(range(max(1, min(warmup, len(metrics) - 1)), len(metrics)))
-        job = config_load.load(run_dir / "config.yaml")
-        cal_start = time.perf_counter()
-        costs = _make_measured_costs()(job, plan.problem.ctx, link, repeats)
-        costs.register(step_sample_ids(job, measured_steps))
-        for k in measured_steps:  # the simulator's questions, answered (measured) now, inside the window
-            simulate_job(job, plan.problem.ctx, [k], cores=1.0, step_overhead_s=0.0, spinning_waits=False,
-                         costs=costs)
-        overhead = step_planning_seconds(job, measured_steps)
-        cal_end = time.perf_counter()
-    finally:
-        probe.stop()
-    shares = _fill({k: probe.share(*watch.window(k)) for k in measured_steps})
-    reference = probe.cpu_cost(cal_start, cal_end)
-    slowdowns = _fill({k: probe.cpu_cost(*watch.window(k)) / reference for k in measured_steps})
-    # One step holds about ten probe bursts, too few to read a share from (the readings swing 0.05-0.9 from
-    # step to step on a busy host): every step is replayed at the readings over all the measured steps.
-    span = (watch.window(measured_steps[0])[0], watch.window(measured_steps[-1])[1])
-    share, slowdown = probe.share(*span), probe.cpu_cost(*span) / reference
-    cores = float(os.cpu_count() or 1)
-    capacity = {k: host_capacity(share, plan.devices, cores, slowdown) for k in measured_steps}
-    # Waiting ranks block (gloo, the pool's condition variables): only computing ranks take core time.
-    sims = simulate_job(job, plan.problem.ctx, measured_steps, cores=cores, step_overhead_s=overhead,
-                        spinning_waits=False, costs=costs, host_share=capacity)
-    # the same replay with the job's group sharing the cores fairly with the other groups the probe saw runnable
-    by_group = {k: probe.group_capacity(*span, watch.job_group, plan.devices, cores) for k in measured_steps}
-    grouped = simulate_job(job, plan.problem.ctx, measured_steps, cores=cores, step_overhead_s=overhead,
-                           spinning_waits=False, costs=costs, host_share=by_group)
-    # the same replay on cores of the job's own (no other jobs): how much the host's load input moves the figure
-    alone = simulate_job(job, plan.problem.ctx, measured_steps, cores=cores, step_overhead_s=overhead,
-                         spinning_waits=False, costs=costs)
-    measured = statistics.median(metrics[k]["step_seconds"] for k in measured_steps)
+    if _LAYOUT.match(text):
+        plan, ref = plan_layout(parse_layout(text), args.model, args.data, args.global_batch, profile)
+        name = "simbench_" + re.sub(r"[^A-Za-z0-9]", "_", text)
+        data_recipe, data_inline = data_recipe_fields(args.data)
+        (recipes / "experiment" / f"{name}.yaml").write_text(
+            recipe_yaml(plan, name, ref.recipe, data_recipe, ref.inline, data_inline))
+        return {"layout": text, "overrides": [f"experiment={name}"], "world": plan.devices,
+                "analytic_s": plan.step_seconds, "ctx": plan.problem.ctx, "analytic_layers": None}
+    overrides = layout_overrides(text, args)
+    job = to_job_config(compose(overrides))
+    from mindspeed_flow.topology import Layout
+
+    world = Layout.from_config(job.parallel, job.flow.mode).world_size
+    seconds, ctx, layers = analytic_seconds(job, args.model, args.data, profile)
+    return {"layout": text, "overrides": overrides, "world": world, "analytic_s": seconds, "ctx": ctx,
+            "analytic_layers": layers}
+
+
+def simulate_layout_runs(prep: dict[str, Any], runs: list[tuple[list[dict], StepWatch, Path]],
+                         args: argparse.Namespace, link: dict[str, float],
+                         probe: Optional[HostProbe]) -> dict[str, Any]:
+    """Calibrate the primitives of a layout's job, replay its measured steps, and make its table row."""
+    from mindspeed_flow.config import load as config_load
+    from mindspeed_flow.planner.simulate import simulate_job, write_timeline
+
+    metrics0, watch0, run_dir0 = runs[0]
+    measured_steps = list(range(max(1, min(args.warmup, len(metrics0) - 1)), len(metrics0)))
+    job = config_load.load(run_dir0 / "config.yaml")
+    ctx = prep["ctx"]
+    costs = _make_measured_costs()(job, ctx, link, args.repeats)
+    costs.register(step_sample_ids(job, measured_steps), with_pool=job.flow.mode == "decoupled")
+    cal_start = time.perf_counter()
+    for k in measured_steps:  # the simulator's questions, answered (measured) now
+        simulate_job(job, ctx, [k], cores=1.0, step_overhead_s=0.0, spinning_waits=False, costs=costs)
+    overhead = step_planning_seconds(job, measured_steps)
+    cal_end = time.perf_counter()
+    cores = float(physical_cores())
+    # Waiting ranks block (gloo, the pool's condition variables): only computing ranks (and loader threads)
+    # take core time; the host's physical cores are the job's (the headline layouts never oversubscribe them).
+    sims = simulate_job(job, ctx, measured_steps, cores=cores, step_overhead_s=overhead, spinning_waits=False,
+                        costs=costs)
+    # measured: per step, the median over the rounds (the same step of each round ran the same batch and plan)
+    per_step = {k: statistics.median(m[k]["step_seconds"] for m, _, _ in runs) for k in measured_steps}
+    measured = statistics.median(per_step.values())
     simulated = statistics.median(sims[k].step_seconds for k in measured_steps)
     mid = sorted(measured_steps, key=lambda k: sims[k].step_seconds)[len(measured_steps) // 2]
-    if timeline_dir is not None:
-        write_timeline(sims[mid], str(Path(timeline_dir) / f"{name}.png"),
-                       f"{text}: simulated {sims[mid].step_seconds:.3g} s, measured "
-                       f"{metrics[mid]['step_seconds']:.3g} s (step {mid})")
-    return {
-        "layout": text, "world": plan.devices, "token_budget": plan.parts[-1].layout["b"],
-        "steps": measured_steps, "measured_s": measured, "simulated_s": simulated,
-        "sim_error": simulated / measured - 1, "analytic_s": plan.step_seconds,
-        "analytic_error": plan.step_seconds / measured - 1,
-        "own_cores_s": statistics.median(alone[k].step_seconds for k in measured_steps),
-        "fair_groups_s": statistics.median(grouped[k].step_seconds for k in measured_steps),
-        "fair_groups_capacity": by_group[measured_steps[0]],
-        "core_share": share,
-        "measured_steps_s": [metrics[k]["step_seconds"] for k in measured_steps],
+    if args.timelines is not None:
+        name = re.sub(r"[^A-Za-z0-9]", "_", prep["layout"])
+        write_timeline(sims[mid], str(Path(args.timelines) / f"{name}.png"),
+                       f"{prep['layout']}: simulated {sims[mid].step_seconds:.3g} s, measured "
+                       f"{per_step[mid]:.3g} s (step {mid})")
+    row = {
+        "layout": prep["layout"], "world": prep["world"], "overrides": prep["overrides"],
+        "token_budget": job.packing.token_budget, "steps": measured_steps, "rounds": len(runs),
+        "measured_s": measured, "simulated_s": simulated, "sim_error": simulated / measured - 1,
+        "analytic_s": prep["analytic_s"], "analytic_error": prep["analytic_s"] / measured - 1,
+        "analytic_layers": prep["analytic_layers"],
+        "measured_steps_s": [per_step[k] for k in measured_steps],
+        "measured_runs_s": [[m[k]["step_seconds"] for k in measured_steps] for m, _, _ in runs],
         "simulated_steps_s": [sims[k].step_seconds for k in measured_steps],
-        "bubble_fraction": sims[mid].bubble_fraction, "step_overhead_s": overhead,
-        "job_cpu_per_step_s": watch.job_cpu_per_step(measured_steps),
-        "pool_item_cpu_s": list(costs.pool_item),
-        "core_shares": [shares[k] for k in measured_steps],  # per step, for the record
-        "slowdowns": [slowdowns[k] for k in measured_steps],
-        "slowdown": slowdown,
+        "bubble_fraction": sims[mid].bubble_fraction, "pool_wait_s": sims[mid].pool_wait_s,
+        "step_overhead_s": overhead, "pool_item_cpu_s": list(costs.pool_item),
+        "job_cpu_per_step_s": statistics.median(w.job_cpu_per_step(measured_steps) for _, w, _ in runs),
         "charged_cpu_per_step_s": statistics.mean(
             sum(op.work for op in sims[k].ops if op.kind == "compute") for k in measured_steps),
     }
+    if probe is not None:
+        # the same replay on the share of a core the host probe got over the measured steps (every round)
+        spans = [(w.window(measured_steps[0])[0], w.window(measured_steps[-1])[1]) for _, w, _ in runs]
+        share = statistics.median(probe.share(*sp) for sp in spans)
+        slowdown = statistics.median(probe.cpu_cost(*sp) for sp in spans) / probe.cpu_cost(cal_start, cal_end)
+        capacity = {k: host_capacity(share, prep["world"], cores, slowdown) for k in measured_steps}
+        shared = simulate_job(job, ctx, measured_steps, cores=cores, step_overhead_s=overhead,
+                              spinning_waits=False, costs=costs, host_share=capacity)
+        row.update(core_share=share, slowdown=slowdown,
+                   probe_s=statistics.median(shared[k].step_seconds for k in measured_steps))
+    return row
+
+
+def _quiet_host(max_load: float, max_wait: float) -> float:
+    """The 1-minute load average, waited for (up to max_wait seconds) until it is at most max_load."""
+    deadline = time.monotonic() + max_wait
+    load = os.getloadavg()[0]
+    while load > max_load and time.monotonic() < deadline:
+        time.sleep(5.0)
+        load = os.getloadavg()[0]
+    return load
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -626,81 +714,119 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     workdir = workdir / time.strftime("%Y%m%d-%H%M%S")  # a fresh folder per invocation
     recipes = workdir / "recipes"
     shutil.copytree(recipes_dir(), recipes)
-    # The analytic model's calibration and the link figures, measured now on this machine (same run).
+    # The analytic model's calibration and the link figures, measured now on this machine (same run), one
+    # thread per call, as each rank runs (MSF_THREADS_PER_RANK).
     table = profile_measure(args.model, args.data, "cpu", [512, 1024, 2048], args.repeats)
     profile = str(workdir / "profile.json")
     write_outputs(table, profile, None)
     link = table["calibration"]["link"]
-    rows = []
+    cores = physical_cores()
+    preps = []
     for text in args.layouts.split(","):
-        try:
-            rows.append(measure_layout(text, workdir=workdir, recipes=recipes, profile=profile, link=link,
-                                       steps=args.steps, warmup=args.warmup, repeats=args.repeats,
-                                       global_batch=args.global_batch, model=args.model, data=args.data,
-                                       timeline_dir=args.timelines, probe_burst_s=args.probe_burst_ms / 1e3))
-        except (RuntimeError, subprocess.TimeoutExpired) as e:  # one broken layout must not hide the others
-            print(f"bench simulator: layout {text} failed: {str(e)[-400:]}", file=sys.stderr)
+        prep = prepare_layout(text, args, recipes, profile)
+        if prep["world"] > cores and not args.oversubscribed:
+            raise SystemExit(f"bench simulator: layout {text} has {prep['world']} ranks on {cores} physical cores: "
+                             "pass --oversubscribed to measure it anyway (see --help)")
+        preps.append(prep)
+    probe = HostProbe(interval_s=10 * args.probe_burst_ms / 1e3, burst_s=args.probe_burst_ms / 1e3) \
+        if args.probe else None
+    runs: dict[str, list] = {p["layout"]: [] for p in preps}
+    loads: list[float] = []
+    rows, failed = [], set()
+    try:
+        for r in range(args.rounds):  # interleaved: load from other jobs hits every layout alike
+            for prep in preps:
+                if prep["layout"] in failed:
+                    continue
+                loads.append(_quiet_host(args.max_load, args.max_wait) if args.max_load > 0 else os.getloadavg()[0])
+                run_dir = workdir / "runs" / f"{re.sub(r'[^A-Za-z0-9]', '_', prep['layout'])}-{r}"
+                try:
+                    metrics, watch = train_watched(recipes, prep["overrides"], args.steps, run_dir)
+                except (RuntimeError, subprocess.TimeoutExpired) as e:  # one broken layout must not hide the others
+                    print(f"bench simulator: layout {prep['layout']} failed: {str(e)[-400:]}", file=sys.stderr)
+                    failed.add(prep["layout"])
+                    continue
+                runs[prep["layout"]].append((metrics, watch, run_dir))
+        for prep in preps:
+            if runs[prep["layout"]]:
+                rows.append(simulate_layout_runs(prep, runs[prep["layout"]], args, link, probe))
+    finally:
+        if probe is not None:
+            probe.stop()
     n = max(len(rows), 1)
     return {
-        "model": args.model, "data": args.data, "global_batch": args.global_batch, "steps": args.steps,
-        "probe_burst_ms": args.probe_burst_ms,
-        "warmup": args.warmup, "cores": os.cpu_count(), "load_average": os.getloadavg()[0], "link": link,
+        "model": args.model, "data": args.data, "experiment": args.experiment, "global_batch": args.global_batch,
+        "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "cores": cores,
+        "load_average_before_runs": loads, "load_average": os.getloadavg()[0], "link": link,
         "rows": rows, "workdir": str(workdir),
         "mean_abs_sim_error": sum(abs(r["sim_error"]) for r in rows) / n if rows else None,
         "mean_abs_analytic_error": sum(abs(r["analytic_error"]) for r in rows) / n if rows else None,
-        "mean_abs_fair_groups_error":
-            sum(abs(r["fair_groups_s"] / r["measured_s"] - 1) for r in rows) / n if rows else None,
-        "mean_abs_own_cores_error":
-            sum(abs(r["own_cores_s"] / r["measured_s"] - 1) for r in rows) / n if rows else None,
+        "mean_abs_probe_error":
+            sum(abs(r["probe_s"] / r["measured_s"] - 1) for r in rows) / n if rows and args.probe else None,
     }
 
 
 def table(report: dict[str, Any], args: Any = None) -> str:
-    out = [f"step time: measured vs simulated vs analytic ({report['model']}, {report['data']}, global batch "
-           f"{report['global_batch']}, median of steps {report['warmup']}..{report['steps'] - 1}; "
-           f"{report['cores']} cores, load average {report['load_average']:.1f})",
-           f"  {'layout':<10} {'world':>5} {'measured s':>10} {'simulated s':>11} {'err %':>7} {'analytic s':>10} "
-           f"{'err %':>7} {'own cores s':>11} {'err %':>7} {'groups s':>8} {'err %':>7} {'core share':>10} "
-           f"{'job CPU s':>9} {'charged':>8}"]
+    probe = report.get("mean_abs_probe_error") is not None
+    loads = report["load_average_before_runs"]
+    out = [f"step time: measured vs simulated vs analytic ({report['model']} on {report['data']}, global batch "
+           f"{report['global_batch']}; per step the median over {report['rounds']} interleaved round(s), then the "
+           f"median of steps {report['warmup']}..{report['steps'] - 1}; {report['cores']} physical cores, load "
+           f"average before the runs {min(loads, default=0):.2f}-{max(loads, default=0):.2f})",
+           f"  {'layout':<22} {'world':>5} {'measured s':>10} {'simulated s':>11} {'err %':>7} {'analytic s':>10} "
+           f"{'err %':>7} {'bubbles':>7} {'job CPU s':>9} {'charged':>8}" + (f" {'probe s':>8} {'err %':>7}"
+                                                                              if probe else "")]
     for r in report["rows"]:
-        out.append(f"  {r['layout']:<10} {r['world']:>5} {r['measured_s']:>10.3f} {r['simulated_s']:>11.3f} "
-                   f"{100 * r['sim_error']:>+7.1f} {r['analytic_s']:>10.3f} {100 * r['analytic_error']:>+7.1f} "
-                   f"{r['own_cores_s']:>11.3f} {100 * (r['own_cores_s'] / r['measured_s'] - 1):>+7.1f} "
-                   f"{r['fair_groups_s']:>8.3f} {100 * (r['fair_groups_s'] / r['measured_s'] - 1):>+7.1f} "
-                   f"{r['core_share']:>10.2f} {r['job_cpu_per_step_s']:>9.3f} {r['charged_cpu_per_step_s']:>8.3f}")
+        line = (f"  {r['layout']:<22} {r['world']:>5} {r['measured_s']:>10.3f} {r['simulated_s']:>11.3f} "
+                f"{100 * r['sim_error']:>+7.1f} {r['analytic_s']:>10.3f} {100 * r['analytic_error']:>+7.1f} "
+                f"{r['bubble_fraction']:>7.2f} {r['job_cpu_per_step_s']:>9.3f} {r['charged_cpu_per_step_s']:>8.3f}")
+        if probe:
+            line += f" {r['probe_s']:>8.3f} {100 * (r['probe_s'] / r['measured_s'] - 1):>+7.1f}"
+        out.append(line)
     if report["rows"]:
         out.append(f"mean |error| over {len(report['rows'])} layouts: simulator "
                    f"{100 * report['mean_abs_sim_error']:.1f}%, analytic model "
-                   f"{100 * report['mean_abs_analytic_error']:.1f}%, simulator on own cores "
-                   f"{100 * report['mean_abs_own_cores_error']:.1f}%, with fair groups "
-                   f"{100 * report['mean_abs_fair_groups_error']:.1f}%  (goal for the simulator: <= 10%)")
-    out.append(f"core share: the share of a core the host probe ({report['probe_burst_ms']:g} ms bursts) got over "
-               "the measured steps (1.0 = a core of its own). job CPU s: CPU seconds per step the job's "
-               "ranks used, beside the compute the simulator charged (a check; no prediction reads it). own cores s: "
-               "the same replay with the host's cores to the job alone (no load input). groups s: the same replay "
-               "with the cores shared fairly between the job's session and the other sessions the probe saw "
-               "runnable. "
-               f"Runs in {report['workdir']}")
+                   f"{100 * report['mean_abs_analytic_error']:.1f}%"
+                   + (f", simulator on the probe's core share {100 * report['mean_abs_probe_error']:.1f}%"
+                      if probe else "") + "  (goal for the simulator: <= 10%)")
+    out.append("job CPU s: CPU seconds per step the job's processes used, beside the compute the simulator charged "
+               f"(a check; no prediction reads it). Runs in {report['workdir']}")
     return "\n".join(out)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="mindspeed-flow bench simulator", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layouts", default=DEFAULT_LAYOUTS)
-    ap.add_argument("--steps", type=int, default=10)
+    ap = argparse.ArgumentParser(prog="mindspeed-flow bench simulator", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layouts", default=DEFAULT_LAYOUTS,
+                    help=f"comma-separated: names ({', '.join(HEADLINE_LAYOUTS)}) on --experiment, or eA-bB[pP][@T] "
+                         "(planner-written recipes on --model/--data)")
+    ap.add_argument("--oversubscribed", action="store_true",
+                    help="allow layouts with more ranks than physical cores (e.g. --layouts "
+                         f"{OVERSUBSCRIBED_LAYOUTS}); not in the headline: with several ranks per core the step "
+                         "time is mostly the OS scheduler's, which the simulator does not model")
+    ap.add_argument("--experiment", default="heavy_encoder_2rank", help="the recipe the named layouts start from")
+    ap.add_argument("--model", default="tiny_qwen2_vl_big_vit")
+    ap.add_argument("--data", default="infovqa_tiny_large")
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every layout (medians per step)")
     ap.add_argument("--repeats", type=int, default=3, help="repeats of each primitive (the median counts)")
-    ap.add_argument("--global-batch", type=int, default=12)
-    ap.add_argument("--model", default="tiny_qwen2_vl")
-    ap.add_argument("--data", default="infovqa_tiny")
+    ap.add_argument("--max-load", type=float, default=0.0,
+                    help="before each run wait (up to --max-wait s) until the 1-minute load average is at most this")
+    ap.add_argument("--max-wait", type=float, default=300.0)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--timelines", default=None, help="folder for the simulated step timelines (PNG)")
+    ap.add_argument("--probe", action="store_true",
+                    help="run the host probe (HostProbe) and add a replay on the core share it read")
     ap.add_argument("--probe-burst-ms", type=float, default=2.0,
                     help="length of the host probe's bursts (one every 10 bursts' time); see HostProbe")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(list(argv))
     if args.steps < 2 or not 0 <= args.warmup < args.steps:
         ap.error(f"--steps {args.steps} / --warmup {args.warmup}: need steps >= 2 and 0 <= warmup < steps")
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: must be >= 1")
     if not 0.1 <= args.probe_burst_ms <= 100:
         ap.error(f"--probe-burst-ms {args.probe_burst_ms}: must be within [0.1, 100]")
     return args
