@@ -684,15 +684,23 @@ def simulate_layout_runs(prep: dict[str, Any], runs: list[tuple[list[dict], Step
             sum(op.work for op in sims[k].ops if op.kind == "compute") for k in measured_steps),
     }
     if probe is not None:
-        # the same replay on the share of a core the host probe got over the measured steps (every round)
-        spans = [(w.window(measured_steps[0])[0], w.window(measured_steps[-1])[1]) for _, w, _ in runs]
-        share = statistics.median(probe.share(*sp) for sp in spans)
-        slowdown = statistics.median(probe.cpu_cost(*sp) for sp in spans) / probe.cpu_cost(cal_start, cal_end)
-        capacity = {k: host_capacity(share, prep["world"], cores, slowdown) for k in measured_steps}
-        shared = simulate_job(job, ctx, measured_steps, cores=cores, step_overhead_s=overhead,
-                              spinning_waits=False, costs=costs, host_share=capacity)
-        row.update(core_share=share, slowdown=slowdown,
-                   probe_s=statistics.median(shared[k].step_seconds for k in measured_steps))
+        probe_windows = ([(w.window(measured_steps[0])[0], w.window(measured_steps[-1])[1]) for _, w, _ in runs],
+                         (cal_start, cal_end))
+
+        def on_probe_share() -> None:
+            """The same replay on the share of a core the host probe got over the measured steps (every round),
+            each computing rank slower by the probe's CPU cost then over its cost during calibration; run once
+            the probe has stopped (its readings come back then)."""
+            spans, cal = probe_windows
+            share = statistics.median(probe.share(*sp) for sp in spans)
+            slowdown = statistics.median(probe.cpu_cost(*sp) for sp in spans) / probe.cpu_cost(*cal)
+            capacity = {k: host_capacity(share, prep["world"], cores, slowdown) for k in measured_steps}
+            shared = simulate_job(job, ctx, measured_steps, cores=cores, step_overhead_s=overhead,
+                                  spinning_waits=False, costs=costs, host_share=capacity)
+            row.update(core_share=share, slowdown=slowdown,
+                       probe_s=statistics.median(shared[k].step_seconds for k in measured_steps))
+
+        row["_on_probe_share"] = on_probe_share
     return row
 
 
@@ -753,6 +761,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if probe is not None:
             probe.stop()
+    for row in rows:
+        if "_on_probe_share" in row:
+            row.pop("_on_probe_share")()
     n = max(len(rows), 1)
     return {
         "model": args.model, "data": args.data, "experiment": args.experiment, "global_batch": args.global_batch,
