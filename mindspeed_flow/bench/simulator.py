@@ -394,6 +394,49 @@ def _make_measured_costs() -> type:
             self.encoder.zero_grad(set_to_none=True)
             return load, statistics.median(fwds), statistics.median(bwds[1:] or bwds)
 
+        # -- the host: how much slower the job's compute runs when several ranks compute at once
+        def concurrency_slowdown(self, cores: int, calls: int = 6) -> list[float]:
+            """[n] -> CPU seconds per call of the encoder's forward + backward on the job's median sample with
+            n copies running at once in forked processes, over its CPU seconds alone (n = 1..cores; [0] unused).
+            CPU time, not wall: it reads what sharing the caches and memory of the host costs, not which share
+            of a core other jobs leave (the runs wait for a quiet host for that)."""
+            import multiprocessing as mp
+
+            import torch
+
+            from mindspeed_flow.runtime.engine import encode_samples
+
+            keys = sorted(k for k in self.by_patches if k)
+            sid = self.by_patches[keys[len(keys) // 2]] if keys else next(iter(self.by_patches.values()))
+            sample = self.dataset.sample(sid, with_pixels=True)
+
+            def per_call() -> float:
+                out = []
+                for _ in range(calls):
+                    c0 = time.process_time()
+                    embs = encode_samples(self.encoder, [sample], True)
+                    torch.autograd.backward(embs, [torch.ones_like(e) for e in embs])
+                    out.append(time.process_time() - c0)
+                self.encoder.zero_grad(set_to_none=True)
+                return statistics.median(out)
+
+            def child(conn: Any) -> None:
+                conn.send(per_call())
+
+            alone = per_call()
+            out = [1.0, 1.0]
+            ctx = mp.get_context("fork")
+            for n in range(2, cores + 1):
+                pipes = [ctx.Pipe() for _ in range(n)]
+                procs = [ctx.Process(target=child, args=(w,), daemon=True) for _, w in pipes]
+                for proc in procs:
+                    proc.start()
+                times = [r.recv() for r, _ in pipes]
+                for proc in procs:
+                    proc.join(timeout=10)
+                out.append(max(1.0, statistics.median(times) / alone))
+            return out
+
         # -- backbone: text loading + packing + embedding, one decoder layer, LM head + loss
         def backbone_stage(self, budget: int, seq_lens: Sequence[int], layers: int, last: bool) -> tuple[float, float]:
             key = (int(budget), tuple(sorted(int(s) for s in seq_lens)))
@@ -654,10 +697,15 @@ def simulate_layout_runs(prep: dict[str, Any], runs: list[tuple[list[dict], Step
     overhead = step_planning_seconds(job, measured_steps)
     cal_end = time.perf_counter()
     cores = float(physical_cores())
+    slowdown = costs.concurrency_slowdown(int(cores))
+    # [n] -> cores the job gets while n of its threads compute: min(n, cores), each slower when others compute
+    capacity = [0.0] + [min(n, cores) / slowdown[min(n, int(cores))] for n in range(1, int(cores) + 1)]
     # Waiting ranks block (gloo, the pool's condition variables): only computing ranks (and loader threads)
     # take core time; the host's physical cores are the job's (the headline layouts never oversubscribe them).
     sims = simulate_job(job, ctx, measured_steps, cores=cores, step_overhead_s=overhead, spinning_waits=False,
-                        costs=costs)
+                        costs=costs, host_share={k: capacity for k in measured_steps})
+    plain = simulate_job(job, ctx, measured_steps, cores=cores, step_overhead_s=overhead, spinning_waits=False,
+                         costs=costs)
     # measured: per step, the median over the rounds (the same step of each round ran the same batch and plan)
     per_step = {k: statistics.median(m[k]["step_seconds"] for m, _, _ in runs) for k in measured_steps}
     measured = statistics.median(per_step.values())
@@ -678,6 +726,8 @@ def simulate_layout_runs(prep: dict[str, Any], runs: list[tuple[list[dict], Step
         "measured_runs_s": [[m[k]["step_seconds"] for k in measured_steps] for m, _, _ in runs],
         "simulated_steps_s": [sims[k].step_seconds for k in measured_steps],
         "bubble_fraction": sims[mid].bubble_fraction, "pool_wait_s": sims[mid].pool_wait_s,
+        "concurrency_slowdown": slowdown[1:],
+        "no_slowdown_s": statistics.median(plain[k].step_seconds for k in measured_steps),
         "step_overhead_s": overhead, "pool_item_cpu_s": list(costs.pool_item),
         "job_cpu_per_step_s": statistics.median(w.job_cpu_per_step(measured_steps) for _, w, _ in runs),
         "charged_cpu_per_step_s": statistics.mean(
@@ -800,8 +850,11 @@ def table(report: dict[str, Any], args: Any = None) -> str:
                    f"{100 * report['mean_abs_analytic_error']:.1f}%"
                    + (f", simulator on the probe's core share {100 * report['mean_abs_probe_error']:.1f}%"
                       if probe else "") + "  (goal for the simulator: <= 10%)")
+    slow = [r["concurrency_slowdown"][-1] for r in report["rows"]]
     out.append("job CPU s: CPU seconds per step the job's processes used, beside the compute the simulator charged "
-               f"(a check; no prediction reads it). Runs in {report['workdir']}")
+               "(a check; no prediction reads it). The simulator runs each computing thread slower by the "
+               f"measured concurrency slowdown (x{min(slow, default=1):.3f}-x{max(slow, default=1):.3f} with every "
+               f"core computing). Runs in {report['workdir']}")
     return "\n".join(out)
 
 
