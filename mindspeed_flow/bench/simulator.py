@@ -1,34 +1,44 @@
 """`mindspeed-flow bench simulator`: the step simulator and the analytic model against measured CPU steps.
 
-    mindspeed-flow bench simulator [--layouts e1-b1,e1-b2,e2-b1,e1-b1p2,e2-b1p2] [--steps 10] [--warmup 2]
-                                   [--repeats 3] [--probe-burst-ms 2] [--workdir DIR] [--timelines DIR] [--json]
+    mindspeed-flow bench simulator [--layouts coupled-dp1,coupled-dp2,coupled-pp2,coupled-pp2-split13,decoupled-1+1]
+        [--experiment heavy_encoder_2rank] [--global-batch 16] [--steps 8] [--warmup 2] [--rounds 2]
+        [--max-load 1.2 --max-wait 90] [--repeats 3] [--timelines DIR] [--probe] [--json]
 
-For each layout (`eA-bB[pP][@T]`, as `python -m mindspeed_flow.planner.validate` reads it), in one run:
-1. train it with `mindspeed-flow train` for --steps steps (a subprocess in a session of its own, as a user
-   runs it) while a probe process (its own session too) runs a matmul for 2 ms every 20 ms and records
-   the share of a core it got (`HostProbe`: what a rank that alternates compute and waits should get from a
-   host other jobs share), and a watcher notes when each step's metrics line lands (the step's window);
-2. right after, measure this job's primitives in this process, one thread, process CPU time (the median of
-   --repeats): each encoder call the measured steps make (the runtime's own `encode_samples`, pixel
-   generation included, since the prefetch thread spends that CPU on the encoder's rank), each packed
-   microbatch's text loading + packing + embedding, one decoder layer, and LM head + loss, forward and backward
-   apart, at the token budget and sequence lengths the packer produced; AdamW + clipping per parameter; the
-   step planner; the pool's CPU per embedding on both sides (two gloo ranks, the job's median embedding size);
-   and (once per run) gloo all-reduce bandwidth and latency between two ranks;
-3. replay each measured step with the simulator (the runtime's step plan, 1F1B per stage, pool credits,
-   collectives, which on this host reduce on the ranks' cores; waiting ranks off the cores: gloo and the pool
-   block, they do not spin), charging those costs, with n computing ranks getting min(n, cores) x (the
-   probe's share over the measured steps) cores, each slower by the probe's CPU cost then over its cost
-   while the primitives were measured;
-4. replay the same steps twice more, for comparison: on the host's cores as if the job had them alone, and
-   with the cores shared fairly (`fair_share`) between the job's scheduling group and the other groups the
-   probe saw runnable (with the kernel's autogroup, a group is a session);
-5. price the same layout with the analytic model (calibrated by a `profile` table measured at the start of
-   this run).
-Measured is the median step time after --warmup steps, simulated the median of the same steps' replays. No
-figure is fitted to a step time: every input is a primitive's measurement or the probe's. As a check that no
-prediction uses, the JSON also gives the CPU seconds per step the job's processes really used beside the
-compute the simulator charged.
+The headline layouts never put more ranks on the host than it has physical cores: coupled DP1 (one rank),
+coupled DP2, coupled PP2 with the ViT on stage 0 (even split, and the [1, 3] split that lightens the ViT's
+stage), decoupled 1 encoder + 1 backbone rank (also with a frozen encoder: `decoupled-1+1-frozen`), all on
+`experiment=heavy_encoder_2rank` (a 6-layer ViT on images of up to 1024 patches beside a 4-layer LLM: compute,
+not Python, sets the step). The older 3-4 rank layouts (`eA-bB[pP][@T]`, planner-written recipes) still run with
+--oversubscribed, but are not in the headline: with more ranks than cores the step time is mostly the OS
+scheduler's (which rank runs when, time slices, wake-up preferences), which the simulator does not model.
+
+In one run:
+1. `mindspeed-flow profile` measures the analytic model's calibration table (one thread, as a rank runs);
+2. every layout trains --steps steps with `mindspeed-flow train` (a subprocess, as a user runs it), in
+   --rounds interleaved rounds (each round runs every layout once, so load from other jobs hits all alike;
+   --max-load waits for a quiet host before each run);
+3. per layout, this process measures the job's own primitives, one thread, process CPU time (the median of
+   --repeats), at the shapes the measured steps used: each sample's pixel loading (what the prefetch thread
+   spends), its images' encoder forward and backward (the runtime's `encode_samples`), each packed
+   microbatch's text loading + packing + embedding, one decoder layer, and LM head + loss, forward and
+   backward apart; AdamW + clipping per parameter; the step planner; for decoupled jobs the pool's CPU per
+   embedding on two gloo ranks; gloo all-reduce bandwidth and latency (once, by the profile); and how much
+   slower the encoder's forward + backward runs with every core computing a copy at once (forked processes,
+   CPU time: the host's shared caches and memory);
+4. the simulator replays each measured step: the runtime's own step plan; per rank, what the engine does
+   (coupled DP: the prefetch thread loads pixels beside the rank, the rank encodes inside its forward, DDP
+   all-reduce, optimizer; coupled pipeline: 1F1B over the layout's own layer split, stage 0 loading and
+   encoding each microbatch's images inside that microbatch's forward; decoupled: the encoder's prefetch
+   thread, encode, put with pool credits, gradients back, encoder backward); compute shares the host's
+   physical cores (processor sharing, each computing thread slower by the measured concurrency factor);
+   waiting ranks block and use no core;
+5. the analytic model prices the same layout (the planner pinned to it; the coupled baseline's own model for
+   coupled layouts), calibrated by the profile of step 1.
+Measured is, per step, the median over the rounds, then the median over the steps after --warmup; simulated
+the median of the same steps' replays. No figure is fitted to a step time: every input is a primitive's
+measurement. As a check that no prediction uses, the table also gives the CPU seconds per step the job's
+processes really used beside the compute the simulator charged. --probe adds the older replay on the share of
+a core a probe process read (`HostProbe`), for comparison on loaded hosts.
 """
 from __future__ import annotations
 

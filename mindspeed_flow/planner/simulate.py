@@ -731,7 +731,9 @@ def two_rank_ranking(ctx: CostContext, overrides: Sequence[str] = (), steps: Seq
 
     jobs = {
         "coupled_dp2": (["parallel=enc1_bb_dp2", "parallel.backbone.dp=1", "flow.mode=coupled"], False),
-        "coupled_pp2_vit_stage0": (["parallel=enc1_bb_pp2"], True),
+        # the runtime's coupled pipeline on the same 2 ranks (its own step plan; the ViT on stage 0)
+        "coupled_pp2_vit_stage0": (["parallel=enc1_bb_dp2", "parallel.backbone.dp=1", "flow.mode=coupled",
+                                    "parallel.coupled.pp=2"], False),
         "decoupled_1+1": (["parallel=enc1_bb_dp2", "parallel.backbone.dp=1"], False),
     }
     out = {}
