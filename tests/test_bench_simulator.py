@@ -92,6 +92,10 @@ def test_bench_runs_end_to_end_on_one_layout(tmp_path: Path, capsys: pytest.Capt
     assert len(row["simulated_steps_s"]) == len(row["measured_steps_s"]) == 2
     assert 0.0 < row["core_share"] <= 1.0
     assert row["charged_cpu_per_step_s"] > 0 and row["pool_item_cpu_s"] == [0.0, 0.0]  # coupled: no pool
+    # per measured step and round: other jobs' runnable threads; the steps counted are the quiet ones (or all)
+    assert [len(x) for x in row["other_threads_per_step"]] == [1, 1]
+    assert set(row["steps"]) <= {1, 2} and row["steps"] and (row["quiet"] or row["steps"] == [1, 2])
+    assert len(row["concurrency_slowdown"]) == sb.physical_cores() and row["concurrency_slowdown"][0] == 1.0
     text = sb.table(report)
     assert "coupled-dp1" in text and "mean |error|" in text and "probe s" in text
 
@@ -114,3 +118,19 @@ def test_bench_arguments_and_layouts() -> None:
     for name in sb.HEADLINE_LAYOUTS:
         job = to_job_config(compose(sb.layout_overrides(name, args)))
         assert Layout.from_config(job.parallel, job.flow.mode).world_size <= 2, name
+
+
+@pytest.mark.timeout(60)
+def test_runnable_outside_sees_another_sessions_busy_thread() -> None:
+    import subprocess
+    import sys
+
+    mine = {os.getsid(0)}
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    try:
+        time.sleep(0.3)
+        seen = [sb.runnable_outside(mine, {}) for _ in range(20)]
+        assert max(seen) >= 1  # a spinning process of its own session is another job's runnable thread
+    finally:
+        busy.kill()
+        busy.wait()

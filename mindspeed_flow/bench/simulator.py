@@ -201,16 +201,48 @@ class HostProbe:
         return sum(c for _, _, c, _ in xs) / sum(n for _, _, _, n in xs) if xs else float("nan")
 
 
-class StepWatch(threading.Thread):
-    """Notes when the job's metrics file gains a line (a step's end) and, as a check that no prediction uses,
-    the CPU seconds the job's processes have used so far."""
+def runnable_outside(sessions: set[int], cache: dict[str, int]) -> int:
+    """Runnable threads on the host outside the given sessions (other jobs' demand for the cores), the calling
+    thread left out. `cache`: pid -> session id."""
+    me = str(threading.get_native_id())
+    n = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+            if pid not in cache:
+                cache[pid] = os.getsid(int(pid))
+        except OSError:
+            continue
+        if cache[pid] in sessions:
+            continue
+        for tid in tids:
+            if tid == me:
+                continue
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                    text = f.read()
+            except OSError:
+                continue
+            k = text.rfind(b")")
+            n += text[k + 2:k + 3] == b"R"
+    return n
 
-    def __init__(self, root: int, metrics: Path, interval_s: float = 0.01) -> None:
+
+class StepWatch(threading.Thread):
+    """Notes when the job's metrics file gains a line (a step's end), every `scan_every` polls how many threads
+    of other jobs are runnable (the host's load outside this job and this bench: a step that overlapped other
+    jobs' compute did not have the cores to itself), and, as a check that no prediction uses, the CPU seconds
+    the job's processes have used so far."""
+
+    def __init__(self, root: int, metrics: Path, interval_s: float = 0.01, scan_every: int = 10) -> None:
         super().__init__(daemon=True)
-        self.root, self.metrics, self.interval_s = root, metrics, interval_s
+        self.root, self.metrics, self.interval_s, self.scan_every = root, metrics, interval_s, scan_every
         self.step_ends: list[float] = []
         self.job_cpu: list[float] = []  # job CPU seconds at each step end
         self.job_group = ""  # the job's scheduling group (read once it runs)
+        self.others: list[tuple[float, int]] = []  # (time, runnable threads outside the job and the bench)
         self._stop_event = threading.Event()
 
     def stop(self) -> None:
@@ -226,8 +258,15 @@ class StepWatch(threading.Thread):
             return float("nan")
 
     def run(self) -> None:
-        lines = 0
+        lines, polls, cache = 0, 0, {}
+        try:
+            sessions = {os.getsid(0), os.getsid(self.root)}
+        except OSError:
+            sessions = {os.getsid(0)}
         while not self._stop_event.is_set():
+            if self.scan_every and polls % self.scan_every == 0:
+                self.others.append((time.perf_counter(), runnable_outside(sessions, cache)))
+            polls += 1
             try:
                 n = self.metrics.read_bytes().count(b"\n") if self.metrics.exists() else 0
             except OSError:
@@ -240,6 +279,12 @@ class StepWatch(threading.Thread):
                 self.job_cpu += [cpu] * (n - lines)
                 lines = n
             self._stop_event.wait(self.interval_s)
+
+    def others_in(self, step: int) -> float:
+        """Mean runnable threads of other jobs over `step`'s window (nan if no scan fell in it)."""
+        lo, hi = self.window(step)
+        xs = [n for t, n in self.others if lo <= t <= hi]
+        return sum(xs) / len(xs) if xs else float("nan")
 
     def window(self, step: int) -> tuple[float, float]:
         """(start, end) of `step`: from the previous step's end to its own."""
@@ -716,11 +761,19 @@ def simulate_layout_runs(prep: dict[str, Any], runs: list[tuple[list[dict], Step
                         costs=costs, host_share={k: capacity for k in measured_steps})
     plain = simulate_job(job, ctx, measured_steps, cores=cores, step_overhead_s=overhead, spinning_waits=False,
                          costs=costs)
-    # measured: per step, the median over the rounds (the same step of each round ran the same batch and plan)
-    per_step = {k: statistics.median(m[k]["step_seconds"] for m, _, _ in runs) for k in measured_steps}
+    # measured: per step, the median over the rounds where the step ran on a quiet host (other jobs' runnable
+    # threads <= --quiet on average over the step; the same step of each round ran the same batch and plan);
+    # the steps with no quiet round are left out (all steps, flagged, when no step was quiet)
+    others = {k: [w.others_in(k) for _, w, _ in runs] for k in measured_steps}
+    per_step = {k: statistics.median(q) for k in measured_steps
+                if (q := [m[k]["step_seconds"] for (m, _, _), o in zip(runs, others[k]) if o <= args.quiet])}
+    quiet = bool(per_step)
+    if not quiet:
+        per_step = {k: statistics.median(m[k]["step_seconds"] for m, _, _ in runs) for k in measured_steps}
+    used = sorted(per_step)
     measured = statistics.median(per_step.values())
-    simulated = statistics.median(sims[k].step_seconds for k in measured_steps)
-    mid = sorted(measured_steps, key=lambda k: sims[k].step_seconds)[len(measured_steps) // 2]
+    simulated = statistics.median(sims[k].step_seconds for k in used)
+    mid = sorted(used, key=lambda k: sims[k].step_seconds)[len(used) // 2]
     if args.timelines is not None:
         name = re.sub(r"[^A-Za-z0-9]", "_", prep["layout"])
         write_timeline(sims[mid], str(Path(args.timelines) / f"{name}.png"),
@@ -728,13 +781,14 @@ def simulate_layout_runs(prep: dict[str, Any], runs: list[tuple[list[dict], Step
                        f"{per_step[mid]:.3g} s (step {mid})")
     row = {
         "layout": prep["layout"], "world": prep["world"], "overrides": prep["overrides"],
-        "token_budget": job.packing.token_budget, "steps": measured_steps, "rounds": len(runs),
+        "token_budget": job.packing.token_budget, "steps": used, "rounds": len(runs), "quiet": quiet,
+        "other_threads_per_step": [others[k] for k in measured_steps],
         "measured_s": measured, "simulated_s": simulated, "sim_error": simulated / measured - 1,
         "analytic_s": prep["analytic_s"], "analytic_error": prep["analytic_s"] / measured - 1,
         "analytic_layers": prep["analytic_layers"],
-        "measured_steps_s": [per_step[k] for k in measured_steps],
+        "measured_steps_s": [per_step[k] for k in used],
         "measured_runs_s": [[m[k]["step_seconds"] for k in measured_steps] for m, _, _ in runs],
-        "simulated_steps_s": [sims[k].step_seconds for k in measured_steps],
+        "simulated_steps_s": [sims[k].step_seconds for k in used],
         "bubble_fraction": sims[mid].bubble_fraction, "pool_wait_s": sims[mid].pool_wait_s,
         "concurrency_slowdown": slowdown[1:],
         "no_slowdown_s": statistics.median(plain[k].step_seconds for k in measured_steps),
@@ -845,12 +899,14 @@ def table(report: dict[str, Any], args: Any = None) -> str:
            f"median of steps {report['warmup']}..{report['steps'] - 1}; {report['cores']} physical cores, load "
            f"average before the runs {min(loads, default=0):.2f}-{max(loads, default=0):.2f})",
            f"  {'layout':<22} {'world':>5} {'measured s':>10} {'simulated s':>11} {'err %':>7} {'analytic s':>10} "
-           f"{'err %':>7} {'bubbles':>7} {'job CPU s':>9} {'charged':>8}" + (f" {'probe s':>8} {'err %':>7}"
-                                                                              if probe else "")]
+           f"{'err %':>7} {'bubbles':>7} {'job CPU s':>9} {'charged':>8} {'quiet steps':>11} {'others':>6}"
+           + (f" {'probe s':>8} {'err %':>7}" if probe else "")]
     for r in report["rows"]:
         line = (f"  {r['layout']:<22} {r['world']:>5} {r['measured_s']:>10.3f} {r['simulated_s']:>11.3f} "
                 f"{100 * r['sim_error']:>+7.1f} {r['analytic_s']:>10.3f} {100 * r['analytic_error']:>+7.1f} "
-                f"{r['bubble_fraction']:>7.2f} {r['job_cpu_per_step_s']:>9.3f} {r['charged_cpu_per_step_s']:>8.3f}")
+                f"{r['bubble_fraction']:>7.2f} {r['job_cpu_per_step_s']:>9.3f} {r['charged_cpu_per_step_s']:>8.3f} "
+                f"{(str(len(r['steps'])) + '/' + str(len(r['other_threads_per_step']))) if r['quiet'] else 'none':>11} "
+                f"{statistics.mean(x for xs in r['other_threads_per_step'] for x in xs if math.isfinite(x)):>6.2f}")
         if probe:
             line += f" {r['probe_s']:>8.3f} {100 * (r['probe_s'] / r['measured_s'] - 1):>+7.1f}"
         out.append(line)
@@ -861,6 +917,9 @@ def table(report: dict[str, Any], args: Any = None) -> str:
                    + (f", simulator on the probe's core share {100 * report['mean_abs_probe_error']:.1f}%"
                       if probe else "") + "  (goal for the simulator: <= 10%)")
     slow = [r["concurrency_slowdown"][-1] for r in report["rows"]]
+    out.append("quiet steps: measured steps with a round where other jobs had <= --quiet runnable threads (those "
+               "rounds' median counts; 'none': no quiet step, all steps count); others: other jobs' runnable "
+               "threads, mean over the steps and rounds.")
     out.append("job CPU s: CPU seconds per step the job's processes used, beside the compute the simulator charged "
                "(a check; no prediction reads it). The simulator runs each computing thread slower by the "
                f"measured concurrency slowdown (x{min(slow, default=1):.3f}-x{max(slow, default=1):.3f} with every "
@@ -889,6 +948,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--max-load", type=float, default=0.0,
                     help="before each run wait (up to --max-wait s) until the 1-minute load average is at most this")
     ap.add_argument("--max-wait", type=float, default=300.0)
+    ap.add_argument("--quiet", type=float, default=0.25,
+                    help="a measured step counts when other jobs had at most this many runnable threads on average "
+                         "over it (a step of the job without the cores to itself measures the other jobs)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--timelines", default=None, help="folder for the simulated step timelines (PNG)")
     ap.add_argument("--probe", action="store_true",
