@@ -77,7 +77,7 @@ def test_pool_primitive_costs_cpu_on_both_sides() -> None:
 def test_bench_runs_end_to_end_on_one_layout(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     # a small named layout (one coupled rank) on the small model, to keep the test short
     args = sb.parse_args(["--layouts", "coupled-dp1", "--model", "tiny_qwen2_vl", "--data", "infovqa_tiny",
-                          "--global-batch", "4", "--steps", "3", "--warmup", "1", "--repeats", "1",
+                          "--global-batch", "4", "--steps", "3", "--warmup", "1", "--repeats", "1", "--rounds", "1", "--max-load", "0",
                           "--workdir", str(tmp_path), "--probe", "--json"])
     report = sb.measure(args)
     assert len(report["rows"]) == 1

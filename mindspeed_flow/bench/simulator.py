@@ -1,8 +1,9 @@
 """`mindspeed-flow bench simulator`: the step simulator and the analytic model against measured CPU steps.
 
-    mindspeed-flow bench simulator [--layouts coupled-dp1,coupled-dp2,coupled-pp2,coupled-pp2-split13,decoupled-1+1]
-        [--experiment heavy_encoder_2rank] [--global-batch 16] [--steps 8] [--warmup 2] [--rounds 2]
-        [--max-load 1.2 --max-wait 90] [--repeats 3] [--timelines DIR] [--probe] [--json]
+    mindspeed-flow bench simulator [--layouts coupled-dp1,coupled-dp2,coupled-pp2,coupled-pp2-split13,
+        decoupled-1+1,decoupled-1+1-frozen] [--experiment heavy_encoder_2rank] [--global-batch 16] [--steps 8]
+        [--warmup 2] [--rounds 3] [--max-load 1.5 --max-wait 30] [--quiet 0.25] [--repeats 3] [--timelines DIR]
+        [--probe] [--json]
 
 The headline layouts never put more ranks on the host than it has physical cores: coupled DP1 (one rank),
 coupled DP2, coupled PP2 with the ViT on stage 0 (even split, and the [1, 3] split that lightens the ViT's
@@ -34,8 +35,10 @@ In one run:
    waiting ranks block and use no core;
 5. the analytic model prices the same layout (the planner pinned to it; the coupled baseline's own model for
    coupled layouts), calibrated by the profile of step 1.
-Measured is, per step, the median over the rounds, then the median over the steps after --warmup; simulated
-the median of the same steps' replays. No figure is fitted to a step time: every input is a primitive's
+Measured is, per step, the median over the rounds in which the host was quiet during that step (other jobs'
+runnable threads, scanned every 0.1 s, at most --quiet on average: a step that shared the cores with another
+job measures that job too), then the median over the steps after --warmup; simulated the median of the same
+steps' replays. No figure is fitted to a step time: every input is a primitive's
 measurement. As a check that no prediction uses, the table also gives the CPU seconds per step the job's
 processes really used beside the compute the simulator charged. --probe adds the older replay on the share of
 a core a probe process read (`HostProbe`), for comparison on loaded hosts.
@@ -67,7 +70,7 @@ HEADLINE_LAYOUTS: dict[str, tuple[str, ...]] = {
     "decoupled-1+1": ("flow.mode=decoupled",),
     "decoupled-1+1-frozen": ("flow.mode=decoupled", "model.freeze_encoder=true"),
 }
-DEFAULT_LAYOUTS = "coupled-dp1,coupled-dp2,coupled-pp2,coupled-pp2-split13,decoupled-1+1"
+DEFAULT_LAYOUTS = ",".join(HEADLINE_LAYOUTS)
 # 3-4 ranks on a 2-core host: measured only with --oversubscribed (the OS scheduler then sets the step time)
 OVERSUBSCRIBED_LAYOUTS = "e1-b1,e1-b2,e2-b1,e1-b1p2,e2-b1p2"
 
@@ -943,11 +946,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
-    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every layout (medians per step)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every layout (medians per step)")
     ap.add_argument("--repeats", type=int, default=3, help="repeats of each primitive (the median counts)")
-    ap.add_argument("--max-load", type=float, default=0.0,
-                    help="before each run wait (up to --max-wait s) until the 1-minute load average is at most this")
-    ap.add_argument("--max-wait", type=float, default=300.0)
+    ap.add_argument("--max-load", type=float, default=1.5,
+                    help="before each run wait (up to --max-wait s) until the 1-minute load average is at most this "
+                         "(0: never wait)")
+    ap.add_argument("--max-wait", type=float, default=30.0)
     ap.add_argument("--quiet", type=float, default=0.25,
                     help="a measured step counts when other jobs had at most this many runnable threads on average "
                          "over it (a step of the job without the cores to itself measures the other jobs)")

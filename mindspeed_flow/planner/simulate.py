@@ -579,10 +579,9 @@ def write_timeline(result: StepResult, path: str, title: str = "") -> None:
     ax.set_title(title or f"simulated step: {result.step_seconds:.3g} s, bubbles {100 * result.bubble_fraction:.0f}%",
                  fontsize=9)
     ax.legend(handles=[Patch(color=c, label=k) for k, c in _COLORS.items() if k != "overhead"], fontsize=7,
-              ncol=7, loc="upper center", bbox_to_anchor=(0.5, -0.35 - 0.5 / max(len(ranks), 1)), frameon=False)
-    fig.tight_layout()
+              ncol=8, loc="upper center", bbox_to_anchor=(0.5, -0.6 / (0.5 + 0.45 * len(ranks))), frameon=False)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # "tight": the legend below the axes stays in the picture
     plt.close(fig)
 
 
