@@ -809,8 +809,12 @@ def simulate_layout_runs(prep: dict[str, Any], runs: list[tuple[list[dict], Step
             each computing rank slower by the probe's CPU cost then over its cost during calibration; run once
             the probe has stopped (its readings come back then)."""
             spans, cal = probe_windows
+            # a loaded host may starve the probe through short steps: then its reading over the whole run counts
+            whole = (min(lo for lo, _ in spans), max(hi for _, hi in spans))
             share = statistics.median(probe.share(*sp) for sp in spans)
+            share = share if math.isfinite(share) else probe.share(*whole)
             slowdown = statistics.median(probe.cpu_cost(*sp) for sp in spans) / probe.cpu_cost(*cal)
+            slowdown = slowdown if math.isfinite(slowdown) else 1.0
             capacity = {k: host_capacity(share, prep["world"], cores, slowdown) for k in measured_steps}
             shared = simulate_job(job, ctx, measured_steps, cores=cores, step_overhead_s=overhead,
                                   spinning_waits=False, costs=costs, host_share=capacity)
