@@ -193,6 +193,10 @@ class StepCosts:
 
     def encoder_fwd_bwd(self, patches_per_image: Sequence[int]) -> tuple[float, float]:
         """(forward, backward) seconds of one sample's images."""
+        rc = self.enc_rc if self.enc_rc >= 0 else (0 if self.keep_encoder_activations else 1)
+        return self._encoder_cost(patches_per_image, rc)
+
+    def _encoder_cost(self, patches_per_image: Sequence[int], rc: int) -> tuple[float, float]:
         v = self.spec.vision
         flops = float(sum(v.image_flops(int(p), self.trainable_encoder) for p in patches_per_image))
         total = flops * self.spf("encoder", self.enc_tp) + self.ctx.cfg.item_overhead_s * self.ctx.contention
@@ -201,7 +205,6 @@ class StepCosts:
             * v.depth * (1.0 - self.ctx.overlap("tp")) if self.enc_tp > 1 else 0.0
         if not self.trainable_encoder:
             return total + 2 * comm, 0.0
-        rc = self.enc_rc if self.enc_rc >= 0 else (0 if self.keep_encoder_activations else 1)
         fwd = total / 3.0 + 2 * comm
         bwd = total * 2.0 / 3.0 + 2 * comm + rc * fwd
         return fwd, bwd
@@ -209,12 +212,7 @@ class StepCosts:
     def coupled_encoder_fwd_bwd(self, patches_per_image: Sequence[int]) -> tuple[float, float]:
         """(forward, backward) seconds of one sample's images encoded inside a coupled rank's own forward: the
         graph stays in the microbatch's autograd graph (no recompute) and nothing goes through the pool."""
-        keep, rc = self.keep_encoder_activations, self.enc_rc
-        self.keep_encoder_activations, self.enc_rc = True, -1
-        try:
-            return self.encoder_fwd_bwd(patches_per_image)
-        finally:
-            self.keep_encoder_activations, self.enc_rc = keep, rc
+        return self._encoder_cost(patches_per_image, 0)
 
     def sample_load(self, patches_per_image: Sequence[int]) -> float:
         """Seconds to load one sample's pixels (decode / generate). The planner's FLOP rates fold loading into the
