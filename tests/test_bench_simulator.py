@@ -113,6 +113,12 @@ def test_bench_arguments_and_layouts() -> None:
     with pytest.raises(ValueError, match="--layouts"):
         sb.layout_overrides("no-such-layout", args)
     assert sb.layout_overrides("coupled-pp2-split13", args)[-1] == "parallel.coupled.layer_split=[1,3]"
+    # more ranks than physical cores: refused up front (before any profiling or training) unless asked for
+    many = sb.physical_cores() + 1
+    with pytest.raises(SystemExit, match="--oversubscribed"):
+        sb.measure(sb.parse_args(["--layouts", f"e1-b{many - 1}", "--max-load", "0"]))
+    assert sb.layout_world(f"e1-b{many - 1}", args) == many
+    assert sb.layout_world("coupled-dp1", args) == 1 and sb.layout_world("decoupled-1+1", args) == 2
     # every headline layout fits a 2-core host: one rank per core at most
     from mindspeed_flow.config.load import compose, to_job_config
     from mindspeed_flow.topology import Layout

@@ -710,6 +710,19 @@ def analytic_seconds(job: Any, model: str, data: str, profile: str) -> tuple[flo
     return res.step_seconds, problem.ctx, res.layout["coupled"].get("layers")
 
 
+def layout_world(text: str, args: argparse.Namespace) -> int:
+    """Ranks a layout runs (no planning, no profile: the oversubscription check comes first)."""
+    from mindspeed_flow.config.load import compose, to_job_config
+    from mindspeed_flow.planner.validate import _LAYOUT, parse_layout
+    from mindspeed_flow.topology import Layout
+
+    if _LAYOUT.match(text):
+        lay = parse_layout(text)
+        return lay["enc_dp"] + lay["bb_dp"] * lay["bb_pp"]
+    job = to_job_config(compose(layout_overrides(text, args)))
+    return Layout.from_config(job.parallel, job.flow.mode).world_size
+
+
 def prepare_layout(text: str, args: argparse.Namespace, recipes: Path, profile: str) -> dict[str, Any]:
     """What a layout trains with (overrides), and its analytic prediction. `eA-bB[pP][@T]` layouts (the
     oversubscribing set) go through the planner as `planner.validate` does and run its recipe."""
@@ -839,6 +852,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from mindspeed_flow.planner.hardware import recipes_dir
     from mindspeed_flow.planner.profile import measure as profile_measure, write_outputs
 
+    cores = physical_cores()
+    for text in args.layouts.split(","):
+        world = layout_world(text, args)
+        if world > cores and not args.oversubscribed:
+            raise SystemExit(f"bench simulator: layout {text} has {world} ranks on {cores} physical cores: pass "
+                             "--oversubscribed to measure it anyway (see --help)")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="msf-simbench-"))
     workdir = workdir / time.strftime("%Y%m%d-%H%M%S")  # a fresh folder per invocation
     recipes = workdir / "recipes"
@@ -849,14 +868,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     profile = str(workdir / "profile.json")
     write_outputs(table, profile, None)
     link = table["calibration"]["link"]
-    cores = physical_cores()
-    preps = []
-    for text in args.layouts.split(","):
-        prep = prepare_layout(text, args, recipes, profile)
-        if prep["world"] > cores and not args.oversubscribed:
-            raise SystemExit(f"bench simulator: layout {text} has {prep['world']} ranks on {cores} physical cores: "
-                             "pass --oversubscribed to measure it anyway (see --help)")
-        preps.append(prep)
+    preps = [prepare_layout(text, args, recipes, profile) for text in args.layouts.split(",")]
     probe = HostProbe(interval_s=10 * args.probe_burst_ms / 1e3, burst_s=args.probe_burst_ms / 1e3) \
         if args.probe else None
     runs: dict[str, list] = {p["layout"]: [] for p in preps}
