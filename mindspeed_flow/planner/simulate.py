@@ -531,7 +531,8 @@ def _result(sim: Simulator, total: float, roles: dict[int, str]) -> StepResult:
         pool = sum(op.start - prev.end for prev, op in zip(mine, mine[1:]) if op.tag == "put")
         ranks[r] = {"busy_s": busy, "idle_s": total - busy, "pool_wait_s": pool}
     # pipeline stages: a backbone's, or a coupled pipeline's ("coupled dpD ppS"; coupled DP ranks have no stage)
-    bb = [r for r, role in roles.items() if role.startswith("backbone") or (role.startswith("coupled") and " pp" in role)]
+    bb = [r for r, role in roles.items()
+          if role.startswith("backbone") or (role.startswith("coupled") and " pp" in role)]
     bubbles, stage_busy = [], []
     for r in bb:
         mine = [sim.ops[i] for i in sim.program[r - off] if sim.ops[i].tag in ("fwd", "bwd")]
