@@ -253,8 +253,10 @@ class StepWatch(threading.Thread):
         self.join(timeout=5)
 
     def _job_cpu_seconds(self) -> float:
-        import psutil
-
+        try:
+            import psutil
+        except ImportError:  # a check only (no prediction reads it): without psutil the column reads nan
+            return float("nan")
         try:
             return float(sum(sum(p.cpu_times()[:2]) for p in psutil.Process(self.root).children(recursive=True)))
         except psutil.Error:
@@ -635,10 +637,19 @@ def step_sample_ids(job: Any, steps: Sequence[int]) -> list[int]:
 
 # ------------------------------------------------------------------------------------------------ the bench
 def physical_cores() -> int:
-    """Physical cores of this host (logical CPUs when psutil cannot tell): one rank per core at most."""
-    import psutil
-
-    return int(psutil.cpu_count(logical=False) or os.cpu_count() or 1)
+    """Physical cores of this host: distinct (package, core) pairs in /proc/cpuinfo (logical CPUs where it does
+    not tell): one rank per core at most."""
+    pairs, phys = set(), "0"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = (x.strip() for x in line.partition(":"))
+            if key == "physical id":
+                phys = value
+            elif key == "core id":
+                pairs.add((phys, value))
+    except OSError:
+        pass
+    return len(pairs) or os.cpu_count() or 1
 
 
 def train_watched(recipes: Path, overrides: Sequence[str], steps: int, run_dir: Path, timeout_s: float = 900
