@@ -75,22 +75,70 @@ def test_pool_primitive_costs_cpu_on_both_sides() -> None:
 
 @pytest.mark.timeout(600)
 def test_bench_runs_end_to_end_on_one_layout(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    args = sb.parse_args(["--layouts", "e1-b1", "--steps", "3", "--warmup", "1", "--repeats", "1",
-                          "--workdir", str(tmp_path), "--json"])
+    # a small named layout (one coupled rank) on the small model, to keep the test short
+    args = sb.parse_args(["--layouts", "coupled-dp1", "--model", "tiny_qwen2_vl", "--data", "infovqa_tiny",
+                          "--global-batch", "4", "--steps", "3", "--warmup", "1", "--repeats", "1", "--rounds", "1",
+                          "--max-load", "0",
+                          "--workdir", str(tmp_path), "--probe", "--json"])
     report = sb.measure(args)
     assert len(report["rows"]) == 1
     row = report["rows"][0]
-    assert row["layout"] == "e1-b1" and row["world"] == 2 and row["steps"] == [1, 2]
-    for key in ("measured_s", "simulated_s", "analytic_s"):
+    # steps 1 and 2 are measured; those another job shared the host with are left out unless none was quiet
+    assert row["layout"] == "coupled-dp1" and row["world"] == 1 and row["steps"] in ([1], [2], [1, 2])
+    assert "parallel.world_size=1" in row["overrides"]
+    for key in ("measured_s", "simulated_s", "analytic_s", "probe_s"):
         assert math.isfinite(row[key]) and row[key] > 0, key
     assert row["sim_error"] == pytest.approx(row["simulated_s"] / row["measured_s"] - 1)
     assert row["analytic_error"] == pytest.approx(row["analytic_s"] / row["measured_s"] - 1)
     assert report["mean_abs_sim_error"] == pytest.approx(abs(row["sim_error"]))
-    assert len(row["simulated_steps_s"]) == len(row["measured_steps_s"]) == 2
+    assert len(row["simulated_steps_s"]) == len(row["measured_steps_s"]) == len(row["steps"])
     assert 0.0 < row["core_share"] <= 1.0
-    assert row["fair_groups_s"] > 0 and row["own_cores_s"] > 0
-    assert row["charged_cpu_per_step_s"] > 0 and row["pool_item_cpu_s"][0] > 0
+    assert row["charged_cpu_per_step_s"] > 0 and row["pool_item_cpu_s"] == [0.0, 0.0]  # coupled: no pool
+    # per measured step and round: other jobs' runnable threads; the steps counted are the quiet ones (or all)
+    assert [len(x) for x in row["other_threads_per_step"]] == [1, 1]
+    assert row["quiet"] or row["steps"] == [1, 2]
+    assert len(row["concurrency_slowdown"]) == sb.physical_cores() and row["concurrency_slowdown"][0] == 1.0
     text = sb.table(report)
-    assert "e1-b1" in text and "mean |error|" in text
+    assert "coupled-dp1" in text and "mean |error|" in text and "probe s" in text
+
+
+def test_bench_arguments_and_layouts() -> None:
     with pytest.raises(SystemExit):
         sb.parse_args(["--steps", "3", "--warmup", "3"])
+    with pytest.raises(SystemExit):
+        sb.parse_args(["--rounds", "0"])
+    args = sb.parse_args([])
+    names = args.layouts.split(",")
+    assert len(names) >= 5 and any("pp2" in n for n in names) and set(names) <= set(sb.HEADLINE_LAYOUTS)
+    with pytest.raises(ValueError, match="--layouts"):
+        sb.layout_overrides("no-such-layout", args)
+    assert sb.layout_overrides("coupled-pp2-split13", args)[-1] == "parallel.coupled.layer_split=[1,3]"
+    # more ranks than physical cores: refused up front (before any profiling or training) unless asked for
+    many = sb.physical_cores() + 1
+    with pytest.raises(SystemExit, match="--oversubscribed"):
+        sb.measure(sb.parse_args(["--layouts", f"e1-b{many - 1}", "--max-load", "0"]))
+    assert sb.layout_world(f"e1-b{many - 1}", args) == many
+    assert sb.layout_world("coupled-dp1", args) == 1 and sb.layout_world("decoupled-1+1", args) == 2
+    # every headline layout fits a 2-core host: one rank per core at most
+    from mindspeed_flow.config.load import compose, to_job_config
+    from mindspeed_flow.topology import Layout
+
+    for name in sb.HEADLINE_LAYOUTS:
+        job = to_job_config(compose(sb.layout_overrides(name, args)))
+        assert Layout.from_config(job.parallel, job.flow.mode).world_size <= 2, name
+
+
+@pytest.mark.timeout(60)
+def test_runnable_outside_sees_another_sessions_busy_thread() -> None:
+    import subprocess
+    import sys
+
+    mine = {os.getsid(0)}
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    try:
+        time.sleep(0.3)
+        seen = [sb.runnable_outside(mine, {}) for _ in range(20)]
+        assert max(seen) >= 1  # a spinning process of its own session is another job's runnable thread
+    finally:
+        busy.kill()
+        busy.wait()

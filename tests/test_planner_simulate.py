@@ -11,7 +11,7 @@ from mindspeed_flow.config.load import compose, to_job_config
 from mindspeed_flow.planner import cli
 from mindspeed_flow.planner.inputs import build_problem, parse_kv
 from mindspeed_flow.planner.simulate import (
-    COMM, SimulationDeadlock, Simulator, _one_f_one_b, rank_by_simulation, simulate_job, write_timeline,
+    COMM, SimulationDeadlock, Simulator, StepCosts, _one_f_one_b, rank_by_simulation, simulate_job, write_timeline,
 )
 
 
@@ -64,7 +64,11 @@ def test_cpu_job_step_replays_the_runtime_plan(overrides, tmp_path) -> None:
     problem, _ = build_problem(parse_kv(["model=tiny_qwen2_vl", "data=infovqa_tiny", "cluster=cpu", "devices=3",
                                          "samples=64"]))
     res = simulate_job(job, problem.ctx, [1], cores=2)[1]
-    assert res.step_seconds > 0 and set(res.roles) == set(range(3))
+    # the 3 ranks, plus a loader lane (prefetch thread) per rank that loads pixels: encoder, or coupled DP rank
+    ranks = {r for r, role in res.roles.items() if not role.startswith("loader")}
+    assert res.step_seconds > 0 and ranks == set(range(3))
+    lanes = sorted(r for r in res.roles if r not in ranks)
+    assert lanes == list(range(3, 3 + (1 if job.flow.mode == "decoupled" else 3)))
     ops = res.ops
     by_name = {(op.rank, op.name): op for op in ops}
     for op in ops:
@@ -116,3 +120,55 @@ def test_two_rank_layouts_ranked_with_the_vit_on_stage_zero() -> None:
     stage0 = lambda res: sum(op.end - op.start for op in res.ops if op.rank == 1 and op.tag in ("fwd", "bwd"))  # noqa: E731
     stage1 = lambda res: sum(op.end - op.start for op in res.ops if op.rank == 2 and op.tag in ("fwd", "bwd"))  # noqa: E731
     assert stage0(vit0) > stage0(plain) and stage1(vit0) == pytest.approx(stage1(plain), rel=1e-9)
+
+
+def test_coupled_pipeline_runs_its_own_split_with_the_vit_on_stage_zero() -> None:
+    """`flow.mode=coupled parallel.coupled.pp=2`: the coupled layout's own step plan as a 2-stage pipeline, the
+    ViT's work in stage 0's microbatches, the LLM layers per stage from `parallel.coupled.layer_split`."""
+    problem, _ = build_problem(parse_kv(["model=tiny_qwen2_vl", "data=infovqa_tiny", "cluster=cpu", "devices=2",
+                                         "samples=64"]))
+    base = ["experiment=heavy_encoder_2rank", "model=tiny_qwen2_vl", "data=infovqa_tiny", "flow.mode=coupled",
+            "parallel.coupled.pp=2"]
+    busy = {}
+    for split in ("[1,3]", "[3,1]"):
+        job = to_job_config(compose([*base, f"parallel.coupled.layer_split={split}"]))
+        res = simulate_job(job, problem.ctx, [1], cores=0)[1]
+        assert set(res.roles) == {0, 1} and res.roles[1] == "coupled dp0 pp1"
+        ops = res.ops
+        assert not any(op.tag in ("enc_fwd", "put", "load") for op in ops)
+        for op in ops:
+            if op.rank == 1 and op.tag == "fwd":  # stage 1's forward waits for stage 0's activations
+                assert any(ops[d].rank == 0 and ops[d].tag == "fwd" for d, _ in op.deps)
+        busy[split] = [sum(op.work for op in ops if op.rank == r and op.tag in ("fwd", "bwd")) for r in (0, 1)]
+    # moving two layers from stage 1 to stage 0 moves work the same way
+    assert busy["[3,1]"][0] > busy["[1,3]"][0] and busy["[3,1]"][1] < busy["[1,3]"][1]
+
+
+class _Loading(StepCosts):
+    """The planner's rates plus a fixed pixel-loading time per sample (what the bench measures)."""
+
+    def sample_load(self, patches_per_image) -> float:  # noqa: ANN001
+        return 0.05
+
+
+def test_prefetch_lanes_overlap_loading_only_when_a_core_is_free() -> None:
+    """A coupled DP rank loads pixels in a prefetch thread: with a spare core the loading hides behind compute
+    (only the first sample's load is exposed); with the rank's core only, it adds its full time."""
+    from mindspeed_flow.specs import VLMSpec
+
+    problem, _ = build_problem(parse_kv(["model=tiny_qwen2_vl", "data=infovqa_tiny", "cluster=cpu", "devices=2",
+                                         "samples=64"]))
+    job = to_job_config(compose(["experiment=default", "flow.mode=coupled", "parallel.world_size=1"]))
+    from mindspeed_flow.config.load import model_hf_config
+
+    spec = VLMSpec.from_hf_config(model_hf_config(job))
+    run = lambda cores, costs=None: simulate_job(job, problem.ctx, [1], cores=cores, spinning_waits=False,  # noqa: E731
+                                                 costs=costs)[1]
+    plain = run(2).step_seconds
+    loading = _Loading(spec, problem.ctx)
+    two, one = run(2, loading), run(1, loading)
+    loads = [op for op in two.ops if op.tag == "load"]
+    assert loads and two.roles[loads[0].rank] == "loader of 0"
+    total = sum(op.work for op in loads)
+    assert one.step_seconds == pytest.approx(plain + total, rel=1e-6)  # one core: compute and loads add up
+    assert plain < two.step_seconds < plain + total  # a spare core: the loads overlap the rank's compute

@@ -65,6 +65,8 @@ class Simulator:
         self.ops: list[Op] = []
         self.program: list[list[int]] = [[] for _ in range(world)]
         self._done = 0
+        # ranks from here on are helper threads (prefetch loaders): they block when idle, even with spinning_waits
+        self.lanes_from = world
 
     def add(self, rank: int, name: str, work: float, kind: str = COMPUTE, deps: Sequence[tuple[int, float]] = (),
             collective: Optional[str] = None, tag: str = "") -> int:
@@ -94,7 +96,8 @@ class Simulator:
                 raise SimulationDeadlock(f"simulation deadlock at t={now:.4g}s; ranks wait at {waiting}")
             n_compute = sum(1 for i in remaining if ops[i].kind == COMPUTE)
             if self.spinning_waits:  # waiting ranks poll and hold their share of the cores too
-                n_compute = self.world
+                n_compute = self.lanes_from + sum(1 for i in remaining if ops[i].kind == COMPUTE
+                                                  and ops[i].rank >= self.lanes_from)
             share = min(1.0, self.cores / n_compute) if self.cores > 0 and n_compute else 1.0
             if self.capacity and n_compute:
                 share = min(1.0, self.capacity[min(n_compute, len(self.capacity) - 1)] / n_compute)
@@ -190,6 +193,10 @@ class StepCosts:
 
     def encoder_fwd_bwd(self, patches_per_image: Sequence[int]) -> tuple[float, float]:
         """(forward, backward) seconds of one sample's images."""
+        rc = self.enc_rc if self.enc_rc >= 0 else (0 if self.keep_encoder_activations else 1)
+        return self._encoder_cost(patches_per_image, rc)
+
+    def _encoder_cost(self, patches_per_image: Sequence[int], rc: int) -> tuple[float, float]:
         v = self.spec.vision
         flops = float(sum(v.image_flops(int(p), self.trainable_encoder) for p in patches_per_image))
         total = flops * self.spf("encoder", self.enc_tp) + self.ctx.cfg.item_overhead_s * self.ctx.contention
@@ -198,10 +205,20 @@ class StepCosts:
             * v.depth * (1.0 - self.ctx.overlap("tp")) if self.enc_tp > 1 else 0.0
         if not self.trainable_encoder:
             return total + 2 * comm, 0.0
-        rc = self.enc_rc if self.enc_rc >= 0 else (0 if self.keep_encoder_activations else 1)
         fwd = total / 3.0 + 2 * comm
         bwd = total * 2.0 / 3.0 + 2 * comm + rc * fwd
         return fwd, bwd
+
+    def coupled_encoder_fwd_bwd(self, patches_per_image: Sequence[int]) -> tuple[float, float]:
+        """(forward, backward) seconds of one sample's images encoded inside a coupled rank's own forward: the
+        graph stays in the microbatch's autograd graph (no recompute) and nothing goes through the pool."""
+        return self._encoder_cost(patches_per_image, 0)
+
+    def sample_load(self, patches_per_image: Sequence[int]) -> float:
+        """Seconds to load one sample's pixels (decode / generate). The planner's FLOP rates fold loading into the
+        per-item overhead, so 0 here; measured costs give the real figure, and the simulator charges it where the
+        runtime spends it (a prefetch thread beside the rank, or inline in a coupled pipeline's first stage)."""
+        return 0.0
 
     def backbone_stage(self, budget: int, seq_lens: Sequence[int], layers: int, last: bool) -> tuple[float, float]:
         """(forward, backward) seconds of one packed microbatch on a stage of `layers` decoder layers."""
@@ -276,35 +293,59 @@ class StepResult:
 def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCosts, *, pool_capacity: int,
                   pp_schedule: str = "1f1b", layer_split: Optional[Sequence[int]] = None,
                   cores: float = 0.0, step_overhead_s: float = 0.0, spinning_waits: bool = False,
-                  vit_on_stage0: bool = False, capacity: Optional[Sequence[float]] = None) -> StepResult:
+                  vit_on_stage0: bool = False, capacity: Optional[Sequence[float]] = None,
+                  prefetch_depth: int = 0) -> StepResult:
     """Simulate one step. `work`: the runtime's StepWork; `layout`: the runtime's topology.Layout;
     `pool_capacity`: samples a producer may have in the pool not yet taken by the backbone.
 
-    `vit_on_stage0`: the coupled pipeline layout (MindSpeed-MM's): no encoder ranks; each first-stage rank
-    encodes its microbatch's images inside that microbatch's forward (and backward), and holds the ViT's
-    parameters. The step plan is the decoupled layout's (its encoder ranks are left out)."""
-    from mindspeed_flow.topology import BACKBONE, ENCODER
+    `vit_on_stage0`: the coupled pipeline layout (MindSpeed-MM's) priced on a decoupled layout's step plan: no
+    encoder ranks; each first-stage rank encodes its microbatch's images inside that microbatch's forward (and
+    backward), and holds the ViT's parameters (the decoupled layout's encoder ranks are left out). A coupled
+    layout with pp > 1 (`flow.mode=coupled parallel.coupled.pp=P`) runs the same way on its own step plan.
+    `layer_split`: LLM layers per stage (default: the layout's own split, else even).
+    `prefetch_depth` > 0: the ranks that load pixels in a background thread (encoder ranks, coupled DP ranks)
+    get a loader lane beside them, `costs.sample_load` per sample, at most this many samples ahead; its compute
+    shares the host's cores with the ranks'. A coupled pipeline's first stage loads inline, in its forward."""
+    from mindspeed_flow.topology import BACKBONE, COUPLED, ENCODER
 
     by_id = {s.sample_id: s for s in shapes}
-    off = layout.part_ranks(BACKBONE)[0] if vit_on_stage0 else 0
-    sim = _OffsetSimulator(layout.world_size - off, cores, spinning_waits=spinning_waits, offset=off,
-                           capacity=capacity)
+    coupled = layout.mode == "coupled"
+    pipelined_coupled = coupled and layout.part(COUPLED).pp > 1
+    vit0 = vit_on_stage0 or pipelined_coupled
+    off = layout.part_ranks(BACKBONE)[0] if vit_on_stage0 and not coupled else 0
+    # loader lanes (a prefetch thread per rank that loads pixels ahead of its consumer), numbered after the ranks
+    if coupled and not pipelined_coupled:
+        loading = list(range(layout.world_size))
+    elif not vit0:
+        loading = [r for r in layout.part_ranks(ENCODER) if r in work.encode_order]
+    else:
+        loading = []
+    if prefetch_depth <= 0:
+        loading = []
+    lane_of = {r: layout.world_size + j for j, r in enumerate(loading)}
+    sim = _OffsetSimulator(layout.world_size - off + len(lane_of), cores, spinning_waits=spinning_waits,
+                           offset=off, capacity=capacity)
+    sim.lanes_from = layout.world_size - off
     spec = costs.spec
     roles: dict[int, str] = {}
     start = {r: sim.add(r, "step start", step_overhead_s, tag="overhead") for r in range(off, layout.world_size)}
+    takes: dict[int, list[tuple[int, float, int]]] = {r: [] for r in lane_of}  # rank -> [(sample, load s, take op)]
     emb_bytes = lambda sid: by_id[sid].image_tokens * spec.vision.out_hidden_size * 4.0  # noqa: E731
-    if layout.mode == "coupled":
-        _coupled_program(sim, work, by_id, layout, costs, roles, start)
+    if coupled and not pipelined_coupled:
+        _coupled_program(sim, work, by_id, layout, costs, roles, start, takes)
     else:
-        enc, bb = layout.part(ENCODER), layout.part(BACKBONE)
-        enc_ranks, bb_base = layout.part_ranks(ENCODER), layout.part_ranks(BACKBONE)[0]
+        enc = None if vit0 else layout.part(ENCODER)
+        bb = layout.part(COUPLED if coupled else BACKBONE)
+        enc_ranks = [] if vit0 else layout.part_ranks(ENCODER)
+        bb_base = layout.part_ranks(bb.name)[0]
         n_layers = spec.llm.num_layers
-        if layer_split is None:
+        split = layer_split if layer_split is not None else getattr(bb, "layer_split", None)
+        if split is None:
             from mindspeed_flow.hosts.torch.pipeline import split_layers
 
             stage_layers = [b - a for a, b in split_layers(n_layers, bb.pp)]
         else:
-            stage_layers = list(layer_split)
+            stage_layers = list(split)
         # backbone programs first (ids of first-stage forwards are the encoders' pool-credit dependencies)
         fwd0: dict[int, int] = {}  # sample id -> first-stage forward op that consumes it
         bwd0: dict[int, int] = {}  # sample id -> first-stage backward op that produces its gradient
@@ -317,18 +358,22 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
             row = work.plan.microbatches[d]
             for s in range(bb.pp):
                 rank = bb_base + bb.local_rank_of(dp=d, pp=s)
-                roles[rank] = f"backbone dp{d} pp{s}"
+                roles[rank] = f"{'coupled' if coupled else 'backbone'} dp{d} pp{s}"
                 bb_programs.append((d, s, _one_f_one_b(bb.pp, s, len(row), pp_schedule)))
         # encoder forwards + puts (deps on pool credits are filled in after the backbone ops exist)
         credit_deps: list[tuple[int, int]] = []  # (put op, sample whose consumption frees the credit)
-        for r in enc_ranks if not vit_on_stage0 else ():
+        for r in enc_ranks:
             if r not in work.encode_order:
                 roles[r] = "encoder (tp peer)"
                 continue
             roles[r] = f"encoder {enc_ranks.index(r)}"
             order = work.encode_order[r]
             for k, sid in enumerate(order):
-                f, _ = costs.encoder_fwd_bwd(by_id[sid].vit_patches_per_image)
+                patches = by_id[sid].vit_patches_per_image
+                if r in lane_of:  # the sample leaves the prefetch queue: the encoder waits for its pixels
+                    takes[r].append((sid, costs.sample_load(patches), sim.add(r, f"take {sid}", 0.0, kind=COMM,
+                                                                              tag="take")))
+                f, _ = costs.encoder_fwd_bwd(patches)
                 enc_fwd_ids[sid] = sim.add(r, f"enc fwd {sid}", f, deps=[(start[r], 0.0)], tag="enc_fwd")
                 put_ops[sid] = sim.add(r, f"put {sid}", 0.0, kind=COMM, tag="put")
                 if k >= pool_capacity:
@@ -344,10 +389,12 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
                 seqs = [by_id[sid].llm_tokens for sid in mb.sample_ids]
                 budget = work.plan.seq_len or max(sum(seqs), 1)
                 fwd, bwd = costs.backbone_stage(budget, seqs, stage_layers[s], s == bb.pp - 1)
-                if vit_on_stage0 and s == 0:
-                    enc_cost = [costs.encoder_fwd_bwd(by_id[sid].vit_patches_per_image) for sid in mb.sample_ids
-                                if by_id[sid].num_images]
-                    fwd += sum(c[0] for c in enc_cost)
+                if vit0 and s == 0:
+                    # the first stage loads the microbatch's pixels and encodes them when the schedule runs its
+                    # forward (no prefetch thread), and the ViT's backward is part of the stage's backward
+                    imgs = [by_id[sid].vit_patches_per_image for sid in mb.sample_ids if by_id[sid].num_images]
+                    enc_cost = [costs.coupled_encoder_fwd_bwd(p) for p in imgs]
+                    fwd += sum(c[0] for c in enc_cost) + sum(costs.sample_load(p) for p in imgs)
                     bwd += sum(c[1] for c in enc_cost)
                 deps: list[tuple[int, float]] = [(start[rank], 0.0)]
                 if kind == "F":
@@ -369,7 +416,7 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
                         for sid in mb.sample_ids:
                             bwd0[sid] = ids[(d, s, "B", k)]
             params = _stage_params(spec, stage_layers, s, bb.pp) / costs.bb_tp
-            if vit_on_stage0 and s == 0:
+            if vit0 and s == 0:
                 params += spec.vision.params / costs.bb_tp
             if bb.dp > 1:
                 sim.add(rank, f"dp sync s{s}", costs.allreduce(params, bb.dp), kind=costs.sync_kind,
@@ -384,7 +431,7 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
         for put, sid in credit_deps:
             sim.ops[put].deps.append((get_ops[sid], 0.0))
         # encoder backwards in encode order (the runtime waits for each gradient in that order), sync, optimizer
-        for r in enc_ranks if not vit_on_stage0 else ():
+        for r in enc_ranks:
             if r not in work.encode_order:
                 continue
             if costs.trainable_encoder:
@@ -396,8 +443,22 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
                     sim.add(r, "enc dp sync", costs.allreduce(p_enc, enc.dp), kind=costs.sync_kind, collective="encdp",
                             tag="sync")
                 sim.add(r, "optimizer", costs.optimizer(p_enc, enc.dp), tag="optim")
+    _loader_lanes(sim, lane_of, takes, prefetch_depth, roles, start)
     total = sim.run()
     return _result(sim, total, roles)
+
+
+def _loader_lanes(sim: Simulator, lane_of: dict[int, int], takes: dict[int, list[tuple[int, float, int]]],
+                  depth: int, roles: dict[int, str], start: dict[int, int]) -> None:
+    """Each loading rank's prefetch thread (`data.prefetch`): it loads its rank's samples in consumption order,
+    holding at most `depth` loaded samples in its queue, so it starts sample i once sample i - 1 is loaded and
+    sample i - 1 - depth has been taken; the rank's take of sample i waits for its load."""
+    for r, lane in lane_of.items():
+        roles[lane] = f"loader of {r}"
+        for i, (sid, seconds, take) in enumerate(takes[r]):
+            deps = [(start[r], 0.0)] + ([(takes[r][i - 1 - depth][2], 0.0)] if i - 1 - depth >= 0 else [])
+            load = sim.add(lane, f"load {sid}", seconds, deps=deps, tag="load")
+            sim.ops[take].deps.append((load, 0.0))
 
 
 class _OffsetSimulator(Simulator):
@@ -434,7 +495,10 @@ def _stage_params(spec: Any, stage_layers: Sequence[int], s: int, pp: int) -> fl
 
 
 def _coupled_program(sim: Simulator, work: Any, by_id: dict, layout: Any, costs: StepCosts,
-                     roles: dict[int, str], start: dict[int, int]) -> None:
+                     roles: dict[int, str], start: dict[int, int],
+                     takes: dict[int, list[tuple[int, float, int]]]) -> None:
+    """Coupled DP: each rank takes its microbatch's samples from its prefetch queue (a loader lane when `takes`
+    has the rank), encodes their images inside the forward, then DP all-reduce and the optimizer."""
     spec = costs.spec
     world = layout.world_size
     params = float(spec.vision.params + spec.llm.total_params)
@@ -445,7 +509,11 @@ def _coupled_program(sim: Simulator, work: Any, by_id: dict, layout: Any, costs:
             seqs = [by_id[sid].llm_tokens for sid in mb.sample_ids]
             budget = work.plan.seq_len or max(sum(seqs), 1)
             f, b = costs.backbone_stage(budget, seqs, spec.llm.num_layers, True)
-            enc = [costs.encoder_fwd_bwd(by_id[sid].vit_patches_per_image) for sid in mb.sample_ids]
+            for sid in mb.sample_ids if r in takes else ():
+                takes[r].append((sid, costs.sample_load(by_id[sid].vit_patches_per_image),
+                                 sim.add(r, f"take {sid}", 0.0, kind=COMM, tag="take")))
+            enc = [costs.coupled_encoder_fwd_bwd(by_id[sid].vit_patches_per_image) for sid in mb.sample_ids
+                   if by_id[sid].num_images]
             sim.add(r, f"mb{k} fwd", f + sum(e[0] for e in enc), deps=[(start[r], 0.0)], tag="fwd")
             sim.add(r, f"mb{k} bwd", b + sum(e[1] for e in enc), tag="bwd")
         if world > 1:
@@ -462,7 +530,9 @@ def _result(sim: Simulator, total: float, roles: dict[int, str]) -> StepResult:
         # a put starts once the pool has room: the wait is from the end of the op before it
         pool = sum(op.start - prev.end for prev, op in zip(mine, mine[1:]) if op.tag == "put")
         ranks[r] = {"busy_s": busy, "idle_s": total - busy, "pool_wait_s": pool}
-    bb = [r for r, role in roles.items() if role.startswith("backbone")]
+    # pipeline stages: a backbone's, or a coupled pipeline's ("coupled dpD ppS"; coupled DP ranks have no stage)
+    bb = [r for r, role in roles.items()
+          if role.startswith("backbone") or (role.startswith("coupled") and " pp" in role)]
     bubbles, stage_busy = [], []
     for r in bb:
         mine = [sim.ops[i] for i in sim.program[r - off] if sim.ops[i].tag in ("fwd", "bwd")]
@@ -481,7 +551,7 @@ def _result(sim: Simulator, total: float, roles: dict[int, str]) -> StepResult:
 
 
 _COLORS = {"enc_fwd": "#4c72b0", "enc_bwd": "#8172b2", "fwd": "#55a868", "bwd": "#c44e52", "sync": "#dd8452",
-           "optim": "#937860", "put": "#cccccc", "overhead": "#eeeeee"}
+           "optim": "#937860", "put": "#cccccc", "load": "#64b5cd", "overhead": "#eeeeee"}
 
 
 def write_timeline(result: StepResult, path: str, title: str = "") -> None:
@@ -508,10 +578,9 @@ def write_timeline(result: StepResult, path: str, title: str = "") -> None:
     ax.set_title(title or f"simulated step: {result.step_seconds:.3g} s, bubbles {100 * result.bubble_fraction:.0f}%",
                  fontsize=9)
     ax.legend(handles=[Patch(color=c, label=k) for k, c in _COLORS.items() if k != "overhead"], fontsize=7,
-              ncol=7, loc="upper center", bbox_to_anchor=(0.5, -0.35 - 0.5 / max(len(ranks), 1)), frameon=False)
-    fig.tight_layout()
+              ncol=8, loc="upper center", bbox_to_anchor=(0.5, -0.6 / (0.5 + 0.45 * len(ranks))), frameon=False)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # "tight": the legend below the axes stays in the picture
     plt.close(fig)
 
 
@@ -564,7 +633,7 @@ def simulate_job(job: Any, ctx: CostContext, steps: Sequence[int], cores: float 
         out[step] = simulate_step(work, shapes, layout, costs, pool_capacity=capacity,
                                   pp_schedule=job.parallel.pp_schedule, cores=cores, step_overhead_s=overhead,
                                   spinning_waits=spin, vit_on_stage0=vit_on_stage0,
-                                  capacity=(host_share or {}).get(step))
+                                  capacity=(host_share or {}).get(step), prefetch_depth=job.data.prefetch_depth)
     return out
 
 
@@ -660,7 +729,9 @@ def two_rank_ranking(ctx: CostContext, overrides: Sequence[str] = (), steps: Seq
 
     jobs = {
         "coupled_dp2": (["parallel=enc1_bb_dp2", "parallel.backbone.dp=1", "flow.mode=coupled"], False),
-        "coupled_pp2_vit_stage0": (["parallel=enc1_bb_pp2"], True),
+        # the runtime's coupled pipeline on the same 2 ranks (its own step plan; the ViT on stage 0)
+        "coupled_pp2_vit_stage0": (["parallel=enc1_bb_dp2", "parallel.backbone.dp=1", "flow.mode=coupled",
+                                    "parallel.coupled.pp=2"], False),
         "decoupled_1+1": (["parallel=enc1_bb_dp2", "parallel.backbone.dp=1"], False),
     }
     out = {}
