@@ -5,9 +5,12 @@ fp32 per size, rank 1 consumes them. Three ways to move the same tensors, each t
 to send (after a barrier) to the consumer holding the last item, on the host's monotonic clock that both ranks
 share:
 
-- "pool": put/expect/get with headers, credits and the pool's threads; items queued behind a send leave together
-  in one message (one header, one payload transfer), up to `--max-batch-items` per message;
-- "1/msg": the same pool with one item per message (`max_batch_items=1`, the pool without coalescing);
+- "pool": put/expect/get as the runtime uses it, with the step's items planned on both sides (the consumer
+  expects them with their shapes and dtypes, the producer puts them with `planned=True`): each payload's receive
+  is posted at expect() and its bytes leave at put(); headers (up to `--max-batch-items` per message) and credits
+  still travel and are checked;
+- "hdr": the same pool without plans (the general header path): a payload's receive is posted once its header
+  lands; items queued behind a send share one header and one payload transfer;
 - "raw": what a skilled user writes by hand with the same sizes agreed in advance: every isend/irecv of the step
   posted at once on the same process group, the receives posted before the barrier into buffers allocated then
   (the lower bound: no header, no credit, no thread, no allocation on the clock); "raw+alloc" allocates and posts
@@ -36,8 +39,7 @@ from mindspeed_flow.pool import EmbeddingPool
 from mindspeed_flow.pool.wire import MAX_BATCH
 from mindspeed_flow.utils.multiproc import run_ranks
 
-VARIANTS = ("pool", "one", "raw", "alloc")
-_LABELS = {"pool": "pool", "one": "1/msg", "raw": "raw", "alloc": "raw+alloc"}
+VARIANTS = ("pool", "hdr", "raw", "alloc")
 _RAW_TAG = 7
 
 
@@ -47,15 +49,17 @@ _RAW_TAG = 7
 Span = tuple[float, float]
 
 
-def _pool_step(pool: EmbeddingPool, rank: int, items: list[torch.Tensor], step: int) -> Span:
-    """One step through `pool`: the consumer expects the step's items (its receives go out) before the barrier."""
+def _pool_step(pool: EmbeddingPool, rank: int, items: list[torch.Tensor], step: int, planned: bool) -> Span:
+    """One step through `pool`: the consumer expects the step's items (its receives go out) before the barrier;
+    `planned`: both sides know the items' shapes and dtypes (the step plan)."""
     if rank == 1:
-        pool.expect(producer=0, items=[(i, step) for i in range(len(items))])
+        specs = [(t.shape, t.dtype) for t in items] if planned else None
+        pool.expect(producer=0, items=[(i, step) for i in range(len(items))], specs=specs)
     dist.barrier()
     start = time.perf_counter()
     if rank == 0:
         for i, tensor in enumerate(items):
-            pool.put(tensor, sample_id=i, step=step, consumer=1)
+            pool.put(tensor, sample_id=i, step=step, consumer=1, planned=planned)
     else:
         for i in range(len(items)):
             pool.get(sample_id=i, step=step, producer=0)
@@ -87,17 +91,16 @@ def _raw_step(rank: int, items: list[torch.Tensor], allocate: bool, group: dist.
 
 def _bench_rank(rank: int, world: int, sizes: list[int], n_items: int, hidden: int, repeats: int,
                 capacity_bytes: int, max_batch_items: int) -> list[dict]:
-    # The coalescing pool and raw share the world group (the same group, as the comparison requires); the 1/msg
+    # The planned pool and raw share the world group (the same group, as the comparison requires); the header-path
     # pool gets its own group, so the two pools' tags can never meet.
-    one_group = dist.new_group(backend="gloo")
-    pools = {"pool": EmbeddingPool(rank=rank, group=None, capacity_bytes=capacity_bytes, timeout_s=120.0,
-                                   device=torch.device("cpu"), return_grads=False, max_batch_items=max_batch_items),
-             "one": EmbeddingPool(rank=rank, group=one_group, capacity_bytes=capacity_bytes, timeout_s=120.0,
-                                  device=torch.device("cpu"), return_grads=False, max_batch_items=1)}
+    hdr_group = dist.new_group(backend="gloo")
+    pools = {name: EmbeddingPool(rank=rank, group=group, capacity_bytes=capacity_bytes, timeout_s=120.0,
+                                 device=torch.device("cpu"), return_grads=False, max_batch_items=max_batch_items)
+             for name, group in (("pool", None), ("hdr", hdr_group))}
     steps = iter(range(1 << 30))  # a fresh step number per pool step: (sample, step) keys are never reused
     run: dict[str, Callable[[list[torch.Tensor]], Span]] = {
-        "pool": lambda items: _pool_step(pools["pool"], rank, items, next(steps)),
-        "one": lambda items: _pool_step(pools["one"], rank, items, next(steps)),
+        "pool": lambda items: _pool_step(pools["pool"], rank, items, next(steps), planned=True),
+        "hdr": lambda items: _pool_step(pools["hdr"], rank, items, next(steps), planned=False),
         "raw": lambda items: _raw_step(rank, items, allocate=False, group=None),
         "alloc": lambda items: _raw_step(rank, items, allocate=True, group=None),
     }
@@ -136,7 +139,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--capacity-mb", type=float, default=FlowConfig.pool_capacity_mb,
                    help="pool capacity in MiB (default: the job default, flow.pool_capacity_mb)")
     p.add_argument("--max-batch-items", type=int, default=MAX_BATCH,
-                   help=f"items per message of the 'pool' column (1..{MAX_BATCH}; the '1/msg' column is always 1)")
+                   help=f"items per header message of both pool columns (1..{MAX_BATCH})")
     args = p.parse_args(argv)
     for field, value, low in (("--items", args.items, 1), ("--repeats", args.repeats, 1),
                               ("--hidden", args.hidden, 1)):
@@ -163,14 +166,14 @@ def main(argv: list[str]) -> int:
     print(f"embedding pool vs raw isend/irecv: 2 gloo ranks on this host, fp32, hidden {args.hidden}, "
           f"{args.items} items per step, capacity {args.capacity_mb:g} MiB, pool: up to {args.max_batch_items} "
           f"items per message; medians of {args.repeats} interleaved repeats")
-    print(f"{'tokens':>7} {'item MiB':>9} {'pool GB/s':>10} {'msgs':>5} {'1/msg GB/s':>11} {'msgs':>5} "
-          f"{'raw GB/s':>9} {'raw+alloc':>10} {'pool/raw':>9} {'1/msg/raw':>10} {'pool/raw+alloc':>15}")
+    print(f"{'tokens':>7} {'item MiB':>9} {'pool GB/s':>10} {'msgs':>5} {'hdr GB/s':>11} {'msgs':>5} "
+          f"{'raw GB/s':>9} {'raw+alloc':>10} {'pool/raw':>9} {'hdr/raw':>10} {'pool/raw+alloc':>15}")
     for r, p in zip(rows, producer_rows):  # messages: the producer's counters
         # the producer's start to the consumer's end, on the clock both ranks share
         times = {k: [end - start for (start, _), (_, end) in zip(p["spans"][k], r["spans"][k])] for k in VARIANTS}
         gbs = {k: r["bytes"] / statistics.median(times[k]) / 1e9 for k in VARIANTS}
         print(f"{r['tokens']:>7} {r['item_bytes'] / 2**20:>9.3f} {gbs['pool']:>10.2f} {p['pool_messages']:>5.1f} "
-              f"{gbs['one']:>11.2f} {p['one_messages']:>5.1f} {gbs['raw']:>9.2f} {gbs['alloc']:>10.2f} "
-              f"{_paired_ratio(times, 'pool', 'raw'):>9.2f} {_paired_ratio(times, 'one', 'raw'):>10.2f} "
+              f"{gbs['hdr']:>11.2f} {p['hdr_messages']:>5.1f} {gbs['raw']:>9.2f} {gbs['alloc']:>10.2f} "
+              f"{_paired_ratio(times, 'pool', 'raw'):>9.2f} {_paired_ratio(times, 'hdr', 'raw'):>10.2f} "
               f"{_paired_ratio(times, 'pool', 'alloc'):>15.2f}")
     return 0

@@ -21,6 +21,18 @@ Transport: see `transport.py` (one receiving thread per peer and channel; deadli
 `PoolTimeout` after `timeout_s`, naming this rank, the peer and the awaited item, and `PoolPeerError` when the
 transport to the peer fails (a dead peer fails within milliseconds on gloo).
 
+Planned items. Where both sides derive an item's shape and dtype from the same step plan, the consumer passes them
+to `expect(..., specs=...)` and the producer puts with `planned=True`: the consumer posts the item's receive at
+once into a buffer of the planned size, and the producer sends the bytes the moment it puts them, so a payload
+never waits for its header to land (on loopback gloo that round trip, a payload copy and a buffer allocation per
+message cost more than the transfer of a 64-token embedding). The header still follows; the consumer checks it
+against the plan (shape, dtype, route) before handing the item out, and raises `PoolProtocolError` naming the
+item on a mismatch. Receives posted ahead are bounded by `capacity_bytes` (bytes posted and not yet taken by
+get()); a planned item beyond that budget is posted when its header lands, as on the header path. Planned items
+need tag matching (gloo payloads): with `data_groups` both calls fall back to the header path, still checked.
+The sizes must really agree: gloo aborts the process on a message larger than the receive posted for it, so the
+plan, not the tensor, must be the source of both sides' specs.
+
 Groups. Headers and credits always travel on `group`, a gloo group (tags keep channels apart; `Topology` builds
 it). Payloads travel on `data_groups` when given: two groups of the job's device backend (NCCL/HCCL), one per
 direction (embeddings producer->consumer, gradients consumer->producer), because device backends match
@@ -36,7 +48,7 @@ import time
 import warnings
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,17 +56,19 @@ import torch.distributed as dist
 from mindspeed_flow.pool.errors import PoolError, PoolPeerError, PoolProtocolError, PoolShapeError, PoolTimeout
 from mindspeed_flow.pool.handle import EmbeddingHandle, Tier
 from mindspeed_flow.pool.stats import PoolCounters, PoolStats
-from mindspeed_flow.pool.transport import InboundStream, Outbox
-from mindspeed_flow.pool.wire import (CHANNEL_CREDIT, CHANNEL_EMBEDDING, CHANNEL_GRAD, CHANNEL_NAMES, HEADER_LEN,
-                                      MAX_BATCH, TAGS,
-                                      WireHeader, check_sendable, credit_header, decode_header, from_bytes,
-                                      item_header, slice_payloads, tensor_nbytes)
+from mindspeed_flow.pool.transport import InboundStream, LandedItem, Outbox, wait_work
+from mindspeed_flow.pool.wire import (CHANNEL_CREDIT, CHANNEL_EMBEDDING, CHANNEL_GRAD, CHANNEL_NAMES, DTYPE_CODES,
+                                      HEADER_LEN, MAX_BATCH, MAX_NDIM, TAGS, WireHeader, check_sendable,
+                                      credit_header, decode_header, from_bytes, item_header, slice_payloads,
+                                      tensor_nbytes)
 from mindspeed_flow.runtime.trace import traced
 
 # (peer rank, sample_id, step): the pool's key for an item on one side of one producer/consumer pair.
 ItemKey = tuple[int, int, int]
-# A landed batch: each item's header and view of the payload, and the one buffer those views slice.
-_Landed = tuple[list[tuple[WireHeader, torch.Tensor | None]], torch.Tensor | None]
+# A landed batch: each item's header, view of the payload and own receive (planned items), and the batch's buffer.
+_Landed = tuple[list[LandedItem], torch.Tensor | None]
+# What the consumer's plan says an item is: (shape, dtype).
+Spec = tuple[tuple[int, ...], torch.dtype]
 
 
 @dataclass
@@ -64,6 +78,21 @@ class _Held:
     handle: EmbeddingHandle
     tensor: torch.Tensor | None = None  # None while the payload is still arriving
     landing_t: float = 0.0  # time.monotonic() when its header landed (the payload transfer starts)
+    planned_bytes: int = 0  # bytes of its receive posted ahead (planned items), freed from the budget by get()
+
+
+@dataclass
+class _PlannedReceive:
+    """Consumer side: a planned item's own receive, from posting (send order) to arrival (waited by get())."""
+
+    key: tuple[int, int]
+    spec: Spec
+    nbytes: int
+    buffer: torch.Tensor | None = None
+    work: Optional[dist.Work] = None  # None for an empty item (nothing travels)
+    posted: bool = False
+    waiting: bool = False  # a get() is waiting for its receive (each work is waited exactly once)
+    arrived: bool = False  # its bytes are in (it is in `_held`)
 
 # Items queued behind a send share a message up to this much payload; a larger item goes alone. Large items gain
 # nothing from sharing a header (their transfer dwarfs it) and, measured with `bench pool`, lose pipelining.
@@ -152,17 +181,28 @@ class EmbeddingPool:
         self._held: dict[ItemKey, _Held] = {}             # arrived or landing, not yet taken by get()
         self._early: dict[int, deque[tuple[int, int]]] = {}  # producer -> arrived in a batch before expected
         self._embedding_streams: dict[int, InboundStream] = {}
+        self._specs: dict[ItemKey, Spec] = {}  # planned (shape, dtype) of expected items, checked when they land
+        # Planned items take the planned route only where payloads are matched by tag (gloo), see the module doc.
+        self._planned_route = data_groups is None
+        # Planned receives per producer, in send order: those not yet arrived (posted first, waited by get() in
+        # order) and those whose header has not landed (checked against it in order); by key until arrival.
+        self._rx_arrival: dict[int, deque[_PlannedReceive]] = {}
+        self._rx_headers: dict[int, deque[_PlannedReceive]] = {}
+        self._rx_by_key: dict[ItemKey, _PlannedReceive] = {}
+        self._planned_rx_bytes = 0  # bytes of planned receives posted and not yet taken by get()
         # both sides: one coalescing sender per (peer, channel)
         self._outboxes: dict[tuple[int, int], Outbox] = {}
 
     # ------------------------------------------------------------------ producer side
 
     @traced("pool.put")
-    def put(self, tensor: torch.Tensor, *, sample_id: int, step: int, consumer: int) -> EmbeddingHandle:
+    def put(self, tensor: torch.Tensor, *, sample_id: int, step: int, consumer: int,
+            planned: bool = False) -> EmbeddingHandle:
         """Send `tensor` to `consumer` without waiting for it to arrive; block while over capacity.
 
         On gloo a contiguous CPU tensor is sent without a copy: do not modify it in place until the consumer has
-        taken it (`inflight_handles()` no longer lists it).
+        taken it (`inflight_handles()` no longer lists it). `planned`: the consumer expects this item with its
+        shape and dtype (`expect(..., specs=...)`), so its bytes leave now, into the receive posted for them.
         """
         what = f"sample {sample_id} (step {step})"
         self._check_peer(consumer, "consumer")
@@ -171,7 +211,8 @@ class EmbeddingPool:
         nbytes = tensor_nbytes(tuple(tensor.shape), tensor.dtype)
         handle = EmbeddingHandle(sample_id, step, self.rank, consumer, tuple(tensor.shape), tensor.dtype, nbytes,
                                  "device" if tensor.device == self.device else "host")
-        header = item_header(CHANNEL_EMBEDDING, sample_id, step, tensor)
+        planned = planned and self._planned_route
+        header = item_header(CHANNEL_EMBEDDING, sample_id, step, tensor, planned=planned)
         payload = tensor.detach().to(self._payload_device)
         start = time.monotonic()
         deadline = start + self.timeout_s
@@ -196,7 +237,12 @@ class EmbeddingPool:
             if self.return_grads:
                 self._grads_owed.add(key)
                 self._stream(self._grad_streams, consumer, "grad").request(1)
-            self._send(consumer, header, payload)
+            sent = None
+            if planned and nbytes > 0:  # its receive is (or will be) posted by plan: no header round trip
+                self._raise_if_send_failed(consumer, CHANNEL_EMBEDDING)
+                sent = dist.isend(payload.contiguous().view(-1).view(torch.uint8), consumer, group=self.group,
+                                  tag=TAGS.embedding_planned)
+            self._send(consumer, header, payload, sent)
             self._sent[key] = handle
         return handle
 
@@ -223,27 +269,146 @@ class EmbeddingPool:
 
     # ------------------------------------------------------------------ consumer side
 
-    def expect(self, *, producer: int, items: Iterable[tuple[int, int]]) -> None:
-        """Announce the (sample_id, step) items `producer` will send, in its send order; receiving starts now."""
+    def expect(self, *, producer: int, items: Iterable[tuple[int, int]],
+               specs: Sequence[tuple[Sequence[int], torch.dtype]] | None = None) -> None:
+        """Announce the (sample_id, step) items `producer` will send, in its send order; receiving starts now.
+
+        `specs`: one (shape, dtype) per item, from the step plan; the producer must put these items with
+        `planned=True`. Their receives are posted now (within the capacity budget), and each landing header is
+        checked against its spec."""
         self._check_peer(producer, "producer")
         items = [(int(s), int(t)) for s, t in items]
+        checked = self._check_specs(items, specs)
         with self._cond:
             stream = self._stream(self._embedding_streams, producer, "embedding")
             plan = self._plans.setdefault(producer, deque())
-            for item in items:
+            for i, item in enumerate(items):
                 key = (producer, *item)
                 if self._take_early(producer, item):
-                    stream.request(1)  # already arrived: counted, not planned
+                    stream.request(1)  # already arrived (its receive was posted from its header): not planned
                     continue
                 if key in self._planned or key in self._held:
                     raise ValueError(f"rank {self.rank}: sample {item[0]} (step {item[1]}) from producer rank "
                                      f"{producer} is already expected")
                 self._planned.add(key)
                 plan.append(item)
+                if checked is not None:
+                    self._specs[key] = checked[i]
+                    if self._planned_route:
+                        self._add_planned(producer, _PlannedReceive(item, checked[i], tensor_nbytes(*checked[i])))
                 if self.receive_ahead:
                     stream.request(1)
                 else:
                     self._unrequested.setdefault(producer, deque()).append(item)
+            self._post_planned()
+
+    def _check_specs(self, items: list[tuple[int, int]],
+                     specs: Sequence[tuple[Sequence[int], torch.dtype]] | None) -> list[Spec] | None:
+        """`expect`'s specs as (shape tuple, dtype), one per item; bad input names the field and the rule."""
+        if specs is None:
+            return None
+        if not self.receive_ahead:
+            raise ValueError("expect(specs=...) posts the items' receives ahead, but this pool was built with "
+                             "receive_ahead=False")
+        specs = list(specs)
+        if len(specs) != len(items):
+            raise ValueError(f"expect: specs has {len(specs)} entries for {len(items)} items (one (shape, dtype) "
+                             f"per item)")
+        checked = []
+        for (sid, step), spec in zip(items, specs):
+            shape, dtype = spec
+            shape = tuple(int(d) for d in shape)
+            if dtype not in DTYPE_CODES or len(shape) > MAX_NDIM or min(shape, default=0) < 0:
+                raise ValueError(f"expect: specs entry of sample {sid} (step {step}) is ({list(shape)}, {dtype}); "
+                                 f"it needs a pool dtype and at most {MAX_NDIM} dims, each >= 0")
+            checked.append((shape, dtype))
+        return checked
+
+    def _post_planned(self) -> None:
+        """Post planned receives in each producer's send order while those posted and not yet taken by get() stay
+        within `capacity_bytes` (one at least); the rest are posted as their headers land (lock held)."""
+        for producer, pending in self._rx_arrival.items():
+            for rx in pending:
+                if rx.posted:
+                    continue
+                if self._planned_rx_bytes > 0 and self._planned_rx_bytes + rx.nbytes > self.capacity_bytes:
+                    return
+                self._post_receive(producer, rx)
+
+    def _post_receive(self, producer: int, rx: _PlannedReceive) -> None:
+        """Post one planned receive into a fresh buffer of its planned size (lock held: posts keep send order)."""
+        rx.buffer = torch.empty(rx.nbytes, dtype=torch.uint8, device=self._payload_device)
+        rx.work = (dist.irecv(rx.buffer, src=producer, group=self.group, tag=TAGS.embedding_planned)
+                   if rx.nbytes > 0 else None)
+        rx.posted = True
+        self._planned_rx_bytes += rx.nbytes
+
+    def _add_planned(self, producer: int, rx: _PlannedReceive) -> None:
+        """Register a planned receive behind this producer's earlier ones (lock held)."""
+        self._rx_arrival.setdefault(producer, deque()).append(rx)
+        self._rx_headers.setdefault(producer, deque()).append(rx)
+        self._rx_by_key[(producer, *rx.key)] = rx
+
+    def _await_planned(self, key: ItemKey, deadline: float) -> None:
+        """If `key` is a planned item, wait on this thread for its receive and the earlier ones of its producer
+        (in send order, each exactly once) and hold them: no receiving thread sits between the bytes landing and
+        get() (each thread hand-off costs a wake-up, which on a busy host is most of a small item's transfer).
+        Its header is checked when it lands, on the receiving thread; flush() waits for that check."""
+        producer, sample_id, step = key
+        while True:
+            with self._cond:
+                rx = self._rx_by_key.get(key)
+                if rx is None or rx.arrived:
+                    return
+                head = self._rx_arrival[producer][0]
+                if head.waiting:  # another get() waits on it: wait for that one to finish
+                    if not self._wait(deadline):
+                        raise PoolTimeout(self._get_timeout_message(f"the embedding of sample {sample_id} (step "
+                                                                    f"{step})", producer))
+                    continue
+                if not head.posted:  # over the budget, but wanted now
+                    self._post_receive(producer, head)
+                head.waiting = True
+                self._get_blocked_since = time.monotonic()
+            begin = time.monotonic()
+            try:
+                if head.work is not None:
+                    what = f"the embedding of sample {head.key[0]} (step {head.key[1]})"
+                    wait_work(head.work, deadline,
+                              on_timeout=lambda: PoolTimeout(self._get_timeout_message(what, producer)),
+                              on_failure=lambda exc: PoolPeerError(
+                                  f"rank {self.rank} was waiting for {what} from rank {producer}, but receiving "
+                                  f"from rank {producer} failed ({type(exc).__name__}: {exc}); rank {producer} "
+                                  f"probably died, check its log"))
+            finally:
+                with self._cond:
+                    head.waiting = False
+                    self._get_blocked_since = None
+                    self._cond.notify_all()
+            with self._cond:
+                self._hold_planned(producer, head, time.monotonic() - begin)
+
+    def _hold_planned(self, producer: int, rx: _PlannedReceive, waited_s: float) -> None:
+        """A planned item's bytes are in: hold it for get() like a landed item (lock held)."""
+        self._rx_arrival[producer].popleft()
+        del self._rx_by_key[(producer, *rx.key)]
+        rx.arrived = True
+        shape, dtype = rx.spec
+        tier = self._choose_tier(rx.nbytes)
+        c = self._counters
+        c.add_held(tier, rx.nbytes, +1)
+        c.host_tier_items += int(tier == "host")
+        c.bytes_received += rx.nbytes
+        # Only the part get() waited for is seen on this side (the rest overlapped whatever ran before it).
+        c.transfer_s += waited_s
+        c.transfer_exposed_s += waited_s
+        assert rx.buffer is not None
+        tensor = rx.buffer.view(dtype).reshape(shape)
+        if tier == "device" and tensor.device != self.device:
+            tensor = tensor.to(self.device)
+        handle = EmbeddingHandle(rx.key[0], rx.key[1], producer, self.rank, shape, dtype, rx.nbytes, tier)
+        self._held[(producer, *rx.key)] = _Held(handle, tensor, planned_bytes=rx.nbytes)
+        self._cond.notify_all()
 
     @traced("pool.get")
     def get(self, *, sample_id: int, step: int, producer: int,
@@ -257,7 +422,10 @@ class EmbeddingPool:
         what = f"the embedding of sample {sample_id} (step {step})"
         start = time.monotonic()
         deadline = start + self.timeout_s
+        self._await_planned(key, deadline)
         with self._cond:
+            if producer in self._embedding_streams:
+                self._raise_if_failed([self._embedding_streams[producer]], what)  # e.g. a header against the plan
             if (sample_id, step) in self._early.get(producer, ()):
                 self._take_early(producer, (sample_id, step))
                 self._stream(self._embedding_streams, producer, "embedding").request(1)
@@ -288,6 +456,9 @@ class EmbeddingPool:
                 raise PoolShapeError(f"rank {self.rank}: sample {sample_id} (step {step}) from producer rank "
                                      f"{producer} has shape {list(h.shape)}, expected {list(expected_shape)}")
             del self._held[key]
+            if held.planned_bytes:
+                self._planned_rx_bytes -= held.planned_bytes
+                self._post_planned()
             c = self._counters
             c.add_held(h.tier, -h.nbytes, -1)
             c.gets += 1
@@ -334,6 +505,13 @@ class EmbeddingPool:
                                 f"{pending[0].step})" if pending else CHANNEL_NAMES[box.channel])
                         raise PoolTimeout(f"rank {self.rank} waited {self.timeout_s:.1f} s in flush() for the {what} "
                                           f"to be received by rank {box.peer} ({len(pending)} items not yet received)")
+            # Planned items handed out before their header landed: the check against the plan ends here.
+            while any(rx.arrived for pending in self._rx_headers.values() for rx in pending):
+                self._raise_if_failed(self._embedding_streams.values(), "the headers of planned items")
+                if not self._wait(deadline):
+                    raise PoolTimeout(f"rank {self.rank} waited {self.timeout_s:.1f} s in flush() for the headers "
+                                      f"of planned items it has already taken")
+            self._raise_if_failed(self._embedding_streams.values(), "the headers of planned items")
             self._counters.flush_wait_s += time.monotonic() - start
 
     def stats(self) -> PoolStats:
@@ -391,6 +569,7 @@ class EmbeddingPool:
         headers = decode_header(raw, expected_channel=CHANNEL_EMBEDDING, peer=producer)
         with self._cond:
             plan = self._plans[producer]
+            own: list[_PlannedReceive | None] = []
             for header in headers:
                 if plan:
                     if plan[0] != header.key:
@@ -399,15 +578,51 @@ class EmbeddingPool:
                     self._planned.discard((producer, *header.key))
                 else:  # batched with planned items before this rank expected it: held until expect() names it
                     self._early.setdefault(producer, deque()).append(header.key)
+                if self._match_planned(producer, header):
+                    continue  # get() waits for its own receive and holds it
                 tier = self._choose_tier(header.nbytes)
                 self._counters.add_held(tier, header.nbytes, +1)
                 self._counters.host_tier_items += int(tier == "host")
                 self._held[(producer, *header.key)] = _Held(EmbeddingHandle(
                     header.sample_id, header.step, producer, self.rank, header.shape, header.dtype, header.nbytes,
                     tier), landing_t=time.monotonic())
+            self._cond.notify_all()  # flush() waits for the headers of planned items taken before they landed
         return self._payload_views(headers)
 
+    def _match_planned(self, producer: int, header: WireHeader) -> bool:
+        """Check a landing header against the plan's spec and route; True for a planned item (lock held).
+
+        A planned item the consumer gave no spec for (it arrived before expect(), or was expected without specs)
+        gets its receive now, from the header: the next planned receive of this producer, in send order."""
+        key = (producer, *header.key)
+        spec = self._specs.pop(key, None)
+        what = f"rank {self.rank}: sample {header.sample_id} (step {header.step}) from producer rank {producer}"
+        if spec is not None and spec != (header.shape, header.dtype):
+            raise PoolProtocolError(f"{what} was planned as {list(spec[0])} {spec[1]} but the producer sent "
+                                    f"{list(header.shape)} {header.dtype}; the ranks disagree on the step plan")
+        if not header.planned:
+            if spec is not None and self._planned_route:
+                raise PoolProtocolError(f"{what} was expected with specs (planned), but the producer put it "
+                                        f"without planned=True")
+            return False
+        pending = self._rx_headers.get(producer)
+        if pending:
+            rx = pending.popleft()
+            if rx.key != header.key:
+                raise PoolProtocolError(f"{what} arrived on the planned route, but the next planned item is sample "
+                                        f"{rx.key[0]} (step {rx.key[1]}); put(planned=True) and expect(specs=...) "
+                                        f"must name the same items, in the same order")
+        else:
+            rx = _PlannedReceive(header.key, (header.shape, header.dtype), header.nbytes)
+            self._add_planned(producer, rx)
+            self._rx_headers[producer].popleft()  # its header is this one
+        if not rx.posted:  # beyond the budget when planned: the producer has sent it, so post it now
+            self._post_receive(producer, rx)
+        return True
+
     def _deliver_embedding(self, producer: int, header: WireHeader, buffer: torch.Tensor | None) -> None:
+        if header.planned:
+            return  # its bytes come through its own receive, which get() waits for
         key = (producer, *header.key)
         with self._cond:
             tier = self._held[key].handle.tier
@@ -436,7 +651,7 @@ class EmbeddingPool:
             c.transfer_exposed_s += max(0.0, now - max(begin, self._get_blocked_since))
 
     def _land_credit(self, consumer: int, raw: torch.Tensor) -> _Landed:
-        return [(h, None) for h in decode_header(raw, expected_channel=CHANNEL_CREDIT, peer=consumer)], None
+        return [(h, None, None) for h in decode_header(raw, expected_channel=CHANNEL_CREDIT, peer=consumer)], None
 
     def _deliver_credit(self, consumer: int, credit: WireHeader, _: torch.Tensor | None) -> None:
         with self._cond:
@@ -470,7 +685,7 @@ class EmbeddingPool:
     def _payload_views(self, headers: list[WireHeader]) -> _Landed:
         """The batch's receive buffer and each item's view of it (None: the item has no payload)."""
         views, buffer = slice_payloads(headers, self._payload_device)
-        return list(zip(headers, views)), buffer
+        return [(h, view, None) for h, view in zip(headers, views)], buffer
 
     def _unpack(self, header: WireHeader, buffer: torch.Tensor | None) -> torch.Tensor:
         """The item's tensor, viewing its received bytes (an empty item gets an empty tensor)."""
@@ -504,7 +719,8 @@ class EmbeddingPool:
             stream.start()
         return stream
 
-    def _send(self, peer: int, header: WireHeader, payload: torch.Tensor | None) -> None:
+    def _send(self, peer: int, header: WireHeader, payload: torch.Tensor | None,
+              sent: dist.Work | None = None) -> None:
         """Queue one item for `peer` on its channel's coalescing sender (call with the lock held)."""
         if self._closed:
             raise PoolError(f"rank {self.rank}: the pool is closed")
@@ -519,7 +735,7 @@ class EmbeddingPool:
                          wire_device=self._wire_device, payload_group=self._payload_groups.get(header.channel))
             self._outboxes[(peer, header.channel)] = box
             box.start()
-        box.push(header, payload)
+        box.push(header, payload, sent)
 
     def _on_sent(self, items: list[WireHeader]) -> None:
         """An outbox completed a message (called with the lock held)."""

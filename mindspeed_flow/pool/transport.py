@@ -24,12 +24,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from mindspeed_flow.pool.wire import WireHeader, encode_header, has_payload, pack_payloads
+from mindspeed_flow.pool.wire import WireHeader, encode_header, in_batch_payload, pack_payloads
 
-# Called with the received header tensor; returns one (context, view of the payload or None) per item of the message,
-# in send order, and the batch's one payload buffer that those views slice (None: no item has a payload). Runs on
-# the stream thread, outside the pool lock. `Deliver` gets each item once the batch's bytes are in.
-Land = Callable[[torch.Tensor], tuple[list[tuple[Any, torch.Tensor | None]], torch.Tensor | None]]
+# Called with the received header tensor; returns one (context, view of the payload or None, the item's own receive
+# or None) per item of the message, in send order, and the batch's one payload buffer that the views of batched
+# items slice (None: no item has a batched payload). A planned item's view is its own buffer and its receive was
+# posted before the header came. Runs on the stream thread, outside the pool lock. `Deliver` gets each item once
+# its bytes are in.
+LandedItem = tuple[Any, torch.Tensor | None, "dist.Work | None"]
+Land = Callable[[torch.Tensor], tuple[list[LandedItem], torch.Tensor | None]]
 Deliver = Callable[[Any, torch.Tensor | None], None]
 
 
@@ -68,7 +71,7 @@ class InboundStream:
         self.closed = False
         self.error: BaseException | None = None
         # landed batches, in order: (the payload receive or None, each item's context and view of the payload)
-        self._landed: deque[tuple[dist.Work | None, list[tuple[Any, torch.Tensor | None]]]] = deque()
+        self._landed: deque[tuple[dist.Work | None, list[LandedItem]]] = deque()
         self._header_posted: tuple[torch.Tensor, dist.Work] | None = None  # next header's receive, once posted
         self._threads = [threading.Thread(target=self._guard, args=(self._next_header,), name=f"{name}-headers",
                                           daemon=True),
@@ -144,11 +147,13 @@ class InboundStream:
             work, items = self._landed.popleft()
         if work is not None:
             work.wait()  # the batch's one payload transfer
-        for context, view in items:
+        for context, view, own in items:
+            if own is not None:
+                own.wait()  # a planned item's own transfer (posted at expect(), waited only here)
             self.deliver(context, view)
-        with self.cond:
-            self.received += len(items)
-            self.cond.notify_all()
+            with self.cond:
+                self.received += 1
+                self.cond.notify_all()
         return True
 
     def _guard(self, step: Callable[[], bool]) -> None:
@@ -200,7 +205,8 @@ class Outbox:
         self.messages = 0   # messages completed
         self.closed = False
         self.error: BaseException | None = None
-        self._queue: deque[tuple[WireHeader, torch.Tensor | None]] = deque()
+        # queued items: header, tensor, and a planned item's send (posted at push, completed before `sent` counts it)
+        self._queue: deque[tuple[WireHeader, torch.Tensor | None, dist.Work | None]] = deque()
         self._packing: list[WireHeader] = []  # the batch being packed (taken off the queue, not yet posted)
         # posted messages, oldest first: (items, works, buffers kept alive until the works complete)
         self._in_flight: deque[tuple[list[WireHeader], list[dist.Work], list[torch.Tensor]]] = deque()
@@ -213,11 +219,11 @@ class Outbox:
         for t in self._threads:
             t.start()
 
-    def push(self, header: WireHeader, tensor: torch.Tensor | None) -> None:
-        """Queue one item (call with `cond` held)."""
+    def push(self, header: WireHeader, tensor: torch.Tensor | None, sent: dist.Work | None = None) -> None:
+        """Queue one item (call with `cond` held). `sent`: a planned item's bytes, already posted on their own."""
         if self.error is not None:
             raise self.error
-        self._queue.append((header, tensor))
+        self._queue.append((header, tensor, sent))
         self.pushed += 1
         self.cond.notify_all()
 
@@ -232,7 +238,7 @@ class Outbox:
 
     def pending(self) -> list[WireHeader]:
         """Items not yet received by the peer: in flight first, then queued (call with `cond` held)."""
-        return [*(h for items, _, _ in self._in_flight for h in items), *self._packing, *(h for h, _ in self._queue)]
+        return [*(h for items, _, _ in self._in_flight for h in items), *self._packing, *(h for h, _, _ in self._queue)]
 
     def join(self, timeout: float) -> None:
         for t in self._threads:
@@ -250,11 +256,13 @@ class Outbox:
                    and size + _payload_bytes(self._queue[0][0]) <= self.max_batch_bytes):
                 size += _payload_bytes(self._queue[0][0])
                 batch.append(self._queue.popleft())
-            items = [h for h, _ in batch]
+            items = [h for h, _, _ in batch]
             self._packing = items
         # Packed off the lock: copying several payloads into one buffer must not hold up put()/get().
         header = encode_header(items).to(self.wire_device)
-        payload = pack_payloads(items, [t for _, t in batch])
+        payload = pack_payloads(items, [t for _, t, _ in batch])
+        planned_works = [w for _, _, w in batch if w is not None]
+        planned_tensors = [t for h, t, w in batch if w is not None and t is not None]
         with self.cond:
             self._packing = []
             # Posted under the lock (see InboundStream._post_header); posting never blocks.
@@ -266,7 +274,8 @@ class Outbox:
             else:  # header on the gloo group, payload on the device group: one batch per backend
                 works = list(dist.batch_isend_irecv([header_op]))
                 works += list(dist.batch_isend_irecv(payload_ops)) if payload_ops else []
-            self._in_flight.append((items, works, [header] if payload is None else [header, payload]))
+            keep = [header, *planned_tensors] + ([] if payload is None else [payload])
+            self._in_flight.append((items, works + planned_works, keep))
             self.cond.notify_all()
         return True
 
@@ -289,7 +298,8 @@ class Outbox:
 
 
 def _payload_bytes(item: WireHeader) -> int:
-    return item.nbytes if has_payload(item) else 0  # a credit's nbytes are what it frees, not what it carries
+    # a credit's nbytes are what it frees, not what it carries; a planned item's bytes left on their own
+    return item.nbytes if in_batch_payload(item) else 0
 
 
 def wait_work(work: dist.Work, deadline: float, *, on_timeout: Callable[[], BaseException],

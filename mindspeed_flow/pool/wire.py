@@ -13,6 +13,12 @@ own, and no thread hand-off of its own.
 
 Credits travel as payload-less batches on their own channel (an item record whose shape is the credited bytes).
 
+Planned items (wire version 4) skip the header round trip: when both ends derive an item's shape and dtype from
+the same step plan, the consumer posts the item's receive at `expect()` into a buffer of the planned size, and the
+producer sends the item's bytes as their own message on the channel's planned tag the moment it is put, outside
+the batch's payload. Its header record still travels (flagged `planned`), so the consumer checks it against the
+plan before handing the item out.
+
 Each channel has its own tags (a header tag and a payload tag): messages with the same (peer, tag) are
 delivered in order, so a prefetched header can never be matched by a payload, and embeddings, gradients and
 credits never mix.
@@ -26,15 +32,15 @@ import torch
 from mindspeed_flow.pool.errors import PoolProtocolError
 
 HEADER_MAGIC = 0x4D53_464C_4F57  # "MSFLOW": a header that does not start with it came from the wrong tag/peer
-WIRE_VERSION = 3  # 2: batched headers; 3: one payload buffer per batch
+WIRE_VERSION = 4  # 2: batched headers; 3: one payload buffer per batch; 4: planned items
 MAX_NDIM = 8
 MAX_BATCH = 16  # items per message: bounds the header (212 int64) while amortising per-message costs 16-fold
 PAYLOAD_ALIGN = 64  # byte alignment of each item inside a batch's payload buffer (>= every dtype's element size)
 
 # Header layout (int64): magic, version, channel, count, then MAX_BATCH item records of
-# sample_id, step, dtype code, ndim, nbytes, dims[MAX_NDIM] (unused records are zero).
+# sample_id, step, dtype code, ndim, nbytes, planned (0/1), dims[MAX_NDIM] (unused records are zero).
 _MESSAGE_FIELDS = 4
-_ITEM_FIELDS = 5 + MAX_NDIM
+_ITEM_FIELDS = 6 + MAX_NDIM
 HEADER_LEN = _MESSAGE_FIELDS + MAX_BATCH * _ITEM_FIELDS
 
 
@@ -47,6 +53,7 @@ class PoolTags:
     grad_header: int = 0x4D50_0003
     grad_payload: int = 0x4D50_0004
     credit: int = 0x4D50_0005
+    embedding_planned: int = 0x4D50_0006  # planned items' bytes, one message each (receives posted at expect())
 
 
 TAGS = PoolTags()
@@ -82,6 +89,7 @@ class WireHeader:
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
+    planned: bool = False  # the bytes travel alone on the planned tag, into a receive the consumer posted early
 
     @property
     def key(self) -> tuple[int, int]:
@@ -104,10 +112,10 @@ def check_sendable(tensor: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: tensor has {tensor.dim()} dims, the pool header holds at most {MAX_NDIM}")
 
 
-def item_header(channel: int, sample_id: int, step: int, tensor: torch.Tensor) -> WireHeader:
+def item_header(channel: int, sample_id: int, step: int, tensor: torch.Tensor, planned: bool = False) -> WireHeader:
     """The record announcing `tensor` as item (sample_id, step) on `channel`."""
     shape = tuple(int(d) for d in tensor.shape)
-    return WireHeader(channel, sample_id, step, tensor.dtype, shape, tensor_nbytes(shape, tensor.dtype))
+    return WireHeader(channel, sample_id, step, tensor.dtype, shape, tensor_nbytes(shape, tensor.dtype), planned)
 
 
 def credit_header(sample_id: int, step: int, nbytes: int) -> WireHeader:
@@ -121,7 +129,7 @@ def encode_header(items: list[WireHeader]) -> torch.Tensor:
         raise ValueError(f"a pool message carries 1..{MAX_BATCH} items of one channel, got {len(items)}")
     values = [HEADER_MAGIC, WIRE_VERSION, items[0].channel, len(items)]
     for h in items:
-        values += [h.sample_id, h.step, DTYPE_CODES[h.dtype], len(h.shape), h.nbytes, *h.shape]
+        values += [h.sample_id, h.step, DTYPE_CODES[h.dtype], len(h.shape), h.nbytes, int(h.planned), *h.shape]
         values += [0] * (MAX_NDIM - len(h.shape))
     values += [0] * (HEADER_LEN - len(values))
     return torch.tensor(values, dtype=torch.int64)
@@ -143,21 +151,27 @@ def decode_header(header: torch.Tensor, *, expected_channel: int, peer: int) -> 
     items = []
     for i in range(count):
         at = _MESSAGE_FIELDS + i * _ITEM_FIELDS
-        sample_id, step, dtype_code, ndim, nbytes = values[at:at + 5]
-        if dtype_code not in _CODE_TO_DTYPE or not 0 <= ndim <= MAX_NDIM:
-            raise PoolProtocolError(f"rank {peer} sent a header with dtype code {dtype_code} and ndim {ndim}")
-        shape = tuple(values[at + 5:at + 5 + ndim])
+        sample_id, step, dtype_code, ndim, nbytes, planned = values[at:at + 6]
+        if dtype_code not in _CODE_TO_DTYPE or not 0 <= ndim <= MAX_NDIM or planned not in (0, 1):
+            raise PoolProtocolError(f"rank {peer} sent a header with dtype code {dtype_code}, ndim {ndim} and "
+                                    f"planned flag {planned}")
+        shape = tuple(values[at + 6:at + 6 + ndim])
         dtype = _CODE_TO_DTYPE[dtype_code]
         if tensor_nbytes(shape, dtype) != nbytes:
             raise PoolProtocolError(f"rank {peer} sent a header for sample {sample_id} (step {step}) whose size "
                                     f"{nbytes} B does not match shape {list(shape)} of {dtype}")
-        items.append(WireHeader(channel, sample_id, step, dtype, shape, nbytes))
+        items.append(WireHeader(channel, sample_id, step, dtype, shape, nbytes, bool(planned)))
     return items
 
 
 def has_payload(item: WireHeader) -> bool:
-    """Whether a payload message follows the header for this item (credits and empty tensors have none)."""
+    """Whether the item carries bytes (credits and empty tensors have none)."""
     return item.channel != CHANNEL_CREDIT and item.nbytes > 0
+
+
+def in_batch_payload(item: WireHeader) -> bool:
+    """Whether the item's bytes travel in its batch's payload (a planned item's travel alone, sent at put())."""
+    return has_payload(item) and not item.planned
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -181,7 +195,7 @@ def payload_layout(items: list[WireHeader]) -> tuple[list[int | None], int]:
     offsets: list[int | None] = []
     total = 0
     for item in items:
-        if not has_payload(item):
+        if not in_batch_payload(item):
             offsets.append(None)
             continue
         total = -(-total // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
