@@ -22,16 +22,18 @@ Transport: see `transport.py` (one receiving thread per peer and channel; deadli
 transport to the peer fails (a dead peer fails within milliseconds on gloo).
 
 Planned items. Where both sides derive an item's shape and dtype from the same step plan, the consumer passes them
-to `expect(..., specs=...)` and the producer puts with `planned=True`: the consumer posts the item's receive at
-once into a buffer of the planned size, and the producer sends the bytes the moment it puts them, so a payload
-never waits for its header to land (on loopback gloo that round trip, a payload copy and a buffer allocation per
-message cost more than the transfer of a 64-token embedding). The header still follows; the consumer checks it
-against the plan (shape, dtype, route) before handing the item out, and raises `PoolProtocolError` naming the
-item on a mismatch. Receives posted ahead are bounded by `capacity_bytes` (bytes posted and not yet taken by
-get()); a planned item beyond that budget is posted when its header lands, as on the header path. Planned items
-need tag matching (gloo payloads): with `data_groups` both calls fall back to the header path, still checked.
-The sizes must really agree: gloo aborts the process on a message larger than the receive posted for it, so the
-plan, not the tensor, must be the source of both sides' specs.
+to `expect(..., specs=...)` and the producer puts with `planned=True`: the consumer posts the item's receives at
+once (its one-item header and its bytes, into a buffer of the planned size) and the producer sends both the moment
+it puts them, on tags of their own. No header thread, no round trip, no batch copy: measured with `bench pool`,
+those per-message costs (thread wake-ups and Python on both sides, a header landing before a payload receive
+could be posted, a copy into a fresh batch buffer) cost more than the transfer of a 64-token embedding. One
+thread per producer waits for the planned receives in send order, checks each header against the plan (item,
+shape, dtype) and only then holds the item for get(); a mismatch raises `PoolProtocolError` naming the item.
+Receives posted ahead are bounded by `capacity_bytes` (bytes posted and not yet taken by get(); get() of a later
+item posts what it needs). Planned items have their own order, apart from header-path items of the same producer.
+They need tag matching (gloo payloads): with `data_groups` both calls fall back to the header path, where the
+header is checked against the specs. The sizes must really agree: gloo aborts the process on a message larger
+than the receive posted for it, so the plan, not the tensor, must be the source of both sides' specs.
 
 Groups. Headers and credits always travel on `group`, a gloo group (tags keep channels apart; `Topology` builds
 it). Payloads travel on `data_groups` when given: two groups of the job's device backend (NCCL/HCCL), one per
@@ -56,11 +58,11 @@ import torch.distributed as dist
 from mindspeed_flow.pool.errors import PoolError, PoolPeerError, PoolProtocolError, PoolShapeError, PoolTimeout
 from mindspeed_flow.pool.handle import EmbeddingHandle, Tier
 from mindspeed_flow.pool.stats import PoolCounters, PoolStats
-from mindspeed_flow.pool.transport import InboundStream, LandedItem, Outbox, wait_work
+from mindspeed_flow.pool.transport import InboundStream, LandedItem, Outbox, ThreadStep
 from mindspeed_flow.pool.wire import (CHANNEL_CREDIT, CHANNEL_EMBEDDING, CHANNEL_GRAD, CHANNEL_NAMES, DTYPE_CODES,
                                       HEADER_LEN, MAX_BATCH, MAX_NDIM, TAGS, WireHeader, check_sendable,
-                                      credit_header, decode_header, from_bytes, item_header, slice_payloads,
-                                      tensor_nbytes)
+                                      credit_header, decode_header, encode_header, from_bytes, item_header,
+                                      slice_payloads, tensor_nbytes)
 from mindspeed_flow.runtime.trace import traced
 
 # (peer rank, sample_id, step): the pool's key for an item on one side of one producer/consumer pair.
@@ -89,9 +91,11 @@ class _PlannedReceive:
     spec: Spec
     nbytes: int
     buffer: torch.Tensor | None = None
-    work: Optional[dist.Work] = None  # None for an empty item (nothing travels)
+    work: Optional[dist.Work] = None  # None for an empty item (no bytes travel)
+    record: torch.Tensor | None = None  # the item's one-item header, checked against `spec` before hand-out
+    record_work: Optional[dist.Work] = None
     posted: bool = False
-    waiting: bool = False  # a get() is waiting for its receive (each work is waited exactly once)
+    posted_t: float = 0.0  # time.monotonic() when its receive was posted
     arrived: bool = False  # its bytes are in (it is in `_held`)
 
 # Items queued behind a send share a message up to this much payload; a larger item goes alone. Large items gain
@@ -184,12 +188,14 @@ class EmbeddingPool:
         self._specs: dict[ItemKey, Spec] = {}  # planned (shape, dtype) of expected items, checked when they land
         # Planned items take the planned route only where payloads are matched by tag (gloo), see the module doc.
         self._planned_route = data_groups is None
-        # Planned receives per producer, in send order: those not yet arrived (posted first, waited by get() in
-        # order) and those whose header has not landed (checked against it in order); by key until arrival.
+        # Planned receives per producer not yet arrived, in send order (posted first), and by key until arrival.
         self._rx_arrival: dict[int, deque[_PlannedReceive]] = {}
-        self._rx_headers: dict[int, deque[_PlannedReceive]] = {}
         self._rx_by_key: dict[ItemKey, _PlannedReceive] = {}
         self._planned_rx_bytes = 0  # bytes of planned receives posted and not yet taken by get()
+        self._planned_receivers: dict[int, ThreadStep] = {}  # producer -> the thread that waits its planned receives
+        # producer side: planned sends not yet complete per consumer, (works, tensors kept alive), and their reaper
+        self._planned_sends: dict[int, deque[tuple[list[dist.Work], list[torch.Tensor]]]] = {}
+        self._planned_senders: dict[int, ThreadStep] = {}
         # both sides: one coalescing sender per (peer, channel)
         self._outboxes: dict[tuple[int, int], Outbox] = {}
 
@@ -237,14 +243,55 @@ class EmbeddingPool:
             if self.return_grads:
                 self._grads_owed.add(key)
                 self._stream(self._grad_streams, consumer, "grad").request(1)
-            sent = None
-            if planned and nbytes > 0:  # its receive is (or will be) posted by plan: no header round trip
-                self._raise_if_send_failed(consumer, CHANNEL_EMBEDDING)
-                sent = dist.isend(payload.contiguous().view(-1).view(torch.uint8), consumer, group=self.group,
-                                  tag=TAGS.embedding_planned)
-            self._send(consumer, header, payload, sent)
+            if planned:
+                self._send_planned(consumer, header, payload)
+            else:
+                self._send(consumer, header, payload)
             self._sent[key] = handle
         return handle
+
+    def _send_planned(self, consumer: int, header: WireHeader, payload: torch.Tensor) -> None:
+        """Send a planned item now: its one-item header (the consumer checks it before handing the item out) and
+        its bytes, each into a receive the consumer posted from its plan; no header thread, no round trip
+        (lock held: posts keep send order)."""
+        if self._closed:
+            raise PoolError(f"rank {self.rank}: the pool is closed")
+        sender = self._planned_senders.get(consumer)
+        if sender is not None and sender.error is not None:
+            raise PoolPeerError(f"rank {self.rank}: sending a planned embedding to rank {consumer} failed "
+                                f"({type(sender.error).__name__}: {sender.error}); rank {consumer} probably died, "
+                                f"check its log") from sender.error
+        record = encode_header([header])
+        works = [dist.isend(record, consumer, group=self.group, tag=TAGS.embedding_planned_header)]
+        if header.nbytes > 0:
+            works.append(dist.isend(payload.contiguous().view(-1).view(torch.uint8), consumer, group=self.group,
+                                    tag=TAGS.embedding_planned))
+        self._planned_sends.setdefault(consumer, deque()).append((works, [record, payload]))
+        self._counters.embedding_messages += 1  # one item per message, not coalesced
+        if sender is None:
+            sender = ThreadStep(cond=self._cond, peer=consumer, step=lambda c=consumer: self._reap_planned(c),
+                                idle=lambda c=consumer: not self._planned_sends.get(c),
+                                name=f"pool-r{self.rank}-planned-to-r{consumer}")
+            self._planned_senders[consumer] = sender
+            sender.start()
+        self._cond.notify_all()
+
+    def _reap_planned(self, consumer: int) -> bool:
+        """One step of the thread that completes planned sends to `consumer`, in order (each work waited once;
+        the tensors stay referenced until then). False once the pool closes with nothing left to complete."""
+        with self._cond:
+            sends = self._planned_sends.setdefault(consumer, deque())
+            while not sends and not self._closed:
+                self._cond.wait()
+            if not sends:
+                return False
+            works, _ = sends[0]
+        for work in works:
+            work.wait()
+        with self._cond:
+            sends.popleft()
+            self._cond.notify_all()
+        return True
 
     @traced("pool.wait_grad")
     def wait_grad(self, *, sample_id: int, step: int, consumer: int) -> torch.Tensor:
@@ -274,33 +321,41 @@ class EmbeddingPool:
         """Announce the (sample_id, step) items `producer` will send, in its send order; receiving starts now.
 
         `specs`: one (shape, dtype) per item, from the step plan; the producer must put these items with
-        `planned=True`. Their receives are posted now (within the capacity budget), and each landing header is
-        checked against its spec."""
+        `planned=True` (a planned put is only received by an expect with specs). Their receives are posted now
+        (within the capacity budget) and each item's header is checked against its spec before get() hands it
+        out. Planned items have their own order: the plan order is checked among planned items and among the
+        others, each as sent."""
         self._check_peer(producer, "producer")
         items = [(int(s), int(t)) for s, t in items]
         checked = self._check_specs(items, specs)
         with self._cond:
+            if checked is not None and self._planned_route:
+                for item, spec in zip(items, checked):
+                    key = (producer, *item)
+                    if key in self._rx_by_key or key in self._held or key in self._planned:
+                        raise ValueError(f"rank {self.rank}: sample {item[0]} (step {item[1]}) from producer rank "
+                                         f"{producer} is already expected")
+                    self._add_planned(producer, _PlannedReceive(item, spec, tensor_nbytes(*spec)))
+                self._post_planned()
+                return
             stream = self._stream(self._embedding_streams, producer, "embedding")
             plan = self._plans.setdefault(producer, deque())
             for i, item in enumerate(items):
                 key = (producer, *item)
                 if self._take_early(producer, item):
-                    stream.request(1)  # already arrived (its receive was posted from its header): not planned
+                    stream.request(1)  # already arrived: counted, not planned
                     continue
-                if key in self._planned or key in self._held:
+                if key in self._planned or key in self._held or key in self._rx_by_key:
                     raise ValueError(f"rank {self.rank}: sample {item[0]} (step {item[1]}) from producer rank "
                                      f"{producer} is already expected")
                 self._planned.add(key)
                 plan.append(item)
-                if checked is not None:
+                if checked is not None:  # no planned route (device payload groups): checked when the header lands
                     self._specs[key] = checked[i]
-                    if self._planned_route:
-                        self._add_planned(producer, _PlannedReceive(item, checked[i], tensor_nbytes(*checked[i])))
                 if self.receive_ahead:
                     stream.request(1)
                 else:
                     self._unrequested.setdefault(producer, deque()).append(item)
-            self._post_planned()
 
     def _check_specs(self, items: list[tuple[int, int]],
                      specs: Sequence[tuple[Sequence[int], torch.dtype]] | None) -> list[Spec] | None:
@@ -337,58 +392,62 @@ class EmbeddingPool:
 
     def _post_receive(self, producer: int, rx: _PlannedReceive) -> None:
         """Post one planned receive into a fresh buffer of its planned size (lock held: posts keep send order)."""
+        rx.record = torch.empty(HEADER_LEN, dtype=torch.int64)
+        rx.record_work = dist.irecv(rx.record, src=producer, group=self.group, tag=TAGS.embedding_planned_header)
         rx.buffer = torch.empty(rx.nbytes, dtype=torch.uint8, device=self._payload_device)
         rx.work = (dist.irecv(rx.buffer, src=producer, group=self.group, tag=TAGS.embedding_planned)
                    if rx.nbytes > 0 else None)
         rx.posted = True
+        rx.posted_t = time.monotonic()
         self._planned_rx_bytes += rx.nbytes
+        if producer not in self._planned_receivers:
+            # idle: no posted receive still owed (a posted one left waiting would take a later pool's message)
+            thread = ThreadStep(cond=self._cond, peer=producer, step=lambda p=producer: self._receive_planned(p),
+                                idle=lambda p=producer: not any(rx.posted for rx in self._rx_arrival.get(p, ())),
+                                name=f"pool-r{self.rank}-planned-from-r{producer}")
+            self._planned_receivers[producer] = thread
+            thread.start()
+        self._cond.notify_all()
 
     def _add_planned(self, producer: int, rx: _PlannedReceive) -> None:
         """Register a planned receive behind this producer's earlier ones (lock held)."""
         self._rx_arrival.setdefault(producer, deque()).append(rx)
-        self._rx_headers.setdefault(producer, deque()).append(rx)
         self._rx_by_key[(producer, *rx.key)] = rx
 
-    def _await_planned(self, key: ItemKey, deadline: float) -> None:
-        """If `key` is a planned item, wait on this thread for its receive and the earlier ones of its producer
-        (in send order, each exactly once) and hold them: no receiving thread sits between the bytes landing and
-        get() (each thread hand-off costs a wake-up, which on a busy host is most of a small item's transfer).
-        Its header is checked when it lands, on the receiving thread; flush() waits for that check."""
-        producer, sample_id, step = key
-        while True:
-            with self._cond:
-                rx = self._rx_by_key.get(key)
-                if rx is None or rx.arrived:
-                    return
-                head = self._rx_arrival[producer][0]
-                if head.waiting:  # another get() waits on it: wait for that one to finish
-                    if not self._wait(deadline):
-                        raise PoolTimeout(self._get_timeout_message(f"the embedding of sample {sample_id} (step "
-                                                                    f"{step})", producer))
-                    continue
-                if not head.posted:  # over the budget, but wanted now
-                    self._post_receive(producer, head)
-                head.waiting = True
-                self._get_blocked_since = time.monotonic()
-            begin = time.monotonic()
-            try:
-                if head.work is not None:
-                    what = f"the embedding of sample {head.key[0]} (step {head.key[1]})"
-                    wait_work(head.work, deadline,
-                              on_timeout=lambda: PoolTimeout(self._get_timeout_message(what, producer)),
-                              on_failure=lambda exc: PoolPeerError(
-                                  f"rank {self.rank} was waiting for {what} from rank {producer}, but receiving "
-                                  f"from rank {producer} failed ({type(exc).__name__}: {exc}); rank {producer} "
-                                  f"probably died, check its log"))
-            finally:
-                with self._cond:
-                    head.waiting = False
-                    self._get_blocked_since = None
-                    self._cond.notify_all()
-            with self._cond:
-                self._hold_planned(producer, head, time.monotonic() - begin)
+    def _receive_planned(self, producer: int) -> bool:
+        """One step of a producer's planned-receive thread: wait for the oldest posted planned receive (in send
+        order, each work waited exactly once), check its header against the plan and hold the item for get().
+        False once the pool closes with nothing posted."""
+        with self._cond:
+            pending = self._rx_arrival[producer]
+            while (not pending or not pending[0].posted) and not self._closed:
+                self._cond.wait()
+            if not pending or not pending[0].posted:
+                return False
+            head = pending[0]
+        assert head.record is not None and head.record_work is not None
+        head.record_work.wait()
+        self._check_record(producer, head)
+        if head.work is not None:
+            head.work.wait()
+        with self._cond:
+            self._hold_planned(producer, head)
+        return True
 
-    def _hold_planned(self, producer: int, rx: _PlannedReceive, waited_s: float) -> None:
+    def _check_record(self, producer: int, rx: _PlannedReceive) -> None:
+        """The planned item's header must name the item this receive was posted for, with the planned spec."""
+        assert rx.record is not None
+        [header] = decode_header(rx.record, expected_channel=CHANNEL_EMBEDDING, peer=producer)
+        what = f"rank {self.rank}: planned sample {rx.key[0]} (step {rx.key[1]}) from producer rank {producer}"
+        if header.key != rx.key:
+            raise PoolProtocolError(f"{what}: the producer sent sample {header.sample_id} (step {header.step}) in "
+                                    f"its place; put(planned=True) and expect(specs=...) must name the same items "
+                                    f"in the same order")
+        if (header.shape, header.dtype) != rx.spec:
+            raise PoolProtocolError(f"{what} was planned as {list(rx.spec[0])} {rx.spec[1]} but the producer sent "
+                                    f"{list(header.shape)} {header.dtype}; the ranks disagree on the step plan")
+
+    def _hold_planned(self, producer: int, rx: _PlannedReceive) -> None:
         """A planned item's bytes are in: hold it for get() like a landed item (lock held)."""
         self._rx_arrival[producer].popleft()
         del self._rx_by_key[(producer, *rx.key)]
@@ -399,9 +458,7 @@ class EmbeddingPool:
         c.add_held(tier, rx.nbytes, +1)
         c.host_tier_items += int(tier == "host")
         c.bytes_received += rx.nbytes
-        # Only the part get() waited for is seen on this side (the rest overlapped whatever ran before it).
-        c.transfer_s += waited_s
-        c.transfer_exposed_s += waited_s
+        self._account_transfer(producer, rx.posted_t)
         assert rx.buffer is not None
         tensor = rx.buffer.view(dtype).reshape(shape)
         if tier == "device" and tensor.device != self.device:
@@ -422,13 +479,16 @@ class EmbeddingPool:
         what = f"the embedding of sample {sample_id} (step {step})"
         start = time.monotonic()
         deadline = start + self.timeout_s
-        self._await_planned(key, deadline)
         with self._cond:
-            if producer in self._embedding_streams:
-                self._raise_if_failed([self._embedding_streams[producer]], what)  # e.g. a header against the plan
             if (sample_id, step) in self._early.get(producer, ()):
                 self._take_early(producer, (sample_id, step))
                 self._stream(self._embedding_streams, producer, "embedding").request(1)
+            elif key in self._rx_by_key:  # planned: its receive and the earlier ones must be posted, budget or not
+                for rx in self._rx_arrival[producer]:
+                    if not rx.posted:
+                        self._post_receive(producer, rx)
+                    if rx.key == (sample_id, step):
+                        break
             elif key not in self._planned and key not in self._held:
                 self._planned.add(key)
                 self._plans.setdefault(producer, deque()).append((sample_id, step))
@@ -445,7 +505,7 @@ class EmbeddingPool:
                 self._get_blocked_since = start
             try:
                 while key not in self._held or self._held[key].tensor is None:
-                    self._raise_if_failed([self._embedding_streams[producer]], what)
+                    self._raise_if_failed(self._receivers_of(producer), what)
                     if not self._wait(deadline):
                         raise PoolTimeout(self._get_timeout_message(what, producer))
             finally:
@@ -505,13 +565,12 @@ class EmbeddingPool:
                                 f"{pending[0].step})" if pending else CHANNEL_NAMES[box.channel])
                         raise PoolTimeout(f"rank {self.rank} waited {self.timeout_s:.1f} s in flush() for the {what} "
                                           f"to be received by rank {box.peer} ({len(pending)} items not yet received)")
-            # Planned items handed out before their header landed: the check against the plan ends here.
-            while any(rx.arrived for pending in self._rx_headers.values() for rx in pending):
-                self._raise_if_failed(self._embedding_streams.values(), "the headers of planned items")
-                if not self._wait(deadline):
-                    raise PoolTimeout(f"rank {self.rank} waited {self.timeout_s:.1f} s in flush() for the headers "
-                                      f"of planned items it has already taken")
-            self._raise_if_failed(self._embedding_streams.values(), "the headers of planned items")
+            for consumer, sends in self._planned_sends.items():
+                while sends:
+                    self._raise_if_failed([self._planned_senders[consumer]], "planned sends")
+                    if not self._wait(deadline):
+                        raise PoolTimeout(f"rank {self.rank} waited {self.timeout_s:.1f} s in flush() for "
+                                          f"{len(sends)} planned embeddings to be received by rank {consumer}")
             self._counters.flush_wait_s += time.monotonic() - start
 
     def stats(self) -> PoolStats:
@@ -542,8 +601,9 @@ class EmbeddingPool:
         deadline = time.monotonic() + (self.timeout_s if wait else 0.0)
         with self._cond:
             self._closed = True
-            streams: list[InboundStream | Outbox] = [*self._credit_streams.values(), *self._grad_streams.values(),
-                                                     *self._embedding_streams.values(), *self._outboxes.values()]
+            streams: list[InboundStream | Outbox | ThreadStep] = [
+                *self._credit_streams.values(), *self._grad_streams.values(), *self._embedding_streams.values(),
+                *self._outboxes.values(), *self._planned_receivers.values(), *self._planned_senders.values()]
             while any(not s.idle and s.error is None for s in streams) and self._wait(deadline):
                 pass
             busy = sorted({s.peer for s in streams if not s.idle})
@@ -569,7 +629,6 @@ class EmbeddingPool:
         headers = decode_header(raw, expected_channel=CHANNEL_EMBEDDING, peer=producer)
         with self._cond:
             plan = self._plans[producer]
-            own: list[_PlannedReceive | None] = []
             for header in headers:
                 if plan:
                     if plan[0] != header.key:
@@ -578,51 +637,27 @@ class EmbeddingPool:
                     self._planned.discard((producer, *header.key))
                 else:  # batched with planned items before this rank expected it: held until expect() names it
                     self._early.setdefault(producer, deque()).append(header.key)
-                if self._match_planned(producer, header):
-                    continue  # get() waits for its own receive and holds it
+                self._check_header_spec(producer, header)
                 tier = self._choose_tier(header.nbytes)
                 self._counters.add_held(tier, header.nbytes, +1)
                 self._counters.host_tier_items += int(tier == "host")
                 self._held[(producer, *header.key)] = _Held(EmbeddingHandle(
                     header.sample_id, header.step, producer, self.rank, header.shape, header.dtype, header.nbytes,
                     tier), landing_t=time.monotonic())
-            self._cond.notify_all()  # flush() waits for the headers of planned items taken before they landed
         return self._payload_views(headers)
 
-    def _match_planned(self, producer: int, header: WireHeader) -> bool:
-        """Check a landing header against the plan's spec and route; True for a planned item (lock held).
-
-        A planned item the consumer gave no spec for (it arrived before expect(), or was expected without specs)
-        gets its receive now, from the header: the next planned receive of this producer, in send order."""
-        key = (producer, *header.key)
-        spec = self._specs.pop(key, None)
+    def _check_header_spec(self, producer: int, header: WireHeader) -> None:
+        """A header-path item expected with specs (no planned route: device payload groups) must match them; a
+        planned record never travels on the header path (lock held)."""
+        spec = self._specs.pop((producer, *header.key), None)
         what = f"rank {self.rank}: sample {header.sample_id} (step {header.step}) from producer rank {producer}"
+        if header.planned:
+            raise PoolProtocolError(f"{what} came as a planned item on the header channel")
         if spec is not None and spec != (header.shape, header.dtype):
             raise PoolProtocolError(f"{what} was planned as {list(spec[0])} {spec[1]} but the producer sent "
                                     f"{list(header.shape)} {header.dtype}; the ranks disagree on the step plan")
-        if not header.planned:
-            if spec is not None and self._planned_route:
-                raise PoolProtocolError(f"{what} was expected with specs (planned), but the producer put it "
-                                        f"without planned=True")
-            return False
-        pending = self._rx_headers.get(producer)
-        if pending:
-            rx = pending.popleft()
-            if rx.key != header.key:
-                raise PoolProtocolError(f"{what} arrived on the planned route, but the next planned item is sample "
-                                        f"{rx.key[0]} (step {rx.key[1]}); put(planned=True) and expect(specs=...) "
-                                        f"must name the same items, in the same order")
-        else:
-            rx = _PlannedReceive(header.key, (header.shape, header.dtype), header.nbytes)
-            self._add_planned(producer, rx)
-            self._rx_headers[producer].popleft()  # its header is this one
-        if not rx.posted:  # beyond the budget when planned: the producer has sent it, so post it now
-            self._post_receive(producer, rx)
-        return True
 
     def _deliver_embedding(self, producer: int, header: WireHeader, buffer: torch.Tensor | None) -> None:
-        if header.planned:
-            return  # its bytes come through its own receive, which get() waits for
         key = (producer, *header.key)
         with self._cond:
             tier = self._held[key].handle.tier
@@ -776,7 +811,12 @@ class EmbeddingPool:
         self._cond.wait(timeout=remaining)
         return True
 
-    def _raise_if_failed(self, streams: Iterable[InboundStream], what: str) -> None:
+    def _receivers_of(self, producer: int) -> list[InboundStream | ThreadStep]:
+        """The threads that receive from `producer` (lock held): their errors end a wait for its items."""
+        found = [self._embedding_streams.get(producer), self._planned_receivers.get(producer)]
+        return [r for r in found if r is not None]
+
+    def _raise_if_failed(self, streams: Iterable[InboundStream | ThreadStep], what: str) -> None:
         for stream in streams:
             err = stream.error
             if err is None:
@@ -824,6 +864,7 @@ class EmbeddingPool:
 
     def _get_timeout_message(self, what: str, producer: int) -> str:
         arrived = sum(1 for (p, _, _) in self._held if p == producer)
-        still = len(self._plans.get(producer, ()))
+        still = len(self._plans.get(producer, ())) + len(self._rx_arrival.get(producer, ()))
         return (f"rank {self.rank} waited {self.timeout_s:.1f} s for {what} from producer rank {producer} "
-                f"({arrived} items from it are buffered, {still} planned items have not arrived)")
+                f"({arrived} items from it are buffered, {still} expected items have not arrived; an item put "
+                f"with planned=True arrives only once expected with specs)")

@@ -123,6 +123,22 @@ class InboundStream:
             self._header_posted = None
             self.announced += len(items)
             self.messages += 1
+            if buffer is None and not self._landed and all(view is None and own is None for _, view, own in items):
+                # Nothing to wait for (credits, planned items' headers) and nothing ahead of it: delivered here,
+                # which spares a hand-off to the payload thread (a wake-up per message, costly on a busy host).
+                if self.announced < self.wanted and not self.closed:
+                    self._header_posted = self._post_header()
+                deliver_now = True
+            else:
+                deliver_now = False
+        if deliver_now:
+            for context, _, _ in items:
+                self.deliver(context, None)
+            with self.cond:
+                self.received += len(items)
+                self.cond.notify_all()
+            return True
+        with self.cond:
             # The next header's receive goes out before this batch's payload receive. Transports that move a
             # message only once both ends have posted it (gloo) then send the small next header ahead of this
             # payload, so the next payload's receive is posted while this one is still on the wire and the link
@@ -160,7 +176,35 @@ class InboundStream:
         run_guarded(self, step)
 
 
-def run_guarded(owner: "InboundStream | Outbox", step: Callable[[], bool]) -> None:
+class ThreadStep:
+    """A daemon thread that runs `step` until it returns False, recording its first exception in `error` for the
+    thread that waits on `cond` (the pool's planned receives: one such thread per producer)."""
+
+    def __init__(self, *, cond: threading.Condition, peer: int, step: Callable[[], bool],
+                 idle: Callable[[], bool], name: str) -> None:
+        self.cond = cond
+        self.peer = peer
+        self.error: BaseException | None = None
+        self._idle = idle
+        self._thread = threading.Thread(target=run_guarded, args=(self, step), name=name, daemon=True)
+
+    @property
+    def idle(self) -> bool:
+        """No message is owed to this thread any more (call with `cond` held)."""
+        return self._idle()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Wake the thread so that `step` sees its owner closed (call with `cond` held)."""
+        self.cond.notify_all()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
+def run_guarded(owner: "InboundStream | Outbox | ThreadStep", step: Callable[[], bool]) -> None:
     """Run `step` until it returns False; record the first exception on `owner` for the waiting thread."""
     try:
         while step():
@@ -269,7 +313,9 @@ class Outbox:
             header_op = dist.P2POp(dist.isend, header, self.peer, self.group, self.header_tag)
             payload_ops = ([] if payload is None else
                            [dist.P2POp(dist.isend, payload, self.peer, self.payload_group, self.payload_tag)])
-            if self.payload_group is self.group:
+            if not payload_ops:  # header only (credits, planned items): no batch to build
+                works = [dist.isend(header, self.peer, group=self.group, tag=self.header_tag)]
+            elif self.payload_group is self.group:
                 works = list(dist.batch_isend_irecv([header_op, *payload_ops]))
             else:  # header on the gloo group, payload on the device group: one batch per backend
                 works = list(dist.batch_isend_irecv([header_op]))

@@ -54,6 +54,7 @@ class PoolTags:
     grad_payload: int = 0x4D50_0004
     credit: int = 0x4D50_0005
     embedding_planned: int = 0x4D50_0006  # planned items' bytes, one message each (receives posted at expect())
+    embedding_planned_header: int = 0x4D50_0007  # planned items' one-item headers, checked before hand-out
 
 
 TAGS = PoolTags()
@@ -100,7 +101,7 @@ def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     numel = 1
     for d in shape:
         numel *= d
-    return numel * torch.empty((), dtype=dtype).element_size()
+    return numel * dtype.itemsize  # not torch.empty(): a factory call per item costs a GIL hand-off in put()
 
 
 def check_sendable(tensor: torch.Tensor, what: str) -> None:
