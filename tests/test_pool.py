@@ -378,6 +378,135 @@ def test_a_coalesced_batch_split_by_capacity_round_trips_exactly():
         tokens * HIDDEN * torch.empty((), dtype=dtype).element_size() for _, tokens, dtype in SPLIT_ITEMS)
 
 
+# ---------------------------------------------------------------- planned items (receives posted from the plan)
+
+# (sample_id, tokens, dtype, planned): planned items of mixed dtypes and odd sizes, an empty one and one over the
+# capacity, interleaved with header-path items of the same producer (the two routes keep their own order).
+PLANNED_ITEMS = [(0, 3, torch.float32, True), (1, 9, torch.bfloat16, True), (2, 0, torch.float32, True),
+                 (3, 5, torch.float64, True), (4, 4, torch.float32, False), (5, 40, torch.float32, True),
+                 (6, 7, torch.float16, True), (7, 2, torch.int64, False), (8, 11, torch.bfloat16, True),
+                 (9, 6, torch.bool, True)]
+PLANNED_CAPACITY = 600  # bytes: puts block, receives posted ahead stop at the budget, sample 5 (1280 B) is oversize
+PLANNED_REVERSED = [(0, 2, torch.float32, True), (1, 3, torch.bfloat16, True), (2, 1, torch.float32, False),
+                    (3, 4, torch.float16, True)]  # step 1: all fit the capacity, taken in reverse order
+
+
+def _planned_round_trip(rank: int, world: int) -> dict:
+    pool = _pool(rank, capacity_bytes=PLANNED_CAPACITY)
+    steps = [(0, PLANNED_ITEMS), (1, PLANNED_REVERSED)]
+    if rank == 0:
+        for step, items in steps:
+            for sid, tokens, dtype, planned in items:
+                pool.put(_embedding(sid, step, tokens, dtype), sample_id=sid, step=step, consumer=1, planned=planned)
+            for sid, tokens, dtype, _ in items:
+                grad = pool.wait_grad(sample_id=sid, step=step, consumer=1)
+                want = _grad_of(_embedding(sid, step, tokens, dtype), sid)
+                assert grad.dtype == want.dtype and torch.equal(grad, want), (step, sid)
+    else:
+        for step, items in steps:
+            planned = [(sid, tokens, dtype) for sid, tokens, dtype, p in items if p]
+            pool.expect(producer=0, items=[(sid, step) for sid, _, _ in planned],
+                        specs=[((tokens, HIDDEN), dtype) for _, tokens, dtype in planned])
+            pool.expect(producer=0, items=[(sid, step) for sid, _, _, p in items if not p])
+            got = {}
+            for sid, tokens, dtype, _ in (items if step == 0 else reversed(items)):
+                emb = pool.get(sample_id=sid, step=step, producer=0, expected_shape=(tokens, HIDDEN))
+                assert emb.dtype == dtype and torch.equal(emb, _embedding(sid, step, tokens, dtype)), (step, sid)
+                got[sid] = emb
+                pool.return_grad(_grad_of(emb, sid), sample_id=sid, step=step, producer=0)
+            for sid in sorted(got):  # each planned item has its own buffer: writing one leaves the rest
+                got[sid].zero_()
+                for other, tokens, dtype, _ in items:
+                    if other > sid:
+                        assert torch.equal(got[other], _embedding(other, step, tokens, dtype)), (sid, other)
+    pool.flush()
+    dist.barrier()
+    _wait_all_credited(pool)
+    stats = pool.stats().as_dict()
+    pool.close()
+    return stats
+
+
+def test_planned_items_round_trip_exactly_beside_header_path_items():
+    producer, consumer = run_ranks(_planned_round_trip, 2, timeout_s=90)
+    n = len(PLANNED_ITEMS) + len(PLANNED_REVERSED)
+    assert producer["puts"] == consumer["gets"] == n and producer["grads_received"] == consumer["grads_sent"] == n
+    assert producer["put_blocks"] >= 1 and producer["oversize_puts"] == 1
+    assert producer["inflight_peak_bytes"] <= 40 * HIDDEN * 4  # the capacity held, but for the oversize item
+    assert consumer["bytes_received"] == producer["bytes_sent"] == sum(
+        tokens * HIDDEN * dtype.itemsize for _, tokens, dtype, _ in PLANNED_ITEMS + PLANNED_REVERSED)
+    assert consumer["buffered_items"] == 0 and producer["inflight_items"] == 0
+
+
+# What the producer puts (sample ids in order, shape, dtype) against what the consumer planned, and the words the
+# consumer's error must contain. Every case keeps the byte counts equal: a message larger than the receive posted
+# for it is not a pool error but a gloo abort (see the pool's docstring).
+PLANNED_MISMATCH = {
+    "shape": ([0], (4, HIDDEN), torch.float32, [0], (HIDDEN, 4), torch.float32,
+              ["planned sample 0 (step 0)", "planned as [8, 4]", "sent [4, 8]"]),
+    "dtype": ([0], (4, HIDDEN), torch.int32, [0], (4, HIDDEN), torch.float32,
+              ["planned as [4, 8] torch.float32", "sent [4, 8] torch.int32"]),
+    "order": ([1, 0], (4, HIDDEN), torch.float32, [0, 1], (4, HIDDEN), torch.float32,
+              ["planned sample 0 (step 0)", "sent sample 1 (step 0) in its place"]),
+}
+
+
+def _planned_mismatch(rank: int, world: int, case: str) -> str:
+    sent_ids, sent_shape, sent_dtype, planned_ids, planned_shape, planned_dtype, _ = PLANNED_MISMATCH[case]
+    pool = _pool(rank, timeout_s=30.0, return_grads=False)
+    message = ""
+    if rank == 0:
+        for sid in sent_ids:
+            pool.put(torch.ones(sent_shape, dtype=sent_dtype), sample_id=sid, step=0, consumer=1, planned=True)
+        pool.flush()  # the consumer posted the receives from its plan: the bytes are delivered, then refused
+    else:
+        pool.expect(producer=0, items=[(sid, 0) for sid in planned_ids],
+                    specs=[(planned_shape, planned_dtype)] * len(planned_ids))
+        try:
+            pool.get(sample_id=planned_ids[0], step=0, producer=0)
+        except PoolProtocolError as exc:
+            message = str(exc)
+    dist.barrier()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the refused item's credit never comes
+        pool.close(wait=False)
+    return message
+
+
+@pytest.mark.parametrize("case", sorted(PLANNED_MISMATCH))
+def test_a_planned_item_against_the_plan_is_refused_before_hand_out(case: str):
+    message = run_ranks(_planned_mismatch, 2, case, timeout_s=60)[1]
+    assert message, "the consumer handed out an item that does not match its plan"
+    for part in PLANNED_MISMATCH[case][-1]:
+        assert part in message, f"{part!r} missing from: {message}"
+
+
+def _planned_bad_specs(rank: int, world: int) -> list[str]:
+    messages = []
+    if rank == 1:
+        for kw, specs in (({}, [((4, HIDDEN), torch.float32)]),  # two items, one spec
+                          ({}, [((4, HIDDEN), torch.complex64)] * 2),
+                          ({}, [((4, -1), torch.float32)] * 2),
+                          ({"receive_ahead": False}, [((4, HIDDEN), torch.float32)] * 2)):
+            pool = _pool(rank, **kw)
+            try:
+                pool.expect(producer=0, items=[(0, 0), (1, 0)], specs=specs)
+                messages.append("accepted")
+            except ValueError as exc:
+                messages.append(str(exc))
+            pool.close()
+    dist.barrier()
+    return messages
+
+
+def test_bad_specs_are_named():
+    messages = run_ranks(_planned_bad_specs, 2, timeout_s=60)[1]
+    assert "specs has 1 entries for 2 items" in messages[0]
+    assert "sample 0 (step 0)" in messages[1] and "complex64" in messages[1]
+    assert "each >= 0" in messages[2]
+    assert "receive_ahead=False" in messages[3]
+
+
 # ---------------------------------------------------------------- backpressure and the oversize rule
 
 ITEM_TOKENS = [4, 6, 3, 5, 40, 4, 2, 6, 5, 3]  # 40 tokens = 1280 B > capacity: the oversize item
@@ -604,15 +733,16 @@ def _pool_on_emulated_hccl(rank: int, world: int) -> dict:
         "npu", 0), capacity_bytes=1 << 20, timeout_s=60.0)
     shapes = [(5, HIDDEN), (0, HIDDEN), (33, HIDDEN)]
     if rank == 0:
-        for sid, shape in enumerate(shapes):
-            pool.put(_embedding(sid, 0, shape[0]), sample_id=sid, step=0, consumer=1)
+        for sid, shape in enumerate(shapes):  # planned: on device payload groups it falls back to the header path
+            pool.put(_embedding(sid, 0, shape[0]), sample_id=sid, step=0, consumer=1, planned=True)
         for sid, shape in enumerate(shapes):
             grad = pool.wait_grad(sample_id=sid, step=0, consumer=1)
             assert torch.equal(grad, _grad_of(_embedding(sid, 0, shape[0]), sid))
         routed = pool._outboxes[(1, CHANNEL_EMBEDDING)].payload_group is emb_group
         routed &= pool._grad_streams[1].payload_group is grad_group
     else:
-        pool.expect(producer=0, items=[(sid, 0) for sid in range(len(shapes))])
+        pool.expect(producer=0, items=[(sid, 0) for sid in range(len(shapes))],
+                    specs=[(shape, torch.float32) for shape in shapes])
         for sid, shape in enumerate(shapes):
             emb = pool.get(sample_id=sid, step=0, producer=0, expected_shape=shape)
             assert torch.equal(emb, _embedding(sid, 0, shape[0]))
