@@ -58,9 +58,9 @@ import torch.distributed as dist
 from mindspeed_flow.pool.errors import PoolError, PoolPeerError, PoolProtocolError, PoolShapeError, PoolTimeout
 from mindspeed_flow.pool.handle import EmbeddingHandle, Tier
 from mindspeed_flow.pool.stats import PoolCounters, PoolStats
-from mindspeed_flow.pool.transport import InboundStream, LandedItem, Outbox, ThreadStep
+from mindspeed_flow.pool.transport import InboundStream, LandedItem, Outbox, wait_work
 from mindspeed_flow.pool.wire import (CHANNEL_CREDIT, CHANNEL_EMBEDDING, CHANNEL_GRAD, CHANNEL_NAMES, DTYPE_CODES,
-                                      HEADER_LEN, MAX_BATCH, MAX_NDIM, TAGS, WireHeader, check_sendable,
+                                      HEADER_LEN, MAX_BATCH, MAX_NDIM, RECORD_LEN, TAGS, WireHeader, check_sendable,
                                       credit_header, decode_header, encode_header, from_bytes, item_header,
                                       slice_payloads, tensor_nbytes)
 from mindspeed_flow.runtime.trace import traced
@@ -96,7 +96,7 @@ class _PlannedReceive:
     record_work: Optional[dist.Work] = None
     posted: bool = False
     posted_t: float = 0.0  # time.monotonic() when its receive was posted
-    arrived: bool = False  # its bytes are in (it is in `_held`)
+    waiting: bool = False  # a get() waits for its works (each is waited exactly once)
 
 # Items queued behind a send share a message up to this much payload; a larger item goes alone. Large items gain
 # nothing from sharing a header (their transfer dwarfs it) and, measured with `bench pool`, lose pipelining.
@@ -170,7 +170,8 @@ class EmbeddingPool:
         self.data_groups = data_groups
         self._payload_groups = {CHANNEL_EMBEDDING: data_groups[0], CHANNEL_GRAD: data_groups[1]} if data_groups else {}
         self._payload_device = _transport_device(data_groups[0], self.device) if data_groups else self._wire_device
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)  # the pool's callers wait here; each stream has its own
         self._counters = PoolCounters(capacity_bytes)
         self._closed = False
         # producer side
@@ -192,10 +193,10 @@ class EmbeddingPool:
         self._rx_arrival: dict[int, deque[_PlannedReceive]] = {}
         self._rx_by_key: dict[ItemKey, _PlannedReceive] = {}
         self._planned_rx_bytes = 0  # bytes of planned receives posted and not yet taken by get()
-        self._planned_receivers: dict[int, ThreadStep] = {}  # producer -> the thread that waits its planned receives
-        # producer side: planned sends not yet complete per consumer, (works, tensors kept alive), and their reaper
-        self._planned_sends: dict[int, deque[tuple[list[dist.Work], list[torch.Tensor]]]] = {}
-        self._planned_senders: dict[int, ThreadStep] = {}
+        self._planned_failed: dict[int, BaseException] = {}  # producer -> why waiting for its planned items failed
+        # producer side: planned sends not yet waited, (works, tensors kept alive until then); waited when the
+        # item's credit lands (the consumer has it, so they are complete) or by flush(): no thread of their own
+        self._planned_sends: dict[ItemKey, tuple[list[dist.Work], list[torch.Tensor]]] = {}
         # both sides: one coalescing sender per (peer, channel)
         self._outboxes: dict[tuple[int, int], Outbox] = {}
 
@@ -256,42 +257,13 @@ class EmbeddingPool:
         (lock held: posts keep send order)."""
         if self._closed:
             raise PoolError(f"rank {self.rank}: the pool is closed")
-        sender = self._planned_senders.get(consumer)
-        if sender is not None and sender.error is not None:
-            raise PoolPeerError(f"rank {self.rank}: sending a planned embedding to rank {consumer} failed "
-                                f"({type(sender.error).__name__}: {sender.error}); rank {consumer} probably died, "
-                                f"check its log") from sender.error
-        record = encode_header([header])
+        record = encode_header([header], RECORD_LEN)
         works = [dist.isend(record, consumer, group=self.group, tag=TAGS.embedding_planned_header)]
         if header.nbytes > 0:
             works.append(dist.isend(payload.contiguous().view(-1).view(torch.uint8), consumer, group=self.group,
                                     tag=TAGS.embedding_planned))
-        self._planned_sends.setdefault(consumer, deque()).append((works, [record, payload]))
+        self._planned_sends[(consumer, *header.key)] = (works, [record, payload])
         self._counters.embedding_messages += 1  # one item per message, not coalesced
-        if sender is None:
-            sender = ThreadStep(cond=self._cond, peer=consumer, step=lambda c=consumer: self._reap_planned(c),
-                                idle=lambda c=consumer: not self._planned_sends.get(c),
-                                name=f"pool-r{self.rank}-planned-to-r{consumer}")
-            self._planned_senders[consumer] = sender
-            sender.start()
-        self._cond.notify_all()
-
-    def _reap_planned(self, consumer: int) -> bool:
-        """One step of the thread that completes planned sends to `consumer`, in order (each work waited once;
-        the tensors stay referenced until then). False once the pool closes with nothing left to complete."""
-        with self._cond:
-            sends = self._planned_sends.setdefault(consumer, deque())
-            while not sends and not self._closed:
-                self._cond.wait()
-            if not sends:
-                return False
-            works, _ = sends[0]
-        for work in works:
-            work.wait()
-        with self._cond:
-            sends.popleft()
-            self._cond.notify_all()
-        return True
 
     @traced("pool.wait_grad")
     def wait_grad(self, *, sample_id: int, step: int, consumer: int) -> torch.Tensor:
@@ -392,47 +364,70 @@ class EmbeddingPool:
 
     def _post_receive(self, producer: int, rx: _PlannedReceive) -> None:
         """Post one planned receive into a fresh buffer of its planned size (lock held: posts keep send order)."""
-        rx.record = torch.empty(HEADER_LEN, dtype=torch.int64)
+        rx.record = torch.empty(RECORD_LEN, dtype=torch.int64)
         rx.record_work = dist.irecv(rx.record, src=producer, group=self.group, tag=TAGS.embedding_planned_header)
         rx.buffer = torch.empty(rx.nbytes, dtype=torch.uint8, device=self._payload_device)
         rx.work = (dist.irecv(rx.buffer, src=producer, group=self.group, tag=TAGS.embedding_planned)
-                   if rx.nbytes > 0 else None)
+                   if rx.nbytes > 0 else None)  # an empty item: its header alone
         rx.posted = True
         rx.posted_t = time.monotonic()
         self._planned_rx_bytes += rx.nbytes
-        if producer not in self._planned_receivers:
-            # idle: no posted receive still owed (a posted one left waiting would take a later pool's message)
-            thread = ThreadStep(cond=self._cond, peer=producer, step=lambda p=producer: self._receive_planned(p),
-                                idle=lambda p=producer: not any(rx.posted for rx in self._rx_arrival.get(p, ())),
-                                name=f"pool-r{self.rank}-planned-from-r{producer}")
-            self._planned_receivers[producer] = thread
-            thread.start()
-        self._cond.notify_all()
 
     def _add_planned(self, producer: int, rx: _PlannedReceive) -> None:
         """Register a planned receive behind this producer's earlier ones (lock held)."""
         self._rx_arrival.setdefault(producer, deque()).append(rx)
         self._rx_by_key[(producer, *rx.key)] = rx
 
-    def _receive_planned(self, producer: int) -> bool:
-        """One step of a producer's planned-receive thread: wait for the oldest posted planned receive (in send
-        order, each work waited exactly once), check its header against the plan and hold the item for get().
-        False once the pool closes with nothing posted."""
-        with self._cond:
-            pending = self._rx_arrival[producer]
-            while (not pending or not pending[0].posted) and not self._closed:
-                self._cond.wait()
-            if not pending or not pending[0].posted:
-                return False
-            head = pending[0]
-        assert head.record is not None and head.record_work is not None
-        head.record_work.wait()
-        self._check_record(producer, head)
-        if head.work is not None:
-            head.work.wait()
-        with self._cond:
-            self._hold_planned(producer, head)
-        return True
+    def _await_planned(self, key: ItemKey, deadline: float) -> None:
+        """If `key` is a planned item not yet here: post its receives (and the earlier ones of its producer, budget
+        or not: get() wants it now), then wait on this thread for them in send order (each work exactly once),
+        check each one's header against the plan and hold it. The waiting thread is the caller's: no receiving
+        thread sits between the bytes landing and get() (a wake-up per item, which a busy host makes slow)."""
+        producer, sample_id, step = key
+        while True:
+            with self._cond:
+                if producer in self._planned_failed:
+                    raise self._planned_failed[producer]
+                rx = self._rx_by_key.get(key)
+                if rx is None:
+                    return
+                pending = self._rx_arrival[producer]
+                for r in pending:
+                    if not r.posted:
+                        self._post_receive(producer, r)
+                    if r is rx:
+                        break
+                head = pending[0]
+                if head.waiting:  # another thread waits for it: let that one finish
+                    if not self._wait(deadline):
+                        raise PoolTimeout(self._get_timeout_message(f"the embedding of sample {sample_id} (step "
+                                                                    f"{step})", producer))
+                    continue
+                head.waiting = True
+                self._get_blocked_since = time.monotonic()
+            try:
+                what = f"the embedding of sample {head.key[0]} (step {head.key[1]})"
+                for work in (head.record_work, head.work):
+                    if work is None:
+                        continue
+                    wait_work(work, deadline,
+                              on_timeout=lambda: PoolTimeout(self._get_timeout_message(what, producer)),
+                              on_failure=lambda exc: PoolPeerError(
+                                  f"rank {self.rank} was waiting for {what} from rank {producer}, but receiving "
+                                  f"from rank {producer} failed ({type(exc).__name__}: {exc}); rank {producer} "
+                                  f"probably died, check its log"))
+                self._check_record(producer, head)  # before anyone sees the bytes
+            except BaseException as exc:
+                with self._cond:  # its works were waited once: every later wait on this producer fails alike
+                    self._planned_failed[producer] = exc
+                    head.waiting = False
+                    self._get_blocked_since = None
+                    self._cond.notify_all()
+                raise
+            with self._cond:
+                head.waiting = False
+                self._get_blocked_since = None
+                self._hold_planned(producer, head)
 
     def _check_record(self, producer: int, rx: _PlannedReceive) -> None:
         """The planned item's header must name the item this receive was posted for, with the planned spec."""
@@ -451,7 +446,6 @@ class EmbeddingPool:
         """A planned item's bytes are in: hold it for get() like a landed item (lock held)."""
         self._rx_arrival[producer].popleft()
         del self._rx_by_key[(producer, *rx.key)]
-        rx.arrived = True
         shape, dtype = rx.spec
         tier = self._choose_tier(rx.nbytes)
         c = self._counters
@@ -459,6 +453,7 @@ class EmbeddingPool:
         c.host_tier_items += int(tier == "host")
         c.bytes_received += rx.nbytes
         self._account_transfer(producer, rx.posted_t)
+        assert rx.buffer is not None
         assert rx.buffer is not None
         tensor = rx.buffer.view(dtype).reshape(shape)
         if tier == "device" and tensor.device != self.device:
@@ -479,16 +474,11 @@ class EmbeddingPool:
         what = f"the embedding of sample {sample_id} (step {step})"
         start = time.monotonic()
         deadline = start + self.timeout_s
+        self._await_planned(key, deadline)
         with self._cond:
             if (sample_id, step) in self._early.get(producer, ()):
                 self._take_early(producer, (sample_id, step))
                 self._stream(self._embedding_streams, producer, "embedding").request(1)
-            elif key in self._rx_by_key:  # planned: its receive and the earlier ones must be posted, budget or not
-                for rx in self._rx_arrival[producer]:
-                    if not rx.posted:
-                        self._post_receive(producer, rx)
-                    if rx.key == (sample_id, step):
-                        break
             elif key not in self._planned and key not in self._held:
                 self._planned.add(key)
                 self._plans.setdefault(producer, deque()).append((sample_id, step))
@@ -555,6 +545,19 @@ class EmbeddingPool:
         """
         start = time.monotonic()
         deadline = start + self.timeout_s
+        with self._cond:  # planned sends not yet credited: waited here (taken, so a late credit skips them)
+            planned = list(self._planned_sends.items())
+            self._planned_sends.clear()
+        for (consumer, sample_id, step), (works, _) in planned:
+            what = f"the planned embedding of sample {sample_id} (step {step})"
+            for work in works:
+                wait_work(work, deadline,
+                          on_timeout=lambda: PoolTimeout(f"rank {self.rank} waited {self.timeout_s:.1f} s in flush() "
+                                                         f"for {what} to be received by rank {consumer} (did it "
+                                                         f"expect it with specs?)"),
+                          on_failure=lambda exc: PoolPeerError(f"rank {self.rank}: sending {what} to rank {consumer} "
+                                                               f"failed ({type(exc).__name__}: {exc}); rank "
+                                                               f"{consumer} probably died, check its log"))
         with self._cond:
             for box in self._outboxes.values():
                 while not box.idle:
@@ -565,12 +568,6 @@ class EmbeddingPool:
                                 f"{pending[0].step})" if pending else CHANNEL_NAMES[box.channel])
                         raise PoolTimeout(f"rank {self.rank} waited {self.timeout_s:.1f} s in flush() for the {what} "
                                           f"to be received by rank {box.peer} ({len(pending)} items not yet received)")
-            for consumer, sends in self._planned_sends.items():
-                while sends:
-                    self._raise_if_failed([self._planned_senders[consumer]], "planned sends")
-                    if not self._wait(deadline):
-                        raise PoolTimeout(f"rank {self.rank} waited {self.timeout_s:.1f} s in flush() for "
-                                          f"{len(sends)} planned embeddings to be received by rank {consumer}")
             self._counters.flush_wait_s += time.monotonic() - start
 
     def stats(self) -> PoolStats:
@@ -601,12 +598,15 @@ class EmbeddingPool:
         deadline = time.monotonic() + (self.timeout_s if wait else 0.0)
         with self._cond:
             self._closed = True
-            streams: list[InboundStream | Outbox | ThreadStep] = [
-                *self._credit_streams.values(), *self._grad_streams.values(), *self._embedding_streams.values(),
-                *self._outboxes.values(), *self._planned_receivers.values(), *self._planned_senders.values()]
+            streams: list[InboundStream | Outbox] = [*self._credit_streams.values(), *self._grad_streams.values(),
+                                                     *self._embedding_streams.values(), *self._outboxes.values()]
             while any(not s.idle and s.error is None for s in streams) and self._wait(deadline):
                 pass
-            busy = sorted({s.peer for s in streams if not s.idle})
+            # Planned receives are waited by get() alone: one posted and never taken stays posted (a deadline here
+            # would close the transport to that peer), so it is reported like a busy stream.
+            busy = sorted({s.peer for s in streams if not s.idle}
+                          | {p for p, pending in self._rx_arrival.items() if any(rx.posted for rx in pending)}
+                          | {c for c, _, _ in self._planned_sends})
             for s in streams:
                 s.close()
         for s in streams:
@@ -686,16 +686,19 @@ class EmbeddingPool:
             c.transfer_exposed_s += max(0.0, now - max(begin, self._get_blocked_since))
 
     def _land_credit(self, consumer: int, raw: torch.Tensor) -> _Landed:
-        return [(h, None, None) for h in decode_header(raw, expected_channel=CHANNEL_CREDIT, peer=consumer)], None
+        return [(h, None) for h in decode_header(raw, expected_channel=CHANNEL_CREDIT, peer=consumer)], None
 
     def _deliver_credit(self, consumer: int, credit: WireHeader, _: torch.Tensor | None) -> None:
         with self._cond:
+            planned = self._planned_sends.pop((consumer, *credit.key), None)
             sent = self._sent.pop((consumer, *credit.key), None)
             if sent is None or sent.nbytes != credit.nbytes:
                 raise PoolProtocolError(f"rank {consumer} returned a credit for sample {credit.sample_id} (step "
                                         f"{credit.step}, {credit.nbytes} B) that rank {self.rank} has not sent to it")
             self._counters.add_inflight(-credit.nbytes, -1)
             self._cond.notify_all()
+        for work in planned[0] if planned else ():
+            work.wait()  # the consumer took the item: its sends are complete (each work is waited exactly once)
 
     def _land_grad(self, consumer: int, raw: torch.Tensor) -> _Landed:
         headers = decode_header(raw, expected_channel=CHANNEL_GRAD, peer=consumer)
@@ -720,7 +723,7 @@ class EmbeddingPool:
     def _payload_views(self, headers: list[WireHeader]) -> _Landed:
         """The batch's receive buffer and each item's view of it (None: the item has no payload)."""
         views, buffer = slice_payloads(headers, self._payload_device)
-        return [(h, view, None) for h, view in zip(headers, views)], buffer
+        return list(zip(headers, views)), buffer
 
     def _unpack(self, header: WireHeader, buffer: torch.Tensor | None) -> torch.Tensor:
         """The item's tensor, viewing its received bytes (an empty item gets an empty tensor)."""
@@ -743,7 +746,7 @@ class EmbeddingPool:
                 tags, land, deliver = (TAGS.grad_header, TAGS.grad_payload), self._land_grad, self._deliver_grad
             else:
                 tags, land, deliver = (TAGS.credit, None), self._land_credit, self._deliver_credit
-            stream = InboundStream(cond=self._cond, peer=peer, group=self.group, header_tag=tags[0],
+            stream = InboundStream(cond=self._cond, lock=self._lock, peer=peer, group=self.group, header_tag=tags[0],
                                    payload_tag=tags[1], header_len=HEADER_LEN,
                                    land=lambda raw, p=peer, f=land: f(p, raw),
                                    deliver=lambda ctx, buf, p=peer, f=deliver: f(p, ctx, buf),
@@ -754,8 +757,7 @@ class EmbeddingPool:
             stream.start()
         return stream
 
-    def _send(self, peer: int, header: WireHeader, payload: torch.Tensor | None,
-              sent: dist.Work | None = None) -> None:
+    def _send(self, peer: int, header: WireHeader, payload: torch.Tensor | None) -> None:
         """Queue one item for `peer` on its channel's coalescing sender (call with the lock held)."""
         if self._closed:
             raise PoolError(f"rank {self.rank}: the pool is closed")
@@ -763,14 +765,14 @@ class EmbeddingPool:
         box = self._outboxes.get((peer, header.channel))
         if box is None:
             header_tag, payload_tag = _OUT_TAGS[header.channel]
-            box = Outbox(cond=self._cond, peer=peer, group=self.group, channel=header.channel,
+            box = Outbox(cond=self._cond, lock=self._lock, peer=peer, group=self.group, channel=header.channel,
                          header_tag=header_tag, payload_tag=payload_tag, max_batch_items=self.max_batch_items,
                          max_batch_bytes=self.max_batch_bytes,
                          on_sent=self._on_sent, name=f"pool-r{self.rank}-{CHANNEL_NAMES[header.channel]}-to-r{peer}",
                          wire_device=self._wire_device, payload_group=self._payload_groups.get(header.channel))
             self._outboxes[(peer, header.channel)] = box
             box.start()
-        box.push(header, payload, sent)
+        box.push(header, payload)
 
     def _on_sent(self, items: list[WireHeader]) -> None:
         """An outbox completed a message (called with the lock held)."""
@@ -811,12 +813,12 @@ class EmbeddingPool:
         self._cond.wait(timeout=remaining)
         return True
 
-    def _receivers_of(self, producer: int) -> list[InboundStream | ThreadStep]:
+    def _receivers_of(self, producer: int) -> list[InboundStream]:
         """The threads that receive from `producer` (lock held): their errors end a wait for its items."""
-        found = [self._embedding_streams.get(producer), self._planned_receivers.get(producer)]
-        return [r for r in found if r is not None]
+        stream = self._embedding_streams.get(producer)
+        return [] if stream is None else [stream]
 
-    def _raise_if_failed(self, streams: Iterable[InboundStream | ThreadStep], what: str) -> None:
+    def _raise_if_failed(self, streams: Iterable[InboundStream], what: str) -> None:
         for stream in streams:
             err = stream.error
             if err is None:

@@ -24,14 +24,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from mindspeed_flow.pool.wire import WireHeader, encode_header, in_batch_payload, pack_payloads
+from mindspeed_flow.pool.wire import WireHeader, encode_header, has_payload, pack_payloads
 
-# Called with the received header tensor; returns one (context, view of the payload or None, the item's own receive
-# or None) per item of the message, in send order, and the batch's one payload buffer that the views of batched
-# items slice (None: no item has a batched payload). A planned item's view is its own buffer and its receive was
-# posted before the header came. Runs on the stream thread, outside the pool lock. `Deliver` gets each item once
-# its bytes are in.
-LandedItem = tuple[Any, torch.Tensor | None, "dist.Work | None"]
+# Called with the received header tensor; returns one (context, view of the payload or None) per item of the message,
+# in send order, and the batch's one payload buffer that those views slice (None: no item has a payload). Runs on
+# the stream thread, outside the pool lock. `Deliver` gets each item once the batch's bytes are in.
+LandedItem = tuple[Any, torch.Tensor | None]
 Land = Callable[[torch.Tensor], tuple[list[LandedItem], torch.Tensor | None]]
 Deliver = Callable[[Any, torch.Tensor | None], None]
 
@@ -50,11 +48,16 @@ class InboundStream:
     message before even asking for the next header.
     """
 
-    def __init__(self, *, cond: threading.Condition, peer: int, group: dist.ProcessGroup | None,
+    def __init__(self, *, cond: threading.Condition, lock: threading.RLock, peer: int,
+                 group: dist.ProcessGroup | None,
                  header_tag: int, payload_tag: int | None, header_len: int, land: Land, deliver: Deliver,
                  name: str, wire_device: torch.device = torch.device("cpu"),
                  payload_group: dist.ProcessGroup | None = None) -> None:
         self.cond = cond
+        # This stream's own threads wait on `wake` (the same lock as `cond`): the pool's notifications on `cond`
+        # wake only its callers, and a request() wakes only this stream, not every thread of the pool (measured:
+        # waking them all on each put and get cost more than moving a 64-token embedding).
+        self.wake = threading.Condition(lock)
         self.peer = peer
         self.group = group
         self.payload_group = payload_group or group  # a device group moves payloads where one is given
@@ -85,12 +88,13 @@ class InboundStream:
     def request(self, n: int = 1) -> None:
         """Ask for n more items (call with `cond` held)."""
         self.wanted += n
-        self.cond.notify_all()
+        self.wake.notify_all()
 
     def close(self) -> None:
         """Stop after the current message (call with `cond` held)."""
         self.closed = True
         self.cond.notify_all()
+        self.wake.notify_all()
 
     @property
     def idle(self) -> bool:
@@ -112,7 +116,7 @@ class InboundStream:
         with self.cond:
             if self._header_posted is None:
                 while self.announced >= self.wanted and not self.closed:
-                    self.cond.wait()
+                    self.wake.wait()
                 if self.closed:
                     return False
                 self._header_posted = self._post_header()
@@ -123,8 +127,8 @@ class InboundStream:
             self._header_posted = None
             self.announced += len(items)
             self.messages += 1
-            if buffer is None and not self._landed and all(view is None and own is None for _, view, own in items):
-                # Nothing to wait for (credits, planned items' headers) and nothing ahead of it: delivered here,
+            if buffer is None and not self._landed:
+                # Nothing to wait for (credits, empty items) and nothing ahead of it: delivered here,
                 # which spares a hand-off to the payload thread (a wake-up per message, costly on a busy host).
                 if self.announced < self.wanted and not self.closed:
                     self._header_posted = self._post_header()
@@ -132,7 +136,7 @@ class InboundStream:
             else:
                 deliver_now = False
         if deliver_now:
-            for context, _, _ in items:
+            for context, _ in items:
                 self.deliver(context, None)
             with self.cond:
                 self.received += len(items)
@@ -151,60 +155,30 @@ class InboundStream:
                 assert self.payload_tag is not None, "a payload was announced on a header-only channel"
                 work = dist.irecv(buffer, src=self.peer, group=self.payload_group, tag=self.payload_tag)
             self._landed.append((work, items))
-            self.cond.notify_all()
+            self.wake.notify_all()
         return True
 
     def _next_payload(self) -> bool:
         with self.cond:
             while not self._landed and not self.closed:
-                self.cond.wait()
+                self.wake.wait()
             if self.closed:
                 return False
             work, items = self._landed.popleft()
         if work is not None:
             work.wait()  # the batch's one payload transfer
-        for context, view, own in items:
-            if own is not None:
-                own.wait()  # a planned item's own transfer (posted at expect(), waited only here)
+        for context, view in items:
             self.deliver(context, view)
-            with self.cond:
-                self.received += 1
-                self.cond.notify_all()
+        with self.cond:
+            self.received += len(items)
+            self.cond.notify_all()
         return True
 
     def _guard(self, step: Callable[[], bool]) -> None:
         run_guarded(self, step)
 
 
-class ThreadStep:
-    """A daemon thread that runs `step` until it returns False, recording its first exception in `error` for the
-    thread that waits on `cond` (the pool's planned receives: one such thread per producer)."""
-
-    def __init__(self, *, cond: threading.Condition, peer: int, step: Callable[[], bool],
-                 idle: Callable[[], bool], name: str) -> None:
-        self.cond = cond
-        self.peer = peer
-        self.error: BaseException | None = None
-        self._idle = idle
-        self._thread = threading.Thread(target=run_guarded, args=(self, step), name=name, daemon=True)
-
-    @property
-    def idle(self) -> bool:
-        """No message is owed to this thread any more (call with `cond` held)."""
-        return self._idle()
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def close(self) -> None:
-        """Wake the thread so that `step` sees its owner closed (call with `cond` held)."""
-        self.cond.notify_all()
-
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
-
-
-def run_guarded(owner: "InboundStream | Outbox | ThreadStep", step: Callable[[], bool]) -> None:
+def run_guarded(owner: "InboundStream | Outbox", step: Callable[[], bool]) -> None:
     """Run `step` until it returns False; record the first exception on `owner` for the waiting thread."""
     try:
         while step():
@@ -227,12 +201,14 @@ class Outbox:
     or for a batch to fill. Two messages in flight keep the link busy while one of them is being reaped.
     """
 
-    def __init__(self, *, cond: threading.Condition, peer: int, group: dist.ProcessGroup | None, channel: int,
+    def __init__(self, *, cond: threading.Condition, lock: threading.RLock, peer: int,
+                 group: dist.ProcessGroup | None, channel: int,
                  header_tag: int, payload_tag: int | None, max_batch_items: int, max_batch_bytes: int,
                  on_sent: Callable[[list[WireHeader]], None], name: str, window: int = 2,
                  wire_device: torch.device = torch.device("cpu"),
                  payload_group: dist.ProcessGroup | None = None) -> None:
         self.cond = cond
+        self.wake = threading.Condition(lock)  # this outbox's threads wait here (see InboundStream)
         self.peer = peer
         self.group = group
         self.payload_group = payload_group or group
@@ -249,8 +225,7 @@ class Outbox:
         self.messages = 0   # messages completed
         self.closed = False
         self.error: BaseException | None = None
-        # queued items: header, tensor, and a planned item's send (posted at push, completed before `sent` counts it)
-        self._queue: deque[tuple[WireHeader, torch.Tensor | None, dist.Work | None]] = deque()
+        self._queue: deque[tuple[WireHeader, torch.Tensor | None]] = deque()
         self._packing: list[WireHeader] = []  # the batch being packed (taken off the queue, not yet posted)
         # posted messages, oldest first: (items, works, buffers kept alive until the works complete)
         self._in_flight: deque[tuple[list[WireHeader], list[dist.Work], list[torch.Tensor]]] = deque()
@@ -263,18 +238,19 @@ class Outbox:
         for t in self._threads:
             t.start()
 
-    def push(self, header: WireHeader, tensor: torch.Tensor | None, sent: dist.Work | None = None) -> None:
-        """Queue one item (call with `cond` held). `sent`: a planned item's bytes, already posted on their own."""
+    def push(self, header: WireHeader, tensor: torch.Tensor | None) -> None:
+        """Queue one item (call with `cond` held)."""
         if self.error is not None:
             raise self.error
-        self._queue.append((header, tensor, sent))
+        self._queue.append((header, tensor))
         self.pushed += 1
-        self.cond.notify_all()
+        self.wake.notify_all()
 
     def close(self) -> None:
         """Stop once nothing is queued or in flight (call with `cond` held)."""
         self.closed = True
         self.cond.notify_all()
+        self.wake.notify_all()
 
     @property
     def idle(self) -> bool:
@@ -282,7 +258,7 @@ class Outbox:
 
     def pending(self) -> list[WireHeader]:
         """Items not yet received by the peer: in flight first, then queued (call with `cond` held)."""
-        return [*(h for items, _, _ in self._in_flight for h in items), *self._packing, *(h for h, _, _ in self._queue)]
+        return [*(h for items, _, _ in self._in_flight for h in items), *self._packing, *(h for h, _ in self._queue)]
 
     def join(self, timeout: float) -> None:
         for t in self._threads:
@@ -291,7 +267,7 @@ class Outbox:
     def _post_next(self) -> bool:
         with self.cond:
             while (not self._queue or len(self._in_flight) >= self.window) and not self.closed:
-                self.cond.wait()
+                self.wake.wait()
             if not self._queue:
                 return False
             batch = [self._queue.popleft()]
@@ -300,35 +276,32 @@ class Outbox:
                    and size + _payload_bytes(self._queue[0][0]) <= self.max_batch_bytes):
                 size += _payload_bytes(self._queue[0][0])
                 batch.append(self._queue.popleft())
-            items = [h for h, _, _ in batch]
+            items = [h for h, _ in batch]
             self._packing = items
         # Packed off the lock: copying several payloads into one buffer must not hold up put()/get().
         header = encode_header(items).to(self.wire_device)
-        payload = pack_payloads(items, [t for _, t, _ in batch])
-        planned_works = [w for _, _, w in batch if w is not None]
-        planned_tensors = [t for h, t, w in batch if w is not None and t is not None]
+        payload = pack_payloads(items, [t for _, t in batch])
         with self.cond:
             self._packing = []
             # Posted under the lock (see InboundStream._post_header); posting never blocks.
             header_op = dist.P2POp(dist.isend, header, self.peer, self.group, self.header_tag)
             payload_ops = ([] if payload is None else
                            [dist.P2POp(dist.isend, payload, self.peer, self.payload_group, self.payload_tag)])
-            if not payload_ops:  # header only (credits, planned items): no batch to build
+            if not payload_ops:  # header only (credits, empty items): no batch to build
                 works = [dist.isend(header, self.peer, group=self.group, tag=self.header_tag)]
             elif self.payload_group is self.group:
                 works = list(dist.batch_isend_irecv([header_op, *payload_ops]))
             else:  # header on the gloo group, payload on the device group: one batch per backend
                 works = list(dist.batch_isend_irecv([header_op]))
                 works += list(dist.batch_isend_irecv(payload_ops)) if payload_ops else []
-            keep = [header, *planned_tensors] + ([] if payload is None else [payload])
-            self._in_flight.append((items, works + planned_works, keep))
-            self.cond.notify_all()
+            self._in_flight.append((items, works, [header] if payload is None else [header, payload]))
+            self.wake.notify_all()
         return True
 
     def _reap_next(self) -> bool:
         with self.cond:
             while not self._in_flight and not (self.closed and not self._queue):
-                self.cond.wait()
+                self.wake.wait()
             if not self._in_flight:
                 return False
             items, works, _ = self._in_flight[0]
@@ -340,12 +313,12 @@ class Outbox:
             self.messages += 1
             self.on_sent(items)
             self.cond.notify_all()
+            self.wake.notify_all()
         return True
 
 
 def _payload_bytes(item: WireHeader) -> int:
-    # a credit's nbytes are what it frees, not what it carries; a planned item's bytes left on their own
-    return item.nbytes if in_batch_payload(item) else 0
+    return item.nbytes if has_payload(item) else 0  # a credit's nbytes are what it frees, not what it carries
 
 
 def wait_work(work: dist.Work, deadline: float, *, on_timeout: Callable[[], BaseException],

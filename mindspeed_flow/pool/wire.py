@@ -14,10 +14,10 @@ own, and no thread hand-off of its own.
 Credits travel as payload-less batches on their own channel (an item record whose shape is the credited bytes).
 
 Planned items (wire version 4) skip the header round trip: when both ends derive an item's shape and dtype from
-the same step plan, the consumer posts the item's receive at `expect()` into a buffer of the planned size, and the
-producer sends the item's bytes as their own message on the channel's planned tag the moment it is put, outside
-the batch's payload. Its header record still travels (flagged `planned`), so the consumer checks it against the
-plan before handing the item out.
+the same step plan, the consumer posts the item's receives at `expect()` and the producer sends, the moment it puts
+the item, a one-item header (`RECORD_LEN` int64, flagged `planned`) on `embedding_planned_header` and the item's
+bytes on `embedding_planned`; the consumer checks the header against its plan before handing the item out. A
+planned header never travels on the batched header channel.
 
 Each channel has its own tags (a header tag and a payload tag): messages with the same (peer, tag) are
 delivered in order, so a prefetched header can never be matched by a payload, and embeddings, gradients and
@@ -42,6 +42,7 @@ PAYLOAD_ALIGN = 64  # byte alignment of each item inside a batch's payload buffe
 _MESSAGE_FIELDS = 4
 _ITEM_FIELDS = 6 + MAX_NDIM
 HEADER_LEN = _MESSAGE_FIELDS + MAX_BATCH * _ITEM_FIELDS
+RECORD_LEN = _MESSAGE_FIELDS + _ITEM_FIELDS  # a planned item's own header: the same layout, one record
 
 
 @dataclass(frozen=True)
@@ -124,15 +125,18 @@ def credit_header(sample_id: int, step: int, nbytes: int) -> WireHeader:
     return WireHeader(CHANNEL_CREDIT, sample_id, step, torch.uint8, (nbytes,), nbytes)
 
 
-def encode_header(items: list[WireHeader]) -> torch.Tensor:
-    """The int64 header announcing a batch of 1..MAX_BATCH items of one channel (a CPU tensor)."""
+def encode_header(items: list[WireHeader], length: int = HEADER_LEN) -> torch.Tensor:
+    """The int64 header announcing a batch of 1..MAX_BATCH items of one channel (a CPU tensor), `length` long
+    (RECORD_LEN for one planned item)."""
     if not 1 <= len(items) <= MAX_BATCH or len({h.channel for h in items}) != 1:
         raise ValueError(f"a pool message carries 1..{MAX_BATCH} items of one channel, got {len(items)}")
     values = [HEADER_MAGIC, WIRE_VERSION, items[0].channel, len(items)]
     for h in items:
         values += [h.sample_id, h.step, DTYPE_CODES[h.dtype], len(h.shape), h.nbytes, int(h.planned), *h.shape]
         values += [0] * (MAX_NDIM - len(h.shape))
-    values += [0] * (HEADER_LEN - len(values))
+    if len(values) > length:
+        raise ValueError(f"{len(items)} items do not fit a header of {length} int64")
+    values += [0] * (length - len(values))
     return torch.tensor(values, dtype=torch.int64)
 
 
@@ -166,13 +170,8 @@ def decode_header(header: torch.Tensor, *, expected_channel: int, peer: int) -> 
 
 
 def has_payload(item: WireHeader) -> bool:
-    """Whether the item carries bytes (credits and empty tensors have none)."""
+    """Whether a payload message follows the header for this item (credits and empty tensors have none)."""
     return item.channel != CHANNEL_CREDIT and item.nbytes > 0
-
-
-def in_batch_payload(item: WireHeader) -> bool:
-    """Whether the item's bytes travel in its batch's payload (a planned item's travel alone, sent at put())."""
-    return has_payload(item) and not item.planned
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -196,7 +195,7 @@ def payload_layout(items: list[WireHeader]) -> tuple[list[int | None], int]:
     offsets: list[int | None] = []
     total = 0
     for item in items:
-        if not in_batch_payload(item):
+        if not has_payload(item):
             offsets.append(None)
             continue
         total = -(-total // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
