@@ -7,7 +7,7 @@ import torch
 
 from mindspeed_flow.pool import PoolProtocolError
 from mindspeed_flow.pool.wire import (CHANNEL_CREDIT, CHANNEL_EMBEDDING, CHANNEL_GRAD, DTYPE_CODES, HEADER_LEN,
-                                      MAX_BATCH, MAX_NDIM, PAYLOAD_ALIGN, TAGS, as_bytes, check_sendable,
+                                      MAX_BATCH, MAX_NDIM, PAYLOAD_ALIGN, RECORD_LEN, TAGS, as_bytes, check_sendable,
                                       credit_header, decode_header, encode_header, from_bytes, has_payload,
                                       item_header, pack_payloads, payload_layout, slice_payloads)
 
@@ -113,3 +113,13 @@ def test_one_payload_goes_uncopied_and_no_payload_means_no_buffer():
     credits = [credit_header(1, 0, 4096), credit_header(2, 0, 64)]
     assert pack_payloads(credits, [None, None]) is None
     assert slice_payloads(credits, torch.device("cpu")) == ([None, None], None)
+
+
+def test_a_planned_record_is_one_item_header_that_round_trips_and_holds_no_more():
+    tensor = torch.randn(3, 5).to(torch.bfloat16)
+    item = item_header(CHANNEL_EMBEDDING, 7, 2, tensor, planned=True)
+    record = encode_header([item], RECORD_LEN)
+    assert record.shape == (RECORD_LEN,) and record.dtype == torch.int64
+    assert decode_header(record, expected_channel=CHANNEL_EMBEDDING, peer=0) == [item]
+    with pytest.raises(ValueError, match="2 items do not fit a header of"):
+        encode_header([item, item], RECORD_LEN)
