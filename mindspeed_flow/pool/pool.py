@@ -21,19 +21,14 @@ Transport: see `transport.py` (one receiving thread per peer and channel; deadli
 `PoolTimeout` after `timeout_s`, naming this rank, the peer and the awaited item, and `PoolPeerError` when the
 transport to the peer fails (a dead peer fails within milliseconds on gloo).
 
-Planned items. Where both sides derive an item's shape and dtype from the same step plan, the consumer passes them
-to `expect(..., specs=...)` and the producer puts with `planned=True`: the consumer posts the item's receives at
-once (its one-item header and its bytes, into a buffer of the planned size) and the producer sends both the moment
-it puts them, on tags of their own. No header thread, no round trip, no batch copy: measured with `bench pool`,
-those per-message costs (thread wake-ups and Python on both sides, a header landing before a payload receive
-could be posted, a copy into a fresh batch buffer) cost more than the transfer of a 64-token embedding. One
-thread per producer waits for the planned receives in send order, checks each header against the plan (item,
-shape, dtype) and only then holds the item for get(); a mismatch raises `PoolProtocolError` naming the item.
-Receives posted ahead are bounded by `capacity_bytes` (bytes posted and not yet taken by get(); get() of a later
-item posts what it needs). Planned items have their own order, apart from header-path items of the same producer.
-They need tag matching (gloo payloads): with `data_groups` both calls fall back to the header path, where the
-header is checked against the specs. The sizes must really agree: gloo aborts the process on a message larger
-than the receive posted for it, so the plan, not the tensor, must be the source of both sides' specs.
+Batches. `put_many` sends the items of one encoder forward as one message: one header with every item's record
+and one payload transfer of their bytes back to back, the encoder's output region itself when the items are
+adjacent views of it (no copy), so the per-item costs of `put` (a queue hand-off, a lock acquisition, a header
+record in a message of its own when the link is idle) are paid once per forward. The consumer receives the
+batch through the header path like any other message: one receive for the header, one for the whole payload,
+and get() hands out views of that buffer. `expect(..., specs=...)` names each item's planned (shape, dtype); the
+header is checked against them as it lands, before any item is handed out, and a mismatch raises
+`PoolProtocolError` naming the item (the ranks disagree on the step plan).
 
 Groups. Headers and credits always travel on `group`, a gloo group (tags keep channels apart; `Topology` builds
 it). Payloads travel on `data_groups` when given: two groups of the job's device backend (NCCL/HCCL), one per
@@ -50,7 +45,8 @@ import time
 import warnings
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from dataclasses import replace
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -58,16 +54,16 @@ import torch.distributed as dist
 from mindspeed_flow.pool.errors import PoolError, PoolPeerError, PoolProtocolError, PoolShapeError, PoolTimeout
 from mindspeed_flow.pool.handle import EmbeddingHandle, Tier
 from mindspeed_flow.pool.stats import PoolCounters, PoolStats
-from mindspeed_flow.pool.transport import InboundStream, LandedItem, Outbox, wait_work
+from mindspeed_flow.pool.transport import InboundStream, LandedItem, Outbox
 from mindspeed_flow.pool.wire import (CHANNEL_CREDIT, CHANNEL_EMBEDDING, CHANNEL_GRAD, CHANNEL_NAMES, DTYPE_CODES,
-                                      HEADER_LEN, MAX_BATCH, MAX_NDIM, RECORD_LEN, TAGS, WireHeader, check_sendable,
-                                      credit_header, decode_header, encode_header, from_bytes, item_header,
-                                      slice_payloads, tensor_nbytes)
+                                      HEADER_LEN, MAX_BATCH, MAX_NDIM, TAGS, WireHeader, check_sendable, credit_header,
+                                      decode_header, dense_payload, from_bytes, item_header, pack_payloads,
+                                      slice_payloads)
 from mindspeed_flow.runtime.trace import traced
 
 # (peer rank, sample_id, step): the pool's key for an item on one side of one producer/consumer pair.
 ItemKey = tuple[int, int, int]
-# A landed batch: each item's header, view of the payload and own receive (planned items), and the batch's buffer.
+# A landed batch: each item's header and view of the payload, and the batch's buffer.
 _Landed = tuple[list[LandedItem], torch.Tensor | None]
 # What the consumer's plan says an item is: (shape, dtype).
 Spec = tuple[tuple[int, ...], torch.dtype]
@@ -80,23 +76,7 @@ class _Held:
     handle: EmbeddingHandle
     tensor: torch.Tensor | None = None  # None while the payload is still arriving
     landing_t: float = 0.0  # time.monotonic() when its header landed (the payload transfer starts)
-    planned_bytes: int = 0  # bytes of its receive posted ahead (planned items), freed from the budget by get()
 
-
-@dataclass
-class _PlannedReceive:
-    """Consumer side: a planned item's own receive, from posting (send order) to arrival (waited by get())."""
-
-    key: tuple[int, int]
-    spec: Spec
-    nbytes: int
-    buffer: torch.Tensor | None = None
-    work: Optional[dist.Work] = None  # None for an empty item (no bytes travel)
-    record: torch.Tensor | None = None  # the item's one-item header, checked against `spec` before hand-out
-    record_work: Optional[dist.Work] = None
-    posted: bool = False
-    posted_t: float = 0.0  # time.monotonic() when its receive was posted
-    waiting: bool = False  # a get() waits for its works (each is waited exactly once)
 
 # Items queued behind a send share a message up to this much payload; a larger item goes alone. Large items gain
 # nothing from sharing a header (their transfer dwarfs it) and, measured with `bench pool`, lose pipelining.
@@ -186,46 +166,96 @@ class EmbeddingPool:
         self._held: dict[ItemKey, _Held] = {}             # arrived or landing, not yet taken by get()
         self._early: dict[int, deque[tuple[int, int]]] = {}  # producer -> arrived in a batch before expected
         self._embedding_streams: dict[int, InboundStream] = {}
-        self._specs: dict[ItemKey, Spec] = {}  # planned (shape, dtype) of expected items, checked when they land
-        # Planned items take the planned route only where payloads are matched by tag (gloo), see the module doc.
-        self._planned_route = data_groups is None
-        # Planned receives per producer not yet arrived, in send order (posted first), and by key until arrival.
-        self._rx_arrival: dict[int, deque[_PlannedReceive]] = {}
-        self._rx_by_key: dict[ItemKey, _PlannedReceive] = {}
-        self._planned_rx_bytes = 0  # bytes of planned receives posted and not yet taken by get()
-        self._planned_failed: dict[int, BaseException] = {}  # producer -> why waiting for its planned items failed
-        # producer side: planned sends not yet waited, (works, tensors kept alive until then); waited when the
-        # item's credit lands (the consumer has it, so they are complete) or by flush(): no thread of their own
-        self._planned_sends: dict[ItemKey, tuple[list[dist.Work], list[torch.Tensor]]] = {}
+        self._specs: dict[ItemKey, Spec] = {}  # planned (shape, dtype) of expected items, checked as their headers land
         # both sides: one coalescing sender per (peer, channel)
         self._outboxes: dict[tuple[int, int], Outbox] = {}
 
     # ------------------------------------------------------------------ producer side
 
     @traced("pool.put")
-    def put(self, tensor: torch.Tensor, *, sample_id: int, step: int, consumer: int,
-            planned: bool = False) -> EmbeddingHandle:
+    def put(self, tensor: torch.Tensor, *, sample_id: int, step: int, consumer: int) -> EmbeddingHandle:
         """Send `tensor` to `consumer` without waiting for it to arrive; block while over capacity.
 
         On gloo a contiguous CPU tensor is sent without a copy: do not modify it in place until the consumer has
-        taken it (`inflight_handles()` no longer lists it). `planned`: the consumer expects this item with its
-        shape and dtype (`expect(..., specs=...)`), so its bytes leave now, into the receive posted for them.
+        taken it (`inflight_handles()` no longer lists it). Items queued behind a send share its next message;
+        `put_many` sends several items as one message from the start.
         """
-        what = f"sample {sample_id} (step {step})"
         self._check_peer(consumer, "consumer")
-        check_sendable(tensor, f"put of {what} for consumer rank {consumer}")
-        key = (consumer, sample_id, step)
-        nbytes = tensor_nbytes(tuple(tensor.shape), tensor.dtype)
-        handle = EmbeddingHandle(sample_id, step, self.rank, consumer, tuple(tensor.shape), tensor.dtype, nbytes,
-                                 "device" if tensor.device == self.device else "host")
-        planned = planned and self._planned_route
-        header = item_header(CHANNEL_EMBEDDING, sample_id, step, tensor, planned=planned)
+        check_sendable(tensor, f"put of sample {sample_id} (step {step}) for consumer rank {consumer}")
+        header = item_header(CHANNEL_EMBEDDING, sample_id, step, tensor)
         payload = tensor.detach().to(self._payload_device)
+        [handle] = self._enqueue(consumer, [header], [tensor.device],
+                                 lambda box: box.push(header, payload))
+        return handle
+
+    @traced("pool.put_many")
+    def put_many(self, tensors: Sequence[torch.Tensor], *, sample_ids: Sequence[int], step: int,
+                 consumer: int) -> list[EmbeddingHandle]:
+        """Send several items to `consumer` as few messages: one header for all their records and one payload
+        transfer per batch; block while over capacity. Returns one handle per item, in order.
+
+        The way an encoder produces: one forward over several images yields one contiguous [tokens, hidden] output
+        split per image. Tensors of one dtype go back to back (a dense batch); when they are adjacent views of one
+        contiguous storage, in order, that region is sent as it is, without a copy (do not modify it in place until
+        the consumer has taken every item), otherwise they are concatenated into one staging buffer (mixed dtypes:
+        copied at aligned offsets). A group is split into several batches only where it exceeds `max_batch_items`,
+        `max_batch_bytes` or the capacity (an item larger than those goes alone); each batch takes the pool's lock
+        once and waits for credits once.
+        """
+        tensors, sample_ids = list(tensors), [int(s) for s in sample_ids]
+        self._check_peer(consumer, "consumer")
+        if len(tensors) != len(sample_ids):
+            raise ValueError(f"put_many: {len(tensors)} tensors for {len(sample_ids)} sample_ids (one id per tensor)")
+        if len(set(sample_ids)) != len(sample_ids):
+            raise ValueError(f"put_many: sample_ids {sample_ids} name a sample twice (each item once per step)")
+        for tensor, sid in zip(tensors, sample_ids):
+            check_sendable(tensor, f"put_many of sample {sid} (step {step}) for consumer rank {consumer}")
+        # One dtype: items back to back (offsets stay multiples of the element size); mixed: aligned offsets.
+        dense = len({t.dtype for t in tensors}) == 1
+        headers = [replace(item_header(CHANNEL_EMBEDDING, sid, step, t), dense=dense)
+                   for t, sid in zip(tensors, sample_ids)]
+        payloads = [t.detach().to(self._payload_device) for t in tensors]
+        handles: list[EmbeddingHandle] = []
+        for lo, hi in self._batches(headers):
+            items, chunk = headers[lo:hi], payloads[lo:hi]
+            payload = dense_payload(chunk) if dense else pack_payloads(items, chunk)
+            handles += self._enqueue(consumer, items, [t.device for t in tensors[lo:hi]],
+                                     lambda box, items=items, payload=payload: box.push_batch(items, payload))
+        return handles
+
+    def _batches(self, headers: list[WireHeader]) -> list[tuple[int, int]]:
+        """`put_many`'s messages: consecutive runs of at most `max_batch_items` items and min(`max_batch_bytes`,
+        capacity) payload bytes (an item over that goes alone)."""
+        limit = min(self.max_batch_bytes, self.capacity_bytes)
+        runs: list[tuple[int, int]] = []
+        lo, size = 0, 0
+        for i, h in enumerate(headers):
+            if i > lo and (i - lo >= self.max_batch_items or size + h.nbytes > limit):
+                runs.append((lo, i))
+                lo, size = i, 0
+            size += h.nbytes
+        if headers:
+            runs.append((lo, len(headers)))
+        return runs
+
+    def _enqueue(self, consumer: int, items: list[WireHeader], devices: list[torch.device],
+                 send: Callable[[Outbox], None]) -> list[EmbeddingHandle]:
+        """Account for one message of `items` to `consumer` and queue it with `send` on the embedding outbox: one
+        lock acquisition and one wait for credits for the whole message."""
+        handles = [EmbeddingHandle(h.sample_id, h.step, self.rank, consumer, h.shape, h.dtype, h.nbytes,
+                                   "device" if d == self.device else "host") for h, d in zip(items, devices)]
+        nbytes = sum(h.nbytes for h in items)
+        first = items[0]
+        what = (f"sample {first.sample_id} (step {first.step})" if len(items) == 1 else
+                f"{len(items)} samples from sample {first.sample_id} (step {first.step}) on")
         start = time.monotonic()
         deadline = start + self.timeout_s
         with self._cond:
-            if key in self._sent or key in self._grads_owed or key in self._grads:
-                raise ValueError(f"rank {self.rank}: {what} was already put for consumer rank {consumer}")
+            for h in items:
+                key = (consumer, *h.key)
+                if key in self._sent or key in self._grads_owed or key in self._grads:
+                    raise ValueError(f"rank {self.rank}: sample {h.sample_id} (step {h.step}) was already put for "
+                                     f"consumer rank {consumer}")
             if self._over_capacity(nbytes):
                 self._counters.put_blocks += 1
                 self._cond.notify_all()  # observers of stats() see the block as soon as it starts
@@ -236,34 +266,18 @@ class EmbeddingPool:
                     raise PoolTimeout(self._put_timeout_message(what, consumer, nbytes))
             c = self._counters
             c.put_wait_s += time.monotonic() - start
-            c.puts += 1
+            c.puts += len(items)
             c.bytes_sent += nbytes
-            c.oversize_puts += int(nbytes > self.capacity_bytes)
-            c.add_inflight(nbytes, +1)
-            self._stream(self._credit_streams, consumer, "credit").request(1)
+            c.oversize_puts += sum(int(h.nbytes > self.capacity_bytes) for h in items)
+            c.add_inflight(nbytes, len(items))
+            self._stream(self._credit_streams, consumer, "credit").request(len(items))
             if self.return_grads:
-                self._grads_owed.add(key)
-                self._stream(self._grad_streams, consumer, "grad").request(1)
-            if planned:
-                self._send_planned(consumer, header, payload)
-            else:
-                self._send(consumer, header, payload)
-            self._sent[key] = handle
-        return handle
-
-    def _send_planned(self, consumer: int, header: WireHeader, payload: torch.Tensor) -> None:
-        """Send a planned item now: its one-item header (the consumer checks it before handing the item out) and
-        its bytes, each into a receive the consumer posted from its plan; no header thread, no round trip
-        (lock held: posts keep send order)."""
-        if self._closed:
-            raise PoolError(f"rank {self.rank}: the pool is closed")
-        record = encode_header([header], RECORD_LEN)
-        works = [dist.isend(record, consumer, group=self.group, tag=TAGS.embedding_planned_header)]
-        if header.nbytes > 0:
-            works.append(dist.isend(payload.contiguous().view(-1).view(torch.uint8), consumer, group=self.group,
-                                    tag=TAGS.embedding_planned))
-        self._planned_sends[(consumer, *header.key)] = (works, [record, payload])
-        self._counters.embedding_messages += 1  # one item per message, not coalesced
+                self._grads_owed.update((consumer, *h.key) for h in items)
+                self._stream(self._grad_streams, consumer, "grad").request(len(items))
+            send(self._outbox(consumer, CHANNEL_EMBEDDING))
+            for h, handle in zip(items, handles):
+                self._sent[(consumer, *h.key)] = handle
+        return handles
 
     @traced("pool.wait_grad")
     def wait_grad(self, *, sample_id: int, step: int, consumer: int) -> torch.Tensor:
@@ -292,24 +306,12 @@ class EmbeddingPool:
                specs: Sequence[tuple[Sequence[int], torch.dtype]] | None = None) -> None:
         """Announce the (sample_id, step) items `producer` will send, in its send order; receiving starts now.
 
-        `specs`: one (shape, dtype) per item, from the step plan; the producer must put these items with
-        `planned=True` (a planned put is only received by an expect with specs). Their receives are posted now
-        (within the capacity budget) and each item's header is checked against its spec before get() hands it
-        out. Planned items have their own order: the plan order is checked among planned items and among the
-        others, each as sent."""
+        `specs`: one (shape, dtype) per item, from the step plan: each item's header is checked against its spec
+        as it lands, before get() hands any item of its message out."""
         self._check_peer(producer, "producer")
         items = [(int(s), int(t)) for s, t in items]
         checked = self._check_specs(items, specs)
         with self._cond:
-            if checked is not None and self._planned_route:
-                for item, spec in zip(items, checked):
-                    key = (producer, *item)
-                    if key in self._rx_by_key or key in self._held or key in self._planned:
-                        raise ValueError(f"rank {self.rank}: sample {item[0]} (step {item[1]}) from producer rank "
-                                         f"{producer} is already expected")
-                    self._add_planned(producer, _PlannedReceive(item, spec, tensor_nbytes(*spec)))
-                self._post_planned()
-                return
             stream = self._stream(self._embedding_streams, producer, "embedding")
             plan = self._plans.setdefault(producer, deque())
             for i, item in enumerate(items):
@@ -317,12 +319,12 @@ class EmbeddingPool:
                 if self._take_early(producer, item):
                     stream.request(1)  # already arrived: counted, not planned
                     continue
-                if key in self._planned or key in self._held or key in self._rx_by_key:
+                if key in self._planned or key in self._held:
                     raise ValueError(f"rank {self.rank}: sample {item[0]} (step {item[1]}) from producer rank "
                                      f"{producer} is already expected")
                 self._planned.add(key)
                 plan.append(item)
-                if checked is not None:  # no planned route (device payload groups): checked when the header lands
+                if checked is not None:
                     self._specs[key] = checked[i]
                 if self.receive_ahead:
                     stream.request(1)
@@ -334,9 +336,6 @@ class EmbeddingPool:
         """`expect`'s specs as (shape tuple, dtype), one per item; bad input names the field and the rule."""
         if specs is None:
             return None
-        if not self.receive_ahead:
-            raise ValueError("expect(specs=...) posts the items' receives ahead, but this pool was built with "
-                             "receive_ahead=False")
         specs = list(specs)
         if len(specs) != len(items):
             raise ValueError(f"expect: specs has {len(specs)} entries for {len(items)} items (one (shape, dtype) "
@@ -351,117 +350,6 @@ class EmbeddingPool:
             checked.append((shape, dtype))
         return checked
 
-    def _post_planned(self) -> None:
-        """Post planned receives in each producer's send order while those posted and not yet taken by get() stay
-        within `capacity_bytes` (one at least); the rest are posted as their headers land (lock held)."""
-        for producer, pending in self._rx_arrival.items():
-            for rx in pending:
-                if rx.posted:
-                    continue
-                if self._planned_rx_bytes > 0 and self._planned_rx_bytes + rx.nbytes > self.capacity_bytes:
-                    return
-                self._post_receive(producer, rx)
-
-    def _post_receive(self, producer: int, rx: _PlannedReceive) -> None:
-        """Post one planned receive into a fresh buffer of its planned size (lock held: posts keep send order)."""
-        rx.record = torch.empty(RECORD_LEN, dtype=torch.int64)
-        rx.record_work = dist.irecv(rx.record, src=producer, group=self.group, tag=TAGS.embedding_planned_header)
-        rx.buffer = torch.empty(rx.nbytes, dtype=torch.uint8, device=self._payload_device)
-        rx.work = (dist.irecv(rx.buffer, src=producer, group=self.group, tag=TAGS.embedding_planned)
-                   if rx.nbytes > 0 else None)  # an empty item: its header alone
-        rx.posted = True
-        rx.posted_t = time.monotonic()
-        self._planned_rx_bytes += rx.nbytes
-
-    def _add_planned(self, producer: int, rx: _PlannedReceive) -> None:
-        """Register a planned receive behind this producer's earlier ones (lock held)."""
-        self._rx_arrival.setdefault(producer, deque()).append(rx)
-        self._rx_by_key[(producer, *rx.key)] = rx
-
-    def _await_planned(self, key: ItemKey, deadline: float) -> None:
-        """If `key` is a planned item not yet here: post its receives (and the earlier ones of its producer, budget
-        or not: get() wants it now), then wait on this thread for them in send order (each work exactly once),
-        check each one's header against the plan and hold it. The waiting thread is the caller's: no receiving
-        thread sits between the bytes landing and get() (a wake-up per item, which a busy host makes slow)."""
-        producer, sample_id, step = key
-        while True:
-            with self._cond:
-                if producer in self._planned_failed:
-                    raise self._planned_failed[producer]
-                rx = self._rx_by_key.get(key)
-                if rx is None:
-                    return
-                pending = self._rx_arrival[producer]
-                for r in pending:
-                    if not r.posted:
-                        self._post_receive(producer, r)
-                    if r is rx:
-                        break
-                head = pending[0]
-                if head.waiting:  # another thread waits for it: let that one finish
-                    if not self._wait(deadline):
-                        raise PoolTimeout(self._get_timeout_message(f"the embedding of sample {sample_id} (step "
-                                                                    f"{step})", producer))
-                    continue
-                head.waiting = True
-                self._get_blocked_since = time.monotonic()
-            try:
-                what = f"the embedding of sample {head.key[0]} (step {head.key[1]})"
-                for work in (head.record_work, head.work):
-                    if work is None:
-                        continue
-                    wait_work(work, deadline,
-                              on_timeout=lambda: PoolTimeout(self._get_timeout_message(what, producer)),
-                              on_failure=lambda exc: PoolPeerError(
-                                  f"rank {self.rank} was waiting for {what} from rank {producer}, but receiving "
-                                  f"from rank {producer} failed ({type(exc).__name__}: {exc}); rank {producer} "
-                                  f"probably died, check its log"))
-                self._check_record(producer, head)  # before anyone sees the bytes
-            except BaseException as exc:
-                with self._cond:  # its works were waited once: every later wait on this producer fails alike
-                    self._planned_failed[producer] = exc
-                    head.waiting = False
-                    self._get_blocked_since = None
-                    self._cond.notify_all()
-                raise
-            with self._cond:
-                head.waiting = False
-                self._get_blocked_since = None
-                self._hold_planned(producer, head)
-
-    def _check_record(self, producer: int, rx: _PlannedReceive) -> None:
-        """The planned item's header must name the item this receive was posted for, with the planned spec."""
-        assert rx.record is not None
-        [header] = decode_header(rx.record, expected_channel=CHANNEL_EMBEDDING, peer=producer)
-        what = f"rank {self.rank}: planned sample {rx.key[0]} (step {rx.key[1]}) from producer rank {producer}"
-        if header.key != rx.key:
-            raise PoolProtocolError(f"{what}: the producer sent sample {header.sample_id} (step {header.step}) in "
-                                    f"its place; put(planned=True) and expect(specs=...) must name the same items "
-                                    f"in the same order")
-        if (header.shape, header.dtype) != rx.spec:
-            raise PoolProtocolError(f"{what} was planned as {list(rx.spec[0])} {rx.spec[1]} but the producer sent "
-                                    f"{list(header.shape)} {header.dtype}; the ranks disagree on the step plan")
-
-    def _hold_planned(self, producer: int, rx: _PlannedReceive) -> None:
-        """A planned item's bytes are in: hold it for get() like a landed item (lock held)."""
-        self._rx_arrival[producer].popleft()
-        del self._rx_by_key[(producer, *rx.key)]
-        shape, dtype = rx.spec
-        tier = self._choose_tier(rx.nbytes)
-        c = self._counters
-        c.add_held(tier, rx.nbytes, +1)
-        c.host_tier_items += int(tier == "host")
-        c.bytes_received += rx.nbytes
-        self._account_transfer(producer, rx.posted_t)
-        assert rx.buffer is not None
-        assert rx.buffer is not None
-        tensor = rx.buffer.view(dtype).reshape(shape)
-        if tier == "device" and tensor.device != self.device:
-            tensor = tensor.to(self.device)
-        handle = EmbeddingHandle(rx.key[0], rx.key[1], producer, self.rank, shape, dtype, rx.nbytes, tier)
-        self._held[(producer, *rx.key)] = _Held(handle, tensor, planned_bytes=rx.nbytes)
-        self._cond.notify_all()
-
     @traced("pool.get")
     def get(self, *, sample_id: int, step: int, producer: int,
             expected_shape: Sequence[int] | None = None) -> torch.Tensor:
@@ -474,7 +362,6 @@ class EmbeddingPool:
         what = f"the embedding of sample {sample_id} (step {step})"
         start = time.monotonic()
         deadline = start + self.timeout_s
-        self._await_planned(key, deadline)
         with self._cond:
             if (sample_id, step) in self._early.get(producer, ()):
                 self._take_early(producer, (sample_id, step))
@@ -506,9 +393,6 @@ class EmbeddingPool:
                 raise PoolShapeError(f"rank {self.rank}: sample {sample_id} (step {step}) from producer rank "
                                      f"{producer} has shape {list(h.shape)}, expected {list(expected_shape)}")
             del self._held[key]
-            if held.planned_bytes:
-                self._planned_rx_bytes -= held.planned_bytes
-                self._post_planned()
             c = self._counters
             c.add_held(h.tier, -h.nbytes, -1)
             c.gets += 1
@@ -545,19 +429,6 @@ class EmbeddingPool:
         """
         start = time.monotonic()
         deadline = start + self.timeout_s
-        with self._cond:  # planned sends not yet credited: waited here (taken, so a late credit skips them)
-            planned = list(self._planned_sends.items())
-            self._planned_sends.clear()
-        for (consumer, sample_id, step), (works, _) in planned:
-            what = f"the planned embedding of sample {sample_id} (step {step})"
-            for work in works:
-                wait_work(work, deadline,
-                          on_timeout=lambda: PoolTimeout(f"rank {self.rank} waited {self.timeout_s:.1f} s in flush() "
-                                                         f"for {what} to be received by rank {consumer} (did it "
-                                                         f"expect it with specs?)"),
-                          on_failure=lambda exc: PoolPeerError(f"rank {self.rank}: sending {what} to rank {consumer} "
-                                                               f"failed ({type(exc).__name__}: {exc}); rank "
-                                                               f"{consumer} probably died, check its log"))
         with self._cond:
             for box in self._outboxes.values():
                 while not box.idle:
@@ -602,11 +473,7 @@ class EmbeddingPool:
                                                      *self._embedding_streams.values(), *self._outboxes.values()]
             while any(not s.idle and s.error is None for s in streams) and self._wait(deadline):
                 pass
-            # Planned receives are waited by get() alone: one posted and never taken stays posted (a deadline here
-            # would close the transport to that peer), so it is reported like a busy stream.
-            busy = sorted({s.peer for s in streams if not s.idle}
-                          | {p for p, pending in self._rx_arrival.items() if any(rx.posted for rx in pending)}
-                          | {c for c, _, _ in self._planned_sends})
+            busy = sorted({s.peer for s in streams if not s.idle})
             for s in streams:
                 s.close()
         for s in streams:
@@ -635,7 +502,7 @@ class EmbeddingPool:
                         raise PoolProtocolError(self._order_message(producer, plan[0], header.key))
                     plan.popleft()
                     self._planned.discard((producer, *header.key))
-                else:  # batched with planned items before this rank expected it: held until expect() names it
+                else:  # batched with expected items before this rank expected it: held until expect() names it
                     self._early.setdefault(producer, deque()).append(header.key)
                 self._check_header_spec(producer, header)
                 tier = self._choose_tier(header.nbytes)
@@ -647,12 +514,9 @@ class EmbeddingPool:
         return self._payload_views(headers)
 
     def _check_header_spec(self, producer: int, header: WireHeader) -> None:
-        """A header-path item expected with specs (no planned route: device payload groups) must match them; a
-        planned record never travels on the header path (lock held)."""
+        """An item expected with specs must match them (lock held)."""
         spec = self._specs.pop((producer, *header.key), None)
         what = f"rank {self.rank}: sample {header.sample_id} (step {header.step}) from producer rank {producer}"
-        if header.planned:
-            raise PoolProtocolError(f"{what} came as a planned item on the header channel")
         if spec is not None and spec != (header.shape, header.dtype):
             raise PoolProtocolError(f"{what} was planned as {list(spec[0])} {spec[1]} but the producer sent "
                                     f"{list(header.shape)} {header.dtype}; the ranks disagree on the step plan")
@@ -690,15 +554,12 @@ class EmbeddingPool:
 
     def _deliver_credit(self, consumer: int, credit: WireHeader, _: torch.Tensor | None) -> None:
         with self._cond:
-            planned = self._planned_sends.pop((consumer, *credit.key), None)
             sent = self._sent.pop((consumer, *credit.key), None)
             if sent is None or sent.nbytes != credit.nbytes:
                 raise PoolProtocolError(f"rank {consumer} returned a credit for sample {credit.sample_id} (step "
                                         f"{credit.step}, {credit.nbytes} B) that rank {self.rank} has not sent to it")
             self._counters.add_inflight(-credit.nbytes, -1)
             self._cond.notify_all()
-        for work in planned[0] if planned else ():
-            work.wait()  # the consumer took the item: its sends are complete (each work is waited exactly once)
 
     def _land_grad(self, consumer: int, raw: torch.Tensor) -> _Landed:
         headers = decode_header(raw, expected_channel=CHANNEL_GRAD, peer=consumer)
@@ -759,20 +620,24 @@ class EmbeddingPool:
 
     def _send(self, peer: int, header: WireHeader, payload: torch.Tensor | None) -> None:
         """Queue one item for `peer` on its channel's coalescing sender (call with the lock held)."""
+        self._outbox(peer, header.channel).push(header, payload)
+
+    def _outbox(self, peer: int, channel: int) -> Outbox:
+        """The coalescing sender for (peer, channel), started on first use (call with the lock held)."""
         if self._closed:
             raise PoolError(f"rank {self.rank}: the pool is closed")
-        self._raise_if_send_failed(peer, header.channel)
-        box = self._outboxes.get((peer, header.channel))
+        self._raise_if_send_failed(peer, channel)
+        box = self._outboxes.get((peer, channel))
         if box is None:
-            header_tag, payload_tag = _OUT_TAGS[header.channel]
-            box = Outbox(cond=self._cond, lock=self._lock, peer=peer, group=self.group, channel=header.channel,
+            header_tag, payload_tag = _OUT_TAGS[channel]
+            box = Outbox(cond=self._cond, lock=self._lock, peer=peer, group=self.group, channel=channel,
                          header_tag=header_tag, payload_tag=payload_tag, max_batch_items=self.max_batch_items,
                          max_batch_bytes=self.max_batch_bytes,
-                         on_sent=self._on_sent, name=f"pool-r{self.rank}-{CHANNEL_NAMES[header.channel]}-to-r{peer}",
-                         wire_device=self._wire_device, payload_group=self._payload_groups.get(header.channel))
-            self._outboxes[(peer, header.channel)] = box
+                         on_sent=self._on_sent, name=f"pool-r{self.rank}-{CHANNEL_NAMES[channel]}-to-r{peer}",
+                         wire_device=self._wire_device, payload_group=self._payload_groups.get(channel))
+            self._outboxes[(peer, channel)] = box
             box.start()
-        box.push(header, payload)
+        return box
 
     def _on_sent(self, items: list[WireHeader]) -> None:
         """An outbox completed a message (called with the lock held)."""
@@ -866,7 +731,6 @@ class EmbeddingPool:
 
     def _get_timeout_message(self, what: str, producer: int) -> str:
         arrived = sum(1 for (p, _, _) in self._held if p == producer)
-        still = len(self._plans.get(producer, ())) + len(self._rx_arrival.get(producer, ()))
+        still = len(self._plans.get(producer, ()))
         return (f"rank {self.rank} waited {self.timeout_s:.1f} s for {what} from producer rank {producer} "
-                f"({arrived} items from it are buffered, {still} expected items have not arrived; an item put "
-                f"with planned=True arrives only once expected with specs)")
+                f"({arrived} items from it are buffered, {still} expected items have not arrived)")

@@ -225,7 +225,8 @@ class Outbox:
         self.messages = 0   # messages completed
         self.closed = False
         self.error: BaseException | None = None
-        self._queue: deque[tuple[WireHeader, torch.Tensor | None]] = deque()
+        # queued messages-to-be: (items, their tensors or, when `packed`, the batch's one payload, packed)
+        self._queue: deque[tuple[list[WireHeader], list[torch.Tensor | None] | torch.Tensor | None, bool]] = deque()
         self._packing: list[WireHeader] = []  # the batch being packed (taken off the queue, not yet posted)
         # posted messages, oldest first: (items, works, buffers kept alive until the works complete)
         self._in_flight: deque[tuple[list[WireHeader], list[dist.Work], list[torch.Tensor]]] = deque()
@@ -242,8 +243,17 @@ class Outbox:
         """Queue one item (call with `cond` held)."""
         if self.error is not None:
             raise self.error
-        self._queue.append((header, tensor))
+        self._queue.append(([header], [tensor], False))
         self.pushed += 1
+        self.wake.notify_all()
+
+    def push_batch(self, items: list[WireHeader], payload: torch.Tensor | None) -> None:
+        """Queue a batch packed by the caller (`put_many`): its items and their one payload leave as one message,
+        never merged with other items (call with `cond` held)."""
+        if self.error is not None:
+            raise self.error
+        self._queue.append((items, payload, True))
+        self.pushed += len(items)
         self.wake.notify_all()
 
     def close(self) -> None:
@@ -258,7 +268,8 @@ class Outbox:
 
     def pending(self) -> list[WireHeader]:
         """Items not yet received by the peer: in flight first, then queued (call with `cond` held)."""
-        return [*(h for items, _, _ in self._in_flight for h in items), *self._packing, *(h for h, _ in self._queue)]
+        return [*(h for items, _, _ in self._in_flight for h in items), *self._packing,
+                *(h for items, _, _ in self._queue for h in items)]
 
     def join(self, timeout: float) -> None:
         for t in self._threads:
@@ -270,17 +281,20 @@ class Outbox:
                 self.wake.wait()
             if not self._queue:
                 return False
-            batch = [self._queue.popleft()]
-            size = _payload_bytes(batch[0][0])
-            while (self._queue and len(batch) < self.max_batch_items
-                   and size + _payload_bytes(self._queue[0][0]) <= self.max_batch_bytes):
-                size += _payload_bytes(self._queue[0][0])
-                batch.append(self._queue.popleft())
-            items = [h for h, _ in batch]
+            items, tensors, packed = self._queue.popleft()
+            if not packed:  # single items queued behind the sends leave together
+                tensors = list(tensors)
+                size = _payload_bytes(items[0])
+                while (self._queue and not self._queue[0][2] and len(items) < self.max_batch_items
+                       and size + _payload_bytes(self._queue[0][0][0]) <= self.max_batch_bytes):
+                    more, more_tensors, _ = self._queue.popleft()
+                    size += _payload_bytes(more[0])
+                    items = [*items, *more]
+                    tensors += more_tensors
             self._packing = items
         # Packed off the lock: copying several payloads into one buffer must not hold up put()/get().
         header = encode_header(items).to(self.wire_device)
-        payload = pack_payloads(items, [t for _, t in batch])
+        payload = tensors if packed else pack_payloads(items, tensors)
         with self.cond:
             self._packing = []
             # Posted under the lock (see InboundStream._post_header); posting never blocks.

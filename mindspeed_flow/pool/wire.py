@@ -13,11 +13,8 @@ own, and no thread hand-off of its own.
 
 Credits travel as payload-less batches on their own channel (an item record whose shape is the credited bytes).
 
-Planned items (wire version 4) skip the header round trip: when both ends derive an item's shape and dtype from
-the same step plan, the consumer posts the item's receives at `expect()` and the producer sends, the moment it puts
-the item, a one-item header (`RECORD_LEN` int64, flagged `planned`) on `embedding_planned_header` and the item's
-bytes on `embedding_planned`; the consumer checks the header against its plan before handing the item out. A
-planned header never travels on the batched header channel.
+Dense batches (wire version 5, `EmbeddingPool.put_many`): the items of one encoder forward, one dtype, travel
+with their bytes back to back instead of at aligned offsets, so the encoder's output region can be sent as it is.
 
 Each channel has its own tags (a header tag and a payload tag): messages with the same (peer, tag) are
 delivered in order, so a prefetched header can never be matched by a payload, and embeddings, gradients and
@@ -32,17 +29,16 @@ import torch
 from mindspeed_flow.pool.errors import PoolProtocolError
 
 HEADER_MAGIC = 0x4D53_464C_4F57  # "MSFLOW": a header that does not start with it came from the wrong tag/peer
-WIRE_VERSION = 4  # 2: batched headers; 3: one payload buffer per batch; 4: planned items
+WIRE_VERSION = 5  # 2: batched headers; 3: one payload buffer per batch; 4: planned items (gone); 5: dense batches
 MAX_NDIM = 8
-MAX_BATCH = 16  # items per message: bounds the header (212 int64) while amortising per-message costs 16-fold
+MAX_BATCH = 16  # items per message: bounds the header (213 int64) while amortising per-message costs 16-fold
 PAYLOAD_ALIGN = 64  # byte alignment of each item inside a batch's payload buffer (>= every dtype's element size)
 
-# Header layout (int64): magic, version, channel, count, then MAX_BATCH item records of
-# sample_id, step, dtype code, ndim, nbytes, planned (0/1), dims[MAX_NDIM] (unused records are zero).
-_MESSAGE_FIELDS = 4
-_ITEM_FIELDS = 6 + MAX_NDIM
+# Header layout (int64): magic, version, channel, count, layout (0: aligned, 1: dense), then MAX_BATCH item records
+# of sample_id, step, dtype code, ndim, nbytes, dims[MAX_NDIM] (unused records are zero).
+_MESSAGE_FIELDS = 5
+_ITEM_FIELDS = 5 + MAX_NDIM
 HEADER_LEN = _MESSAGE_FIELDS + MAX_BATCH * _ITEM_FIELDS
-RECORD_LEN = _MESSAGE_FIELDS + _ITEM_FIELDS  # a planned item's own header: the same layout, one record
 
 
 @dataclass(frozen=True)
@@ -54,8 +50,6 @@ class PoolTags:
     grad_header: int = 0x4D50_0003
     grad_payload: int = 0x4D50_0004
     credit: int = 0x4D50_0005
-    embedding_planned: int = 0x4D50_0006  # planned items' bytes, one message each (receives posted at expect())
-    embedding_planned_header: int = 0x4D50_0007  # planned items' one-item headers, checked before hand-out
 
 
 TAGS = PoolTags()
@@ -91,7 +85,9 @@ class WireHeader:
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
-    planned: bool = False  # the bytes travel alone on the planned tag, into a receive the consumer posted early
+    # The batch's payload is its items' bytes back to back (`put_many`: one dtype, often one region of the encoder's
+    # output sent without a copy) instead of at PAYLOAD_ALIGN offsets; set on every item of the message alike.
+    dense: bool = False
 
     @property
     def key(self) -> tuple[int, int]:
@@ -114,10 +110,10 @@ def check_sendable(tensor: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: tensor has {tensor.dim()} dims, the pool header holds at most {MAX_NDIM}")
 
 
-def item_header(channel: int, sample_id: int, step: int, tensor: torch.Tensor, planned: bool = False) -> WireHeader:
+def item_header(channel: int, sample_id: int, step: int, tensor: torch.Tensor) -> WireHeader:
     """The record announcing `tensor` as item (sample_id, step) on `channel`."""
     shape = tuple(int(d) for d in tensor.shape)
-    return WireHeader(channel, sample_id, step, tensor.dtype, shape, tensor_nbytes(shape, tensor.dtype), planned)
+    return WireHeader(channel, sample_id, step, tensor.dtype, shape, tensor_nbytes(shape, tensor.dtype))
 
 
 def credit_header(sample_id: int, step: int, nbytes: int) -> WireHeader:
@@ -125,25 +121,24 @@ def credit_header(sample_id: int, step: int, nbytes: int) -> WireHeader:
     return WireHeader(CHANNEL_CREDIT, sample_id, step, torch.uint8, (nbytes,), nbytes)
 
 
-def encode_header(items: list[WireHeader], length: int = HEADER_LEN) -> torch.Tensor:
-    """The int64 header announcing a batch of 1..MAX_BATCH items of one channel (a CPU tensor), `length` long
-    (RECORD_LEN for one planned item)."""
-    if not 1 <= len(items) <= MAX_BATCH or len({h.channel for h in items}) != 1:
-        raise ValueError(f"a pool message carries 1..{MAX_BATCH} items of one channel, got {len(items)}")
-    values = [HEADER_MAGIC, WIRE_VERSION, items[0].channel, len(items)]
+def encode_header(items: list[WireHeader]) -> torch.Tensor:
+    """The int64 header announcing a batch of 1..MAX_BATCH items of one channel and layout (a CPU tensor)."""
+    if (not 1 <= len(items) <= MAX_BATCH or len({h.channel for h in items}) != 1
+            or len({h.dense for h in items}) != 1):
+        raise ValueError(f"a pool message carries 1..{MAX_BATCH} items of one channel and one layout, got "
+                         f"{len(items)}")
+    values = [HEADER_MAGIC, WIRE_VERSION, items[0].channel, len(items), int(items[0].dense)]
     for h in items:
-        values += [h.sample_id, h.step, DTYPE_CODES[h.dtype], len(h.shape), h.nbytes, int(h.planned), *h.shape]
+        values += [h.sample_id, h.step, DTYPE_CODES[h.dtype], len(h.shape), h.nbytes, *h.shape]
         values += [0] * (MAX_NDIM - len(h.shape))
-    if len(values) > length:
-        raise ValueError(f"{len(items)} items do not fit a header of {length} int64")
-    values += [0] * (length - len(values))
+    values += [0] * (HEADER_LEN - len(values))
     return torch.tensor(values, dtype=torch.int64)
 
 
 def decode_header(header: torch.Tensor, *, expected_channel: int, peer: int) -> list[WireHeader]:
     """Decode and validate a received header; garbage means a tag collision or a peer on another version."""
     values = [int(v) for v in header.cpu().tolist()]
-    magic, version, channel, count = values[:_MESSAGE_FIELDS]
+    magic, version, channel, count, dense = values[:_MESSAGE_FIELDS]
     if magic != HEADER_MAGIC or version != WIRE_VERSION:
         raise PoolProtocolError(f"a message from rank {peer} is not a pool header (magic {magic:#x}, version "
                                 f"{version}); another user of the process group sends on the pool's tags, or the "
@@ -151,21 +146,21 @@ def decode_header(header: torch.Tensor, *, expected_channel: int, peer: int) -> 
     if channel != expected_channel:
         raise PoolProtocolError(f"rank {peer} sent a {CHANNEL_NAMES.get(channel, channel)} header on the "
                                 f"{CHANNEL_NAMES[expected_channel]} channel")
-    if not 1 <= count <= MAX_BATCH:
-        raise PoolProtocolError(f"rank {peer} sent a header announcing {count} items (1..{MAX_BATCH} allowed)")
+    if not 1 <= count <= MAX_BATCH or dense not in (0, 1):
+        raise PoolProtocolError(f"rank {peer} sent a header announcing {count} items (1..{MAX_BATCH} allowed) in "
+                                f"layout {dense} (0 or 1)")
     items = []
     for i in range(count):
         at = _MESSAGE_FIELDS + i * _ITEM_FIELDS
-        sample_id, step, dtype_code, ndim, nbytes, planned = values[at:at + 6]
-        if dtype_code not in _CODE_TO_DTYPE or not 0 <= ndim <= MAX_NDIM or planned not in (0, 1):
-            raise PoolProtocolError(f"rank {peer} sent a header with dtype code {dtype_code}, ndim {ndim} and "
-                                    f"planned flag {planned}")
-        shape = tuple(values[at + 6:at + 6 + ndim])
+        sample_id, step, dtype_code, ndim, nbytes = values[at:at + 5]
+        if dtype_code not in _CODE_TO_DTYPE or not 0 <= ndim <= MAX_NDIM:
+            raise PoolProtocolError(f"rank {peer} sent a header with dtype code {dtype_code} and ndim {ndim}")
+        shape = tuple(values[at + 5:at + 5 + ndim])
         dtype = _CODE_TO_DTYPE[dtype_code]
         if tensor_nbytes(shape, dtype) != nbytes:
             raise PoolProtocolError(f"rank {peer} sent a header for sample {sample_id} (step {step}) whose size "
                                     f"{nbytes} B does not match shape {list(shape)} of {dtype}")
-        items.append(WireHeader(channel, sample_id, step, dtype, shape, nbytes, bool(planned)))
+        items.append(WireHeader(channel, sample_id, step, dtype, shape, nbytes, bool(dense)))
     return items
 
 
@@ -190,7 +185,8 @@ def payload_layout(items: list[WireHeader]) -> tuple[list[int | None], int]:
 
     Offsets are multiples of `PAYLOAD_ALIGN`, so every item's view of the buffer can be reinterpreted as its
     dtype (a view needs an offset divisible by the element size) and starts on its own cache line. Items without
-    a payload get None. Both ends compute the layout from the header alone, so it never travels.
+    a payload get None. Both ends compute the layout from the header alone, so it never travels. A dense batch
+    (`WireHeader.dense`, one dtype) has its items back to back: every offset is still a multiple of the element size.
     """
     offsets: list[int | None] = []
     total = 0
@@ -198,7 +194,8 @@ def payload_layout(items: list[WireHeader]) -> tuple[list[int | None], int]:
         if not has_payload(item):
             offsets.append(None)
             continue
-        total = -(-total // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+        if not item.dense:
+            total = -(-total // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
         offsets.append(total)
         total += item.nbytes
     return offsets, total
@@ -222,6 +219,31 @@ def pack_payloads(items: list[WireHeader], tensors: list[torch.Tensor | None]) -
         flat = as_bytes(tensor)
         buffer[off:off + flat.numel()].copy_(flat)
     return buffer
+
+
+def dense_payload(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The bytes of `tensors` (one dtype) back to back, as one flat uint8 tensor (None: no bytes at all).
+
+    Tensors that are adjacent, in order, in one contiguous storage (an encoder's batched output split per image)
+    are sent as that region of the storage, without a copy; anything else is concatenated into one staging buffer.
+    """
+    full = [t for t in tensors if t.numel() > 0]
+    if not full:
+        return None
+    first, itemsize = full[0], full[0].element_size()
+    at = first.storage_offset()
+    adjacent = True
+    for t in full:
+        if not t.is_contiguous() or t.storage_offset() != at or t.untyped_storage().data_ptr() != \
+                first.untyped_storage().data_ptr():
+            adjacent = False
+            break
+        at += t.numel()
+    if not adjacent:
+        return torch.cat([t.detach().reshape(-1) for t in full]).view(torch.uint8)
+    region = torch.empty(0, dtype=torch.uint8, device=first.device)
+    start = first.storage_offset() * itemsize
+    return region.set_(first.untyped_storage(), start, ((at - first.storage_offset()) * itemsize,))
 
 
 def slice_payloads(items: list[WireHeader], device: torch.device) -> tuple[list[torch.Tensor | None],
