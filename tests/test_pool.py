@@ -378,133 +378,171 @@ def test_a_coalesced_batch_split_by_capacity_round_trips_exactly():
         tokens * HIDDEN * torch.empty((), dtype=dtype).element_size() for _, tokens, dtype in SPLIT_ITEMS)
 
 
-# ---------------------------------------------------------------- planned items (receives posted from the plan)
+# ---------------------------------------------------------------- put_many (one message per encoder forward)
 
-# (sample_id, tokens, dtype, planned): planned items of mixed dtypes and odd sizes, an empty one and one over the
-# capacity, interleaved with header-path items of the same producer (the two routes keep their own order).
-PLANNED_ITEMS = [(0, 3, torch.float32, True), (1, 9, torch.bfloat16, True), (2, 0, torch.float32, True),
-                 (3, 5, torch.float64, True), (4, 4, torch.float32, False), (5, 40, torch.float32, True),
-                 (6, 7, torch.float16, True), (7, 2, torch.int64, False), (8, 11, torch.bfloat16, True),
-                 (9, 6, torch.bool, True)]
-PLANNED_CAPACITY = 600  # bytes: puts block, receives posted ahead stop at the budget, sample 5 (1280 B) is oversize
-PLANNED_REVERSED = [(0, 2, torch.float32, True), (1, 3, torch.bfloat16, True), (2, 1, torch.float32, False),
-                    (3, 4, torch.float16, True)]  # step 1: all fit the capacity, taken in reverse order
+MANY_CAPACITY = 2048  # bytes: group D below splits into 3 messages, its 80-token item (2560 B) is oversize
 
 
-def _planned_round_trip(rank: int, world: int) -> dict:
-    pool = _pool(rank, capacity_bytes=PLANNED_CAPACITY)
-    steps = [(0, PLANNED_ITEMS), (1, PLANNED_REVERSED)]
+def _many_groups() -> list[tuple[int, str, list[tuple[int, int, torch.dtype]]]]:
+    """(step, kind, items (sample_id, tokens, dtype)) of each put_many call: "views": adjacent views of one encoder
+    output (sent uncopied), "strided": non-contiguous tensors of one dtype (one staging copy), "mixed": mixed dtypes
+    (aligned offsets)."""
+    return [(0, "views", [(0, 3, torch.float32), (1, 9, torch.float32), (2, 0, torch.float32), (3, 5, torch.float32)]),
+            (0, "strided", [(4, 4, torch.float32), (5, 6, torch.float32)]),
+            (0, "mixed", [(6, 9, torch.bfloat16), (7, 2, torch.float16), (8, 5, torch.int64), (9, 6, torch.bool)]),
+            (1, "views", [(0, 20, torch.float32), (1, 20, torch.float32), (2, 20, torch.float32),
+                          (3, 80, torch.float32), (4, 10, torch.float32)])]
+
+
+def _many_leaf(step: int, sid: int, tokens: int) -> torch.Tensor:
+    """The encoder's input of one group item, a leaf whose gradient the producer checks."""
+    return _embedding(sid, step, tokens).requires_grad_(True)
+
+
+def _put_many_round_trip(rank: int, world: int) -> dict:
+    pool = _pool(rank, capacity_bytes=MANY_CAPACITY)
+    out: dict = {}
     if rank == 0:
-        for step, items in steps:
-            for sid, tokens, dtype, planned in items:
-                pool.put(_embedding(sid, step, tokens, dtype), sample_id=sid, step=step, consumer=1, planned=planned)
-            for sid, tokens, dtype, _ in items:
+        graphs = []
+        for step, kind, items in _many_groups():
+            if kind == "views":  # one "forward" over the group: a contiguous output, split per image
+                leaves = [_many_leaf(step, sid, tokens) for sid, tokens, _ in items]
+                output = torch.cat(leaves) * 3.0
+                tensors = list(output.split([tokens for _, tokens, _ in items]))
+                graphs.append((step, items, leaves, tensors))
+                sent = [t.detach() for t in tensors]
+            elif kind == "strided":
+                sent = [_embedding(sid, step, tokens).t().contiguous().t() for sid, tokens, _ in items]
+                assert not any(t.is_contiguous() for t in sent)
+            else:
+                sent = [_embedding(sid, step, tokens, dtype) for sid, tokens, dtype in items]
+            hs = pool.put_many(sent, sample_ids=[sid for sid, _, _ in items], step=step, consumer=1)
+            assert [(h.sample_id, h.step, h.shape, h.dtype) for h in hs] == [
+                (sid, step, (tokens, HIDDEN), dtype) for sid, tokens, dtype in items]
+        grads = {}
+        for step, kind, items in _many_groups():
+            for sid, tokens, dtype in items:
                 grad = pool.wait_grad(sample_id=sid, step=step, consumer=1)
                 want = _grad_of(_embedding(sid, step, tokens, dtype), sid)
                 assert grad.dtype == want.dtype and torch.equal(grad, want), (step, sid)
+                grads[(step, sid)] = grad
+        for step, items, leaves, tensors in graphs:  # the returned gradients go back through the producer's graph
+            torch.autograd.backward(tensors, [grads[(step, sid)] for sid, _, _ in items])
+            for (sid, _, _), leaf in zip(items, leaves):
+                assert torch.equal(leaf.grad, grads[(step, sid)] * 3.0), (step, sid)
     else:
-        for step, items in steps:
-            planned = [(sid, tokens, dtype) for sid, tokens, dtype, p in items if p]
-            pool.expect(producer=0, items=[(sid, step) for sid, _, _ in planned],
-                        specs=[((tokens, HIDDEN), dtype) for _, tokens, dtype in planned])
-            pool.expect(producer=0, items=[(sid, step) for sid, _, _, p in items if not p])
+        for step in (0, 1):
+            items = [(sid, tokens, dtype) for st, _, group in _many_groups() if st == step
+                     for sid, tokens, dtype in group]
+            pool.expect(producer=0, items=[(sid, step) for sid, _, _ in items],
+                        specs=[((tokens, HIDDEN), dtype) for _, tokens, dtype in items])
             got = {}
-            for sid, tokens, dtype, _ in (items if step == 0 else reversed(items)):
+            # step 0 out of send order (views of landed batches); step 1 in order: its capacity split means a
+            # later batch leaves only once earlier items are taken
+            for sid, tokens, dtype in (reversed(items) if step == 0 else items):
                 emb = pool.get(sample_id=sid, step=step, producer=0, expected_shape=(tokens, HIDDEN))
-                assert emb.dtype == dtype and torch.equal(emb, _embedding(sid, step, tokens, dtype)), (step, sid)
-                got[sid] = emb
-                pool.return_grad(_grad_of(emb, sid), sample_id=sid, step=step, producer=0)
-            for sid in sorted(got):  # each planned item has its own buffer: writing one leaves the rest
-                got[sid].zero_()
-                for other, tokens, dtype, _ in items:
+                want = _embedding(sid, step, tokens, dtype) * (3.0 if step == 1 or sid < 4 else 1.0)
+                assert emb.dtype == dtype and torch.equal(emb, want.to(dtype)), (step, sid)
+                got[sid] = (emb, want)
+                pool.return_grad(_grad_of(_embedding(sid, step, tokens, dtype), sid), sample_id=sid, step=step,
+                                 producer=0)
+            for sid, (emb, _) in sorted(got.items()):  # items of one batch share its buffer: writing one leaves
+                emb.zero_()                            # the others
+                for other, (o_emb, o_want) in got.items():
                     if other > sid:
-                        assert torch.equal(got[other], _embedding(other, step, tokens, dtype)), (sid, other)
+                        assert torch.equal(o_emb, o_want.to(o_emb.dtype)), (step, sid, other)
     pool.flush()
     dist.barrier()
     _wait_all_credited(pool)
-    stats = pool.stats().as_dict()
+    out.update(pool.stats().as_dict())
     pool.close()
-    return stats
+    return out
 
 
-def test_planned_items_round_trip_exactly_beside_header_path_items():
-    producer, consumer = run_ranks(_planned_round_trip, 2, timeout_s=90)
-    n = len(PLANNED_ITEMS) + len(PLANNED_REVERSED)
+def test_put_many_round_trips_exactly_views_copies_mixed_dtypes_and_a_capacity_split():
+    producer, consumer = run_ranks(_put_many_round_trip, 2, timeout_s=90)
+    n = sum(len(items) for _, _, items in _many_groups())
+    # one message per group of step 0; step 1's group splits at the capacity: [20, 20, 20] tokens, [80], [10]
+    assert producer["embedding_messages"] == 3 + 3
     assert producer["puts"] == consumer["gets"] == n and producer["grads_received"] == consumer["grads_sent"] == n
-    assert producer["put_blocks"] >= 1 and producer["oversize_puts"] == 1
-    assert producer["inflight_peak_bytes"] <= 40 * HIDDEN * 4  # the capacity held, but for the oversize item
+    assert producer["oversize_puts"] == 1 and producer["inflight_peak_bytes"] <= max(MANY_CAPACITY, 80 * HIDDEN * 4)
     assert consumer["bytes_received"] == producer["bytes_sent"] == sum(
-        tokens * HIDDEN * dtype.itemsize for _, tokens, dtype, _ in PLANNED_ITEMS + PLANNED_REVERSED)
+        tokens * HIDDEN * dtype.itemsize for _, _, items in _many_groups() for _, tokens, dtype in items)
     assert consumer["buffered_items"] == 0 and producer["inflight_items"] == 0
 
 
-# What the producer puts (sample ids in order, shape, dtype) against what the consumer planned, and the words the
-# consumer's error must contain. Every case keeps the byte counts equal: a message larger than the receive posted
-# for it is not a pool error but a gloo abort (see the pool's docstring).
-PLANNED_MISMATCH = {
-    "shape": ([0], (4, HIDDEN), torch.float32, [0], (HIDDEN, 4), torch.float32,
-              ["planned sample 0 (step 0)", "planned as [8, 4]", "sent [4, 8]"]),
-    "dtype": ([0], (4, HIDDEN), torch.int32, [0], (4, HIDDEN), torch.float32,
-              ["planned as [4, 8] torch.float32", "sent [4, 8] torch.int32"]),
-    "order": ([1, 0], (4, HIDDEN), torch.float32, [0, 1], (4, HIDDEN), torch.float32,
-              ["planned sample 0 (step 0)", "sent sample 1 (step 0) in its place"]),
+# What put_many sends (sample ids in order, shapes) against what the consumer planned (expect with specs), and the
+# words the consumer's error must contain. Sample 0 always matches: it must not be handed out either, since its
+# message carries a refused item.
+MANY_MISMATCH = {
+    "shape": ([0, 1], [(4, HIDDEN), (4, HIDDEN)], [0, 1], [(4, HIDDEN), (HIDDEN, 4)],
+              ["sample 1 (step 0) from producer rank 0", "planned as [8, 4]", "sent [4, 8]"]),
+    "order": ([1, 0], [(4, HIDDEN), (4, HIDDEN)], [0, 1], [(4, HIDDEN), (4, HIDDEN)],
+              ["expected sample 0 (step 0) next from producer rank 0", "sent sample 1 (step 0)"]),
 }
 
 
-def _planned_mismatch(rank: int, world: int, case: str) -> str:
-    sent_ids, sent_shape, sent_dtype, planned_ids, planned_shape, planned_dtype, _ = PLANNED_MISMATCH[case]
+def _many_mismatch(rank: int, world: int, case: str) -> str:
+    sent_ids, sent_shapes, planned_ids, planned_shapes, _ = MANY_MISMATCH[case]
     pool = _pool(rank, timeout_s=30.0, return_grads=False)
     message = ""
     if rank == 0:
-        for sid in sent_ids:
-            pool.put(torch.ones(sent_shape, dtype=sent_dtype), sample_id=sid, step=0, consumer=1, planned=True)
-        pool.flush()  # the consumer posted the receives from its plan: the bytes are delivered, then refused
+        batch = torch.ones(sum(s[0] for s in sent_shapes), HIDDEN)
+        views = [v.reshape(s) for v, s in zip(batch.split([s[0] for s in sent_shapes]), sent_shapes)]
+        pool.put_many(views, sample_ids=sent_ids, step=0, consumer=1)
     else:
         pool.expect(producer=0, items=[(sid, 0) for sid in planned_ids],
-                    specs=[(planned_shape, planned_dtype)] * len(planned_ids))
+                    specs=[(shape, torch.float32) for shape in planned_shapes])
         try:
-            pool.get(sample_id=planned_ids[0], step=0, producer=0)
+            pool.get(sample_id=0, step=0, producer=0)
         except PoolProtocolError as exc:
             message = str(exc)
     dist.barrier()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the refused item's credit never comes
+        warnings.simplefilter("ignore", RuntimeWarning)  # the refused message's payload and credits never move
         pool.close(wait=False)
     return message
 
 
-@pytest.mark.parametrize("case", sorted(PLANNED_MISMATCH))
-def test_a_planned_item_against_the_plan_is_refused_before_hand_out(case: str):
-    message = run_ranks(_planned_mismatch, 2, case, timeout_s=60)[1]
-    assert message, "the consumer handed out an item that does not match its plan"
-    for part in PLANNED_MISMATCH[case][-1]:
+@pytest.mark.parametrize("case", sorted(MANY_MISMATCH))
+def test_a_put_many_batch_against_the_plan_is_refused_before_hand_out(case: str):
+    message = run_ranks(_many_mismatch, 2, case, timeout_s=60)[1]
+    assert message, "the consumer handed out an item of a batch that does not match its plan"
+    for part in MANY_MISMATCH[case][-1]:
         assert part in message, f"{part!r} missing from: {message}"
 
 
-def _planned_bad_specs(rank: int, world: int) -> list[str]:
+def _bad_specs_and_groups(rank: int, world: int) -> list[str]:
     messages = []
-    if rank == 1:
-        for kw, specs in (({}, [((4, HIDDEN), torch.float32)]),  # two items, one spec
-                          ({}, [((4, HIDDEN), torch.complex64)] * 2),
-                          ({}, [((4, -1), torch.float32)] * 2),
-                          ({"receive_ahead": False}, [((4, HIDDEN), torch.float32)] * 2)):
-            pool = _pool(rank, **kw)
-            try:
-                pool.expect(producer=0, items=[(0, 0), (1, 0)], specs=specs)
-                messages.append("accepted")
-            except ValueError as exc:
-                messages.append(str(exc))
-            pool.close()
+    pool = _pool(rank)
+    calls = ([lambda: pool.put_many([torch.ones(2, HIDDEN)] * 2, sample_ids=[0], step=0, consumer=1),
+              lambda: pool.put_many([torch.ones(2, HIDDEN)] * 2, sample_ids=[3, 3], step=0, consumer=1),
+              lambda: pool.put_many([torch.ones(2, HIDDEN, dtype=torch.complex64)], sample_ids=[4], step=0,
+                                    consumer=1)]
+             if rank == 0 else
+             [lambda specs=specs: pool.expect(producer=0, items=[(0, 0), (1, 0)], specs=specs)
+              for specs in ([((4, HIDDEN), torch.float32)],  # two items, one spec
+                            [((4, HIDDEN), torch.complex64)] * 2,
+                            [((4, -1), torch.float32)] * 2)])
+    for call in calls:
+        try:
+            call()
+            messages.append("accepted")
+        except (ValueError, TypeError) as exc:
+            messages.append(str(exc))
+    pool.close()
     dist.barrier()
     return messages
 
 
-def test_bad_specs_are_named():
-    messages = run_ranks(_planned_bad_specs, 2, timeout_s=60)[1]
-    assert "specs has 1 entries for 2 items" in messages[0]
-    assert "sample 0 (step 0)" in messages[1] and "complex64" in messages[1]
-    assert "each >= 0" in messages[2]
-    assert "receive_ahead=False" in messages[3]
+def test_bad_specs_and_put_many_groups_are_named():
+    producer, consumer = run_ranks(_bad_specs_and_groups, 2, timeout_s=60)
+    assert "2 tensors for 1 sample_ids" in producer[0]
+    assert "name a sample twice" in producer[1] and "[3, 3]" in producer[1]
+    assert "put_many of sample 4 (step 0)" in producer[2] and "complex64" in producer[2]
+    assert "specs has 1 entries for 2 items" in consumer[0]
+    assert "sample 0 (step 0)" in consumer[1] and "complex64" in consumer[1]
+    assert "each >= 0" in consumer[2]
 
 
 # ---------------------------------------------------------------- backpressure and the oversize rule
@@ -733,8 +771,9 @@ def _pool_on_emulated_hccl(rank: int, world: int) -> dict:
         "npu", 0), capacity_bytes=1 << 20, timeout_s=60.0)
     shapes = [(5, HIDDEN), (0, HIDDEN), (33, HIDDEN)]
     if rank == 0:
-        for sid, shape in enumerate(shapes):  # planned: on device payload groups it falls back to the header path
-            pool.put(_embedding(sid, 0, shape[0]), sample_id=sid, step=0, consumer=1, planned=True)
+        # one batch: its dense payload (one staging copy) rides the embedding HCCL group
+        pool.put_many([_embedding(sid, 0, shape[0]) for sid, shape in enumerate(shapes)],
+                      sample_ids=range(len(shapes)), step=0, consumer=1)
         for sid, shape in enumerate(shapes):
             grad = pool.wait_grad(sample_id=sid, step=0, consumer=1)
             assert torch.equal(grad, _grad_of(_embedding(sid, 0, shape[0]), sid))
