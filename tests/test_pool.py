@@ -399,7 +399,8 @@ def _many_leaf(step: int, sid: int, tokens: int) -> torch.Tensor:
     return _embedding(sid, step, tokens).requires_grad_(True)
 
 
-def _put_many_round_trip(rank: int, world: int) -> dict:
+def _put_many_round_trip(rank: int, world: int, planned: bool) -> dict:
+    """`planned`: the consumer knows the groups (expect with specs and groups) and posts their receives at once."""
     pool = _pool(rank, capacity_bytes=MANY_CAPACITY)
     out: dict = {}
     if rank == 0:
@@ -416,7 +417,7 @@ def _put_many_round_trip(rank: int, world: int) -> dict:
                 assert not any(t.is_contiguous() for t in sent)
             else:
                 sent = [_embedding(sid, step, tokens, dtype) for sid, tokens, dtype in items]
-            hs = pool.put_many(sent, sample_ids=[sid for sid, _, _ in items], step=step, consumer=1)
+            hs = pool.put_many(sent, sample_ids=[sid for sid, _, _ in items], step=step, consumer=1, planned=planned)
             assert [(h.sample_id, h.step, h.shape, h.dtype) for h in hs] == [
                 (sid, step, (tokens, HIDDEN), dtype) for sid, tokens, dtype in items]
         grads = {}
@@ -434,8 +435,10 @@ def _put_many_round_trip(rank: int, world: int) -> dict:
         for step in (0, 1):
             items = [(sid, tokens, dtype) for st, _, group in _many_groups() if st == step
                      for sid, tokens, dtype in group]
+            groups = [len(group) for st, _, group in _many_groups() if st == step]
             pool.expect(producer=0, items=[(sid, step) for sid, _, _ in items],
-                        specs=[((tokens, HIDDEN), dtype) for _, tokens, dtype in items])
+                        specs=[((tokens, HIDDEN), dtype) for _, tokens, dtype in items],
+                        groups=groups if planned else None)
             got = {}
             # step 0 out of send order (views of landed batches); step 1 in order: its capacity split means a
             # later batch leaves only once earlier items are taken
@@ -459,8 +462,9 @@ def _put_many_round_trip(rank: int, world: int) -> dict:
     return out
 
 
-def test_put_many_round_trips_exactly_views_copies_mixed_dtypes_and_a_capacity_split():
-    producer, consumer = run_ranks(_put_many_round_trip, 2, timeout_s=90)
+@pytest.mark.parametrize("planned", [False, True])
+def test_put_many_round_trips_exactly_views_copies_mixed_dtypes_and_a_capacity_split(planned: bool):
+    producer, consumer = run_ranks(_put_many_round_trip, 2, planned, timeout_s=90)
     n = sum(len(items) for _, _, items in _many_groups())
     # one message per group of step 0; step 1's group splits at the capacity: [20, 20, 20] tokens, [80], [10]
     assert producer["embedding_messages"] == 3 + 3
@@ -474,25 +478,31 @@ def test_put_many_round_trips_exactly_views_copies_mixed_dtypes_and_a_capacity_s
 # What put_many sends (sample ids in order, shapes) against what the consumer planned (expect with specs), and the
 # words the consumer's error must contain. Sample 0 always matches: it must not be handed out either, since its
 # message carries a refused item.
-MANY_MISMATCH = {
-    "shape": ([0, 1], [(4, HIDDEN), (4, HIDDEN)], [0, 1], [(4, HIDDEN), (HIDDEN, 4)],
-              ["sample 1 (step 0) from producer rank 0", "planned as [8, 4]", "sent [4, 8]"]),
-    "order": ([1, 0], [(4, HIDDEN), (4, HIDDEN)], [0, 1], [(4, HIDDEN), (4, HIDDEN)],
-              ["expected sample 0 (step 0) next from producer rank 0", "sent sample 1 (step 0)"]),
+MANY_MISMATCH = {  # (planned: words of the planned route, else of the header path)
+    ("shape", False): ([0, 1], [(4, HIDDEN), (4, HIDDEN)], [0, 1], [(4, HIDDEN), (HIDDEN, 4)],
+                       ["sample 1 (step 0) from producer rank 0", "planned as [8, 4]", "sent [4, 8]"]),
+    ("order", False): ([1, 0], [(4, HIDDEN), (4, HIDDEN)], [0, 1], [(4, HIDDEN), (4, HIDDEN)],
+                       ["expected sample 0 (step 0) next from producer rank 0", "sent sample 1 (step 0)"]),
+    ("shape", True): ([0, 1], [(4, HIDDEN), (4, HIDDEN)], [0, 1], [(4, HIDDEN), (HIDDEN, 4)],
+                      ["planned sample 1 (step 0) from producer rank 0", "planned as [8, 4]", "sent [4, 8]"]),
+    ("order", True): ([1, 0], [(4, HIDDEN), (4, HIDDEN)], [0, 1], [(4, HIDDEN), (4, HIDDEN)],
+                      ["planned sample 0 (step 0) from producer rank 0", "sent sample 1 (step 0) in its place"]),
 }
 
 
-def _many_mismatch(rank: int, world: int, case: str) -> str:
+def _many_mismatch(rank: int, world: int, case: tuple[str, bool]) -> str:
     sent_ids, sent_shapes, planned_ids, planned_shapes, _ = MANY_MISMATCH[case]
+    planned = case[1]
     pool = _pool(rank, timeout_s=30.0, return_grads=False)
     message = ""
     if rank == 0:
         batch = torch.ones(sum(s[0] for s in sent_shapes), HIDDEN)
         views = [v.reshape(s) for v, s in zip(batch.split([s[0] for s in sent_shapes]), sent_shapes)]
-        pool.put_many(views, sample_ids=sent_ids, step=0, consumer=1)
+        pool.put_many(views, sample_ids=sent_ids, step=0, consumer=1, planned=planned)
     else:
         pool.expect(producer=0, items=[(sid, 0) for sid in planned_ids],
-                    specs=[(shape, torch.float32) for shape in planned_shapes])
+                    specs=[(shape, torch.float32) for shape in planned_shapes],
+                    groups=[len(planned_ids)] if planned else None)
         try:
             pool.get(sample_id=0, step=0, producer=0)
         except PoolProtocolError as exc:
@@ -505,7 +515,7 @@ def _many_mismatch(rank: int, world: int, case: str) -> str:
 
 
 @pytest.mark.parametrize("case", sorted(MANY_MISMATCH))
-def test_a_put_many_batch_against_the_plan_is_refused_before_hand_out(case: str):
+def test_a_put_many_batch_against_the_plan_is_refused_before_hand_out(case: tuple[str, bool]):
     message = run_ranks(_many_mismatch, 2, case, timeout_s=60)[1]
     assert message, "the consumer handed out an item of a batch that does not match its plan"
     for part in MANY_MISMATCH[case][-1]:
@@ -523,7 +533,10 @@ def _bad_specs_and_groups(rank: int, world: int) -> list[str]:
              [lambda specs=specs: pool.expect(producer=0, items=[(0, 0), (1, 0)], specs=specs)
               for specs in ([((4, HIDDEN), torch.float32)],  # two items, one spec
                             [((4, HIDDEN), torch.complex64)] * 2,
-                            [((4, -1), torch.float32)] * 2)])
+                            [((4, -1), torch.float32)] * 2)]
+             + [lambda: pool.expect(producer=0, items=[(0, 0), (1, 0)], groups=[2]),
+                lambda: pool.expect(producer=0, items=[(0, 0), (1, 0)], specs=[((4, HIDDEN), torch.float32)] * 2,
+                                    groups=[1, 0, 1])])
     for call in calls:
         try:
             call()
@@ -543,6 +556,8 @@ def test_bad_specs_and_put_many_groups_are_named():
     assert "specs has 1 entries for 2 items" in consumer[0]
     assert "sample 0 (step 0)" in consumer[1] and "complex64" in consumer[1]
     assert "each >= 0" in consumer[2]
+    assert "groups needs specs" in consumer[3]
+    assert "groups [1, 0, 1] must be sizes >= 1 adding up to the 2 items" in consumer[4]
 
 
 # ---------------------------------------------------------------- backpressure and the oversize rule

@@ -50,6 +50,9 @@ class PoolTags:
     grad_header: int = 0x4D50_0003
     grad_payload: int = 0x4D50_0004
     credit: int = 0x4D50_0005
+    # Planned batches (put_many(planned=True) against expect(groups=...)): receives posted from the plan at expect()
+    embedding_planned_header: int = 0x4D50_0006
+    embedding_planned: int = 0x4D50_0007
 
 
 TAGS = PoolTags()
