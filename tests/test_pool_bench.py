@@ -18,7 +18,7 @@ def test_bench_pool_prints_one_row_per_size_with_exact_message_counts(batch: int
     assert [int(r[0]) for r in rows] == [2, 8]
     for r in rows:
         many_msgs, header_msgs = float(r[3]), float(r[6])
-        assert many_msgs == (3.0 if batch == 1 else 1.0)  # planned put_many: one message per batch of `batch` items
+        assert many_msgs == (3.0 if batch == 1 else 1.0)  # put_many: one message per batch of `batch` items
         if batch == 1:
             assert header_msgs == 3.0  # one item per message: exactly one message per put
         else:
