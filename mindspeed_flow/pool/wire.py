@@ -15,6 +15,8 @@ Credits travel as payload-less batches on their own channel (an item record whos
 
 Dense batches (wire version 5, `EmbeddingPool.put_many`): the items of one encoder forward, one dtype, travel
 with their bytes back to back instead of at aligned offsets, so the encoder's output region can be sent as it is.
+Planned batches (`put_many(planned=True)`) travel on tags of their own, into receives the consumer posted from its
+plan, in the same header layout.
 
 Each channel has its own tags (a header tag and a payload tag): messages with the same (peer, tag) are
 delivered in order, so a prefetched header can never be matched by a payload, and embeddings, gradients and
