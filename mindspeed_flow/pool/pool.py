@@ -33,13 +33,15 @@ header is checked against them as it lands, before any item is handed out, and a
 Planned batches. Where both sides derive the groups too (which items one `put_many` sends, their shapes and
 dtypes), the consumer calls `expect(..., specs=..., groups=...)` and the producer `put_many(..., planned=True)`:
 the consumer splits each group into messages by the same rule as the producer (`max_batch_items`,
-`max_batch_bytes`, capacity) and posts each message's header and payload receives at once, into a buffer of the
-planned size; the producer posts its sends the moment it puts, on tags of their own. No header thread, no round
+MAX_PLANNED_BATCH_BYTES, capacity) and posts each message's header and payload receives at once, into a buffer of
+the planned size; the producer posts its sends the moment it puts, on tags of their own. No header thread, no round
 trip, no allocation after the header lands. get() waits for a producer's planned messages itself, in send order,
-and checks each header against the plan before handing any of its items out. The sizes must really agree: gloo
-aborts the process on a message larger than the receive posted for it, so the plan, not the tensors, must be the
-source of both sides' specs and groups. With `data_groups` (device backends match messages by order, not tag)
-both calls fall back to the header path, still checked against the specs.
+and checks each header against the plan before handing any of its items out; a planned message is credited as one
+once all its items are taken (a consumer that takes a later message's items first must leave the producer the
+capacity to send it). The sizes must really agree: gloo aborts the process on a message larger than the receive
+posted for it, so the plan, not the tensors, must be the source of both sides' specs and groups. With `data_groups`
+(device backends match messages by order, not tag) both calls fall back to the header path, still checked against
+the specs.
 
 Groups. Headers and credits always travel on `group`, a gloo group (tags keep channels apart; `Topology` builds
 it). Payloads travel on `data_groups` when given: two groups of the job's device backend (NCCL/HCCL), one per
