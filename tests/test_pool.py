@@ -378,6 +378,188 @@ def test_a_coalesced_batch_split_by_capacity_round_trips_exactly():
         tokens * HIDDEN * torch.empty((), dtype=dtype).element_size() for _, tokens, dtype in SPLIT_ITEMS)
 
 
+# ---------------------------------------------------------------- put_many (one message per encoder forward)
+
+MANY_CAPACITY = 2048  # bytes: group D below splits into 3 messages, its 80-token item (2560 B) is oversize
+
+
+def _many_groups() -> list[tuple[int, str, list[tuple[int, int, torch.dtype]]]]:
+    """(step, kind, items (sample_id, tokens, dtype)) of each put_many call: "views": adjacent views of one encoder
+    output (sent uncopied), "strided": non-contiguous tensors of one dtype (one staging copy), "mixed": mixed dtypes
+    (aligned offsets)."""
+    return [(0, "views", [(0, 3, torch.float32), (1, 9, torch.float32), (2, 0, torch.float32), (3, 5, torch.float32)]),
+            (0, "strided", [(4, 4, torch.float32), (5, 6, torch.float32)]),
+            (0, "mixed", [(6, 9, torch.bfloat16), (7, 2, torch.float16), (8, 5, torch.int64), (9, 6, torch.bool)]),
+            (1, "views", [(0, 20, torch.float32), (1, 20, torch.float32), (2, 20, torch.float32),
+                          (3, 80, torch.float32), (4, 10, torch.float32)])]
+
+
+def _many_leaf(step: int, sid: int, tokens: int) -> torch.Tensor:
+    """The encoder's input of one group item, a leaf whose gradient the producer checks."""
+    return _embedding(sid, step, tokens).requires_grad_(True)
+
+
+def _put_many_round_trip(rank: int, world: int, planned: bool) -> dict:
+    """`planned`: the consumer knows the groups (expect with specs and groups) and posts their receives at once."""
+    pool = _pool(rank, capacity_bytes=MANY_CAPACITY)
+    out: dict = {}
+    if rank == 0:
+        graphs = []
+        for step, kind, items in _many_groups():
+            if kind == "views":  # one "forward" over the group: a contiguous output, split per image
+                leaves = [_many_leaf(step, sid, tokens) for sid, tokens, _ in items]
+                output = torch.cat(leaves) * 3.0
+                tensors = list(output.split([tokens for _, tokens, _ in items]))
+                graphs.append((step, items, leaves, tensors))
+                sent = [t.detach() for t in tensors]
+            elif kind == "strided":
+                sent = [_embedding(sid, step, tokens).t().contiguous().t() for sid, tokens, _ in items]
+                assert not any(t.is_contiguous() for t in sent)
+            else:
+                sent = [_embedding(sid, step, tokens, dtype) for sid, tokens, dtype in items]
+            hs = pool.put_many(sent, sample_ids=[sid for sid, _, _ in items], step=step, consumer=1, planned=planned)
+            assert [(h.sample_id, h.step, h.shape, h.dtype) for h in hs] == [
+                (sid, step, (tokens, HIDDEN), dtype) for sid, tokens, dtype in items]
+        grads = {}
+        for step, kind, items in _many_groups():
+            for sid, tokens, dtype in items:
+                grad = pool.wait_grad(sample_id=sid, step=step, consumer=1)
+                want = _grad_of(_embedding(sid, step, tokens, dtype), sid)
+                assert grad.dtype == want.dtype and torch.equal(grad, want), (step, sid)
+                grads[(step, sid)] = grad
+        for step, items, leaves, tensors in graphs:  # the returned gradients go back through the producer's graph
+            torch.autograd.backward(tensors, [grads[(step, sid)] for sid, _, _ in items])
+            for (sid, _, _), leaf in zip(items, leaves):
+                assert torch.equal(leaf.grad, grads[(step, sid)] * 3.0), (step, sid)
+    else:
+        for step in (0, 1):
+            items = [(sid, tokens, dtype) for st, _, group in _many_groups() if st == step
+                     for sid, tokens, dtype in group]
+            groups = [len(group) for st, _, group in _many_groups() if st == step]
+            pool.expect(producer=0, items=[(sid, step) for sid, _, _ in items],
+                        specs=[((tokens, HIDDEN), dtype) for _, tokens, dtype in items],
+                        groups=groups if planned else None)
+            got = {}
+            # step 0 out of send order (views of landed batches); step 1 in order: its capacity split means a
+            # later batch leaves only once earlier items are taken
+            for sid, tokens, dtype in (reversed(items) if step == 0 else items):
+                emb = pool.get(sample_id=sid, step=step, producer=0, expected_shape=(tokens, HIDDEN))
+                want = _embedding(sid, step, tokens, dtype) * (3.0 if step == 1 or sid < 4 else 1.0)
+                assert emb.dtype == dtype and torch.equal(emb, want.to(dtype)), (step, sid)
+                got[sid] = (emb, want)
+                pool.return_grad(_grad_of(_embedding(sid, step, tokens, dtype), sid), sample_id=sid, step=step,
+                                 producer=0)
+            for sid, (emb, _) in sorted(got.items()):  # items of one batch share its buffer: writing one leaves
+                emb.zero_()                            # the others
+                for other, (o_emb, o_want) in got.items():
+                    if other > sid:
+                        assert torch.equal(o_emb, o_want.to(o_emb.dtype)), (step, sid, other)
+    pool.flush()
+    dist.barrier()
+    _wait_all_credited(pool)
+    out.update(pool.stats().as_dict())
+    pool.close()
+    return out
+
+
+@pytest.mark.parametrize("planned", [False, True])
+def test_put_many_round_trips_exactly_views_copies_mixed_dtypes_and_a_capacity_split(planned: bool):
+    producer, consumer = run_ranks(_put_many_round_trip, 2, planned, timeout_s=90)
+    n = sum(len(items) for _, _, items in _many_groups())
+    # one message per group of step 0; step 1's group splits at the capacity: [20, 20, 20] tokens, [80], [10]
+    assert producer["embedding_messages"] == 3 + 3
+    assert producer["puts"] == consumer["gets"] == n and producer["grads_received"] == consumer["grads_sent"] == n
+    assert producer["oversize_puts"] == 1 and producer["inflight_peak_bytes"] <= max(MANY_CAPACITY, 80 * HIDDEN * 4)
+    assert consumer["bytes_received"] == producer["bytes_sent"] == sum(
+        tokens * HIDDEN * dtype.itemsize for _, _, items in _many_groups() for _, tokens, dtype in items)
+    assert consumer["buffered_items"] == 0 and producer["inflight_items"] == 0
+
+
+# What put_many sends (sample ids in order, shapes) against what the consumer planned (expect with specs), and the
+# words the consumer's error must contain. Sample 0 always matches: it must not be handed out either, since its
+# message carries a refused item.
+MANY_MISMATCH = {  # (planned: words of the planned route, else of the header path)
+    ("shape", False): ([0, 1], [(4, HIDDEN), (4, HIDDEN)], [0, 1], [(4, HIDDEN), (HIDDEN, 4)],
+                       ["sample 1 (step 0) from producer rank 0", "planned as [8, 4]", "sent [4, 8]"]),
+    ("order", False): ([1, 0], [(4, HIDDEN), (4, HIDDEN)], [0, 1], [(4, HIDDEN), (4, HIDDEN)],
+                       ["expected sample 0 (step 0) next from producer rank 0", "sent sample 1 (step 0)"]),
+    ("shape", True): ([0, 1], [(4, HIDDEN), (4, HIDDEN)], [0, 1], [(4, HIDDEN), (HIDDEN, 4)],
+                      ["planned sample 1 (step 0) from producer rank 0", "planned as [8, 4]", "sent [4, 8]"]),
+    ("order", True): ([1, 0], [(4, HIDDEN), (4, HIDDEN)], [0, 1], [(4, HIDDEN), (4, HIDDEN)],
+                      ["planned sample 0 (step 0) from producer rank 0", "sent sample 1 (step 0) in its place"]),
+}
+
+
+def _many_mismatch(rank: int, world: int, case: tuple[str, bool]) -> str:
+    sent_ids, sent_shapes, planned_ids, planned_shapes, _ = MANY_MISMATCH[case]
+    planned = case[1]
+    pool = _pool(rank, timeout_s=30.0, return_grads=False)
+    message = ""
+    if rank == 0:
+        batch = torch.ones(sum(s[0] for s in sent_shapes), HIDDEN)
+        views = [v.reshape(s) for v, s in zip(batch.split([s[0] for s in sent_shapes]), sent_shapes)]
+        pool.put_many(views, sample_ids=sent_ids, step=0, consumer=1, planned=planned)
+    else:
+        pool.expect(producer=0, items=[(sid, 0) for sid in planned_ids],
+                    specs=[(shape, torch.float32) for shape in planned_shapes],
+                    groups=[len(planned_ids)] if planned else None)
+        try:
+            pool.get(sample_id=0, step=0, producer=0)
+        except PoolProtocolError as exc:
+            message = str(exc)
+    dist.barrier()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the refused message's payload and credits never move
+        pool.close(wait=False)
+    return message
+
+
+@pytest.mark.parametrize("case", sorted(MANY_MISMATCH))
+def test_a_put_many_batch_against_the_plan_is_refused_before_hand_out(case: tuple[str, bool]):
+    message = run_ranks(_many_mismatch, 2, case, timeout_s=60)[1]
+    assert message, "the consumer handed out an item of a batch that does not match its plan"
+    for part in MANY_MISMATCH[case][-1]:
+        assert part in message, f"{part!r} missing from: {message}"
+
+
+def _bad_specs_and_groups(rank: int, world: int) -> list[str]:
+    messages = []
+    pool = _pool(rank)
+    calls = ([lambda: pool.put_many([torch.ones(2, HIDDEN)] * 2, sample_ids=[0], step=0, consumer=1),
+              lambda: pool.put_many([torch.ones(2, HIDDEN)] * 2, sample_ids=[3, 3], step=0, consumer=1),
+              lambda: pool.put_many([torch.ones(2, HIDDEN, dtype=torch.complex64)], sample_ids=[4], step=0,
+                                    consumer=1)]
+             if rank == 0 else
+             [lambda specs=specs: pool.expect(producer=0, items=[(0, 0), (1, 0)], specs=specs)
+              for specs in ([((4, HIDDEN), torch.float32)],  # two items, one spec
+                            [((4, HIDDEN), torch.complex64)] * 2,
+                            [((4, -1), torch.float32)] * 2)]
+             + [lambda: pool.expect(producer=0, items=[(0, 0), (1, 0)], groups=[2]),
+                lambda: pool.expect(producer=0, items=[(0, 0), (1, 0)], specs=[((4, HIDDEN), torch.float32)] * 2,
+                                    groups=[1, 0, 1])])
+    for call in calls:
+        try:
+            call()
+            messages.append("accepted")
+        except (ValueError, TypeError) as exc:
+            messages.append(str(exc))
+    pool.close()
+    dist.barrier()
+    return messages
+
+
+def test_bad_specs_and_put_many_groups_are_named():
+    producer, consumer = run_ranks(_bad_specs_and_groups, 2, timeout_s=60)
+    assert "2 tensors for 1 sample_ids" in producer[0]
+    assert "name a sample twice" in producer[1] and "[3, 3]" in producer[1]
+    assert "put_many of sample 4 (step 0)" in producer[2] and "complex64" in producer[2]
+    assert "specs has 1 entries for 2 items" in consumer[0]
+    assert "sample 0 (step 0)" in consumer[1] and "complex64" in consumer[1]
+    assert "each >= 0" in consumer[2]
+    assert "groups needs specs" in consumer[3]
+    assert "groups [1, 0, 1] must be sizes >= 1 adding up to the 2 items" in consumer[4]
+
+
 # ---------------------------------------------------------------- backpressure and the oversize rule
 
 ITEM_TOKENS = [4, 6, 3, 5, 40, 4, 2, 6, 5, 3]  # 40 tokens = 1280 B > capacity: the oversize item
@@ -604,15 +786,17 @@ def _pool_on_emulated_hccl(rank: int, world: int) -> dict:
         "npu", 0), capacity_bytes=1 << 20, timeout_s=60.0)
     shapes = [(5, HIDDEN), (0, HIDDEN), (33, HIDDEN)]
     if rank == 0:
-        for sid, shape in enumerate(shapes):
-            pool.put(_embedding(sid, 0, shape[0]), sample_id=sid, step=0, consumer=1)
+        # one batch: its dense payload (one staging copy) rides the embedding HCCL group
+        pool.put_many([_embedding(sid, 0, shape[0]) for sid, shape in enumerate(shapes)],
+                      sample_ids=range(len(shapes)), step=0, consumer=1)
         for sid, shape in enumerate(shapes):
             grad = pool.wait_grad(sample_id=sid, step=0, consumer=1)
             assert torch.equal(grad, _grad_of(_embedding(sid, 0, shape[0]), sid))
         routed = pool._outboxes[(1, CHANNEL_EMBEDDING)].payload_group is emb_group
         routed &= pool._grad_streams[1].payload_group is grad_group
     else:
-        pool.expect(producer=0, items=[(sid, 0) for sid in range(len(shapes))])
+        pool.expect(producer=0, items=[(sid, 0) for sid in range(len(shapes))],
+                    specs=[(shape, torch.float32) for shape in shapes])
         for sid, shape in enumerate(shapes):
             emb = pool.get(sample_id=sid, step=0, producer=0, expected_shape=shape)
             assert torch.equal(emb, _embedding(sid, 0, shape[0]))

@@ -7,17 +7,23 @@ import pytest
 from mindspeed_flow.bench import pool as bench_pool
 
 
-def test_bench_pool_prints_one_row_per_size_with_exact_message_counts(capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench_pool.main(["--tokens", "2,8", "--hidden", "4", "--items", "3", "--repeats", "2"]) == 0
+@pytest.mark.parametrize("batch", [1, 16])
+def test_bench_pool_prints_one_row_per_size_with_exact_message_counts(batch: int,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_pool.main(["--tokens", "2,8", "--hidden", "4", "--items", "3", "--repeats", "2",
+                            "--max-batch-items", str(batch)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert "medians of 2 interleaved repeats" in lines[0]
     rows = [line.split() for line in lines[2:]]
     assert [int(r[0]) for r in rows] == [2, 8]
     for r in rows:
-        pool_msgs, one_msgs = float(r[3]), float(r[5])
-        assert one_msgs == 3.0  # one item per message: exactly one message per put
-        assert 1.0 <= pool_msgs <= 3.0  # coalescing never adds messages
-        assert len(r) == 11 and all(float(x) > 0 for x in r[8:])  # the three ratios were measured
+        many_msgs, header_msgs = float(r[3]), float(r[6])
+        assert many_msgs == (3.0 if batch == 1 else 1.0)  # put_many: one message per batch of `batch` items
+        if batch == 1:
+            assert header_msgs == 3.0  # one item per message: exactly one message per put
+        else:
+            assert 1.0 <= header_msgs <= 3.0  # coalescing never adds messages
+        assert len(r) == 13 and all(float(x) > 0 for x in r[9:])  # the four ratios were measured
 
 
 @pytest.mark.parametrize("argv, field", [(["--max-batch-items", "0"], "--max-batch-items"),

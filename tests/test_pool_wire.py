@@ -2,14 +2,16 @@
 and garbage is rejected by name."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from mindspeed_flow.pool import PoolProtocolError
 from mindspeed_flow.pool.wire import (CHANNEL_CREDIT, CHANNEL_EMBEDDING, CHANNEL_GRAD, DTYPE_CODES, HEADER_LEN,
                                       MAX_BATCH, MAX_NDIM, PAYLOAD_ALIGN, TAGS, as_bytes, check_sendable,
-                                      credit_header, decode_header, encode_header, from_bytes, has_payload,
-                                      item_header, pack_payloads, payload_layout, slice_payloads)
+                                      credit_header, decode_header, dense_payload, encode_header, from_bytes,
+                                      has_payload, item_header, pack_payloads, payload_layout, slice_payloads)
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPE_CODES, key=str))
@@ -113,3 +115,45 @@ def test_one_payload_goes_uncopied_and_no_payload_means_no_buffer():
     credits = [credit_header(1, 0, 4096), credit_header(2, 0, 64)]
     assert pack_payloads(credits, [None, None]) is None
     assert slice_payloads(credits, torch.device("cpu")) == ([None, None], None)
+
+
+def _dense(items: list, tensors: list[torch.Tensor]) -> list:
+    return [replace(item_header(CHANNEL_EMBEDDING, i, 0, t), dense=True) for i, t in zip(items, tensors)]
+
+
+def test_a_dense_batch_of_adjacent_views_goes_uncopied_and_slices_back_exactly():
+    batch = torch.randn(3 + 5 + 0 + 1, 7).to(torch.bfloat16)  # odd sizes: no item ends on PAYLOAD_ALIGN
+    tensors = list(batch.split([3, 5, 0, 1]))
+    headers = _dense(range(4), tensors)
+    decoded = decode_header(encode_header(headers), expected_channel=CHANNEL_EMBEDDING, peer=0)
+    assert decoded == headers and all(h.dense for h in decoded)
+    payload = dense_payload(tensors)
+    assert payload.data_ptr() == batch.data_ptr() and payload.numel() == batch.numel() * 2  # the region itself
+    offsets, total = payload_layout(decoded)
+    assert offsets == [0, 3 * 7 * 2, None, 8 * 7 * 2] and total == payload.numel()  # back to back, no padding
+    views, buffer = slice_payloads(decoded, torch.device("cpu"))
+    buffer.copy_(payload)
+    for view, h, t in zip(views, decoded, tensors):
+        assert (view is None) == (t.numel() == 0)
+        if view is not None:
+            assert torch.equal(from_bytes(view, h), t)
+
+
+@pytest.mark.parametrize("make", [
+    lambda b: [b[4:6], b[0:4]],            # adjacent, out of order
+    lambda b: [b[0:2], b[3:5]],            # a gap
+    lambda b: [b[:, :2], b[:, 2:]],        # not contiguous
+    lambda b: [b[0:2], b[2:4].clone()],    # another storage
+])
+def test_a_dense_batch_of_anything_else_is_one_concatenated_copy(make):
+    tensors = make(torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4))
+    payload = dense_payload(tensors)
+    assert torch.equal(payload, torch.cat([t.reshape(-1) for t in tensors]).view(torch.uint8))
+    assert all(payload.data_ptr() != t.data_ptr() for t in tensors)
+
+
+def test_a_header_mixes_no_layouts_and_empty_items_send_nothing():
+    a, b = torch.ones(2), torch.ones(3)
+    with pytest.raises(ValueError, match="one channel and one layout"):
+        encode_header([item_header(CHANNEL_EMBEDDING, 0, 0, a), *_dense([1], [b])])
+    assert dense_payload([torch.empty(0, 4), torch.empty(0, 4)]) is None

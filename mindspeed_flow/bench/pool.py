@@ -1,17 +1,24 @@
 """`mindspeed-flow bench pool`: embedding-pool throughput against raw isend/irecv, side by side.
 
 Two local gloo ranks (forked, as in the tests): rank 0 produces `--items` embeddings of `--tokens` x `--hidden`
-fp32 per size, rank 1 consumes them. Three ways to move the same tensors, each timed from the producer starting
-to send (after a barrier) to the consumer holding the last item, on the host's monotonic clock that both ranks
-share:
+fp32 per size, rank 1 consumes them. Four ways to move the same bytes, each timed from the producer starting to
+send (after a barrier) to the consumer holding the last item, on the host's monotonic clock that both ranks share:
 
-- "pool": put/expect/get with headers, credits and the pool's threads; items queued behind a send leave together
-  in one message (one header, one payload transfer), up to `--max-batch-items` per message;
-- "1/msg": the same pool with one item per message (`max_batch_items=1`, the pool without coalescing);
-- "raw": what a skilled user writes by hand with the same sizes agreed in advance: every isend/irecv of the step
-  posted at once on the same process group, the receives posted before the barrier into buffers allocated then
-  (the lower bound: no header, no credit, no thread, no allocation on the clock); "raw+alloc" allocates and posts
-  the receives after the barrier, as a receiver that hands out fresh tensors each step would.
+- "pool": the runtime's way: the step's items are per-image views of one contiguous [items x tokens, hidden]
+  tensor, as an encoder's batched forward yields them, and the producer sends them with `put_many` (one header
+  for up to `--max-batch-items` items and one payload transfer of their region, no copy); the consumer expects
+  them without specs (header path: a message's payload receive is posted once its header lands) and gets them
+  one by one, credits going back;
+- "plan": the same `put_many` with `planned=True`, the consumer knowing the group from the plan: it posted each
+  message's receives at `expect(specs=..., groups=...)` and checks each header against the plan at get() (the
+  runtime's consumer does not plan groups yet);
+- "hdr": the same pool item by item (`put` per item, the general header path): items queued behind a send
+  share one header and one payload transfer (copied into one buffer);
+- "raw": what a skilled user writes by hand with the same sizes agreed in advance: one isend/irecv per item,
+  all posted at once on the same process group, the receives posted before the barrier into buffers allocated
+  then (no header, no credit, no thread, no allocation on the clock). The goal of the pool is stated against it;
+- "raw1": one isend/irecv of the whole contiguous tensor, receive posted before the barrier (the floor of any
+  per-item scheme: one transfer per step).
 
 The pools live for the whole bench, as in training (one pool per run): an untimed warm-up step per size starts
 their threads, then every repeat runs all variants back to back in a rotating order, so a burst of load on the
@@ -36,8 +43,7 @@ from mindspeed_flow.pool import EmbeddingPool
 from mindspeed_flow.pool.wire import MAX_BATCH
 from mindspeed_flow.utils.multiproc import run_ranks
 
-VARIANTS = ("pool", "one", "raw", "alloc")
-_LABELS = {"pool": "pool", "one": "1/msg", "raw": "raw", "alloc": "raw+alloc"}
+VARIANTS = ("pool", "plan", "hdr", "raw", "raw1")
 _RAW_TAG = 7
 
 
@@ -47,15 +53,22 @@ _RAW_TAG = 7
 Span = tuple[float, float]
 
 
-def _pool_step(pool: EmbeddingPool, rank: int, items: list[torch.Tensor], step: int) -> Span:
-    """One step through `pool`: the consumer expects the step's items (its receives go out) before the barrier."""
+def _pool_step(pool: EmbeddingPool, rank: int, items: list[torch.Tensor], step: int, many: bool,
+               planned: bool) -> Span:
+    """One step through `pool`: the consumer expects the step's items before the barrier; `many`: the producer
+    sends them with one `put_many`, else one `put` per item; `planned`: both sides know the group (its shapes)."""
     if rank == 1:
-        pool.expect(producer=0, items=[(i, step) for i in range(len(items))])
+        specs = [(t.shape, t.dtype) for t in items] if planned else None
+        pool.expect(producer=0, items=[(i, step) for i in range(len(items))], specs=specs,
+                    groups=[len(items)] if planned else None)
     dist.barrier()
     start = time.perf_counter()
     if rank == 0:
-        for i, tensor in enumerate(items):
-            pool.put(tensor, sample_id=i, step=step, consumer=1)
+        if many:
+            pool.put_many(items, sample_ids=range(len(items)), step=step, consumer=1, planned=planned)
+        else:
+            for i, tensor in enumerate(items):
+                pool.put(tensor, sample_id=i, step=step, consumer=1)
     else:
         for i in range(len(items)):
             pool.get(sample_id=i, step=step, producer=0)
@@ -65,19 +78,16 @@ def _pool_step(pool: EmbeddingPool, rank: int, items: list[torch.Tensor], step: 
     return start, end
 
 
-def _raw_step(rank: int, items: list[torch.Tensor], allocate: bool, group: dist.ProcessGroup | None) -> Span:
-    """Every isend/irecv of the step posted at once. Without `allocate` the receiver posts its receives into
-    buffers allocated before the barrier, as the pool's consumer posts its receives at expect(); with `allocate`
-    it allocates and posts after it."""
+def _raw_step(rank: int, tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> Span:
+    """Every isend/irecv of the step posted at once, the receives posted into buffers allocated before the
+    barrier, as the pool's consumer posts its receives at expect()."""
     works: list[dist.Work] = []
-    if rank == 1 and not allocate:
-        works = [dist.irecv(torch.empty_like(t), 0, group=group, tag=_RAW_TAG) for t in items]
+    if rank == 1:
+        works = [dist.irecv(torch.empty_like(t), 0, group=group, tag=_RAW_TAG) for t in tensors]
     dist.barrier()
     start = time.perf_counter()
     if rank == 0:
-        works = [dist.isend(t, 1, group=group, tag=_RAW_TAG) for t in items]
-    elif allocate:
-        works = [dist.irecv(torch.empty_like(t), 0, group=group, tag=_RAW_TAG) for t in items]
+        works = [dist.isend(t, 1, group=group, tag=_RAW_TAG) for t in tensors]
     for w in works:
         w.wait()
     end = time.perf_counter()
@@ -87,32 +97,36 @@ def _raw_step(rank: int, items: list[torch.Tensor], allocate: bool, group: dist.
 
 def _bench_rank(rank: int, world: int, sizes: list[int], n_items: int, hidden: int, repeats: int,
                 capacity_bytes: int, max_batch_items: int) -> list[dict]:
-    # The coalescing pool and raw share the world group (the same group, as the comparison requires); the 1/msg
-    # pool gets its own group, so the two pools' tags can never meet.
-    one_group = dist.new_group(backend="gloo")
-    pools = {"pool": EmbeddingPool(rank=rank, group=None, capacity_bytes=capacity_bytes, timeout_s=120.0,
-                                   device=torch.device("cpu"), return_grads=False, max_batch_items=max_batch_items),
-             "one": EmbeddingPool(rank=rank, group=one_group, capacity_bytes=capacity_bytes, timeout_s=120.0,
-                                  device=torch.device("cpu"), return_grads=False, max_batch_items=1)}
+    # The runtime's pool and raw share the world group (the same group, as the comparison requires); the other pools
+    # get groups of their own, so no two pools' tags can meet.
+    groups = {"pool": None, "plan": dist.new_group(backend="gloo"), "hdr": dist.new_group(backend="gloo")}
+    pools = {name: EmbeddingPool(rank=rank, group=group, capacity_bytes=capacity_bytes, timeout_s=120.0,
+                                 device=torch.device("cpu"), return_grads=False, max_batch_items=max_batch_items)
+             for name, group in groups.items()}
     steps = iter(range(1 << 30))  # a fresh step number per pool step: (sample, step) keys are never reused
-    run: dict[str, Callable[[list[torch.Tensor]], Span]] = {
-        "pool": lambda items: _pool_step(pools["pool"], rank, items, next(steps)),
-        "one": lambda items: _pool_step(pools["one"], rank, items, next(steps)),
-        "raw": lambda items: _raw_step(rank, items, allocate=False, group=None),
-        "alloc": lambda items: _raw_step(rank, items, allocate=True, group=None),
+    batch = torch.empty(0)
+    items: list[torch.Tensor] = []
+    run: dict[str, Callable[[], Span]] = {
+        "pool": lambda: _pool_step(pools["pool"], rank, items, next(steps), many=True, planned=False),
+        "plan": lambda: _pool_step(pools["plan"], rank, items, next(steps), many=True, planned=True),
+        "hdr": lambda: _pool_step(pools["hdr"], rank, items, next(steps), many=False, planned=False),
+        "raw": lambda: _raw_step(rank, items, group=None),
+        "raw1": lambda: _raw_step(rank, [batch], group=None),
     }
     rows = []
     for tokens in sizes:
-        items = [torch.randn(tokens, hidden) for _ in range(n_items)]
-        nbytes = sum(t.numel() * t.element_size() for t in items)
+        # One encoder forward's output, split per image (views, no copies); every variant moves these bytes.
+        batch = torch.randn(n_items * tokens, hidden)
+        items = list(batch.split(tokens))
+        nbytes = batch.numel() * batch.element_size()
         for name in VARIANTS:  # warm-up, untimed: threads started, allocator and sockets warm for this size
-            run[name](items)
+            run[name]()
         messages = {name: pools[name].stats().embedding_messages for name in pools}
         spans: dict[str, list[Span]] = {name: [] for name in VARIANTS}
         for r in range(repeats):
             for k in range(len(VARIANTS)):  # rotating order: no variant always runs first after the warm-up
                 name = VARIANTS[(r + k) % len(VARIANTS)]
-                spans[name].append(run[name](items))
+                spans[name].append(run[name]())
         row: dict = {"tokens": tokens, "item_bytes": nbytes // n_items, "bytes": nbytes, "spans": spans}
         for name in pools:  # messages per step, from the producer's counters
             row[f"{name}_messages"] = (pools[name].stats().embedding_messages - messages[name]) / repeats
@@ -136,7 +150,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--capacity-mb", type=float, default=FlowConfig.pool_capacity_mb,
                    help="pool capacity in MiB (default: the job default, flow.pool_capacity_mb)")
     p.add_argument("--max-batch-items", type=int, default=MAX_BATCH,
-                   help=f"items per message of the 'pool' column (1..{MAX_BATCH}; the '1/msg' column is always 1)")
+                   help=f"items per header message of both pool columns (1..{MAX_BATCH})")
     args = p.parse_args(argv)
     for field, value, low in (("--items", args.items, 1), ("--repeats", args.repeats, 1),
                               ("--hidden", args.hidden, 1)):
@@ -161,16 +175,19 @@ def main(argv: list[str]) -> int:
     producer_rows, rows = run_ranks(_bench_rank, 2, args.sizes, args.items, args.hidden, args.repeats, capacity,
                                     args.max_batch_items, timeout_s=1800)
     print(f"embedding pool vs raw isend/irecv: 2 gloo ranks on this host, fp32, hidden {args.hidden}, "
-          f"{args.items} items per step, capacity {args.capacity_mb:g} MiB, pool: up to {args.max_batch_items} "
-          f"items per message; medians of {args.repeats} interleaved repeats")
-    print(f"{'tokens':>7} {'item MiB':>9} {'pool GB/s':>10} {'msgs':>5} {'1/msg GB/s':>11} {'msgs':>5} "
-          f"{'raw GB/s':>9} {'raw+alloc':>10} {'pool/raw':>9} {'1/msg/raw':>10} {'pool/raw+alloc':>15}")
+          f"{args.items} items per step, capacity {args.capacity_mb:g} MiB, pool: put_many (the runtime's way), plan: put_many planned, hdr: put per item, up to "
+          f"{args.max_batch_items} items per message; raw: isend/irecv per item, raw1: one per step; medians of "
+          f"{args.repeats} interleaved repeats")
+    print(f"{'tokens':>7} {'item MiB':>9} {'pool GB/s':>10} {'msgs':>5} {'plan GB/s':>10} {'hdr GB/s':>9} "
+          f"{'msgs':>5} {'raw GB/s':>9} {'raw1 GB/s':>10} {'pool/raw':>9} {'plan/raw':>9} {'hdr/raw':>8} "
+          f"{'pool/raw1':>10}")
     for r, p in zip(rows, producer_rows):  # messages: the producer's counters
         # the producer's start to the consumer's end, on the clock both ranks share
         times = {k: [end - start for (start, _), (_, end) in zip(p["spans"][k], r["spans"][k])] for k in VARIANTS}
         gbs = {k: r["bytes"] / statistics.median(times[k]) / 1e9 for k in VARIANTS}
         print(f"{r['tokens']:>7} {r['item_bytes'] / 2**20:>9.3f} {gbs['pool']:>10.2f} {p['pool_messages']:>5.1f} "
-              f"{gbs['one']:>11.2f} {p['one_messages']:>5.1f} {gbs['raw']:>9.2f} {gbs['alloc']:>10.2f} "
-              f"{_paired_ratio(times, 'pool', 'raw'):>9.2f} {_paired_ratio(times, 'one', 'raw'):>10.2f} "
-              f"{_paired_ratio(times, 'pool', 'alloc'):>15.2f}")
+              f"{gbs['plan']:>10.2f} {gbs['hdr']:>9.2f} {p['hdr_messages']:>5.1f} {gbs['raw']:>9.2f} "
+              f"{gbs['raw1']:>10.2f} {_paired_ratio(times, 'pool', 'raw'):>9.2f} "
+              f"{_paired_ratio(times, 'plan', 'raw'):>9.2f} {_paired_ratio(times, 'hdr', 'raw'):>8.2f} "
+              f"{_paired_ratio(times, 'pool', 'raw1'):>10.2f}")
     return 0

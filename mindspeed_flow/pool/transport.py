@@ -29,7 +29,8 @@ from mindspeed_flow.pool.wire import WireHeader, encode_header, has_payload, pac
 # Called with the received header tensor; returns one (context, view of the payload or None) per item of the message,
 # in send order, and the batch's one payload buffer that those views slice (None: no item has a payload). Runs on
 # the stream thread, outside the pool lock. `Deliver` gets each item once the batch's bytes are in.
-Land = Callable[[torch.Tensor], tuple[list[tuple[Any, torch.Tensor | None]], torch.Tensor | None]]
+LandedItem = tuple[Any, torch.Tensor | None]
+Land = Callable[[torch.Tensor], tuple[list[LandedItem], torch.Tensor | None]]
 Deliver = Callable[[Any, torch.Tensor | None], None]
 
 
@@ -47,11 +48,16 @@ class InboundStream:
     message before even asking for the next header.
     """
 
-    def __init__(self, *, cond: threading.Condition, peer: int, group: dist.ProcessGroup | None,
+    def __init__(self, *, cond: threading.Condition, lock: threading.RLock, peer: int,
+                 group: dist.ProcessGroup | None,
                  header_tag: int, payload_tag: int | None, header_len: int, land: Land, deliver: Deliver,
                  name: str, wire_device: torch.device = torch.device("cpu"),
                  payload_group: dist.ProcessGroup | None = None) -> None:
         self.cond = cond
+        # This stream's own threads wait on `wake` (the same lock as `cond`): the pool's notifications on `cond`
+        # wake only its callers, and a request() wakes only this stream, not every thread of the pool (measured:
+        # waking them all on each put and get cost more than moving a 64-token embedding).
+        self.wake = threading.Condition(lock)
         self.peer = peer
         self.group = group
         self.payload_group = payload_group or group  # a device group moves payloads where one is given
@@ -68,7 +74,7 @@ class InboundStream:
         self.closed = False
         self.error: BaseException | None = None
         # landed batches, in order: (the payload receive or None, each item's context and view of the payload)
-        self._landed: deque[tuple[dist.Work | None, list[tuple[Any, torch.Tensor | None]]]] = deque()
+        self._landed: deque[tuple[dist.Work | None, list[LandedItem]]] = deque()
         self._header_posted: tuple[torch.Tensor, dist.Work] | None = None  # next header's receive, once posted
         self._threads = [threading.Thread(target=self._guard, args=(self._next_header,), name=f"{name}-headers",
                                           daemon=True),
@@ -82,12 +88,13 @@ class InboundStream:
     def request(self, n: int = 1) -> None:
         """Ask for n more items (call with `cond` held)."""
         self.wanted += n
-        self.cond.notify_all()
+        self.wake.notify_all()
 
     def close(self) -> None:
         """Stop after the current message (call with `cond` held)."""
         self.closed = True
         self.cond.notify_all()
+        self.wake.notify_all()
 
     @property
     def idle(self) -> bool:
@@ -109,7 +116,7 @@ class InboundStream:
         with self.cond:
             if self._header_posted is None:
                 while self.announced >= self.wanted and not self.closed:
-                    self.cond.wait()
+                    self.wake.wait()
                 if self.closed:
                     return False
                 self._header_posted = self._post_header()
@@ -120,6 +127,22 @@ class InboundStream:
             self._header_posted = None
             self.announced += len(items)
             self.messages += 1
+            if buffer is None and not self._landed:
+                # Nothing to wait for (credits, empty items) and nothing ahead of it: delivered here,
+                # which spares a hand-off to the payload thread (a wake-up per message, costly on a busy host).
+                if self.announced < self.wanted and not self.closed:
+                    self._header_posted = self._post_header()
+                deliver_now = True
+            else:
+                deliver_now = False
+        if deliver_now:
+            for context, _ in items:
+                self.deliver(context, None)
+            with self.cond:
+                self.received += len(items)
+                self.cond.notify_all()
+            return True
+        with self.cond:
             # The next header's receive goes out before this batch's payload receive. Transports that move a
             # message only once both ends have posted it (gloo) then send the small next header ahead of this
             # payload, so the next payload's receive is posted while this one is still on the wire and the link
@@ -132,13 +155,13 @@ class InboundStream:
                 assert self.payload_tag is not None, "a payload was announced on a header-only channel"
                 work = dist.irecv(buffer, src=self.peer, group=self.payload_group, tag=self.payload_tag)
             self._landed.append((work, items))
-            self.cond.notify_all()
+            self.wake.notify_all()
         return True
 
     def _next_payload(self) -> bool:
         with self.cond:
             while not self._landed and not self.closed:
-                self.cond.wait()
+                self.wake.wait()
             if self.closed:
                 return False
             work, items = self._landed.popleft()
@@ -178,12 +201,14 @@ class Outbox:
     or for a batch to fill. Two messages in flight keep the link busy while one of them is being reaped.
     """
 
-    def __init__(self, *, cond: threading.Condition, peer: int, group: dist.ProcessGroup | None, channel: int,
+    def __init__(self, *, cond: threading.Condition, lock: threading.RLock, peer: int,
+                 group: dist.ProcessGroup | None, channel: int,
                  header_tag: int, payload_tag: int | None, max_batch_items: int, max_batch_bytes: int,
                  on_sent: Callable[[list[WireHeader]], None], name: str, window: int = 2,
                  wire_device: torch.device = torch.device("cpu"),
                  payload_group: dist.ProcessGroup | None = None) -> None:
         self.cond = cond
+        self.wake = threading.Condition(lock)  # this outbox's threads wait here (see InboundStream)
         self.peer = peer
         self.group = group
         self.payload_group = payload_group or group
@@ -200,7 +225,8 @@ class Outbox:
         self.messages = 0   # messages completed
         self.closed = False
         self.error: BaseException | None = None
-        self._queue: deque[tuple[WireHeader, torch.Tensor | None]] = deque()
+        # queued messages-to-be: (items, their tensors or, when `packed`, the batch's one payload, packed)
+        self._queue: deque[tuple[list[WireHeader], list[torch.Tensor | None] | torch.Tensor | None, bool]] = deque()
         self._packing: list[WireHeader] = []  # the batch being packed (taken off the queue, not yet posted)
         # posted messages, oldest first: (items, works, buffers kept alive until the works complete)
         self._in_flight: deque[tuple[list[WireHeader], list[dist.Work], list[torch.Tensor]]] = deque()
@@ -217,14 +243,24 @@ class Outbox:
         """Queue one item (call with `cond` held)."""
         if self.error is not None:
             raise self.error
-        self._queue.append((header, tensor))
+        self._queue.append(([header], [tensor], False))
         self.pushed += 1
-        self.cond.notify_all()
+        self.wake.notify_all()
+
+    def push_batch(self, items: list[WireHeader], payload: torch.Tensor | None) -> None:
+        """Queue a batch packed by the caller (`put_many`): its items and their one payload leave as one message,
+        never merged with other items (call with `cond` held)."""
+        if self.error is not None:
+            raise self.error
+        self._queue.append((items, payload, True))
+        self.pushed += len(items)
+        self.wake.notify_all()
 
     def close(self) -> None:
         """Stop once nothing is queued or in flight (call with `cond` held)."""
         self.closed = True
         self.cond.notify_all()
+        self.wake.notify_all()
 
     @property
     def idle(self) -> bool:
@@ -232,7 +268,8 @@ class Outbox:
 
     def pending(self) -> list[WireHeader]:
         """Items not yet received by the peer: in flight first, then queued (call with `cond` held)."""
-        return [*(h for items, _, _ in self._in_flight for h in items), *self._packing, *(h for h, _ in self._queue)]
+        return [*(h for items, _, _ in self._in_flight for h in items), *self._packing,
+                *(h for items, _, _ in self._queue for h in items)]
 
     def join(self, timeout: float) -> None:
         for t in self._threads:
@@ -241,39 +278,44 @@ class Outbox:
     def _post_next(self) -> bool:
         with self.cond:
             while (not self._queue or len(self._in_flight) >= self.window) and not self.closed:
-                self.cond.wait()
+                self.wake.wait()
             if not self._queue:
                 return False
-            batch = [self._queue.popleft()]
-            size = _payload_bytes(batch[0][0])
-            while (self._queue and len(batch) < self.max_batch_items
-                   and size + _payload_bytes(self._queue[0][0]) <= self.max_batch_bytes):
-                size += _payload_bytes(self._queue[0][0])
-                batch.append(self._queue.popleft())
-            items = [h for h, _ in batch]
+            items, tensors, packed = self._queue.popleft()
+            if not packed:  # single items queued behind the sends leave together
+                tensors = list(tensors)
+                size = _payload_bytes(items[0])
+                while (self._queue and not self._queue[0][2] and len(items) < self.max_batch_items
+                       and size + _payload_bytes(self._queue[0][0][0]) <= self.max_batch_bytes):
+                    more, more_tensors, _ = self._queue.popleft()
+                    size += _payload_bytes(more[0])
+                    items = [*items, *more]
+                    tensors += more_tensors
             self._packing = items
         # Packed off the lock: copying several payloads into one buffer must not hold up put()/get().
         header = encode_header(items).to(self.wire_device)
-        payload = pack_payloads(items, [t for _, t in batch])
+        payload = tensors if packed else pack_payloads(items, tensors)
         with self.cond:
             self._packing = []
             # Posted under the lock (see InboundStream._post_header); posting never blocks.
             header_op = dist.P2POp(dist.isend, header, self.peer, self.group, self.header_tag)
             payload_ops = ([] if payload is None else
                            [dist.P2POp(dist.isend, payload, self.peer, self.payload_group, self.payload_tag)])
-            if self.payload_group is self.group:
+            if not payload_ops:  # header only (credits, empty items): no batch to build
+                works = [dist.isend(header, self.peer, group=self.group, tag=self.header_tag)]
+            elif self.payload_group is self.group:
                 works = list(dist.batch_isend_irecv([header_op, *payload_ops]))
             else:  # header on the gloo group, payload on the device group: one batch per backend
                 works = list(dist.batch_isend_irecv([header_op]))
                 works += list(dist.batch_isend_irecv(payload_ops)) if payload_ops else []
             self._in_flight.append((items, works, [header] if payload is None else [header, payload]))
-            self.cond.notify_all()
+            self.wake.notify_all()
         return True
 
     def _reap_next(self) -> bool:
         with self.cond:
             while not self._in_flight and not (self.closed and not self._queue):
-                self.cond.wait()
+                self.wake.wait()
             if not self._in_flight:
                 return False
             items, works, _ = self._in_flight[0]
@@ -285,6 +327,7 @@ class Outbox:
             self.messages += 1
             self.on_sent(items)
             self.cond.notify_all()
+            self.wake.notify_all()
         return True
 
 

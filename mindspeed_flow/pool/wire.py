@@ -13,6 +13,11 @@ own, and no thread hand-off of its own.
 
 Credits travel as payload-less batches on their own channel (an item record whose shape is the credited bytes).
 
+Dense batches (wire version 5, `EmbeddingPool.put_many`): the items of one encoder forward, one dtype, travel
+with their bytes back to back instead of at aligned offsets, so the encoder's output region can be sent as it is.
+Planned batches (`put_many(planned=True)`) travel on tags of their own, into receives the consumer posted from its
+plan, in the same header layout.
+
 Each channel has its own tags (a header tag and a payload tag): messages with the same (peer, tag) are
 delivered in order, so a prefetched header can never be matched by a payload, and embeddings, gradients and
 credits never mix.
@@ -26,14 +31,14 @@ import torch
 from mindspeed_flow.pool.errors import PoolProtocolError
 
 HEADER_MAGIC = 0x4D53_464C_4F57  # "MSFLOW": a header that does not start with it came from the wrong tag/peer
-WIRE_VERSION = 3  # 2: batched headers; 3: one payload buffer per batch
+WIRE_VERSION = 5  # 2: batched headers; 3: one payload buffer per batch; 4: planned items (gone); 5: dense batches
 MAX_NDIM = 8
-MAX_BATCH = 16  # items per message: bounds the header (212 int64) while amortising per-message costs 16-fold
+MAX_BATCH = 16  # items per message: bounds the header (213 int64) while amortising per-message costs 16-fold
 PAYLOAD_ALIGN = 64  # byte alignment of each item inside a batch's payload buffer (>= every dtype's element size)
 
-# Header layout (int64): magic, version, channel, count, then MAX_BATCH item records of
-# sample_id, step, dtype code, ndim, nbytes, dims[MAX_NDIM] (unused records are zero).
-_MESSAGE_FIELDS = 4
+# Header layout (int64): magic, version, channel, count, layout (0: aligned, 1: dense), then MAX_BATCH item records
+# of sample_id, step, dtype code, ndim, nbytes, dims[MAX_NDIM] (unused records are zero).
+_MESSAGE_FIELDS = 5
 _ITEM_FIELDS = 5 + MAX_NDIM
 HEADER_LEN = _MESSAGE_FIELDS + MAX_BATCH * _ITEM_FIELDS
 
@@ -47,6 +52,9 @@ class PoolTags:
     grad_header: int = 0x4D50_0003
     grad_payload: int = 0x4D50_0004
     credit: int = 0x4D50_0005
+    # Planned batches (put_many(planned=True) against expect(groups=...)): receives posted from the plan at expect()
+    embedding_planned_header: int = 0x4D50_0006
+    embedding_planned: int = 0x4D50_0007
 
 
 TAGS = PoolTags()
@@ -82,6 +90,9 @@ class WireHeader:
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
+    # The batch's payload is its items' bytes back to back (`put_many`: one dtype, often one region of the encoder's
+    # output sent without a copy) instead of at PAYLOAD_ALIGN offsets; set on every item of the message alike.
+    dense: bool = False
 
     @property
     def key(self) -> tuple[int, int]:
@@ -92,7 +103,7 @@ def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     numel = 1
     for d in shape:
         numel *= d
-    return numel * torch.empty((), dtype=dtype).element_size()
+    return numel * dtype.itemsize  # not torch.empty(): a factory call per item costs a GIL hand-off in put()
 
 
 def check_sendable(tensor: torch.Tensor, what: str) -> None:
@@ -116,10 +127,12 @@ def credit_header(sample_id: int, step: int, nbytes: int) -> WireHeader:
 
 
 def encode_header(items: list[WireHeader]) -> torch.Tensor:
-    """The int64 header announcing a batch of 1..MAX_BATCH items of one channel (a CPU tensor)."""
-    if not 1 <= len(items) <= MAX_BATCH or len({h.channel for h in items}) != 1:
-        raise ValueError(f"a pool message carries 1..{MAX_BATCH} items of one channel, got {len(items)}")
-    values = [HEADER_MAGIC, WIRE_VERSION, items[0].channel, len(items)]
+    """The int64 header announcing a batch of 1..MAX_BATCH items of one channel and layout (a CPU tensor)."""
+    if (not 1 <= len(items) <= MAX_BATCH or len({h.channel for h in items}) != 1
+            or len({h.dense for h in items}) != 1):
+        raise ValueError(f"a pool message carries 1..{MAX_BATCH} items of one channel and one layout, got "
+                         f"{len(items)}")
+    values = [HEADER_MAGIC, WIRE_VERSION, items[0].channel, len(items), int(items[0].dense)]
     for h in items:
         values += [h.sample_id, h.step, DTYPE_CODES[h.dtype], len(h.shape), h.nbytes, *h.shape]
         values += [0] * (MAX_NDIM - len(h.shape))
@@ -130,7 +143,7 @@ def encode_header(items: list[WireHeader]) -> torch.Tensor:
 def decode_header(header: torch.Tensor, *, expected_channel: int, peer: int) -> list[WireHeader]:
     """Decode and validate a received header; garbage means a tag collision or a peer on another version."""
     values = [int(v) for v in header.cpu().tolist()]
-    magic, version, channel, count = values[:_MESSAGE_FIELDS]
+    magic, version, channel, count, dense = values[:_MESSAGE_FIELDS]
     if magic != HEADER_MAGIC or version != WIRE_VERSION:
         raise PoolProtocolError(f"a message from rank {peer} is not a pool header (magic {magic:#x}, version "
                                 f"{version}); another user of the process group sends on the pool's tags, or the "
@@ -138,8 +151,9 @@ def decode_header(header: torch.Tensor, *, expected_channel: int, peer: int) -> 
     if channel != expected_channel:
         raise PoolProtocolError(f"rank {peer} sent a {CHANNEL_NAMES.get(channel, channel)} header on the "
                                 f"{CHANNEL_NAMES[expected_channel]} channel")
-    if not 1 <= count <= MAX_BATCH:
-        raise PoolProtocolError(f"rank {peer} sent a header announcing {count} items (1..{MAX_BATCH} allowed)")
+    if not 1 <= count <= MAX_BATCH or dense not in (0, 1):
+        raise PoolProtocolError(f"rank {peer} sent a header announcing {count} items (1..{MAX_BATCH} allowed) in "
+                                f"layout {dense} (0 or 1)")
     items = []
     for i in range(count):
         at = _MESSAGE_FIELDS + i * _ITEM_FIELDS
@@ -151,7 +165,7 @@ def decode_header(header: torch.Tensor, *, expected_channel: int, peer: int) -> 
         if tensor_nbytes(shape, dtype) != nbytes:
             raise PoolProtocolError(f"rank {peer} sent a header for sample {sample_id} (step {step}) whose size "
                                     f"{nbytes} B does not match shape {list(shape)} of {dtype}")
-        items.append(WireHeader(channel, sample_id, step, dtype, shape, nbytes))
+        items.append(WireHeader(channel, sample_id, step, dtype, shape, nbytes, bool(dense)))
     return items
 
 
@@ -176,7 +190,8 @@ def payload_layout(items: list[WireHeader]) -> tuple[list[int | None], int]:
 
     Offsets are multiples of `PAYLOAD_ALIGN`, so every item's view of the buffer can be reinterpreted as its
     dtype (a view needs an offset divisible by the element size) and starts on its own cache line. Items without
-    a payload get None. Both ends compute the layout from the header alone, so it never travels.
+    a payload get None. Both ends compute the layout from the header alone, so it never travels. A dense batch
+    (`WireHeader.dense`, one dtype) has its items back to back: every offset is still a multiple of the element size.
     """
     offsets: list[int | None] = []
     total = 0
@@ -184,7 +199,8 @@ def payload_layout(items: list[WireHeader]) -> tuple[list[int | None], int]:
         if not has_payload(item):
             offsets.append(None)
             continue
-        total = -(-total // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+        if not item.dense:
+            total = -(-total // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
         offsets.append(total)
         total += item.nbytes
     return offsets, total
@@ -208,6 +224,31 @@ def pack_payloads(items: list[WireHeader], tensors: list[torch.Tensor | None]) -
         flat = as_bytes(tensor)
         buffer[off:off + flat.numel()].copy_(flat)
     return buffer
+
+
+def dense_payload(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The bytes of `tensors` (one dtype) back to back, as one flat uint8 tensor (None: no bytes at all).
+
+    Tensors that are adjacent, in order, in one contiguous storage (an encoder's batched output split per image)
+    are sent as that region of the storage, without a copy; anything else is concatenated into one staging buffer.
+    """
+    full = [t for t in tensors if t.numel() > 0]
+    if not full:
+        return None
+    first, itemsize = full[0], full[0].element_size()
+    at = first.storage_offset()
+    adjacent = True
+    for t in full:
+        if not t.is_contiguous() or t.storage_offset() != at or t.untyped_storage().data_ptr() != \
+                first.untyped_storage().data_ptr():
+            adjacent = False
+            break
+        at += t.numel()
+    if not adjacent:
+        return torch.cat([t.detach().reshape(-1) for t in full]).view(torch.uint8)
+    region = torch.empty(0, dtype=torch.uint8, device=first.device)
+    start = first.storage_offset() * itemsize
+    return region.set_(first.untyped_storage(), start, ((at - first.storage_offset()) * itemsize,))
 
 
 def slice_payloads(items: list[WireHeader], device: torch.device) -> tuple[list[torch.Tensor | None],

@@ -193,10 +193,12 @@ class StepEngine:
             samples = [timer.timed("wait", lambda: next(loader)) for _ in group]
             embs = timer.timed("busy", lambda: encode_samples(self.m.encoder, samples, keep))
             if leader:
-                for sid, emb in zip(group, embs):
-                    # The pool sends a detached copy; the graph (if kept) stays here until the gradient comes back.
-                    timer.timed("wait", lambda: self.pool.put(emb.detach(), sample_id=sid, step=work.step,
-                                                              consumer=work.consumer_of[sid]))
+                # One put_many per consumer: the forward's output (per-sample views of one tensor) leaves as one
+                # message, uncopied when its samples go to one consumer. The graph (if kept) stays here.
+                for consumer in dict.fromkeys(work.consumer_of[sid] for sid in group):
+                    mine = [(sid, emb.detach()) for sid, emb in zip(group, embs) if work.consumer_of[sid] == consumer]
+                    timer.timed("wait", lambda: self.pool.put_many([e for _, e in mine], sample_ids=[
+                        sid for sid, _ in mine], step=work.step, consumer=consumer))
             if trainable:
                 held.append((group, embs if keep else samples, [(e.shape, e.dtype, e.device) for e in embs]))
         record["encoder_last_sample_done_t"] = time.time()
