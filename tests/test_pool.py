@@ -37,6 +37,16 @@ def _wait_all_credited(pool: EmbeddingPool, leave: int = 0) -> None:
         time.sleep(0.01)
 
 
+def _settle_and_close(pool: EmbeddingPool) -> dict:
+    """Flush, wait until every item is credited on both ranks, close; the rank's pool stats."""
+    pool.flush()
+    dist.barrier()
+    _wait_all_credited(pool)
+    stats = pool.stats().as_dict()
+    pool.close()
+    return stats
+
+
 GO_TAG = 0x60  # the tests' own "go on" message between ranks, far from the pool's tags
 
 
@@ -302,12 +312,7 @@ def _coalesced(rank: int, world: int) -> dict:
                 emb = pool.get(sample_id=sid, step=t, producer=0, expected_shape=shape)
                 assert emb.dtype == dtype and torch.equal(emb, _embedding(sid, t, shape[0], dtype)), (sid, t)
                 pool.return_grad(_grad_of(emb, sid), sample_id=sid, step=t, producer=0)
-    pool.flush()
-    dist.barrier()
-    _wait_all_credited(pool)
-    stats = pool.stats().as_dict()
-    pool.close()
-    return stats
+    return _settle_and_close(pool)
 
 
 def test_items_queued_behind_a_send_are_coalesced_exactly():
@@ -357,12 +362,7 @@ def _coalesced_split(rank: int, world: int) -> dict:
                 assert torch.equal(got[other], _embedding(other, 0, got[other].shape[0], dtype)), (sid, other)
         for sid, tokens, dtype in reversed(SPLIT_ITEMS):  # gradients leave in another order, batched as they queue
             pool.return_grad(_grad_of(_embedding(sid, 0, tokens, dtype), sid), sample_id=sid, step=0, producer=0)
-    pool.flush()
-    dist.barrier()
-    _wait_all_credited(pool)
-    stats = pool.stats().as_dict()
-    pool.close()
-    return stats
+    return _settle_and_close(pool)
 
 
 def test_a_coalesced_batch_split_by_capacity_round_trips_exactly():
@@ -857,3 +857,48 @@ def test_receiving_ahead_hides_the_transfer_and_on_demand_exposes_it(receive_ahe
         # nothing moved before get() asked; the first message's transfer happened while get() was blocked (later
         # payloads of the same message may land between two gets: those count as hidden)
         assert r["received_before_get"] == 0 and 0 < r["exposed_s"] <= r["transfer_s"]
+
+
+# Payload sizes around the staged-receive rules of gloo channels (wire.STAGED_BYTES = 4 MiB): tokens x HIDDEN fp32.
+STAGED_CASES = [  # (put kind, [(sample_id, tokens)])
+    ("put", [(0, 100)]),                          # 3.2 KB: copied out of the staging buffer into its own
+    ("put", [(1, 40_000)]),                       # 1.28 MB: viewed in place in the staging buffer
+    ("put", [(2, 0)]),                            # no payload: the staged message is empty
+    ("put", [(3, 200_000)]),                      # 6.4 MB: over STAGED_BYTES, on the payload tag
+    ("many", [(4, 40_000), (5, 40_000), (6, 40_000)]),  # one 3.84 MB message, in place
+    ("many", [(7, 10), (8, 20)]),                 # one small message, copied out
+    ("put", [(9, 200_000)]),
+    ("put", [(10, 50)]),
+]
+
+
+def _staged_round_trip(rank: int, world: int) -> dict:
+    # The capacity lets one 6.4 MB item through at a time: items behind it need the credits get_many holds back.
+    pool = _pool(rank, capacity_bytes=8 << 20)
+    if rank == 0:
+        for kind, items in STAGED_CASES:
+            tensors = [_embedding(sid, 0, tokens) for sid, tokens in items]
+            if kind == "put":
+                pool.put(tensors[0], sample_id=items[0][0], step=0, consumer=1)
+            else:
+                pool.put_many(tensors, sample_ids=[sid for sid, _ in items], step=0, consumer=1)
+        for _, items in STAGED_CASES:
+            for sid, tokens in items:
+                grad = pool.wait_grad(sample_id=sid, step=0, consumer=1)
+                assert torch.equal(grad, _grad_of(_embedding(sid, 0, tokens), sid)), sid
+    else:
+        keys = [(sid, 0, 0) for _, items in STAGED_CASES for sid, _ in items]
+        got = pool.get_many(keys)
+        for (sid, _, _), emb in zip(keys, got):
+            tokens = dict(t for _, items in STAGED_CASES for t in items)[sid]
+            assert emb.shape == (tokens, HIDDEN) and torch.equal(emb, _embedding(sid, 0, tokens)), sid
+            pool.return_grad(_grad_of(emb, sid), sample_id=sid, step=0, producer=0)
+    return _settle_and_close(pool)
+
+
+def test_staged_payloads_and_get_many_round_trip_at_every_size_class():
+    """Every size class of the staged gloo path (copied out, viewed in place, empty, over the staged size) carries
+    exact bytes both ways (embeddings and gradients), and get_many's held-back credits never starve the producer."""
+    producer, consumer = run_ranks(_staged_round_trip, 2, timeout_s=90)
+    n = sum(len(items) for _, items in STAGED_CASES)
+    assert consumer["gets"] == n and producer["inflight_items"] == 0

@@ -69,6 +69,8 @@ def _pool_step(pool: EmbeddingPool, rank: int, items: list[torch.Tensor], step: 
         else:
             for i, tensor in enumerate(items):
                 pool.put(tensor, sample_id=i, step=step, consumer=1)
+    elif many:  # the runtime's consumer: a microbatch's embeddings with one get_many
+        pool.get_many([(i, step, 0) for i in range(len(items))])
     else:
         for i in range(len(items)):
             pool.get(sample_id=i, step=step, producer=0)

@@ -8,7 +8,8 @@ no process-group globals.
 
 Backpressure. A producer counts the bytes it has sent and not yet seen consumed ("in flight"). `put` blocks
 while that count plus the new item would exceed `capacity_bytes`; each `get` on the consumer sends a credit back
-that frees the item's bytes. An item larger than the capacity goes through when nothing else is in flight, so
+that frees the item's bytes (`get_many`, a microbatch's items: one credit message for all of them, sent before the
+call would block on an item the producer has not sent, so held-back credits never starve it). An item larger than the capacity goes through when nothing else is in flight, so
 the pool never deadlocks on one big embedding. With a frozen encoder (`return_grads=False`) there is no gradient
 channel and the producer runs ahead into later steps bounded only by these credits.
 
@@ -128,6 +129,7 @@ MAX_PLANNED_BATCH_BYTES = 16 << 20
 _OUT_TAGS = {CHANNEL_EMBEDDING: (TAGS.embedding_header, TAGS.embedding_payload),
              CHANNEL_GRAD: (TAGS.grad_header, TAGS.grad_payload),
              CHANNEL_CREDIT: (TAGS.credit, None)}
+_STAGED_TAGS = {CHANNEL_EMBEDDING: TAGS.embedding_staged, CHANNEL_GRAD: TAGS.grad_staged}
 
 
 def _transport_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
@@ -188,6 +190,7 @@ class EmbeddingPool:
         self._last_landed: dict[int, float] = {}  # per producer: when its previous payload landed
         self._unrequested: dict[int, deque[tuple[int, int]]] = {}  # receive_ahead=False: expected, not asked for
         self._wire_device = _transport_device(group, self.device)
+        self._gloo = str(dist.get_backend(group)) == "gloo"  # staged payloads (wire.STAGED_BYTES) need gloo's rules
         # Payloads: on the device groups in device memory, else staged like the headers.
         self.data_groups = data_groups
         self._payload_groups = {CHANNEL_EMBEDDING: data_groups[0], CHANNEL_GRAD: data_groups[1]} if data_groups else {}
@@ -559,6 +562,32 @@ class EmbeddingPool:
 
         An item that was not `expect`ed is appended to that producer's plan (it must be the next one it sends).
         """
+        return self._get(sample_id, step, producer, expected_shape, None)
+
+    @traced("pool.get_many")
+    def get_many(self, items: Sequence[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """`get` of several (sample_id, step, producer) items in this order (a microbatch's embeddings); their
+        credits go back together, one message per producer (and per MAX_BATCH items), when the last is taken.
+
+        One credit message instead of one per item spares the producer a credit landing per item and this rank a
+        send per item, both thread hand-offs that cost more than a small item's bytes. Credits held back are sent
+        before any get() in the call blocks, so they never hold up an item this call waits for."""
+        deferred: dict[int, list[WireHeader]] = {}
+        out = [self._get(sample_id, step, producer, None, deferred) for sample_id, step, producer in items]
+        with self._cond:
+            self._send_deferred_credits(deferred)
+        return out
+
+    def _send_deferred_credits(self, deferred: dict[int, list[WireHeader]]) -> None:
+        """Send the credits `get_many` held back, one message per producer and MAX_BATCH items (lock held)."""
+        for producer, credits in deferred.items():
+            for at in range(0, len(credits), MAX_BATCH):
+                self._outbox(producer, CHANNEL_CREDIT).push_batch(credits[at:at + MAX_BATCH], None)
+        deferred.clear()
+
+    def _get(self, sample_id: int, step: int, producer: int, expected_shape: Sequence[int] | None,
+             deferred: dict[int, list[WireHeader]] | None) -> torch.Tensor:
+        """`get`; with `deferred`, the credit is added there (by producer) instead of sent (see `get_many`)."""
         self._check_peer(producer, "producer")
         key = (producer, sample_id, step)
         what = f"the embedding of sample {sample_id} (step {step})"
@@ -583,6 +612,11 @@ class EmbeddingPool:
                 self._stream(self._embedding_streams, producer, "embedding").request(n)
             if key not in self._held or self._held[key].tensor is None:
                 self._get_blocked_since = start
+                if deferred and key not in self._held:
+                    # About to block on an item not yet sent or not yet announced: the credits held back go
+                    # first, as the producer may need them to send it (an announced item's bytes are already
+                    # on the way and need no credit).
+                    self._send_deferred_credits(deferred)
             try:
                 while key not in self._held or self._held[key].tensor is None:
                     self._raise_if_failed(self._receivers_of(producer), what)
@@ -602,7 +636,9 @@ class EmbeddingPool:
             c.get_wait_s += time.monotonic() - start
             if h.tier == "host":
                 c.host_to_device_bytes += h.nbytes
-            if held.batch is None:
+            if held.batch is None and deferred is not None:
+                deferred.setdefault(producer, []).append(credit_header(h.sample_id, h.step, h.nbytes))
+            elif held.batch is None:
                 self._send_credit(h)
             else:  # one credit message per planned message (its buffer is freed only with its last item anyway)
                 held.batch.credits.append(credit_header(h.sample_id, h.step, h.nbytes))
@@ -721,7 +757,7 @@ class EmbeddingPool:
 
     # ------------------------------------------------------------------ receiving threads' callbacks
 
-    def _land_embedding(self, producer: int, raw: torch.Tensor) -> _Landed:
+    def _land_embedding(self, producer: int, raw: torch.Tensor, staged: torch.Tensor | None) -> _Landed:
         headers = decode_header(raw, expected_channel=CHANNEL_EMBEDDING, peer=producer)
         with self._cond:
             plan = self._plans[producer]
@@ -740,7 +776,7 @@ class EmbeddingPool:
                 self._held[(producer, *header.key)] = _Held(EmbeddingHandle(
                     header.sample_id, header.step, producer, self.rank, header.shape, header.dtype, header.nbytes,
                     tier), landing_t=time.monotonic())
-        return self._payload_views(headers)
+        return self._payload_views(headers, staged)
 
     def _check_header_spec(self, producer: int, header: WireHeader) -> None:
         """An item expected with specs must match them (lock held)."""
@@ -778,7 +814,7 @@ class EmbeddingPool:
         if self._get_blocked_since is not None:
             c.transfer_exposed_s += max(0.0, now - max(begin, self._get_blocked_since))
 
-    def _land_credit(self, consumer: int, raw: torch.Tensor) -> _Landed:
+    def _land_credit(self, consumer: int, raw: torch.Tensor, _: torch.Tensor | None) -> _Landed:
         return [(h, None) for h in decode_header(raw, expected_channel=CHANNEL_CREDIT, peer=consumer)], None
 
     def _deliver_credit(self, consumer: int, credit: WireHeader, _: torch.Tensor | None) -> None:
@@ -796,7 +832,7 @@ class EmbeddingPool:
         for work in planned.works if wait_sends else ():
             work.wait()  # the consumer took an item of the message: its sends are complete (waited exactly once)
 
-    def _land_grad(self, consumer: int, raw: torch.Tensor) -> _Landed:
+    def _land_grad(self, consumer: int, raw: torch.Tensor, staged: torch.Tensor | None) -> _Landed:
         headers = decode_header(raw, expected_channel=CHANNEL_GRAD, peer=consumer)
         with self._cond:
             for header in headers:
@@ -804,7 +840,7 @@ class EmbeddingPool:
                     raise PoolProtocolError(f"rank {consumer} returned a gradient for sample {header.sample_id} "
                                             f"(step {header.step}) that rank {self.rank} did not send it (or got "
                                             f"twice)")
-        return self._payload_views(headers)
+        return self._payload_views(headers, staged)
 
     def _deliver_grad(self, consumer: int, header: WireHeader, buffer: torch.Tensor | None) -> None:
         grad = self._unpack(header, buffer)
@@ -816,9 +852,10 @@ class EmbeddingPool:
             self._counters.grad_bytes_received += header.nbytes
             self._cond.notify_all()
 
-    def _payload_views(self, headers: list[WireHeader]) -> _Landed:
-        """The batch's receive buffer and each item's view of it (None: the item has no payload)."""
-        views, buffer = slice_payloads(headers, self._payload_device)
+    def _payload_views(self, headers: list[WireHeader], staged: torch.Tensor | None) -> _Landed:
+        """The batch's receive buffer and each item's view of it (None: the item has no payload); `staged`: the
+        message's staging buffer on a staged channel."""
+        views, buffer = slice_payloads(headers, self._payload_device, staged)
         return list(zip(headers, views)), buffer
 
     def _unpack(self, header: WireHeader, buffer: torch.Tensor | None) -> torch.Tensor:
@@ -844,14 +881,23 @@ class EmbeddingPool:
                 tags, land, deliver = (TAGS.credit, None), self._land_credit, self._deliver_credit
             stream = InboundStream(cond=self._cond, lock=self._lock, peer=peer, group=self.group, header_tag=tags[0],
                                    payload_tag=tags[1], header_len=HEADER_LEN,
-                                   land=lambda raw, p=peer, f=land: f(p, raw),
+                                   land=lambda raw, staged, p=peer, f=land: f(p, raw, staged),
                                    deliver=lambda ctx, buf, p=peer, f=deliver: f(p, ctx, buf),
                                    name=f"pool-r{self.rank}-{channel}-from-r{peer}", wire_device=self._wire_device,
                                    payload_group=self._payload_groups.get(
-                                       CHANNEL_GRAD if channel == "grad" else CHANNEL_EMBEDDING))
+                                       CHANNEL_GRAD if channel == "grad" else CHANNEL_EMBEDDING),
+                                   staged_tag=self._staged_tag(
+                                       {"embedding": CHANNEL_EMBEDDING, "grad": CHANNEL_GRAD}.get(channel)))
             streams[peer] = stream
             stream.start()
         return stream
+
+    def _staged_tag(self, channel: int | None) -> int | None:
+        """The staged tag of a payload channel whose header and payload both move over gloo (see
+        `wire.STAGED_BYTES`); None elsewhere: device backends need a receive of the exact size."""
+        if channel not in _STAGED_TAGS or channel in self._payload_groups or not self._gloo:
+            return None
+        return _STAGED_TAGS[channel]
 
     def _send(self, peer: int, header: WireHeader, payload: torch.Tensor | None) -> None:
         """Queue one item for `peer` on its channel's coalescing sender (call with the lock held)."""
@@ -869,7 +915,8 @@ class EmbeddingPool:
                          header_tag=header_tag, payload_tag=payload_tag, max_batch_items=self.max_batch_items,
                          max_batch_bytes=self.max_batch_bytes,
                          on_sent=self._on_sent, name=f"pool-r{self.rank}-{CHANNEL_NAMES[channel]}-to-r{peer}",
-                         wire_device=self._wire_device, payload_group=self._payload_groups.get(channel))
+                         wire_device=self._wire_device, payload_group=self._payload_groups.get(channel),
+                         staged_tag=self._staged_tag(channel))
             self._outboxes[(peer, channel)] = box
             box.start()
         return box

@@ -24,13 +24,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from mindspeed_flow.pool.wire import WireHeader, encode_header, has_payload, pack_payloads
+from mindspeed_flow.pool.wire import (STAGED_BYTES, WireHeader, encode_header, has_payload, pack_payloads,
+                                     travels_staged)
 
-# Called with the received header tensor; returns one (context, view of the payload or None) per item of the message,
+# Called with the received header tensor and the message's staging buffer (None: the channel is not staged);
+# returns one (context, view of the payload or None) per item of the message,
 # in send order, and the batch's one payload buffer that those views slice (None: no item has a payload). Runs on
 # the stream thread, outside the pool lock. `Deliver` gets each item once the batch's bytes are in.
 LandedItem = tuple[Any, torch.Tensor | None]
-Land = Callable[[torch.Tensor], tuple[list[LandedItem], torch.Tensor | None]]
+Land = Callable[[torch.Tensor, torch.Tensor | None], tuple[list[LandedItem], torch.Tensor | None]]
 Deliver = Callable[[Any, torch.Tensor | None], None]
 
 
@@ -52,7 +54,7 @@ class InboundStream:
                  group: dist.ProcessGroup | None,
                  header_tag: int, payload_tag: int | None, header_len: int, land: Land, deliver: Deliver,
                  name: str, wire_device: torch.device = torch.device("cpu"),
-                 payload_group: dist.ProcessGroup | None = None) -> None:
+                 payload_group: dist.ProcessGroup | None = None, staged_tag: int | None = None) -> None:
         self.cond = cond
         # This stream's own threads wait on `wake` (the same lock as `cond`): the pool's notifications on `cond`
         # wake only its callers, and a request() wakes only this stream, not every thread of the pool (measured:
@@ -63,6 +65,8 @@ class InboundStream:
         self.payload_group = payload_group or group  # a device group moves payloads where one is given
         self.header_tag = header_tag
         self.payload_tag = payload_tag
+        self.staged_tag = staged_tag  # gloo only: each header's receive goes out with a STAGED_BYTES receive here
+        self._spare: list[torch.Tensor] = []  # staging buffers whose bytes were copied out, reused (no page faults)
         self.header_len = header_len
         self.land = land
         self.deliver = deliver
@@ -73,9 +77,11 @@ class InboundStream:
         self.messages = 0   # messages landed
         self.closed = False
         self.error: BaseException | None = None
-        # landed batches, in order: (the payload receive or None, each item's context and view of the payload)
-        self._landed: deque[tuple[dist.Work | None, list[LandedItem]]] = deque()
-        self._header_posted: tuple[torch.Tensor, dist.Work] | None = None  # next header's receive, once posted
+        # landed batches, in order: (the receives to wait, each item's context and view of the payload, and for a
+        # small staged payload the (staging buffer, own buffer) pair its bytes are copied between)
+        self._landed: deque[tuple[list[dist.Work], list[LandedItem], tuple[torch.Tensor, torch.Tensor] | None]] = deque()
+        # the next header's receive once posted, with its staged receive (buffer, work) on a staged channel
+        self._header_posted: tuple[torch.Tensor, dist.Work, tuple[torch.Tensor, dist.Work] | None] | None = None
         self._threads = [threading.Thread(target=self._guard, args=(self._next_header,), name=f"{name}-headers",
                                           daemon=True),
                          threading.Thread(target=self._guard, args=(self._next_payload,), name=f"{name}-payloads",
@@ -104,13 +110,22 @@ class InboundStream:
         for t in self._threads:
             t.join(timeout)
 
-    def _post_header(self) -> tuple[torch.Tensor, dist.Work]:
-        """Post the receive of the next header (call with `cond` held).
+    def _post_header(self) -> tuple[torch.Tensor, dist.Work, tuple[torch.Tensor, dist.Work] | None]:
+        """Post the receive of the next header, and on a staged channel its staged message's (call with `cond` held).
 
         Posted under the lock, as every pool post is: on backends that coalesce point-to-point calls per process
         group (NCCL) concurrent posts from several threads must not interleave."""
         header = torch.empty(self.header_len, dtype=torch.int64, device=self.wire_device)
-        return header, dist.irecv(header, src=self.peer, group=self.group, tag=self.header_tag)
+        work = dist.irecv(header, src=self.peer, group=self.group, tag=self.header_tag)
+        if self.staged_tag is None:
+            return header, work, None
+        buffer = self._spare.pop() if self._spare else torch.empty(STAGED_BYTES, dtype=torch.uint8)
+        return header, work, (buffer, dist.irecv(buffer, src=self.peer, group=self.group, tag=self.staged_tag))
+
+    def _recycle(self, buffer: torch.Tensor) -> None:
+        """Keep a staging buffer whose bytes were copied out for a later staged receive (call with `cond` held)."""
+        if len(self._spare) < 2:
+            self._spare.append(buffer)
 
     def _next_header(self) -> bool:
         with self.cond:
@@ -120,9 +135,23 @@ class InboundStream:
                 if self.closed:
                     return False
                 self._header_posted = self._post_header()
-            header, work = self._header_posted
+            header, work, staged = self._header_posted
         work.wait()  # every work is waited exactly once: a second wait on a gloo work blocks
-        items, buffer = self.land(header)
+        items, buffer = self.land(header, None if staged is None else staged[0])
+        waits: list[dist.Work] = []  # the receives this message's payload needs, in the payload thread
+        copy: tuple[torch.Tensor, torch.Tensor] | None = None
+        if staged is not None:
+            staging, staged_work = staged
+            if buffer is not None and travels_staged(buffer.numel()):
+                waits.append(staged_work)
+                if buffer.data_ptr() != staging.data_ptr():  # a small payload: copied out into its own buffer
+                    copy = (staging, buffer)
+            elif buffer is None:  # the staged message is empty and sent with the header: it is here or nearly
+                staged_work.wait()
+                with self.cond:
+                    self._recycle(staging)
+            else:  # a payload over STAGED_BYTES: the empty staged message, then the payload on its own tag
+                waits.append(staged_work)
         with self.cond:
             self._header_posted = None
             self.announced += len(items)
@@ -150,11 +179,10 @@ class InboundStream:
             # ran at about half of raw isend/irecv).
             if self.announced < self.wanted and not self.closed:
                 self._header_posted = self._post_header()
-            work = None
-            if buffer is not None:
+            if buffer is not None and (staged is None or not travels_staged(buffer.numel())):
                 assert self.payload_tag is not None, "a payload was announced on a header-only channel"
-                work = dist.irecv(buffer, src=self.peer, group=self.payload_group, tag=self.payload_tag)
-            self._landed.append((work, items))
+                waits.append(dist.irecv(buffer, src=self.peer, group=self.payload_group, tag=self.payload_tag))
+            self._landed.append((waits, items, copy))
             self.wake.notify_all()
         return True
 
@@ -164,9 +192,14 @@ class InboundStream:
                 self.wake.wait()
             if self.closed:
                 return False
-            work, items = self._landed.popleft()
-        if work is not None:
-            work.wait()  # the batch's one payload transfer
+            waits, items, copy = self._landed.popleft()
+        for work in waits:  # the batch's payload transfer (and on a staged channel its staged message), once each
+            work.wait()
+        if copy is not None:
+            staging, own = copy
+            own.copy_(staging[:own.numel()])
+            with self.cond:
+                self._recycle(staging)
         for context, view in items:
             self.deliver(context, view)
         with self.cond:
@@ -206,9 +239,10 @@ class Outbox:
                  header_tag: int, payload_tag: int | None, max_batch_items: int, max_batch_bytes: int,
                  on_sent: Callable[[list[WireHeader]], None], name: str, window: int = 2,
                  wire_device: torch.device = torch.device("cpu"),
-                 payload_group: dist.ProcessGroup | None = None) -> None:
+                 payload_group: dist.ProcessGroup | None = None, staged_tag: int | None = None) -> None:
         self.cond = cond
         self.wake = threading.Condition(lock)  # this outbox's threads wait here (see InboundStream)
+        self.staged_tag = staged_tag  # gloo only: every message also sends one staged message (see STAGED_BYTES)
         self.peer = peer
         self.group = group
         self.payload_group = payload_group or group
@@ -301,7 +335,13 @@ class Outbox:
             header_op = dist.P2POp(dist.isend, header, self.peer, self.group, self.header_tag)
             payload_ops = ([] if payload is None else
                            [dist.P2POp(dist.isend, payload, self.peer, self.payload_group, self.payload_tag)])
-            if not payload_ops:  # header only (credits, empty items): no batch to build
+            if self.staged_tag is not None:  # the staged message: the payload if it fits, else empty
+                nbytes = 0 if payload is None else payload.numel() * payload.element_size()
+                staged = payload if payload is not None and travels_staged(nbytes) else _NO_BYTES
+                payload_ops = [] if staged is payload else payload_ops
+                works = list(dist.batch_isend_irecv(
+                    [header_op, dist.P2POp(dist.isend, staged, self.peer, self.group, self.staged_tag), *payload_ops]))
+            elif not payload_ops:  # header only (credits, empty items): no batch to build
                 works = [dist.isend(header, self.peer, group=self.group, tag=self.header_tag)]
             elif self.payload_group is self.group:
                 works = list(dist.batch_isend_irecv([header_op, *payload_ops]))
@@ -329,6 +369,9 @@ class Outbox:
             self.cond.notify_all()
             self.wake.notify_all()
         return True
+
+
+_NO_BYTES = torch.empty(0, dtype=torch.uint8)  # the staged message of a batch whose payload is absent or too large
 
 
 def _payload_bytes(item: WireHeader) -> int:

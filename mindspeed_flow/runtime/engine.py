@@ -268,8 +268,8 @@ class StepEngine:
         ids = work.in_put_order([sid for sid in sample_ids if sid in work.producer_of])
         got: Optional[list[torch.Tensor]] = None
         if self.is_tp_leader:
-            got = [timer.timed("wait", lambda: self.pool.get(sample_id=sid, step=work.step,
-                                                             producer=work.producer_of[sid])) for sid in ids]
+            got = timer.timed("wait", lambda: self.pool.get_many([(sid, work.step, work.producer_of[sid])
+                                                                  for sid in ids]))
         if self.tp > 1:
             part = self.m.backbone_part
             weight = part.embed_tokens.weight

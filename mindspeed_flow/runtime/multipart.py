@@ -165,9 +165,8 @@ class MultiPartEngine(StepEngine):
     def _fetch_part(self, work: StepWork, name: str, sample_ids: list[int], timer: Timer) -> dict[int, torch.Tensor]:
         """One part's embeddings of a microbatch (blocking gets), as leaves that collect d(loss)/d(embedding)."""
         producer_of = work.producers[name]
-        got = {}
-        for sid in work.in_put_order([sid for sid in sample_ids if sid in producer_of]):
-            emb = timer.timed("wait", lambda: self.pool.get(sample_id=sid, step=work.step, producer=producer_of[sid]))
-            got[sid] = emb.detach().requires_grad_(True)
+        ids = work.in_put_order([sid for sid in sample_ids if sid in producer_of])
+        embs = timer.timed("wait", lambda: self.pool.get_many([(sid, work.step, producer_of[sid]) for sid in ids]))
+        got = {sid: emb.detach().requires_grad_(True) for sid, emb in zip(ids, embs)}
         return {sid: got[sid] for sid in sample_ids if sid in got}  # the microbatch's own order, as before
 
