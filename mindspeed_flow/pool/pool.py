@@ -564,7 +564,7 @@ class EmbeddingPool:
         """
         return self._get(sample_id, step, producer, expected_shape, None)
 
-    @traced("pool.get_many")
+    @traced("pool.get")  # the timeline's get span, one per microbatch
     def get_many(self, items: Sequence[tuple[int, int, int]]) -> list[torch.Tensor]:
         """`get` of several (sample_id, step, producer) items in this order (a microbatch's embeddings); their
         credits go back together, one message per producer (and per MAX_BATCH items), when the last is taken.
