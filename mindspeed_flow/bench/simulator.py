@@ -109,6 +109,22 @@ def sched_group(pid: str, cache: dict[str, str]) -> str:
     return cache[pid]
 
 
+def _runnable_count(pid: str, tids: list[str], me: str) -> int:
+    """How many of process `pid`'s threads `tids` are runnable now (state R in /proc), thread `me` left out."""
+    n = 0
+    for tid in tids:
+        if tid == me:
+            continue
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                text = f.read()
+        except OSError:
+            continue
+        k = text.rfind(b")")  # the command name may hold spaces and parentheses: the state follows the last ')'
+        n += text[k + 2:k + 3] == b"R"
+    return n
+
+
 def runnable_by_group(cache: dict[str, str]) -> dict[str, int]:
     """Runnable threads on the host per scheduling group, the calling thread left out."""
     me = str(threading.get_native_id())
@@ -120,18 +136,10 @@ def runnable_by_group(cache: dict[str, str]) -> dict[str, int]:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
             continue
-        for tid in tids:
-            if tid == me:
-                continue
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                    text = f.read()
-            except OSError:
-                continue
-            k = text.rfind(b")")
-            if text[k + 2:k + 3] == b"R":
-                g = sched_group(pid, cache)
-                out[g] = out.get(g, 0) + 1
+        n = _runnable_count(pid, tids, me)
+        if n:
+            g = sched_group(pid, cache)
+            out[g] = out.get(g, 0) + n
     return out
 
 
@@ -218,18 +226,8 @@ def runnable_outside(sessions: set[int], cache: dict[str, int]) -> int:
                 cache[pid] = os.getsid(int(pid))
         except OSError:
             continue
-        if cache[pid] in sessions:
-            continue
-        for tid in tids:
-            if tid == me:
-                continue
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                    text = f.read()
-            except OSError:
-                continue
-            k = text.rfind(b")")
-            n += text[k + 2:k + 3] == b"R"
+        if cache[pid] not in sessions:
+            n += _runnable_count(pid, tids, me)
     return n
 
 
