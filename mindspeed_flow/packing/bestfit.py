@@ -148,15 +148,8 @@ def best_fit_pack(lengths: np.ndarray, budget: int) -> Packing:
         else:
             stack.append(bin_id)
 
-    # Samples longer than half the capacity come first and each opens its own bin: no open bin can take one (every
-    # open bin already holds such a sample). Opening them in one tight loop skips a tree query and a helper call per
-    # sample (near-budget lengths: a third of the samples, most of them of distinct lengths).
-    first = _open_one_per_bin(order_list, sorted_lengths, budget, bins, loads, holders, nodes, size)
     for run, length in enumerate(run_lengths):
         i, end = bounds[run], bounds[run + 1]
-        if end <= first:
-            continue
-        i = max(i, first)
         while i < end and nodes[1] >= length:
             node = 1  # inlined CapacityTree.best_fit: this loop is the packer's hot path
             while node < size:
@@ -188,34 +181,6 @@ def best_fit_pack(lengths: np.ndarray, budget: int) -> Packing:
         if i < end:
             _open_bins_in_bulk(order_list[i:end], length, budget, bins, loads, hold)
     return Packing(bins, loads, budget)
-
-
-def _open_one_per_bin(order_list: list[int], sorted_lengths: np.ndarray, budget: int, bins: list[list[int]],
-                      loads: list[int], holders: dict[int, list[int]], nodes: list[int], size: int) -> int:
-    """One fresh bin for each of the leading samples longer than budget / 2; returns how many there were.
-
-    The bins, their holders and the capacity tree end exactly as the sequential loop would leave them.
-    """
-    count = int(np.searchsorted(-sorted_lengths, -(budget // 2), side="left"))  # lengths > budget // 2
-    head = sorted_lengths[:count].tolist()
-    for k in range(count):
-        length = head[k]
-        bins.append([order_list[k]])
-        loads.append(length)
-        capacity = budget - length
-        if capacity:
-            stack = holders.get(capacity)
-            if stack is None:
-                holders[capacity] = [k]
-                node = capacity + size
-                nodes[node] = capacity
-                node >>= 1
-                while node and nodes[node] < capacity:
-                    nodes[node] = capacity
-                    node >>= 1
-            else:
-                stack.append(k)
-    return count
 
 
 def _open_bins_in_bulk(items: list[int], length: int, budget: int, bins: list[list[int]], loads: list[int],
