@@ -165,11 +165,7 @@ class InboundStream:
             else:
                 deliver_now = False
         if deliver_now:
-            for context, _ in items:
-                self.deliver(context, None)
-            with self.cond:
-                self.received += len(items)
-                self.cond.notify_all()
+            self._deliver_all(items)  # no payload: every view is None
             return True
         with self.cond:
             # The next header's receive goes out before this batch's payload receive. Transports that move a
@@ -200,12 +196,16 @@ class InboundStream:
             own.copy_(staging[:own.numel()])
             with self.cond:
                 self._recycle(staging)
+        self._deliver_all(items)
+        return True
+
+    def _deliver_all(self, items: list[LandedItem]) -> None:
+        """Hand each item of a message to the pool, then count them as received."""
         for context, view in items:
             self.deliver(context, view)
         with self.cond:
             self.received += len(items)
             self.cond.notify_all()
-        return True
 
     def _guard(self, step: Callable[[], bool]) -> None:
         run_guarded(self, step)
