@@ -859,16 +859,18 @@ def test_receiving_ahead_hides_the_transfer_and_on_demand_exposes_it(receive_ahe
         assert r["received_before_get"] == 0 and 0 < r["exposed_s"] <= r["transfer_s"]
 
 
-# Payload sizes around the staged-receive rules of gloo channels (wire.STAGED_BYTES = 4 MiB): tokens x HIDDEN fp32.
+# Payload sizes around the staged-receive rules of gloo channels (wire.staged_bytes: the previous payload of the
+# channel rounded up to a power of two, 4-32 MiB): tokens x HIDDEN fp32.
 STAGED_CASES = [  # (put kind, [(sample_id, tokens)])
-    ("put", [(0, 100)]),                          # 3.2 KB: copied out of the staging buffer into its own
+    ("put", [(0, 100)]),                          # 3.2 KB: copied out of the 4 MiB staging buffer into its own
     ("put", [(1, 40_000)]),                       # 1.28 MB: viewed in place in the staging buffer
     ("put", [(2, 0)]),                            # no payload: the staged message is empty
-    ("put", [(3, 200_000)]),                      # 6.4 MB: over STAGED_BYTES, on the payload tag
-    ("many", [(4, 40_000), (5, 40_000), (6, 40_000)]),  # one 3.84 MB message, in place
+    ("put", [(3, 200_000)]),                      # 6.4 MB: over the 4 MiB staged size, on the payload tag
+    ("many", [(4, 40_000), (5, 40_000), (6, 40_000)]),  # one 3.84 MB message, in place in an 8 MiB staging buffer
     ("many", [(7, 10), (8, 20)]),                 # one small message, copied out
-    ("put", [(9, 200_000)]),
-    ("put", [(10, 50)]),
+    ("put", [(9, 200_000)]),                      # 6.4 MB over 4 MiB again: payload tag
+    ("put", [(11, 200_000)]),                     # 6.4 MB after 6.4 MB: staged in 8 MiB, in place
+    ("put", [(10, 50)]),                          # small after large: copied out of the 8 MiB staging buffer
 ]
 
 

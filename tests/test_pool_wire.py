@@ -118,7 +118,7 @@ def test_one_payload_goes_uncopied_and_no_payload_means_no_buffer():
 
 
 def _dense(items: list, tensors: list[torch.Tensor]) -> list:
-    return [replace(item_header(CHANNEL_EMBEDDING, i, 0, t), dense=True) for i, t in zip(items, tensors)]
+    return [item_header(CHANNEL_EMBEDDING, i, 0, t, dense=True) for i, t in zip(items, tensors)]
 
 
 def test_a_dense_batch_of_adjacent_views_goes_uncopied_and_slices_back_exactly():

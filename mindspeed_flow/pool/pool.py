@@ -58,18 +58,19 @@ import threading
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from mindspeed_flow.pool.buffers import ReceiveBuffers
 from mindspeed_flow.pool.errors import PoolError, PoolPeerError, PoolProtocolError, PoolShapeError, PoolTimeout
 from mindspeed_flow.pool.handle import EmbeddingHandle, Tier
 from mindspeed_flow.pool.stats import PoolCounters, PoolStats
 from mindspeed_flow.pool.transport import InboundStream, LandedItem, Outbox, wait_work
 from mindspeed_flow.pool.wire import (CHANNEL_CREDIT, CHANNEL_EMBEDDING, CHANNEL_GRAD, CHANNEL_NAMES, DTYPE_CODES,
-                                      HEADER_LEN, MAX_BATCH, MAX_NDIM, TAGS, WireHeader, check_sendable, credit_header,
+                                      HEADER_LEN, MAX_BATCH, MAX_NDIM, STAGED_MAX_BYTES, TAGS, WireHeader, check_sendable, credit_header,
                                       decode_header, dense_payload, encode_header, from_bytes, item_header, pack_payloads,
                                       payload_layout, slice_payloads, tensor_nbytes)
 from mindspeed_flow.runtime.trace import traced
@@ -118,7 +119,7 @@ class _PlannedSend:
 
 # Items queued behind a send share a message up to this much payload; a larger item goes alone. Large items gain
 # nothing from sharing a header (their transfer dwarfs it) and, measured with `bench pool`, lose pipelining.
-MAX_BATCH_BYTES = 4 << 20
+MAX_BATCH_BYTES = 16 << 20
 
 # Planned messages: their receives are posted ahead, so no round trip asks for small ones; up to this much payload
 # each. Measured with `bench pool` on gloo: one 16 MiB message beat four of 4 MiB, one of 64 MiB lost to sixteen of
@@ -190,11 +191,15 @@ class EmbeddingPool:
         self._last_landed: dict[int, float] = {}  # per producer: when its previous payload landed
         self._unrequested: dict[int, deque[tuple[int, int]]] = {}  # receive_ahead=False: expected, not asked for
         self._wire_device = _transport_device(group, self.device)
-        self._gloo = str(dist.get_backend(group)) == "gloo"  # staged payloads (wire.STAGED_BYTES) need gloo's rules
+        self._gloo = str(dist.get_backend(group)) == "gloo"  # staged payloads (wire.staged_bytes) need gloo's rules
         # Payloads: on the device groups in device memory, else staged like the headers.
         self.data_groups = data_groups
         self._payload_groups = {CHANNEL_EMBEDDING: data_groups[0], CHANNEL_GRAD: data_groups[1]} if data_groups else {}
         self._payload_device = _transport_device(data_groups[0], self.device) if data_groups else self._wire_device
+        # Host receive buffers are reused once nothing views them (buffers.py): up to twice the capacity (items in
+        # flight, in power-of-two size classes) and a few staging buffers.
+        self._receive_buffers = (ReceiveBuffers(2 * capacity_bytes + 4 * STAGED_MAX_BYTES)
+                                 if self._payload_device.type == "cpu" else None)
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)  # the pool's callers wait here; each stream has its own
         self._counters = PoolCounters(capacity_bytes)
@@ -264,9 +269,9 @@ class EmbeddingPool:
             check_sendable(tensor, f"put_many of sample {sid} (step {step}) for consumer rank {consumer}")
         # One dtype: items back to back (offsets stay multiples of the element size); mixed: aligned offsets.
         dense = len({t.dtype for t in tensors}) == 1
-        headers = [replace(item_header(CHANNEL_EMBEDDING, sid, step, t), dense=dense)
-                   for t, sid in zip(tensors, sample_ids)]
-        payloads = [t.detach().to(self._payload_device) for t in tensors]
+        headers = [item_header(CHANNEL_EMBEDDING, sid, step, t, dense) for t, sid in zip(tensors, sample_ids)]
+        payloads = [t.detach() if t.device == self._payload_device else t.detach().to(self._payload_device)
+                    for t in tensors]
         handles: list[EmbeddingHandle] = []
         for lo, hi in self._batches(headers, planned=planned and self._planned_route):
             items, chunk = headers[lo:hi], payloads[lo:hi]
@@ -573,21 +578,42 @@ class EmbeddingPool:
         send per item, both thread hand-offs that cost more than a small item's bytes. Credits held back are sent
         before any get() in the call blocks, so they never hold up an item this call waits for."""
         deferred: dict[int, list[WireHeader]] = {}
-        out = [self._get(sample_id, step, producer, None, deferred) for sample_id, step, producer in items]
+        out: list[torch.Tensor] = []
+        at = 0
+        while at < len(items):
+            with self._cond:  # every item already here, from `at` on, under one lock acquisition
+                while at < len(items) and self._ready((items[at][2], items[at][0], items[at][1])):
+                    sample_id, step, producer = items[at]
+                    self._check_peer(producer, "producer")
+                    out.append(self._take((producer, sample_id, step), None, deferred, time.monotonic()))
+                    at += 1
+            if at < len(items):  # the general path: bookkeeping, and waiting for it to arrive
+                sample_id, step, producer = items[at]
+                out.append(self._get(sample_id, step, producer, None, deferred))
+                at += 1
         with self._cond:
             self._send_deferred_credits(deferred)
-        return out
+        return [t.to(self.device) for t in out]
+
+    def _ready(self, key: ItemKey) -> bool:
+        """Whether get() of `key` can take it at once, with no bookkeeping on the way (lock held): it has arrived,
+        was expected (not held early) and is not part of a planned message."""
+        held = self._held.get(key)
+        return (held is not None and held.tensor is not None and held.batch is None
+                and key[1:] not in self._early.get(key[0], ()))
 
     def _send_deferred_credits(self, deferred: dict[int, list[WireHeader]]) -> None:
         """Send the credits `get_many` held back, one message per producer and MAX_BATCH items (lock held)."""
         for producer, credits in deferred.items():
             for at in range(0, len(credits), MAX_BATCH):
-                self._outbox(producer, CHANNEL_CREDIT).push_batch(credits[at:at + MAX_BATCH], None)
+                # Queued for the posting thread: get_many returns to the caller's compute without posting them.
+                self._outbox(producer, CHANNEL_CREDIT).push_batch(credits[at:at + MAX_BATCH], None, inline=False)
         deferred.clear()
 
     def _get(self, sample_id: int, step: int, producer: int, expected_shape: Sequence[int] | None,
              deferred: dict[int, list[WireHeader]] | None) -> torch.Tensor:
-        """`get`; with `deferred`, the credit is added there (by producer) instead of sent (see `get_many`)."""
+        """`get`; with `deferred`, the credit is added there (by producer) instead of sent (see `get_many`), and the
+        tensor is returned where it landed (get_many moves its items to `device`)."""
         self._check_peer(producer, "producer")
         key = (producer, sample_id, step)
         what = f"the embedding of sample {sample_id} (step {step})"
@@ -624,28 +650,35 @@ class EmbeddingPool:
                         raise PoolTimeout(self._get_timeout_message(what, producer))
             finally:
                 self._get_blocked_since = None
-            held = self._held[key]
-            h = held.handle
-            if expected_shape is not None and tuple(expected_shape) != h.shape:
-                raise PoolShapeError(f"rank {self.rank}: sample {sample_id} (step {step}) from producer rank "
-                                     f"{producer} has shape {list(h.shape)}, expected {list(expected_shape)}")
-            del self._held[key]
-            c = self._counters
-            c.add_held(h.tier, -h.nbytes, -1)
-            c.gets += 1
-            c.get_wait_s += time.monotonic() - start
-            if h.tier == "host":
-                c.host_to_device_bytes += h.nbytes
-            if held.batch is None and deferred is not None:
-                deferred.setdefault(producer, []).append(credit_header(h.sample_id, h.step, h.nbytes))
-            elif held.batch is None:
-                self._send_credit(h)
-            else:  # one credit message per planned message (its buffer is freed only with its last item anyway)
-                held.batch.credits.append(credit_header(h.sample_id, h.step, h.nbytes))
-                if len(held.batch.credits) == len(held.batch.headers):
-                    self._outbox(producer, CHANNEL_CREDIT).push_batch(held.batch.credits, None)
+            tensor = self._take(key, expected_shape, deferred, start)
+        return tensor if deferred is not None else tensor.to(self.device)
+
+    def _take(self, key: ItemKey, expected_shape: Sequence[int] | None,
+              deferred: dict[int, list[WireHeader]] | None, start: float) -> torch.Tensor:
+        """Take an arrived item out of the pool and credit its producer (lock held); `start`: when get() began."""
+        producer, sample_id, step = key
+        held = self._held[key]
+        h = held.handle
+        if expected_shape is not None and tuple(expected_shape) != h.shape:
+            raise PoolShapeError(f"rank {self.rank}: sample {sample_id} (step {step}) from producer rank "
+                                 f"{producer} has shape {list(h.shape)}, expected {list(expected_shape)}")
+        del self._held[key]
+        c = self._counters
+        c.add_held(h.tier, -h.nbytes, -1)
+        c.gets += 1
+        c.get_wait_s += time.monotonic() - start
+        if h.tier == "host":
+            c.host_to_device_bytes += h.nbytes
+        if held.batch is None and deferred is not None:
+            deferred.setdefault(producer, []).append(credit_header(h.sample_id, h.step, h.nbytes))
+        elif held.batch is None:
+            self._send_credit(h)
+        else:  # one credit message per planned message (its buffer is freed only with its last item anyway)
+            held.batch.credits.append(credit_header(h.sample_id, h.step, h.nbytes))
+            if len(held.batch.credits) == len(held.batch.headers):
+                self._outbox(producer, CHANNEL_CREDIT).push_batch(held.batch.credits, None)
         assert held.tensor is not None
-        return held.tensor.to(self.device)
+        return held.tensor
 
     @traced("pool.return_grad")
     def return_grad(self, grad: torch.Tensor, *, sample_id: int, step: int, producer: int) -> None:
@@ -786,20 +819,24 @@ class EmbeddingPool:
             raise PoolProtocolError(f"{what} was planned as {list(spec[0])} {spec[1]} but the producer sent "
                                     f"{list(header.shape)} {header.dtype}; the ranks disagree on the step plan")
 
-    def _deliver_embedding(self, producer: int, header: WireHeader, buffer: torch.Tensor | None) -> None:
-        key = (producer, *header.key)
+    def _deliver_embeddings(self, producer: int, items: list[LandedItem]) -> None:
+        """Hand a landed message's items to get(): one lock acquisition and one notification for the message."""
         with self._cond:
-            tier = self._held[key].handle.tier
-        tensor = self._unpack(header, buffer)
-        # Off the lock: a device copy may take a while and get() of other items must not wait for it.
-        if tier == "host" and tensor.device.type != "cpu":
-            tensor = tensor.cpu()
-        elif tier == "device" and tensor.device != self.device:
-            tensor = tensor.to(self.device)
+            held = [self._held[(producer, *header.key)] for header, _ in items]
+        tensors = []
+        for (header, buffer), entry in zip(items, held):
+            tensor = self._unpack(header, buffer)
+            # Off the lock: a device copy may take a while and get() of other items must not wait for it.
+            if entry.handle.tier == "host" and tensor.device.type != "cpu":
+                tensor = tensor.cpu()
+            elif entry.handle.tier == "device" and tensor.device != self.device:
+                tensor = tensor.to(self.device)
+            tensors.append(tensor)
         with self._cond:
-            self._held[key].tensor = tensor
-            self._account_transfer(producer, self._held[key].landing_t)
-            self._counters.bytes_received += header.nbytes
+            for entry, tensor in zip(held, tensors):
+                entry.tensor = tensor
+            self._account_transfer(producer, held[0].landing_t)
+            self._counters.bytes_received += sum(header.nbytes for header, _ in items)
             self._cond.notify_all()
 
     def _account_transfer(self, producer: int, landing_t: float) -> None:
@@ -817,19 +854,22 @@ class EmbeddingPool:
     def _land_credit(self, consumer: int, raw: torch.Tensor, _: torch.Tensor | None) -> _Landed:
         return [(h, None) for h in decode_header(raw, expected_channel=CHANNEL_CREDIT, peer=consumer)], None
 
-    def _deliver_credit(self, consumer: int, credit: WireHeader, _: torch.Tensor | None) -> None:
+    def _deliver_credits(self, consumer: int, credits: list[LandedItem]) -> None:
+        works: list[dist.Work] = []
         with self._cond:
-            planned = self._planned_sends.pop((consumer, *credit.key), None)
-            wait_sends = planned is not None and not planned.taken
-            if wait_sends:
-                planned.taken = True
-            sent = self._sent.pop((consumer, *credit.key), None)
-            if sent is None or sent.nbytes != credit.nbytes:
-                raise PoolProtocolError(f"rank {consumer} returned a credit for sample {credit.sample_id} (step "
-                                        f"{credit.step}, {credit.nbytes} B) that rank {self.rank} has not sent to it")
-            self._counters.add_inflight(-credit.nbytes, -1)
+            for credit, _ in credits:
+                planned = self._planned_sends.pop((consumer, *credit.key), None)
+                if planned is not None and not planned.taken:
+                    planned.taken = True
+                    works += planned.works
+                sent = self._sent.pop((consumer, *credit.key), None)
+                if sent is None or sent.nbytes != credit.nbytes:
+                    raise PoolProtocolError(f"rank {consumer} returned a credit for sample {credit.sample_id} (step "
+                                            f"{credit.step}, {credit.nbytes} B) that rank {self.rank} has not sent "
+                                            f"to it")
+                self._counters.add_inflight(-credit.nbytes, -1)
             self._cond.notify_all()
-        for work in planned.works if wait_sends else ():
+        for work in works:
             work.wait()  # the consumer took an item of the message: its sends are complete (waited exactly once)
 
     def _land_grad(self, consumer: int, raw: torch.Tensor, staged: torch.Tensor | None) -> _Landed:
@@ -842,20 +882,22 @@ class EmbeddingPool:
                                             f"twice)")
         return self._payload_views(headers, staged)
 
-    def _deliver_grad(self, consumer: int, header: WireHeader, buffer: torch.Tensor | None) -> None:
-        grad = self._unpack(header, buffer)
-        key = (consumer, *header.key)
+    def _deliver_grads(self, consumer: int, items: list[LandedItem]) -> None:
+        grads = [self._unpack(header, buffer) for header, buffer in items]
         with self._cond:
-            self._grads_owed.discard(key)
-            self._grads[key] = grad
-            self._counters.grads_received += 1
-            self._counters.grad_bytes_received += header.nbytes
+            for (header, _), grad in zip(items, grads):
+                key = (consumer, *header.key)
+                self._grads_owed.discard(key)
+                self._grads[key] = grad
+                self._counters.grads_received += 1
+                self._counters.grad_bytes_received += header.nbytes
             self._cond.notify_all()
 
     def _payload_views(self, headers: list[WireHeader], staged: torch.Tensor | None) -> _Landed:
         """The batch's receive buffer and each item's view of it (None: the item has no payload); `staged`: the
         message's staging buffer on a staged channel."""
-        views, buffer = slice_payloads(headers, self._payload_device, staged)
+        views, buffer = slice_payloads(headers, self._payload_device, staged,
+                                       None if self._receive_buffers is None else self._receive_buffers.take)
         return list(zip(headers, views)), buffer
 
     def _unpack(self, header: WireHeader, buffer: torch.Tensor | None) -> torch.Tensor:
@@ -874,27 +916,28 @@ class EmbeddingPool:
         if stream is None:
             if channel == "embedding":
                 tags, land, deliver = ((TAGS.embedding_header, TAGS.embedding_payload),
-                                       self._land_embedding, self._deliver_embedding)
+                                       self._land_embedding, self._deliver_embeddings)
             elif channel == "grad":
-                tags, land, deliver = (TAGS.grad_header, TAGS.grad_payload), self._land_grad, self._deliver_grad
+                tags, land, deliver = (TAGS.grad_header, TAGS.grad_payload), self._land_grad, self._deliver_grads
             else:
-                tags, land, deliver = (TAGS.credit, None), self._land_credit, self._deliver_credit
+                tags, land, deliver = (TAGS.credit, None), self._land_credit, self._deliver_credits
             stream = InboundStream(cond=self._cond, lock=self._lock, peer=peer, group=self.group, header_tag=tags[0],
                                    payload_tag=tags[1], header_len=HEADER_LEN,
                                    land=lambda raw, staged, p=peer, f=land: f(p, raw, staged),
-                                   deliver=lambda ctx, buf, p=peer, f=deliver: f(p, ctx, buf),
+                                   deliver=lambda items, p=peer, f=deliver: f(p, items),
                                    name=f"pool-r{self.rank}-{channel}-from-r{peer}", wire_device=self._wire_device,
                                    payload_group=self._payload_groups.get(
                                        CHANNEL_GRAD if channel == "grad" else CHANNEL_EMBEDDING),
                                    staged_tag=self._staged_tag(
-                                       {"embedding": CHANNEL_EMBEDDING, "grad": CHANNEL_GRAD}.get(channel)))
+                                       {"embedding": CHANNEL_EMBEDDING, "grad": CHANNEL_GRAD}.get(channel)),
+                                   alloc=None if self._receive_buffers is None else self._receive_buffers.take)
             streams[peer] = stream
             stream.start()
         return stream
 
     def _staged_tag(self, channel: int | None) -> int | None:
         """The staged tag of a payload channel whose header and payload both move over gloo (see
-        `wire.STAGED_BYTES`); None elsewhere: device backends need a receive of the exact size."""
+        `wire.staged_bytes`); None elsewhere: device backends need a receive of the exact size."""
         if channel not in _STAGED_TAGS or channel in self._payload_groups or not self._gloo:
             return None
         return _STAGED_TAGS[channel]

@@ -24,16 +24,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from mindspeed_flow.pool.wire import (STAGED_BYTES, WireHeader, encode_header, has_payload, pack_payloads,
-                                     travels_staged)
+from mindspeed_flow.pool.wire import (STAGED_MIN_BYTES, WireHeader, encode_header, has_payload, pack_payloads,
+                                     staged_bytes, travels_staged)
 
 # Called with the received header tensor and the message's staging buffer (None: the channel is not staged);
 # returns one (context, view of the payload or None) per item of the message,
 # in send order, and the batch's one payload buffer that those views slice (None: no item has a payload). Runs on
-# the stream thread, outside the pool lock. `Deliver` gets each item once the batch's bytes are in.
+# the stream thread, outside the pool lock. `Deliver` gets a message's items, all at once, once its bytes are in.
 LandedItem = tuple[Any, torch.Tensor | None]
 Land = Callable[[torch.Tensor, torch.Tensor | None], tuple[list[LandedItem], torch.Tensor | None]]
-Deliver = Callable[[Any, torch.Tensor | None], None]
+Deliver = Callable[[list[LandedItem]], None]
 
 
 class InboundStream:
@@ -54,7 +54,8 @@ class InboundStream:
                  group: dist.ProcessGroup | None,
                  header_tag: int, payload_tag: int | None, header_len: int, land: Land, deliver: Deliver,
                  name: str, wire_device: torch.device = torch.device("cpu"),
-                 payload_group: dist.ProcessGroup | None = None, staged_tag: int | None = None) -> None:
+                 payload_group: dist.ProcessGroup | None = None, staged_tag: int | None = None,
+                 alloc: Callable[[int], torch.Tensor] | None = None) -> None:
         self.cond = cond
         # This stream's own threads wait on `wake` (the same lock as `cond`): the pool's notifications on `cond`
         # wake only its callers, and a request() wakes only this stream, not every thread of the pool (measured:
@@ -65,8 +66,9 @@ class InboundStream:
         self.payload_group = payload_group or group  # a device group moves payloads where one is given
         self.header_tag = header_tag
         self.payload_tag = payload_tag
-        self.staged_tag = staged_tag  # gloo only: each header's receive goes out with a STAGED_BYTES receive here
-        self._spare: list[torch.Tensor] = []  # staging buffers whose bytes were copied out, reused (no page faults)
+        self.staged_tag = staged_tag  # gloo only: each header's receive goes out with a staged receive here
+        self.staged_size = STAGED_MIN_BYTES  # the next staged receive's size (wire.staged_bytes)
+        self.alloc = alloc  # where staging buffers come from (the pool reuses them, see buffers.py)
         self.header_len = header_len
         self.land = land
         self.deliver = deliver
@@ -119,13 +121,9 @@ class InboundStream:
         work = dist.irecv(header, src=self.peer, group=self.group, tag=self.header_tag)
         if self.staged_tag is None:
             return header, work, None
-        buffer = self._spare.pop() if self._spare else torch.empty(STAGED_BYTES, dtype=torch.uint8)
+        size = self.staged_size
+        buffer = torch.empty(size, dtype=torch.uint8) if self.alloc is None else self.alloc(size)
         return header, work, (buffer, dist.irecv(buffer, src=self.peer, group=self.group, tag=self.staged_tag))
-
-    def _recycle(self, buffer: torch.Tensor) -> None:
-        """Keep a staging buffer whose bytes were copied out for a later staged receive (call with `cond` held)."""
-        if len(self._spare) < 2:
-            self._spare.append(buffer)
 
     def _next_header(self) -> bool:
         with self.cond:
@@ -142,30 +140,30 @@ class InboundStream:
         copy: tuple[torch.Tensor, torch.Tensor] | None = None
         if staged is not None:
             staging, staged_work = staged
-            if buffer is not None and travels_staged(buffer.numel()):
+            if buffer is not None and travels_staged(buffer.numel(), staging.numel()):
                 waits.append(staged_work)
                 if buffer.data_ptr() != staging.data_ptr():  # a small payload: copied out into its own buffer
                     copy = (staging, buffer)
             elif buffer is None:  # the staged message is empty and sent with the header: it is here or nearly
                 staged_work.wait()
-                with self.cond:
-                    self._recycle(staging)
-            else:  # a payload over STAGED_BYTES: the empty staged message, then the payload on its own tag
+            else:  # a payload over the staged size: the empty staged message, then the payload on its own tag
                 waits.append(staged_work)
         with self.cond:
             self._header_posted = None
             self.announced += len(items)
             self.messages += 1
-            if buffer is None and not self._landed:
-                # Nothing to wait for (credits, empty items) and nothing ahead of it: delivered here,
-                # which spares a hand-off to the payload thread (a wake-up per message, costly on a busy host).
-                if self.announced < self.wanted and not self.closed:
-                    self._header_posted = self._post_header()
-                deliver_now = True
-            else:
-                deliver_now = False
+            if staged is not None:  # before the next header's receive is posted: it is sized by this payload
+                self.staged_size = staged_bytes(0 if buffer is None else buffer.numel())
+            # Delivered on this thread when nothing is ahead of it and nothing is left to receive but the staged
+            # message (posted with the header, its bytes right behind it on the wire) or nothing at all (credits,
+            # empty items): that spares a hand-off to the payload thread, a wake-up per message that costs more
+            # than a small batch's bytes on a busy host. The next header's receive goes out first.
+            deliver_now = not self._landed and (buffer is None or bool(waits) and not self._needs_payload_tag(
+                buffer, staged))
+            if deliver_now and self.announced < self.wanted and not self.closed:
+                self._header_posted = self._post_header()
         if deliver_now:
-            self._deliver_all(items)  # no payload: every view is None
+            self._finish(waits, items, copy)
             return True
         with self.cond:
             # The next header's receive goes out before this batch's payload receive. Transports that move a
@@ -175,7 +173,7 @@ class InboundStream:
             # ran at about half of raw isend/irecv).
             if self.announced < self.wanted and not self.closed:
                 self._header_posted = self._post_header()
-            if buffer is not None and (staged is None or not travels_staged(buffer.numel())):
+            if self._needs_payload_tag(buffer, staged):
                 assert self.payload_tag is not None, "a payload was announced on a header-only channel"
                 waits.append(dist.irecv(buffer, src=self.peer, group=self.payload_group, tag=self.payload_tag))
             self._landed.append((waits, items, copy))
@@ -189,20 +187,27 @@ class InboundStream:
             if self.closed:
                 return False
             waits, items, copy = self._landed.popleft()
-        for work in waits:  # the batch's payload transfer (and on a staged channel its staged message), once each
-            work.wait()
-        if copy is not None:
-            staging, own = copy
-            own.copy_(staging[:own.numel()])
-            with self.cond:
-                self._recycle(staging)
-        self._deliver_all(items)
+        self._finish(waits, items, copy)
         return True
 
+    @staticmethod
+    def _needs_payload_tag(buffer: torch.Tensor | None, staged: tuple[torch.Tensor, dist.Work] | None) -> bool:
+        """Whether a message's payload comes on the payload tag (not staged, or over the staged size)."""
+        return buffer is not None and (staged is None or not travels_staged(buffer.numel(), staged[0].numel()))
+
+    def _finish(self, waits: list[dist.Work], items: list[LandedItem],
+                copy: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Wait for a landed message's receives, copy a small staged payload out, and deliver its items."""
+        for work in waits:  # the batch's payload transfer (and on a staged channel its staged message), once each
+            work.wait()
+        if copy is not None:  # the staging buffer is free again once this copy's views are gone
+            staging, own = copy
+            own.copy_(staging[:own.numel()])
+        self._deliver_all(items)
+
     def _deliver_all(self, items: list[LandedItem]) -> None:
-        """Hand each item of a message to the pool, then count them as received."""
-        for context, view in items:
-            self.deliver(context, view)
+        """Hand a message's items to the pool (one call for the whole message), then count them as received."""
+        self.deliver(items)
         with self.cond:
             self.received += len(items)
             self.cond.notify_all()
@@ -242,7 +247,8 @@ class Outbox:
                  payload_group: dist.ProcessGroup | None = None, staged_tag: int | None = None) -> None:
         self.cond = cond
         self.wake = threading.Condition(lock)  # this outbox's threads wait here (see InboundStream)
-        self.staged_tag = staged_tag  # gloo only: every message also sends one staged message (see STAGED_BYTES)
+        self.staged_tag = staged_tag  # gloo only: every message also sends one staged message (wire.staged_bytes)
+        self.staged_size = STAGED_MIN_BYTES  # the size of the receive the peer posts for the next staged message
         self.peer = peer
         self.group = group
         self.payload_group = payload_group or group
@@ -281,13 +287,20 @@ class Outbox:
         self.pushed += 1
         self.wake.notify_all()
 
-    def push_batch(self, items: list[WireHeader], payload: torch.Tensor | None) -> None:
-        """Queue a batch packed by the caller (`put_many`): its items and their one payload leave as one message,
-        never merged with other items (call with `cond` held)."""
+    def push_batch(self, items: list[WireHeader], payload: torch.Tensor | None, *, inline: bool = True) -> None:
+        """Send a batch packed by the caller (`put_many`, a microbatch's credits): its items and their one payload
+        leave as one message, never merged with other items (call with `cond` held).
+
+        `inline`: posted here, on the caller's thread, when nothing is queued ahead of it and the window has room:
+        a hand-off to the posting thread waits for that thread to get the interpreter lock back from a caller that
+        is still running Python, which measured longer than moving a 4 MiB batch's first bytes. Otherwise queued."""
         if self.error is not None:
             raise self.error
-        self._queue.append((items, payload, True))
         self.pushed += len(items)
+        if inline and not self._queue and not self._packing and len(self._in_flight) < self.window:
+            self._post(items, payload)
+            return
+        self._queue.append((items, payload, True))
         self.wake.notify_all()
 
     def close(self) -> None:
@@ -327,30 +340,34 @@ class Outbox:
                     tensors += more_tensors
             self._packing = items
         # Packed off the lock: copying several payloads into one buffer must not hold up put()/get().
-        header = encode_header(items).to(self.wire_device)
         payload = tensors if packed else pack_payloads(items, tensors)
         with self.cond:
             self._packing = []
-            # Posted under the lock (see InboundStream._post_header); posting never blocks.
-            header_op = dist.P2POp(dist.isend, header, self.peer, self.group, self.header_tag)
-            payload_ops = ([] if payload is None else
-                           [dist.P2POp(dist.isend, payload, self.peer, self.payload_group, self.payload_tag)])
-            if self.staged_tag is not None:  # the staged message: the payload if it fits, else empty
-                nbytes = 0 if payload is None else payload.numel() * payload.element_size()
-                staged = payload if payload is not None and travels_staged(nbytes) else _NO_BYTES
-                payload_ops = [] if staged is payload else payload_ops
-                works = list(dist.batch_isend_irecv(
-                    [header_op, dist.P2POp(dist.isend, staged, self.peer, self.group, self.staged_tag), *payload_ops]))
-            elif not payload_ops:  # header only (credits, empty items): no batch to build
-                works = [dist.isend(header, self.peer, group=self.group, tag=self.header_tag)]
-            elif self.payload_group is self.group:
-                works = list(dist.batch_isend_irecv([header_op, *payload_ops]))
-            else:  # header on the gloo group, payload on the device group: one batch per backend
-                works = list(dist.batch_isend_irecv([header_op]))
-                works += list(dist.batch_isend_irecv(payload_ops)) if payload_ops else []
-            self._in_flight.append((items, works, [header] if payload is None else [header, payload]))
-            self.wake.notify_all()
+            self._post(items, payload)
         return True
+
+    def _post(self, items: list[WireHeader], payload: torch.Tensor | None) -> None:
+        """Post one message's sends (call with `cond` held: see InboundStream._post_header); posting never blocks."""
+        header = encode_header(items).to(self.wire_device)
+        header_op = dist.P2POp(dist.isend, header, self.peer, self.group, self.header_tag)
+        payload_ops = ([] if payload is None else
+                       [dist.P2POp(dist.isend, payload, self.peer, self.payload_group, self.payload_tag)])
+        if self.staged_tag is not None:  # the staged message: the payload if it fits, else empty
+            nbytes = 0 if payload is None else payload.numel() * payload.element_size()
+            staged = payload if payload is not None and travels_staged(nbytes, self.staged_size) else _NO_BYTES
+            self.staged_size = staged_bytes(nbytes)
+            payload_ops = [] if staged is payload else payload_ops
+            works = list(dist.batch_isend_irecv(
+                [header_op, dist.P2POp(dist.isend, staged, self.peer, self.group, self.staged_tag), *payload_ops]))
+        elif not payload_ops:  # header only (credits, empty items): no batch to build
+            works = [dist.isend(header, self.peer, group=self.group, tag=self.header_tag)]
+        elif self.payload_group is self.group:
+            works = list(dist.batch_isend_irecv([header_op, *payload_ops]))
+        else:  # header on the gloo group, payload on the device group: one batch per backend
+            works = list(dist.batch_isend_irecv([header_op]))
+            works += list(dist.batch_isend_irecv(payload_ops)) if payload_ops else []
+        self._in_flight.append((items, works, [header] if payload is None else [header, payload]))
+        self.wake.notify_all()
 
     def _reap_next(self) -> bool:
         with self.cond:

@@ -25,6 +25,7 @@ credits never mix.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -33,19 +34,27 @@ from mindspeed_flow.pool.errors import PoolProtocolError
 HEADER_MAGIC = 0x4D53_464C_4F57  # "MSFLOW": a header that does not start with it came from the wrong tag/peer
 WIRE_VERSION = 5  # 2: batched headers; 3: one payload buffer per batch; 4: planned items (gone); 5: dense batches
 MAX_NDIM = 8
-# A payload of at most this many bytes travels on its channel's staged tag, into a receive of this size that the
-# consumer posted together with the message's header receive (every message on a staged channel carries one staged
-# message, empty when its payload is larger or absent, so receives and messages pair one to one). Why: on gloo a
-# message whose receive is posted after the bytes start to arrive moves several times slower (measured, 4 MiB on
-# loopback: 0.5 ms with the receive posted first, 3.2 ms with it posted 0.3 ms late), and a receive posted only
-# once the header has landed is always late. gloo accepts a message smaller than its receive (never a larger one),
-# so one fixed size serves every batch the sender bounds to it; a fixed constant, so both ends always agree.
-STAGED_BYTES = 4 << 20
+# On a gloo channel every message carries one "staged" message on the channel's staged tag, into a receive that the
+# consumer posted together with the message's header receive: the payload when it fits that receive, else nothing
+# (the payload then follows on the payload tag), so receives and messages pair one to one. Why: gloo moves a
+# message only once its receive is posted (the sender waits for the receiver's notice), and a receive posted only
+# once the header has landed is always late (measured, 4 MiB on loopback: 0.5 ms with the receive posted first,
+# 3.2 ms with it posted 0.3 ms late). gloo accepts a message smaller than its receive, never a larger one, so both
+# ends must agree on the receive's size without talking: it is the channel's previous payload rounded up to a power
+# of two, within [STAGED_MIN_BYTES, STAGED_MAX_BYTES], which both ends know when they decide (`staged_bytes`). A
+# stream of similar batches therefore always travels staged, whatever their size up to the maximum.
+STAGED_MIN_BYTES = 4 << 20
+STAGED_MAX_BYTES = 32 << 20
 
 
-def travels_staged(nbytes: int) -> bool:
-    """Whether a payload of `nbytes` rides in the staged message (both ends decide by this rule alone)."""
-    return nbytes <= STAGED_BYTES
+def staged_bytes(previous_payload: int) -> int:
+    """The staged receive's size for a channel's next message, from the previous message's payload bytes (0: none)."""
+    return min(STAGED_MAX_BYTES, max(STAGED_MIN_BYTES, 1 << max(previous_payload - 1, 0).bit_length()))
+
+
+def travels_staged(nbytes: int, staged: int) -> bool:
+    """Whether a payload of `nbytes` rides in a staged message of `staged` bytes (both ends decide by this rule)."""
+    return nbytes <= staged
 
 
 MAX_BATCH = 16  # items per message: bounds the header (213 int64) while amortising per-message costs 16-fold
@@ -70,7 +79,7 @@ class PoolTags:
     # Planned batches (put_many(planned=True) against expect(groups=...)): receives posted from the plan at expect()
     embedding_planned_header: int = 0x4D50_0006
     embedding_planned: int = 0x4D50_0007
-    # Staged payloads (gloo): up to STAGED_BYTES, into a receive the consumer posted with the header's receive
+    # Staged payloads (gloo): into a receive the consumer posted with the header's receive (see `staged_bytes`)
     embedding_staged: int = 0x4D50_0008
     grad_staged: int = 0x4D50_0009
 
@@ -133,10 +142,10 @@ def check_sendable(tensor: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: tensor has {tensor.dim()} dims, the pool header holds at most {MAX_NDIM}")
 
 
-def item_header(channel: int, sample_id: int, step: int, tensor: torch.Tensor) -> WireHeader:
-    """The record announcing `tensor` as item (sample_id, step) on `channel`."""
-    shape = tuple(int(d) for d in tensor.shape)
-    return WireHeader(channel, sample_id, step, tensor.dtype, shape, tensor_nbytes(shape, tensor.dtype))
+def item_header(channel: int, sample_id: int, step: int, tensor: torch.Tensor, dense: bool = False) -> WireHeader:
+    """The record announcing `tensor` as item (sample_id, step) on `channel` (`dense`: see WireHeader)."""
+    return WireHeader(channel, sample_id, step, tensor.dtype, tuple(tensor.shape),
+                      tensor.numel() * tensor.element_size(), dense)
 
 
 def credit_header(sample_id: int, step: int, nbytes: int) -> WireHeader:
@@ -269,20 +278,24 @@ def dense_payload(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return region.set_(first.untyped_storage(), start, ((at - first.storage_offset()) * itemsize,))
 
 
-def slice_payloads(items: list[WireHeader], device: torch.device, staged: torch.Tensor | None = None
+def slice_payloads(items: list[WireHeader], device: torch.device, staged: torch.Tensor | None = None,
+                   alloc: Callable[[int], torch.Tensor] | None = None
                    ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
     """A receive buffer for the batch's payload and each item's view of it (None: the item has no payload).
 
     The views share the buffer: an item kept alive keeps its whole batch's buffer (at most one batch, whose size
     the sender bounds), which is why large items travel alone. `staged`: the staging receive posted for this
-    message (see `STAGED_BYTES`); a payload that fills at least a quarter of it is viewed in place (no copy, at
+    message (see `staged_bytes`); a payload that fills at least a quarter of it is viewed in place (no copy, at
     most 4x the payload's memory held), a smaller one gets a buffer of its own that the bytes are copied into.
+    `alloc(nbytes)`: where a host buffer comes from (the pool's `ReceiveBuffers`); a fresh one without it.
     """
     offsets, total = payload_layout(items)
     if all(off is None for off in offsets):
         return [None] * len(items), None
-    if staged is not None and STAGED_BYTES // 4 <= total <= STAGED_BYTES:
+    if staged is not None and staged.numel() // 4 <= total <= staged.numel():
         buffer = staged[:total]
+    elif alloc is not None:
+        buffer = alloc(total)
     else:
         buffer = torch.empty(total, dtype=torch.uint8, device=device)
     views = [None if off is None else buffer[off:off + item.nbytes] for off, item in zip(offsets, items)]
