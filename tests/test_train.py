@@ -163,7 +163,7 @@ def test_packs_steps_resume_continues_exactly(tmp_path: Path) -> None:
         (["+trainer.bogus=1"], r"bogus"),
         (["trainer.steps=abc"], r"trainer.steps"),
         (["packing.token_budget=8"], r"packing.token_budget=8"),
-        (["packing.step_mode=tokens"], r"packing.step_mode='tokens': 'samples' or 'packs'"),
+        (["packing.step_mode=tokens"], r"packing.step_mode='tokens': 'samples', 'packs' or 'window'"),
         (["packing.step_mode=packs", "packing.pad_multiple=64"], r"packing.pad_multiple=64: packing.step_mode=packs"),
         (["packing.step_mode=packs", "packing.lookahead=5000"], r"packing.lookahead=5000: packing.step_mode=packs "
                                                                 r"needs it below data.num_samples=4096"),

@@ -203,12 +203,6 @@ class StreamingPacker:
         oversize, self._reported = self.oversize[self._reported:], len(self.oversize)
         return oversize
 
-    def requeue(self, ids: list[int]) -> None:
-        """Put samples taken out of emitted packs back at the front of the buffer (older than any buffered one)."""
-        if ids:
-            self._lengths = np.concatenate((llm_tokens_of([self.shapes[sid] for sid in ids]), self._lengths))
-            self._ids = np.concatenate((np.asarray(ids, dtype=np.int64), self._ids))
-
     def plan_of(self, packs: list[Microbatch], dp: int, num_encoders: int, pad_multiple: int = 0) -> StepPlan:
         """The step plan of these packs (a multiple of dp; they leave the packer), reporting the oversize samples
         left out since the last step; pad_multiple > 0 pads them to the longest rounded up to that multiple."""

@@ -14,8 +14,7 @@ global_batch_size + lookahead samples. A step then takes:
   pixel cap), whole packs cannot hold every stream's mean tokens per step in a multiple of DP full packs; these
   steps take the long samples the whole-pack steps left, at a shorter padded length (pad_multiple).
 
-Bounded wait: a sample left in the pool (or handed back to the packer's buffer from a split pack) grows one step
-older per step; a pack holding a sample `max_wait` steps old is taken before any other (both ways of cutting a step
+Bounded wait: a sample left in the pool grows one step older per step; a pack holding a sample `max_wait` steps old is taken before any other (both ways of cutting a step
 take those first, and they are fewer than a step's samples: the pool holds at most lookahead <= global_batch_size
 leftovers). So a sample waits at most `max_wait` steps once pooled, after at most `lookahead` packing rounds in the
 packer's buffer (its oldest sample leaves every round; every step runs rounds while the source lasts).
@@ -130,7 +129,7 @@ class WindowPacker:
         self.packer = StreamingPacker(source, token_budget=token_budget, cost_model=cost_model,
                                       lookahead=lookahead, oversize_policy=oversize_policy)
         self.pool: list[Microbatch] = []  # packs taken from the packer, not in a step yet
-        self.age: dict[int, int] = {}  # steps each pooled (or handed back) sample has been left out of
+        self.age: dict[int, int] = {}  # steps each pooled sample has been left out of
         self.max_age = 0  # the oldest age a stepped sample had (tests check the bound)
         self.whole_pack_steps = self.oldest_steps = 0  # how the steps were cut (see next_step)
 
@@ -171,14 +170,14 @@ class WindowPacker:
         take[chosen] = True
         packs = [mb for mb, t in zip(pool, take.tolist()) if t]
         self.pool = [mb for mb, t in zip(pool, take.tolist()) if not t]
-        self._older([sid for mb in packs for sid in mb.sample_ids], [])
+        self._older([sid for mb in packs for sid in mb.sample_ids])
         packs += [Microbatch([], 0, 0.0, budget) for _ in range(round_up(max(len(packs), min_packs), dp) - len(packs))]
         return self.packer.plan_of(packs, dp, num_encoders, pad_multiple)
 
     def _oldest_step(self, ages: np.ndarray, dp: int, num_encoders: int, min_packs: int,
                      pad_multiple: int) -> StepPlan:
         """The oldest global_batch_size samples (forced packs, then pool order; the last pack split, its other
-        samples back to the front of the packer's buffer) packed by `plan_step`."""
+        samples staying pooled) packed by `plan_step`."""
         pool, shapes_of = self.pool, self.packer.shapes
         forced = ages >= self.max_wait
         ids: list[int] = []
@@ -188,10 +187,11 @@ class WindowPacker:
                 break
             ids += pool[p].sample_ids
             keep[p] = False
-        ids, back = ids[:self.global_batch_size], ids[self.global_batch_size:]
+        ids, rest = ids[:self.global_batch_size], ids[self.global_batch_size:]
         self.pool = [mb for mb, k in zip(pool, keep.tolist()) if k]
-        self.packer.requeue(back)
-        self._older(ids, back)
+        if rest:  # the split pack's other samples stay pooled, with their ages
+            self.pool.append(self.packer.pack_of(rest, shapes_of.__getitem__))
+        self._older(ids)
         plan = plan_step([shapes_of.pop(sid) for sid in ids], dp=dp, num_encoders=num_encoders,
                          token_budget=self.packer.token_budget, cost_model=self.cost_model,
                          min_microbatches=min_packs // dp, oversize_policy=self.oversize_policy,
@@ -199,16 +199,14 @@ class WindowPacker:
         plan.oversize = self.packer.take_oversize()
         return plan
 
-    def _older(self, stepped: Sequence[int], back: Sequence[int]) -> None:
-        """The step's samples leave the age table; those left in the pool or handed `back` are a step older."""
+    def _older(self, stepped: Sequence[int]) -> None:
+        """The step's samples leave the age table; those left in the pool are a step older."""
         age = self.age
         for sid in stepped:
             self.max_age = max(self.max_age, age.pop(sid, 0))
         for mb in self.pool:
             for sid in mb.sample_ids:
                 age[sid] = age.get(sid, 0) + 1
-        for sid in back:
-            age[sid] = age.get(sid, 0) + 1
 
     def steps(self, *, dp: int, num_encoders: int, min_microbatches: int, pad_multiple: int = 0) -> Iterator[StepPlan]:
         """Every step's plan until the source ends."""
