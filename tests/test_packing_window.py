@@ -79,12 +79,12 @@ def test_no_pooled_sample_waits_more_than_max_wait_steps(max_wait: int) -> None:
     shapes = mixed_shapes(3000, 4096, seed=7)
     w = window(iter(shapes), max_wait=max_wait)
     while True:
-        old = {sid for sid, a in w.age.items() if a >= max_wait}
+        old = {sid for mb, a in zip(w.pool, w.ages) for sid in mb.sample_ids if a >= max_wait}
         plan = w.next_step(**GEOMETRY)
         if plan is None:
             break
         assert old <= set(plan.sample_ids())
-        assert max(w.age.values(), default=0) <= max_wait
+        assert max(w.ages, default=0) <= max_wait
     assert w.max_age <= max_wait
     if max_wait <= 2:  # the bound is reached on this stream, so the test checks something
         assert w.max_age == max_wait

@@ -25,7 +25,7 @@ pool's packs and the ages beside the packer's state, so a resumed run gives the 
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -129,8 +129,8 @@ class WindowPacker:
         self.packer = StreamingPacker(source, token_budget=token_budget, cost_model=cost_model,
                                       lookahead=lookahead, oversize_policy=oversize_policy)
         self.pool: list[Microbatch] = []  # packs taken from the packer, not in a step yet
-        self.age: dict[int, int] = {}  # steps each pooled sample has been left out of
-        self.max_age = 0  # the oldest age a stepped sample had (tests check the bound)
+        self.ages: list[int] = []  # steps each pool pack has been left out of
+        self.max_age = 0  # the oldest age a stepped pack had (tests check the bound)
         self.whole_pack_steps = self.oldest_steps = 0  # how the steps were cut (see next_step)
 
     def _top_up(self) -> None:
@@ -141,6 +141,7 @@ class WindowPacker:
             if not packs:
                 return
             self.pool += packs
+            self.ages += [0] * len(packs)
             want -= len(packs[0].sample_ids)
 
     def next_step(self, *, dp: int, num_encoders: int, min_microbatches: int, pad_multiple: int = 0) -> StepPlan | None:
@@ -149,11 +150,10 @@ class WindowPacker:
         self._top_up()
         if not self.pool:
             return None
-        pool, age, budget = self.pool, self.age, self.packer.token_budget
+        pool, budget = self.pool, self.packer.token_budget
         sizes = np.fromiter((len(mb.sample_ids) for mb in pool), dtype=np.int64, count=len(pool))
         loads = np.fromiter((mb.tokens for mb in pool), dtype=np.int64, count=len(pool))
-        ages = np.fromiter((max(age.get(sid, 0) for sid in mb.sample_ids) for mb in pool), dtype=np.int64,
-                           count=len(pool))
+        ages = np.asarray(self.ages, dtype=np.int64)
         min_packs = dp * min_microbatches
         chosen = None
         if int(sizes.sum()) > self.global_batch_size:  # else the source has ended: the last step takes the rest
@@ -166,11 +166,10 @@ class WindowPacker:
             self.oldest_steps += 1
             return self._oldest_step(ages, dp, num_encoders, min_packs, pad_multiple)
         self.whole_pack_steps += 1
-        take = np.zeros(len(pool), dtype=bool)
-        take[chosen] = True
-        packs = [mb for mb, t in zip(pool, take.tolist()) if t]
-        self.pool = [mb for mb, t in zip(pool, take.tolist()) if not t]
-        self._older([sid for mb in packs for sid in mb.sample_ids])
+        keep = np.ones(len(pool), dtype=bool)
+        keep[chosen] = False
+        packs = [pool[p] for p in chosen.tolist()]
+        self._keep(keep, ages)
         packs += [Microbatch([], 0, 0.0, budget) for _ in range(round_up(max(len(packs), min_packs), dp) - len(packs))]
         return self.packer.plan_of(packs, dp, num_encoders, pad_multiple)
 
@@ -187,11 +186,12 @@ class WindowPacker:
                 break
             ids += pool[p].sample_ids
             keep[p] = False
+            last = p
         ids, rest = ids[:self.global_batch_size], ids[self.global_batch_size:]
-        self.pool = [mb for mb, k in zip(pool, keep.tolist()) if k]
-        if rest:  # the split pack's other samples stay pooled, with their ages
+        self._keep(keep, ages)
+        if rest:  # the split pack's other samples stay pooled, as old as their pack (already counted a step older)
             self.pool.append(self.packer.pack_of(rest, shapes_of.__getitem__))
-        self._older(ids)
+            self.ages.append(int(ages[last]) + 1)
         plan = plan_step([shapes_of.pop(sid) for sid in ids], dp=dp, num_encoders=num_encoders,
                          token_budget=self.packer.token_budget, cost_model=self.cost_model,
                          min_microbatches=min_packs // dp, oversize_policy=self.oversize_policy,
@@ -199,14 +199,12 @@ class WindowPacker:
         plan.oversize = self.packer.take_oversize()
         return plan
 
-    def _older(self, stepped: Sequence[int]) -> None:
-        """The step's samples leave the age table; those left in the pool are a step older."""
-        age = self.age
-        for sid in stepped:
-            self.max_age = max(self.max_age, age.pop(sid, 0))
-        for mb in self.pool:
-            for sid in mb.sample_ids:
-                age[sid] = age.get(sid, 0) + 1
+    def _keep(self, keep: np.ndarray, ages: np.ndarray) -> None:
+        """Only the `keep` packs stay pooled, each a step older; the others went into the step."""
+        if (~keep).any():
+            self.max_age = max(self.max_age, int(ages[~keep].max()))
+        self.pool = [mb for mb, k in zip(self.pool, keep.tolist()) if k]
+        self.ages = (ages[keep] + 1).tolist()
 
     def steps(self, *, dp: int, num_encoders: int, min_microbatches: int, pad_multiple: int = 0) -> Iterator[StepPlan]:
         """Every step's plan until the source ends."""
@@ -216,14 +214,13 @@ class WindowPacker:
 
     # ---- resume -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The packer's state, the pool's packs (sample ids each) and the ages of the samples left out so far."""
-        return {"packer": self.packer.state_dict(), "pool": [mb.sample_ids for mb in self.pool],
-                "age": [[sid, a] for sid, a in self.age.items()]}
+        """The packer's state, and the pool's packs (sample ids each) with their ages."""
+        return {"packer": self.packer.state_dict(), "pool": [mb.sample_ids for mb in self.pool], "ages": self.ages}
 
     def load_state_dict(self, state: dict[str, Any], shape_of: Callable[[int], SampleShape]) -> None:
         """Restore a state on a fresh window; `shape_of(sample_id)` gives each named sample's shape."""
-        if self.pool or self.age:
+        if self.pool:
             raise PackingError("load_state_dict needs a fresh WindowPacker (an empty pool)")
         self.packer.load_state_dict(state["packer"], shape_of)
         self.pool = [self.packer.pack_of(ids, shape_of) for ids in state["pool"]]
-        self.age = {int(sid): int(a) for sid, a in state["age"]}
+        self.ages = [int(a) for a in state["ages"]]
