@@ -84,24 +84,28 @@ def _exact_count(order: np.ndarray, k: int, sizes: np.ndarray, loads: np.ndarray
     if delta:
         # Per pack size: the taken (not forced) packs emptiest first, the left ones fullest first. Swapping a taken
         # pack of size a for a left one of size b moves the count by b - a and loses their load difference.
-        top = int(sizes.max()) + 1
+        values = np.unique(sizes)  # the pack sizes present (a few), indexed 0..len-1 below
         rest = order[k:]
         outs = order[:k][~forced[order[:k]]][::-1]  # `order` is fullest first
-        out_by = [outs[sizes[outs] == a].tolist() for a in range(top)]
-        in_by = [rest[sizes[rest] == b].tolist() for b in range(top)]
-        step = np.arange(top)[None, :] - np.arange(top)[:, None]  # step[a, b] = b - a
+        out_by = [outs[sizes[outs] == v].tolist() for v in values.tolist()]
+        in_by = [rest[sizes[rest] == v].tolist() for v in values.tolist()]
+        step = values[None, :] - values[:, None]  # step[a, b]: the count change of swapping size a for size b
+        heads = [0] * (2 * values.size)  # next candidate per (out size, in size)
         while delta:
-            out_load = np.array([loads[q[0]] if q else -1 for q in out_by], dtype=np.float64)
-            in_load = np.array([loads[q[0]] if q else -1 for q in in_by], dtype=np.float64)
-            lost = out_load[:, None] - in_load[None, :]
+            out_load = np.array([loads[q[h]] if h < len(q) else -1 for q, h in zip(out_by, heads)], dtype=np.float64)
+            in_load = np.array([loads[q[h]] if h < len(q) else -1 for q, h in zip(in_by, heads[values.size:])],
+                               dtype=np.float64)
             ok = (out_load[:, None] >= 0) & (in_load[None, :] >= 0) & (step * np.sign(delta) > 0) & (
                 np.abs(step) <= abs(delta))
             if not ok.any():
                 return None
-            a, b = np.unravel_index(int(np.argmin(np.where(ok, lost, np.inf))), lost.shape)
-            taken[out_by[a].pop(0)] = False
-            taken[in_by[b].pop(0)] = True
-            delta -= int(b - a)
+            a, b = np.unravel_index(int(np.argmin(np.where(ok, out_load[:, None] - in_load[None, :], np.inf))),
+                                    ok.shape)
+            taken[out_by[a][heads[a]]] = False
+            taken[in_by[b][heads[values.size + b]]] = True
+            heads[a] += 1
+            heads[values.size + b] += 1
+            delta -= int(step[a, b])
     if (forced & ~taken).any():
         return None
     return np.flatnonzero(taken)
