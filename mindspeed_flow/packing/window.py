@@ -38,10 +38,11 @@ from mindspeed_flow.packing.types import Microbatch, StepPlan
 
 MAX_WAIT = 4  # steps a pooled sample may be left out before its pack is taken first
 # Whole packs make the step only when their tokens fill at least this share of its packs x budget; below, the
-# oldest samples through plan_step do better. 20 steps of `bench packing --stream` (1,024 samples, dp 8, pp 4):
-#   0.993: near-budget 0.636% padding, InfoVQA-like 0.910%;  0.995: 0.721%, 0.910%;  0.998: 0.805%, 0.811%
-#   (no threshold: InfoVQA-like 1.243%: whole-pack steps that keep the long samples back pay for it later).
-STEP_FILL = 0.995
+# oldest samples through plan_step do better. 20 steps of `bench packing --stream` (1,024 samples, dp 8, pp 4, pad
+# multiple 128; padding, then samples/s), near-budget / InfoVQA-like:
+#   no threshold: 0.636% / 1.035% (whole-pack steps that keep the long samples back pay for it in later steps)
+#   0.99: 0.636% / 0.811%, 134k / 109k;  0.995: 0.721% / 0.731%, 123k / 103k;  0.998: 0.805% / 0.731%, 112k / 103k
+STEP_FILL = 0.99
 
 
 def select_packs(sizes: np.ndarray, loads: np.ndarray, ages: np.ndarray, *, count: int, dp: int, min_packs: int,
