@@ -32,7 +32,7 @@ class PackingConfig:
     # "window": still exactly global_batch_size samples per step, chosen from a pool of the streaming packer's packs
     # holding global_batch_size + lookahead samples (packing/window.py): whole packs whose count is a multiple of
     # DP when they are full enough, else the oldest samples packed as in "samples"; a pooled sample waits at most
-    # 4 steps. pad_multiple is honoured.
+    # 4 steps (while lookahead < global_batch_size). pad_multiple is honoured.
     step_mode: str = "samples"
     packs_per_rank: int = 0  # step_mode=packs: packs per DP rank per step; 0 = the backbone's pipeline size
     # step_mode=packs: the look-ahead buffer, in samples; window: also the pool's samples beyond a step, <=

@@ -14,10 +14,13 @@ global_batch_size + lookahead samples. A step then takes:
   pixel cap), whole packs cannot hold every stream's mean tokens per step in a multiple of DP full packs; these
   steps take the long samples the whole-pack steps left, at a shorter padded length (pad_multiple).
 
-Bounded wait: a sample left in the pool grows one step older per step; a pack holding a sample `max_wait` steps old is taken before any other (both ways of cutting a step
-take those first, and they are fewer than a step's samples: the pool holds at most lookahead <= global_batch_size
-leftovers). So a sample waits at most `max_wait` steps once pooled, after at most `lookahead` packing rounds in the
-packer's buffer (its oldest sample leaves every round; every step runs rounds while the source lasts).
+Bounded wait: a pack left in the pool grows one step older per step (the rest of a split pack keeps its age); a
+pack `max_wait` steps old is taken before any other by both ways of cutting a step. What a step leaves in the pool
+is about lookahead samples (at most one pack more), so with lookahead < global_batch_size those forced packs always
+fit the next step: a sample waits at most `max_wait` steps once pooled, after at most `lookahead` packing rounds in
+the packer's buffer (its oldest sample leaves every round; every step runs rounds while the source lasts). With
+lookahead = global_batch_size a step can meet more forced samples than it holds: the forced packs then go in pool
+order and the rest wait one more step.
 
 Every sample is placed exactly once over a finite stream (the last step takes what is left and may be short, as the
 sampler's last batch is); every rank computes the same steps (stable sorts, no hashing); `state_dict()` names the
