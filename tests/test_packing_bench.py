@@ -121,3 +121,7 @@ def test_near_budget_workload_is_hard_and_streaming_packs_it_tightly(capsys: pyt
     m = {k: v["padding_fraction"] for k, v in result["methods"].items()}
     # Per-step plans must round the pack count up to a multiple of DP; the stream carries leftovers over.
     assert m["flow_stream"] < m["flow"] < m["first_fit"] < m["sorted"] < m["naive"], m
+    # Window steps keep 512 samples a step but choose them from a pool of whole packs: less padding than the next 512.
+    assert m["flow_window"] < m["flow"], m
+    window = result["methods"]["flow_window"]
+    assert window["whole_pack_steps"] > 0 and window["max_wait_steps"] <= 4 and window["steps"] == 4

@@ -153,6 +153,27 @@ def test_packs_steps_resume_continues_exactly(tmp_path: Path) -> None:
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
 
 
+WINDOW = ("experiment=parity_dp2", "data=infovqa_tiny_large", "packing.token_budget=1024", "packing=flow_window",
+          "packing.pad_multiple=64", "packing.lookahead=12")
+
+
+def test_window_steps_resume_continues_exactly(tmp_path: Path) -> None:
+    """Window steps: every step trains exactly trainer.global_batch_size samples (chosen from a pool of packs), the
+    metrics' padding is what the plan pads to, and a resumed run (pool restored from the checkpoint) continues
+    exactly like an uninterrupted one."""
+    full = train(tmp_path / "full", *WINDOW, "trainer.steps=6")
+    train(tmp_path / "part", *WINDOW, "trainer.steps=4", "trainer.checkpoint_every=2")
+    resumed = train(tmp_path / "part", *WINDOW, "trainer.steps=6", "trainer.resume=true", "trainer.checkpoint_every=2")
+    assert [x["step"] for x in resumed] == list(range(6))
+    for x in full:
+        assert x["samples"] == 12 and x["microbatches"] % 2 == 0
+        assert x["padding_fraction"] == pytest.approx(1 - x["real_tokens"] / x["padded_tokens"])
+    for a, b in zip(full[4:], resumed[4:]):
+        assert (a["samples"], a["real_tokens"], a["padded_tokens"]) == (b["samples"], b["real_tokens"],
+                                                                         b["padded_tokens"])
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+
+
 @pytest.mark.parametrize(
     "overrides, match",
     [
@@ -163,7 +184,7 @@ def test_packs_steps_resume_continues_exactly(tmp_path: Path) -> None:
         (["+trainer.bogus=1"], r"bogus"),
         (["trainer.steps=abc"], r"trainer.steps"),
         (["packing.token_budget=8"], r"packing.token_budget=8"),
-        (["packing.step_mode=tokens"], r"packing.step_mode='tokens': 'samples' or 'packs'"),
+        (["packing.step_mode=tokens"], r"packing.step_mode='tokens': 'samples', 'packs' or 'window'"),
         (["packing.step_mode=packs", "packing.pad_multiple=64"], r"packing.pad_multiple=64: packing.step_mode=packs"),
         (["packing.step_mode=packs", "packing.lookahead=5000"], r"packing.lookahead=5000: packing.step_mode=packs "
                                                                 r"needs it below data.num_samples=4096"),

@@ -14,6 +14,8 @@ little as possible). `--emit` writes the flow assignment for `scripts/check_pack
 `--stream` adds `flow_stream`: the bounded look-ahead streaming packer over the same samples, in steps of a fixed
 number of full-budget packs (dp x the flow plan's microbatches per rank) instead of a fixed number of samples: what
 the runtime runs with `packing.step_mode=packs` (runtime/packed_steps.py). `flow` is `step_mode=samples`.
+It also adds `flow_window`: steps of exactly G samples chosen from a pool of G + min(--lookahead, G) samples of
+packs (packing/window.py; `step_mode=window`), timed the same way (whole passes, choice + packing + plan).
 
 `--trl` packs the same lengths with TRL's `pack_dataset(strategy="bfd")` (optional dev extra) and compares fill
 (real tokens / (bins x budget)) and time with `best_fit_pack`. Padding is measured one way for everyone: the share
@@ -71,7 +73,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--emit", metavar="PATH.json", help="write the flow assignment for check_packing_emit.py")
     p.add_argument("--stream", action="store_true",
-                   help="also run the streaming packer (token-defined steps of dp x M full-budget packs): flow_stream")
+                   help="also run the streaming packer: flow_stream (token-defined steps of dp x M full-budget packs) "
+                        "and flow_window (G-sample steps chosen from a look-ahead pool of packs)")
     p.add_argument("--lookahead", type=int, default=1024, help="streaming look-ahead buffer (samples)")
     p.add_argument("--trl", action="store_true", help="compare best_fit_pack with TRL's bfd on the same lengths")
     p.add_argument("--scaling", action="store_true", help="time best_fit_pack from 10^3 to 10^6 samples")
@@ -171,6 +174,29 @@ def run_streaming(shapes: list[SampleShape], args: argparse.Namespace, cost_mode
         "last_step_samples": len(tail.sample_ids()) if tail else 0,
         "last_step_empty_microbatches": tail.empty_microbatches if tail else 0,
     })
+    return stats
+
+
+def run_window(shapes: list[SampleShape], args: argparse.Namespace, cost_model: CostModel) -> dict[str, Any]:
+    """Window steps over the same samples: exactly --global-batch samples each, padded like `flow` (--pad-multiple).
+
+    Timed like `run_streaming` (best of --repeats whole passes); every step counts, the last one included.
+    """
+    from mindspeed_flow.packing.window import WindowPacker
+
+    elapsed = float("inf")
+    for _ in range(args.repeats):
+        start = time.process_time()
+        window = WindowPacker(iter(shapes), global_batch_size=args.global_batch, token_budget=args.budget,
+                              cost_model=cost_model, lookahead=min(args.lookahead, args.global_batch),
+                              oversize_policy=args.oversize)
+        plans = list(window.steps(dp=args.dp, num_encoders=args.encoders, min_microbatches=args.pp,
+                                  pad_multiple=args.pad_multiple))
+        elapsed = min(elapsed, time.process_time() - start)
+    stats = summarize(plans, len(shapes), elapsed)
+    stats.update({"oversize": len(window.packer.oversize), "steps": len(plans),
+                  "whole_pack_steps": window.whole_pack_steps, "oldest_sample_steps": window.oldest_steps,
+                  "max_wait_steps": window.max_age})
     return stats
 
 
@@ -355,10 +381,10 @@ def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"workload {w['name']}: {w['samples']} samples in {w['steps']} steps of {args.global_batch}, mean "
           f"{w['mean_llm_tokens']:.0f} LLM tokens; budget {args.budget}, dp {args.dp}, pp {args.pp}, "
           f"pad multiple {args.pad_multiple}, cost model {args.model}")
-    print(f"{'method':<10} {'padding':>8} {'pad@budget':>10} {'dp_imb':>7} {'slot_imb':>8} {'mb/rank':>7} "
+    print(f"{'method':<11} {'padding':>8} {'pad@budget':>10} {'dp_imb':>7} {'slot_imb':>8} {'mb/rank':>7} "
           f"{'empty':>5} {'enc_imb':>7} {'samples/s':>10}")
     for name, m in result["methods"].items():
-        print(f"{name:<10} {m['padding_fraction']:>8.4f} {m['padding_at_budget']:>10.4f} {m['dp_imbalance']:>7.4f} "
+        print(f"{name:<11} {m['padding_fraction']:>8.4f} {m['padding_at_budget']:>10.4f} {m['dp_imbalance']:>7.4f} "
               f"{m['slot_imbalance']:>8.4f} {m['microbatches_per_rank']:>7.1f} {m['empty_microbatches']:>5d} "
               f"{m['encoder_imbalance']:>7.4f} {m['samples_per_s']:>10.0f}")
     if "trl" in result:
@@ -367,7 +393,7 @@ def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
             print(f"padding in points: TRL bfd (all samples, unconstrained) {points['trl_bfd']:.3f}; TRL bfd under the "
                   f"runtime's step constraints {points['trl_bfd_same_constraints']:.3f}; floor of any packer under "
                   f"them {points['floor_same_constraints']:.3f}")
-            for name in ("flow", "flow_stream"):
+            for name in ("flow", "flow_stream", "flow_window"):
                 if name in points:
                     print(f"  {name:<11} {points[name]:.3f}, {points[name + '_minus_trl_bfd']:+.3f} vs TRL bfd")
         print("TRL side by side:", json.dumps({k: v for k, v in result["trl"].items() if k != "padding_points"},
@@ -410,6 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.stream:
         per_rank = max(args.pp, round(result["methods"]["flow"]["microbatches_per_rank"]))
         result["methods"]["flow_stream"] = run_streaming(used, args, cost_model, per_rank)
+        result["methods"]["flow_window"] = run_window(used, args, cost_model)
     if args.emit:
         emit(args.emit, flow_plans, used, args.budget)
     if args.trl:
@@ -424,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             points = {"trl_bfd": 100 * unconstrained,
                       "trl_bfd_same_constraints": 100 * trl_same_constraints(step_lengths, *constraints),
                       "floor_same_constraints": 100 * padding_floor(step_lengths, *constraints)}
-            for name in ("flow", "flow_stream"):
+            for name in ("flow", "flow_stream", "flow_window"):
                 if name in result["methods"]:
                     padding = result["methods"][name]["padding_fraction"]
                     points[name] = 100 * padding

@@ -98,8 +98,10 @@ def check_rules(job: FlowJobConfig) -> None:
         (job.parallel.backbone_dp_impl in ("ddp", "fsdp"),
          f"parallel.backbone_dp_impl={job.parallel.backbone_dp_impl!r}: 'ddp' or 'fsdp'"),
         (p.pad_multiple >= 0, f"packing.pad_multiple={p.pad_multiple}: must be >= 0"),
-        (p.step_mode in ("samples", "packs"), f"packing.step_mode={p.step_mode!r}: 'samples' or 'packs'"),
-        (p.lookahead >= 1, f"packing.lookahead={p.lookahead}: must be >= 1 sample"),
+        (p.step_mode in ("samples", "packs", "window"),
+         f"packing.step_mode={p.step_mode!r}: 'samples', 'packs' or 'window'"),
+        (p.lookahead >= (0 if p.step_mode == "window" else 1),
+         f"packing.lookahead={p.lookahead}: must be >= 1 sample (0 = trainer.global_batch_size with step_mode=window)"),
         (p.packs_per_rank >= 0, f"packing.packs_per_rank={p.packs_per_rank}: must be >= 0 (0: the pipeline size)"),
         (p.step_mode != "packs" or p.scheduler == "flow",
          f"packing.scheduler={p.scheduler!r}: packing.step_mode=packs runs the flow streaming packer; use 'flow'"),
@@ -108,6 +110,18 @@ def check_rules(job: FlowJobConfig) -> None:
          f"(a sample cannot wait in the buffer while its next epoch's copy arrives)"),
         (p.step_mode != "packs" or p.pad_multiple == 0,
          f"packing.pad_multiple={p.pad_multiple}: packing.step_mode=packs pads every pack to token_budget; use 0"),
+        (p.step_mode != "window" or p.scheduler == "flow",
+         f"packing.scheduler={p.scheduler!r}: packing.step_mode=window runs the flow streaming packer; use 'flow'"),
+        (p.step_mode != "window" or p.lookahead <= t.global_batch_size,
+         f"packing.lookahead={p.lookahead}: packing.step_mode=window needs it <= trainer.global_batch_size="
+         f"{t.global_batch_size} (the samples a step leaves in the pool must fit the next step)"),
+        (p.step_mode != "window" or (p.lookahead or t.global_batch_size) + t.global_batch_size < d.num_samples,
+         f"packing.lookahead={p.lookahead}: packing.step_mode=window needs lookahead (0: trainer.global_batch_size) "
+         f"+ trainer.global_batch_size={t.global_batch_size} below data.num_samples={d.num_samples} (the pool holds "
+         f"that many distinct samples)"),
+        (p.step_mode != "window" or p.packs_per_rank == 0,
+         f"packing.packs_per_rank={p.packs_per_rank}: packing.step_mode=window makes as many packs as the step's "
+         f"samples need; use 0"),
         (job.parallel.pp_schedule in ("gpipe", "1f1b"),
          f"parallel.pp_schedule={job.parallel.pp_schedule!r}: 'gpipe' or '1f1b'"),
         (0.0 <= d.max_bad_fraction <= 1.0, f"data.max_bad_fraction={d.max_bad_fraction}: must be in [0, 1]"),

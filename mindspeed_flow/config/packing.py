@@ -29,6 +29,12 @@ class PackingConfig:
     # the streaming packer (packing/streaming.py): samples that do not fit a nearly full pack wait in a look-ahead
     # buffer of `lookahead` samples for a later step (saved with checkpoints), so packs stay nearly full; every pack
     # is padded to token_budget (pad_multiple must be 0). The sampler still hands out global_batch_size ids at a time.
+    # "window": still exactly global_batch_size samples per step, chosen from a pool of the streaming packer's packs
+    # holding global_batch_size + lookahead samples (packing/window.py): whole packs whose count is a multiple of
+    # DP when they are full enough, else the oldest samples packed as in "samples"; a pooled sample waits at most
+    # 4 steps (while lookahead < global_batch_size). pad_multiple is honoured.
     step_mode: str = "samples"
     packs_per_rank: int = 0  # step_mode=packs: packs per DP rank per step; 0 = the backbone's pipeline size
-    lookahead: int = 1024  # step_mode=packs: look-ahead buffer, in samples
+    # step_mode=packs: the look-ahead buffer, in samples; window: also the pool's samples beyond a step, <=
+    # trainer.global_batch_size (0: equal to it).
+    lookahead: int = 1024

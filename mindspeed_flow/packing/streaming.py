@@ -27,6 +27,7 @@ from mindspeed_flow.packing.balance import encoder_schedule, zigzag_place
 from mindspeed_flow.packing.bestfit import best_fit_pack
 from mindspeed_flow.packing.cost import CostModel
 from mindspeed_flow.packing.plan import PackingError, check_arguments, llm_tokens_of
+from mindspeed_flow.packing.schedulers import packed_seq_len
 from mindspeed_flow.packing.types import Microbatch, StepPlan, encoder_costs_of
 
 # A pack at least this full leaves the buffer. Lower emits more per round, so fewer best-fit passes per sample;
@@ -157,7 +158,7 @@ class StreamingPacker:
         taken[flat] = emit[owner]
         self._ids, self._lengths = ids[~taken], lengths[~taken]
 
-    def _next_packs(self, count: int) -> list[Microbatch]:
+    def next_packs(self, count: int) -> list[Microbatch]:
         """Up to `count` packs from the ready queue, packing more rounds as needed (fewer only at the end)."""
         while len(self._ready) < count:
             self._fill()
@@ -168,7 +169,7 @@ class StreamingPacker:
 
     def microbatches(self) -> Iterator[Microbatch]:
         while True:
-            packs = self._next_packs(1)
+            packs = self.next_packs(1)
             if not packs:
                 return
             for sid in packs[0].sample_ids:  # the pack leaves the packer here (no step takes it)
@@ -183,12 +184,11 @@ class StreamingPacker:
                         min_microbatches=microbatches_per_rank, oversize_policy=self.oversize_policy,
                         pad_multiple=0)
         per_step = dp * microbatches_per_rank
-        packs = self._next_packs(per_step)
+        packs = self.next_packs(per_step)
         if not packs:
             return None
         packs += [Microbatch([], 0, 0.0, self.token_budget) for _ in range(per_step - len(packs))]
-        oversize, self._reported = self.oversize[self._reported:], len(self.oversize)
-        return self._step(packs, dp, num_encoders, oversize)
+        return self.plan_of(packs, dp, num_encoders)
 
     def steps(self, *, dp: int, num_encoders: int, microbatches_per_rank: int) -> Iterator[StepPlan]:
         """Step plans of dp x microbatches_per_rank packs; the last one is completed with empty packs."""
@@ -198,8 +198,18 @@ class StreamingPacker:
                 return
             yield plan
 
-    def _step(self, packs: list[Microbatch], dp: int, num_encoders: int,
-              oversize: list[tuple[int, int]]) -> StepPlan:
+    def take_oversize(self) -> list[tuple[int, int]]:
+        """The oversize samples left out since the last call (a step reports each once)."""
+        oversize, self._reported = self.oversize[self._reported:], len(self.oversize)
+        return oversize
+
+    def plan_of(self, packs: list[Microbatch], dp: int, num_encoders: int, pad_multiple: int = 0) -> StepPlan:
+        """The step plan of these packs (a multiple of dp; they leave the packer), reporting the oversize samples
+        left out since the last step; pad_multiple > 0 pads them to the longest rounded up to that multiple."""
+        oversize = self.take_oversize()
+        seq_len = packed_seq_len([mb.tokens for mb in packs], self.token_budget, pad_multiple)
+        for mb in packs:
+            mb.padded_tokens = seq_len
         ranks = zigzag_place([mb.cost for mb in packs], dp)
         microbatches = [[packs[b] for b in rank] for rank in ranks]
         ids = [sid for slot in range(len(ranks[0])) for rank in microbatches for sid in rank[slot].sample_ids]
@@ -212,7 +222,20 @@ class StreamingPacker:
             start += n
         order, loads = encoder_schedule(slots, enc, ids, num_encoders, has_images)
         return StepPlan(microbatches=microbatches, encoder_order=order, token_budget=self.token_budget,
-                        oversize=list(oversize), seq_len=self.token_budget, scheduler="flow", encoder_costs=loads)
+                        oversize=list(oversize), seq_len=seq_len, scheduler="flow", encoder_costs=loads)
+
+    def pack_of(self, ids: list[int], shape_of: Callable[[int], SampleShape]) -> Microbatch:
+        """The pack of these sample ids (a checkpointed one, or part of one), held by the packer until a step."""
+        shapes = [shape_of(int(sid)) for sid in ids]
+        tokens = llm_tokens_of(shapes)
+        if sum(tokens) > self.token_budget:
+            raise PackingError(f"checkpointed pack {list(ids[:4])}...: {sum(tokens)} tokens exceed token_budget="
+                               f"{self.token_budget} (the budget changed since the checkpoint)")
+        self.shapes.update((s.sample_id, s) for s in shapes)
+        cm = self.cost_model
+        return Microbatch(sample_ids=[int(s) for s in ids], tokens=sum(tokens),
+                          cost=cm.linear * sum(tokens) + cm.quadratic * sum(t * t for t in tokens),
+                          padded_tokens=self.token_budget)
 
     # ---- resume -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -228,17 +251,7 @@ class StreamingPacker:
             raise PackingError("load_state_dict needs a fresh StreamingPacker (nothing buffered or ready)")
         self._exhausted = False
         self._admit([shape_of(int(sid)) for sid in state["buffer"]])
-        cm = self.cost_model
-        for pack in state["ready"]:
-            shapes = [shape_of(int(sid)) for sid in pack]
-            tokens = llm_tokens_of(shapes)
-            if sum(tokens) > self.token_budget:
-                raise PackingError(f"checkpointed pack {pack[:4]}...: {sum(tokens)} tokens exceed token_budget="
-                                   f"{self.token_budget} (the budget changed since the checkpoint)")
-            self.shapes.update((s.sample_id, s) for s in shapes)
-            self._ready.append(Microbatch(sample_ids=[int(s) for s in pack], tokens=sum(tokens),
-                                          cost=cm.linear * sum(tokens) + cm.quadratic * sum(t * t for t in tokens),
-                                          padded_tokens=self.token_budget))
+        self._ready.extend(self.pack_of(pack, shape_of) for pack in state["ready"])
         self._deferred = [shape_of(int(sid)) for sid in state.get("deferred", [])]
         self._exhausted = bool(state["exhausted"])
         self.oversize = [(int(sid), int(t)) for sid, t in state.get("oversize", [])]

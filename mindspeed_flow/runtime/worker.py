@@ -172,13 +172,16 @@ def run_worker(config_path: str) -> None:
     # Every rank judges every sample alike (see data/guard.py); one rank says which it skipped and why.
     guard = SampleGuard(job.data.max_bad_samples, job.data.max_bad_fraction, log_skips=is_writer)
     batches = iter_global_batches(dataset, job.trainer.global_batch_size, seed=job.seed, guard=guard)
-    if job.packing.step_mode == "packs":  # token-defined steps: the sampler's ids through the streaming packer
+    if job.packing.step_mode in ("packs", "window"):  # the sampler's ids through the streaming packer
         from mindspeed_flow.runtime.packed_steps import PackedSteps, step_geometry
 
         dp, num_encoders, pp = step_geometry(topo)
+        window = job.packing.step_mode == "window"
         batches = PackedSteps(batches, dataset, token_budget=job.packing.token_budget, cost_model=cost_model,
-                              lookahead=job.packing.lookahead, oversize_policy=job.packing.oversize_policy, dp=dp,
-                              num_encoders=num_encoders, packs_per_rank=job.packing.packs_per_rank, pp=pp)
+                              lookahead=job.packing.lookahead or job.trainer.global_batch_size, oversize_policy=job.packing.oversize_policy, dp=dp,
+                              num_encoders=num_encoders, packs_per_rank=job.packing.packs_per_rank, pp=pp,
+                              global_batch_size=job.trainer.global_batch_size if window else 0,
+                              pad_multiple=job.packing.pad_multiple)
     run_id = _run_id(job, rank, metrics_group)
     checkpointer, start_step = _maybe_resume(job, rank_models, optim, batches, is_writer, run_id,
                                              {"describe": layout.describe(), "world_size": world})
