@@ -2,7 +2,6 @@
 and garbage is rejected by name."""
 from __future__ import annotations
 
-from dataclasses import replace
 
 import pytest
 import torch

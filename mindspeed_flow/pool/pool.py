@@ -266,7 +266,8 @@ class EmbeddingPool:
         if len(set(sample_ids)) != len(sample_ids):
             raise ValueError(f"put_many: sample_ids {sample_ids} name a sample twice (each item once per step)")
         for tensor, sid in zip(tensors, sample_ids):
-            check_sendable(tensor, f"put_many of sample {sid} (step {step}) for consumer rank {consumer}")
+            if tensor.dtype not in DTYPE_CODES or tensor.dim() > MAX_NDIM:  # the message only when it is needed
+                check_sendable(tensor, f"put_many of sample {sid} (step {step}) for consumer rank {consumer}")
         # One dtype: items back to back (offsets stay multiples of the element size); mixed: aligned offsets.
         dense = len({t.dtype for t in tensors}) == 1
         headers = [item_header(CHANNEL_EMBEDDING, sid, step, t, dense) for t, sid in zip(tensors, sample_ids)]
@@ -792,6 +793,7 @@ class EmbeddingPool:
 
     def _land_embedding(self, producer: int, raw: torch.Tensor, staged: torch.Tensor | None) -> _Landed:
         headers = decode_header(raw, expected_channel=CHANNEL_EMBEDDING, peer=producer)
+        now = time.monotonic()
         with self._cond:
             plan = self._plans[producer]
             for header in headers:
@@ -808,14 +810,14 @@ class EmbeddingPool:
                 self._counters.host_tier_items += int(tier == "host")
                 self._held[(producer, *header.key)] = _Held(EmbeddingHandle(
                     header.sample_id, header.step, producer, self.rank, header.shape, header.dtype, header.nbytes,
-                    tier), landing_t=time.monotonic())
+                    tier), landing_t=now)
         return self._payload_views(headers, staged)
 
     def _check_header_spec(self, producer: int, header: WireHeader) -> None:
         """An item expected with specs must match them (lock held)."""
-        spec = self._specs.pop((producer, *header.key), None)
-        what = f"rank {self.rank}: sample {header.sample_id} (step {header.step}) from producer rank {producer}"
+        spec = self._specs.pop((producer, *header.key), None) if self._specs else None
         if spec is not None and spec != (header.shape, header.dtype):
+            what = f"rank {self.rank}: sample {header.sample_id} (step {header.step}) from producer rank {producer}"
             raise PoolProtocolError(f"{what} was planned as {list(spec[0])} {spec[1]} but the producer sent "
                                     f"{list(header.shape)} {header.dtype}; the ranks disagree on the step plan")
 
