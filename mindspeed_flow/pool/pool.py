@@ -333,13 +333,16 @@ class EmbeddingPool:
             c.bytes_sent += nbytes
             c.oversize_puts += sum(int(h.nbytes > self.capacity_bytes) for h in items)
             c.add_inflight(nbytes, len(items))
-            self._stream(self._credit_streams, consumer, "credit").request(len(items))
             if self.return_grads:
                 self._grads_owed.update((consumer, *h.key) for h in items)
-                self._stream(self._grad_streams, consumer, "grad").request(len(items))
             send()
             for h, handle in zip(items, handles):
                 self._sent[(consumer, *h.key)] = handle
+            # Asked for after the send is posted: each request wakes a receiving thread, which would otherwise
+            # compete with this one for the interpreter while it posts (the replies come long after anyway).
+            self._stream(self._credit_streams, consumer, "credit").request(len(items))
+            if self.return_grads:
+                self._stream(self._grad_streams, consumer, "grad").request(len(items))
         return handles
 
     def _send_planned(self, consumer: int, items: list[WireHeader], payload: torch.Tensor | None) -> None:
@@ -644,13 +647,28 @@ class EmbeddingPool:
                     # first, as the producer may need them to send it (an announced item's bytes are already
                     # on the way and need no credit).
                     self._send_deferred_credits(deferred)
+            stream = self._embedding_streams.get(producer)
+            if stream is not None:
+                stream.waiters += 1
             try:
                 while key not in self._held or self._held[key].tensor is None:
                     self._raise_if_failed(self._receivers_of(producer), what)
+                    handed = stream.take_handoff() if stream is not None else None
+                    if handed is not None:  # its header landed while this call waited: finish it here, off the lock
+                        self._cond.release()
+                        try:
+                            stream.finish_handed(handed)
+                        finally:
+                            self._cond.acquire()
+                        continue
                     if not self._wait(deadline):
                         raise PoolTimeout(self._get_timeout_message(what, producer))
             finally:
                 self._get_blocked_since = None
+                if stream is not None:
+                    stream.waiters -= 1
+                    if not stream.waiters:
+                        stream.return_handoffs()
             tensor = self._take(key, expected_shape, deferred, start)
         return tensor if deferred is not None else tensor.to(self.device)
 
@@ -795,27 +813,30 @@ class EmbeddingPool:
         headers = decode_header(raw, expected_channel=CHANNEL_EMBEDDING, peer=producer)
         now = time.monotonic()
         with self._cond:
-            plan = self._plans[producer]
+            plan, counters = self._plans[producer], self._counters
             for header in headers:
+                key = (header.sample_id, header.step)
                 if plan:
-                    if plan[0] != header.key:
-                        raise PoolProtocolError(self._order_message(producer, plan[0], header.key))
+                    if plan[0] != key:
+                        raise PoolProtocolError(self._order_message(producer, plan[0], key))
                     plan.popleft()
-                    self._planned.discard((producer, *header.key))
+                    self._planned.discard((producer, *key))
                 else:  # batched with expected items before this rank expected it: held until expect() names it
-                    self._early.setdefault(producer, deque()).append(header.key)
-                self._check_header_spec(producer, header)
+                    self._early.setdefault(producer, deque()).append(key)
+                if self._specs:
+                    self._check_header_spec(producer, header)
                 tier = self._choose_tier(header.nbytes)
-                self._counters.add_held(tier, header.nbytes, +1)
-                self._counters.host_tier_items += int(tier == "host")
-                self._held[(producer, *header.key)] = _Held(EmbeddingHandle(
+                counters.add_held(tier, header.nbytes, +1)
+                if tier == "host":
+                    counters.host_tier_items += 1
+                self._held[(producer, *key)] = _Held(EmbeddingHandle(
                     header.sample_id, header.step, producer, self.rank, header.shape, header.dtype, header.nbytes,
                     tier), landing_t=now)
         return self._payload_views(headers, staged)
 
     def _check_header_spec(self, producer: int, header: WireHeader) -> None:
         """An item expected with specs must match them (lock held)."""
-        spec = self._specs.pop((producer, *header.key), None) if self._specs else None
+        spec = self._specs.pop((producer, *header.key), None)
         if spec is not None and spec != (header.shape, header.dtype):
             what = f"rank {self.rank}: sample {header.sample_id} (step {header.step}) from producer rank {producer}"
             raise PoolProtocolError(f"{what} was planned as {list(spec[0])} {spec[1]} but the producer sent "

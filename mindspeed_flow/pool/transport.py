@@ -79,6 +79,12 @@ class InboundStream:
         self.messages = 0   # messages landed
         self.closed = False
         self.error: BaseException | None = None
+        # Pool callers blocked waiting for this stream's items (the pool counts them, under `cond`): while there are
+        # any, a landed message whose only wait left is its staged payload goes to them (`take_handoff`) instead of
+        # being finished on this stream's thread, so the caller wakes once, when the bytes are in, not a second time
+        # when this thread has delivered them.
+        self.waiters = 0
+        self._handoff: deque[tuple[list[dist.Work], list[LandedItem], tuple[torch.Tensor, torch.Tensor] | None]] = deque()
         # landed batches, in order: (the receives to wait, each item's context and view of the payload, and for a
         # small staged payload the (staging buffer, own buffer) pair its bytes are copied between)
         self._landed: deque[tuple[list[dist.Work], list[LandedItem], tuple[torch.Tensor, torch.Tensor] | None]] = deque()
@@ -158,12 +164,17 @@ class InboundStream:
             # message (posted with the header, its bytes right behind it on the wire) or nothing at all (credits,
             # empty items): that spares a hand-off to the payload thread, a wake-up per message that costs more
             # than a small batch's bytes on a busy host. The next header's receive goes out first.
-            deliver_now = not self._landed and (buffer is None or bool(waits) and not self._needs_payload_tag(
-                buffer, staged))
+            deliver_now = not self._landed and not self._handoff and (
+                buffer is None or bool(waits) and not self._needs_payload_tag(buffer, staged))
             if deliver_now and self.announced < self.wanted and not self.closed:
                 self._header_posted = self._post_header()
-        if deliver_now:
+            handed = deliver_now and bool(waits) and self.waiters > 0
+            if handed:
+                self._handoff.append((waits, items, copy))
+                self.cond.notify_all()
+        if deliver_now and not handed:
             self._finish(waits, items, copy)
+        if deliver_now:
             return True
         with self.cond:
             # The next header's receive goes out before this batch's payload receive. Transports that move a
@@ -189,6 +200,29 @@ class InboundStream:
             waits, items, copy = self._landed.popleft()
         self._finish(waits, items, copy)
         return True
+
+    def take_handoff(self) -> tuple[list[dist.Work], list[LandedItem], tuple[torch.Tensor, torch.Tensor] | None] | None:
+        """The oldest landed message handed to blocked callers, for one of them to finish (call with `cond` held)."""
+        return self._handoff.popleft() if self._handoff else None
+
+    def finish_handed(self, handed: tuple[list[dist.Work], list[LandedItem],
+                                          tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Finish a message taken with `take_handoff` on the caller's thread (without `cond`); a failure is recorded
+        as this stream's error, which the caller's wait loop raises."""
+        try:
+            self._finish(*handed)
+        except BaseException as exc:  # noqa: BLE001 - reported through the stream, as its own thread would
+            with self.cond:
+                self.error = self.error or exc
+                self.cond.notify_all()
+
+    def return_handoffs(self) -> None:
+        """The last blocked caller left (call with `cond` held): messages still handed go back to the payload
+        thread, ahead of anything it has, so they are finished and in order."""
+        if self._handoff:
+            self._landed.extendleft(reversed(self._handoff))
+            self._handoff.clear()
+            self.wake.notify_all()
 
     @staticmethod
     def _needs_payload_tag(buffer: torch.Tensor | None, staged: tuple[torch.Tensor, dist.Work] | None) -> bool:
@@ -349,23 +383,25 @@ class Outbox:
     def _post(self, items: list[WireHeader], payload: torch.Tensor | None) -> None:
         """Post one message's sends (call with `cond` held: see InboundStream._post_header); posting never blocks."""
         header = encode_header(items).to(self.wire_device)
-        header_op = dist.P2POp(dist.isend, header, self.peer, self.group, self.header_tag)
-        payload_ops = ([] if payload is None else
-                       [dist.P2POp(dist.isend, payload, self.peer, self.payload_group, self.payload_tag)])
-        if self.staged_tag is not None:  # the staged message: the payload if it fits, else empty
+        if self.staged_tag is not None:  # gloo: the staged message, the payload if it fits, else empty
             nbytes = 0 if payload is None else payload.numel() * payload.element_size()
             staged = payload if payload is not None and travels_staged(nbytes, self.staged_size) else _NO_BYTES
             self.staged_size = staged_bytes(nbytes)
-            payload_ops = [] if staged is payload else payload_ops
-            works = list(dist.batch_isend_irecv(
-                [header_op, dist.P2POp(dist.isend, staged, self.peer, self.group, self.staged_tag), *payload_ops]))
-        elif not payload_ops:  # header only (credits, empty items): no batch to build
+            # Plain isends: gloo has nothing to coalesce, and a batch_isend_irecv of P2POps costs 1.3-1.5x as much
+            # to post (measured, 2 messages: 55 vs 41 us on torch 2.13, 128 vs 83 us on 2.7).
+            works = [dist.isend(header, self.peer, group=self.group, tag=self.header_tag),
+                     dist.isend(staged, self.peer, group=self.group, tag=self.staged_tag)]
+            if payload is not None and staged is not payload:
+                works.append(dist.isend(payload, self.peer, group=self.payload_group, tag=self.payload_tag))
+        elif payload is None:  # header only (credits, empty items): no batch to build
             works = [dist.isend(header, self.peer, group=self.group, tag=self.header_tag)]
-        elif self.payload_group is self.group:
-            works = list(dist.batch_isend_irecv([header_op, *payload_ops]))
-        else:  # header on the gloo group, payload on the device group: one batch per backend
-            works = list(dist.batch_isend_irecv([header_op]))
-            works += list(dist.batch_isend_irecv(payload_ops)) if payload_ops else []
+        else:
+            header_op = dist.P2POp(dist.isend, header, self.peer, self.group, self.header_tag)
+            payload_op = dist.P2POp(dist.isend, payload, self.peer, self.payload_group, self.payload_tag)
+            if self.payload_group is self.group:
+                works = list(dist.batch_isend_irecv([header_op, payload_op]))
+            else:  # header on the gloo group, payload on the device group: one batch per backend
+                works = list(dist.batch_isend_irecv([header_op])) + list(dist.batch_isend_irecv([payload_op]))
         self._in_flight.append((items, works, [header] if payload is None else [header, payload]))
         self.wake.notify_all()
 
