@@ -264,3 +264,17 @@ def test_world_size_mismatch_is_reported(tmp_path: Path) -> None:
     assert nproc == 3
     with pytest.raises(RankFailure, match="launched with 2 ranks but the layout needs 3"):
         run_ranks(_worker_with_wrong_world, 2, str(path), timeout_s=30)
+
+
+def test_window_steps_match_coupled(tmp_path: Path) -> None:
+    """Window steps choose their samples by the backbone's DP size: decoupled 1 encoder + 1 backbone rank and
+    MindSpeed-MM's coupled PP2 layout (both DP 1) train the same steps, with the same losses and final parameters."""
+    _assert_parity(tmp_path, "parity_dp2", ["parallel.backbone.dp=1", *WINDOW[1:]],
+                   coupled_extra=["parallel.coupled.pp=2", "parallel.coupled.layer_split=[1,3]"])
+
+
+def test_packs_steps_match_coupled(tmp_path: Path) -> None:
+    """Token-defined steps are cut by the backbone's DP size and packs per rank: decoupled 1 encoder + 1 backbone
+    rank and coupled PP2 (both DP 1) train the same steps, with the same losses and final parameters."""
+    _assert_parity(tmp_path, "parity_dp2", ["parallel.backbone.dp=1", *PACKS[1:]],
+                   coupled_extra=["parallel.coupled.pp=2", "parallel.coupled.layer_split=[1,3]"])
