@@ -274,6 +274,9 @@ def repair_to_count(lengths: np.ndarray, bins: list[list[int]], capacity: int, c
         roomiest = int(np.argmax(room))
         mine = np.flatnonzero(bin_of == heavy)
         column_room = np.append(room[bin_of], room[roomiest])  # room of the bin each column's sample sits in
+        # A row giving more than every column's length + room fits nowhere: dropped before the matrix is built
+        # (on InfoVQA-like steps most pairs are, which keeps the matrix to the single samples).
+        reach = int((column_len + column_room).max())
         # Rows: what the heavy bin gives, one of its samples or, when no single one clears the excess (and the bin
         # has at most PAIR_LIMIT samples), also two of them: a bin of two or three near-budget samples needs that
         # (no single swap clears 45+45 | 35+35+20+20 at 100).
@@ -283,8 +286,13 @@ def repair_to_count(lengths: np.ndarray, bins: list[list[int]], capacity: int, c
                 if not 2 <= mine.size <= PAIR_LIMIT:
                     break
                 a, b = np.triu_indices(mine.size, 1)
-                first, second = np.concatenate((mine, mine[a])), np.concatenate((second, mine[b]))
+                first, second = np.concatenate((mine, mine[a])), np.concatenate((np.full(mine.size, -1), mine[b]))
             give = lengths[first] + np.where(second >= 0, lengths[second], 0)
+            useful = give <= reach
+            if not useful.any():
+                fits = clears = np.zeros((0, 0), dtype=bool)
+                continue
+            first, second, give = first[useful], second[useful], give[useful]
             # Only columns some row can use (shorter than what it gives, with room for the difference): the
             # matrix shrinks from rows x samples to rows x a few candidates.
             cols = np.flatnonzero((column_len < give.max()) & (column_len + column_room >= give.min()))
