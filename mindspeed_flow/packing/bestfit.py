@@ -130,7 +130,7 @@ def best_fit_pack(lengths: np.ndarray, budget: int) -> Packing:
     bounds = starts.tolist() + [int(lengths.size)]
 
     tree = CapacityTree(budget)
-    words, insert = tree.words, tree.insert
+    best_fit, insert, remove = tree.best_fit, tree.insert, tree.remove
     # remaining capacity -> open bins with exactly that capacity; a key and its bit live exactly as long as the
     # list is not empty (queries land on live capacities only).
     holders: dict[int, list[int]] = {}
@@ -150,38 +150,17 @@ def best_fit_pack(lengths: np.ndarray, budget: int) -> Packing:
     for run, length in enumerate(run_lengths):
         i, end = bounds[run], bounds[run + 1]
         while i < end:
-            # Inlined CapacityTree.best_fit / remove / insert: this loop is the packer's hot path.
-            word = length >> WORD_BITS
-            bits = words[word] >> (length & WORD_MASK)
-            if bits:
-                capacity = length + (bits & -bits).bit_length() - 1
-            else:
-                above = tree.summary >> (word + 1)
-                if not above:
-                    break  # no open bin fits: the rest of the run opens bins in bulk
-                word += (above & -above).bit_length()
-                bits = words[word]
-                capacity = (word << WORD_BITS) + (bits & -bits).bit_length() - 1
+            capacity = best_fit(length)
+            if capacity < 0:
+                break  # no open bin fits: the rest of the run opens bins in bulk
             stack = holders[capacity]
             bin_id = stack.pop()
             if not stack:  # the capacity's last bin leaves it
                 del holders[capacity]
-                word = capacity >> WORD_BITS
-                words[word] ^= 1 << (capacity & WORD_MASK)
-                if not words[word]:
-                    tree.summary ^= 1 << word
+                remove(capacity)
             bins[bin_id].append(order_list[i])
             loads[bin_id] += length
-            capacity -= length
-            if capacity:
-                stack = holders.get(capacity)
-                if stack is None:
-                    holders[capacity] = [bin_id]
-                    word = capacity >> WORD_BITS
-                    words[word] |= 1 << (capacity & WORD_MASK)
-                    tree.summary |= 1 << word
-                else:
-                    stack.append(bin_id)
+            hold(capacity - length, bin_id)
             i += 1
         if i < end:
             _open_bins_in_bulk(order_list[i:end], length, budget, bins, loads, hold)
