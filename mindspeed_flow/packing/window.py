@@ -44,7 +44,7 @@ MAX_WAIT = 4  # steps a pooled sample may be left out before its pack is taken f
 # oldest samples through plan_step do better. 20 steps of `bench packing --stream` (1,024 samples, dp 8, pp 4, pad
 # multiple 128; padding, then samples/s), near-budget / InfoVQA-like:
 #   no threshold: 0.636% / 1.035% (whole-pack steps that keep the long samples back pay for it in later steps)
-#   0.99: 0.636% / 0.811%, 184k / 204k;  0.995: 0.721% / 0.731%, 154k / 172k;  0.998: 0.805% / 0.731%, 136k / 181k
+#   0.99: 0.636% / 0.811%, 162k / 177k;  0.995: 0.721% / 0.731%, 123k / 152k;  0.998: 0.805% / 0.731%, 119k / 152k
 STEP_FILL = 0.99
 
 
