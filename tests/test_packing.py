@@ -1,4 +1,4 @@
-"""Packing building blocks: cost model against the spec formulas, capacity segment tree, best fit, placement."""
+"""Packing building blocks: cost model against the spec formulas, capacity bitset, best fit, placement."""
 from __future__ import annotations
 
 import numpy as np
@@ -56,7 +56,7 @@ def test_profiled_coefficients_override_as_pairs() -> None:
         CostModel(linear=-1.0)
 
 
-# ---- segment tree and best fit ------------------------------------------------------------------------------
+# ---- capacity bitset and best fit ----------------------------------------------------------------------------
 def test_capacity_tree_matches_brute_force() -> None:
     rng = np.random.default_rng(0)
     budget, present = 1000, set()
@@ -72,8 +72,7 @@ def test_capacity_tree_matches_brute_force() -> None:
         length = int(rng.integers(1, budget + 1))
         fits = [c for c in present if c >= length]
         assert tree.largest == max(present, default=0)
-        if fits:
-            assert tree.best_fit(length) == min(fits)
+        assert tree.best_fit(length) == (min(fits) if fits else -1)
 
 
 def reference_bfd(lengths: list[int], budget: int) -> list[int]:
@@ -98,6 +97,17 @@ def test_best_fit_equals_textbook_bfd(seed: int) -> None:
     assert sorted(packing.loads) == sorted(reference_bfd(lengths.tolist(), budget))
     assert sorted(i for b in packing.bins for i in b) == list(range(len(lengths)))  # each exactly once
     assert all(int(lengths[b].sum()) == load <= budget for b, load in zip(packing.bins, packing.loads))
+
+
+@pytest.mark.parametrize("budget", [63, 64, 65, 4095, 4096, 16385])
+def test_best_fit_equals_textbook_bfd_across_bitset_words(budget: int) -> None:
+    # Budgets at and around the bitset's word sizes (64 capacities a word, 64 words a summary word); lengths from
+    # a few distinct values, so bins share capacities and queries cross empty words.
+    rng = np.random.default_rng(budget)
+    lengths = rng.choice(rng.integers(1, budget + 1, 7), 300)
+    packing = best_fit_pack(lengths, budget)
+    assert sorted(packing.loads) == sorted(reference_bfd(lengths.tolist(), budget))
+    assert sorted(i for b in packing.bins for i in b) == list(range(len(lengths)))
 
 
 def test_best_fit_rejects_bad_lengths() -> None:

@@ -29,7 +29,7 @@ of the tokens the backbone computes over that are padding. Three references sit 
   `bins_lower_bound` packs (rounded up to a multiple of DP, >= dp x pp), padded to at least the longest sample and
   the even share, rounded to --pad-multiple.
 `--scaling` times `best_fit_pack` from 10^3 to 10^6 samples and at several budgets, and fits the exponent of time
-vs N (1.0 = linear; log B from the budgets).
+vs N (1.0 = linear; the budget rows show how it grows with B).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 @dataclass
 class PackingConfig:
-    # flow: segment-tree best fit + cost buckets + zig-zag; naive: fixed batch padded to the longest;
+    # flow: bitset best fit + cost buckets + zig-zag; naive: fixed batch padded to the longest;
     # sorted: length-sorted batches; first_fit: greedy first fit.
     scheduler: str = "flow"
     # Tokens per backbone microbatch (at most; see pad_multiple).

@@ -8,7 +8,7 @@ encodes its samples. Pure computation (numpy, no torch), deterministic across ra
                      cost_model=CostModel.from_spec(spec), min_microbatches=pp)
 
 Building blocks, usable on their own: `CostModel` (cost.py), `best_fit_pack` / `pack_into_bins` with the
-capacity segment tree (bestfit.py), `zigzag_place` / `encoder_schedule` (balance.py), the baselines
+capacity bitset (bestfit.py), `zigzag_place` / `encoder_schedule` (balance.py), the baselines
 (schedulers.py), `StreamingPacker` (streaming.py) and the InfoVQA-like shape generator (workloads.py).
 """
 from mindspeed_flow.packing.balance import encoder_schedule, split_to_count, zigzag_place

@@ -1,11 +1,12 @@
-"""Best-fit-decreasing packing of sample lengths into bins of a token budget, in O(N log B).
+"""Best-fit-decreasing packing of sample lengths into bins of a token budget, a few integer operations per sample.
 
 Samples are taken longest first (a counting-style stable sort: lengths are bounded by the budget) and each goes
 into the open bin whose remaining capacity is the *smallest one that still fits it*. Finding that bin is a
-query on a max segment tree indexed by remaining capacity (0..B): leaf v is "present" when at least one open
-bin has exactly v free tokens, and a left-first descent finds the smallest present v >= length in O(log B).
-Bins sharing a capacity wait on a per-capacity stack, so the tree only changes when a capacity value appears
-or disappears.
+query on a two-level bitset indexed by remaining capacity (0..B, `CapacityTree`): capacity v is "present" when at
+least one open bin has exactly v free tokens, and the lowest set bit at or above the length is the smallest
+present v >= length (the bitset's summary word skips empty words; its size is B / 4096 machine words, so a query
+is a handful of integer operations at any practical budget). Bins sharing a capacity wait on a per-capacity
+stack, so the bitset only changes when a capacity value appears or disappears.
 
 When no open bin fits a length, none will fit the rest of that length's run either (bins only shrink), so the
 run goes into fresh bins in bulk, `budget // length` per bin: this is exactly what the sequential algorithm
@@ -34,54 +35,54 @@ PAIR_LIMIT = 16  # repair_to_count also moves pairs out of bins of at most this 
 # (InfoVQA-like steps: 0.906% padding at 8, 0.864% unbounded, for 1.6x the planning time).
 STALL_LIMIT = 8
 CAPACITY_STEP = 1 / 1024  # pack_into_bins grows a failed capacity by at least this share (then doubles the step)
+WORD_BITS = 6  # CapacityTree: capacities per bitset word = 2 ** WORD_BITS
+WORD_MASK = (1 << WORD_BITS) - 1
 
 
 class CapacityTree:
-    """Max segment tree over capacity values 0..budget: which remaining capacities some open bin has."""
+    """Which remaining capacities 0..budget some open bin has: a two-level bitset.
+
+    Bit v of word v // 64 is set when capacity v is present, and bit w of `summary` when word w has a bit set. The
+    smallest present capacity >= a length is the lowest set bit at or above it in its own word, else the lowest
+    set bit of the first non-empty word above (found through `summary`): a few integer operations per query,
+    insert or remove, where a segment tree walks log2(budget) levels in Python.
+    """
 
     def __init__(self, budget: int) -> None:
-        size = 1
-        while size < budget + 1:
-            size *= 2
-        self.size = size
-        # tree[node] = the largest present capacity in the node's range, 0 when none (a full bin is never useful).
-        self.tree = [0] * (2 * size)
+        self.words = [0] * ((budget >> WORD_BITS) + 1)
+        self.summary = 0
 
     def insert(self, capacity: int) -> None:
-        tree = self.tree
-        node = capacity + self.size
-        tree[node] = capacity
-        node >>= 1
-        while node and tree[node] < capacity:  # parents only ever grow on insert; stop once one already covers it
-            tree[node] = capacity
-            node >>= 1
+        word = capacity >> WORD_BITS
+        self.words[word] |= 1 << (capacity & WORD_MASK)
+        self.summary |= 1 << word
 
     def remove(self, capacity: int) -> None:
-        tree = self.tree
-        node = capacity + self.size
-        tree[node] = 0
-        best = 0
-        while node > 1:  # recompute parents from the sibling until one is unchanged
-            sibling = tree[node ^ 1]
-            if sibling > best:
-                best = sibling
-            node >>= 1
-            if tree[node] == best:
-                break
-            tree[node] = best
+        word = capacity >> WORD_BITS
+        self.words[word] &= ~(1 << (capacity & WORD_MASK))
+        if not self.words[word]:
+            self.summary &= ~(1 << word)
 
     @property
     def largest(self) -> int:
-        return self.tree[1]
+        """The largest present capacity, 0 when none."""
+        if not self.summary:
+            return 0
+        word = self.summary.bit_length() - 1
+        return (word << WORD_BITS) + self.words[word].bit_length() - 1
 
     def best_fit(self, length: int) -> int:
-        """Smallest present capacity >= length (the caller checks `largest >= length` first)."""
-        tree, size, node = self.tree, self.size, 1
-        while node < size:
-            node <<= 1
-            if tree[node] < length:
-                node += 1
-        return node - size
+        """Smallest present capacity >= length, -1 when none."""
+        word = length >> WORD_BITS
+        bits = self.words[word] >> (length & WORD_MASK)
+        if bits:
+            return length + (bits & -bits).bit_length() - 1
+        above = self.summary >> (word + 1)
+        if not above:
+            return -1
+        word += (above & -above).bit_length()
+        bits = self.words[word]
+        return (word << WORD_BITS) + (bits & -bits).bit_length() - 1
 
 
 @dataclass
@@ -129,11 +130,9 @@ def best_fit_pack(lengths: np.ndarray, budget: int) -> Packing:
     bounds = starts.tolist() + [int(lengths.size)]
 
     tree = CapacityTree(budget)
-    nodes, size, insert, remove = tree.tree, tree.size, tree.insert, tree.remove
-    # remaining capacity -> open bins with exactly that capacity; a key and its leaf live exactly as long as the
-    # list is not empty. Removing a capacity as its last bin leaves costs a walk up the tree that usually stops
-    # after a level or two; removing it lazily, when a query first lands on it, cost a wasted descent as well
-    # (10-15% slower on InfoVQA-like and near-budget lengths, where most capacities are queried again).
+    best_fit, insert, remove = tree.best_fit, tree.insert, tree.remove
+    # remaining capacity -> open bins with exactly that capacity; a key and its bit live exactly as long as the
+    # list is not empty (queries land on live capacities only).
     holders: dict[int, list[int]] = {}
     bins: list[list[int]] = []
     loads: list[int] = []
@@ -150,33 +149,18 @@ def best_fit_pack(lengths: np.ndarray, budget: int) -> Packing:
 
     for run, length in enumerate(run_lengths):
         i, end = bounds[run], bounds[run + 1]
-        while i < end and nodes[1] >= length:
-            node = 1  # inlined CapacityTree.best_fit: this loop is the packer's hot path
-            while node < size:
-                node <<= 1
-                if nodes[node] < length:
-                    node += 1
-            capacity = node - size
+        while i < end:
+            capacity = best_fit(length)
+            if capacity < 0:
+                break  # no open bin fits: the rest of the run opens bins in bulk
             stack = holders[capacity]
             bin_id = stack.pop()
-            if not stack:  # the capacity's last bin leaves it: drop it now (queries land on live leaves only)
+            if not stack:  # the capacity's last bin leaves it
                 del holders[capacity]
                 remove(capacity)
             bins[bin_id].append(order_list[i])
             loads[bin_id] += length
-            capacity -= length
-            if capacity:  # inlined hold() and CapacityTree.insert()
-                stack = holders.get(capacity)
-                if stack is None:
-                    holders[capacity] = [bin_id]
-                    node = capacity + size
-                    nodes[node] = capacity
-                    node >>= 1
-                    while node and nodes[node] < capacity:
-                        nodes[node] = capacity
-                        node >>= 1
-                else:
-                    stack.append(bin_id)
+            hold(capacity - length, bin_id)
             i += 1
         if i < end:
             _open_bins_in_bulk(order_list[i:end], length, budget, bins, loads, hold)
@@ -274,6 +258,9 @@ def repair_to_count(lengths: np.ndarray, bins: list[list[int]], capacity: int, c
         roomiest = int(np.argmax(room))
         mine = np.flatnonzero(bin_of == heavy)
         column_room = np.append(room[bin_of], room[roomiest])  # room of the bin each column's sample sits in
+        # A row giving more than every column's length + room fits nowhere: dropped before the matrix is built
+        # (on InfoVQA-like steps most pairs are, which keeps the matrix to the single samples).
+        reach = int((column_len + column_room).max())
         # Rows: what the heavy bin gives, one of its samples or, when no single one clears the excess (and the bin
         # has at most PAIR_LIMIT samples), also two of them: a bin of two or three near-budget samples needs that
         # (no single swap clears 45+45 | 35+35+20+20 at 100).
@@ -283,8 +270,13 @@ def repair_to_count(lengths: np.ndarray, bins: list[list[int]], capacity: int, c
                 if not 2 <= mine.size <= PAIR_LIMIT:
                     break
                 a, b = np.triu_indices(mine.size, 1)
-                first, second = np.concatenate((mine, mine[a])), np.concatenate((second, mine[b]))
+                first, second = np.concatenate((mine, mine[a])), np.concatenate((np.full(mine.size, -1), mine[b]))
             give = lengths[first] + np.where(second >= 0, lengths[second], 0)
+            useful = give <= reach
+            if not useful.any():
+                fits = clears = np.zeros((0, 0), dtype=bool)
+                continue
+            first, second, give = first[useful], second[useful], give[useful]
             # Only columns some row can use (shorter than what it gives, with room for the difference): the
             # matrix shrinks from rows x samples to rows x a few candidates.
             cols = np.flatnonzero((column_len < give.max()) & (column_len + column_room >= give.min()))

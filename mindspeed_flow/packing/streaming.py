@@ -32,8 +32,9 @@ from mindspeed_flow.packing.types import Microbatch, StepPlan, encoder_costs_of
 
 # A pack at least this full leaves the buffer. Lower emits more per round, so fewer best-fit passes per sample;
 # 20 steps of `bench packing --stream` (1,024-sample look-ahead, 16,384-token budget) measured:
-#   min_fill 0.97: near-budget 0.306% padding at 105k samples/s, InfoVQA-like 0.590% at 249k/s
-#   min_fill 0.95: near-budget 0.325% padding at 174k samples/s, InfoVQA-like 0.690% at 259k/s
+#   min_fill 0.97: near-budget 0.306% padding at 153k samples/s, InfoVQA-like 0.576% at 295k/s
+#   min_fill 0.95: near-budget 0.325% padding at 196k samples/s, InfoVQA-like 0.697% at 339k/s
+# (bitset best fit; with the earlier segment tree near-budget ran 105k / 174k, so 0.95 was kept for its speed).
 MIN_FILL = 0.95
 
 

@@ -44,7 +44,7 @@ MAX_WAIT = 4  # steps a pooled sample may be left out before its pack is taken f
 # oldest samples through plan_step do better. 20 steps of `bench packing --stream` (1,024 samples, dp 8, pp 4, pad
 # multiple 128; padding, then samples/s), near-budget / InfoVQA-like:
 #   no threshold: 0.636% / 1.035% (whole-pack steps that keep the long samples back pay for it in later steps)
-#   0.99: 0.636% / 0.811%, 134k / 109k;  0.995: 0.721% / 0.731%, 123k / 103k;  0.998: 0.805% / 0.731%, 112k / 103k
+#   0.99: 0.636% / 0.811%, 162k / 177k;  0.995: 0.721% / 0.731%, 123k / 152k;  0.998: 0.805% / 0.731%, 119k / 152k
 STEP_FILL = 0.99
 
 
@@ -87,29 +87,36 @@ def _exact_count(order: np.ndarray, k: int, sizes: np.ndarray, loads: np.ndarray
     delta = count - int(sizes[taken].sum())
     if delta:
         # Per pack size: the taken (not forced) packs emptiest first, the left ones fullest first. Swapping a taken
-        # pack of size a for a left one of size b moves the count by b - a and loses their load difference.
-        values = np.unique(sizes)  # the pack sizes present (a few), indexed 0..len-1 below
+        # pack of size a for a left one of size b moves the count by b - a and loses their load difference. A few
+        # sizes, so plain Python over the size pairs beats building arrays per swap.
+        values = np.unique(sizes).tolist()  # the pack sizes present (a few)
         rest = order[k:]
         outs = order[:k][~forced[order[:k]]][::-1]  # `order` is fullest first
-        out_by = [outs[sizes[outs] == v].tolist() for v in values.tolist()]
-        in_by = [rest[sizes[rest] == v].tolist() for v in values.tolist()]
-        step = values[None, :] - values[:, None]  # step[a, b]: the count change of swapping size a for size b
-        heads = [0] * (2 * values.size)  # next candidate per (out size, in size)
+        out_by = [outs[sizes[outs] == v].tolist() for v in values]
+        in_by = [rest[sizes[rest] == v].tolist() for v in values]
+        load_of = loads.tolist()
+        out_head, in_head = [0] * len(values), [0] * len(values)  # next candidate per out size / in size
         while delta:
-            out_load = np.array([loads[q[h]] if h < len(q) else -1 for q, h in zip(out_by, heads)], dtype=np.float64)
-            in_load = np.array([loads[q[h]] if h < len(q) else -1 for q, h in zip(in_by, heads[values.size:])],
-                               dtype=np.float64)
-            ok = (out_load[:, None] >= 0) & (in_load[None, :] >= 0) & (step * np.sign(delta) > 0) & (
-                np.abs(step) <= abs(delta))
-            if not ok.any():
+            best = None  # (load lost, out size index, in size index); the first least one wins ties
+            for a, size_a in enumerate(values):
+                if out_head[a] == len(out_by[a]):
+                    continue
+                out_load = load_of[out_by[a][out_head[a]]]
+                for b, size_b in enumerate(values):
+                    step = size_b - size_a
+                    if step * delta <= 0 or abs(step) > abs(delta) or in_head[b] == len(in_by[b]):
+                        continue
+                    lost = out_load - load_of[in_by[b][in_head[b]]]
+                    if best is None or lost < best[0]:
+                        best = (lost, a, b)
+            if best is None:
                 return None
-            a, b = np.unravel_index(int(np.argmin(np.where(ok, out_load[:, None] - in_load[None, :], np.inf))),
-                                    ok.shape)
-            taken[out_by[a][heads[a]]] = False
-            taken[in_by[b][heads[values.size + b]]] = True
-            heads[a] += 1
-            heads[values.size + b] += 1
-            delta -= int(step[a, b])
+            _, a, b = best
+            taken[out_by[a][out_head[a]]] = False
+            taken[in_by[b][in_head[b]]] = True
+            out_head[a] += 1
+            in_head[b] += 1
+            delta -= values[b] - values[a]
     if (forced & ~taken).any():
         return None
     return np.flatnonzero(taken)
