@@ -307,8 +307,6 @@ class EmbeddingPool:
                  send: Callable[[], None]) -> list[EmbeddingHandle]:
         """Account for one message of `items` to `consumer` and queue it with `send` on the embedding outbox: one
         lock acquisition and one wait for credits for the whole message."""
-        handles = [EmbeddingHandle(h.sample_id, h.step, self.rank, consumer, h.shape, h.dtype, h.nbytes,
-                                   "device" if d == self.device else "host") for h, d in zip(items, devices)]
         nbytes = sum(h.nbytes for h in items)
         first = items[0]
         what = (f"sample {first.sample_id} (step {first.step})" if len(items) == 1 else
@@ -338,6 +336,9 @@ class EmbeddingPool:
             if self.return_grads:
                 self._grads_owed.update((consumer, *h.key) for h in items)
             send()
+            # The handles are made once the message is on its way: nothing before the send that need not be.
+            handles = [EmbeddingHandle(h.sample_id, h.step, self.rank, consumer, h.shape, h.dtype, h.nbytes,
+                                       "device" if d == self.device else "host") for h, d in zip(items, devices)]
             for h, handle in zip(items, handles):
                 self._sent[(consumer, *h.key)] = handle
             # Asked for after the send is posted: each request wakes a receiving thread, which would otherwise

