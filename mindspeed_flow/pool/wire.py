@@ -217,7 +217,10 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def from_bytes(buffer: torch.Tensor, header: WireHeader) -> torch.Tensor:
-    """The tensor described by `header`, viewing the received bytes without a copy."""
+    """The tensor described by `header`, viewing the received bytes without a copy (a view `slice_payloads` already
+    typed and shaped is returned as it is)."""
+    if buffer.dtype == header.dtype and buffer.shape == header.shape:
+        return buffer
     return buffer.view(header.dtype).reshape(header.shape)
 
 
@@ -290,7 +293,8 @@ def dense_payload(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 def slice_payloads(items: list[WireHeader], device: torch.device, staged: torch.Tensor | None = None,
                    alloc: Callable[[int], torch.Tensor] | None = None
                    ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
-    """A receive buffer for the batch's payload and each item's view of it (None: the item has no payload).
+    """A receive buffer for the batch's payload and each item's view of it (None: the item has no payload; a dense
+    batch's views are already of the item's dtype and shape).
 
     The views share the buffer: an item kept alive keeps its whole batch's buffer (at most one batch, whose size
     the sender bounds), which is why large items travel alone. `staged`: the staging receive posted for this
@@ -307,5 +311,12 @@ def slice_payloads(items: list[WireHeader], device: torch.device, staged: torch.
         buffer = alloc(total)
     else:
         buffer = torch.empty(total, dtype=torch.uint8, device=device)
-    views = [None if off is None else buffer[off:off + item.nbytes] for off, item in zip(offsets, items)]
-    return views, buffer
+    if items[0].dense:  # one dtype, back to back: the items as typed views, cut in one call (a third of the cost)
+        full = [i for i, off in enumerate(offsets) if off is not None]
+        itemsize = items[0].dtype.itemsize
+        typed = buffer[:total].view(items[0].dtype).split([items[i].nbytes // itemsize for i in full])
+        views: list[torch.Tensor | None] = [None] * len(items)
+        for i, view in zip(full, typed):
+            views[i] = view.view(items[i].shape)
+        return views, buffer
+    return [None if off is None else buffer[off:off + item.nbytes] for off, item in zip(offsets, items)], buffer
