@@ -148,7 +148,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tokens", default="64,1024,4096", help="image tokens per item, comma-separated sizes")
     p.add_argument("--hidden", type=int, default=1024, help="embedding width (fp32)")
     p.add_argument("--items", type=int, default=16, help="items per step")
-    p.add_argument("--repeats", type=int, default=9, help="timed steps per variant and size (medians reported)")
+    p.add_argument("--repeats", type=int, default=25,
+                   help="timed steps per variant and size (medians reported; fewer move by +-0.1 on a busy 2-core host)")
     p.add_argument("--capacity-mb", type=float, default=FlowConfig.pool_capacity_mb,
                    help="pool capacity in MiB (default: the job default, flow.pool_capacity_mb)")
     p.add_argument("--max-batch-items", type=int, default=MAX_BATCH,
