@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
@@ -100,6 +100,18 @@ class LengthsDataset:
         return SampleShape(i, self.lengths[i])
 
 
+def resumed_after(make: Callable[[Any], PackedSteps], dataset: Any, stop_after: int) -> PackedSteps:
+    """Fresh steps from `make(dataset)` restored from the state (through JSON, as a checkpoint holds it) of another
+    run stopped after `stop_after` steps."""
+    again = make(dataset)
+    for _ in range(stop_after):
+        next(again)
+    state = json.loads(json.dumps(again.state_dict()))
+    resumed = make(dataset)
+    resumed.load_state_dict(state)
+    return resumed
+
+
 def packed_steps(dataset: LengthsDataset, **kw) -> PackedSteps:
     args = dict(token_budget=2048, cost_model=COST, lookahead=64, oversize_policy="error", dp=2, num_encoders=1,
                 packs_per_rank=0, pp=3)
@@ -117,12 +129,7 @@ def test_packed_steps_resume_like_an_uninterrupted_run(stop_after: int) -> None:
     flat = list(itertools.chain.from_iterable(ids))
     assert len(flat) == len(set(flat))  # within the first epoch no sample comes twice
 
-    again = packed_steps(dataset)
-    for _ in range(stop_after):
-        next(again)
-    state = json.loads(json.dumps(again.state_dict()))
-    resumed = packed_steps(dataset)
-    resumed.load_state_dict(state)
+    resumed = resumed_after(packed_steps, dataset, stop_after)
     rest = [next(resumed) for _ in range(12 - stop_after)]
     assert rest == ids[stop_after:]
     assert [[mb.sample_ids for rank in resumed.plan.microbatches for mb in rank]] == plans

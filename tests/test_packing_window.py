@@ -14,7 +14,7 @@ from mindspeed_flow.packing import PackingError
 from mindspeed_flow.packing.window import WindowPacker, select_packs
 from mindspeed_flow.packing.workloads import infovqa_shapes, near_budget_shapes
 from mindspeed_flow.runtime.packed_steps import PackedSteps
-from tests.test_packing_stream_steps import COST, Counting, LengthsDataset
+from tests.test_packing_stream_steps import COST, Counting, LengthsDataset, resumed_after
 
 GEOMETRY = dict(dp=4, num_encoders=2, min_microbatches=2)
 
@@ -149,12 +149,7 @@ def test_window_steps_over_the_sampler_resume_like_an_uninterrupted_run(stop_aft
     steps = window_steps(dataset)
     ids = [next(steps) for _ in range(20)]
     assert all(len(step) == 16 and len(set(step)) == 16 for step in ids)
-    again = window_steps(dataset)
-    for _ in range(stop_after):
-        next(again)
-    state = json.loads(json.dumps(again.state_dict()))
-    resumed = window_steps(dataset)
-    resumed.load_state_dict(state)
+    resumed = resumed_after(window_steps, dataset, stop_after)
     assert [next(resumed) for _ in range(20 - stop_after)] == ids[stop_after:]
     assert resumed.plan.dp == 2 and resumed.plan.num_slots >= 2
 
