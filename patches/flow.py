@@ -49,6 +49,9 @@ REGISTRY: tuple[PatchTarget, ...] = (
     PatchTarget("megatron.training.checkpointing.get_checkpoint_name", "wrap",
                 "per-part checkpoint folders (mp_<part>_rank_TT[_PPP]) in Megatron's format",
                 ("checkpoints_path", "iteration", "release", "pipeline_parallel", "tensor_rank", "pipeline_rank")),
+    PatchTarget("megatron.training.checkpointing._get_checkpoint_format", "wrap",
+                "a flow job's own iteration folders (mp_<part>_rank_*) are Megatron's torch format, so the same "
+                "command resumes from them", ("checkpoint_name",)),
     PatchTarget("megatron.training.checkpointing._load_base_checkpoint", "wrap",
                 "a coupled checkpoint loads into a decoupled run: each part takes, re-splits and renames its tensors",
                 ("load_dir", "args", "rank0")),
@@ -169,7 +172,8 @@ def check_for_nan_wrapper(check: Callable) -> Callable:
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1.0 if found_inf else 0.0], dtype=torch.float32)
+        # On the device: the reduce group runs on the job's backend (HCCL takes device tensors only).
+        flag = torch.tensor([1.0 if found_inf else 0.0], dtype=torch.float32).to(ctx.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.reduce_group)
         return bool(flag.item() > 0)
 
@@ -186,6 +190,18 @@ def get_checkpoint_name_wrapper(get_name: Callable) -> Callable:
         from mindspeed_flow.hosts.mindspeed_mm.checkpoint import part_checkpoint_name
 
         return part_checkpoint_name(name, ctx.part)
+
+    return wrapped
+
+
+def get_checkpoint_format_wrapper(get_format: Callable) -> Callable:
+    @functools.wraps(get_format)
+    def wrapped(checkpoint_name: Any) -> str:
+        from mindspeed_flow.hosts.mindspeed_mm.checkpoint import is_flow_iteration
+
+        if flow_context.current() is not None and is_flow_iteration(checkpoint_name):
+            return "torch"
+        return get_format(checkpoint_name)
 
     return wrapped
 
@@ -227,6 +243,7 @@ _WRAPPERS: dict[str, Callable] = {
     "megatron.core.optimizer.optimizer.MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan":
         check_for_nan_wrapper,
     "megatron.training.checkpointing.get_checkpoint_name": get_checkpoint_name_wrapper,
+    "megatron.training.checkpointing._get_checkpoint_format": get_checkpoint_format_wrapper,
     "megatron.training.checkpointing._load_base_checkpoint": load_base_checkpoint_wrapper,
     "mindspeed_mm.training.training_log": training_log_wrapper,
 }

@@ -73,14 +73,14 @@ def _set_flag(argv: list[str], flag: str, value: str) -> None:
         argv += [flag, value]
 
 
-def setup_flow(recipe: str, script_argv: list[str]) -> None:
+def setup_flow(recipe: str, script: str, script_argv: list[str]) -> None:
     """Validate the recipe and install this rank's flow context (before any process group exists)."""
     from mindspeed_flow.hosts.mindspeed_mm import context
     from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, parts_for_job
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        parts = parts_for_job(recipe, script_argv, world)
+        parts = parts_for_job(recipe, script_argv, world, script=script)
     except FlowRecipeError as err:
         if _is_rank0():
             print(f"mindspeed-flow: {err}", file=sys.stderr, flush=True)
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     script_argv = argv[1:]
     if recipe:
-        setup_flow(recipe, script_argv)
+        setup_flow(recipe, script, script_argv)
     sys.argv = [script] + script_argv  # step 1
     sys.path.insert(0, os.path.dirname(script))
     names = apply_flow_patches(flow=bool(recipe))

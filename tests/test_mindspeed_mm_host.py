@@ -11,11 +11,15 @@ from mindspeed_flow.hosts.mindspeed_mm import checkpoint as ck
 from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, even_split, parts_for_job
 
 
-def _model_json(tmp_path: Path, **llm) -> Path:
-    cfg = {"image_encoder": {"vision_encoder": {"num_attention_heads": 2, "num_layers": 2, "freeze": False},
-                             "vision_projector": {"freeze": False}},
-           "text_decoder": {"num_attention_heads": 4, "num_query_groups": 2, "num_layers": 2, **llm}}
-    path = tmp_path / "model.json"
+def _model_json(tmp_path: Path, name: str = "model.json", top: dict | None = None, vit: dict | None = None,
+                **llm) -> Path:
+    cfg = {"model_id": "qwen2_5vl",
+           "image_encoder": {"vision_encoder": {"model_id": "qwen2vit", "num_attention_heads": 2, "num_layers": 2,
+                                                "freeze": False, **(vit or {})},
+                             "vision_projector": {"model_id": "lnmlp", "freeze": False}},
+           "text_decoder": {"model_id": "qwen2_5_lm", "num_attention_heads": 4, "num_query_groups": 2,
+                            "num_layers": 2, **llm}, **(top or {})}
+    path = tmp_path / name
     path.write_text(json.dumps(cfg))
     return path
 
@@ -131,19 +135,20 @@ def test_every_mindspeed_mm_flow_recipe_builds_its_parts(recipe) -> None:
 def _transfer(rank: int, world: int, expected_sample: int) -> object:
     import torch.distributed as dist
 
-    from mindspeed_flow.hosts.mindspeed_mm.transport import (KIND_EMBEDDING, KIND_GRAD, FlowTransportError,
+    from mindspeed_flow.hosts.mindspeed_mm.transport import (KIND_EMBEDDING, KIND_GRAD, FlowTransportError, Item,
                                                              PlannedTransport)
 
-    t = PlannedTransport(rank=rank, payload_group=dist.new_group([0, 1]), header_group=dist.new_group(
-        [0, 1], backend="gloo"), device=torch.device("cpu"), timeout_s=20)
+    t = PlannedTransport(rank=rank, embedding_group=dist.new_group([0, 1]), gradient_group=dist.new_group([0, 1]),
+                         header_group=dist.new_group([0, 1], backend="gloo"), device=torch.device("cpu"),
+                         timeout_s=20)
     if rank == 0:  # producer: two embeddings in its order, then the gradient of the first
-        t.post_receives(KIND_GRAD, 1, 0, [(7, 3)], hidden=4)
+        t.post_receives(KIND_GRAD, [Item(1, 0, 7, 3)], hidden=4)
         t.send(KIND_EMBEDDING, 1, 0, 7, torch.full((3, 1, 4), 1.5))
         t.send(KIND_EMBEDDING, 1, 0, 8, torch.full((2, 1, 4), 2.5))
         grad = t.receive(KIND_GRAD, 1, 0, 7)
         t.flush()
         return grad.float().sum().item()
-    t.post_receives(KIND_EMBEDDING, 0, 0, [(7, 3), (expected_sample, 2)], hidden=4)
+    t.post_receives(KIND_EMBEDDING, [Item(0, 0, 7, 3), Item(0, 0, expected_sample, 2)], hidden=4)
     first = t.receive(KIND_EMBEDDING, 0, 0, 7)
     t.send(KIND_GRAD, 0, 0, 7, torch.ones(3, 1, 4))
     try:
@@ -168,3 +173,120 @@ def test_planned_transport_stops_when_plans_differ() -> None:
     _, message = run_ranks(_transfer, 2, 9, timeout_s=60)
     assert "expected the embedding of sample 9 (step 0) from rank 0" in message
     assert "sent embedding of sample 8" in message and "plans differ" in message
+
+
+# ------------------------------------------------------------------------------ refusals before any group exists
+
+
+@pytest.mark.parametrize("case,want", [
+    ("script", "pretrain_transformers.py: a flow job runs MindSpeed-MM's Megatron VLM entry"),
+    ("qwen3vit", "image_encoder.vision_encoder.model_id='qwen3vit': Qwen3-VL's ViT returns deepstack"),
+    ("internvl", "image_encoder.vision_encoder.model_id='clip': InternVL's ViT takes no image_grid_thw"),
+    ("audio", "audio_encoder: an audio encoder would be a third part"),
+    ("moe", "text_decoder.num_moe_experts=8: MoE decoders"),
+    ("ep", "--expert-model-parallel-size 2: expert parallelism"),
+    ("cp", "--context-parallel-size 2: flow parts run without context parallelism"),
+    ("video", "dataset_param.attr.videos='videos': video samples (pixel_values_videos, video_grid_thw)"),
+    ("sampler", "dataloader_param.sampler_type='LengthGroupedSampler'"),
+    ("ckpt", "--ckpt-format torch_dist (Megatron default): a flow job saves and loads Megatron's torch format"),
+])
+def test_what_the_host_cannot_take_is_refused_by_name(tmp_path, case, want) -> None:
+    recipe = _recipe(tmp_path, "parallel:\n  encoder: {dp: 1}\n  backbone: {dp: 2}\n")
+    model = {"qwen3vit": lambda: _model_json(tmp_path, vit={"model_id": "qwen3vit"}),
+             "internvl": lambda: _model_json(tmp_path, vit={"model_id": "clip"}),
+             "audio": lambda: _model_json(tmp_path, top={"audio_encoder": {"audio_encoder": {}}}),
+             "moe": lambda: _model_json(tmp_path, num_moe_experts=8)}.get(case, lambda: _model_json(tmp_path))()
+    argv = _argv(model)
+    script = "pretrain_transformers.py" if case == "script" else "pretrain_vlm.py"
+    if case in ("video", "sampler"):
+        data = {"dataset_param": {"attr": {"videos": "videos" if case == "video" else None}},
+                "dataloader_param": {"sampler_type": "LengthGroupedSampler" if case == "sampler"
+                                     else "BaseRandomBatchSampler"}}
+        (tmp_path / "data.json").write_text(json.dumps(data))
+        argv += ["--mm-data", str(tmp_path / "data.json")]
+    argv += {"ep": ["--expert-model-parallel-size", "2"], "cp": ["--context-parallel-size", "2"],
+             "ckpt": ["--save", str(tmp_path / "ck")]}.get(case, [])
+    with pytest.raises(FlowRecipeError) as err:
+        parts_for_job(recipe, argv, 3, script=script)
+    assert want in str(err.value), str(err.value)
+
+
+def test_recipe_layer_split_gives_the_decoder_stages(tmp_path) -> None:
+    model = _model_json(tmp_path, num_layers=5)
+    recipe = _recipe(tmp_path, "parallel:\n  encoder: {dp: 1}\n  backbone: {dp: 1, pp: 2, layer_split: [1, 4]}\n")
+    assert parts_for_job(recipe, _argv(model), 3).decoder_layers == (1, 4)
+    bad = _recipe(tmp_path, "parallel:\n  encoder: {dp: 1}\n  backbone: {dp: 1, pp: 2, layer_split: [2, 2]}\n")
+    with pytest.raises(FlowRecipeError, match="layer_split=\\[2, 2\\]: needs one entry per"):
+        parts_for_job(bad, _argv(model), 3)
+
+
+@pytest.mark.parametrize("layers", [[4], [1, 3], [2, 1, 1]])
+def test_tied_embeddings_give_the_last_stage_its_output_layer(layers) -> None:
+    whole = _whole(gated=True)
+    whole.pop("text_decoder.output_layer.weight")  # a tied single-stage checkpoint has no output layer
+    emb = whole["text_decoder.embedding.word_embeddings.weight"]
+    for tp in (1, 2):
+        for pp_rank in range(len(layers)):
+            stage = [ck.part_state(whole, "backbone", tp=tp, tp_rank=r, layers=layers, pp_rank=pp_rank,
+                                   gated_prefixes=("text_decoder.",), tied=True) for r in range(tp)]
+            last = pp_rank == len(layers) - 1 and len(layers) > 1
+            assert all((ck.OUTPUT_LAYER in s) == last for s in stage), (layers, pp_rank)
+            if last:
+                assert torch.equal(torch.cat([s[ck.OUTPUT_LAYER] for s in stage]), emb)
+    # Back to one stage: the copy on the last stage is dropped again.
+    two = [ck.part_state(whole, "backbone", tp=1, tp_rank=0, layers=[2, 2], pp_rank=r,
+                         gated_prefixes=("text_decoder.",), tied=True) for r in range(2)]
+    single = ck.part_state(ck.merge_pp(two), "backbone", tp=1, tp_rank=0, layers=[4], pp_rank=0,
+                           gated_prefixes=("text_decoder.",), tied=True)
+    assert ck.OUTPUT_LAYER not in single and torch.equal(single[ck.WORD_EMBEDDINGS], emb)
+
+
+# ------------------------------------------------------------------------------ plan orders and loss weights
+
+
+def _step(dp_rows: list[list[list[int]]], producers: dict[int, list[int]], tokens: dict[int, int]):
+    from mindspeed_flow.hosts.mindspeed_mm.data import FlowSample, FlowStep
+    from mindspeed_flow.packing.types import Microbatch, StepPlan
+    from mindspeed_flow.runtime.plan import StepWork
+
+    plan = StepPlan([[Microbatch(ids, 0, 0.0) for ids in row] for row in dp_rows], [], 64)
+    work = StepWork(0, sorted(tokens), plan)
+    consumers = [10 + d for d in range(len(dp_rows))]
+    for d, row in enumerate(dp_rows):
+        for ids in row:
+            for sid in ids:
+                work.consumer_of[sid] = consumers[d]
+    for p, ids in producers.items():
+        work.encode_order[p] = ids
+        for sid in ids:
+            work.producer_of[sid] = p
+    samples = {sid: FlowSample(sid, torch.zeros(5), torch.zeros(5), None, None, n) for sid, n in tokens.items()}
+    return FlowStep(0, samples, work), consumers
+
+
+def test_transfer_orders_are_one_global_order_per_direction() -> None:
+    from mindspeed_flow.hosts.mindspeed_mm.schedule import embedding_order, gradient_order
+
+    # Two decoder replicas (slots 0, 1), two producers; sample 5 has no image.
+    step, consumers = _step([[[0, 1], [2]], [[3], [4, 5]]], {0: [3, 0, 4], 1: [1, 2]},
+                            {0: 4, 1: 4, 2: 4, 3: 4, 4: 4, 5: 0})
+    order = embedding_order(step, [0, 1])
+    assert order == [3, 0, 1, 4, 2]  # slot 0: producer 0's (3, 0), producer 1's (1); slot 1: 4, then 2
+    for p, ids in step.work.encode_order.items():
+        assert [s for s in order if s in ids] == ids  # each producer sends in this order
+    assert gradient_order(step, consumers) == [0, 1, 3, 2, 4]  # slot, consumer, row
+
+
+def test_loss_weights_give_the_unpatched_objective() -> None:
+    from mindspeed_flow.hosts.mindspeed_mm.data import FlowSample
+    from mindspeed_flow.hosts.mindspeed_mm.schedule import LOSS_MICROBATCH, LOSS_SAMPLE, loss_weights
+
+    # Two loader micro-batches of two samples: tokens (3, 1) and (2, 2).
+    samples = [FlowSample(i, torch.zeros(1), torch.zeros(1), None, None, 0, t, b, bt, 2)
+               for i, (t, b, bt) in enumerate([(3, 0, 4), (1, 0, 4), (2, 1, 4), (2, 1, 4)])]
+    token_loss = {0: 1.0, 1: 5.0, 2: 2.0, 3: 4.0}  # the same loss on every token of a sample
+    for mode, want in ((LOSS_MICROBATCH, ((3 * 1 + 1 * 5) / 4 + (2 * 2 + 2 * 4) / 4) / 2),
+                       (LOSS_SAMPLE, ((1 + 5) / 2 + (2 + 4) / 2) / 2)):
+        w = loss_weights(samples, mode, loader_batches=2)
+        got = sum(w[i] * s.loss_tokens * token_loss[i] for i, s in enumerate(samples))
+        assert got == pytest.approx(want), mode

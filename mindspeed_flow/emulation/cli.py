@@ -189,7 +189,7 @@ def main(argv: list[str]) -> int:
 
         try:
             with _in_dir(sources.mindspeed_mm.root):
-                parts_for_job(args.flow_recipe, script[1:], args.nproc)
+                parts_for_job(args.flow_recipe, script[1:], args.nproc, script=script[0])
         except FlowRecipeError as err:
             print(f"mindspeed-flow emulate: {err}", file=sys.stderr)
             return 2

@@ -46,6 +46,12 @@ def part_checkpoint_name(name: str, part: str) -> str:
                         os.path.basename(name))
 
 
+def is_flow_iteration(iter_dir: str | Path) -> bool:
+    """Whether an iteration folder holds a flow job's per-part folders (`mp_<module>_rank_*`) and no coupled ones."""
+    keys = rank_folders(Path(str(iter_dir)))
+    return bool(keys) and all(k[0] is not None for k in keys)
+
+
 def read_iteration(load_dir: str | Path) -> tuple[int, bool]:
     text = (Path(load_dir) / TRACKER).read_text().strip()
     return (0, True) if text == "release" else (int(text), False)
@@ -169,15 +175,39 @@ def read_whole(iter_dir: Path, module: Optional[str], gated_prefixes: Iterable[s
     return merge_pp(stages), args
 
 
+OUTPUT_LAYER = "text_decoder.output_layer.weight"
+WORD_EMBEDDINGS = "text_decoder.embedding.word_embeddings.weight"
+
+
 def part_state(whole: dict[str, Any], part: str, *, tp: int, tp_rank: int, layers: list[int], pp_rank: int,
-               gated_prefixes: Iterable[str]) -> dict[str, Any]:
-    """The tensors one rank of a flow part loads: its module, its stage, its tensor-parallel shard."""
+               gated_prefixes: Iterable[str], tied: bool = False) -> dict[str, Any]:
+    """The tensors one rank of a flow part loads: its module, its stage, its tensor-parallel shard.
+
+    Tied embeddings (`untie_embeddings_and_output_weights: false`) follow Megatron: a single-stage decoder holds
+    no output layer (the embedding serves both), and with pipeline stages the last one holds its own copy of the
+    word embeddings as `output_layer.weight` (Megatron initialises it from the first stage's and keeps the two
+    equal by reducing their gradients over the embedding group)."""
     prefix = PREFIX[part]
     mine = {k: v for k, v in whole.items() if k.startswith(prefix)}
     if not mine:
         raise CheckpointError(f"the checkpoint has no {prefix}* tensors")
     stack = "image_encoder.encoder.blocks.layers" if part == "encoder" else "text_decoder.decoder.layers"
-    return split_tp(split_pp(mine, stack, layers, pp_rank), tp, tp_rank, gated_prefixes)
+    stage = split_pp(mine, stack, layers, pp_rank)
+    if part == "backbone" and tied:
+        stage.pop(OUTPUT_LAYER, None)
+        if len(layers) > 1 and pp_rank == len(layers) - 1:
+            if WORD_EMBEDDINGS not in mine:
+                raise CheckpointError(f"tied embeddings: the checkpoint has no {WORD_EMBEDDINGS} for the last "
+                                      "pipeline stage's output layer")
+            stage[OUTPUT_LAYER] = mine[WORD_EMBEDDINGS]
+    return split_tp(stage, tp, tp_rank, gated_prefixes)
+
+
+def embeddings_tied(model_cfg: Any, untie_flag: bool = False) -> bool:
+    """Whether the LLM shares its word embeddings with its output layer: model.json's text_decoder key wins (as
+    MindSpeed-MM's model config does), else the job's --untie-embeddings-and-output-weights (Megatron: tied)."""
+    value = getattr(model_cfg.text_decoder, "untie_embeddings_and_output_weights", None)
+    return not (untie_flag if value is None else bool(value))
 
 
 def gated_prefixes_of(model_cfg: Any, swiglu: bool) -> tuple[str, ...]:
@@ -220,7 +250,9 @@ def load_for_part(ctx: Any, load: Callable[..., Any], load_dir: Any, args: Any, 
               else list(ctx.parts.decoder_layers))
     model = part_state(whole, ctx.part, tp=ps.get_tensor_model_parallel_world_size(),
                        tp_rank=ps.get_tensor_model_parallel_rank(), layers=layers,
-                       pp_rank=ps.get_pipeline_model_parallel_rank(), gated_prefixes=gated)
+                       pp_rank=ps.get_pipeline_model_parallel_rank(), gated_prefixes=gated,
+                       tied=embeddings_tied(args.mm.model, bool(getattr(args, "untie_embeddings_and_output_weights",
+                                                                         False))))
     from megatron.training.checkpointing import CheckpointType
 
     if ctx.is_part_leader:

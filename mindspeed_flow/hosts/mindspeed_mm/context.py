@@ -15,9 +15,10 @@ Flow groups built beside them (collectively, on every rank):
   gradient norm and the one found-inf decision. A frozen encoder is not in it, so it never waits on the decoder's
   optimizer and runs ahead (Megatron's per-iteration log gathers
   every rank's timers, which bounds the lead to about one step).
-- `payload_group` and `header_group`: the bridge ranks (tensor-parallel rank 0 of each encoder replica and of
-  each decoder first-stage replica) on the job's backend for the embeddings and gradients, and on gloo for the
-  headers that check each of them against the plan (`transport.PlannedTransport`).
+- `embedding_group`, `gradient_group` and `header_group`: the bridge ranks (tensor-parallel rank 0 of each encoder
+  replica and of each decoder first-stage replica), on the job's backend once per direction (device backends run
+  one communicator's point-to-point operations in order: see `transport`), and on gloo for the headers that check
+  each payload against the plan (`transport.PlannedTransport`).
 """
 from __future__ import annotations
 
@@ -49,10 +50,13 @@ class FlowContext:
     parts: FlowParts
     rank: int
     reduce_group: Any = None
-    payload_group: Any = None  # bridge ranks on the job's backend (HCCL / NCCL; gloo under emulation)
+    embedding_group: Any = None  # bridge ranks on the job's backend (HCCL / NCCL), encoder -> decoder payloads
+    gradient_group: Any = None  # the same ranks, decoder -> encoder payloads (a communicator per direction)
     header_group: Any = None  # bridge ranks on gloo: the small headers that check each payload against the plan
+    device: Any = None  # where the job's tensors live (the NPU; set once the device is chosen)
     timer: Any = None  # the running step's PartTimer (busy/wait seconds)
     counters: dict[str, float] = field(default_factory=dict)
+    pending_stats: Any = None  # the last step's device-side token count and part timings, read at log time
 
     @staticmethod
     def for_this_process(parts: FlowParts) -> "FlowContext":
@@ -87,6 +91,14 @@ class FlowContext:
     @property
     def is_part_leader(self) -> bool:
         return self.rank == self.parts.offset(self.part)
+
+    def describe(self, rank: int) -> str:
+        """'rank 3 (decoder dp0 pp1 tp0)': how messages name a rank."""
+        part = self.parts.part_of(rank).name
+        c = self.parts.coords(rank)
+        lay = self.parts.part(part)
+        where = f"dp{c['dp']}" + (f" pp{c['pp']}" if lay.pp > 1 else "") + (f" tp{c['tp']}" if lay.tp > 1 else "")
+        return f"rank {rank} ({'encoder' if part == ENCODER else 'decoder'} {where})"
 
     def producers(self) -> list[int]:
         """Encoder bridge ranks: TP rank 0 of each encoder DP replica, in DP order."""
@@ -157,7 +169,8 @@ class FlowContext:
                      if lay.name == BACKBONE or self.parts.encoder_trainable for r in self.parts.ranks(lay.name)]
         self.reduce_group = dist.new_group(trainable)
         bridge = sorted(set(self.producers()) | set(self.consumers()))
-        self.payload_group = dist.new_group(bridge)
+        self.embedding_group = dist.new_group(bridge)
+        self.gradient_group = dist.new_group(bridge)
         self.header_group = dist.new_group(bridge, backend="gloo")
 
     def check_groups(self) -> dict[str, list[int]]:

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from mindspeed_flow.hosts.mindspeed_mm import checkpoint as ck
-from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, ModelShape, even_split, load_flow_job
+from mindspeed_flow.hosts.mindspeed_mm.recipe import (FlowRecipeError, ModelShape, decoder_layers, even_split,
+                                                      load_flow_job)
 from mindspeed_flow.topology import PartLayout
 
 
@@ -65,12 +66,13 @@ def _folder(module: str | None, tp_rank: int, pp_rank: int, pp: int) -> str:
 
 
 def convert(*, to: str, load: Path, save: Path, model_json: Path, recipe: Path, swiglu: bool,
-            tp: int = 1, pp: int = 1) -> list[str]:
+            tp: int = 1, pp: int = 1, untie: bool = False) -> list[str]:
     """Convert; returns the folders written. Raises CheckpointError / FlowRecipeError with the reason."""
     if save.exists():
         raise ck.CheckpointError(f"--save {save} exists: a conversion never writes over an earlier checkpoint")
     model_cfg = _namespace(json.loads(model_json.read_text()))
     gated = ck.gated_prefixes_of(model_cfg, swiglu)
+    tied = ck.embeddings_tied(model_cfg, untie)
     shape = ModelShape.from_model_json(model_json)
     job = load_flow_job(recipe)
     # Layouts only: the batch rules of build_parts belong to a job, not to checkpoint files.
@@ -85,11 +87,12 @@ def convert(*, to: str, load: Path, save: Path, model_json: Path, recipe: Path, 
         whole, args = ck.read_whole(iter_dir, None, gated)
         for part, module in (("encoder", "image_encoder"), ("backbone", "text_decoder")):
             lay = layouts[part]
-            layers = [shape.vit_layers] if part == "encoder" else list(even_split(shape.llm_layers, lay.pp))
+            layers = [shape.vit_layers] if part == "encoder" else list(decoder_layers(job, shape.llm_layers,
+                                                                                      recipe.name))
             for pp_rank in range(lay.pp):
                 for tp_rank in range(lay.tp):
                     state = ck.part_state(whole, part, tp=lay.tp, tp_rank=tp_rank, layers=layers, pp_rank=pp_rank,
-                                          gated_prefixes=gated)
+                                          gated_prefixes=gated, tied=tied)
                     folder = _folder(module, tp_rank, pp_rank, lay.pp)
                     _write(save, iteration, release, folder, state, args)
                     written.append(folder)
@@ -108,7 +111,7 @@ def convert(*, to: str, load: Path, save: Path, model_json: Path, recipe: Path, 
         for pp_rank in range(pp):
             for tp_rank in range(tp):
                 state = ck.part_state(whole, "backbone", tp=tp, tp_rank=tp_rank, layers=text_layers,
-                                      pp_rank=pp_rank, gated_prefixes=gated)
+                                      pp_rank=pp_rank, gated_prefixes=gated, tied=tied)
                 if pp_rank == 0:
                     state.update(ck.part_state(whole, "encoder", tp=tp, tp_rank=tp_rank, layers=[shape.vit_layers],
                                                pp_rank=0, gated_prefixes=gated))
@@ -130,13 +133,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--mm-model", required=True, type=Path)
     p.add_argument("--flow-recipe", required=True, type=Path)
     p.add_argument("--swiglu", action="store_true", help="the job's LLM MLP is gated (the job runs --swiglu)")
+    p.add_argument("--untie-embeddings-and-output-weights", dest="untie", action="store_true",
+                   help="the job runs with untied embeddings (model.json's text_decoder key wins when present)")
     p.add_argument("--tp", type=int, default=1, help="coupled target tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="coupled target pipeline-parallel size")
     a = p.parse_args(argv)
     _ensure_megatron_importable()
     try:
         written = convert(to=a.to, load=a.load, save=a.save, model_json=a.mm_model, recipe=a.flow_recipe,
-                          swiglu=a.swiglu, tp=a.tp, pp=a.pp)
+                          swiglu=a.swiglu, tp=a.tp, pp=a.pp, untie=a.untie)
     except (ck.CheckpointError, FlowRecipeError, OSError) as err:
         print(f"mindspeed-flow convert-checkpoint: {err}", file=sys.stderr)
         return 2

@@ -7,12 +7,23 @@ metadata alone (text length, `image_grid_thw`) with `plan_decoupled_step`: the p
 to (decoder DP rank, microbatch) by LLM cost, and the encoder-side balance gives each encoder replica its images in
 the order the decoder consumes them. All ranks compute the same plan, so no rank asks another what to do.
 
+Epochs: the loader is cycled exactly as MindSpeed-MM's own `build_iterations` cycles it (a finished pass starts the
+next one, whose order the sampler derives from the samples consumed so far), so a global batch that straddles an
+epoch boundary holds the same samples as in the unpatched job. The sampler sees one replica holding whole batches,
+which equals the unpatched job's union over its DP ranks whenever the data set's size leaves the same remainder
+modulo --micro-batch-size as modulo --micro-batch-size x DP (MindSpeed-MM's sampler drops that remainder per
+epoch); on resume the sampler starts at `--consumed-train-samples` as in the unpatched job.
+
 Decoder microbatches keep per-sample boundaries as rows: a microbatch of k samples is a [k, longest] batch with
-right padding, its attention mask and -100 labels on padding, which MindSpeed-MM's Qwen2.5-VL path masks
+right padding (to a multiple of the tensor-parallel size under sequence parallelism, which splits the sequence
+over TP ranks), its attention mask and -100 labels on padding, which MindSpeed-MM's Qwen2.5-VL path masks
 (causal + padding mask, per-row mrope positions). MindSpeed-MM's remove-padding path (`use_remove_padding`) derives
 sequence starts from position ids but its Megatron LLM attention only runs the TND varlen kernel when it gets
 `packed_seq_params`, which this path never builds, so single-row packing would let samples attend to each other:
 rows are the exact choice here.
+
+Each sample also keeps what the job's loss definition needs to weigh it the way the unpatched job does: its own
+loss tokens, and the loader batch (the unpatched job's microbatch) it came in with its token and sample counts.
 
 Weak on purpose: every rank reads the whole global batch (pixels included) through MindSpeed-MM's dataset; a
 metadata index would let decoder ranks skip pixels and encoder ranks skip text.
@@ -20,7 +31,7 @@ metadata index would let decoder ranks skip pixels and encoder ranks skip text.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
@@ -30,6 +41,12 @@ from mindspeed_flow.runtime.plan import StepWork, plan_decoupled_step
 from mindspeed_flow.topology import Bridge
 
 IGNORE_INDEX = -100
+# Batch keys of the video path (MindSpeed-MM's get_batch renames them to pixel_values / image_grid_thw).
+VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw")
+
+
+class FlowDataError(ValueError):
+    """A batch the flow job cannot train as the unpatched job would; the message names the sample and the rule."""
 
 
 class WholeBatchView:
@@ -50,6 +67,10 @@ class FlowSample:
     pixel_values: Optional[torch.Tensor]  # [patches, C] or None
     image_grid_thw: Optional[torch.Tensor]  # [images, 3] or None
     image_tokens: int
+    loss_tokens: int = 0  # tokens whose (shifted) label counts in the loss
+    batch_index: int = 0  # the loader batch (the unpatched job's microbatch) this sample came in
+    batch_loss_tokens: int = 0  # loss tokens of that whole loader batch
+    batch_samples: int = 1  # samples in that loader batch
 
     def shape(self, merge_size: int) -> SampleShape:
         grids = tuple(tuple(int(v) for v in g) for g in self.image_grid_thw) if self.image_grid_thw is not None \
@@ -71,8 +92,13 @@ class FlowStep:
 
 
 def split_batch(batch: dict[str, Any], first_id: int, vision_start_id: int, image_token_id: int,
-                merge_size: int) -> list[FlowSample]:
+                merge_size: int, batch_index: int = 0) -> list[FlowSample]:
     """Cut a collated MindSpeed-MM batch ([b, s], right padding) back into its samples."""
+    videos = [k for k in VIDEO_KEYS if batch.get(k) is not None]
+    if videos:
+        raise FlowDataError(f"samples {first_id}-{first_id + int(batch['input_ids'].shape[0]) - 1} carry video "
+                            f"({', '.join(videos)}): a flow job decouples images only; train video samples with the "
+                            "unpatched job (drop --flow-recipe) or remove them from the data set")
     ids, labels, mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
     pixels, grids = batch.get("pixel_values"), batch.get("image_grid_thw")
     out, img_ptr, pix_ptr = [], 0, 0
@@ -90,13 +116,30 @@ def split_batch(batch: dict[str, Any], first_id: int, vision_start_id: int, imag
         if grid is not None and image_tokens != int(grid.prod(dim=1).sum()) // (merge_size * merge_size):
             raise ValueError(f"sample {first_id + b}: {image_tokens} image tokens but image_grid_thw "
                              f"{grid.tolist()} gives {int(grid.prod(dim=1).sum()) // merge_size ** 2}")
-        out.append(FlowSample(first_id + b, sample_ids, sample_labels, pix, grid, image_tokens))
+        loss_tokens = int((sample_labels[1:] != IGNORE_INDEX).sum())
+        out.append(FlowSample(first_id + b, sample_ids, sample_labels, pix, grid, image_tokens, loss_tokens,
+                              batch_index))
+    batch_tokens = sum(s.loss_tokens for s in out)
+    for s in out:
+        s.batch_loss_tokens, s.batch_samples = batch_tokens, len(out)
     return out
 
 
-def collate_rows(samples: list[FlowSample], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """A decoder microbatch: one row per sample, right-padded to the longest, padding masked out of the loss."""
-    length = max(int(s.input_ids.numel()) for s in samples)
+def padded_length(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple if multiple > 1 else length
+
+
+def collate_rows(samples: list[FlowSample], pad_id: int = 0, pad_multiple: int = 1) -> dict[str, torch.Tensor]:
+    """A decoder microbatch: one row per sample, right-padded to the longest (rounded up to `pad_multiple`),
+    padding masked out of the loss. An empty microbatch (the plan gave this DP rank fewer samples than
+    microbatches) is one padding row that attends to itself and carries no loss, so every rank still runs the
+    schedule's microbatch count."""
+    if not samples:
+        length = padded_length(1, pad_multiple)
+        return {"input_ids": torch.full((1, length), pad_id, dtype=torch.long),
+                "labels": torch.full((1, length), IGNORE_INDEX, dtype=torch.long),
+                "attention_mask": torch.ones((1, length), dtype=torch.long)}
+    length = padded_length(max(int(s.input_ids.numel()) for s in samples), pad_multiple)
     ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
     labels = torch.full((len(samples), length), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((len(samples), length), dtype=torch.long)
@@ -110,14 +153,28 @@ def collate_rows(samples: list[FlowSample], pad_id: int = 0) -> dict[str, torch.
     return batch
 
 
+def cycle_passes(loader: Iterable[Any]) -> Iterator[Any]:
+    """Endless passes over `loader`, as MindSpeed-MM's `build_iterations(..., iterator_type="cyclic")` makes them:
+    each pass calls `iter(loader)` again, so the sampler starts its next epoch where the samples consumed say."""
+    while True:
+        yielded = False
+        for batch in loader:
+            yielded = True
+            yield batch
+        if not yielded:
+            raise FlowDataError("the training data loader yielded no batch in a whole pass (data set smaller than "
+                                "one micro-batch, or every sample filtered out?)")
+
+
 class FlowStepSource:
     """Yields one `FlowStep` per iteration from MindSpeed-MM's loader over the whole global batch."""
 
     def __init__(self, loader: Any, *, global_batch_size: int, micro_batch_size: int, bridge: Bridge,
                  token_budget: int, cost_model: CostModel, scheduler: str, min_microbatches: int,
-                 oversize_policy: str, vision_start_id: int, image_token_id: int, merge_size: int) -> None:
+                 oversize_policy: str, vision_start_id: int, image_token_id: int, merge_size: int,
+                 first_step: int = 0) -> None:
         self.loader = loader
-        self._it = iter(loader)
+        self._it = cycle_passes(loader)
         self.batches_per_step = global_batch_size // micro_batch_size
         self.bridge = bridge
         self.token_budget = token_budget
@@ -128,16 +185,19 @@ class FlowStepSource:
         self.vision_start_id = vision_start_id
         self.image_token_id = image_token_id
         self.merge_size = merge_size
-        self.step = 0
+        # The iteration this step is (after a resume: the checkpoint's), so step numbers on the wire and in
+        # messages match an uninterrupted run.
+        self.step = first_step
 
     def __iter__(self) -> Iterator[FlowStep]:
         return self
 
     def __next__(self) -> FlowStep:
         samples: list[FlowSample] = []
-        for _ in range(self.batches_per_step):
+        for index in range(self.batches_per_step):
             batch = next(self._it)
-            samples += split_batch(batch, len(samples), self.vision_start_id, self.image_token_id, self.merge_size)
+            samples += split_batch(batch, len(samples), self.vision_start_id, self.image_token_id, self.merge_size,
+                                   batch_index=index)
         shapes = [s.shape(self.merge_size) for s in samples]
         work = plan_decoupled_step(self.step, shapes, bridge=self.bridge, token_budget=self.token_budget,
                                    cost_model=self.cost_model, scheduler=self.scheduler,

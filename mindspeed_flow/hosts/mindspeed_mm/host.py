@@ -18,7 +18,8 @@ import torch
 
 from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext
 from mindspeed_flow.hosts.mindspeed_mm.data import FlowStepSource, WholeBatchView
-from mindspeed_flow.hosts.mindspeed_mm.schedule import DecoderStep, EncoderStep, finalize_with_global_tokens
+from mindspeed_flow.hosts.mindspeed_mm.schedule import (DecoderStep, EncoderStep, finalize_with_global_tokens, loss_mode,
+                                                        read_pending_stats)
 from mindspeed_flow.hosts.mindspeed_mm.transport import PlannedTransport
 from mindspeed_flow.packing import CostModel
 from mindspeed_flow.topology import Bridge
@@ -120,6 +121,8 @@ class FlowHost:
             loader = build_mm_dataloader(train, data_cfg.dataloader_param, process_group=WholeBatchView(),
                                          dataset_param=data_cfg.dataset_param,
                                          consumed_samples=args.consumed_train_samples)
+            # After a resume Megatron has set args.iteration (and the sampler starts at consumed_train_samples).
+            first_step = int(getattr(args, "iteration", 0) or 0)
             packing = ctx.parts.packing
             source = FlowStepSource(
                 loader, global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
@@ -128,7 +131,8 @@ class FlowHost:
                 min_microbatches=ctx.parts.part("backbone").pp, oversize_policy=packing.oversize_policy,
                 vision_start_id=int(model_cfg.vision_start_token_id),
                 image_token_id=int(model_cfg.img_context_token_id),
-                merge_size=int(_cfg(model_cfg.image_encoder.vision_encoder, "spatial_merge_size", 2)))
+                merge_size=int(_cfg(model_cfg.image_encoder.vision_encoder, "spatial_merge_size", 2)),
+                first_step=first_step)
             return source, None, None
 
         flow_dataset_provider.is_distributed = True  # every rank builds it (MindSpeed-MM sets the same)
@@ -147,8 +151,9 @@ class FlowHost:
         ctx = self.ctx
 
         def make() -> PlannedTransport:
-            return PlannedTransport(rank=ctx.rank, payload_group=ctx.payload_group, header_group=ctx.header_group,
-                                    device=device, timeout_s=ctx.parts.timeout_s)
+            return PlannedTransport(rank=ctx.rank, embedding_group=ctx.embedding_group,
+                                    gradient_group=ctx.gradient_group, header_group=ctx.header_group,
+                                    device=device, timeout_s=ctx.parts.timeout_s, describe=ctx.describe)
 
         return make
 
@@ -161,15 +166,22 @@ class FlowHost:
             from megatron.training import get_args
 
             args = get_args()
-            # Where the job's tensors live: the NPU (transfer_to_npu maps .cuda()), or the host under emulation.
+            # Where the job's tensors live: the current NPU (transfer_to_npu maps .cuda() to it), chosen by
+            # Megatron's initialisation before the first step.
             device = torch.zeros(1).cuda().device
+            self.ctx.device = device
             factory = self._transport_factory(device)
             # The projector maps the ViT into the LLM's hidden size: that is the embedding width on the wire.
             hidden = int(args.mm.model.text_decoder.hidden_size)
             if self.ctx.is_encoder:
-                self._step = EncoderStep(self.ctx, factory, hidden)
+                self._step = EncoderStep(self.ctx, factory, hidden, args.params_dtype)
             else:
-                self._step = DecoderStep(self.ctx, megatron_fbf, factory, hidden, args.params_dtype)
+                tp = self.ctx.layout.tp
+                self._step = DecoderStep(
+                    self.ctx, megatron_fbf, factory, hidden, args.params_dtype, loss=loss_mode(args),
+                    # Sequence parallelism splits each row's sequence over the TP ranks.
+                    pad_multiple=tp if tp > 1 and getattr(args, "sequence_parallel", False) else 1,
+                    loader_batches=args.global_batch_size // args.micro_batch_size)
         step = self._step
         if isinstance(step, DecoderStep):
             step.megatron_fbf = megatron_fbf
@@ -192,6 +204,7 @@ class FlowHost:
 
         if dist.get_rank() != dist.get_world_size() - 1:
             return
+        read_pending_stats(self.ctx)
         c = self.ctx.counters
         parts = []
         if self.ctx.parts.encoder_trainable:

@@ -36,6 +36,28 @@ class FlowRecipeError(ValueError):
     """A flow recipe (or its pairing with the job) that cannot run; the message names the field and the rule."""
 
 
+# The models the host trains decoupled (model.json `model_id`s), each part tested end to end against the unpatched
+# job. Anything else is refused before a process group exists, with the reason.
+SUPPORTED_MODEL_IDS = {
+    "model_id": ("qwen2_5vl",),
+    "image_encoder.vision_encoder.model_id": ("qwen2vit", "qwen2_5_vit"),
+    "image_encoder.vision_projector.model_id": ("lnmlp",),
+    "text_decoder.model_id": ("qwen2_5_lm",),
+}
+# Why a known but unsupported family is refused (the ViT / LLM ids MindSpeed-MM ships that the host cannot take).
+_UNSUPPORTED_WHY = {
+    "qwen3vit": "Qwen3-VL's ViT returns deepstack features beside the embeddings; the flow transport carries one "
+                "embedding tensor per sample",
+    "clip": "InternVL's ViT takes no image_grid_thw; the flow planner needs each image's patch grid",
+    "glm4v_vit": "GLM-4V's ViT is not tested as a flow part",
+    "videoalign_vit": "the video-align ViT is not tested as a flow part",
+    "qwen3_lm": "Qwen3 LLM decoders are not tested as a flow part",
+    "glm4v_lm": "GLM-4V's LLM is not tested as a flow part",
+}
+SUPPORTED_SCRIPTS = ("pretrain_vlm.py",)
+SUPPORTED_SAMPLERS = ("BaseRandomBatchSampler",)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the layout is checked against, read from the job's model.json."""
@@ -56,6 +78,9 @@ class ModelShape:
             llm = cfg["text_decoder"]
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise FlowRecipeError(f"--mm-model {path}: cannot read the image_encoder/text_decoder sections ({err})")
+        problems = unsupported_model(cfg)
+        if problems:
+            raise FlowRecipeError(f"--mm-model {path}: " + "; ".join(problems))
         # MindSpeed-MM's defaults (pretrain_vlm._apply_freezing): the ViT is frozen unless it says otherwise, the
         # projector trains unless it says otherwise.
         trainable = not (vit.get("freeze", True) and proj.get("freeze", False))
@@ -143,10 +168,47 @@ def _unsupported(job: FlowJobConfig) -> list[str]:
     if par.encoder.pp != 1:
         out.append(f"parallel.encoder.pp={par.encoder.pp}: the image-encoder part runs data/tensor parallel only "
                    "(pp must be 1)")
-    if par.backbone.layer_split is not None:
-        out.append(f"parallel.backbone.layer_split={list(par.backbone.layer_split)}: the decoder's stages come from "
-                   "the job's own --pipeline-num-layers / model.json pipeline_num_layers (leave it null)")
     return out
+
+
+def unsupported_model(cfg: dict) -> list[str]:
+    """Why model.json describes a model the host cannot train decoupled (empty when it can)."""
+    out = []
+    for dotted, allowed in SUPPORTED_MODEL_IDS.items():
+        node: object = cfg
+        for key in dotted.split("."):
+            node = node.get(key) if isinstance(node, dict) else None
+        if node not in allowed:
+            why = _UNSUPPORTED_WHY.get(str(node), "not a model the flow host supports")
+            out.append(f"{dotted}={node!r}: {why} (supported: {', '.join(allowed)})")
+    if cfg.get("audio_encoder"):
+        out.append("audio_encoder: an audio encoder would be a third part; the MindSpeed-MM flow host runs the image "
+                   "encoder and the text decoder only (Qwen2.5-Omni trains decoupled on the torch host)")
+    llm = cfg.get("text_decoder") or {}
+    for key in ("num_moe_experts", "num_experts", "moe_router_topk"):
+        if llm.get(key):
+            out.append(f"text_decoder.{key}={llm[key]}: MoE decoders (expert parallelism) are not supported by the "
+                       "flow host")
+            break
+    if llm.get("use_remove_padding"):
+        out.append("text_decoder.use_remove_padding=true: the flow decoder feeds one row per sample and never "
+                   "packs samples into one row; set it to false")
+    return out
+
+
+def decoder_layers(job: FlowJobConfig, llm_layers: int, recipe_name: str = "FLOW.yaml") -> tuple[int, ...]:
+    """LLM layers per decoder pipeline stage: `parallel.backbone.layer_split` when given (an uneven split, e.g.
+    what `mindspeed-flow plan` chose), else an even split with the remainder on the later stages."""
+    pp = job.parallel.backbone.pp
+    split = job.parallel.backbone.layer_split
+    if split is None:
+        return even_split(llm_layers, pp)
+    split = tuple(split)
+    if len(split) != pp or any(not isinstance(n, int) or n < 1 for n in split) or sum(split) != llm_layers:
+        raise FlowRecipeError(f"{recipe_name}: parallel.backbone.layer_split={list(split)}: needs one entry per "
+                              f"decoder pipeline stage (pp={pp}), each >= 1, summing to the LLM's {llm_layers} "
+                              "layers")
+    return split
 
 
 def load_flow_job(path: str | Path) -> FlowJobConfig:
@@ -223,7 +285,7 @@ def build_parts(job: FlowJobConfig, *, world_size: int, model: ModelShape, globa
         raise FlowRecipeError(f"{recipe_name}: packing.oversize_policy={job.packing.oversize_policy!r}: "
                               "'error' or 'skip'")
     return FlowParts(layouts, job.packing, float(job.flow.timeout_s),
-                     model.encoder_trainable, even_split(model.llm_layers, bb.pp))
+                     model.encoder_trainable, decoder_layers(job, model.llm_layers, recipe_name))
 
 
 def argv_value(argv: list[str], flag: str, default: Optional[str] = None) -> Optional[str]:
@@ -237,13 +299,59 @@ def argv_value(argv: list[str], flag: str, default: Optional[str] = None) -> Opt
     return value
 
 
-def parts_for_job(recipe_path: str | Path, argv: list[str], world_size: int) -> FlowParts:
-    """Everything the launcher checks before MindSpeed is imported: recipe x job flags x world x model.json."""
+def check_job_flags(argv: list[str], script: Optional[str] = None) -> None:
+    """The job's own entry script and flags the flow host cannot honour (each refused with the reason)."""
+    if script is not None and Path(script).name not in SUPPORTED_SCRIPTS:
+        raise FlowRecipeError(f"{Path(script).name}: a flow job runs MindSpeed-MM's Megatron VLM entry "
+                              f"({', '.join(SUPPORTED_SCRIPTS)}); other entry scripts (pretrain_transformers.py, "
+                              "pretrain_omni.py, the FSDP2 trainer, ...) are not supported yet")
+    cp = int(argv_value(argv, "--context-parallel-size", "1") or 1)
+    if cp > 1:
+        raise FlowRecipeError(f"--context-parallel-size {cp}: flow parts run without context parallelism; set 1 "
+                              "(each part's layout comes from the flow recipe)")
+    ep = int(argv_value(argv, "--expert-model-parallel-size", "1") or 1)
+    if ep > 1:
+        raise FlowRecipeError(f"--expert-model-parallel-size {ep}: expert parallelism (MoE) is not supported by the "
+                              "flow host")
+    if argv_value(argv, "--save") or argv_value(argv, "--load"):
+        fmt = argv_value(argv, "--ckpt-format", "torch_dist")
+        if fmt != "torch":
+            raise FlowRecipeError(f"--ckpt-format {fmt}{' (Megatron default)' if '--ckpt-format' not in argv else ''}"
+                                  ": a flow job saves and loads Megatron's torch format (per-part rank folders); "
+                                  "add --ckpt-format torch")
+
+
+def check_data_json(path: str | Path) -> None:
+    """Data the flow host cannot train as the unpatched job does: video samples, untested samplers."""
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise FlowRecipeError(f"--mm-data {path}: cannot read it ({err})")
+    attr = ((cfg.get("dataset_param") or {}).get("attr") or {})
+    if attr.get("videos"):
+        raise FlowRecipeError(f"--mm-data {path}: dataset_param.attr.videos={attr['videos']!r}: video samples "
+                              "(pixel_values_videos, video_grid_thw) are not decoupled yet; train them with the "
+                              "unpatched job or drop the videos column")
+    loader = cfg.get("dataloader_param") or {}
+    sampler = loader.get("sampler_type")
+    if sampler not in SUPPORTED_SAMPLERS:
+        raise FlowRecipeError(f"--mm-data {path}: dataloader_param.sampler_type={sampler!r}: the flow job reproduces "
+                              f"the unpatched job's global batches for {', '.join(SUPPORTED_SAMPLERS)} only")
+
+
+def parts_for_job(recipe_path: str | Path, argv: list[str], world_size: int,
+                  script: Optional[str] = None) -> FlowParts:
+    """Everything the launcher checks before MindSpeed is imported: entry x flags x recipe x world x model.json x
+    data.json."""
+    check_job_flags(argv, script)
     job = load_flow_job(recipe_path)
     model_json = argv_value(argv, "--mm-model")
     if not model_json:
         raise FlowRecipeError("the job has no --mm-model: a flow job needs MindSpeed-MM's model.json")
     model = ModelShape.from_model_json(model_json)
+    data_json = argv_value(argv, "--mm-data")
+    if data_json:
+        check_data_json(data_json)
     gbs = int(argv_value(argv, "--global-batch-size", "0") or 0)
     mbs = int(argv_value(argv, "--micro-batch-size", "1") or 1)
     if gbs < 1:

@@ -3,20 +3,33 @@
 MindSpeed-MM's `train_step` calls `get_forward_backward_func()(...)`, then `optimizer.step()`. The flow patches
 hand each part its own forward-backward function:
 
-- encoder ranks (`EncoderStep`): take the step's plan, run the ViT + projector on their images in the decoder's
-  consumption order and send each sample's embedding (`transport.PlannedTransport`) as soon as it exists (the decoder starts while
-  later images are still encoding); then wait for each embedding's gradient and run backward with it (a frozen
-  encoder sends nothing back and never waits). Tensor-parallel peers get the gradient by a TP broadcast.
+- encoder ranks (`EncoderStep`): take the step's plan, run the ViT + projector on their images (moved to the
+  device in the job's dtype, as MindSpeed-MM's `get_batch` does) in the decoder's consumption order and send each
+  sample's embedding (`transport.PlannedTransport`) as soon as it exists (the decoder starts while later images
+  are still encoding); then wait for each embedding's gradient and run backward with it (a frozen encoder sends
+  nothing back and never waits). Every backward but the last runs under the model's `no_sync` (as Megatron's
+  schedules do for all but the last microbatch), so `--overlap-grad-reduce` launches each bucket's reduction once.
+  Tensor-parallel peers get the gradient by a TP broadcast.
 - decoder ranks (`DecoderStep`): Megatron's own schedule (1F1B when PP > 1) over this DP rank's planned
   microbatches; before each first-stage forward the microbatch's embeddings are taken from the receives posted
-  at the step's start (TP rank 0 receives, TP peers get a broadcast) and become `VLMModel.input_tensor`, the `vit_embeds` input path; a gradient
-  hook returns d(loss)/d(embedding) to each producer the moment autograd computes it.
-- both: `finalize_model_grads` reduces each part over its own DP group; with `--calculate-per-token-loss` the
-  token count is summed over the decoder's last stage across parts (`reduce_group`) so every part scales by the
-  global count; the optimizer's gradient norm is the global norm over every trainable part (see patches).
+  at the step's start (TP rank 0 receives, TP peers get a broadcast) and become `VLMModel.input_tensor`, the
+  `vit_embeds` input path; a gradient hook returns d(loss)/d(embedding) to each producer the moment autograd
+  computes it.
+- the loss: the planner regroups samples into new microbatches, so each sample's loss is weighed to give the
+  unpatched job's objective whatever the grouping: with `--calculate-per-token-loss` the token count is summed over
+  the decoder's last stage across parts (`reduce_group`) and every part scales by the global count; otherwise
+  (MindSpeed-MM's default, the mean of each loader micro-batch's token mean, or `--calculate-per-sample-loss`)
+  the model returns per-token losses and `weighted_loss` sums them with the per-sample weights the unpatched
+  job's definition gives (`loss_weights`).
+- both: `finalize_model_grads` reduces each part over its own DP group; the optimizer's gradient norm is the
+  global norm over every trainable part (see patches).
+
+Every tensor that meets a device collective or the model lives on the device (`ctx.device`); host tensors carry
+only plan metadata and the gloo headers.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Any, Callable, Iterator, Optional
@@ -25,8 +38,10 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext
-from mindspeed_flow.hosts.mindspeed_mm.data import FlowStep, collate_rows
-from mindspeed_flow.hosts.mindspeed_mm.transport import KIND_EMBEDDING, KIND_GRAD, PlannedTransport
+from mindspeed_flow.hosts.mindspeed_mm.data import FlowSample, FlowStep, collate_rows
+from mindspeed_flow.hosts.mindspeed_mm.transport import KIND_EMBEDDING, KIND_GRAD, Item, PlannedTransport
+
+LOSS_TOKEN, LOSS_MICROBATCH, LOSS_SAMPLE = "token", "microbatch", "sample"
 
 
 def _unwrap(model: Any) -> Any:
@@ -35,17 +50,12 @@ def _unwrap(model: Any) -> Any:
     return model
 
 
-def _tp_group_and_src() -> tuple[Any, int, int]:
+def _tp_broadcast(tensor: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state as ps
 
-    group = ps.get_tensor_model_parallel_group()
-    return group, ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_src_rank()
-
-
-def _tp_broadcast(tensor: torch.Tensor) -> torch.Tensor:
-    group, size, src = _tp_group_and_src()
-    if size > 1:
-        dist.broadcast(tensor, src=src, group=group)
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        dist.broadcast(tensor, src=ps.get_tensor_model_parallel_src_rank(),
+                       group=ps.get_tensor_model_parallel_group())
     return tensor
 
 
@@ -64,23 +74,56 @@ class PartTimer:
         return max(total - self.wait, 0.0), self.wait
 
 
+# ------------------------------------------------------------------------------------------ plan orders
+
+
 def _image_samples(step: FlowStep, ids: list[int]) -> list[int]:
     return [sid for sid in ids if step.samples[sid].image_tokens > 0]
 
 
-def return_order(step: FlowStep, consumer_dp: int) -> list[int]:
-    """The order in which a decoder replica returns gradients: its microbatches in order, rows in order."""
-    return _image_samples(step, [sid for ids in step.microbatches(consumer_dp) for sid in ids])
+def slot_positions(step: FlowStep) -> dict[int, tuple[int, int, int]]:
+    """sample id -> (microbatch slot, decoder DP rank, row in the microbatch)."""
+    return {sid: (k, d, row) for d, row_mbs in enumerate(step.work.plan.microbatches)
+            for k, mb in enumerate(row_mbs) for row, sid in enumerate(mb.sample_ids)}
+
+
+def embedding_order(step: FlowStep, producers: list[int]) -> list[int]:
+    """Every embedding of the step in one global order: slot, then producer, then the producer's own order.
+
+    Each producer's encode order is slot-major, so it is this order restricted to the producer; a consumer posts
+    its receives in this order restricted to itself (see transport: one global order per direction)."""
+    slots = slot_positions(step)
+    key = {}
+    for p_index, producer in enumerate(producers):
+        for pos, sid in enumerate(_image_samples(step, step.work.encode_order.get(producer, []))):
+            key[sid] = (slots[sid][0], p_index, pos)
+    return sorted(key, key=key.__getitem__)
+
+
+def gradient_order(step: FlowStep, consumers: list[int]) -> list[int]:
+    """Every embedding gradient of the step in one global order: slot, then consumer, then row.
+
+    A consumer returns a microbatch's gradients in row order during that microbatch's backward, and every
+    schedule runs the backward of its microbatches in order, so each consumer sends in this order."""
+    slots = slot_positions(step)
+    index = {c: i for i, c in enumerate(consumers)}
+    ids = [sid for sid in slots if step.samples[sid].image_tokens > 0]
+    return sorted(ids, key=lambda sid: (slots[sid][0], index[step.work.consumer_of[sid]], slots[sid][2]))
+
+
+# ------------------------------------------------------------------------------------------ encoder
 
 
 class EncoderStep:
     """The encoder part's forward-backward function (Megatron's fbf signature)."""
 
-    def __init__(self, ctx: FlowContext, transport_factory: Callable[[], PlannedTransport], hidden: int) -> None:
+    def __init__(self, ctx: FlowContext, transport_factory: Callable[[], PlannedTransport], hidden: int,
+                 dtype: torch.dtype) -> None:
         self.ctx = ctx
         self._transport_factory = transport_factory
         self.transport: Optional[PlannedTransport] = None
         self.hidden = hidden
+        self.dtype = dtype
 
     def __call__(self, *, forward_step_func: Any = None, data_iterator: Any, model: list, num_microbatches: int,
                  forward_only: bool = False, **_: Any) -> list[dict]:
@@ -93,54 +136,108 @@ class EncoderStep:
         is_leader = ctx.rank == leader
         if is_leader and self.transport is None:
             self.transport = self._transport_factory()
+        config = get_model_config(model[0])
         trainable = ctx.parts.encoder_trainable and not forward_only
         order = _image_samples(step, step.work.encode_order.get(leader, []))
         if trainable and is_leader:
-            # Post the gradient receives now, per consumer in the order it will return them.
-            for dp, consumer in enumerate(ctx.consumers()):
-                items = [(sid, step.samples[sid].image_tokens) for sid in return_order(step, dp)
-                         if step.work.producer_of.get(sid) == leader]
-                self.transport.post_receives(KIND_GRAD, consumer, step.step, items, self.hidden)
+            # Every gradient this replica will get, posted now in the step's global gradient order.
+            items = [Item(step.work.consumer_of[sid], step.step, sid, step.samples[sid].image_tokens)
+                     for sid in gradient_order(step, ctx.consumers()) if step.work.producer_of.get(sid) == leader]
+            self.transport.post_receives(KIND_GRAD, items, self.hidden)
         kept: list[tuple[int, torch.Tensor]] = []
         for sid in order:
             sample = step.samples[sid]
+            pixels = sample.pixel_values.to(device=ctx.device, dtype=self.dtype)
+            grid = sample.image_grid_thw.to(device=ctx.device)
             with torch.set_grad_enabled(trainable):
-                out = model[0](input_ids=None, pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw)
+                out = model[0](input_ids=None, pixel_values=pixels, image_grid_thw=grid)
             if is_leader:
                 self.transport.send(KIND_EMBEDDING, step.work.consumer_of[sid], step.step, sid, out)
             if trainable:
                 kept.append((sid, out))
-        for sid, out in kept:
+        no_sync = _no_sync_context(config)
+        for i, (sid, out) in enumerate(kept):
             if is_leader:
                 since = time.perf_counter()
                 grad = self.transport.receive(KIND_GRAD, step.work.consumer_of[sid], step.step, sid)
                 timer.waited(since)
             else:
-                grad = torch.empty((out.numel() // out.shape[-1], out.shape[-1]), dtype=torch.bfloat16)
+                grad = torch.empty((out.numel() // out.shape[-1], out.shape[-1]), dtype=torch.bfloat16,
+                                   device=ctx.device)
             grad = _tp_broadcast(grad.contiguous())
-            torch.autograd.backward(out, grad.reshape(out.shape).to(out.dtype))
+            # Megatron's schedules run every microbatch but the last under no_sync: with --overlap-grad-reduce a
+            # parameter's gradient may be registered ready only once per step.
+            with (no_sync() if i < len(kept) - 1 else contextlib.nullcontext()):
+                torch.autograd.backward(out, grad.reshape(out.shape).to(out.dtype))
         if self.transport is not None:
             ctx.counters["embedding_bytes_sent"] = float(self.transport.bytes_sent[KIND_EMBEDDING])
-        config = get_model_config(model[0])
         if trainable and config.finalize_model_grads_func is not None:
-            num_tokens = torch.zeros((), dtype=torch.int) if config.calculate_per_token_loss else None
+            num_tokens = torch.zeros((), dtype=torch.int, device=ctx.device) if config.calculate_per_token_loss \
+                else None
             config.finalize_model_grads_func(model, num_tokens)
         # No loss on encoder ranks: one empty dict per step keeps train_step's loss reduction a no-op.
         return [{}]
+
+
+def _no_sync_context(config: Any) -> Callable[[], Any]:
+    fn = config.no_sync_func
+    if fn is None:
+        return contextlib.nullcontext
+    if isinstance(fn, list):
+        def all_chunks() -> Any:
+            stack = contextlib.ExitStack()
+            for f in fn:
+                stack.enter_context(f())
+            return stack
+
+        return all_chunks
+    return fn
+
+
+# ------------------------------------------------------------------------------------------ decoder
+
+
+def loss_mode(args: Any) -> str:
+    if getattr(args, "calculate_per_token_loss", False):
+        return LOSS_TOKEN
+    return LOSS_SAMPLE if getattr(args, "calculate_per_sample_loss", False) else LOSS_MICROBATCH
+
+
+def loss_weights(samples: list[FlowSample], mode: str, loader_batches: int) -> list[float]:
+    """Per sample, the weight of one of its token losses in the unpatched job's objective for one global batch.
+
+    The unpatched job averages the loss of its `loader_batches` loader micro-batches (each divided by the number
+    of microbatches, then averaged over DP). Default mode: a micro-batch's loss is its token mean, so a token of
+    sample s weighs 1 / (tokens of s's micro-batch x loader_batches). Per-sample mode: a micro-batch's loss is the
+    mean over its samples of each sample's token mean, so 1 / (tokens of s x samples of s's micro-batch x
+    loader_batches)."""
+    out = []
+    for s in samples:
+        if mode == LOSS_SAMPLE:
+            denom = max(s.loss_tokens, 1) * s.batch_samples * loader_batches
+        else:
+            denom = max(s.batch_loss_tokens, 1) * loader_batches
+        out.append(1.0 / denom)
+    return out
 
 
 class DecoderStep:
     """The decoder part's forward-backward function: Megatron's schedule over the planned microbatches."""
 
     def __init__(self, ctx: FlowContext, megatron_fbf: Callable[..., Any],
-                 transport_factory: Callable[[], PlannedTransport], embed_dim: int, dtype: torch.dtype) -> None:
+                 transport_factory: Callable[[], PlannedTransport], embed_dim: int, dtype: torch.dtype,
+                 *, loss: str, pad_multiple: int, loader_batches: int) -> None:
         self.ctx = ctx
         self.megatron_fbf = megatron_fbf
         self._transport_factory = transport_factory
         self.transport: Optional[PlannedTransport] = None
         self.embed_dim = embed_dim
         self.dtype = dtype
+        self.loss = loss
+        self.pad_multiple = pad_multiple
+        self.loader_batches = loader_batches
         self.timer: Optional[PartTimer] = None
+        self.num_microbatches = 1
 
     def __call__(self, *, forward_step_func: Any, data_iterator: Any, model: list, num_microbatches: int,
                  **kwargs: Any) -> list[dict]:
@@ -153,13 +250,13 @@ class DecoderStep:
         if ctx.rank in ctx.consumers():
             if self.transport is None:
                 self.transport = self._transport_factory()
-            # Every embedding of this step is posted at once, per producer in its send order: each lands as soon as
-            # it is encoded, while the decoder works on earlier microbatches.
-            for producer, order in step.work.encode_order.items():
-                items = [(sid, step.samples[sid].image_tokens) for sid in _image_samples(step, order)
-                         if step.work.consumer_of.get(sid) == ctx.rank]
-                self.transport.post_receives(KIND_EMBEDDING, producer, step.step, items, self.embed_dim)
+            # Every embedding of this step, posted at once in the step's global embedding order: each lands as
+            # soon as it is encoded, while the decoder works on earlier microbatches.
+            items = [Item(step.work.producer_of[sid], step.step, sid, step.samples[sid].image_tokens)
+                     for sid in embedding_order(step, ctx.producers()) if step.work.consumer_of.get(sid) == ctx.rank]
+            self.transport.post_receives(KIND_EMBEDDING, items, self.embed_dim)
         self.timer = ctx.timer = PartTimer()
+        self.num_microbatches = len(microbatches)
         batches = iter([(step, ids) for ids in microbatches])
         losses = self.megatron_fbf(forward_step_func=forward_step_func, data_iterator=batches, model=model,
                                    num_microbatches=len(microbatches), **kwargs)
@@ -183,7 +280,7 @@ class DecoderStep:
                 self.timer.waited(since)
             embeds = torch.cat(parts, dim=0).reshape(-1, 1, self.embed_dim).to(self.dtype)
         else:
-            embeds = torch.empty((sum(sizes), 1, self.embed_dim), dtype=self.dtype)
+            embeds = torch.empty((sum(sizes), 1, self.embed_dim), dtype=self.dtype, device=ctx.device)
         embeds = _tp_broadcast(embeds.contiguous())
         if not ctx.parts.encoder_trainable:
             return embeds
@@ -206,10 +303,65 @@ class DecoderStep:
             vlm = _unwrap(model)
             if vlm.add_text_decoder and vlm.text_decoder.pre_process:
                 vlm.input_tensor = self.embeddings(step, sample_ids)
-            batch = collate_rows([step.samples[sid] for sid in sample_ids])
-            return original(iter([batch]), model)
+            samples = [step.samples[sid] for sid in sample_ids]
+            batch = collate_rows(samples, pad_multiple=self.pad_multiple)
+            if self.loss == LOSS_TOKEN:
+                return original(iter([batch]), model)
+            with per_token_losses():
+                output, original_loss = original(iter([batch]), model)
+            weights = loss_weights(samples, self.loss, self.loader_batches)
+            scale = float(self.num_microbatches * self.ctx.parts.part("backbone").dp)
+            return output, lambda out: weighted_loss(out, weights, scale, original_loss)
 
         return flow_forward_step
+
+
+@contextlib.contextmanager
+def per_token_losses() -> Iterator[None]:
+    """Inside: MindSpeed-MM's model returns per-token losses (its `--calculate-per-token-loss` branch)."""
+    from megatron.training import get_args
+
+    args = get_args()
+    saved = (args.calculate_per_token_loss, getattr(args, "calculate_per_sample_loss", False))
+    args.calculate_per_token_loss, args.calculate_per_sample_loss = True, False
+    try:
+        yield
+    finally:
+        args.calculate_per_token_loss, args.calculate_per_sample_loss = saved
+
+
+def weighted_loss(output: dict, weights: list[float], scale: float,
+                  original_loss: Callable[[Any], Any]) -> tuple[torch.Tensor, dict]:
+    """The microbatch's share of the unpatched job's objective, in Megatron's two-value loss protocol.
+
+    Megatron divides a microbatch's loss by the number of microbatches and averages gradients over DP; `scale` (
+    microbatches x decoder DP) undoes both, so the sum over every microbatch of every replica is exactly
+    sum(weight x token loss). The reported value is the same quantity averaged over DP, which MindSpeed-MM's
+    train_step then averages over microbatches: the unpatched job's reported loss."""
+    from megatron.core import parallel_state as ps
+    from megatron.training import get_args
+
+    loss_dict = output["loss_dict"]
+    mask = loss_dict["loss_mask"]
+    rows = len(weights) if weights else 1
+    token_losses = loss_dict["loss"].float().reshape(rows, -1)
+    mask = mask.reshape(rows, -1).to(token_losses.dtype)
+    if weights:
+        w = torch.tensor(weights, dtype=torch.float32).to(device=token_losses.device, non_blocking=True)
+        loss = (token_losses * mask * w[:, None]).sum() * scale
+    else:  # an empty microbatch: a padding row with no loss token
+        loss = (token_losses * mask).sum()
+    reported = loss.detach().clone().view(1)
+    dp_group = ps.get_data_parallel_group()
+    dist.all_reduce(reported, group=dp_group)
+    reported = reported / dist.get_world_size(group=dp_group)
+    extra: dict = {}
+    if getattr(get_args(), "log_tps", False):
+        with per_token_losses():
+            _, _, extra = original_loss(output)
+    extra = dict(extra)
+    extra["loss"] = reported[0]
+    return loss.view(1), extra
 
 
 def finalize_with_global_tokens(ctx: FlowContext, finalize: Callable[..., Any]) -> Callable[..., Any]:
@@ -219,9 +371,13 @@ def finalize_with_global_tokens(ctx: FlowContext, finalize: Callable[..., Any]) 
     encoder has no loss, so the count is summed across the trainable parts instead (the decoder's last stage
     contributes, everyone else adds zero) and each part scales by it. Without per-token loss Megatron averages
     over DP inside each part; the encoder's gradients came from the decoder's DP replicas, so they are rescaled
-    by encoder_dp / decoder_dp to average over the decoder's DP like the coupled job.
+    by encoder_dp / decoder_dp to average over the decoder's DP like the coupled job. Everything stays on the
+    device: no host synchronisation is added to the step (the busy/wait seconds for the log line ride along and
+    are read when Megatron's log line reads its own values).
     """
     from megatron.core import parallel_state as ps
+
+    keys = ("encoder_busy_s", "encoder_wait_s", "decoder_busy_s", "decoder_wait_s")
 
     def flow_finalize(model: list, num_tokens: Optional[torch.Tensor] = None) -> None:
         finalize(model, None)
@@ -231,25 +387,22 @@ def finalize_with_global_tokens(ctx: FlowContext, finalize: Callable[..., Any]) 
         contributes = (not ctx.is_encoder and ps.is_pipeline_last_stage(ignore_virtual=True)
                        and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0)
         # One all-reduce carries the token count and each part leader's busy/wait seconds (for the log line).
-        keys = ("encoder_busy_s", "encoder_wait_s", "decoder_busy_s", "decoder_wait_s")
         # float32: MindSpeed wraps torch.distributed.all_reduce so that a float64 tensor is reduced on a float32
         # copy whose result is dropped (HCCL has no float64); the original would silently stay unreduced.
-        stats = torch.zeros(1 + len(keys), dtype=torch.float32)
-        if num_tokens is not None and contributes:
-            stats[0] = float(num_tokens)
+        own = [0.0] * len(keys)
         if ctx.is_part_leader:
-            own = keys[:2] if ctx.is_encoder else keys[2:]
-            for key in own:
-                stats[1 + keys.index(key)] = ctx.counters.get(key, 0.0)
+            for key in (keys[:2] if ctx.is_encoder else keys[2:]):
+                own[keys.index(key)] = ctx.counters.get(key, 0.0)
+        stats = torch.tensor([0.0] + own, dtype=torch.float32).to(ctx.device)
+        if num_tokens is not None and contributes:
+            stats[0] = num_tokens.to(device=ctx.device, dtype=torch.float32)
         dist.all_reduce(stats, group=ctx.reduce_group)
-        for i, key in enumerate(keys, start=1):
-            ctx.counters[key] = float(stats[i])
+        ctx.pending_stats = (keys, stats)
         if num_tokens is not None:
-            total = float(stats[0])
-            ctx.counters["global_tokens"] = total
-            if total > 0:
-                for chunk in model:
-                    chunk.scale_gradients(1.0 / total)
+            # Gradients scale by 1 / the global token count on the device (a step with no loss token keeps them).
+            scaling = torch.where(stats[0] > 0, 1.0 / stats[0].clamp(min=1.0), torch.ones_like(stats[0]))
+            for chunk in model:
+                chunk.scale_gradients(scaling)
         elif ctx.is_encoder:
             enc_dp, dec_dp = ctx.parts.part("encoder").dp, ctx.parts.part("backbone").dp
             if enc_dp != dec_dp:
@@ -259,13 +412,31 @@ def finalize_with_global_tokens(ctx: FlowContext, finalize: Callable[..., Any]) 
     return flow_finalize
 
 
+def read_pending_stats(ctx: FlowContext) -> None:
+    """Move the last step's device-side stats into `ctx.counters` (called where the log line reads its values)."""
+    pending = getattr(ctx, "pending_stats", None)
+    if pending is None:
+        return
+    keys, stats = pending
+    values = stats.tolist()
+    if values[0] > 0:  # per-token loss: the global token count
+        ctx.counters["global_tokens"] = values[0]
+    for i, key in enumerate(keys, start=1):
+        ctx.counters[key] = values[i]
+    ctx.pending_stats = None
+
+
 def global_grad_norm(ctx: FlowContext, part_norm: float, norm_type: float) -> float:
-    """The norm over every trainable part, from each part's own norm (one value per part, from its leader)."""
+    """The norm over every trainable part, from each part's own norm (one value per part, from its leader).
+
+    Megatron's `get_grad_norm_fp32` has already read the part's norm on the host; one device all-reduce over the
+    trainable parts and one read combine them (per step, not per microbatch)."""
     if not ctx.part_trainable or ctx.reduce_group is None:
         return part_norm
     inf = norm_type == math.inf
     value = float(part_norm) if inf else float(part_norm) ** norm_type
-    t = torch.tensor([value if ctx.is_part_leader else 0.0], dtype=torch.float32)  # see flow_finalize: not float64
+    # float32 on the device: see flow_finalize (not float64), and HCCL groups take device tensors only.
+    t = torch.tensor([value if ctx.is_part_leader else 0.0], dtype=torch.float32).to(ctx.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=ctx.reduce_group)
     total = float(t[0]) if inf else float(t[0]) ** (1.0 / norm_type)
     ctx.counters["grad_norm_part"] = float(part_norm)
