@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from mindspeed_flow.emulation.jobs import TinyJob
-from mindspeed_flow.emulation.jobs import emulate_job
+from flow_helpers import check_part_groups, nranks, write_recipe
+
+from mindspeed_flow.emulation.jobs import TinyJob, emulate_job
 
 pytestmark = [pytest.mark.mindspeed_mm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -33,22 +34,6 @@ LAYOUTS = {
     "d_enc_dp2_dec_tp2_sp_mc2": ({"dp": 2, "tp": 1}, {"dp": 1, "tp": 2, "pp": 1}, ["--use-ascend-mc2"]),
 }
 MC2_OPS = {"torch_npu.npu_all_gather_base_mm", "torch_npu.npu_mm_reduce_scatter_base"}
-# Ranks print concurrently, so two reports may share a line: match each report, not each line.
-GROUPS_LINE = re.compile(r"\[mindspeed-flow\] rank (\d+) \((\w+)\) groups: ((?:\w+=\[[\d, ]*\] ?)+)")
-
-
-def write_recipe(path: Path, enc: dict, dec: dict, **extra: str) -> Path:
-    lines = ["# mindspeed-flow emulate --nproc N --flow-recipe THIS.yaml -- pretrain_vlm.py <job args>",
-             "parallel:", f"  encoder: {{dp: {enc['dp']}, tp: {enc['tp']}, pp: 1, cp: 1}}",
-             f"  backbone: {{dp: {dec['dp']}, tp: {dec['tp']}, pp: {dec['pp']}, cp: 1}}",
-             "packing:", "  token_budget: 256"]
-    lines += [f"{k}: {v}" for k, v in extra.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def nranks(enc: dict, dec: dict) -> int:
-    return enc["dp"] * enc["tp"] + dec["dp"] * dec["tp"] * dec["pp"]
 
 
 def _job(model_json: Path, data_json: Path, iters: int, **kw) -> TinyJob:
@@ -109,20 +94,6 @@ def test_flow_job_matches_unpatched_job(layout, tiny_assets, coupled_checkpoint,
     assert all("encoder busy" in rest and "global tokens" in rest for _, rest in flow_lines)
     assert_parity(result.losses, coupled_losses)
     print(f"{layout}: flow {result.losses}\n{layout}: coupled {coupled_losses}")
-
-
-def check_part_groups(output: str, enc: dict, dec: dict) -> None:
-    """Every rank's Megatron groups lie inside its own part and have the part's sizes."""
-    n_enc = enc["dp"] * enc["tp"]
-    rows = GROUPS_LINE.findall(output)
-    assert len(rows) == nranks(enc, dec), output[-3000:]
-    for rank, part, text in rows:
-        groups = {k: json.loads(v) for k, v in re.findall(r"(\w+)=(\[[^\]]*\])", text)}
-        own = range(0, n_enc) if part == "encoder" else range(n_enc, nranks(enc, dec))
-        assert all(r in own for g in groups.values() for r in g), (rank, part, groups)
-        lay = enc if part == "encoder" else dec
-        assert len(groups["tp"]) == lay["tp"] and len(groups["dp"]) == lay["dp"], (rank, groups)
-        assert len(groups["pp"]) == lay.get("pp", 1), (rank, groups)
 
 
 def test_frozen_encoder_sends_no_gradients(tiny_assets, coupled_checkpoint, run_job, tmp_path) -> None:

@@ -1,0 +1,38 @@
+"""Helpers shared by the MindSpeed-MM flow-job tests: recipes, rank counts, the per-part group check."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+# Ranks print concurrently, so two reports may share a line: match each report, not each line.
+GROUPS_LINE = re.compile(r"\[mindspeed-flow\] rank (\d+) \((\w+)\) groups: ((?:\w+=\[[\d, ]*\] ?)+)")
+
+
+def write_recipe(path: Path, enc: dict, dec: dict, **extra: str) -> Path:
+    split = f", layer_split: {list(dec['layer_split'])}" if dec.get("layer_split") else ""
+    lines = ["# mindspeed-flow emulate --nproc N --flow-recipe THIS.yaml -- pretrain_vlm.py <job args>",
+             "parallel:", f"  encoder: {{dp: {enc['dp']}, tp: {enc['tp']}, pp: 1, cp: 1}}",
+             f"  backbone: {{dp: {dec['dp']}, tp: {dec['tp']}, pp: {dec['pp']}, cp: 1{split}}}",
+             "packing:", "  token_budget: 256"]
+    lines += [f"{k}: {v}" for k, v in extra.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def nranks(enc: dict, dec: dict) -> int:
+    return enc["dp"] * enc["tp"] + dec["dp"] * dec["tp"] * dec["pp"]
+
+
+def check_part_groups(output: str, enc: dict, dec: dict) -> None:
+    """Every rank's Megatron groups lie inside its own part and have the part's sizes."""
+    n_enc = enc["dp"] * enc["tp"]
+    rows = GROUPS_LINE.findall(output)
+    assert len(rows) == nranks(enc, dec), output[-3000:]
+    for rank, part, text in rows:
+        groups = {k: json.loads(v) for k, v in re.findall(r"(\w+)=(\[[^\]]*\])", text)}
+        own = range(0, n_enc) if part == "encoder" else range(n_enc, nranks(enc, dec))
+        assert all(r in own for g in groups.values() for r in g), (rank, part, groups)
+        lay = enc if part == "encoder" else dec
+        assert len(groups["tp"]) == lay["tp"] and len(groups["dp"]) == lay["dp"], (rank, groups)
+        assert len(groups["pp"]) == lay.get("pp", 1), (rank, groups)
