@@ -94,15 +94,44 @@ def parse_iterations(output: str) -> tuple[list[int], list[float], list[float]]:
     return its, losses, times
 
 
+def emulate_command(argv: list[str], *, log_path: Path, nproc: int = 2, patches: bool = False,
+                    flow_recipe: Path | None = None) -> list[str]:
+    """The `mindspeed-flow emulate` command line of one job (its emulation log goes to `log_path`)."""
+    return [sys.executable, "-m", "mindspeed_flow.cli", "emulate", "--nproc", str(nproc), "--log",
+            str(log_path)] + (["--patches"] if patches else []) + \
+        (["--flow-recipe", str(flow_recipe)] if flow_recipe else []) + ["--"] + argv
+
+
+def job_result(rc: int, output: str, log_path: Path) -> JobResult:
+    its, losses, times = parse_iterations(output)
+    log = emu_log.read_log(str(log_path)) if log_path.exists() else {}
+    return JobResult(rc, output, its, losses, times, log)
+
+
 def emulate_job(name: str, argv: list[str], *, log_dir: Path, nproc: int = 2, patches: bool = False,
                 flow_recipe: Path | None = None, timeout_s: float = JOB_TIMEOUT_S) -> JobResult:
     """Run one job through `mindspeed-flow emulate`; its emulation log is LOG_DIR/NAME.emulation.log."""
     log_path = log_dir / f"{name}.emulation.log"
-    cmd = [sys.executable, "-m", "mindspeed_flow.cli", "emulate", "--nproc", str(nproc), "--log",
-           str(log_path)] + (["--patches"] if patches else []) + \
-        (["--flow-recipe", str(flow_recipe)] if flow_recipe else []) + ["--"] + argv
+    cmd = emulate_command(argv, log_path=log_path, nproc=nproc, patches=patches, flow_recipe=flow_recipe)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    output = proc.stdout + proc.stderr
-    its, losses, times = parse_iterations(output)
-    log = emu_log.read_log(str(log_path)) if log_path.exists() else {}
-    return JobResult(proc.returncode, output, its, losses, times, log)
+    return job_result(proc.returncode, proc.stdout + proc.stderr, log_path)
+
+
+def rank_processes(root_pid: int) -> dict[int, "psutil.Process"]:  # noqa: F821 - psutil imported lazily
+    """{global rank: process} of the workers under a launcher process (read from each worker's RANK)."""
+    import psutil
+
+    def rank_of(proc: "psutil.Process") -> int | None:  # noqa: F821
+        try:
+            env = proc.environ()
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            return None
+        return int(env["RANK"]) if "RANK" in env and "TORCHELASTIC_RUN_ID" in env else None
+
+    out = {}
+    for child in psutil.Process(root_pid).children(recursive=True):
+        rank = rank_of(child)
+        # A worker's own children (a compiler, a data-loader worker) inherit RANK: keep the topmost process.
+        if rank is not None and rank_of(child.parent()) is None:
+            out[rank] = child
+    return out
