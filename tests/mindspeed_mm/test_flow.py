@@ -8,7 +8,6 @@ it MindSpeed-MM averages each microbatch's mean, so regrouping samples changes t
 """
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -26,11 +25,11 @@ ITERS = 10
 FLOW_LINE = re.compile(r"\[flow\] iteration (\d+) \|(.*)")
 COMMON = ["--calculate-per-token-loss", "--variable-seq-lengths", "--sequence-parallel"]
 
+# The project's own tiny config in one layout per shape of part; MindSpeed-MM's example configs are trained in the
+# other layouts (decoder PP with an uneven split, TP + SP, MC2, frozen encoders) by test_matrix.py.
 LAYOUTS = {
     # name: (encoder dp, tp), (decoder dp, tp, pp), extra job flags of the flow run
     "a_enc1_dec_dp2": ({"dp": 1, "tp": 1}, {"dp": 2, "tp": 1, "pp": 1}, []),
-    "b_enc1_dec_pp2": ({"dp": 1, "tp": 1}, {"dp": 1, "tp": 1, "pp": 2}, []),
-    "c_enc_dp2_dec_tp2_sp": ({"dp": 2, "tp": 1}, {"dp": 1, "tp": 2, "pp": 1}, []),
     "d_enc_dp2_dec_tp2_sp_mc2": ({"dp": 2, "tp": 1}, {"dp": 1, "tp": 2, "pp": 1}, ["--use-ascend-mc2"]),
 }
 MC2_OPS = {"torch_npu.npu_all_gather_base_mm", "torch_npu.npu_mm_reduce_scatter_base"}
@@ -94,27 +93,6 @@ def test_flow_job_matches_unpatched_job(layout, tiny_assets, coupled_checkpoint,
     assert all("encoder busy" in rest and "global tokens" in rest for _, rest in flow_lines)
     assert_parity(result.losses, coupled_losses)
     print(f"{layout}: flow {result.losses}\n{layout}: coupled {coupled_losses}")
-
-
-def test_frozen_encoder_sends_no_gradients(tiny_assets, coupled_checkpoint, run_job, tmp_path) -> None:
-    model = json.loads(Path(tiny_assets["model_json"]).read_text())
-    model["image_encoder"]["vision_encoder"]["freeze"] = True
-    model["image_encoder"]["vision_projector"]["freeze"] = True
-    frozen_json = tmp_path / "model_frozen.json"
-    frozen_json.write_text(json.dumps(model, indent=1))
-    job = _finetune(frozen_json, tiny_assets["data_json"], coupled_checkpoint)
-    job.distributed_optimizer = True  # a part without parameters needs it (the launcher says so otherwise)
-    coupled = run_job("frozen_coupled", job.argv(), nproc=2)
-    coupled.assert_trained(ITERS)
-    enc, dec = {"dp": 1, "tp": 1}, {"dp": 2, "tp": 1, "pp": 1}
-    recipe = write_recipe(tmp_path / "frozen.yaml", enc, dec)
-    flow = run_job("frozen_flow", job.argv(), nproc=3, flow_recipe=recipe)
-    flow.assert_trained(ITERS)
-    assert "encoder frozen" in flow.output
-    sent = [float(m) for m in re.findall(r"gradient bytes sent (\d+)", flow.output)]
-    assert sent and all(v == 0 for v in sent), flow.output[-2000:]
-    assert_parity(flow.losses, coupled.losses)
-    print(f"frozen: flow {flow.losses}\nfrozen: coupled {coupled.losses}")
 
 
 def _emulate_check(recipe: Path, argv: list[str], nproc: int) -> subprocess.CompletedProcess:
