@@ -57,6 +57,7 @@ class FlowContext:
     timer: Any = None  # the running step's PartTimer (busy/wait seconds)
     counters: dict[str, float] = field(default_factory=dict)
     pending_stats: Any = None  # the last step's device-side token count and part timings, read at log time
+    step_grad_bytes: Callable[[], int] = lambda: 0  # gradient bytes this rank sent in the running step
 
     @staticmethod
     def for_this_process(parts: FlowParts) -> "FlowContext":

@@ -214,7 +214,7 @@ class FlowHost:
         if "grad_norm_global" in c:
             extra += f" | grad norm global {c['grad_norm_global']:.4f} (decoder part {c['grad_norm_part']:.4f})"
         if "grad_bytes_sent" in c:
-            extra += f" | gradient bytes sent {int(c['grad_bytes_sent'])}"
+            extra += f" | gradient bytes sent {int(c['grad_bytes_sent'])} (decoder, this step)"
         pad = ""
         if c.get("padded_tokens"):
             pad = f" | padding {1 - c['real_tokens'] / c['padded_tokens']:.1%}"

@@ -257,12 +257,14 @@ class DecoderStep:
             self.transport.post_receives(KIND_EMBEDDING, items, self.embed_dim)
         self.timer = ctx.timer = PartTimer()
         self.num_microbatches = len(microbatches)
+        sent_before = self.transport.bytes_sent[KIND_GRAD] if self.transport is not None else 0
+        # finalize (inside Megatron's schedule, after the last backward) reads this step's gradient bytes.
+        ctx.step_grad_bytes = lambda: (self.transport.bytes_sent[KIND_GRAD] - sent_before
+                                       if self.transport is not None else 0)
         batches = iter([(step, ids) for ids in microbatches])
         losses = self.megatron_fbf(forward_step_func=forward_step_func, data_iterator=batches, model=model,
                                    num_microbatches=len(microbatches), **kwargs)
         ctx.counters.update(step.counts)
-        if self.transport is not None:
-            ctx.counters["grad_bytes_sent"] = float(self.transport.bytes_sent[KIND_GRAD])
         return losses
 
     def embeddings(self, step: FlowStep, sample_ids: list[int]) -> Optional[torch.Tensor]:
@@ -377,7 +379,8 @@ def finalize_with_global_tokens(ctx: FlowContext, finalize: Callable[..., Any]) 
     """
     from megatron.core import parallel_state as ps
 
-    keys = ("encoder_busy_s", "encoder_wait_s", "decoder_busy_s", "decoder_wait_s")
+    # Each part leader's busy/wait seconds, and the gradient bytes every decoder rank sent this step (summed).
+    keys = ("encoder_busy_s", "encoder_wait_s", "decoder_busy_s", "decoder_wait_s", "grad_bytes_sent")
 
     def flow_finalize(model: list, num_tokens: Optional[torch.Tensor] = None) -> None:
         finalize(model, None)
@@ -391,8 +394,10 @@ def finalize_with_global_tokens(ctx: FlowContext, finalize: Callable[..., Any]) 
         # copy whose result is dropped (HCCL has no float64); the original would silently stay unreduced.
         own = [0.0] * len(keys)
         if ctx.is_part_leader:
-            for key in (keys[:2] if ctx.is_encoder else keys[2:]):
+            for key in (keys[:2] if ctx.is_encoder else keys[2:4]):
                 own[keys.index(key)] = ctx.counters.get(key, 0.0)
+        if not ctx.is_encoder:
+            own[keys.index("grad_bytes_sent")] = float(ctx.step_grad_bytes())
         stats = torch.tensor([0.0] + own, dtype=torch.float32).to(ctx.device)
         if num_tokens is not None and contributes:
             stats[0] = num_tokens.to(device=ctx.device, dtype=torch.float32)
