@@ -4,7 +4,8 @@ Each config is a scaled copy of MindSpeed-MM's `examples/qwen2.5vl/model_<size>.
 setting, GQA ratio, ViT family, window + full attention blocks, mrope sections, frozen parts; tiny widths, 4 ViT
 and 3 LLM layers). The data set (`mindspeed_flow.emulation.scaled.write_user_like_data`) has 30 samples of 0-2
 images of odd sizes and 1-3 turns, so with a global batch of 4 the 8th global batch straddles the epoch boundary
-and sequence lengths are multiples of nothing in particular.
+and sequence lengths are multiples of nothing in particular. With micro-batch 2 and DP 2 (the 7b pair) the
+unpatched job's sampler drops 2 samples per epoch (30 mod 4), which the flow job must drop too.
 
 Per pair: the unpatched job on 2 ranks (the decoder's tensor parallelism, sequence parallel with it, DP for the
 rest) trains 1 iteration and saves; the unpatched job and the flow job load that checkpoint with --finetune and
@@ -19,7 +20,7 @@ Pairs, chosen so every key and layout appears at least once (the full product wo
 | config | what it brings | flow layout | loss definition | flags |
 |---|---|---|---|---|
 | 3b  | tied embeddings, GQA 8:1, frozen ViT + projector | encoder 1 + decoder PP 2, uneven [1, 2] | per token | distributed optimizer |
-| 7b  | untied, GQA 7:1, trainable projector | encoder 1 + decoder DP 2 | MindSpeed-MM default (micro-batch mean) | --overlap-grad-reduce, distributed optimizer |
+| 7b  | untied, GQA 7:1, trainable projector | encoder 1 + decoder DP 2 | MindSpeed-MM default (micro-batch mean) | --overlap-grad-reduce, distributed optimizer, micro-batch 2 |
 | 32b | untied, GQA 5:1, frozen encoder | encoder DP 2 + decoder TP 2 with sequence parallel | per sample | distributed optimizer |
 | 72b | Qwen2.5 ViT, untied, GQA 8:1 | encoder DP 2 + decoder TP 2 + SP + MC2 (trainable ViT) | per token | |
 """
@@ -44,8 +45,9 @@ PAIRS = {
     # name: (config, model.json overrides, encoder, decoder, recipe extras, job flags of both jobs)
     "3b_tied_pp2_uneven": ("3b", {}, {"dp": 1, "tp": 1}, {"dp": 1, "tp": 1, "pp": 2, "layer_split": [1, 2]},
                            ["--calculate-per-token-loss", "--use-distributed-optimizer"]),
-    "7b_dp2_overlap_default_loss": ("7b", {}, {"dp": 1, "tp": 1}, {"dp": 2, "tp": 1, "pp": 1},
-                                    ["--overlap-grad-reduce", "--use-distributed-optimizer"]),
+    "7b_dp2_overlap_default_loss_mbs2": ("7b", {}, {"dp": 1, "tp": 1}, {"dp": 2, "tp": 1, "pp": 1},
+                                         ["--overlap-grad-reduce", "--use-distributed-optimizer",
+                                          "--micro-batch-size", "2"]),
     "32b_tp2_sp_per_sample": ("32b", {}, {"dp": 2, "tp": 1}, {"dp": 1, "tp": 2, "pp": 1},
                               ["--calculate-per-sample-loss", "--use-distributed-optimizer"]),
     "72b_tp2_sp_mc2_trainable_vit": ("72b", {"image_encoder.vision_encoder.freeze": False},

@@ -1,18 +1,20 @@
 """Flow data for a MindSpeed-MM job: the same global batches as the unpatched job, planned by the packing scheduler.
 
-Every rank builds MindSpeed-MM's own dataset and sampler (`build_mm_dataset`, `build_mm_dataloader` from the
-job's data.json) with a whole-batch view (one replica), so each iteration yields exactly the samples the coupled
-job's DP ranks would have shared. Each sample is cut back to its real tokens, and every rank plans the step from
+Every rank builds MindSpeed-MM's own dataset and, for each decoder DP replica, MindSpeed-MM's own loader and sampler
+(`build_mm_dataset`, `build_mm_dataloader` from the job's data.json) seen as that replica of the decoder's DP
+(`ReplicaView`), and takes each global batch as the unpatched job's DP ranks would: each replica's next
+`global_batch_size / (micro_batch_size x DP)` micro-batches, replica after replica. So each iteration yields exactly
+the samples the unpatched job (with the decoder's DP) trains on, whatever the sampler. Each sample is cut back to its real tokens, and every rank plans the step from
 metadata alone (text length, `image_grid_thw`) with `plan_decoupled_step`: the packing scheduler assigns samples
 to (decoder DP rank, microbatch) by LLM cost, and the encoder-side balance gives each encoder replica its images in
 the order the decoder consumes them. All ranks compute the same plan, so no rank asks another what to do.
 
-Epochs: the loader is cycled exactly as MindSpeed-MM's own `build_iterations` cycles it (a finished pass starts the
-next one, whose order the sampler derives from the samples consumed so far), so a global batch that straddles an
-epoch boundary holds the same samples as in the unpatched job. The sampler sees one replica holding whole batches,
-which equals the unpatched job's union over its DP ranks whenever the data set's size leaves the same remainder
-modulo --micro-batch-size as modulo --micro-batch-size x DP (MindSpeed-MM's sampler drops that remainder per
-epoch); on resume the sampler starts at `--consumed-train-samples` as in the unpatched job.
+Epochs: each replica's loader is cycled exactly as MindSpeed-MM's own `build_iterations` cycles it (a finished pass
+starts the next one, whose order the sampler derives from the samples consumed so far), so a global batch that
+straddles an epoch boundary holds the same samples as in the unpatched job, including the samples MindSpeed-MM's
+sampler drops at the end of an epoch when DP x micro-batch does not divide the data set. On resume every sampler
+starts at the checkpoint's consumed samples, as in the unpatched job. The replicas' loaders share the job's
+`--num-workers` (each gets its share, rounded up), so the flow job starts no more loader processes than it must.
 
 Decoder microbatches keep per-sample boundaries as rows: a microbatch of k samples is a [k, longest] batch with
 right padding (to a multiple of the tensor-parallel size under sequence parallelism, which splits the sequence
@@ -49,14 +51,18 @@ class FlowDataError(ValueError):
     """A batch the flow job cannot train as the unpatched job would; the message names the sample and the rule."""
 
 
-class WholeBatchView:
-    """What MindSpeed-MM's sampler asks of a process group (`size()`, `rank()`): one replica sees every sample."""
+@dataclass(frozen=True)
+class ReplicaView:
+    """What MindSpeed-MM's sampler asks of a process group (`size()`, `rank()`): replica `index` of `replicas`."""
+
+    replicas: int
+    index: int
 
     def size(self) -> int:
-        return 1
+        return self.replicas
 
     def rank(self) -> int:
-        return 0
+        return self.index
 
 
 @dataclass
@@ -167,15 +173,18 @@ def cycle_passes(loader: Iterable[Any]) -> Iterator[Any]:
 
 
 class FlowStepSource:
-    """Yields one `FlowStep` per iteration from MindSpeed-MM's loader over the whole global batch."""
+    """Yields one `FlowStep` per iteration from MindSpeed-MM's loaders (one per decoder DP replica)."""
 
-    def __init__(self, loader: Any, *, global_batch_size: int, micro_batch_size: int, bridge: Bridge,
+    def __init__(self, loaders: list[Any], *, global_batch_size: int, micro_batch_size: int, bridge: Bridge,
                  token_budget: int, cost_model: CostModel, scheduler: str, min_microbatches: int,
                  oversize_policy: str, vision_start_id: int, image_token_id: int, merge_size: int,
                  first_step: int = 0) -> None:
-        self.loader = loader
-        self._it = cycle_passes(loader)
-        self.batches_per_step = global_batch_size // micro_batch_size
+        if global_batch_size % (micro_batch_size * len(loaders)):
+            raise FlowDataError(f"--global-batch-size {global_batch_size} is not a multiple of --micro-batch-size "
+                                f"{micro_batch_size} x {len(loaders)} decoder DP replicas")
+        self.loaders = loaders
+        self._its = [cycle_passes(loader) for loader in loaders]
+        self.batches_per_replica = global_batch_size // (micro_batch_size * len(loaders))
         self.bridge = bridge
         self.token_budget = token_budget
         self.cost_model = cost_model
@@ -194,10 +203,12 @@ class FlowStepSource:
 
     def __next__(self) -> FlowStep:
         samples: list[FlowSample] = []
-        for index in range(self.batches_per_step):
-            batch = next(self._it)
-            samples += split_batch(batch, len(samples), self.vision_start_id, self.image_token_id, self.merge_size,
-                                   batch_index=index)
+        index = 0
+        for it in self._its:  # replica after replica, each its next micro-batches: the unpatched job's batches
+            for _ in range(self.batches_per_replica):
+                samples += split_batch(next(it), len(samples), self.vision_start_id, self.image_token_id,
+                                       self.merge_size, batch_index=index)
+                index += 1
         shapes = [s.shape(self.merge_size) for s in samples]
         work = plan_decoupled_step(self.step, shapes, bridge=self.bridge, token_budget=self.token_budget,
                                    cost_model=self.cost_model, scheduler=self.scheduler,

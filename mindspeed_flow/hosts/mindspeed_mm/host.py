@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext
-from mindspeed_flow.hosts.mindspeed_mm.data import FlowStepSource, WholeBatchView
+from mindspeed_flow.hosts.mindspeed_mm.data import FlowStepSource, ReplicaView
 from mindspeed_flow.hosts.mindspeed_mm.schedule import (DecoderStep, EncoderStep, finalize_with_global_tokens, loss_mode,
                                                         read_pending_stats)
 from mindspeed_flow.hosts.mindspeed_mm.transport import PlannedTransport
@@ -118,14 +118,23 @@ class FlowHost:
             data_cfg, model_cfg = args.mm.data, args.mm.model
             datasets = build_mm_dataset(data_cfg.dataset_param)
             train = datasets[0] if isinstance(datasets, tuple) else datasets
-            loader = build_mm_dataloader(train, data_cfg.dataloader_param, process_group=WholeBatchView(),
-                                         dataset_param=data_cfg.dataset_param,
-                                         consumed_samples=args.consumed_train_samples)
+            replicas = ctx.parts.part("backbone").dp
+            workers = args.num_workers
+            loaders = []
+            try:  # each replica's loader gets its share of the job's loader processes
+                args.num_workers = -(-workers // replicas) if workers else 0
+                for r in range(replicas):
+                    loaders.append(build_mm_dataloader(train, data_cfg.dataloader_param,
+                                                       process_group=ReplicaView(replicas, r),
+                                                       dataset_param=data_cfg.dataset_param,
+                                                       consumed_samples=args.consumed_train_samples))
+            finally:
+                args.num_workers = workers
             # After a resume Megatron has set args.iteration (and the sampler starts at consumed_train_samples).
             first_step = int(getattr(args, "iteration", 0) or 0)
             packing = ctx.parts.packing
             source = FlowStepSource(
-                loader, global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+                loaders, global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
                 bridge=Bridge.build(ctx.producers(), ctx.consumers()), token_budget=packing.token_budget,
                 cost_model=cost_model_from(model_cfg), scheduler=packing.scheduler,
                 min_microbatches=ctx.parts.part("backbone").pp, oversize_policy=packing.oversize_policy,
