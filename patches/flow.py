@@ -96,9 +96,11 @@ def initialize_distributed_wrapper(initialize_distributed: Callable) -> Callable
         part_world = margs.world_size
         margs.world_size = ctx.parts.world_size
         try:
-            return initialize_distributed(*args, **kwargs)
+            out = initialize_distributed(*args, **kwargs)
         finally:
             margs.world_size = part_world
+        ctx.start_watchdog()
+        return out
 
     return wrapped
 

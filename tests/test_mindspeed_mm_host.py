@@ -171,7 +171,7 @@ def test_planned_transport_stops_when_plans_differ() -> None:
     from mindspeed_flow.utils.multiproc import run_ranks
 
     _, message = run_ranks(_transfer, 2, 9, timeout_s=60)
-    assert "expected the embedding of sample 9 (step 0) from rank 0" in message
+    assert "expected the embedding of sample 9 (iteration 1) from rank 0" in message
     assert "sent embedding of sample 8" in message and "plans differ" in message
 
 

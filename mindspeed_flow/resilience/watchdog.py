@@ -33,19 +33,34 @@ WATCHERS = (0, 1)
 
 class Watchdog:
     def __init__(self, rank: int, world: int, side: str, timeout_s: float, *, attempt: int = 0,
-                 report_path: Optional[Path] = None) -> None:
+                 report_path: Optional[Path] = None, watchers: tuple[int, ...] = WATCHERS) -> None:
         self.rank, self.world, self.side = rank, world, side
+        self.watchers = tuple(sorted(set(watchers)))
         self.report_path = report_path
         self.timeout_s = float(timeout_s)
         self.interval = max(0.05, min(1.0, self.timeout_s / 10))
         self.prefix = f"msf_heartbeat/{attempt}/"
-        self.activity = "starting"
+        self._activity = "starting"
+        self._last_beat = 0.0
         self.stale_after = max(3 * self.interval, self.timeout_s / 2)
         self._seq = 0
         self._reported = False
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
+
+    @property
+    def activity(self) -> str:
+        return self._activity
+
+    @activity.setter
+    def activity(self, value: str) -> None:
+        """What this rank does now. A change is published early (at most every quarter second, so a job of many
+        ranks does not flood the store), so a rank that stops between two heartbeats is reported doing what it
+        did when it stopped, not what it did up to a heartbeat interval before."""
+        self._activity = value
+        if time.monotonic() - self._last_beat > 0.25:
+            self._wake.set()
 
     def start(self) -> "Watchdog":
         import torch.distributed as dist
@@ -71,6 +86,7 @@ class Watchdog:
             time.sleep(0.01)
 
     def _beat(self, store: object) -> None:
+        self._last_beat = time.monotonic()
         self._seq += 1
         store.set(self.prefix + str(self.rank),  # type: ignore[attr-defined]
                   f"{self._seq}|{self.side}|{os.getpid()}|{socket.gethostname()}|{self.activity}")
@@ -84,7 +100,7 @@ class Watchdog:
                 return
             try:
                 self._beat(store)
-                if self.rank in WATCHERS and not self._reported:
+                if self.rank in self.watchers and not self._reported:
                     self._watch(store, seen)
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending; the watchdog ends with it
                 return
@@ -98,7 +114,7 @@ class Watchdog:
             if r not in seen or seen[r][0] != value:
                 seen[r] = (value, now)
         stale = sorted(r for r, (_, t) in seen.items() if now - t > self.stale_after)
-        alive_watchers = [w for w in WATCHERS if w < self.world and w not in stale]
+        alive_watchers = [w for w in self.watchers if w < self.world and w not in stale]
         if stale and alive_watchers and alive_watchers[0] == self.rank:
             self._report(stale[0], seen[stale[0]], now)
 

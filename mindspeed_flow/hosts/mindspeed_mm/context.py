@@ -58,6 +58,7 @@ class FlowContext:
     counters: dict[str, float] = field(default_factory=dict)
     pending_stats: Any = None  # the last step's device-side token count and part timings, read at log time
     step_grad_bytes: Callable[[], int] = lambda: 0  # gradient bytes this rank sent in the running step
+    watchdog: Any = None  # the hang watchdog's heartbeat thread (started once the world's store exists)
 
     @staticmethod
     def for_this_process(parts: FlowParts) -> "FlowContext":
@@ -92,6 +93,25 @@ class FlowContext:
     @property
     def is_part_leader(self) -> bool:
         return self.rank == self.parts.offset(self.part)
+
+    def doing(self, activity: str) -> None:
+        """What this rank does now, as the hang watchdog reports it if a peer finds this rank stuck."""
+        if self.watchdog is not None:
+            self.watchdog.activity = activity
+
+    def start_watchdog(self) -> None:
+        """Heartbeats in the job's TCPStore; part leaders and the last rank watch every rank's heartbeat, so a
+        hung rank is named (with its part and what it was doing, and what the watcher waits for) within the
+        flow timeout, wherever the others wait for it: a transfer, a collective of its part, the global norm."""
+        from mindspeed_flow.resilience.watchdog import Watchdog
+
+        if self.watchdog is not None or "MASTER_ADDR" not in os.environ:
+            return
+        watchers = tuple(self.parts.offset(lay.name) for lay in self.parts.layouts) + (self.parts.world_size - 1,)
+        side = self.describe(self.rank).split("(", 1)[1].rstrip(")")
+        self.watchdog = Watchdog(self.rank, self.parts.world_size, side, self.parts.timeout_s,
+                                 attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                                 watchers=watchers).start()
 
     def describe(self, rank: int) -> str:
         """'rank 3 (decoder dp0 pp1 tp0)': how messages name a rank."""

@@ -18,8 +18,8 @@ import torch
 
 from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext
 from mindspeed_flow.hosts.mindspeed_mm.data import FlowStepSource, ReplicaView
-from mindspeed_flow.hosts.mindspeed_mm.schedule import (DecoderStep, EncoderStep, finalize_with_global_tokens, loss_mode,
-                                                        read_pending_stats)
+from mindspeed_flow.hosts.mindspeed_mm.schedule import (DecoderStep, EncoderStep, finalize_with_global_tokens,
+                                                        loss_mode, read_pending_stats)
 from mindspeed_flow.hosts.mindspeed_mm.transport import PlannedTransport
 from mindspeed_flow.packing import CostModel
 from mindspeed_flow.topology import Bridge

@@ -130,6 +130,7 @@ class EncoderStep:
         from megatron.core.utils import get_model_config
 
         ctx = self.ctx
+        ctx.doing("reading the next global batch")
         step: FlowStep = next(data_iterator)
         timer = ctx.timer = PartTimer()
         leader = ctx.replica_leader()
@@ -146,6 +147,7 @@ class EncoderStep:
             self.transport.post_receives(KIND_GRAD, items, self.hidden)
         kept: list[tuple[int, torch.Tensor]] = []
         for sid in order:
+            ctx.doing(f"iteration {step.step + 1}: encoding sample {sid}")
             sample = step.samples[sid]
             pixels = sample.pixel_values.to(device=ctx.device, dtype=self.dtype)
             grid = sample.image_grid_thw.to(device=ctx.device)
@@ -157,9 +159,12 @@ class EncoderStep:
                 kept.append((sid, out))
         no_sync = _no_sync_context(config)
         for i, (sid, out) in enumerate(kept):
+            consumer = step.work.consumer_of[sid]
+            ctx.doing(f"iteration {step.step + 1}: waiting for the gradient of sample {sid} from "
+                      f"{ctx.describe(consumer)}")
             if is_leader:
                 since = time.perf_counter()
-                grad = self.transport.receive(KIND_GRAD, step.work.consumer_of[sid], step.step, sid)
+                grad = self.transport.receive(KIND_GRAD, consumer, step.step, sid)
                 timer.waited(since)
             else:
                 grad = torch.empty((out.numel() // out.shape[-1], out.shape[-1]), dtype=torch.bfloat16,
@@ -172,6 +177,7 @@ class EncoderStep:
         if self.transport is not None:
             ctx.counters["embedding_bytes_sent"] = float(self.transport.bytes_sent[KIND_EMBEDDING])
         if trainable and config.finalize_model_grads_func is not None:
+            ctx.doing(f"iteration {step.step + 1}: gradient reduction over the encoder part and the global token count")
             num_tokens = torch.zeros((), dtype=torch.int, device=ctx.device) if config.calculate_per_token_loss \
                 else None
             config.finalize_model_grads_func(model, num_tokens)
@@ -244,6 +250,7 @@ class DecoderStep:
         from megatron.core import parallel_state as ps
 
         ctx = self.ctx
+        ctx.doing("reading the next global batch")
         step: FlowStep = next(data_iterator)
         dp_rank = ps.get_data_parallel_rank()
         microbatches = step.microbatches(dp_rank)
@@ -277,7 +284,11 @@ class DecoderStep:
         producers = [step.work.producer_of[sid] for sid in with_images]
         if self.transport is not None:
             since = time.perf_counter()
-            parts = [self.transport.receive(KIND_EMBEDDING, p, step.step, sid) for sid, p in zip(with_images, producers)]
+            parts = []
+            for sid, p in zip(with_images, producers):
+                ctx.doing(f"iteration {step.step + 1}: waiting for the embedding of sample {sid} from "
+                          f"{ctx.describe(p)}")
+                parts.append(self.transport.receive(KIND_EMBEDDING, p, step.step, sid))
             if self.timer is not None:
                 self.timer.waited(since)
             embeds = torch.cat(parts, dim=0).reshape(-1, 1, self.embed_dim).to(self.dtype)
@@ -302,6 +313,7 @@ class DecoderStep:
 
         def flow_forward_step(data_iterator: Iterator, model: Any) -> Any:
             step, sample_ids = next(data_iterator)
+            self.ctx.doing(f"iteration {step.step + 1}: decoder forward of samples {sample_ids}")
             vlm = _unwrap(model)
             if vlm.add_text_decoder and vlm.text_decoder.pre_process:
                 vlm.input_tensor = self.embeddings(step, sample_ids)
@@ -383,6 +395,7 @@ def finalize_with_global_tokens(ctx: FlowContext, finalize: Callable[..., Any]) 
     keys = ("encoder_busy_s", "encoder_wait_s", "decoder_busy_s", "decoder_wait_s", "grad_bytes_sent")
 
     def flow_finalize(model: list, num_tokens: Optional[torch.Tensor] = None) -> None:
+        ctx.doing("gradient reduction over the part's data-parallel group")
         finalize(model, None)
         if ctx.timer is not None:
             prefix = "encoder" if ctx.is_encoder else "decoder"
@@ -401,6 +414,7 @@ def finalize_with_global_tokens(ctx: FlowContext, finalize: Callable[..., Any]) 
         stats = torch.tensor([0.0] + own, dtype=torch.float32).to(ctx.device)
         if num_tokens is not None and contributes:
             stats[0] = num_tokens.to(device=ctx.device, dtype=torch.float32)
+        ctx.doing("the global token count over every trainable part")
         dist.all_reduce(stats, group=ctx.reduce_group)
         ctx.pending_stats = (keys, stats)
         if num_tokens is not None:
@@ -442,8 +456,10 @@ def global_grad_norm(ctx: FlowContext, part_norm: float, norm_type: float) -> fl
     value = float(part_norm) if inf else float(part_norm) ** norm_type
     # float32 on the device: see flow_finalize (not float64), and HCCL groups take device tensors only.
     t = torch.tensor([value if ctx.is_part_leader else 0.0], dtype=torch.float32).to(ctx.device)
+    ctx.doing("the global gradient norm over every trainable part")
     dist.all_reduce(t, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=ctx.reduce_group)
     total = float(t[0]) if inf else float(t[0]) ** (1.0 / norm_type)
+    ctx.doing("optimizer step")
     ctx.counters["grad_norm_part"] = float(part_norm)
     ctx.counters["grad_norm_global"] = total
     return total

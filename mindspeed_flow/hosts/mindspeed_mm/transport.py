@@ -74,6 +74,7 @@ class _Pending:
 
 
 def _header(kind: int, step: int, sample_id: int, numel: int) -> torch.Tensor:
+    """(magic, kind, step, sample, elements); `step` counts from 0, messages name Megatron's iteration (step + 1)."""
     return torch.tensor([_MAGIC, kind, step, sample_id, numel], dtype=torch.int64)
 
 
@@ -95,7 +96,8 @@ class PlannedTransport:
         self.bytes_sent = {KIND_EMBEDDING: 0, KIND_GRAD: 0}
 
     def _what(self, kind: int, item: Item, direction: str) -> str:
-        return f"the {_KINDS[kind]} of sample {item.sample_id} (step {item.step}) {direction} {self.describe(item.peer)}"
+        return (f"the {_KINDS[kind]} of sample {item.sample_id} (iteration {item.step + 1}) {direction} "
+                f"{self.describe(item.peer)}")
 
     # ------------------------------------------------------------------ posting
 
@@ -152,8 +154,9 @@ class PlannedTransport:
         if (magic, got_kind, got_step, got_sample, numel) != (_MAGIC, kind, step, sample_id, pending.payload.numel()):
             raise FlowTransportError(
                 f"{me} expected {what} ({pending.payload.numel()} elements) but {self.describe(peer)} sent "
-                f"{_KINDS.get(got_kind, got_kind)} of sample {got_sample} (step {got_step}, {numel} elements): the "
-                "ranks' step plans differ (same data.json, sampler seed and mindspeed-flow version on every rank?)")
+                f"{_KINDS.get(got_kind, got_kind)} of sample {got_sample} (iteration {got_step + 1}, {numel} "
+                "elements): the ranks' step plans differ (same data.json, sampler seed and mindspeed-flow version on "
+                "every rank?)")
         # The header proves the peer posted the payload's send. Wait on the payload without a timeout: device
         # backends then only order the current stream after the transfer (a timeout would make NCCL/HCCL block
         # the host until it completes); gloo returns once the bytes are in.
