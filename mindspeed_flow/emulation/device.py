@@ -61,6 +61,16 @@ def set_device(device: Any) -> None:
         _EXT.set_device(_index(device))
 
 
+def _get_device_index(device: Any, optional: bool = False, allow_cpu: bool = False) -> int:
+    """torch_npu.npu._utils._get_device_index (torch.load asks for it to place npu storages)."""
+    if device is None and not optional:
+        raise ValueError("Expected an npu device, but got: None")
+    return _index(device)
+
+
+_utils = types.SimpleNamespace(_get_device_index=_get_device_index)
+
+
 def init() -> None:
     pass
 

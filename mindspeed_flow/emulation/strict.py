@@ -109,7 +109,28 @@ def install_npu_device(module: types.ModuleType) -> None:
     torch.Tensor.type = _wrap_type(torch.Tensor.type)
     DefaultDeviceType.set_device_type("npu")
     hccl.register_backend(npu_ext.loaded())
+    _ensure_autograd_reaches_npu()
     _STATE["npu"] = True
+
+
+def _ensure_autograd_reaches_npu() -> None:
+    """Make sure backward passes through npu tensors can run in this process.
+
+    torch's autograd engine sizes its per-device worker queues once, at the first backward of the process, from
+    the device guards registered then. A process forked after a CPU backward (a test rank forked from pytest)
+    inherits an engine sized without the npu, and any npu backward then trips an internal assert. A real job
+    imports torch_npu before any backward, as torchrun ranks here do, and is unaffected. Where the probe shows the
+    engine cannot reach the npu, this thread runs its backward passes on the calling thread instead (autograd's
+    own "multithreading disabled" mode), which computes the same gradients.
+    """
+    probe = torch.ones(1, device="npu", requires_grad=True)
+    try:
+        probe.sum().backward()
+    except RuntimeError as err:
+        if "device_ready_queues_" not in str(err):
+            raise
+        torch._C._set_multithreading_enabled(False)
+        _STATE["autograd_on_calling_thread"] = True
 
 
 # ---------------------------------------------------------------- transfer_to_npu
@@ -163,9 +184,7 @@ def _patch_distributed() -> None:
         args = tuple(_hccl_backend(a) for a in args)
         if "backend" in kwargs:
             kwargs["backend"] = _hccl_backend(kwargs["backend"])
-        if kwargs.get("device_id") is not None:
-            kwargs["device_id"] = _to_npu(kwargs["device_id"], False)
-        return init_pg(*args, **kwargs)
+        return init_pg(*args, **kwargs)  # device_id stays as given, as in the real transfer
 
     @functools.wraps(new_group)
     def new_group_hccl(*args: Any, **kwargs: Any) -> Any:
