@@ -124,6 +124,20 @@ def get_device_capability(device: Any = None) -> tuple[int, int]:
     return (8, 0)
 
 
+def is_current_stream_capturing() -> bool:
+    """No graph capture on the emulated npu (optimizers ask before each step)."""
+    return False
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    """torch.autocast asks a PrivateUse1 device module for it (checkpoint recomputation enters autocast)."""
+    return [torch.float16, torch.bfloat16]
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    return True
+
+
 def get_device_properties(device: Any = None) -> types.SimpleNamespace:
     return types.SimpleNamespace(name=DEVICE_NAME, total_memory=_TOTAL_MEMORY, major=8, minor=0,
                                  multi_processor_count=os.cpu_count() or 1, cube_core_num=0, vector_core_num=0)

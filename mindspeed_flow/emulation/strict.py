@@ -60,7 +60,8 @@ _CUDA_NAMES = (
     "manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "get_rng_state", "set_rng_state",
     "get_rng_state_all", "set_rng_state_all", "default_generators", "Stream", "Event", "stream", "current_stream",
     "default_stream", "device", "device_of", "FloatTensor", "HalfTensor", "BFloat16Tensor", "IntTensor", "LongTensor",
-    "ByteTensor", "BoolTensor", "CharTensor", "ShortTensor", "_is_in_bad_fork",
+    "ByteTensor", "BoolTensor", "CharTensor", "ShortTensor", "_is_in_bad_fork", "is_current_stream_capturing",
+    "get_amp_supported_dtype", "is_bf16_supported", "memory_cached", "max_memory_cached", "reset_max_memory_cached",
 )
 
 

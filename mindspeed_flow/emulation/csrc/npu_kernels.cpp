@@ -13,8 +13,10 @@
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -27,11 +29,15 @@ bool is_npu(const at::Tensor& t) {
 
 // ------------------------------------------------------------------ the device mismatch error (torch's text)
 [[noreturn]] void refuse_devices(c10::Device device, c10::Device other, const std::string& arg,
-                                 const c10::OperatorHandle& op) {
+                                 const std::string& op) {
   // The text torch's own device checks use for CUDA (TensorIterator, check_and_update_common_device).
   TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least two devices, ", device,
-              " and ", other, "! (when checking argument for argument ", arg, " in method ",
-              op.schema().operator_name(), " on the emulated npu)");
+              " and ", other, "! (when checking argument for argument ", arg, " in method ", op,
+              " on the emulated npu)");
+}
+
+std::string op_name(const c10::OperatorHandle& op) {
+  return c10::toString(op.schema().operator_name());
 }
 
 // Host tensors a real device accepts as arguments of an npu op: index tensors of advanced indexing.
@@ -75,7 +81,7 @@ struct Call {
     if (!device) {
       device = d;
     } else if (*device != d) {
-      refuse_devices(*device, d, arg, op);
+      refuse_devices(*device, d, arg, op_name(op));
     }
   }
 
@@ -93,7 +99,7 @@ struct Call {
     if (t.device().is_cpu() && (t.dim() == 0 || host_argument_allowed(op, arg))) {
       return;  // CPU scalars are fine on a device, as on CUDA
     }
-    refuse_devices(*device, t.device(), arg, op);
+    refuse_devices(*device, t.device(), arg, op_name(op));
   }
 
   c10::Storage host_storage(const at::Tensor& t) {
@@ -181,7 +187,7 @@ struct Call {
         return out;
       }
     }
-    TORCH_CHECK(out.layout() == c10::kStrided, op.schema().operator_name(),
+    TORCH_CHECK(out.layout() == c10::kStrided, op_name(op),
                 ": the emulated npu only supports strided tensors, the CPU kernel returned a ", out.layout(),
                 " tensor");
     return tensor_like_on(npu_storage_for(out.storage().unsafeGetStorageImpl()), out, c10::DispatchKey::PrivateUse1);
@@ -401,6 +407,58 @@ c10::Scalar npu_local_scalar_dense(const at::Tensor& self) {
 // All work is synchronous: there is no stream for memory to wait on.
 void npu_record_stream(at::Tensor& /*self*/, c10::Stream /*stream*/) {}
 
+// ------------------------------------------------------------------ convolution
+// For devices other than CPU/CUDA, aten's convolution calls convolution_overrideable, whose only kernel (the
+// default) raises: a backend must provide it, as torch_npu does. Here: the CPU convolution on host aliases.
+at::Tensor host_operand(const at::Tensor& t, c10::Device device, const char* arg, const char* op) {
+  if (!t.defined()) {
+    return t;
+  }
+  if (!is_npu(t) || t.device() != device) {
+    refuse_devices(device, t.device(), arg, op);
+  }
+  return host_alias(t);
+}
+
+at::Tensor on_device(const at::Tensor& host, c10::DeviceIndex index) {
+  if (!host.defined()) {
+    return host;
+  }
+  auto storage = c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(host.storage().unsafeGetStorageImpl());
+  return tensor_like_on(adopt_host_storage(std::move(storage), index), host, c10::DispatchKey::PrivateUse1);
+}
+
+at::Tensor npu_convolution(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                           c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation,
+                           bool transposed, c10::IntArrayRef output_padding, int64_t groups) {
+  const char* op = "aten::convolution_overrideable";
+  c10::Device device = input.device();
+  c10::DeviceGuard guard(device);
+  std::optional<at::Tensor> host_bias;
+  if (bias.has_value() && bias->defined()) {
+    host_bias = host_operand(*bias, device, "bias", op);
+  }
+  at::Tensor out = at::convolution(host_operand(input, device, "input", op), host_operand(weight, device, "weight", op),
+                                   host_bias, stride, padding, dilation, transposed, output_padding, groups);
+  return on_device(out, device.index());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_convolution_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, c10::IntArrayRef stride,
+    c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed, c10::IntArrayRef output_padding,
+    int64_t groups, std::array<bool, 3> output_mask) {
+  const char* op = "aten::convolution_backward_overrideable";
+  c10::Device device = input.device();
+  c10::DeviceGuard guard(device);
+  std::vector<int64_t> bias_sizes{transposed ? weight.size(1) * groups : weight.size(0)};
+  auto grads = at::convolution_backward(host_operand(grad_output, device, "grad_output", op),
+                                        host_operand(input, device, "input", op),
+                                        host_operand(weight, device, "weight", op), bias_sizes, stride, padding,
+                                        dilation, transposed, output_padding, groups, output_mask);
+  return {on_device(std::get<0>(grads), device.index()), on_device(std::get<1>(grads), device.index()),
+          on_device(std::get<2>(grads), device.index())};
+}
+
 at::Tensor npu_as_strided(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride,
                           std::optional<int64_t> storage_offset) {
   return at::native::as_strided_tensorimpl(self, size, stride, storage_offset);
@@ -431,6 +489,8 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from_and_resize", TORCH_FN(npu_copy_from_and_resize));
   m.impl("_local_scalar_dense", TORCH_FN(npu_local_scalar_dense));
   m.impl("record_stream", TORCH_FN(npu_record_stream));
+  m.impl("convolution_overrideable", TORCH_FN(npu_convolution));
+  m.impl("convolution_backward_overrideable", TORCH_FN(npu_convolution_backward));
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
@@ -438,6 +498,35 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
 }
 
 namespace {
+// aten ops that have a CPU kernel and also a composite one (CompositeExplicitAutograd, its NonFunctional variant for
+// structured ops, or CompositeImplicitAutograd): on any backend without its own kernel torch runs the composite,
+// which for native_layer_norm / native_group_norm / silu_backward is a different decomposition (other rounding)
+// and for the ~380 structured ops allocates the output and calls the .out kernel. A real backend registers its own
+// kernels for them, as torch_npu does; here they go to the CPU kernel through the fallback, so npu results are
+// bit-identical to the CPU's. Registered at load, after the explicit kernels above (which are left alone).
+struct RouteCpuKernels {
+  RouteCpuKernels() {
+    static torch::Library library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+    auto& dispatcher = c10::Dispatcher::singleton();
+    for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+      if (name.name.rfind("aten::", 0) != 0) {
+        continue;
+      }
+      auto op = dispatcher.findOp(name);
+      if (!op || !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
+          op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) {
+        continue;
+      }
+      if (op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
+          op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional) ||
+          op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) {
+        library.impl(c10::toString(name).c_str(), torch::CppFunction::makeFromBoxedFunction<&npu_fallback>());
+      }
+    }
+  }
+};
+RouteCpuKernels route_cpu_kernels;
+
 // Ops without an autograd formula (c10d collectives, ...) need an autograd fallback on the npu. torch 2.13
 // registers its basic one for AutogradPrivateUse1 itself; torch 2.7 leaves it to the backend (torch_npu registers
 // one), so it is registered here only where torch has none.
