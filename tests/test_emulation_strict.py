@@ -155,13 +155,18 @@ def _batch_p2p(rank: int, world: int) -> dict[str, Any]:
     count = len(works)
     for work in works:
         work.wait()
+    # HCCL has no message tags: a send and a receive of one pair match in posting order, whatever their tags.
+    tagged = torch.empty(3, device="npu")
+    reqs = [dist.isend(send, peer, group=hccl, tag=5), dist.irecv(tagged, peer, group=hccl, tag=9)]
+    for req in reqs:
+        req.wait()
     mixed = [dist.P2POp(dist.isend, send, peer, hccl), dist.P2POp(dist.irecv, torch.empty(3), peer, hccl)]
     host_send, host_recv = torch.full((3,), float(rank)), torch.empty(3)
     gloo_works = dist.batch_isend_irecv([dist.P2POp(dist.isend, host_send, peer, gloo),
                                          dist.P2POp(dist.irecv, host_recv, peer, gloo)])
     for work in gloo_works:
         work.wait()
-    return {"works": count, "recv": recv.cpu().tolist(), "device": str(recv.device),
+    return {"works": count, "recv": recv.cpu().tolist(), "device": str(recv.device), "tagged": tagged.cpu().tolist(),
             "mixed": _refusal(lambda: dist.batch_isend_irecv(mixed)), "gloo_works": len(gloo_works),
             "gloo_recv": host_recv.tolist()}
 
@@ -170,7 +175,8 @@ def test_batch_isend_irecv_is_one_work_per_batch_and_refuses_host_tensors() -> N
     got = run_ranks(_batch_p2p, 2, timeout_s=TIMEOUT_S)
     for rank, result in enumerate(got):
         assert result["works"] == 1  # torch_npu's contract on npu tensors: one work for the whole batch
-        assert result["recv"] == [10.0 * (1 - rank) + i for i in range(3)] and result["device"] == "npu:0"
+        assert result["recv"] == result["tagged"] == [10.0 * (1 - rank) + i for i in range(3)]
+        assert result["device"] == "npu:0"
         assert NO_BACKEND in result["mixed"], result["mixed"]
         assert result["gloo_works"] == 2 and result["gloo_recv"] == [float(1 - rank)] * 3  # gloo: one per op
 

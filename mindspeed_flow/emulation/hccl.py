@@ -25,6 +25,7 @@ import torch.distributed as dist
 _COUNTER = itertools.count()
 _NAME_OF: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 _GROUP_OF: dict[str, Any] = {}
+_STRICT_BACKEND: list[type] = []  # the extension's HcclBackend class, once strict mode registered it
 
 
 def comm_name(group: dist.ProcessGroup | None = None) -> str:
@@ -82,6 +83,12 @@ def install_backend_lookup() -> None:
     pg_cls._get_backend = _get_backend
 
 
+def backend_class() -> type:
+    """The class of what `group._get_backend(torch.device("npu"))` returns in this process (strict: the npu
+    extension's HcclBackend; lenient: FakeHcclBackend), e.g. to observe its `get_hccl_comm_name` calls."""
+    return _STRICT_BACKEND[0] if _STRICT_BACKEND else FakeHcclBackend
+
+
 # ---------------------------------------------------------------- strict mode: a real backend for npu tensors
 def _group_named(name: str) -> dist.ProcessGroup:
     for group, group_name in dist.distributed_c10d._world.pg_names.items():
@@ -113,6 +120,7 @@ def register_backend(ext: Any) -> None:
 
     dist.Backend.register_backend("hccl", create, extended_api=True, devices=["npu"])
     ext.HcclBackend.get_hccl_comm_name = _get_hccl_comm_name
+    _STRICT_BACKEND[:] = [ext.HcclBackend]
     dist.is_hccl_available = lambda: True
     original = dist.batch_isend_irecv
     if getattr(original, "_msf_emulated", False):

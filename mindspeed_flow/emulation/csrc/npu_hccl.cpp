@@ -206,19 +206,23 @@ c10::intrusive_ptr<c10d::Work> HcclBackend::alltoall(std::vector<at::Tensor>& ou
   return gloo_->alltoall(out, in, opts);
 }
 
-c10::intrusive_ptr<c10d::Work> HcclBackend::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
+// HCCL has no message tags: ProcessGroupHCCL::send/recv take one and drop it (HcclSend/HcclRecv match a pair's
+// messages in the order they were posted). Every p2p message here rides gloo tag 0 for the same matching.
+constexpr int kHcclTag = 0;
+
+c10::intrusive_ptr<c10d::Work> HcclBackend::send(std::vector<at::Tensor>& tensors, int dst_rank, int /*tag*/) {
   auto h = hosts_of(tensors);
-  return gloo_->send(h, dst_rank, tag);
+  return gloo_->send(h, dst_rank, kHcclTag);
 }
 
-c10::intrusive_ptr<c10d::Work> HcclBackend::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
+c10::intrusive_ptr<c10d::Work> HcclBackend::recv(std::vector<at::Tensor>& tensors, int src_rank, int /*tag*/) {
   auto h = hosts_of(tensors);
-  return gloo_->recv(h, src_rank, tag);
+  return gloo_->recv(h, src_rank, kHcclTag);
 }
 
-c10::intrusive_ptr<c10d::Work> HcclBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+c10::intrusive_ptr<c10d::Work> HcclBackend::recvAnysource(std::vector<at::Tensor>& tensors, int /*tag*/) {
   auto h = hosts_of(tensors);
-  return gloo_->recvAnysource(h, tag);
+  return gloo_->recvAnysource(h, kHcclTag);
 }
 
 c10::intrusive_ptr<c10d::Work> HcclBackend::barrier(const c10d::BarrierOptions& opts) {
@@ -249,9 +253,9 @@ c10::intrusive_ptr<c10d::Work> HcclBackend::batch_isend_irecv(const std::vector<
     std::vector<at::Tensor> one{host_of(tensors[i])};
     int peer = static_cast<int>(remote_rank_list[i]);
     if (op_type[i] == "isend") {
-      works.push_back(gloo_->send(one, peer, 0));
+      works.push_back(gloo_->send(one, peer, kHcclTag));
     } else if (op_type[i] == "irecv") {
-      works.push_back(gloo_->recv(one, peer, 0));
+      works.push_back(gloo_->recv(one, peer, kHcclTag));
     } else {
       TORCH_CHECK(false, "batch_isend_irecv: op type must be isend or irecv, got ", op_type[i]);
     }
