@@ -210,6 +210,8 @@ memory = types.SimpleNamespace(
 
 
 # ---------------------------------------------------------------- RNG: the device generator is the CPU one
+# One entry per device (MindSpeed indexes it by the current device), all the CPU default generator: npu random ops
+# draw from it, and each rank uses one device.
 default_generators = (torch.default_generator,)
 
 
@@ -241,11 +243,11 @@ def set_rng_state(new_state: torch.Tensor, device: Any = None) -> None:
 
 
 def get_rng_state_all() -> list[torch.Tensor]:
-    return [get_rng_state()]
+    return [get_rng_state()] * len(default_generators)
 
 
 def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
-    set_rng_state(new_states[0])
+    set_rng_state(new_states[current_device()])
 
 
 # ---------------------------------------------------------------- streams and events: all work is synchronous
@@ -412,8 +414,9 @@ def _strict_current_stream(device: Any = None) -> _StrictStream:
 def use_extension(ext: Any) -> None:
     """Strict mode: answer from the npu extension (`npu_ext.load()`). Must run before the fake `torch_npu.npu`
     copies this module's names, which it does (the fake torch_npu calls it first)."""
-    global _EXT, Stream, SyncLaunchStream, current_stream, default_stream
+    global _EXT, Stream, SyncLaunchStream, current_stream, default_stream, default_generators
     _EXT = ext
+    default_generators = (torch.default_generator,) * ext.device_count()
     Stream = SyncLaunchStream = _StrictStream
     current_stream = default_stream = _strict_current_stream
     globals().update(_strict_legacy_types())

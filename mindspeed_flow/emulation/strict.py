@@ -24,15 +24,15 @@ import torch.distributed as dist
 import torch.utils._device
 
 from mindspeed_flow.emulation import device as npu_device
-from mindspeed_flow.emulation import hccl, npu_ext
+from mindspeed_flow.emulation import hccl, log, npu_ext
 
 _STATE: dict[str, bool] = {}
 
 # torch_npu passes these to generate_methods_for_privateuse1_backend: storages of them cannot move to the npu.
 _UNSUPPORTED_DTYPES = [torch.quint8, torch.quint4x2, torch.quint2x4, torch.qint32, torch.qint8]
 
-# transfer_to_npu's lists: the torch functions, Tensor / Module methods and torch.cuda functions whose device
-# arguments it rewrites, and the keyword arguments it rewrites them in.
+# transfer_to_npu's lists (torch_npu v2.7.1-7.2.0, torch_npu/contrib/transfer_to_npu.py): the torch functions,
+# Tensor / Module methods and torch.cuda functions whose device arguments it rewrites, and the keywords it rewrites.
 _TORCH_FNS = (
     "logspace", "randint", "hann_window", "rand", "full_like", "ones_like", "rand_like", "randperm", "arange",
     "frombuffer", "normal", "_empty_per_channel_affine_quantized", "empty_strided", "empty_like", "scalar_tensor",
@@ -40,7 +40,7 @@ _TORCH_FNS = (
     "triu_indices", "as_tensor", "zeros", "randint_like", "full", "eye", "_sparse_csr_tensor_unsafe", "empty",
     "_sparse_coo_tensor_unsafe", "blackman_window", "zeros_like", "range", "sparse_csr_tensor", "randn_like",
     "from_file", "_cudnn_init_dropout_state", "_empty_affine_quantized", "linspace", "hamming_window",
-    "empty_quantized", "_pin_memory", "autocast", "load", "Generator", "set_default_device",
+    "empty_quantized", "_pin_memory", "load", "set_default_device", "get_device_module", "sparse_compressed_tensor",
 )
 _TENSOR_FNS = ("new_empty", "new_empty_strided", "new_full", "new_ones", "new_tensor", "new_zeros", "to", "pin_memory")
 _MODULE_FNS = ("to", "to_empty")
@@ -48,7 +48,8 @@ _CUDA_FNS = (
     "get_device_properties", "get_device_name", "get_device_capability", "list_gpu_processes", "set_device",
     "synchronize", "mem_get_info", "memory_stats", "memory_summary", "memory_allocated", "max_memory_allocated",
     "reset_max_memory_allocated", "memory_reserved", "max_memory_reserved", "reset_max_memory_cached",
-    "reset_peak_memory_stats",
+    "reset_peak_memory_stats", "default_stream", "can_device_access_peer", "current_stream", "utilization",
+    "set_per_process_memory_fraction", "caching_allocator_alloc",
 )
 _DEVICE_KWARGS = ("device", "device_type", "map_location", "device_id")
 # torch.cuda names answered by the emulated torch.npu (the real transfer copies every torch_npu.npu name).
@@ -111,6 +112,9 @@ def install_npu_device(module: types.ModuleType) -> None:
     DefaultDeviceType.set_device_type("npu")
     hccl.register_backend(npu_ext.loaded())
     _ensure_autograd_reaches_npu()
+    log.add_summary_line(lambda: f"npu (strict): npu:{npu_device.current_device()} peak "
+                                 f"{npu_device.max_memory_allocated()} bytes, "
+                                 f"{npu_device.memory_allocated()} still allocated")
     _STATE["npu"] = True
 
 
@@ -173,35 +177,60 @@ def _wrap_all(owner: Any, names: tuple[str, ...]) -> None:
             setattr(owner, name, _wrap_cuda(fn))
 
 
-def _hccl_backend(backend: Any) -> Any:
-    return backend.replace("nccl", "hccl") if isinstance(backend, str) else backend
+def _wrap_hccl(fn: Callable) -> Callable:
+    """A `backend` argument (positional or keyword) naming nccl names hccl instead."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(a.replace("nccl", "hccl") if isinstance(a, str) else a for a in args)
+        if isinstance(kwargs.get("backend"), str):
+            kwargs["backend"] = kwargs["backend"].replace("nccl", "hccl")
+        return fn(*args, **kwargs)
+
+    wrapper._msf_emulated = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+class _GeneratorProxy(torch.Generator):
+    """torch.Generator(device="cuda") makes an npu generator (transfer_to_npu's _GeneratorProxy)."""
+
+    def __new__(cls, device: Any = "cpu") -> "_GeneratorProxy":
+        return super().__new__(cls, _to_npu(device, False))
+
+
+class _EventProxy(torch.Event):
+    """torch.Event(device="cuda") makes an npu event (transfer_to_npu's _EventProxy)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "_EventProxy":
+        args = tuple(_to_npu(a, False) for a in args)
+        if kwargs.get("device") is not None:
+            kwargs["device"] = _to_npu(kwargs["device"], False)
+        return super().__new__(cls, *args, **kwargs)
 
 
 def _patch_distributed() -> None:
-    init_pg, new_group = dist.init_process_group, dist.new_group
-
-    @functools.wraps(init_pg)
-    def init_process_group(*args: Any, **kwargs: Any) -> Any:
-        args = tuple(_hccl_backend(a) for a in args)
-        if "backend" in kwargs:
-            kwargs["backend"] = _hccl_backend(kwargs["backend"])
-        return init_pg(*args, **kwargs)  # device_id stays as given, as in the real transfer
-
-    @functools.wraps(new_group)
-    def new_group_hccl(*args: Any, **kwargs: Any) -> Any:
-        # Not in the real transfer_to_npu (only init_process_group is): see README, "Strict and lenient".
-        if len(args) > 2:
-            args = args[:2] + (_hccl_backend(args[2]),) + args[3:]
-        if "backend" in kwargs:
-            kwargs["backend"] = _hccl_backend(kwargs["backend"])
-        return new_group(*args, **kwargs)
-
-    for owner in (dist, dist.distributed_c10d):
-        owner.init_process_group = init_process_group
-        owner.new_group = new_group_hccl
+    # init_process_group, and every new_group (through _new_group_with_tag): nccl -> hccl. device_id stays as
+    # given: the real transfer leaves it alone.
+    dist.init_process_group = _wrap_hccl(dist.init_process_group)
+    c10d = dist.distributed_c10d
+    c10d._new_group_with_tag = _wrap_hccl(c10d._new_group_with_tag)
     dist.is_nccl_available = dist.is_hccl_available
     dist.ProcessGroup._get_backend = _wrap_cuda(dist.ProcessGroup._get_backend)
+    # A default group made without a backend gets gloo for cpu and hccl for npu, no nccl for cuda.
+    dist.Backend.default_device_backend_map.pop("cuda", None)
+    import torch.distributed.device_mesh as device_mesh
+    import torch.distributed.fsdp.fully_sharded_data_parallel as fsdp
+
+    device_mesh.init_device_mesh = _wrap_cuda(device_mesh.init_device_mesh)
+    device_mesh.DeviceMesh.__init__ = _wrap_cuda(device_mesh.DeviceMesh.__init__)
+    fsdp.FullyShardedDataParallel.__init__ = _wrap_cuda(fsdp.FullyShardedDataParallel.__init__)
     torch.nn.parallel.DistributedDataParallel.__init__ = _wrap_cuda(torch.nn.parallel.DistributedDataParallel.__init__)
+    try:
+        import torch.distributed.pipelining.stage as stage
+    except ImportError:  # pragma: no cover - a torch without pipelining
+        return
+    stage.PipelineStage.__init__ = _wrap_cuda(stage.PipelineStage.__init__)
+    _wrap_all(stage, ("build_stage",))
 
 
 def _patch_cuda() -> None:
@@ -215,6 +244,8 @@ def _patch_cuda() -> None:
                 setattr(mod, name, getattr(npu_device, name))
     _wrap_all(torch.cuda, _CUDA_FNS)
     torch.cuda.device.__init__ = _wrap_cuda(torch.cuda.device.__init__)
+    torch.cuda.memory._record_memory_history = npu_device.memory._record_memory_history
+    torch.cuda.memory._snapshot = npu_device.memory._snapshot
     torch.cuda.DoubleTensor = npu_device.FloatTensor  # the real transfer: "double is not supported"
 
 
@@ -225,14 +256,26 @@ def install_transfer_to_npu() -> None:
     _patch_cuda()
     _wrap_all(torch, _TORCH_FNS)
     torch.UntypedStorage.__new__ = _wrap_cuda(torch.UntypedStorage.__new__)
+    torch.Generator = _GeneratorProxy
+    torch.Event = _EventProxy
+    torch.amp.autocast_mode.autocast.__init__ = _wrap_cuda(torch.amp.autocast_mode.autocast.__init__)
     _wrap_all(torch.Tensor, _TENSOR_FNS)
     torch.Tensor.cuda = torch.Tensor.npu
     torch.Tensor.is_cuda = torch.Tensor.is_npu
     _wrap_all(torch.nn.Module, _MODULE_FNS)
     torch.nn.Module.cuda = torch.nn.Module.npu
+    _wrap_all(torch.fft, ("fftfreq", "rfftfreq"))
     _patch_distributed()
     torch.utils._device.DeviceContext.__init__ = _wrap_cuda(torch.utils._device.DeviceContext.__init__)
     # transfer_to_npu turns TorchScript off ("not supported"): scripted functions run as plain Python.
     torch.jit.script = lambda obj, *args, **kwargs: obj
     torch.jit.script_method = lambda fn: fn
+    torch._utils._get_available_device_type = lambda: "npu"
+    # Uninitialized parameters allow the original Tensor.to; they must allow the rewritten one.
+    from torch.nn.parameter import UninitializedTensorMixin
+
+    allowed = UninitializedTensorMixin._allowed_methods
+    for i, method in enumerate(allowed):
+        if getattr(method, "__name__", "") == "to":
+            allowed[i] = torch.Tensor.to
     _STATE["transfer"] = True
