@@ -386,3 +386,19 @@ def test_in_place_out_and_view_ops_keep_npu_memory() -> None:
     assert got["out"] == [[v + 1 for v in row] for row in want] and got["out_device"] == "npu:0"
     assert got["grown_head"] == [0.0, 1.0, 2.0] and got["grown_numel"] == 6
     assert got["set"] == [[1.0, 5.0], [1.0, 1.0]]
+
+
+def _autocast(rank: int, world: int) -> dict[str, str]:
+    _strict()
+    a = torch.randn(4, 4, device="npu")
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # transfer_to_npu: cuda -> npu
+        mm = a @ a
+        soft = torch.softmax(mm, dim=-1)  # fp32 policy, as on CUDA
+        mixed = torch.addcmul(a, mm, a)  # promote policy
+    return {"mm": str(mm.dtype), "softmax": str(soft.dtype), "addcmul": str(mixed.dtype), "device": str(mm.device)}
+
+
+def test_autocast_on_the_npu_casts_with_cuda_policies() -> None:
+    got = run_ranks(_autocast, 1, timeout_s=TIMEOUT_S)[0]
+    assert got == {"mm": "torch.bfloat16", "softmax": "torch.float32", "addcmul": "torch.float32",
+                   "device": "npu:0"}

@@ -317,6 +317,22 @@ def stream(stream: Stream | None = None) -> Iterator[None]:  # noqa: A001 - the 
     yield
 
 
+def set_stream(stream: Any) -> None:
+    """Selecting a current stream changes nothing: every kernel runs synchronously."""
+
+
+def can_device_access_peer(device: Any, peer_device: Any) -> bool:
+    return True  # one host memory
+
+
+def utilization(device: Any = None) -> int:
+    return 0
+
+
+def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:
+    pass
+
+
 class device:  # noqa: N801 - torch.cuda.device spelling
     """Context manager selecting a device for the calling thread (lenient: a no-op, there is one)."""
 

@@ -26,7 +26,7 @@ from typing import Iterator
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("npu_runtime.cpp", "npu_kernels.cpp", "npu_hccl.cpp", "npu_module.cpp")
+SOURCES = ("npu_runtime.cpp", "npu_kernels.cpp", "npu_autocast.cpp", "npu_hccl.cpp", "npu_module.cpp")
 HEADERS = ("npu_runtime.h", "npu_hccl.h")
 CFLAGS = ("-O2",)
 ENV_BUILD_DIR = "MSF_EMULATION_BUILD_DIR"

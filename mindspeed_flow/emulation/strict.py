@@ -63,6 +63,7 @@ _CUDA_NAMES = (
     "default_stream", "device", "device_of", "FloatTensor", "HalfTensor", "BFloat16Tensor", "IntTensor", "LongTensor",
     "ByteTensor", "BoolTensor", "CharTensor", "ShortTensor", "_is_in_bad_fork", "is_current_stream_capturing",
     "get_amp_supported_dtype", "is_bf16_supported", "memory_cached", "max_memory_cached", "reset_max_memory_cached",
+    "set_stream", "can_device_access_peer", "utilization", "set_per_process_memory_fraction",
 )
 
 
