@@ -22,12 +22,12 @@ AutocastFallthrough autocast_fallthrough;
 
 }  // namespace
 
+// Inside namespace at (anonymous, so nothing leaks): the lists name their signatures' types unqualified, and which
+// types they name differs between torch releases.
+namespace at {
+namespace {
+
 TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
-  // The lists name their signatures' types unqualified (torch expands them inside namespace at).
-  using at::IntArrayRef;
-  using at::Scalar;
-  using at::ScalarType;
-  using at::Tensor;
 #define MSF_NPU_LOWER_PRECISION_FP(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
 #define MSF_NPU_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
 #define MSF_NPU_FP32_SET_OPT_DTYPE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32_set_opt_dtype)
@@ -42,3 +42,6 @@ TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
 #undef MSF_NPU_FP32_SET_OPT_DTYPE
 #undef MSF_NPU_PROMOTE
 }
+
+}  // namespace
+}  // namespace at
