@@ -79,6 +79,8 @@ _STRICT = textwrap.dedent("""
     with torch.npu.stream(torch.npu.Stream()):
         torch.npu.synchronize()
     x.record_stream(torch.cuda.current_stream())
+    from torch.utils.checkpoint import DefaultDeviceType
+    assert DefaultDeviceType.get_device_type() == "npu"  # as torch_npu sets it for gradient checkpointing
     buf = io.BytesIO(); torch.save({"w": torch.ones(2, device="npu")}, buf)
     for loc, want in ((None, "npu"), ("npu:0", "npu"), ("cuda:0", "npu"), ({"cuda:0": "cpu"}, "cpu"),
                       ("cpu", "cpu"), (lambda s, _: s, "cpu")):

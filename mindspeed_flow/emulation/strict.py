@@ -92,9 +92,8 @@ def _wrap_type(fn: Callable) -> Callable:
         name = _legacy_type_name(dtype)
         if name is None:
             return fn(self, dtype, non_blocking, **kwargs) if dtype is not None else fn(self)
-        target = getattr(torch, name).dtype
-        return self.to(device=torch.device("npu", npu_device.current_device()) if self.device.type != "npu" else
-                       self.device, dtype=target, non_blocking=non_blocking)
+        device = self.device if self.device.type == "npu" else torch.device("npu", npu_device.current_device())
+        return self.to(device=device, dtype=getattr(torch, name).dtype, non_blocking=non_blocking)
 
     return wrapper
 
