@@ -7,6 +7,7 @@ emulation as a control: the same check must see it.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -37,9 +38,11 @@ _PROBE = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def probe() -> dict:
-    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=180)
+@pytest.fixture(scope="module", params=["strict", "lenient"])
+def probe(request: pytest.FixtureRequest) -> dict:
+    """The probe's snapshots; its control activation runs in each emulation mode."""
+    env = dict(os.environ, MSF_EMULATION_MODE=request.param)
+    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -1,4 +1,4 @@
-"""The activated emulation (device mapping, gloo remap, HCCL names, log) and the `emulate` command's checks.
+"""The activated emulation in both modes (device mapping, backends, HCCL names, log) and the `emulate` command.
 
 Activation patches torch for the whole process, so every activated check runs in a child interpreter; the
 command-line checks use --dry-run against throwaway source trees and never launch a job.
@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from mindspeed_flow import emulation
-from mindspeed_flow.emulation import cli, log as emu_log, tiny
+from mindspeed_flow.emulation import cli, log as emu_log, modes, tiny
 from mindspeed_flow.emulation.sources import TESTED_COMMITS
 
-_ACTIVATED = textwrap.dedent("""
+_LENIENT = textwrap.dedent("""
     import datetime, os, torch, torch.distributed as dist
     from mindspeed_flow import emulation
-    emulation.activate()
+    assert emulation.activate() == "lenient"
     import torch_npu
     from torch_npu.contrib import transfer_to_npu  # noqa: F401 (already applied; must be idempotent)
 
@@ -55,7 +55,55 @@ _ACTIVATED = textwrap.dedent("""
     out, gathered = torch_npu.npu_all_gather_base_mm(torch.ones(2, 3), torch.ones(3, 4), name, 1)
     assert torch.equal(out, torch.full((2, 4), 3.0))
     dist.barrier(device_ids=[0])
+""")
 
+_STRICT = textwrap.dedent("""
+    import datetime, io, torch, torch.distributed as dist
+    from mindspeed_flow import emulation
+    assert emulation.activate() == "strict"
+    import torch_npu
+    from torch_npu.contrib import transfer_to_npu  # noqa: F401 (already applied; must be idempotent)
+
+    # devices: cuda and int ids -> npu, a real device; type() names npu (MindSpeed maps it to cuda itself)
+    assert str(torch.device("npu:1")) == "npu:1" and torch.npu.device_count() >= 1
+    assert torch.zeros(2, device="cuda").device.type == "npu"
+    assert torch.ones(2).to("cuda:0").device == torch.device("npu", 0) and torch.ones(2).to(0).device.type == "npu"
+    x = torch.empty(3, device=torch.device("cuda", 0)).cuda().npu()
+    assert x.type() == "torch.npu.FloatTensor" and x.is_npu and x.is_cuda and not torch.ones(1).is_npu, x.type()
+    assert x.type("torch.npu.HalfTensor").dtype == torch.float16 and isinstance(x, torch.cuda.FloatTensor)
+    m = torch.nn.Linear(2, 2).cuda().to("npu")
+    assert next(m.parameters()).device.type == "npu" and torch.cuda.is_available()
+    torch.cuda.manual_seed(5); a = torch.rand(3, device="cuda")
+    state = torch.cuda.get_rng_state(); b = torch.rand(3, device="cuda"); torch.cuda.set_rng_state(state)
+    assert torch.equal(torch.rand(3, device="cuda"), b) and not torch.equal(a, b)
+    with torch.npu.stream(torch.npu.Stream()):
+        torch.npu.synchronize()
+    x.record_stream(torch.cuda.current_stream())
+    from torch.utils.checkpoint import DefaultDeviceType
+    assert DefaultDeviceType.get_device_type() == "npu"  # as torch_npu sets it for gradient checkpointing
+    buf = io.BytesIO(); torch.save({"w": torch.ones(2, device="npu")}, buf)
+    for loc, want in ((None, "npu"), ("npu:0", "npu"), ("cuda:0", "npu"), ({"cuda:0": "cpu"}, "cpu"),
+                      ("cpu", "cpu"), (lambda s, _: s, "cpu")):
+        buf.seek(0); w = torch.load(buf, map_location=loc)["w"]
+        assert w.device.type == want and torch.equal(w.cpu(), torch.ones(2)), (loc, w.device)
+
+    # distributed: nccl -> hccl (a backend for npu tensors), options accepted, comm name -> that group.
+    # No device_id: the real transfer_to_npu leaves a cuda device_id as it is (a real NPU job would fail with it).
+    store = dist.HashStore()
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+    assert dist.get_backend() == "hccl"
+    opts = torch_npu._C._distributed_c10d.ProcessGroupHCCL.Options(); opts.hccl_config = {"hccl_buffer_size": 200}
+    group = dist.new_group([0], backend="hccl", pg_options=opts)
+    assert dist.get_backend(group) == "hccl"
+    name = group._get_backend(torch.device("npu")).get_hccl_comm_name(0)
+    out, gathered = torch_npu.npu_all_gather_base_mm(torch.ones(2, 3, device="npu"), torch.ones(3, 4, device="npu"),
+                                                     name, 1)
+    assert out.device.type == "npu" and torch.equal(out.cpu(), torch.full((2, 4), 3.0))
+    assert dist.get_backend(dist.new_group([0], backend="gloo")) == "gloo"
+    dist.barrier(device_ids=[0])
+""")
+
+_COMMON = textwrap.dedent("""
     # missing names raise AttributeError and are logged; MindSpeed's patch-manager scans are not
     assert not hasattr(torch_npu, "npu_not_a_real_op")
     exec(compile("hasattr(torch_npu, 'scanned_name')", "/x/mindspeed/patch_utils.py", "exec"))
@@ -68,10 +116,12 @@ _ACTIVATED = textwrap.dedent("""
 """)
 
 
-def test_activated_emulation_maps_devices_backends_and_logs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["strict", "lenient"])
+def test_activated_emulation_maps_devices_backends_and_logs(tmp_path: Path, mode: str) -> None:
     log_file = tmp_path / "emu.log"
-    env = dict(**__import__("os").environ, **{emu_log.ENV_VAR: str(log_file)})
-    proc = subprocess.run([sys.executable, "-c", _ACTIVATED], capture_output=True, text=True, timeout=180, env=env)
+    env = dict(**__import__("os").environ, **{emu_log.ENV_VAR: str(log_file), modes.ENV_VAR: mode})
+    script = (_STRICT if mode == "strict" else _LENIENT) + _COMMON
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0 and "ACTIVATED-OK" in proc.stdout, proc.stderr[-4000:]
     events = emu_log.read_log(str(log_file))
     assert {"torch_npu.contrib.transfer_to_npu", "torch_npu.npu_all_gather_base_mm"} <= events["CALLED"]
@@ -125,6 +175,20 @@ def test_emulate_dry_run_builds_path_and_torchrun_command(fake_sources: dict[str
     assert pythonpath.index(str(fake_sources["MINDSPEED_HOME"])) < pythonpath.index(str(fake_sources["MEGATRON_HOME"]))
     assert "torch.distributed.run --nproc_per_node 4" in out
     assert "-m mindspeed_flow_patches.launch pretrain_vlm.py --bf16" in out
+
+
+def test_emulate_runs_strict_unless_lenient(fake_sources: dict[str, Path], monkeypatch, capsys) -> None:
+    monkeypatch.delenv(modes.ENV_VAR, raising=False)
+    assert cli.main(["--dry-run", "--", "pretrain_vlm.py"]) == 0
+    assert f"{modes.ENV_VAR}=strict" in capsys.readouterr().out
+    assert cli.main(["--dry-run", "--lenient", "--", "pretrain_vlm.py"]) == 0
+    assert f"{modes.ENV_VAR}=lenient" in capsys.readouterr().out
+    monkeypatch.setenv(modes.ENV_VAR, "lenient")
+    assert cli.main(["--dry-run", "--", "pretrain_vlm.py"]) == 0
+    assert f"{modes.ENV_VAR}=lenient" in capsys.readouterr().out
+    assert emulation.site_env({}, mode="strict")[modes.ENV_VAR] == "strict"
+    with pytest.raises(ValueError, match="not one of strict, lenient"):
+        modes.resolve("loose")
 
 
 def test_emulate_rejects_untested_commits_unless_allowed(fake_sources: dict[str, Path], capsys) -> None:

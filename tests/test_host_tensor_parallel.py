@@ -116,7 +116,7 @@ def _mc2_mode_rank(rank: int, world: int) -> dict[str, float]:
         s.pixel_values = s.pixel_values.to(torch.bfloat16) if s.pixel_values is not None else None
     out = {}
     for impl in ("chunked", "mc2"):
-        model = tiny_model("qwen2_vl").to(torch.bfloat16)
+        model = tiny_model("qwen2_vl").to(torch.bfloat16).to("npu")  # the parts run on the (emulated) device
         enc, bb = split_vlm(model)
         apply_tensor_parallel(enc, group, impl=impl)
         apply_tensor_parallel(bb, group, impl=impl)

@@ -195,7 +195,7 @@ def _record_mc2_calls(torch_npu, calls: list) -> None:
             return _fn(*args, **kwargs)
 
         setattr(torch_npu, op, wrapped)
-    backend_cls = hccl.FakeHcclBackend
+    backend_cls = hccl.backend_class()
     original = backend_cls.get_hccl_comm_name
 
     def name(self, *args, **kwargs):
@@ -222,7 +222,8 @@ def _mc2_rank(rank: int, world: int) -> dict[str, object]:
     ctx = OverlapContext(group)
     k = 256
     m, n = 8, 256  # row backward contracts over n, which must also be >= 256
-    x_full, w_full, g_full = _dense(tp, torch.bfloat16, m=m, k=k * tp, n=n)
+    # On the npu, as MC2 inputs are (strict emulation refuses host tensors in HCCL collectives).
+    x_full, w_full, g_full = (t.to("npu") for t in _dense(tp, torch.bfloat16, m=m, k=k * tp, n=n))
     rows = slice(tp_rank * m, (tp_rank + 1) * m)
     cols = slice(tp_rank * n // tp, (tp_rank + 1) * n // tp)
     ks = slice(tp_rank * k, (tp_rank + 1) * k)

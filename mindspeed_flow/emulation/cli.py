@@ -1,10 +1,10 @@
 """`mindspeed-flow emulate`: run a MindSpeed-MM job on CPU with the emulated torch_npu.
 
-    mindspeed-flow emulate [--nproc N] [--patches] [--flow-recipe FLOW.yaml] [--log FILE] -- pretrain_vlm.py <args...>
+    mindspeed-flow emulate [--nproc N] [--patches] [--flow-recipe FLOW.yaml] [--log FILE] [--lenient] -- pretrain_vlm.py <args...>
     mindspeed-flow emulate --setup DIR [--sources-archive A.tar.gz | --fetch]   sources + tiny assets + env.sh
     mindspeed-flow emulate --print-command [--tiny DIR] [--layout dp2|tp2sp|pp2|dp2pp2] [--flow-recipe F.yaml]
 
-The job runs unmodified under `torch.distributed.run` (gloo; `--distributed-backend nccl` is remapped), in the
+The job runs unmodified under `torch.distributed.run` (`--distributed-backend nccl` becomes hccl over gloo), in the
 MindSpeed-MM root so its relative paths resolve, with PYTHONPATH = fake packages, this repo, MindSpeed,
 MindSpeed-MM (and Megatron-LM). Paths on the command line are the caller's: the script and every path flag
 (`--mm-data`, `--mm-model`, `--load`, ...) that names a file or folder under the caller's folder are made absolute
@@ -13,6 +13,10 @@ tools.json`) stay as they are, and output folders (`--save`, `--tensorboard-dir`
 `--patches` runs the script through `mindspeed_flow_patches.launch`, which registers the mindspeed-flow patch set
 first. The flags a CPU run needs (`--bf16`, `--no-gradient-accumulation-fusion`, `--variable-seq-lengths` with PP)
 are in the line `--print-command` prints (`mindspeed_flow.emulation.jobs.TinyJob` builds it).
+
+The emulated NPU is strict by default (a real npu device that refuses host tensors in device ops and in HCCL
+collectives, see README "Strict and lenient"); `--lenient` (or MSF_EMULATION_MODE=lenient) runs the job with npu
+tensors as host CPU tensors instead.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from pathlib import Path
 from typing import Iterator
 
 from mindspeed_flow.emulation import log as emu_log
-from mindspeed_flow.emulation import site_env
+from mindspeed_flow.emulation import modes, site_env
 from mindspeed_flow.emulation.sources import SourceError, Sources, check_commits, find_sources
 
 PATCH_LAUNCHER = "mindspeed_flow_patches.launch"
@@ -49,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flow-recipe", default=None,
                    help="train decoupled with this flow recipe (implies --patches; checked before launch)")
     p.add_argument("--log", default=None, help=f"emulation log file (sets {emu_log.ENV_VAR})")
+    p.add_argument("--lenient", action="store_true",
+                   help=f"lenient emulation: npu tensors are host CPU tensors (default: ${modes.ENV_VAR}, else strict)")
     p.add_argument("--allow-untested", action="store_true", help="run sources at commits other than the tested ones")
     p.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
     p.add_argument("--shell", default=None, metavar="SCRIPT.sh",
@@ -69,9 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def job_env(sources: Sources, log_path: str | None, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of an emulated job (fake packages and sources on PYTHONPATH, offline, one thread)."""
-    env = site_env(base)
+def job_env(sources: Sources, log_path: str | None, base: dict[str, str] | None = None,
+            mode: str | None = None) -> dict[str, str]:
+    """The environment of an emulated job (fake packages and sources on PYTHONPATH, offline, one thread); `mode`
+    pins the emulation mode (else the base environment's MSF_EMULATION_MODE, else strict)."""
+    env = site_env(base, mode)
     parts = env["PYTHONPATH"].split(os.pathsep)
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts[:2] + sources.pythonpath() + parts[2:]))
     # Megatron's dataset helper is built with `make`, which runs `python3 -m pybind11`: this interpreter first.
@@ -125,6 +133,10 @@ def resolve_caller_paths(script_argv: list[str], mm_root: Path, cwd: Path | None
     return out
 
 
+def _mode(args: argparse.Namespace) -> str | None:
+    return modes.LENIENT if args.lenient else None
+
+
 def _run_shell(args: argparse.Namespace) -> int:
     """A user's launch script, unchanged, with the emulated torch_npu and the sources on its path (cwd: MindSpeed-MM)."""
     try:
@@ -138,7 +150,7 @@ def _run_shell(args: argparse.Namespace) -> int:
         print(f"mindspeed-flow emulate: --shell {args.shell}: no such file", file=sys.stderr)
         return 2
     return subprocess.run(["bash", str(shell)], cwd=str(sources.mindspeed_mm.root),
-                          env=job_env(sources, args.log)).returncode
+                          env=job_env(sources, args.log, mode=_mode(args))).returncode
 
 
 @contextlib.contextmanager
@@ -193,9 +205,11 @@ def main(argv: list[str]) -> int:
         except FlowRecipeError as err:
             print(f"mindspeed-flow emulate: {err}", file=sys.stderr)
             return 2
-    env = job_env(sources, args.log)
+    env = job_env(sources, args.log, mode=_mode(args))
     cmd = job_command(args.nproc, script, args.patches, args.master_port, args.flow_recipe)
     if args.dry_run:
-        print(f"cd {sources.mindspeed_mm.root}\nPYTHONPATH={env['PYTHONPATH']}\n" + " ".join(cmd))
+        mode = env.get(modes.ENV_VAR, modes.STRICT)
+        print(f"cd {sources.mindspeed_mm.root}\nPYTHONPATH={env['PYTHONPATH']}\n{modes.ENV_VAR}={mode}\n" +
+              " ".join(cmd))
         return 0
     return subprocess.run(cmd, cwd=str(sources.mindspeed_mm.root), env=env).returncode

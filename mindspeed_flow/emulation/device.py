@@ -1,14 +1,21 @@
-"""The emulated `torch.npu` / `torch_npu.npu` device module: one "NPU" that is the host CPU.
+"""The emulated `torch.npu` / `torch_npu.npu` device module, for both emulation modes.
 
-Everything here is a CPU-backed stand-in with the real names and signatures: device queries, no-op streams and
-events, memory statistics (zeros), and RNG functions that act on the CPU default generator (so the "device" RNG
-Megatron's tracker saves and restores is the CPU one). `install_npu_device()` registers this module as
-`torch.npu` after renaming the PrivateUse1 backend to "npu", so `torch.device("npu")` parses.
+It has the real names and signatures: device queries and selection, no-op streams and events (all npu work is
+synchronous), memory statistics, legacy tensor types, and RNG functions that act on the CPU default generator (so
+the "device" RNG Megatron's tracker saves and restores is the CPU one, which npu random ops draw from).
+
+Lenient mode: one "NPU" that is the host CPU; selection is a no-op and memory statistics are zeros. Strict mode
+(`use_extension`, called before the fake torch_npu imports this module's names): the device index is the calling
+thread's (C++ device guard), memory statistics are the npu allocator's live and peak bytes, streams are real
+`torch.Stream`s of the npu (so `Tensor.record_stream` takes them), and `FloatTensor` & co. build npu tensors.
+`install_npu_device()` (patching / strict) registers this module as `torch.npu` after renaming PrivateUse1 to "npu".
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import time
 import types
 from typing import Any, Callable, Iterator
 
@@ -16,6 +23,19 @@ import torch
 
 DEVICE_NAME = "Emulated Ascend NPU (host CPU)"
 _TOTAL_MEMORY = 64 * 1024**3
+
+# The strict npu extension (npu_ext), once `use_extension` installed it; None in lenient mode.
+_EXT: Any = None
+
+
+def _index(device: Any = None) -> int:
+    """A device argument (None, int, "npu:1", torch.device) as an index; None and index-less mean the current."""
+    if device is None:
+        return current_device()
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device
+    dev = torch.device(device)
+    return current_device() if dev.index is None else dev.index
 
 
 # ---------------------------------------------------------------- device queries
@@ -25,15 +45,30 @@ def is_available() -> bool:
 
 def device_count() -> int:
     """One emulated device per local rank, so `rank % device_count()` is always a valid id."""
+    if _EXT is not None:
+        return _EXT.device_count()
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def current_device() -> int:
-    return 0
+    return _EXT.current_device() if _EXT is not None else 0
 
 
 def set_device(device: Any) -> None:
-    """Devices are all the host CPU; selecting one is a no-op."""
+    """Strict: select the calling thread's device (an index outside the device count is refused, as on NPU).
+    Lenient: devices are all the host CPU, selecting one is a no-op."""
+    if _EXT is not None:
+        _EXT.set_device(_index(device))
+
+
+def _get_device_index(device: Any, optional: bool = False, allow_cpu: bool = False) -> int:
+    """torch_npu.npu._utils._get_device_index (torch.load asks for it to place npu storages)."""
+    if device is None and not optional:
+        raise ValueError("Expected an npu device, but got: None")
+    return _index(device)
+
+
+_utils = types.SimpleNamespace(_get_device_index=_get_device_index)
 
 
 def init() -> None:
@@ -89,37 +124,72 @@ def get_device_capability(device: Any = None) -> tuple[int, int]:
     return (8, 0)
 
 
+def is_current_stream_capturing() -> bool:
+    """No graph capture on the emulated npu (optimizers ask before each step)."""
+    return False
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    """torch.autocast asks a PrivateUse1 device module for it (checkpoint recomputation enters autocast)."""
+    return [torch.float16, torch.bfloat16]
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    return True
+
+
 def get_device_properties(device: Any = None) -> types.SimpleNamespace:
     return types.SimpleNamespace(name=DEVICE_NAME, total_memory=_TOTAL_MEMORY, major=8, minor=0,
                                  multi_processor_count=os.cpu_count() or 1, cube_core_num=0, vector_core_num=0)
 
 
-# ---------------------------------------------------------------- memory statistics (host memory is untracked)
-def _zero(device: Any = None) -> int:
-    return 0
+# ---------------------------------------------------------------- memory statistics
+# Strict: the npu allocator's counters (kernel outputs adopted from the CPU kernels included). There is no caching
+# allocator, so "reserved" equals "allocated". Lenient: host memory is untracked, every figure is 0.
+def _counters(device: Any = None) -> list[int]:
+    """[allocated bytes, peak bytes, allocations, frees] of one device (zeros in lenient mode)."""
+    return _EXT.memory_stats(_index(device)) if _EXT is not None else [0, 0, 0, 0]
 
 
-memory_allocated = max_memory_allocated = memory_reserved = max_memory_reserved = _zero
-memory_cached = max_memory_cached = _zero
+def memory_allocated(device: Any = None) -> int:
+    return _counters(device)[0]
 
 
-def reset_max_memory_allocated(device: Any = None) -> None:
-    pass
+def max_memory_allocated(device: Any = None) -> int:
+    return _counters(device)[1]
 
 
-reset_peak_memory_stats = reset_max_memory_cached = reset_accumulated_memory_stats = reset_max_memory_allocated
+memory_reserved, max_memory_reserved = memory_allocated, max_memory_allocated
+memory_cached, max_memory_cached = memory_allocated, max_memory_allocated
+
+
+def reset_peak_memory_stats(device: Any = None) -> None:
+    if _EXT is not None:
+        _EXT.reset_peak(_index(device))
+
+
+reset_max_memory_allocated = reset_max_memory_cached = reset_accumulated_memory_stats = reset_peak_memory_stats
 
 
 def mem_get_info(device: Any = None) -> tuple[int, int]:
-    return (_TOTAL_MEMORY, _TOTAL_MEMORY)
+    return (_TOTAL_MEMORY - memory_allocated(device), _TOTAL_MEMORY)
 
 
 def memory_stats(device: Any = None) -> dict[str, int]:
-    return {}
+    if _EXT is None:
+        return {}
+    allocated, peak, allocations, frees = _counters(device)
+    return {"allocated_bytes.all.current": allocated, "allocated_bytes.all.peak": peak,
+            "reserved_bytes.all.current": allocated, "reserved_bytes.all.peak": peak,
+            "allocation.all.allocated": allocations, "allocation.all.freed": frees,
+            "allocation.all.current": allocations - frees, "num_alloc_retries": 0, "num_ooms": 0}
 
 
 def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
-    return "emulated NPU: host memory is not tracked"
+    if _EXT is None:
+        return "emulated NPU: host memory is not tracked"
+    allocated, peak, _, _ = _counters(device)
+    return f"emulated NPU npu:{_index(device)}: {allocated} bytes allocated, peak {peak} bytes"
 
 
 class NPUPluggableAllocator:
@@ -133,12 +203,15 @@ memory = types.SimpleNamespace(
     _snapshot=lambda *a, **k: {"segments": [], "device_traces": []},
     change_current_allocator=lambda *a, **k: None,
     NPUPluggableAllocator=NPUPluggableAllocator,
-    memory_allocated=_zero, max_memory_allocated=_zero, memory_reserved=_zero, max_memory_reserved=_zero,
+    memory_allocated=memory_allocated, max_memory_allocated=max_memory_allocated, memory_reserved=memory_reserved,
+    max_memory_reserved=max_memory_reserved, reset_peak_memory_stats=reset_peak_memory_stats,
     empty_cache=empty_cache, mem_get_info=mem_get_info, memory_stats=memory_stats,
 )
 
 
 # ---------------------------------------------------------------- RNG: the device generator is the CPU one
+# One entry per device (MindSpeed indexes it by the current device), all the CPU default generator: npu random ops
+# draw from it, and each rank uses one device.
 default_generators = (torch.default_generator,)
 
 
@@ -170,11 +243,11 @@ def set_rng_state(new_state: torch.Tensor, device: Any = None) -> None:
 
 
 def get_rng_state_all() -> list[torch.Tensor]:
-    return [get_rng_state()]
+    return [get_rng_state()] * len(default_generators)
 
 
 def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
-    set_rng_state(new_states[0])
+    set_rng_state(new_states[current_device()])
 
 
 # ---------------------------------------------------------------- streams and events: all work is synchronous
@@ -213,8 +286,6 @@ class Event:
         self._time = 0.0
 
     def record(self, stream: Stream | None = None) -> None:
-        import time
-
         self._time = time.perf_counter()
 
     def wait(self, stream: Stream | None = None) -> None:
@@ -246,20 +317,47 @@ def stream(stream: Stream | None = None) -> Iterator[None]:  # noqa: A001 - the 
     yield
 
 
+def set_stream(stream: Any) -> None:
+    """Selecting a current stream changes nothing: every kernel runs synchronously."""
+
+
+def can_device_access_peer(device: Any, peer_device: Any) -> bool:
+    return True  # one host memory
+
+
+def utilization(device: Any = None) -> int:
+    return 0
+
+
+def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:
+    pass
+
+
 class device:  # noqa: N801 - torch.cuda.device spelling
-    """Context manager selecting a device: a no-op, there is one."""
+    """Context manager selecting a device for the calling thread (lenient: a no-op, there is one)."""
 
     def __init__(self, device: Any = None) -> None:
-        self.idx = 0
+        self.idx = -1 if device is None else _index(device)
+        self._previous = -1
 
     def __enter__(self) -> "device":
+        if _EXT is not None and self.idx >= 0:
+            self._previous = current_device()
+            set_device(self.idx)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._previous >= 0:
+            set_device(self._previous)
         return None
 
 
-device_of = device
+class device_of(device):  # noqa: N801 - torch.cuda.device_of spelling
+    """Context manager selecting the device of a tensor (a no-op for a host tensor)."""
+
+    def __init__(self, obj: Any) -> None:
+        on_npu = isinstance(obj, torch.Tensor) and obj.device.type == "npu"
+        super().__init__(obj.device if on_npu else None)
 
 # ---------------------------------------------------------------- misc namespaces and legacy tensor types
 config = types.SimpleNamespace(allow_internal_format=False)
@@ -270,3 +368,71 @@ amp = torch.amp
 FloatTensor, HalfTensor, BFloat16Tensor = torch.FloatTensor, torch.HalfTensor, torch.BFloat16Tensor
 DoubleTensor, IntTensor, LongTensor = torch.DoubleTensor, torch.IntTensor, torch.LongTensor
 ByteTensor, BoolTensor, CharTensor = torch.ByteTensor, torch.BoolTensor, torch.CharTensor
+_LEGACY_NAMES = ("FloatTensor", "HalfTensor", "BFloat16Tensor", "DoubleTensor", "IntTensor", "LongTensor",
+                 "ByteTensor", "BoolTensor", "CharTensor", "ShortTensor")
+
+
+# ---------------------------------------------------------------- strict mode: the npu extension behind the names
+class _StrictStream(torch.Stream):
+    """A stream of the emulated npu: a real `torch.Stream` (so `Tensor.record_stream` accepts it), with nothing to
+    order because every npu kernel runs synchronously on the calling thread."""
+
+    def __new__(cls, device: Any = None, priority: int = 0, stream_id: int | None = None, **_: Any) -> "_StrictStream":
+        sid = next(_STREAM_IDS) if stream_id is None else stream_id
+        return super().__new__(cls, stream_id=sid, device_index=_index(device), device_type=_EXT.device_type())
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> Any:
+        event = event if event is not None else Event()
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_STREAM_IDS = itertools.count(1)  # 0 is each device's default stream
+
+
+class _LegacyNpuType(type):
+    """`torch.npu.FloatTensor` & co.: isinstance checks device and dtype (as torch's legacy types check the dispatch
+    key), calling builds the host tensor the CPU type would and moves it to the current npu."""
+
+    dtype: torch.dtype
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, torch.Tensor) and obj.device.type == "npu" and obj.dtype == cls.dtype
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return getattr(torch, cls.__name__)(*args, **kwargs).to(torch.device("npu", current_device()))
+
+
+def _strict_legacy_types() -> dict[str, type]:
+    return {name: _LegacyNpuType(name, (), {"dtype": getattr(torch, name).dtype, "__module__": "torch.npu"})
+            for name in _LEGACY_NAMES}
+
+
+def _strict_current_stream(device: Any = None) -> _StrictStream:
+    return _StrictStream(device, stream_id=0)
+
+
+def use_extension(ext: Any) -> None:
+    """Strict mode: answer from the npu extension (`npu_ext.load()`). Must run before the fake `torch_npu.npu`
+    copies this module's names, which it does (the fake torch_npu calls it first)."""
+    global _EXT, Stream, SyncLaunchStream, current_stream, default_stream, default_generators
+    _EXT = ext
+    default_generators = (torch.default_generator,) * ext.device_count()
+    Stream = SyncLaunchStream = _StrictStream
+    current_stream = default_stream = _strict_current_stream
+    globals().update(_strict_legacy_types())

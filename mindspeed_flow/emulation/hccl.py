@@ -1,11 +1,20 @@
-"""Fake HCCL communicator names that resolve back to the gloo groups behind them.
+"""HCCL under emulation: the "hccl" process-group backend, communicator names, and torch_npu's batch_isend_irecv.
+
+Strict mode registers "hccl" as a real c10d backend for device type npu only, as torch_npu does
+(`Backend.register_backend("hccl", ..., extended_api=True, devices=["npu"])` in torch_npu/__init__.py): a C++
+backend (`csrc/npu_hccl.cpp`) that runs each collective and p2p op on a gloo group of the same ranks (over a
+PrefixStore of the group's store), on zero-copy host aliases of the npu tensors. Host tensors given to an hccl group
+are refused by torch's ProcessGroup (no backend for device type cpu); `new_group(..., backend="gloo")` still gives a
+gloo group for them. `batch_isend_irecv` is replaced by torch_npu's contract (one work per batch of npu tensors).
+Lenient mode maps hccl to gloo instead, and `FakeHcclBackend` stands in for the npu backend of a gloo group.
 
 On Ascend, MC2 ops take the HCCL communicator name of a group (`group._get_backend(torch.device("npu"))
-.get_hccl_comm_name(global_rank)`). Under emulation each gloo group gets a stable name `fakehccl_<n>`, kept in a
+.get_hccl_comm_name(global_rank)`). Under emulation each group gets a stable name `fakehccl_<n>`, kept in a
 per-process registry, so the emulated MC2 ops can find the group to run their collectives on.
 """
 from __future__ import annotations
 
+import datetime
 import itertools
 import weakref
 from typing import Any
@@ -16,6 +25,7 @@ import torch.distributed as dist
 _COUNTER = itertools.count()
 _NAME_OF: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 _GROUP_OF: dict[str, Any] = {}
+_STRICT_BACKEND: list[type] = []  # the extension's HcclBackend class, once strict mode registered it
 
 
 def comm_name(group: dist.ProcessGroup | None = None) -> str:
@@ -71,3 +81,70 @@ def install_backend_lookup() -> None:
 
     _get_backend._msf_emulated = True  # type: ignore[attr-defined]
     pg_cls._get_backend = _get_backend
+
+
+def backend_class() -> type:
+    """The class of what `group._get_backend(torch.device("npu"))` returns in this process (strict: the npu
+    extension's HcclBackend; lenient: FakeHcclBackend), e.g. to observe its `get_hccl_comm_name` calls."""
+    return _STRICT_BACKEND[0] if _STRICT_BACKEND else FakeHcclBackend
+
+
+# ---------------------------------------------------------------- strict mode: a real backend for npu tensors
+def _group_named(name: str) -> dist.ProcessGroup:
+    for group, group_name in dist.distributed_c10d._world.pg_names.items():
+        if group_name == name:
+            return group
+    raise KeyError(f"no process group named {name!r} in this process")
+
+
+def _get_hccl_comm_name(self: Any, rank_id: int, init_comm: bool = True) -> str:
+    """ProcessGroupHCCL.get_hccl_comm_name(global rank): the group's emulated communicator name."""
+    group = _group_named(self.group_name)
+    try:
+        dist.get_group_rank(group, rank_id)
+    except (ValueError, RuntimeError) as err:
+        raise ValueError(f"get_hccl_comm_name: global rank {rank_id} is not a member of this group") from err
+    return comm_name(group)
+
+
+def register_backend(ext: Any) -> None:
+    """Register "hccl" for npu tensors (the backend class comes from the npu extension `ext`) and torch_npu's
+    batch_isend_irecv."""
+
+    def create(opts: Any, pg_options: Any) -> Any:
+        # pg_options (ProcessGroupHCCL.Options: hccl_config, ...) tune real HCCL; gloo has no use for them.
+        timeout = opts.timeout if opts.timeout is not None else datetime.timedelta(minutes=30)
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore("hccl-gloo/", opts.store), opts.group_rank, opts.group_size,
+                                     timeout)
+        return ext.make_hccl_backend(gloo, opts.group_rank, opts.group_size, opts.group_id)
+
+    dist.Backend.register_backend("hccl", create, extended_api=True, devices=["npu"])
+    ext.HcclBackend.get_hccl_comm_name = _get_hccl_comm_name
+    _STRICT_BACKEND[:] = [ext.HcclBackend]
+    dist.is_hccl_available = lambda: True
+    original = dist.batch_isend_irecv
+    if getattr(original, "_msf_emulated", False):
+        return
+
+    def batch_isend_irecv(p2p_op_list: list) -> list:
+        """torch_npu's batch_isend_irecv (torch_npu/distributed/distributed_c10d.py `_batch_isend_irecv`): a batch
+        whose first tensor is on the npu runs as ONE hccl work (returned as a one-element list) and refuses a
+        non-npu tensor; any other batch keeps torch's behaviour (one work per op on gloo)."""
+        first = p2p_op_list[0]
+        if first.tensor.device.type != "npu":
+            return original(p2p_op_list)
+        group = first.group if first.group is not None else dist.distributed_c10d._get_default_group()
+        backend = group._get_backend(first.tensor.device)
+        op_type, tensors, peers = [], [], []
+        for op in p2p_op_list:
+            if op.tensor.device.type != "npu":
+                raise RuntimeError(f"No backend type associated with device type {op.tensor.device.type}")
+            op_type.append(op.op.__name__)
+            tensors.append(op.tensor)
+            group_peer = getattr(op, "group_peer", None)
+            peers.append(group_peer if group_peer is not None else dist.get_group_rank(group, op.peer))
+        return [backend.batch_isend_irecv(op_type, tensors, peers)]
+
+    batch_isend_irecv._msf_emulated = True  # type: ignore[attr-defined]
+    dist.batch_isend_irecv = batch_isend_irecv
+    dist.distributed_c10d.batch_isend_irecv = batch_isend_irecv

@@ -11,6 +11,7 @@ import collections
 import os
 import sys
 import threading
+from typing import Callable
 
 ENV_VAR = "MSF_EMULATION_LOG"
 
@@ -18,6 +19,7 @@ _LOCK = threading.Lock()
 _CALLS: collections.Counter[str] = collections.Counter()
 _MISSING: collections.Counter[str] = collections.Counter()
 _REGISTERED = False
+_SUMMARY_LINES: list[Callable[[], str]] = []  # more summary lines (strict mode: the npu's memory peak)
 
 
 def _rank() -> str:
@@ -74,10 +76,16 @@ def missing() -> dict[str, int]:
     return dict(_MISSING)
 
 
+def add_summary_line(line: Callable[[], str]) -> None:
+    """Have the exit summary carry one more line, computed at exit."""
+    _SUMMARY_LINES.append(line)
+
+
 def summary() -> str:
     called = ", ".join(f"{n} x{c}" for n, c in sorted(_CALLS.items())) or "none"
     absent = ", ".join(sorted(_MISSING)) or "none"
-    return f"[msf-emulation rank={_rank()}] called: {called}\n[msf-emulation rank={_rank()}] missing: {absent}"
+    lines = [f"called: {called}", f"missing: {absent}"] + [line() for line in _SUMMARY_LINES]
+    return "\n".join(f"[msf-emulation rank={_rank()}] {line}" for line in lines)
 
 
 def _summarise() -> None:

@@ -146,7 +146,8 @@ def npu_fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     out, row_max, row_sum = _attend(q, k, v, scale, masked, keep, keep_prob)
     smax, ssum = _softmax_stats(row_max, row_sum)
     numels = q.shape[0] * q.shape[1] * sq * skv
-    return _from_bnsd(out, layout), smax, ssum, torch.empty(0, dtype=query.dtype), 0, 0, numels
+    empty = torch.empty(0, dtype=query.dtype, device=query.device)
+    return _from_bnsd(out, layout), smax, ssum, empty, 0, 0, numels
 
 
 def _fusion_attention_tnd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, head_num: int,
@@ -171,7 +172,8 @@ def _fusion_attention_tnd(query: torch.Tensor, key: torch.Tensor, value: torch.T
         maxes.append(row_max[0].transpose(0, 1))
         sums.append(row_sum[0].transpose(0, 1))
     smax, ssum = _softmax_stats(torch.cat(maxes), torch.cat(sums))
-    return torch.cat(outs), smax, ssum, torch.empty(0, dtype=query.dtype), 0, 0, int(query.shape[0])
+    empty = torch.empty(0, dtype=query.dtype, device=query.device)
+    return torch.cat(outs), smax, ssum, empty, 0, 0, int(query.shape[0])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -295,7 +297,7 @@ def npu_all_gather_base_mm(input: torch.Tensor, x2: torch.Tensor, hcom: str, wor
     out, gathered = _AllGatherMatmul.apply(input, x2, group, world_size)
     if bias is not None:
         out = out + bias
-    return out, (gathered if gather_output else torch.empty(0, dtype=input.dtype))
+    return out, (gathered if gather_output else torch.empty(0, dtype=input.dtype, device=input.device))
 
 
 def npu_mm_reduce_scatter_base(input: torch.Tensor, x2: torch.Tensor, hcom: str, world_size: int, *,  # noqa: A002

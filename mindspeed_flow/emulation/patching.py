@@ -1,6 +1,8 @@
-"""The global torch patches behind the fake torch_npu: the "npu" device type, and transfer_to_npu run backwards.
+"""Lenient mode's global torch patches behind the fake torch_npu: the "npu" device type, transfer_to_npu run backwards.
 
-The real `torch_npu.contrib.transfer_to_npu` rewrites cuda devices and nccl to npu and HCCL. Under emulation
+(Strict mode, the default, is `strict.py`: a real npu device and the real direction.)
+
+The real `torch_npu.contrib.transfer_to_npu` rewrites cuda devices and nccl to npu and HCCL. In lenient mode
 every accelerator is the host CPU, so this does the inverse: cuda/npu devices (and bare integer device ids) map to
 cpu, nccl/hccl to gloo, `torch.cuda.*` answers from the emulated device module, and `Tensor.type()` reports CPU
 tensors as `torch.cuda.*Tensor` (Megatron's optimizers check `param.type() == 'torch.cuda.FloatTensor'`).

@@ -1,28 +1,38 @@
 """Fake `torch_npu` (mindspeed-flow emulation): the Ascend adapter's Python surface, backed by the host CPU.
 
 Only on sys.path when `mindspeed_flow.emulation.activate()` (or `mindspeed-flow emulate`) put it there. Importing
-it registers the "npu" device type; `torch_npu.contrib.transfer_to_npu` then maps cuda/npu to cpu and nccl/hccl
-to gloo. Ops are the CPU references of `mindspeed_flow.emulation.ops`; every call and every name asked for but
-absent is logged (MSF_EMULATION_LOG).
+it registers the "npu" device type in the mode $MSF_EMULATION_MODE names (`EMULATION_MODE`): strict (default) builds
+or loads the C++ npu device and registers the HCCL backend, as the real torch_npu does; lenient makes "npu" the host
+CPU. `torch_npu.contrib.transfer_to_npu` then maps cuda to npu and nccl to hccl (strict), or cuda/npu to cpu and
+nccl/hccl to gloo (lenient). Ops are the references of `mindspeed_flow.emulation.ops`; every call and every name
+asked for but absent is logged (MSF_EMULATION_LOG).
 """
 import functools as _functools
+import sys as _sys
 
 import torch as _torch
 
-from mindspeed_flow.emulation import device as _device_impl
-import sys as _sys
-
 from mindspeed_flow.emulation import log as _log
+from mindspeed_flow.emulation import modes as _modes
 from mindspeed_flow.emulation import ops as _ops
 from mindspeed_flow.emulation import patching as _patching
 from mindspeed_flow.emulation import torchvision_compat as _tv_compat
 
 __version__ = "2.7.1+msf.emulated"
 EMULATED = True
+EMULATION_MODE = _modes.resolve()
 
-from torch_npu import npu  # noqa: E402  (the device module; needs nothing above but must exist before install)
+if EMULATION_MODE == _modes.STRICT:
+    from mindspeed_flow.emulation import strict as _strict
 
-_patching.install_npu_device(npu)
+    _strict.prepare()  # the C++ device first: the device module's names below depend on it
+
+from torch_npu import npu  # noqa: E402  (the device module; must exist before install)
+
+if EMULATION_MODE == _modes.STRICT:
+    _strict.install_npu_device(npu)
+else:
+    _patching.install_npu_device(npu)
 _tv_compat.install()
 
 # The real package imports these at top level; code reaches them as attributes (torch_npu._C._distributed_c10d...).
