@@ -156,8 +156,10 @@ def _batch_p2p(rank: int, world: int) -> dict[str, Any]:
     for work in works:
         work.wait()
     # HCCL has no message tags: a send and a receive of one pair match in posting order, whatever their tags.
+    # (Rank 0 sends first, rank 1 receives first: a pair's operations run in order on one stream.)
     tagged = torch.empty(3, device="npu")
-    reqs = [dist.isend(send, peer, group=hccl, tag=5), dist.irecv(tagged, peer, group=hccl, tag=9)]
+    ops = [lambda: dist.isend(send, peer, group=hccl, tag=5), lambda: dist.irecv(tagged, peer, group=hccl, tag=9)]
+    reqs = [op() for op in (ops if rank == 0 else ops[::-1])]
     for req in reqs:
         req.wait()
     mixed = [dist.P2POp(dist.isend, send, peer, hccl), dist.P2POp(dist.irecv, torch.empty(3), peer, hccl)]
@@ -179,6 +181,44 @@ def test_batch_isend_irecv_is_one_work_per_batch_and_refuses_host_tensors() -> N
         assert result["device"] == "npu:0"
         assert NO_BACKEND in result["mixed"], result["mixed"]
         assert result["gloo_works"] == 2 and result["gloo_recv"] == [float(1 - rank)] * 3  # gloo: one per op
+
+
+def _stream_order(rank: int, world: int) -> dict[str, Any]:
+    """Operations wait on each other as on a device stream: each rank posts a receive, then the send its peer's
+    receive waits for, on ONE pair stream (hung on a device: each receive sits ahead of the send that would
+    satisfy the other), and the same two operations on TWO groups, one per direction (fine)."""
+    import datetime
+
+    _strict()
+    peer = 1 - rank
+    one, other = (dist.new_group([0, 1], backend="hccl") for _ in range(2))
+    send = torch.full((4,), float(rank), device="npu")
+    got = torch.empty(4, device="npu")
+    # Two communicators, one per direction: each pair stream holds one operation, nothing waits in a cycle.
+    recv_w = dist.irecv(got, peer, group=one if rank == 0 else other)
+    send_w = dist.isend(send, peer, group=other if rank == 0 else one)
+    recv_w.wait()
+    send_w.wait()
+    crossed_ok = got.cpu().tolist() == [float(peer)] * 4
+    # One communicator: the receive is ahead of the send on this rank's pair stream, and on the peer's too.
+    recv_w = dist.irecv(torch.empty(4, device="npu"), peer, group=one)
+    send_w = dist.isend(send, peer, group=one)
+    try:
+        send_w.wait(datetime.timedelta(seconds=5))  # can never complete: nothing the peer does can start it
+        hung = "completed"
+    except RuntimeError as err:
+        hung = str(err)
+    # Stay until the peer has seen it too, then leave without tearing the stuck streams down.
+    dist.barrier(group=dist.new_group([0, 1], backend="gloo"))
+    return {"crossed_ok": crossed_ok, "hung": hung, "recv_done": recv_w.is_completed()}
+
+
+def test_hccl_runs_each_stream_in_order_as_a_device_does() -> None:
+    got = run_ranks(_stream_order, 2, timeout_s=TIMEOUT_S)
+    for result in got:
+        assert result["crossed_ok"]
+        assert "timed out" in result["hung"].lower(), result["hung"]
+        assert not result["recv_done"]
 
 
 # ------------------------------------------------------------------------------------------------ same results
@@ -298,7 +338,11 @@ def _collectives(rank: int, world: int) -> dict[str, bool]:
     def p2p(make: Callable, group: Any) -> torch.Tensor:
         peer = 1 - rank
         out = make(torch.empty(world * 4))
-        reqs = [dist.isend(make(base), group_dst=peer, group=group), dist.irecv(out, group_src=peer, group=group)]
+        # Rank 0 sends first, rank 1 receives first: on a device a pair's send and receive run in order on one
+        # stream, so both ranks sending first would wait for each other (test_hccl_runs_each_stream_in_order...).
+        ops = [lambda: dist.isend(make(base), group_dst=peer, group=group),
+               lambda: dist.irecv(out, group_src=peer, group=group)]
+        reqs = [op() for op in (ops if rank == 0 else ops[::-1])]
         for req in reqs:
             req.wait()
         return out

@@ -4,11 +4,100 @@
 
 #include "npu_runtime.h"
 
+#include <ATen/core/ivalue.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdlib>
+#include <deque>
 #include <exception>
+#include <thread>
 #include <utility>
 
 namespace msf_npu {
+
+// One emulated stream: tasks run one at a time, in the order they were pushed, on a detached worker thread (a
+// thread blocked in a gloo wait that never ends must not keep the process from exiting).
+class StreamQueue {
+ public:
+  StreamQueue() : state_(std::make_shared<State>()) {
+    std::thread([state = state_] { run(state); }).detach();
+  }
+
+  ~StreamQueue() {
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      state_->stop = true;
+    }
+    state_->cv.notify_all();
+  }
+
+  void push(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      state_->tasks.push_back(std::move(task));
+    }
+    state_->cv.notify_one();
+  }
+
+ private:
+  struct State {
+    std::mutex mutex;
+    std::condition_variable cv;
+    std::deque<std::function<void()>> tasks;
+    bool stop = false;
+  };
+
+  static void run(const std::shared_ptr<State>& state) {
+    while (true) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(state->mutex);
+        state->cv.wait(lock, [&] { return state->stop || !state->tasks.empty(); });
+        if (state->tasks.empty()) {
+          return;  // stopped and drained
+        }
+        task = std::move(state->tasks.front());
+        state->tasks.pop_front();
+      }
+      task();
+    }
+  }
+
+  std::shared_ptr<State> state_;
+};
+
 namespace {
+
+// The work of an operation issued on an emulated stream: completed by the stream's worker once the gloo work
+// behind it has (with its error, if it failed).
+class StreamWork final : public c10d::Work {
+ public:
+  StreamWork(int rank, c10d::OpType type, std::vector<at::Tensor> result)
+      : c10d::Work(rank, type), result_(std::move(result)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+  void complete(std::exception_ptr error) {
+    finish(error);
+    if (error) {
+      future_->setError(error);
+    } else {
+      future_->markCompleted(c10::IValue(result_));
+    }
+  }
+
+  std::vector<at::Tensor> result() override {
+    return result_;
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    return future_;
+  }
+
+ private:
+  std::vector<at::Tensor> result_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
 
 // The host alias of one tensor of a collective; a host tensor that reached the backend (mixed into a list whose
 // first tensor is on the npu) is refused with ProcessGroup's own wording for a device without a backend.
@@ -94,139 +183,192 @@ class BatchWork final : public c10d::Work {
 }  // namespace
 
 HcclBackend::HcclBackend(int rank, int size, c10::intrusive_ptr<c10d::Backend> gloo, std::string group_name)
-    : c10d::Backend(rank, size), gloo_(std::move(gloo)), group_name_(std::move(group_name)) {}
+    : c10d::Backend(rank, size), gloo_(std::move(gloo)), group_name_(std::move(group_name)) {
+  // torch_npu: per-pair p2p communicators unless P2P_HCCL_BUFFSIZE is 0 (OptionsManager::GetP2PBufferSize,
+  // default 20 MB; ProcessGroupHCCL::pointToPoint picks the pair's key when it is not 0).
+  const char* p2p_buffer = std::getenv("P2P_HCCL_BUFFSIZE");
+  p2p_on_group_stream_ = p2p_buffer != nullptr && std::strtol(p2p_buffer, nullptr, 10) == 0;
+}
 
+std::string HcclBackend::p2p_stream(int peer) const {
+  if (p2p_on_group_stream_) {
+    return "group";
+  }
+  int me = getRank();
+  return "p2p:" + std::to_string(std::min(me, peer)) + ":" + std::to_string(std::max(me, peer));
+}
+
+c10::intrusive_ptr<c10d::Work> HcclBackend::on_stream(const std::string& key, c10d::OpType type,
+                                                      std::vector<at::Tensor> result,
+                                                      std::function<c10::intrusive_ptr<c10d::Work>()> op) {
+  std::shared_ptr<StreamQueue> stream;
+  {
+    std::lock_guard<std::mutex> lock(streams_mutex_);
+    auto& slot = streams_[key];
+    if (!slot) {
+      slot = std::make_shared<StreamQueue>();
+    }
+    stream = slot;
+  }
+  auto work = c10::make_intrusive<StreamWork>(getRank(), type, std::move(result));
+  stream->push([op = std::move(op), work]() {
+    std::exception_ptr error;
+    try {
+      op()->wait();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    work->complete(error);
+  });
+  return work;
+}
+
+// Every collective runs on the group's stream; `G` is the gloo backend, captured by each queued operation.
 c10::intrusive_ptr<c10d::Work> HcclBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                       const c10d::BroadcastOptions& opts) {
-  auto h = hosts_of(tensors);
-  return gloo_->broadcast(h, opts);
+  return on_stream("group", c10d::OpType::BROADCAST, tensors,
+                   [G = gloo_, h = hosts_of(tensors), opts]() mutable { return G->broadcast(h, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> HcclBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                       const c10d::AllreduceOptions& opts) {
-  auto h = hosts_of(tensors);
-  return gloo_->allreduce(h, opts);
+  return on_stream("group", c10d::OpType::ALLREDUCE, tensors,
+                   [G = gloo_, h = hosts_of(tensors), opts]() mutable { return G->allreduce(h, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> HcclBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                                 const c10d::AllreduceCoalescedOptions& opts) {
-  auto h = hosts_of(tensors);
-  return gloo_->allreduce_coalesced(h, opts);
+  return on_stream("group", c10d::OpType::ALLREDUCE_COALESCED, tensors,
+                   [G = gloo_, h = hosts_of(tensors), opts]() mutable { return G->allreduce_coalesced(h, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> HcclBackend::reduce(std::vector<at::Tensor>& tensors,
                                                    const c10d::ReduceOptions& opts) {
-  auto h = hosts_of(tensors);
-  return gloo_->reduce(h, opts);
+  return on_stream("group", c10d::OpType::REDUCE, tensors,
+                   [G = gloo_, h = hosts_of(tensors), opts]() mutable { return G->reduce(h, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> HcclBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::AllgatherOptions& opts) {
-  auto out = hosts_of(outputs);
-  auto in = hosts_of(inputs);
-  return gloo_->allgather(out, in, opts);
+  std::vector<at::Tensor> result = outputs.empty() ? std::vector<at::Tensor>{} : outputs[0];
+  return on_stream("group", c10d::OpType::ALLGATHER, result,
+                   [G = gloo_, out = hosts_of(outputs), in = hosts_of(inputs), opts]() mutable {
+                     return G->allgather(out, in, opts);
+                   });
 }
 
 c10::intrusive_ptr<c10d::Work> HcclBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                             const c10d::AllgatherOptions& opts) {
-  at::Tensor out = host_of(output);
-  at::Tensor in = host_of(input);
-  return gloo_->_allgather_base(out, in, opts);
+  return on_stream("group", c10d::OpType::_ALLGATHER_BASE, {output},
+                   [G = gloo_, out = host_of(output), in = host_of(input), opts]() mutable {
+                     return G->_allgather_base(out, in, opts);
+                   });
 }
 
 c10::intrusive_ptr<c10d::Work> HcclBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                                 std::vector<at::Tensor>& inputs,
                                                                 const c10d::AllgatherOptions& opts) {
-  auto out = hosts_of(outputs);
-  auto in = hosts_of(inputs);
-  return gloo_->allgather_coalesced(out, in, opts);
+  return on_stream("group", c10d::OpType::ALLGATHER_COALESCED, inputs,
+                   [G = gloo_, out = hosts_of(outputs), in = hosts_of(inputs), opts]() mutable {
+                     return G->allgather_coalesced(out, in, opts);
+                   });
 }
 
 c10::intrusive_ptr<c10d::Work> HcclBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                             std::vector<at::Tensor>& inputs,
                                                                             const c10d::AllgatherOptions& opts) {
-  auto out = hosts_of(outputs);
-  auto in = hosts_of(inputs);
-  return gloo_->allgather_into_tensor_coalesced(out, in, opts);
+  return on_stream("group", c10d::OpType::COALESCED, outputs,
+                   [G = gloo_, out = hosts_of(outputs), in = hosts_of(inputs), opts]() mutable {
+                     return G->allgather_into_tensor_coalesced(out, in, opts);
+                   });
 }
 
 c10::intrusive_ptr<c10d::Work> HcclBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                    std::vector<at::Tensor>& inputs,
                                                    const c10d::GatherOptions& opts) {
-  auto out = hosts_of(outputs);
-  auto in = hosts_of(inputs);
-  return gloo_->gather(out, in, opts);
+  std::vector<at::Tensor> result = outputs.empty() ? std::vector<at::Tensor>{} : outputs[0];
+  return on_stream("group", c10d::OpType::GATHER, result,
+                   [G = gloo_, out = hosts_of(outputs), in = hosts_of(inputs), opts]() mutable {
+                     return G->gather(out, in, opts);
+                   });
 }
 
 c10::intrusive_ptr<c10d::Work> HcclBackend::scatter(std::vector<at::Tensor>& outputs,
                                                     std::vector<std::vector<at::Tensor>>& inputs,
                                                     const c10d::ScatterOptions& opts) {
-  auto out = hosts_of(outputs);
-  auto in = hosts_of(inputs);
-  return gloo_->scatter(out, in, opts);
+  return on_stream("group", c10d::OpType::SCATTER, outputs,
+                   [G = gloo_, out = hosts_of(outputs), in = hosts_of(inputs), opts]() mutable {
+                     return G->scatter(out, in, opts);
+                   });
 }
 
 c10::intrusive_ptr<c10d::Work> HcclBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                            std::vector<std::vector<at::Tensor>>& inputs,
                                                            const c10d::ReduceScatterOptions& opts) {
-  auto out = hosts_of(outputs);
-  auto in = hosts_of(inputs);
-  return gloo_->reduce_scatter(out, in, opts);
+  return on_stream("group", c10d::OpType::REDUCE_SCATTER, outputs,
+                   [G = gloo_, out = hosts_of(outputs), in = hosts_of(inputs), opts]() mutable {
+                     return G->reduce_scatter(out, in, opts);
+                   });
 }
 
 c10::intrusive_ptr<c10d::Work> HcclBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                  const c10d::ReduceScatterOptions& opts) {
-  at::Tensor out = host_of(output);
-  at::Tensor in = host_of(input);
-  return gloo_->_reduce_scatter_base(out, in, opts);
+  return on_stream("group", c10d::OpType::_REDUCE_SCATTER_BASE, {output},
+                   [G = gloo_, out = host_of(output), in = host_of(input), opts]() mutable {
+                     return G->_reduce_scatter_base(out, in, opts);
+                   });
 }
 
 c10::intrusive_ptr<c10d::Work> HcclBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
-  auto out = hosts_of(outputs);
-  auto in = hosts_of(inputs);
-  return gloo_->reduce_scatter_tensor_coalesced(out, in, opts);
+  return on_stream("group", c10d::OpType::COALESCED, outputs,
+                   [G = gloo_, out = hosts_of(outputs), in = hosts_of(inputs), opts]() mutable {
+                     return G->reduce_scatter_tensor_coalesced(out, in, opts);
+                   });
 }
 
 c10::intrusive_ptr<c10d::Work> HcclBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
                                                           std::vector<int64_t>& output_split_sizes,
                                                           std::vector<int64_t>& input_split_sizes,
                                                           const c10d::AllToAllOptions& opts) {
-  at::Tensor out = host_of(output);
-  at::Tensor in = host_of(input);
-  return gloo_->alltoall_base(out, in, output_split_sizes, input_split_sizes, opts);
+  return on_stream("group", c10d::OpType::ALLTOALL_BASE, {output},
+                   [G = gloo_, out = host_of(output), in = host_of(input), os = output_split_sizes,
+                    is = input_split_sizes, opts]() mutable { return G->alltoall_base(out, in, os, is, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> HcclBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::AllToAllOptions& opts) {
-  auto out = hosts_of(outputs);
-  auto in = hosts_of(inputs);
-  return gloo_->alltoall(out, in, opts);
+  return on_stream("group", c10d::OpType::ALLTOALL, outputs,
+                   [G = gloo_, out = hosts_of(outputs), in = hosts_of(inputs), opts]() mutable {
+                     return G->alltoall(out, in, opts);
+                   });
 }
 
 // HCCL has no message tags: ProcessGroupHCCL::send/recv take one and drop it (HcclSend/HcclRecv match a pair's
-// messages in the order they were posted). Every p2p message here rides gloo tag 0 for the same matching.
+// messages in the order they were posted). Every p2p message here rides gloo tag 0 for the same matching, on the
+// pair's stream.
 constexpr int kHcclTag = 0;
 
 c10::intrusive_ptr<c10d::Work> HcclBackend::send(std::vector<at::Tensor>& tensors, int dst_rank, int /*tag*/) {
-  auto h = hosts_of(tensors);
-  return gloo_->send(h, dst_rank, kHcclTag);
+  return on_stream(p2p_stream(dst_rank), c10d::OpType::SEND, tensors,
+                   [G = gloo_, h = hosts_of(tensors), dst_rank]() mutable { return G->send(h, dst_rank, kHcclTag); });
 }
 
 c10::intrusive_ptr<c10d::Work> HcclBackend::recv(std::vector<at::Tensor>& tensors, int src_rank, int /*tag*/) {
-  auto h = hosts_of(tensors);
-  return gloo_->recv(h, src_rank, kHcclTag);
+  return on_stream(p2p_stream(src_rank), c10d::OpType::RECV, tensors,
+                   [G = gloo_, h = hosts_of(tensors), src_rank]() mutable { return G->recv(h, src_rank, kHcclTag); });
 }
 
 c10::intrusive_ptr<c10d::Work> HcclBackend::recvAnysource(std::vector<at::Tensor>& tensors, int /*tag*/) {
-  auto h = hosts_of(tensors);
-  return gloo_->recvAnysource(h, kHcclTag);
+  return on_stream("group", c10d::OpType::RECVANYSOURCE, tensors,
+                   [G = gloo_, h = hosts_of(tensors)]() mutable { return G->recvAnysource(h, kHcclTag); });
 }
 
 c10::intrusive_ptr<c10d::Work> HcclBackend::barrier(const c10d::BarrierOptions& opts) {
-  return gloo_->barrier(opts);
+  return on_stream("group", c10d::OpType::BARRIER, {},
+                   [G = gloo_, opts]() mutable { return G->barrier(opts); });
 }
 
 void HcclBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
@@ -247,20 +389,28 @@ c10::intrusive_ptr<c10d::Work> HcclBackend::batch_isend_irecv(const std::vector<
   TORCH_CHECK(op_type.size() == tensors.size() && tensors.size() == remote_rank_list.size(),
               "batch_isend_irecv: ", op_type.size(), " op types, ", tensors.size(), " tensors and ",
               remote_rank_list.size(), " remote ranks");
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  works.reserve(tensors.size());
+  std::vector<at::Tensor> hosts;
+  hosts.reserve(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
-    std::vector<at::Tensor> one{host_of(tensors[i])};
-    int peer = static_cast<int>(remote_rank_list[i]);
-    if (op_type[i] == "isend") {
-      works.push_back(gloo_->send(one, peer, kHcclTag));
-    } else if (op_type[i] == "irecv") {
-      works.push_back(gloo_->recv(one, peer, kHcclTag));
-    } else {
-      TORCH_CHECK(false, "batch_isend_irecv: op type must be isend or irecv, got ", op_type[i]);
-    }
+    TORCH_CHECK(op_type[i] == "isend" || op_type[i] == "irecv",
+                "batch_isend_irecv: op type must be isend or irecv, got ", op_type[i]);
+    hosts.push_back(host_of(tensors[i]));
   }
-  return c10::make_intrusive<BatchWork>(getRank(), std::move(works), tensors);
+  // ProcessGroupHCCL runs a batch as one grouped operation on the group communicator's stream: its sends and
+  // receives progress together (no order among them), and the batch is one work.
+  return on_stream("group", c10d::OpType::UNKNOWN, tensors,
+                   [G = gloo_, rank = getRank(), ops = op_type, hosts, peers = remote_rank_list]() mutable {
+                     std::vector<c10::intrusive_ptr<c10d::Work>> works;
+                     works.reserve(hosts.size());
+                     for (size_t i = 0; i < hosts.size(); ++i) {
+                       std::vector<at::Tensor> one{hosts[i]};
+                       int peer = static_cast<int>(peers[i]);
+                       works.push_back(ops[i] == "isend" ? G->send(one, peer, kHcclTag)
+                                                         : G->recv(one, peer, kHcclTag));
+                     }
+                     return c10::intrusive_ptr<c10d::Work>(
+                         c10::make_intrusive<BatchWork>(rank, std::move(works), hosts));
+                   });
 }
 
 }  // namespace msf_npu

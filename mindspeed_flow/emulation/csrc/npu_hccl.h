@@ -2,14 +2,30 @@
 // point-to-point op on a gloo backend, over host aliases of the npu tensors (zero copy: gloo reads and writes
 // the npu memory). Registered from Python for device type npu only, as torch_npu registers ProcessGroupHCCL,
 // so a host tensor given to a collective of an hccl group is refused by torch's ProcessGroup itself.
+//
+// Stream order. ProcessGroupHCCL runs each communicator's operations on one stream, in the order they were
+// issued: the group's collectives (and torch_npu's batch_isend_irecv) on the group communicator's stream, and
+// point-to-point operations on a communicator of their own per pair of ranks (key "low:high", both directions on
+// one stream; with P2P_HCCL_BUFFSIZE=0 they use the group communicator instead). An operation does not start
+// before the one ahead of it on its stream has completed, and a send completes only when the peer's stream has
+// reached the matching receive. gloo runs every operation as soon as it is posted, so a program whose operations
+// wait on each other in a cycle (a receive posted ahead of the send its peer waits for) would pass here and hang
+// on a device. Each stream is therefore a queue with a worker thread that issues one gloo operation at a time
+// and waits for it before the next (`StreamQueue`); the caller gets a work that completes when its operation has.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace msf_npu {
+
+class StreamQueue;
 
 class HcclBackend final : public c10d::Backend {
  public:
@@ -76,8 +92,18 @@ class HcclBackend final : public c10d::Backend {
                                                    const std::vector<int64_t>& remote_rank_list);
 
  private:
+  // Issue `op` (which posts one gloo operation and returns its work) on stream `key`, after every operation
+  // issued on that stream before it; the returned work completes when the gloo work has.
+  c10::intrusive_ptr<c10d::Work> on_stream(const std::string& key, c10d::OpType type,
+                                           std::vector<at::Tensor> result,
+                                           std::function<c10::intrusive_ptr<c10d::Work>()> op);
+  std::string p2p_stream(int peer) const;
+
   c10::intrusive_ptr<c10d::Backend> gloo_;
   std::string group_name_;
+  bool p2p_on_group_stream_;  // P2P_HCCL_BUFFSIZE=0: no per-pair communicators
+  std::mutex streams_mutex_;
+  std::unordered_map<std::string, std::shared_ptr<StreamQueue>> streams_;
 };
 
 }  // namespace msf_npu
