@@ -70,6 +70,16 @@ class TinyJob:
         return a + list(self.extra)
 
 
+_SYNCS_RE = re.compile(r"\[msf-emulation rank=(\d+)\] host syncs: copies to host (\d+), scalar reads (\d+), "
+                       r"data-dependent shapes (\d+)")
+
+
+def host_syncs(output: str) -> dict[int, tuple[int, int, int]]:
+    """{rank: (copies to host, scalar reads, data-dependent shapes)} from the exit summaries of a strict job's
+    output (a job run with --log)."""
+    return {int(r): (int(a), int(b), int(c)) for r, a, b, c in _SYNCS_RE.findall(output)}
+
+
 @dataclass
 class JobResult:
     rc: int

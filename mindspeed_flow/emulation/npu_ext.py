@@ -123,3 +123,12 @@ def host_alias(tensor: torch.Tensor) -> torch.Tensor:
 def device_alias(tensor: torch.Tensor, index: int = 0) -> torch.Tensor:
     """CPU tensor -> npu tensor on npu:`index` over the same memory (not counted as an npu allocation)."""
     return loaded().device_alias(tensor, index)
+
+
+HOST_SYNC_KINDS = ("copies to host", "scalar reads", "data-dependent shapes")
+
+
+def host_syncs() -> dict[str, int]:
+    """What made this process's host wait for the (emulated) device so far, by kind: blocking device-to-host
+    copies, scalar reads (`.item()`), ops whose output size depends on the data (`nonzero`, ...)."""
+    return dict(zip(HOST_SYNC_KINDS, loaded().host_syncs()))

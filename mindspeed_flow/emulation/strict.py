@@ -115,6 +115,7 @@ def install_npu_device(module: types.ModuleType) -> None:
     log.add_summary_line(lambda: f"npu (strict): npu:{npu_device.current_device()} peak "
                                  f"{npu_device.max_memory_allocated()} bytes, "
                                  f"{npu_device.memory_allocated()} still allocated")
+    log.add_summary_line(lambda: "host syncs: " + ", ".join(f"{k} {v}" for k, v in npu_ext.host_syncs().items()))
     _STATE["npu"] = True
 
 

@@ -4,6 +4,8 @@
 // into an npu op, and npu tensors of different device indices.
 #include "npu_runtime.h"
 
+#include <unordered_set>
+
 #include <ATen/EmptyTensor.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
@@ -199,10 +201,34 @@ bool writes(const c10::Argument& arg) {
 }
 
 // ------------------------------------------------------------------ the boxed fallback
+// Ops whose output size depends on the values of their input: the host reads that size from the device
+// (repeat_interleave only with a tensor of repeats and no output_size given).
+bool data_dependent_shape(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t first) {
+  static const std::unordered_set<std::string> names = {
+      "aten::nonzero", "aten::masked_select", "aten::_unique", "aten::_unique2", "aten::unique_dim",
+      "aten::unique_consecutive", "aten::unique_dim_consecutive", "aten::argwhere"};
+  const std::string& name = schema.name();
+  if (name == "aten::repeat_interleave") {
+    if (schema.overload_name() == "self_int") {
+      return false;
+    }
+    for (size_t i = 0; i < schema.arguments().size(); ++i) {
+      if (schema.arguments()[i].name() == "output_size" && !stack[first + i].isNone()) {
+        return false;
+      }
+    }
+    return true;
+  }
+  return names.count(name) > 0;
+}
+
 void npu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t num_args = schema.arguments().size();
   const size_t first = stack->size() - num_args;
+  if (data_dependent_shape(schema, *stack, first)) {
+    count_host_sync(HostSync::kDataDependentShape);
+  }
   Call call(op);
 
   // 1. The op's device: its npu tensors (all on one index), else an npu `device=` argument (factories).
@@ -387,6 +413,9 @@ at::Tensor npu_copy_from(const at::Tensor& self, const at::Tensor& dst, bool non
   at::Tensor dst_host = is_npu(dst) ? host_alias(dst) : dst;
   TORCH_CHECK(src_host.is_cpu() && dst_host.is_cpu(), "the emulated npu cannot copy from ", self.device(), " to ",
               dst.device());
+  if (is_npu(self) && !is_npu(dst) && !non_blocking) {
+    count_host_sync(HostSync::kCopyToHost);
+  }
   dst_host.copy_(src_host, non_blocking);
   return dst;
 }
@@ -401,6 +430,7 @@ at::Tensor npu_copy_from_and_resize(const at::Tensor& self, const at::Tensor& ds
 }
 
 c10::Scalar npu_local_scalar_dense(const at::Tensor& self) {
+  count_host_sync(HostSync::kScalar);
   return at::_local_scalar_dense(host_alias(self));
 }
 

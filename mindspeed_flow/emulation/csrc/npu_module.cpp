@@ -59,6 +59,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "[allocated bytes, peak bytes, allocations, frees] of one device");
   m.def("reset_peak", [](int index) { msf_npu::reset_peak(static_cast<c10::DeviceIndex>(index)); });
+  m.def("host_syncs", &msf_npu::host_syncs,
+        "[blocking device-to-host copies, scalar reads, ops with data-dependent output sizes] of this process");
   m.def("host_alias", &msf_npu::host_alias, "npu tensor -> CPU tensor over the same memory");
   m.def(
       "device_alias",

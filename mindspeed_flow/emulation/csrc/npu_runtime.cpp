@@ -257,6 +257,8 @@ struct EventRecord {
 };
 
 thread_local c10::StreamId tls_stream = 0;
+std::atomic<int64_t> host_sync_counts[3] = {{0}, {0}, {0}};
+
 std::atomic<c10::StreamId> next_stream{1};
 
 struct NpuGuardImpl final : c10::impl::DeviceGuardImplInterface {
@@ -425,5 +427,13 @@ struct RegisterHooks {
 };
 RegisterHooks register_hooks;
 }  // namespace
+
+void count_host_sync(HostSync kind) {
+  host_sync_counts[static_cast<int>(kind)].fetch_add(1, std::memory_order_relaxed);
+}
+
+std::vector<int64_t> host_syncs() {
+  return {host_sync_counts[0].load(), host_sync_counts[1].load(), host_sync_counts[2].load()};
+}
 
 }  // namespace msf_npu

@@ -39,6 +39,15 @@ struct MemoryCounters {
 MemoryCounters memory_counters(c10::DeviceIndex index);
 void reset_peak(c10::DeviceIndex index);
 
+// ------------------------------------------------------------------ host synchronisations
+// What makes the host wait for the device on a real npu, counted per process: a blocking device-to-host copy
+// (`.cpu()`, `.tolist()`, `.item()` and the like), and ops whose output size depends on the data (`nonzero`,
+// `masked_select`, `unique`...: the host must read the count before it can allocate). A job's count per
+// iteration tells whether code added a synchronisation per microbatch.
+enum class HostSync : int { kCopyToHost = 0, kScalar = 1, kDataDependentShape = 2 };
+void count_host_sync(HostSync kind);
+std::vector<int64_t> host_syncs();  // [copies to host, scalar reads, data-dependent shapes]
+
 // Grow or shrink an npu storage in place (new block from the allocator, old bytes copied), as CUDA does: every
 // tensor sharing the StorageImpl sees the new memory.
 void resize_storage_bytes(c10::StorageImpl* storage, size_t new_bytes);

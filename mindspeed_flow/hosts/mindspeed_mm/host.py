@@ -227,4 +227,6 @@ class FlowHost:
         pad = ""
         if c.get("padded_tokens"):
             pad = f" | padding {1 - c['real_tokens'] / c['padded_tokens']:.1%}"
+        if "microbatches_per_rank" in c:
+            pad += f" | microbatches {int(c['microbatches_per_rank'])}"
         print(f" [flow] iteration {iteration} | " + " | ".join(parts) + pad + extra, flush=True)
