@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from mindspeed_flow.hosts.mindspeed_mm import context as flow_context
+from mindspeed_flow.hosts.mindspeed_mm import packed
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,17 @@ REGISTRY: tuple[PatchTarget, ...] = (
                 ("load_dir", "args", "rank0")),
     PatchTarget("mindspeed_mm.training.training_log", "wrap",
                 "per-part busy/wait seconds after Megatron's iteration line", ("loss_dict", "total_loss_dict")),
+    PatchTarget("mindspeed_mm.models.vision.vlm_attentionmask_for_llm.prepare_positionsids_mask_for_llm", "wrap",
+                "a packed (THD) decoder microbatch brings its per-sample position ids and needs no dense [s, s] mask "
+                "(VLMModel builds one for every forward)", ("config", "input_ids", "inference_params",
+                                                            "attention_mask", "position_ids")),
+    PatchTarget("mindspeed_mm.models.common.mm_gpt_model.MMGPTModel.forward", "wrap",
+                "VLMModel never passes packed_seq_params to its text decoder; a packed microbatch's reach it",
+                ("self", "input_ids", "position_ids", "attention_mask")),
+    PatchTarget("mindspeed_mm.models.vision.vision_encoders.qwen2vl_vit_model.apply_multimodal_rotary_pos_emb",
+                "wrap", "fix: Qwen2vlSelfAttention squeezes packed q/k to [t, heads, dim] before mrope, whose cos/sin "
+                "are [t, 1, 1, dim], so the product broadcasts to [t, t, heads, dim]; the rope runs on [t, 1, heads, "
+                "dim]", ("q", "k", "cos", "sin")),
 )
 
 def _module_of(target: str) -> str:
@@ -248,6 +260,11 @@ _WRAPPERS: dict[str, Callable] = {
     "megatron.training.checkpointing._get_checkpoint_format": get_checkpoint_format_wrapper,
     "megatron.training.checkpointing._load_base_checkpoint": load_base_checkpoint_wrapper,
     "mindspeed_mm.training.training_log": training_log_wrapper,
+    "mindspeed_mm.models.vision.vlm_attentionmask_for_llm.prepare_positionsids_mask_for_llm":
+        packed.positions_and_mask_wrapper,
+    "mindspeed_mm.models.common.mm_gpt_model.MMGPTModel.forward": packed.decoder_forward_wrapper,
+    "mindspeed_mm.models.vision.vision_encoders.qwen2vl_vit_model.apply_multimodal_rotary_pos_emb":
+        packed.multimodal_rope_wrapper,
 }
 assert set(_WRAPPERS) == {t.target for t in REGISTRY}
 

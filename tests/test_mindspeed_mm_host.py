@@ -189,9 +189,11 @@ def test_planned_transport_stops_when_plans_differ() -> None:
     ("video", "dataset_param.attr.videos='videos': video samples (pixel_values_videos, video_grid_thw)"),
     ("sampler", "dataloader_param.sampler_type='LengthGroupedSampler'"),
     ("ckpt", "--ckpt-format torch_dist (Megatron default): a flow job saves and loads Megatron's torch format"),
+    ("packed", "packing.layout=packed needs the job's --use-flash-attn"),
 ])
 def test_what_the_host_cannot_take_is_refused_by_name(tmp_path, case, want) -> None:
-    recipe = _recipe(tmp_path, "parallel:\n  encoder: {dp: 1}\n  backbone: {dp: 2}\n")
+    recipe = _recipe(tmp_path, "parallel:\n  encoder: {dp: 1}\n  backbone: {dp: 2}\n"
+                     + ("packing: {layout: packed}\n" if case == "packed" else ""))
     model = {"qwen3vit": lambda: _model_json(tmp_path, vit={"model_id": "qwen3vit"}),
              "internvl": lambda: _model_json(tmp_path, vit={"model_id": "clip"}),
              "audio": lambda: _model_json(tmp_path, top={"audio_encoder": {"audio_encoder": {}}}),
@@ -290,3 +292,39 @@ def test_loss_weights_give_the_unpatched_objective() -> None:
         w = loss_weights(samples, mode, loader_batches=2)
         got = sum(w[i] * s.loss_tokens * token_loss[i] for i, s in enumerate(samples))
         assert got == pytest.approx(want), mode
+
+
+# ------------------------------------------------------------------------------ packed (THD) decoder microbatches
+
+
+def test_packed_row_keeps_samples_apart_and_pads_only_for_sequence_parallel() -> None:
+    from mindspeed_flow.hosts.mindspeed_mm.packed import pack_samples
+
+    ids = [torch.tensor([5, 6, 7]), torch.tensor([8, 9]), torch.tensor([10, 11, 12, 13])]
+    labels = [torch.tensor([-100, 6, 7]), torch.tensor([8, 9]), torch.tensor([-100, -100, 12, 13])]
+    positions = [torch.arange(n).expand(3, -1) + 100 * i for i, n in enumerate((3, 2, 4))]
+    row = pack_samples(ids, labels, positions, pad_multiple=4)
+    assert row.segments == [3, 2, 4, 3] and row.samples == 3 and row.cu_seqlens == [3, 5, 9, 12]
+    assert row.batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12, 13, 0, 0, 0]]
+    # No label crosses a boundary: each sample's first label is dropped (the previous sample's last token would
+    # predict it); the padding tail carries no loss.
+    assert row.batch["labels"].tolist() == [[-100, 6, 7, -100, 9, -100, -100, 12, 13, -100, -100, -100]]
+    pos = row.batch["position_ids"]
+    assert pos.shape == (3, 1, 12)
+    assert pos[0, 0].tolist() == [0, 1, 2, 100, 101, 200, 201, 202, 203, 0, 1, 2]  # restarts per sample
+    weights = row.token_weights([1.0, 2.0, 3.0])
+    assert weights.shape == (1, 11)
+    assert weights[0].tolist() == [1.0] * 3 + [2.0] * 2 + [3.0] * 4 + [0.0] * 2
+    assert pack_samples(ids, labels, positions).segments == [3, 2, 4]  # no SP: no padding at all
+    empty = pack_samples([], [], [], pad_multiple=2)
+    assert empty.segments == [2] and empty.samples == 0 and empty.batch["labels"].eq(-100).all()
+
+
+def test_microbatch_tokens_count_padding_per_layout() -> None:
+    from mindspeed_flow.hosts.mindspeed_mm.data import LAYOUT_PACKED, LAYOUT_ROWS, microbatch_tokens
+
+    assert microbatch_tokens([3, 2, 4], LAYOUT_ROWS, 1) == 12
+    assert microbatch_tokens([3, 2, 4], LAYOUT_PACKED, 1) == 9
+    assert microbatch_tokens([3, 2, 4], LAYOUT_PACKED, 4) == 12
+    assert microbatch_tokens([3, 2, 4], LAYOUT_ROWS, 4) == 12
+    assert microbatch_tokens([], LAYOUT_PACKED, 2) == 2

@@ -34,6 +34,11 @@ class PackingConfig:
     # DP when they are full enough, else the oldest samples packed as in "samples"; a pooled sample waits at most
     # 4 steps (while lookahead < global_batch_size). pad_multiple is honoured.
     step_mode: str = "samples"
+    # How a backbone microbatch lays out its samples. packed: one row, samples back to back, each attending only to
+    # itself (varlen / THD attention). rows: one row per sample padded to the longest (the MindSpeed-MM host only;
+    # kept to compare against). auto: packed, except a MindSpeed-MM job without --use-flash-attn (rows: the TND
+    # kernel is its flash attention).
+    layout: str = "auto"
     packs_per_rank: int = 0  # step_mode=packs: packs per DP rank per step; 0 = the backbone's pipeline size
     # step_mode=packs: the look-ahead buffer, in samples; window: also the pool's samples beyond a step, <=
     # trainer.global_batch_size (0: equal to it).

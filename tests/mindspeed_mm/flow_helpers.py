@@ -9,12 +9,12 @@ from pathlib import Path
 GROUPS_LINE = re.compile(r"\[mindspeed-flow\] rank (\d+) \((\w+)\) groups: ((?:\w+=\[[\d, ]*\] ?)+)")
 
 
-def write_recipe(path: Path, enc: dict, dec: dict, **extra: str) -> Path:
+def write_recipe(path: Path, enc: dict, dec: dict, layout: str = "auto", **extra: str) -> Path:
     split = f", layer_split: {list(dec['layer_split'])}" if dec.get("layer_split") else ""
     lines = ["# mindspeed-flow emulate --nproc N --flow-recipe THIS.yaml -- pretrain_vlm.py <job args>",
              "parallel:", f"  encoder: {{dp: {enc['dp']}, tp: {enc['tp']}, pp: 1, cp: 1}}",
              f"  backbone: {{dp: {dec['dp']}, tp: {dec['tp']}, pp: {dec['pp']}, cp: 1{split}}}",
-             "packing:", "  token_budget: 256"]
+             "packing:", "  token_budget: 256", f"  layout: {layout}"]
     lines += [f"{k}: {v}" for k, v in extra.items()]
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -2,7 +2,8 @@
 
 Both load the same coupled checkpoint (`--load --finetune`), run 10 bf16 iterations with
 `--calculate-per-token-loss` on the same global batches; the flow job's loss must equal the unpatched job's at
-every iteration (first within 5e-3, all within 2e-2 relative) and fall. The per-token loss is what packing
+every iteration (first within 5e-3, all within 2e-2 relative) and fall, with packed (THD) decoder microbatches (the
+default under --use-flash-attn) and with padded rows. The per-token loss is what packing
 preserves: it is sum(token losses) / tokens over the global batch whichever microbatch a sample lands in. Without
 it MindSpeed-MM averages each microbatch's mean, so regrouping samples changes the loss definition itself.
 """
@@ -28,10 +29,12 @@ COMMON = ["--calculate-per-token-loss", "--variable-seq-lengths", "--sequence-pa
 # The project's own tiny config in one layout per shape of part; MindSpeed-MM's example configs are trained in the
 # other layouts (decoder PP with an uneven split, TP + SP, MC2, frozen encoders) by test_matrix.py.
 LAYOUTS = {
-    # name: (encoder dp, tp), (decoder dp, tp, pp), extra job flags of the flow run
-    "a_enc1_dec_dp2": ({"dp": 1, "tp": 1}, {"dp": 2, "tp": 1, "pp": 1}, []),
-    "d_enc_dp2_dec_tp2_sp_mc2": ({"dp": 2, "tp": 1}, {"dp": 1, "tp": 2, "pp": 1}, ["--use-ascend-mc2"]),
+    # name: (encoder dp, tp), (decoder dp, tp, pp), extra job flags of the flow run, decoder microbatch layout
+    "a_enc1_dec_dp2": ({"dp": 1, "tp": 1}, {"dp": 2, "tp": 1, "pp": 1}, [], "packed"),
+    "a_rows_enc1_dec_dp2": ({"dp": 1, "tp": 1}, {"dp": 2, "tp": 1, "pp": 1}, [], "rows"),
+    "d_enc_dp2_dec_tp2_sp_mc2": ({"dp": 2, "tp": 1}, {"dp": 1, "tp": 2, "pp": 1}, ["--use-ascend-mc2"], "auto"),
 }
+PADDING = re.compile(r"\| padding ([\d.]+)%")
 MC2_OPS = {"torch_npu.npu_all_gather_base_mm", "torch_npu.npu_mm_reduce_scatter_base"}
 
 
@@ -73,8 +76,8 @@ def assert_parity(flow: list[float], coupled: list[float]) -> None:
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_flow_job_matches_unpatched_job(layout, tiny_assets, coupled_checkpoint, coupled_losses, run_job,
                                         tmp_path) -> None:
-    enc, dec, flags = LAYOUTS[layout]
-    recipe = write_recipe(tmp_path / f"{layout}.yaml", enc, dec)
+    enc, dec, flags, decoder_layout = LAYOUTS[layout]
+    recipe = write_recipe(tmp_path / f"{layout}.yaml", enc, dec, layout=decoder_layout)
     job = _finetune(tiny_assets["model_json"], tiny_assets["data_json"], coupled_checkpoint)
     result = run_job(layout, job.argv() + flags, nproc=nranks(enc, dec), flow_recipe=recipe)
     result.assert_trained(ITERS)
@@ -91,8 +94,13 @@ def test_flow_job_matches_unpatched_job(layout, tiny_assets, coupled_checkpoint,
     flow_lines = FLOW_LINE.findall(result.output)
     assert [int(i) for i, _ in flow_lines] == list(range(1, ITERS + 1)), result.output[-3000:]
     assert all("encoder busy" in rest and "global tokens" in rest for _, rest in flow_lines)
+    padding = [float(PADDING.search(rest).group(1)) for _, rest in flow_lines]
+    if decoder_layout == "packed":  # no sequence parallelism: a packed row has no padding at all
+        assert padding == [0.0] * ITERS, padding
+    elif decoder_layout == "rows":  # rows pad every sample to its microbatch's longest
+        assert max(padding) > 0.0, padding
     assert_parity(result.losses, coupled_losses)
-    print(f"{layout}: flow {result.losses}\n{layout}: coupled {coupled_losses}")
+    print(f"{layout}: flow {result.losses}\n{layout}: coupled {coupled_losses}\n{layout}: padding % {padding}")
 
 
 def _emulate_check(recipe: Path, argv: list[str], nproc: int) -> subprocess.CompletedProcess:

@@ -16,13 +16,12 @@ sampler drops at the end of an epoch when DP x micro-batch does not divide the d
 starts at the checkpoint's consumed samples, as in the unpatched job. The replicas' loaders share the job's
 `--num-workers` (each gets its share, rounded up), so the flow job starts no more loader processes than it must.
 
-Decoder microbatches keep per-sample boundaries as rows: a microbatch of k samples is a [k, longest] batch with
-right padding (to a multiple of the tensor-parallel size under sequence parallelism, which splits the sequence
-over TP ranks), its attention mask and -100 labels on padding, which MindSpeed-MM's Qwen2.5-VL path masks
-(causal + padding mask, per-row mrope positions). MindSpeed-MM's remove-padding path (`use_remove_padding`) derives
-sequence starts from position ids but its Megatron LLM attention only runs the TND varlen kernel when it gets
-`packed_seq_params`, which this path never builds, so single-row packing would let samples attend to each other:
-rows are the exact choice here.
+Decoder microbatches come in one of two layouts (`packing.layout`): packed (`packed.py`: one row of the
+microbatch's samples back to back, each attending only to itself through the TND flash-attention kernel; the
+default when the job runs flash attention) or rows (a microbatch of k samples is a [k, longest] batch with right
+padding, its attention mask and -100 labels on padding, which MindSpeed-MM's Qwen2.5-VL path masks). Either is
+padded to a multiple of the tensor-parallel size under sequence parallelism (which splits the sequence over TP
+ranks), and no further.
 
 Each sample also keeps what the job's loss definition needs to weigh it the way the unpatched job does: its own
 loss tokens, and the loader batch (the unpatched job's microbatch) it came in with its token and sample counts.
@@ -38,6 +37,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from mindspeed_flow.data.shapes import SampleShape
+from mindspeed_flow.hosts.mindspeed_mm.packed import padded_length
 from mindspeed_flow.packing import CostModel
 from mindspeed_flow.runtime.plan import StepWork, plan_decoupled_step
 from mindspeed_flow.topology import Bridge
@@ -77,6 +77,7 @@ class FlowSample:
     batch_index: int = 0  # the loader batch (the unpatched job's microbatch) this sample came in
     batch_loss_tokens: int = 0  # loss tokens of that whole loader batch
     batch_samples: int = 1  # samples in that loader batch
+    position_ids: Optional[torch.Tensor] = None  # [3, len]: its own rope positions (packed layout; set once)
 
     def shape(self, merge_size: int) -> SampleShape:
         grids = tuple(tuple(int(v) for v in g) for g in self.image_grid_thw) if self.image_grid_thw is not None \
@@ -131,8 +132,14 @@ def split_batch(batch: dict[str, Any], first_id: int, vision_start_id: int, imag
     return out
 
 
-def padded_length(length: int, multiple: int) -> int:
-    return -(-length // multiple) * multiple if multiple > 1 else length
+LAYOUT_ROWS, LAYOUT_PACKED = "rows", "packed"
+
+
+def microbatch_tokens(lengths: list[int], layout: str, pad_multiple: int) -> int:
+    """Tokens a decoder microbatch of samples of these lengths computes on, padding included."""
+    if layout == LAYOUT_PACKED:
+        return padded_length(max(sum(lengths), 1), pad_multiple)
+    return max(len(lengths), 1) * padded_length(max(lengths, default=1), pad_multiple)
 
 
 def collate_rows(samples: list[FlowSample], pad_id: int = 0, pad_multiple: int = 1) -> dict[str, torch.Tensor]:
@@ -178,7 +185,7 @@ class FlowStepSource:
     def __init__(self, loaders: list[Any], *, global_batch_size: int, micro_batch_size: int, bridge: Bridge,
                  token_budget: int, cost_model: CostModel, scheduler: str, min_microbatches: int,
                  oversize_policy: str, vision_start_id: int, image_token_id: int, merge_size: int,
-                 first_step: int = 0) -> None:
+                 first_step: int = 0, layout: str = LAYOUT_ROWS, pad_multiple: int = 1) -> None:
         if global_batch_size % (micro_batch_size * len(loaders)):
             raise FlowDataError(f"--global-batch-size {global_batch_size} is not a multiple of --micro-batch-size "
                                 f"{micro_batch_size} x {len(loaders)} decoder DP replicas")
@@ -194,6 +201,8 @@ class FlowStepSource:
         self.vision_start_id = vision_start_id
         self.image_token_id = image_token_id
         self.merge_size = merge_size
+        self.layout = layout
+        self.pad_multiple = pad_multiple
         # The iteration this step is (after a resume: the checkpoint's), so step numbers on the wire and in
         # messages match an uninterrupted run.
         self.step = first_step
@@ -215,7 +224,8 @@ class FlowStepSource:
                                    min_microbatches=self.min_microbatches, oversize_policy=self.oversize_policy)
         step = FlowStep(self.step, {s.sample_id: s for s in samples}, work)
         plan = work.plan
-        padded = sum(len(mb.sample_ids) * max((samples[i].input_ids.numel() for i in mb.sample_ids), default=0)
+        padded = sum(microbatch_tokens([int(samples[i].input_ids.numel()) for i in mb.sample_ids], self.layout,
+                                       self.pad_multiple)
                      for row in plan.microbatches for mb in row)
         step.counts = {"real_tokens": float(plan.real_tokens), "padded_tokens": float(padded),
                        "microbatches_per_rank": float(plan.num_slots)}

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext
-from mindspeed_flow.hosts.mindspeed_mm.data import FlowStepSource, ReplicaView
+from mindspeed_flow.hosts.mindspeed_mm.data import LAYOUT_PACKED, LAYOUT_ROWS, FlowStepSource, ReplicaView
 from mindspeed_flow.hosts.mindspeed_mm.schedule import (DecoderStep, EncoderStep, finalize_with_global_tokens,
                                                         loss_mode, read_pending_stats)
 from mindspeed_flow.hosts.mindspeed_mm.transport import PlannedTransport
@@ -47,6 +47,21 @@ def cost_model_from(model_cfg: Any) -> CostModel:
     hv, fv, nv = vit.hidden_size, vit.ffn_hidden_size, vit.num_layers
     return CostModel(linear=6.0 * n * (4 * h * h + 3 * h * f), quadratic=6.0 * n * h,
                      enc_linear=6.0 * nv * (4 * hv * hv + 3 * hv * fv), enc_quadratic=12.0 * nv * hv)
+
+
+def decoder_layout(ctx: FlowContext, args: Any) -> str:
+    """The decoder microbatch layout: `packing.layout`, with auto = packed when the job runs flash attention (the
+    TND varlen kernel), else rows. The recipe check refuses packed without flash attention."""
+    layout = ctx.parts.packing.layout
+    if layout == "auto":
+        return LAYOUT_PACKED if getattr(args, "use_flash_attn", False) else LAYOUT_ROWS
+    return layout
+
+
+def sequence_pad_multiple(ctx: FlowContext, args: Any) -> int:
+    """Sequence parallelism splits each microbatch's sequence over the TP ranks: lengths pad to a multiple of TP."""
+    tp = ctx.layout.tp
+    return tp if tp > 1 and getattr(args, "sequence_parallel", False) else 1
 
 
 @contextlib.contextmanager
@@ -141,7 +156,7 @@ class FlowHost:
                 vision_start_id=int(model_cfg.vision_start_token_id),
                 image_token_id=int(model_cfg.img_context_token_id),
                 merge_size=int(_cfg(model_cfg.image_encoder.vision_encoder, "spatial_merge_size", 2)),
-                first_step=first_step)
+                first_step=first_step, layout=decoder_layout(ctx, args), pad_multiple=sequence_pad_multiple(ctx, args))
             return source, None, None
 
         flow_dataset_provider.is_distributed = True  # every rank builds it (MindSpeed-MM sets the same)
@@ -185,12 +200,10 @@ class FlowHost:
             if self.ctx.is_encoder:
                 self._step = EncoderStep(self.ctx, factory, hidden, args.params_dtype)
             else:
-                tp = self.ctx.layout.tp
                 self._step = DecoderStep(
                     self.ctx, megatron_fbf, factory, hidden, args.params_dtype, loss=loss_mode(args),
-                    # Sequence parallelism splits each row's sequence over the TP ranks.
-                    pad_multiple=tp if tp > 1 and getattr(args, "sequence_parallel", False) else 1,
-                    loader_batches=args.global_batch_size // args.micro_batch_size)
+                    pad_multiple=sequence_pad_multiple(self.ctx, args),
+                    loader_batches=args.global_batch_size // args.micro_batch_size, layout=decoder_layout(self.ctx, args))
         step = self._step
         if isinstance(step, DecoderStep):
             step.megatron_fbf = megatron_fbf

@@ -158,6 +158,9 @@ def _unsupported(job: FlowJobConfig) -> list[str]:
     if pack.pad_multiple:
         out.append(f"packing.pad_multiple={pack.pad_multiple}: MindSpeed-MM microbatches are padded to their own "
                    "longest sample (use 0)")
+    if pack.layout not in ("auto", "packed", "rows"):
+        out.append(f"packing.layout={pack.layout!r}: 'auto' (packed with --use-flash-attn, else rows), 'packed' or "
+                   "'rows'")
     if pack.step_mode != "samples":
         out.append(f"packing.step_mode={pack.step_mode!r}: MindSpeed-MM's loader makes the steps (a fixed "
                    "--global-batch-size of samples); use 'samples'")
@@ -191,8 +194,8 @@ def unsupported_model(cfg: dict) -> list[str]:
                        "flow host")
             break
     if llm.get("use_remove_padding"):
-        out.append("text_decoder.use_remove_padding=true: the flow decoder feeds one row per sample and never "
-                   "packs samples into one row; set it to false")
+        out.append("text_decoder.use_remove_padding=true: the flow decoder packs its own microbatches "
+                   "(packing.layout) and hands the attention their sequence lengths itself; set it to false")
     return out
 
 
@@ -363,6 +366,10 @@ def parts_for_job(recipe_path: str | Path, argv: list[str], world_size: int,
         raise FlowRecipeError("model.json freezes the whole image encoder, so its part has no trainable parameter: "
                               "run with --use-distributed-optimizer (MindSpeed-MM's placeholder optimizer for a part "
                               "without parameters fails in Megatron's non-distributed optimizer: no main_grad)")
+    if job.packing.layout == "packed" and "--use-flash-attn" not in argv:
+        raise FlowRecipeError("packing.layout=packed needs the job's --use-flash-attn: a packed microbatch's samples "
+                              "are kept apart by the flash-attention kernel's varlen (TND) layout; add the flag or "
+                              "set packing.layout: rows")
     if "--hetero-parallel" in argv or "--dist-train" in argv:
         raise FlowRecipeError("--hetero-parallel / --dist-train: these are MindSpeed's own encoder/LLM splits; "
                               "a flow job replaces them, drop the flag")

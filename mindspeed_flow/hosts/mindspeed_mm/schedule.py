@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext
-from mindspeed_flow.hosts.mindspeed_mm.data import FlowSample, FlowStep, collate_rows
+from mindspeed_flow.hosts.mindspeed_mm.data import LAYOUT_PACKED, FlowSample, FlowStep, collate_rows
+from mindspeed_flow.hosts.mindspeed_mm.packed import pack_samples, packed_forward, rope_positions_fn
 from mindspeed_flow.hosts.mindspeed_mm.transport import KIND_EMBEDDING, KIND_GRAD, Item, PlannedTransport
 
 LOSS_TOKEN, LOSS_MICROBATCH, LOSS_SAMPLE = "token", "microbatch", "sample"
@@ -232,7 +233,7 @@ class DecoderStep:
 
     def __init__(self, ctx: FlowContext, megatron_fbf: Callable[..., Any],
                  transport_factory: Callable[[], PlannedTransport], embed_dim: int, dtype: torch.dtype,
-                 *, loss: str, pad_multiple: int, loader_batches: int) -> None:
+                 *, loss: str, pad_multiple: int, loader_batches: int, layout: str) -> None:
         self.ctx = ctx
         self.megatron_fbf = megatron_fbf
         self._transport_factory = transport_factory
@@ -242,6 +243,8 @@ class DecoderStep:
         self.loss = loss
         self.pad_multiple = pad_multiple
         self.loader_batches = loader_batches
+        self.layout = layout
+        self._positions: Optional[Callable[..., torch.Tensor]] = None
         self.timer: Optional[PartTimer] = None
         self.num_microbatches = 1
 
@@ -308,6 +311,28 @@ class DecoderStep:
             embeds.register_hook(return_grads)
         return embeds
 
+    def collate(self, samples: list[FlowSample], vlm: Any) -> tuple[dict, Callable[[list[float]], torch.Tensor],
+                                                                    Any]:
+        """The microbatch MindSpeed-MM's forward step takes, a map from per-sample loss weights to the weight of
+        each of its token losses, and the context its forward runs in (packed: the row's PackedSeqParams)."""
+        if self.layout != LAYOUT_PACKED:
+            batch = collate_rows(samples, pad_multiple=self.pad_multiple)
+            return (batch, lambda w: torch.tensor(w, dtype=torch.float32).reshape(-1, 1),
+                    contextlib.nullcontext())
+        if self._positions is None:
+            from megatron.training import get_args
+
+            self._positions = rope_positions_fn(get_args().mm.model)
+        for s in samples:  # each sample's own rope positions, once (every pipeline stage needs them)
+            if s.position_ids is None:
+                s.position_ids = self._positions(vlm.config, s.input_ids, s.image_grid_thw)
+        row = pack_samples([s.input_ids for s in samples], [s.labels for s in samples],
+                           [s.position_ids for s in samples], pad_multiple=self.pad_multiple)
+        grids = [s.image_grid_thw for s in samples if s.image_grid_thw is not None]
+        if grids:
+            row.batch["image_grid_thw"] = torch.cat(grids, dim=0)
+        return row.batch, row.token_weights, packed_forward(row.packed_seq_params())
+
     def forward_step(self, original: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         """Wrap MindSpeed-MM's `forward_step(data_iterator, model)`: feed it a collated microbatch and the embeds."""
 
@@ -318,12 +343,13 @@ class DecoderStep:
             if vlm.add_text_decoder and vlm.text_decoder.pre_process:
                 vlm.input_tensor = self.embeddings(step, sample_ids)
             samples = [step.samples[sid] for sid in sample_ids]
-            batch = collate_rows(samples, pad_multiple=self.pad_multiple)
+            batch, token_weights, forward_context = self.collate(samples, vlm)
             if self.loss == LOSS_TOKEN:
-                return original(iter([batch]), model)
-            with per_token_losses():
+                with forward_context:
+                    return original(iter([batch]), model)
+            with per_token_losses(), forward_context:
                 output, original_loss = original(iter([batch]), model)
-            weights = loss_weights(samples, self.loss, self.loader_batches)
+            weights = token_weights(loss_weights(samples, self.loss, self.loader_batches)) if samples else None
             scale = float(self.num_microbatches * self.ctx.parts.part("backbone").dp)
             return output, lambda out: weighted_loss(out, weights, scale, original_loss)
 
@@ -344,25 +370,26 @@ def per_token_losses() -> Iterator[None]:
         args.calculate_per_token_loss, args.calculate_per_sample_loss = saved
 
 
-def weighted_loss(output: dict, weights: list[float], scale: float,
+def weighted_loss(output: dict, weights: Optional[torch.Tensor], scale: float,
                   original_loss: Callable[[Any], Any]) -> tuple[torch.Tensor, dict]:
     """The microbatch's share of the unpatched job's objective, in Megatron's two-value loss protocol.
 
     Megatron divides a microbatch's loss by the number of microbatches and averages gradients over DP; `scale` (
     microbatches x decoder DP) undoes both, so the sum over every microbatch of every replica is exactly
-    sum(weight x token loss). The reported value is the same quantity averaged over DP, which MindSpeed-MM's
+    sum(weight x token loss). `weights` (host) has one row per microbatch row: [rows, 1] (a weight per sample
+    row) or [1, tokens - 1] (packed: a weight per token position); None for an empty microbatch. The reported value is the same quantity averaged over DP, which MindSpeed-MM's
     train_step then averages over microbatches: the unpatched job's reported loss."""
     from megatron.core import parallel_state as ps
     from megatron.training import get_args
 
     loss_dict = output["loss_dict"]
     mask = loss_dict["loss_mask"]
-    rows = len(weights) if weights else 1
+    rows = weights.shape[0] if weights is not None else 1
     token_losses = loss_dict["loss"].float().reshape(rows, -1)
     mask = mask.reshape(rows, -1).to(token_losses.dtype)
-    if weights:
-        w = torch.tensor(weights, dtype=torch.float32).to(device=token_losses.device, non_blocking=True)
-        loss = (token_losses * mask * w[:, None]).sum() * scale
+    if weights is not None:
+        w = weights.to(device=token_losses.device, non_blocking=True)
+        loss = (token_losses * mask * w).sum() * scale
     else:  # an empty microbatch: a padding row with no loss token
         loss = (token_losses * mask).sum()
     reported = loss.detach().clone().view(1)
