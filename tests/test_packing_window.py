@@ -183,3 +183,11 @@ def test_bad_window_config_names_field_and_rule(overrides: list[str], match: str
     job = to_job_config(compose(["packing=flow_window", *overrides]))
     with pytest.raises(RecipeError, match=match):
         check_rules(job)
+
+
+def test_torch_host_refuses_the_rows_layout() -> None:
+    from mindspeed_flow.config.load import RecipeError, check_rules, compose, to_job_config
+
+    with pytest.raises(RecipeError, match=r"packing.layout='rows': the torch host always packs"):
+        check_rules(to_job_config(compose(["packing.layout=rows"])))
+    check_rules(to_job_config(compose(["packing.layout=packed"])))

@@ -98,6 +98,9 @@ def check_rules(job: FlowJobConfig) -> None:
         (job.parallel.backbone_dp_impl in ("ddp", "fsdp"),
          f"parallel.backbone_dp_impl={job.parallel.backbone_dp_impl!r}: 'ddp' or 'fsdp'"),
         (p.pad_multiple >= 0, f"packing.pad_multiple={p.pad_multiple}: must be >= 0"),
+        (p.layout in ("auto", "packed"),
+         f"packing.layout={p.layout!r}: the torch host always packs its microbatches (varlen attention); 'rows' is "
+         "the MindSpeed-MM host's comparison layout"),
         (p.step_mode in ("samples", "packs", "window"),
          f"packing.step_mode={p.step_mode!r}: 'samples', 'packs' or 'window'"),
         (p.lookahead >= (0 if p.step_mode == "window" else 1),

@@ -11,7 +11,7 @@ hand each part its own forward-backward function:
   schedules do for all but the last microbatch), so `--overlap-grad-reduce` launches each bucket's reduction once.
   Tensor-parallel peers get the gradient by a TP broadcast.
 - decoder ranks (`DecoderStep`): Megatron's own schedule (1F1B when PP > 1) over this DP rank's planned
-  microbatches; before each first-stage forward the microbatch's embeddings are taken from the receives posted
+  microbatches, each collated as one packed (THD) row (`packed.py`) or as padded rows (`packing.layout`); before each first-stage forward the microbatch's embeddings are taken from the receives posted
   at the step's start (TP rank 0 receives, TP peers get a broadcast) and become `VLMModel.input_tensor`, the
   `vit_embeds` input path; a gradient hook returns d(loss)/d(embedding) to each producer the moment autograd
   computes it.
