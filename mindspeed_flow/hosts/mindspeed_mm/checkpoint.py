@@ -6,12 +6,12 @@ one tracker file Megatron writes. A coupled job's folders are `mp_rank_TT[_PPP]`
 
 Loading a coupled checkpoint into a flow job (`--load DIR --finetune`) needs no conversion step, and a rank reads
 only what holds its tensors (`read_for_rank`): the coupled pipeline-stage folders that hold its module's layers of
-its own stage (the coupled split comes from the checkpoint's saved args, model.json's `pipeline_num_layers`, else
-from the layer keys each folder holds), memory-mapped, so the bytes of tensors it never touches are not read; only
-its module's keys are merged across the tensor-parallel shards (none when the coupled TP equals the part's: it takes
-its own shard) and only its own slice is kept. Each rank logs the tensor bytes it read against the checkpoint's
-size. `convert()` works offline in both directions on whole tensors (`read_whole`; `mindspeed-flow
-convert-checkpoint`).
+its own stage (the coupled split comes from the checkpoint's saved args, i.e. the coupled job's model.json
+`pipeline_num_layers`, else from the layer keys each folder holds), memory-mapped, so the bytes of tensors it never
+touches are not read; only its module's keys are merged across the tensor-parallel shards (none when the coupled TP
+equals the part's: it takes its own shard) and only its own slice is kept. Each rank logs the tensor bytes it read
+against the size of the checkpoint's rank files. `convert()` works offline in both directions on whole tensors
+(`read_whole`; `mindspeed-flow convert-checkpoint`).
 
 Tensor-parallel rules are Megatron's: column-parallel weights (`linear_qkv`, `linear_fc1`, `word_embeddings`,
 `output_layer`) split along dim 0, row-parallel ones (`linear_proj`, `linear_fc2` weights) along dim 1, all else

@@ -7,11 +7,11 @@
 
 Only model tensors move (Megatron `--ckpt-format torch`, the latest iteration of --load); optimizer state and RNG
 belong to one layout and are not carried over, so continue a converted run with `--finetune` or
-`--no-load-optim --no-load-rng`. The LLM layers per stage follow the flow job's rule (`recipe.decoder_split`): with
-`--to decoupled`, the recipe's `parallel.backbone.layer_split`, else model.json's `text_decoder.pipeline_num_layers`
-when it has one entry per decoder stage, else an even split; with `--to coupled` (no recipe split applies), model.json's
-`text_decoder.pipeline_num_layers` when it has `--pp` entries, else an even split. The ViT goes on stage 0 (the
-layout of MindSpeed-MM's examples).
+`--no-load-optim --no-load-rng`. The LLM layers per stage follow the flow job's rule (`recipe.decoder_split`):
+with `--to decoupled`, the recipe's `parallel.backbone.layer_split`, else model.json's
+`text_decoder.pipeline_num_layers` when it has one entry per decoder stage, else an even split; with `--to coupled`
+(no recipe split applies), model.json's `text_decoder.pipeline_num_layers` when it has `--pp` entries, else an even
+split. The ViT goes on stage 0 (the layout of MindSpeed-MM's examples).
 `--save` must not exist yet: a conversion never overwrites a checkpoint. The saved args are unpickled, so
 Megatron must be importable: on a machine without it, point MINDSPEED_MM_HOME, MINDSPEED_HOME and MEGATRON_HOME
 at the sources (the CPU emulation is then used for the imports).

@@ -2,7 +2,9 @@
 
 - `model_provider`: the job's own provider with `modules=` the part's modules (encoder ranks build ViT +
   projector only, decoder ranks the text decoder only; no rank materialises the other part), after the model
-  config's pipeline splits are set to the part's own PP (the job's model.json describes the coupled pipeline).
+  config's pipeline splits are set to the part's own PP: the ViT whole, the LLM as `recipe.decoder_split` chose
+  (recipe layer_split, else model.json's split when it has one entry per decoder stage, else even); each decoder
+  stage prints the layers its built model holds.
 - `dataset_provider`: MindSpeed-MM's dataset and sampler over whole global batches, planned per step
   (`data.FlowStepSource`).
 - `forward_step`: the job's forward step, fed a collated decoder microbatch with its image embeddings.
