@@ -265,9 +265,9 @@ def read_for_rank(iter_dir: Path, part: str, *, tp: int, tp_rank: int, layers: l
     start, end = sum(layers[:pp_rank]), sum(layers[:pp_rank + 1])
     first, last = pp_rank == 0, pp_rank == len(layers) - 1
     tied_last = tied and part == "backbone" and last and len(layers) > 1
-    if counts is None:
-        needed, offsets = [pps[0]], {pps[0]: 0}
-    else:
+    needed: set[int] = {pps[0]}
+    offsets = {pps[0]: 0}
+    if counts is not None:
         offsets = {s: sum(counts[:i]) for i, s in enumerate(pps)}
         holding = [s for i, s in enumerate(pps) if counts[i] > 0]
         needed = {s for i, s in enumerate(pps) if counts[i] > 0 and offsets[s] < end and offsets[s] + counts[i] > start}
@@ -277,12 +277,13 @@ def read_for_rank(iter_dir: Path, part: str, *, tp: int, tp_rank: int, layers: l
             needed.add(holding[0])
         if holding and last:
             needed.add(holding[-1])
-        needed = sorted(needed) if holding else list(pps)
+        if not holding:  # the module has no layers in any folder: read them all, part_state says what is missing
+            needed = set(pps)
     # Same TP as the coupled job: each sharded tensor is this rank's own coupled shard (merging the shards and
     # cutting the same slice out again gives exactly it, gated fc1 included), so no other shard is read.
     own_shard = len(tps) == tp
     partial: dict[str, Any] = {}
-    for s in needed:
+    for s in sorted(needed):
         for key, value in model(tps[0], s).items():
             if not key.startswith(prefix):
                 continue
