@@ -96,7 +96,8 @@ def setup_flow(recipe: str, script: str, script_argv: list[str]) -> None:
     os.environ[RECIPE_ENV] = os.path.abspath(recipe)
     if _is_rank0():
         print(f"[mindspeed-flow] decoupled layout from {recipe}: {parts.describe()}; decoder pipeline layers "
-              f"{list(parts.decoder_layers)}; encoder {'trainable' if parts.encoder_trainable else 'frozen'}; "
+              f"{list(parts.decoder_layers)} (from {parts.decoder_layers_from}); "
+              f"encoder {'trainable' if parts.encoder_trainable else 'frozen'}; "
               f"packing {parts.packing.scheduler} (token budget {parts.packing.token_budget})", flush=True)
 
 

@@ -222,6 +222,137 @@ def test_recipe_layer_split_gives_the_decoder_stages(tmp_path) -> None:
         parts_for_job(bad, _argv(model), 3)
 
 
+def test_decoder_split_precedence_recipe_then_model_json_then_even(tmp_path) -> None:
+    """recipe layer_split > model.json pipeline_num_layers with one entry per decoder stage > even split; each
+    result and each error names where the split came from."""
+    pp2 = "parallel:\n  encoder: {dp: 1}\n  backbone: {dp: 1, pp: 2%s}\n"
+    recipe = _recipe(tmp_path, pp2 % ", layer_split: [3, 1]")
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(pp2 % "")
+    split13 = _model_json(tmp_path, "m13.json", num_layers=4, pipeline_num_layers=[1, 3])
+    parts = parts_for_job(recipe, _argv(split13), 3)  # the recipe wins over model.json
+    assert parts.decoder_layers == (3, 1) and parts.decoder_layers_from == "flow.yaml parallel.backbone.layer_split"
+    parts = parts_for_job(plain, _argv(split13), 3)  # model.json's split, one entry per decoder stage
+    assert parts.decoder_layers == (1, 3)
+    assert parts.decoder_layers_from == "m13.json text_decoder.pipeline_num_layers"
+    coupled4 = _model_json(tmp_path, "m4.json", num_layers=4, pipeline_num_layers=[1, 1, 1, 1])
+    parts = parts_for_job(plain, _argv(coupled4), 3)  # a coupled PP 4 split does not fit PP 2: even
+    assert parts.decoder_layers == (2, 2)
+    assert parts.decoder_layers_from == ("an even split (no plain.yaml parallel.backbone.layer_split; m4.json "
+                                         "text_decoder.pipeline_num_layers [1, 1, 1, 1] has 4 entries, not 2)")
+    absent = _model_json(tmp_path, "m.json", num_layers=5)
+    assert parts_for_job(plain, _argv(absent), 3).decoder_layers == (2, 3)
+    assert "m.json text_decoder.pipeline_num_layers absent" in parts_for_job(plain, _argv(absent), 3).decoder_layers_from
+    for split, want in (([0, 4], "m.json: text_decoder.pipeline_num_layers=[0, 4]: has one entry per pipeline stage "
+                                 "(pp=2), so it gives the split, but each entry must be >= 1 and they must sum to the "
+                                 "LLM's 4 layers; fix it or give plain.yaml parallel.backbone.layer_split"),
+                        ([2, 3], "m.json: text_decoder.pipeline_num_layers=[2, 3]: has one entry")):
+        with pytest.raises(FlowRecipeError) as err:
+            parts_for_job(plain, _argv(_model_json(tmp_path, "m.json", num_layers=4, pipeline_num_layers=split)), 3)
+        assert want in str(err.value), str(err.value)
+    with pytest.raises(FlowRecipeError, match=r"layer_split=\[3, 1\]: .* summing to the LLM's 5 layers \(the "
+                                              r"recipe's split wins over m.json text_decoder.pipeline_num_layers\)"):
+        parts_for_job(recipe, _argv(_model_json(tmp_path, "m.json", num_layers=5)), 3)
+
+
+def test_plan_out_writes_the_split_a_flow_job_takes(tmp_path, capsys) -> None:
+    """`mindspeed-flow plan --out` writes the uneven split it assumes as parallel.backbone.layer_split, the field the
+    MindSpeed-MM host reads first."""
+    from mindspeed_flow.hosts.mindspeed_mm.recipe import ModelShape, decoder_split_for, load_flow_job
+    from mindspeed_flow.planner.cli import main as plan
+
+    out = tmp_path / "planned.yaml"
+    assert plan(["samples=256", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    job = load_flow_job(out)
+    split = job.parallel.backbone.layer_split
+    assert split and len(set(split)) > 1 and f"layers/stage={split}" in printed
+    model = ModelShape.from_model_json(_model_json(tmp_path, num_layers=sum(split), pipeline_num_layers=[sum(split)]))
+    assert decoder_split_for(job, model, out.name).layers == tuple(split)
+
+
+def _vlm_whole() -> dict[str, torch.Tensor]:
+    """A coupled model's whole tensors: 4 LLM layers (gated MLP), 2 ViT layers (gated), patch embed, projector."""
+    t = _whole(gated=True)
+    g = torch.Generator().manual_seed(1)
+    h, f = 8, 12
+    del t["image_encoder.encoder.blocks.layers.0.mlp.linear_fc1.weight"]
+    for i in range(2):
+        p = f"image_encoder.encoder.blocks.layers.{i}."
+        t[p + "self_attention.linear_qkv.weight"] = torch.randn(3 * h, h, generator=g)
+        t[p + "self_attention.linear_proj.weight"] = torch.randn(h, h, generator=g)
+        t[p + "mlp.linear_fc1.weight"] = torch.randn(2 * f, h, generator=g)
+        t[p + "mlp.linear_fc2.weight"] = torch.randn(h, f, generator=g)
+        t[p + "input_layernorm.weight"] = torch.randn(h, generator=g)
+    t["image_encoder.encoder.patch_embed.proj.weight"] = torch.randn(h, 6, generator=g)
+    t["image_encoder.projector.layernorm.weight"] = torch.randn(h, generator=g)
+    t["image_encoder.projector.encoder.linear_fc1.weight"] = torch.randn(f, h, generator=g)
+    t["image_encoder.projector.encoder.linear_fc2.weight"] = torch.randn(h, f, generator=g)
+    return t
+
+
+GATED = ("image_encoder.encoder.", "text_decoder.")
+
+
+def _write_coupled(root: Path, whole: dict, tp: int, vit: list[int], text: list[int], with_split: bool) -> Path:
+    """A coupled checkpoint in Megatron's layout (iter_0000003/mp_rank_TT_PPP/model_optim_rng.pt, tracker), the ViT on
+    the stages `vit` gives layers to (MindSpeed-MM's pipeline_num_layers), with optimizer state beside the model."""
+    from types import SimpleNamespace as NS
+
+    pp = len(text)
+    model_cfg = NS(text_decoder=NS(pipeline_num_layers=text), image_encoder=NS(vision_encoder=NS(pipeline_num_layers=vit)))
+    args = NS(mm=NS(model=model_cfg) if with_split else None, pipeline_model_parallel_size=pp)
+    it = root / "iter_0000003"
+    for s in range(pp):
+        for r in range(tp):
+            model = ck.part_state(whole, "backbone", tp=tp, tp_rank=r, layers=text, pp_rank=s, gated_prefixes=GATED)
+            if vit[s]:
+                model.update(ck.part_state(whole, "encoder", tp=tp, tp_rank=r, layers=[n for n in vit if n],
+                                           pp_rank=[n for n in vit if n].index(vit[s]), gated_prefixes=GATED))
+            state = {"model": model, "args": args, "iteration": 3, "checkpoint_version": 3.0,
+                     "optimizer": {"state": {k: torch.randn_like(v) for k, v in model.items()}}}
+            d = it / f"mp_rank_{r:02d}_{s:03d}"
+            d.mkdir(parents=True)
+            torch.save(state, d / "model_optim_rng.pt")
+    (root / ck.TRACKER).write_text("3")
+    return it
+
+
+@pytest.mark.parametrize("with_split", [True, False], ids=["split_from_args", "split_from_keys"])
+def test_coupled_checkpoint_rank_reads_only_its_share(tmp_path, with_split) -> None:
+    """A TP2 x PP2 coupled checkpoint (ViT on stage 0, LLM layers [1, 3]): each flow rank gets exactly the tensors of
+    the whole-merge path and reads strictly less than the checkpoint holds."""
+    whole = _vlm_whole()
+    it = _write_coupled(tmp_path, whole, tp=2, vit=[2, 0], text=[1, 3], with_split=with_split)
+    merged, _ = ck.read_whole(it, None, GATED)
+    model_bytes = sum(v.numel() * v.element_size() for v in whole.values())
+    cases = [  # part, tp, tp_rank, layers, pp_rank, tied
+        ("encoder", 1, 0, [2], 0, False), ("encoder", 2, 1, [2], 0, False),
+        ("backbone", 2, 1, [2, 2], 1, False), ("backbone", 2, 0, [2, 2], 1, True),
+        ("backbone", 2, 1, [2, 2], 0, False), ("backbone", 1, 0, [3, 1], 1, True), ("backbone", 1, 0, [4], 0, False),
+    ]
+    for part, tp, tp_rank, layers, pp_rank, tied in cases:
+        old = ck.part_state(merged, part, tp=tp, tp_rank=tp_rank, layers=layers, pp_rank=pp_rank,
+                            gated_prefixes=GATED, tied=tied)
+        new, args, stats = ck.read_for_rank(it, part, tp=tp, tp_rank=tp_rank, layers=layers, pp_rank=pp_rank,
+                                            gated_prefixes=GATED, tied=tied)
+        case = (part, tp, tp_rank, layers, pp_rank, tied)
+        assert new.keys() == old.keys(), case
+        assert all(torch.equal(new[k], old[k]) for k in old), case
+        assert args.pipeline_model_parallel_size == 2
+        assert stats.read_bytes < stats.total_bytes and stats.read_bytes < model_bytes, (case, stats)
+        assert stats.split_from == ("the saved args' pipeline_num_layers" if with_split else "the folders' layer keys")
+        print(case, stats.line())
+    # The encoder and a last-stage decoder rank with the coupled TP: one stage's folders, their own shard's bytes.
+    _, _, enc = ck.read_for_rank(it, "encoder", tp=2, tp_rank=1, layers=[2], pp_rank=0, gated_prefixes=GATED)
+    enc_bytes = sum(v.numel() * v.element_size() for k, v in whole.items() if k.startswith("image_encoder."))
+    assert enc.read_bytes <= enc_bytes and (not with_split or enc.files_opened == 2), enc
+    _, _, last = ck.read_for_rank(it, "backbone", tp=2, tp_rank=1, layers=[2, 2], pp_rank=1, gated_prefixes=GATED)
+    last_layers = sum(v.numel() * v.element_size() for k, v in whole.items()
+                      if k.startswith(("text_decoder.decoder.layers.2.", "text_decoder.decoder.layers.3.")))
+    assert last.read_bytes < last_layers, last  # its TP half of layers 2-3 plus the final norm and output layer half
+
+
 @pytest.mark.parametrize("layers", [[4], [1, 3], [2, 1, 1]])
 def test_tied_embeddings_give_the_last_stage_its_output_layer(layers) -> None:
     whole = _whole(gated=True)

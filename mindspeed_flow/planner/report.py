@@ -169,11 +169,11 @@ def recipe_yaml(plan: Plan, name: str, model_recipe: str | None, data_recipe: st
     ]
     if bb is not None and bb.layout["rc"]:
         lines.append("# The plan assumes full activation recompute in the backbone.")
-    if bb is not None and len(set(bb.stage_layers)) > 1:
-        lines.append(f"# The plan assumes backbone layers per pipeline stage {bb.stage_layers} (MindSpeed-MM: "
-                     f"pipeline_num_layers); on the torch host add parallel.backbone.layer_split: "
-                     f"{list(bb.stage_layers)} (not written here: a MindSpeed-MM job takes the split from its own "
-                     "pipeline_num_layers).")
+    uneven = bb is not None and len(set(bb.stage_layers)) > 1
+    if uneven:
+        lines.append(f"# The plan assumes backbone layers per pipeline stage {list(bb.stage_layers)}: "
+                     "parallel.backbone.layer_split below (both hosts take it; on a MindSpeed-MM flow job it wins over "
+                     "model.json's text_decoder.pipeline_num_layers).")
     overrides = [f"  - override /cluster: {pr.cluster.name}"]
     if model_recipe:
         overrides.insert(0, f"  - override /model: {model_recipe}")
@@ -188,7 +188,9 @@ def recipe_yaml(plan: Plan, name: str, model_recipe: str | None, data_recipe: st
     for part in (enc, bb):
         if part is not None:
             lay = part.layout
-            lines.append(f"  {part.name}: {{dp: {lay['dp']}, tp: {lay['tp']}, pp: {lay['pp']}, cp: {lay['cp']}}}")
+            split = f", layer_split: {list(part.stage_layers)}" if part is bb and uneven else ""
+            lines.append(f"  {part.name}: {{dp: {lay['dp']}, tp: {lay['tp']}, pp: {lay['pp']}, "
+                         f"cp: {lay['cp']}{split}}}")
     sharded = pr.cfg.distributed_optimizer and bb is not None and bb.layout["dp"] > 1
     lines.append(f"  backbone_dp_impl: {'fsdp' if sharded else 'ddp'}")
     lines.append(f"  pp_schedule: {pr.cfg.pp_schedule}")

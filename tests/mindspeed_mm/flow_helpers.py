@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 # Ranks print concurrently, so two reports may share a line: match each report, not each line.
@@ -36,3 +38,21 @@ def check_part_groups(output: str, enc: dict, dec: dict) -> None:
         lay = enc if part == "encoder" else dec
         assert len(groups["tp"]) == lay["tp"] and len(groups["dp"]) == lay["dp"], (rank, groups)
         assert len(groups["pp"]) == lay.get("pp", 1), (rank, groups)
+
+
+def load_models(folder: Path) -> dict[str, dict]:
+    """{rank folder: model state} of a checkpoint's latest iteration (read in a process that can unpickle args)."""
+    code = ("import sys, json, torch\nfrom mindspeed_flow import emulation\nemulation.activate()\n"
+            "from mindspeed_flow.emulation.sources import find_sources\nsys.path[:0] = find_sources().pythonpath()\n"
+            "from pathlib import Path\nroot = Path(sys.argv[1]); it = (root / 'latest_checkpointed_iteration.txt')"
+            ".read_text().strip()\nout = {}\nfor d in sorted((root / f'iter_{int(it):07d}').iterdir()):\n"
+            "    sd = torch.load(d / 'model_optim_rng.pt', map_location='cpu', weights_only=False)['model']\n"
+            "    out[d.name] = {k: v for k, v in sd.items() if torch.is_tensor(v)}\n"
+            "torch.save(out, sys.argv[2])\n")
+    dump = folder.parent / f"{folder.name}.models.pt"
+    proc = subprocess.run([sys.executable, "-c", code, str(folder), str(dump)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import torch
+
+    return torch.load(dump, weights_only=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from flow_helpers import check_part_groups, nranks, write_recipe
+from flow_helpers import check_part_groups, load_models, nranks, write_recipe
 
 from mindspeed_flow.emulation.jobs import TinyJob, emulate_job
 
@@ -127,24 +127,6 @@ def test_bad_recipe_is_one_clear_error_before_launch(case, tiny_assets, tmp_path
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
-def _load_models(folder: Path) -> dict[str, dict]:
-    """{rank folder: model state} of a checkpoint's latest iteration (read in a process that can unpickle args)."""
-    code = ("import sys, json, torch\nfrom mindspeed_flow import emulation\nemulation.activate()\n"
-            "from mindspeed_flow.emulation.sources import find_sources\nsys.path[:0] = find_sources().pythonpath()\n"
-            "from pathlib import Path\nroot = Path(sys.argv[1]); it = (root / 'latest_checkpointed_iteration.txt')"
-            ".read_text().strip()\nout = {}\nfor d in sorted((root / f'iter_{int(it):07d}').iterdir()):\n"
-            "    sd = torch.load(d / 'model_optim_rng.pt', map_location='cpu', weights_only=False)['model']\n"
-            "    out[d.name] = {k: v for k, v in sd.items() if torch.is_tensor(v)}\n"
-            "torch.save(out, sys.argv[2])\n")
-    dump = folder.parent / f"{folder.name}.models.pt"
-    proc = subprocess.run([sys.executable, "-c", code, str(folder), str(dump)], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import torch
-
-    return torch.load(dump, weights_only=True)
-
-
 def _convert(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mindspeed_flow.cli", "convert-checkpoint", *args],
                           capture_output=True, text=True, timeout=600)
@@ -159,6 +141,11 @@ def test_coupled_checkpoint_round_trips_through_a_flow_run(tiny_assets, coupled_
                lr=0.0, extra=COMMON + ["--finetune"])
     result = run_job("roundtrip_flow", job.argv(), nproc=nranks(enc, dec), flow_recipe=recipe)
     result.assert_trained(1)
+    # Each rank read only its module's tensors of the coupled checkpoint (one DP-replicated file: its own part).
+    reads = re.findall(r"rank (\d+) \(\w+ tp\d pp\d\): read (\d+) bytes of tensor data from 1 of 1 coupled rank "
+                       r"files \([\d.]+% of their (\d+) bytes", result.output)
+    assert sorted(int(r) for r, _, _ in reads) == list(range(nranks(enc, dec))), result.output[-3000:]
+    assert all(int(read) < int(total) for _, read, total in reads), reads
     folders = sorted(p.name for p in (saved / "iter_0000001").iterdir())
     assert folders == ["mp_image_encoder_rank_00", "mp_text_decoder_rank_00_000", "mp_text_decoder_rank_00_001",
                        "mp_text_decoder_rank_01_000", "mp_text_decoder_rank_01_001"], folders
@@ -166,8 +153,8 @@ def test_coupled_checkpoint_round_trips_through_a_flow_run(tiny_assets, coupled_
     proc = _convert("--to", "coupled", "--load", str(saved), "--save", str(back), "--mm-model",
                     str(tiny_assets["model_json"]), "--flow-recipe", str(recipe), "--swiglu")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    original = _load_models(coupled_checkpoint)["mp_rank_00"]
-    again = _load_models(back)["mp_rank_00"]
+    original = load_models(coupled_checkpoint)["mp_rank_00"]
+    again = load_models(back)["mp_rank_00"]
     assert original.keys() == again.keys()
     import torch
 
@@ -186,7 +173,7 @@ def test_converted_checkpoint_equals_direct_coupled_load(tiny_assets, coupled_ch
     proc = _convert("--to", "decoupled", "--load", str(coupled_checkpoint), "--save", str(out), "--mm-model",
                     str(tiny_assets["model_json"]), "--flow-recipe", str(recipe), "--swiglu")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    models = _load_models(out)
+    models = load_models(out)
     assert sorted(models) == ["mp_image_encoder_rank_00", "mp_text_decoder_rank_00_000",
                               "mp_text_decoder_rank_00_001", "mp_text_decoder_rank_01_000",
                               "mp_text_decoder_rank_01_001"]

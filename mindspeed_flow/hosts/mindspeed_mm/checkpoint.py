@@ -4,10 +4,14 @@ Layout on disk (`--ckpt-format torch`): a flow job saves each part into its own 
 `iter_NNNNNNN/mp_<module>_rank_TT[_PPP]/model_optim_rng.pt` (`<module>` = image_encoder or text_decoder), with the
 one tracker file Megatron writes. A coupled job's folders are `mp_rank_TT[_PPP]`.
 
-Loading a coupled checkpoint into a flow job (`--load DIR --finetune`) needs no conversion step: every rank reads
-the coupled shards, merges them into whole tensors (global layer numbers, tensor-parallel shards concatenated),
-takes the tensors of its own module, and cuts them for its own pipeline stage and tensor-parallel rank.
-`convert()` does the same offline in both directions (`mindspeed-flow convert-checkpoint`).
+Loading a coupled checkpoint into a flow job (`--load DIR --finetune`) needs no conversion step, and a rank reads
+only what holds its tensors (`read_for_rank`): the coupled pipeline-stage folders that hold its module's layers of
+its own stage (the coupled split comes from the checkpoint's saved args, i.e. the coupled job's model.json
+`pipeline_num_layers`, else from the layer keys each folder holds), memory-mapped, so the bytes of tensors it never
+touches are not read; only its module's keys are merged across the tensor-parallel shards (none when the coupled TP
+equals the part's: it takes its own shard) and only its own slice is kept. Each rank logs the tensor bytes it read
+against the size of the checkpoint's rank files. `convert()` works offline in both directions on whole tensors
+(`read_whole`; `mindspeed-flow convert-checkpoint`).
 
 Tensor-parallel rules are Megatron's: column-parallel weights (`linear_qkv`, `linear_fc1`, `word_embeddings`,
 `output_layer`) split along dim 0, row-parallel ones (`linear_proj`, `linear_fc2` weights) along dim 1, all else
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -140,19 +145,23 @@ def split_pp(state: dict[str, Any], stack: str, layers: list[int], stage: int) -
             idx = int(m.group(2))
             if start <= idx < end:
                 out[f"{stack}.{idx - start}.{m.group(3)}"] = value
-        elif ".embedding." in key or key.startswith("image_encoder.encoder.patch_embed"):
-            if first:
-                out[key] = value
-        elif "final_layernorm" in key or "output_layer" in key or key.startswith("image_encoder.projector"):
-            if last:
-                out[key] = value
-        elif first:
+        elif last if _on_last_stage(key) else first:
             out[key] = value
     return out
 
 
-def _load(path: Path) -> dict[str, Any]:
-    return torch.load(str(path / "model_optim_rng.pt"), map_location="cpu", weights_only=False)
+def _on_last_stage(key: str) -> bool:
+    """Whether a module's non-layer tensor belongs to its last pipeline stage (final norm, output layer, projector:
+    Megatron's and MindSpeed-MM's post_process) rather than its first (embeddings and anything else)."""
+    if ".embedding." in key or key.startswith("image_encoder.encoder.patch_embed"):
+        return False
+    return "final_layernorm" in key or "output_layer" in key or key.startswith("image_encoder.projector")
+
+
+def _load(path: Path, mmap: bool = False) -> dict[str, Any]:
+    # mmap: tensor storages stay in the file and are paged in when touched (torch >= 2.1; zip-format files, which
+    # is what torch.save and Megatron write).
+    return torch.load(str(path / "model_optim_rng.pt"), map_location="cpu", weights_only=False, mmap=mmap)
 
 
 def read_whole(iter_dir: Path, module: Optional[str], gated_prefixes: Iterable[str]) -> tuple[dict[str, Any], Any]:
@@ -173,6 +182,140 @@ def read_whole(iter_dir: Path, module: Optional[str], gated_prefixes: Iterable[s
             shards.append(sd["model"])
         stages.append(merge_tp(shards, gated_prefixes))
     return merge_pp(stages), args
+
+
+STACK = {"encoder": "image_encoder.encoder.blocks.layers", "backbone": "text_decoder.decoder.layers"}
+
+
+def _nbytes(value: Any) -> int:
+    return value.numel() * value.element_size() if torch.is_tensor(value) else 0
+
+
+@dataclass
+class ReadStats:
+    """What one rank read of a coupled checkpoint: tensor bytes touched, rank files opened, and their totals."""
+
+    read_bytes: int = 0
+    total_bytes: int = 0  # every coupled rank file on disk (what each rank read before: all of it)
+    files_opened: int = 0
+    files_total: int = 0
+    split_from: str = ""
+
+    def line(self) -> str:
+        return (f"read {self.read_bytes} bytes of tensor data from {self.files_opened} of {self.files_total} coupled "
+                f"rank files ({self.read_bytes / max(self.total_bytes, 1):.1%} of their {self.total_bytes} bytes; "
+                f"coupled split from {self.split_from})")
+
+
+def _saved_split(saved_args: Any, part: str, stages: int) -> Optional[list[int]]:
+    """The coupled job's layers per pipeline stage of a module, from its saved args (its model.json)."""
+    node = getattr(getattr(saved_args, "mm", None), "model", None)
+    for key in ("image_encoder", "vision_encoder") if part == "encoder" else ("text_decoder",):
+        node = getattr(node, key, None)
+    split = getattr(node, "pipeline_num_layers", None)
+    if isinstance(split, (list, tuple)) and len(split) == stages and all(isinstance(n, int) for n in split):
+        return list(split)
+    return None
+
+
+def _split_from_keys(stage_models: list[dict[str, Any]], stack: str) -> list[int]:
+    """Layers per stage as the folders hold them (their pickled key lists: no tensor bytes are read)."""
+    counts = []
+    for model in stage_models:
+        idx = [int(m.group(2)) for m in map(_LAYER_RE.match, model) if m and m.group(1) == stack]
+        counts.append(max(idx) + 1 if idx else 0)
+    return counts
+
+
+def read_for_rank(iter_dir: Path, part: str, *, tp: int, tp_rank: int, layers: list[int], pp_rank: int,
+                  gated_prefixes: Iterable[str], tied: bool = False) -> tuple[dict[str, Any], Any, ReadStats]:
+    """`part_state(read_whole(coupled), ...)` for one flow rank, reading only the coupled folders and tensors it needs.
+
+    Returns its model tensors (equal to the whole-merge path's), the saved args, and what was read."""
+    folders = {(k[1], k[2]): v for k, v in rank_folders(iter_dir).items() if k[0] is None}
+    if not folders:
+        raise CheckpointError(f"{iter_dir}: no mp_rank_* folders")
+    tps, pps = sorted({t for t, _ in folders}), sorted({s for _, s in folders})
+    for t in tps:
+        for s in pps:
+            if (t, s) not in folders:
+                raise CheckpointError(f"{iter_dir}: shard tp={t} pp={s} is missing")
+    stats = ReadStats(total_bytes=sum((d / "model_optim_rng.pt").stat().st_size for d in folders.values()),
+                      files_total=len(folders))
+    opened: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def model(t: int, s: int) -> dict[str, Any]:
+        if (t, s) not in opened:
+            opened[(t, s)] = _load(folders[(t, s)], mmap=True)
+            stats.files_opened += 1
+        return opened[(t, s)]["model"]
+
+    model(tps[0], pps[0])
+    saved_args = opened[(tps[0], pps[0])].get("args")
+    stack, prefix = STACK[part], PREFIX[part]
+    # The coupled module's layers per coupled stage, to find the stages that hold this rank's layers.
+    if len(pps) == 1:
+        counts, stats.split_from = None, "a single stage"
+    else:
+        counts = _saved_split(saved_args, part, len(pps))
+        stats.split_from = "the saved args' pipeline_num_layers"
+        if counts is None:
+            counts = _split_from_keys([model(tps[0], s) for s in pps], stack)
+            stats.split_from = "the folders' layer keys"
+    start, end = sum(layers[:pp_rank]), sum(layers[:pp_rank + 1])
+    first, last = pp_rank == 0, pp_rank == len(layers) - 1
+    tied_last = tied and part == "backbone" and last and len(layers) > 1
+    needed: set[int] = {pps[0]}
+    offsets = {pps[0]: 0}
+    if counts is not None:
+        offsets = {s: sum(counts[:i]) for i, s in enumerate(pps)}
+        holding = [s for i, s in enumerate(pps) if counts[i] > 0]
+        needed = {s for i, s in enumerate(pps) if counts[i] > 0 and offsets[s] < end and offsets[s] + counts[i] > start}
+        # Embeddings live on the module's first coupled stage (MindSpeed-MM's pre_process), the final norm, output
+        # layer and projector on its last (post_process); a tied last stage takes the word embeddings too.
+        if holding and (first or tied_last):
+            needed.add(holding[0])
+        if holding and last:
+            needed.add(holding[-1])
+        if not holding:  # the module has no layers in any folder: read them all, part_state says what is missing
+            needed = set(pps)
+    # Same TP as the coupled job: each sharded tensor is this rank's own coupled shard (merging the shards and
+    # cutting the same slice out again gives exactly it, gated fc1 included), so no other shard is read.
+    own_shard = len(tps) == tp
+    partial: dict[str, Any] = {}
+    for s in sorted(needed):
+        for key, value in model(tps[0], s).items():
+            if not key.startswith(prefix):
+                continue
+            m = _LAYER_RE.match(key)
+            if m and m.group(1) == stack:
+                idx = offsets[s] + int(m.group(2))
+                if counts is not None and int(m.group(2)) >= counts[pps.index(s)]:
+                    raise CheckpointError(f"{folders[(tps[0], s)]}: holds {key} but the coupled split "
+                                          f"{counts} ({stats.split_from}) gives that stage {counts[pps.index(s)]} "
+                                          "layers")
+                if not start <= idx < end:
+                    continue
+                out_key = f"{stack}.{idx}.{m.group(3)}"
+            elif not (last if _on_last_stage(key) else first) and not (key == WORD_EMBEDDINGS and tied_last):
+                continue  # another stage's non-layer tensor
+            elif key == OUTPUT_LAYER and tied and part == "backbone":
+                continue  # tied: part_state gives the last stage the word embeddings instead
+            else:
+                out_key = key
+            if _tp_dim(key) is None or not torch.is_tensor(value) or len(tps) == 1:
+                partial[out_key] = value
+                stats.read_bytes += _nbytes(value)
+            elif own_shard:
+                partial[out_key] = model(tps[tp_rank], s)[key]
+                stats.read_bytes += _nbytes(partial[out_key])
+            else:
+                shards = [model(t, s) for t in tps]
+                partial[out_key] = merge_tp([{key: sh[key]} for sh in shards], gated_prefixes)[key]
+                stats.read_bytes += sum(_nbytes(sh[key]) for sh in shards)
+    state = part_state(partial, part, tp=1 if own_shard else tp, tp_rank=0 if own_shard else tp_rank, layers=layers,
+                       pp_rank=pp_rank, gated_prefixes=gated_prefixes, tied=tied)
+    return state, saved_args, stats
 
 
 OUTPUT_LAYER = "text_decoder.output_layer.weight"
@@ -245,17 +388,17 @@ def load_for_part(ctx: Any, load: Callable[..., Any], load_dir: Any, args: Any, 
     from megatron.core import parallel_state as ps
 
     gated = gated_prefixes_of(args.mm.model, bool(getattr(args, "swiglu", False)))
-    whole, saved_args = read_whole(iter_dir, None, gated)
     layers = ([int(args.mm.model.image_encoder.vision_encoder.num_layers)] if ctx.is_encoder
               else list(ctx.parts.decoder_layers))
-    model = part_state(whole, ctx.part, tp=ps.get_tensor_model_parallel_world_size(),
-                       tp_rank=ps.get_tensor_model_parallel_rank(), layers=layers,
-                       pp_rank=ps.get_pipeline_model_parallel_rank(), gated_prefixes=gated,
-                       tied=embeddings_tied(args.mm.model, bool(getattr(args, "untie_embeddings_and_output_weights",
-                                                                         False))))
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    model, saved_args, stats = read_for_rank(
+        iter_dir, ctx.part, tp=ps.get_tensor_model_parallel_world_size(), tp_rank=tp_rank, layers=layers,
+        pp_rank=pp_rank, gated_prefixes=gated,
+        tied=embeddings_tied(args.mm.model, bool(getattr(args, "untie_embeddings_and_output_weights", False))))
     from megatron.training.checkpointing import CheckpointType
 
     if ctx.is_part_leader:
         print(f"[mindspeed-flow] {ctx.part}: loading its tensors of the coupled checkpoint {iter_dir}", flush=True)
+    print(f"[mindspeed-flow] rank {ctx.rank} ({ctx.part} tp{tp_rank} pp{pp_rank}): {stats.line()}", flush=True)
     state = {"model": model, "args": saved_args, "iteration": iteration, "checkpoint_version": 3.0}
     return state, str(iter_dir), release, CheckpointType.LEGACY

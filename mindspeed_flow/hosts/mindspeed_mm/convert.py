@@ -7,8 +7,11 @@
 
 Only model tensors move (Megatron `--ckpt-format torch`, the latest iteration of --load); optimizer state and RNG
 belong to one layout and are not carried over, so continue a converted run with `--finetune` or
-`--no-load-optim --no-load-rng`. With `--to coupled`, the ViT goes on stage 0 (the layout of MindSpeed-MM's
-examples) and the LLM layers follow model.json's `text_decoder.pipeline_num_layers` (an even split if absent).
+`--no-load-optim --no-load-rng`. The LLM layers per stage follow the flow job's rule (`recipe.decoder_split`):
+with `--to decoupled`, the recipe's `parallel.backbone.layer_split`, else model.json's
+`text_decoder.pipeline_num_layers` when it has one entry per decoder stage, else an even split; with `--to coupled`
+(no recipe split applies), model.json's `text_decoder.pipeline_num_layers` when it has `--pp` entries, else an even
+split. The ViT goes on stage 0 (the layout of MindSpeed-MM's examples).
 `--save` must not exist yet: a conversion never overwrites a checkpoint. The saved args are unpickled, so
 Megatron must be importable: on a machine without it, point MINDSPEED_MM_HOME, MINDSPEED_HOME and MEGATRON_HOME
 at the sources (the CPU emulation is then used for the imports).
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 
 from mindspeed_flow.hosts.mindspeed_mm import checkpoint as ck
-from mindspeed_flow.hosts.mindspeed_mm.recipe import (FlowRecipeError, ModelShape, decoder_layers, even_split,
+from mindspeed_flow.hosts.mindspeed_mm.recipe import (FlowRecipeError, ModelShape, decoder_split, decoder_split_for,
                                                       load_flow_job)
 from mindspeed_flow.topology import PartLayout
 
@@ -68,6 +71,8 @@ def _folder(module: str | None, tp_rank: int, pp_rank: int, pp: int) -> str:
 def convert(*, to: str, load: Path, save: Path, model_json: Path, recipe: Path, swiglu: bool,
             tp: int = 1, pp: int = 1, untie: bool = False) -> list[str]:
     """Convert; returns the folders written. Raises CheckpointError / FlowRecipeError with the reason."""
+    if to not in ("decoupled", "coupled"):
+        raise ck.CheckpointError(f"--to {to!r}: 'decoupled' or 'coupled'")
     if save.exists():
         raise ck.CheckpointError(f"--save {save} exists: a conversion never writes over an earlier checkpoint")
     model_cfg = _namespace(json.loads(model_json.read_text()))
@@ -81,14 +86,19 @@ def convert(*, to: str, load: Path, save: Path, model_json: Path, recipe: Path, 
                                       job.parallel.backbone.pp, 1)}
     iteration, release = ck.read_iteration(load)
     iter_dir = load / ("release" if release else f"iter_{iteration:07d}")
+    # The LLM split of the target layout, checked before anything is written.
+    if to == "decoupled":
+        text_layers = list(decoder_split_for(job, shape, recipe.name).layers)
+    else:
+        text_layers = list(decoder_split(pp, shape.llm_layers, model_split=shape.llm_split,
+                                         model_name=shape.source).layers)
     written = []
     save.mkdir(parents=True)
     if to == "decoupled":
         whole, args = ck.read_whole(iter_dir, None, gated)
         for part, module in (("encoder", "image_encoder"), ("backbone", "text_decoder")):
             lay = layouts[part]
-            layers = [shape.vit_layers] if part == "encoder" else list(decoder_layers(job, shape.llm_layers,
-                                                                                      recipe.name))
+            layers = [shape.vit_layers] if part == "encoder" else text_layers
             for pp_rank in range(lay.pp):
                 for tp_rank in range(lay.tp):
                     state = ck.part_state(whole, part, tp=lay.tp, tp_rank=tp_rank, layers=layers, pp_rank=pp_rank,
@@ -96,18 +106,13 @@ def convert(*, to: str, load: Path, save: Path, model_json: Path, recipe: Path, 
                     folder = _folder(module, tp_rank, pp_rank, lay.pp)
                     _write(save, iteration, release, folder, state, args)
                     written.append(folder)
-    elif to == "coupled":
+    else:
         whole: dict[str, Any] = {}
         args = None
         for module in ("image_encoder", "text_decoder"):
             part_whole, part_args = ck.read_whole(iter_dir, module, gated)
             whole.update(part_whole)
             args = args if args is not None else part_args
-        text_layers = list(getattr(model_cfg.text_decoder, "pipeline_num_layers", None) or
-                           even_split(shape.llm_layers, pp))
-        if len(text_layers) != pp or sum(text_layers) != shape.llm_layers:
-            raise ck.CheckpointError(f"--pp {pp}: model.json text_decoder.pipeline_num_layers {text_layers} must have "
-                                     f"{pp} entries summing to {shape.llm_layers}")
         for pp_rank in range(pp):
             for tp_rank in range(tp):
                 state = ck.part_state(whole, "backbone", tp=tp, tp_rank=tp_rank, layers=text_layers,
@@ -118,8 +123,6 @@ def convert(*, to: str, load: Path, save: Path, model_json: Path, recipe: Path, 
                 folder = _folder(None, tp_rank, pp_rank, pp)
                 _write(save, iteration, release, folder, state, args)
                 written.append(folder)
-    else:
-        raise ck.CheckpointError(f"--to {to!r}: 'decoupled' or 'coupled'")
     (save / ck.TRACKER).write_text("release" if release else str(iteration))
     return written
 

@@ -2,7 +2,9 @@
 
 - `model_provider`: the job's own provider with `modules=` the part's modules (encoder ranks build ViT +
   projector only, decoder ranks the text decoder only; no rank materialises the other part), after the model
-  config's pipeline splits are set to the part's own PP (the job's model.json describes the coupled pipeline).
+  config's pipeline splits are set to the part's own PP: the ViT whole, the LLM as `recipe.decoder_split` chose
+  (recipe layer_split, else model.json's split when it has one entry per decoder stage, else even); each decoder
+  stage prints the layers its built model holds.
 - `dataset_provider`: MindSpeed-MM's dataset and sampler over whole global batches, planned per step
   (`data.FlowStepSource`).
 - `forward_step`: the job's forward step, fed a collated decoder microbatch with its image embeddings.
@@ -96,6 +98,20 @@ def plain_linears_unless(use_mc2: bool) -> Iterator[None]:
             setattr(mod, name, current)
 
 
+def report_decoder_stage(model: Any, split: tuple[int, ...], source: str) -> None:
+    """One line per decoder pipeline stage (its first TP and DP rank) with the layers the built model holds.
+
+    Counted from the module itself, not from the config, so a split that did not reach the model shows here."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_rank() != 0 or ps.get_data_parallel_rank() != 0:
+        return
+    layers = getattr(getattr(getattr(model, "text_decoder", None), "decoder", None), "layers", None)
+    built = "?" if layers is None else len(layers)
+    print(f"[mindspeed-flow] text_decoder stage {ps.get_pipeline_model_parallel_rank()}: built {built} layers "
+          f"(split {list(split)} from {source})", flush=True)
+
+
 class FlowHost:
     def __init__(self, ctx: FlowContext) -> None:
         global _ACTIVE
@@ -118,7 +134,10 @@ class FlowHost:
             else:
                 model_cfg.text_decoder.pipeline_num_layers = list(ctx.parts.decoder_layers)
             with plain_linears_unless(ctx.uses_mc2(get_args())):
-                return original(pre_process, post_process, modules=ctx.modules)
+                model = original(pre_process, post_process, modules=ctx.modules)
+            if not ctx.is_encoder:
+                report_decoder_stage(model, ctx.parts.decoder_layers, ctx.parts.decoder_layers_from)
+            return model
 
         return flow_model_provider
 

@@ -68,6 +68,10 @@ class ModelShape:
     llm_kv_heads: int
     llm_layers: int
     encoder_trainable: bool
+    # text_decoder.pipeline_num_layers as a flat list of ints (None when absent or interleaved), and the file's name
+    # for messages: the coupled job's split, which the decoder keeps when it has one entry per decoder stage.
+    llm_split: Optional[tuple[int, ...]] = None
+    source: str = "model.json"
 
     @staticmethod
     def from_model_json(path: str | Path) -> "ModelShape":
@@ -84,9 +88,11 @@ class ModelShape:
         # MindSpeed-MM's defaults (pretrain_vlm._apply_freezing): the ViT is frozen unless it says otherwise, the
         # projector trains unless it says otherwise.
         trainable = not (vit.get("freeze", True) and proj.get("freeze", False))
+        split = llm.get("pipeline_num_layers")
+        flat = isinstance(split, list) and bool(split) and all(isinstance(n, int) for n in split)
         return ModelShape(int(vit["num_attention_heads"]), int(vit["num_layers"]), int(llm["num_attention_heads"]),
                           int(llm.get("num_query_groups") or llm["num_attention_heads"]), int(llm["num_layers"]),
-                          trainable)
+                          trainable, tuple(split) if flat else None, Path(path).name)
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,7 @@ class FlowParts:
     timeout_s: float
     encoder_trainable: bool
     decoder_layers: tuple[int, ...] = field(default_factory=tuple)  # text_decoder.pipeline_num_layers per stage
+    decoder_layers_from: str = "an even split"  # where decoder_layers came from (see `decoder_split`)
 
     @property
     def world_size(self) -> int:
@@ -199,19 +206,50 @@ def unsupported_model(cfg: dict) -> list[str]:
     return out
 
 
-def decoder_layers(job: FlowJobConfig, llm_layers: int, recipe_name: str = "FLOW.yaml") -> tuple[int, ...]:
-    """LLM layers per decoder pipeline stage: `parallel.backbone.layer_split` when given (an uneven split, e.g.
-    what `mindspeed-flow plan` chose), else an even split with the remainder on the later stages."""
-    pp = job.parallel.backbone.pp
-    split = job.parallel.backbone.layer_split
-    if split is None:
-        return even_split(llm_layers, pp)
-    split = tuple(split)
-    if len(split) != pp or any(not isinstance(n, int) or n < 1 for n in split) or sum(split) != llm_layers:
-        raise FlowRecipeError(f"{recipe_name}: parallel.backbone.layer_split={list(split)}: needs one entry per "
-                              f"decoder pipeline stage (pp={pp}), each >= 1, summing to the LLM's {llm_layers} "
-                              "layers")
-    return split
+@dataclass(frozen=True)
+class LayerSplit:
+    """LLM layers per decoder pipeline stage, and where they came from (said in every message about them)."""
+
+    layers: tuple[int, ...]
+    source: str
+
+
+def decoder_split(stages: int, llm_layers: int, *, recipe_split: Optional[list] = None,
+                  model_split: Optional[tuple[int, ...]] = None, recipe_name: str = "FLOW.yaml",
+                  model_name: str = "model.json") -> LayerSplit:
+    """The one rule for the LLM's layers per pipeline stage, used by the launcher and by the converter.
+
+    1. the recipe's `parallel.backbone.layer_split` (e.g. the uneven split `mindspeed-flow plan --out` writes);
+    2. else model.json's `text_decoder.pipeline_num_layers` when it has one entry per stage (the job's own split
+       carries over; with another count it describes the coupled pipeline, which the decoder does not have);
+    3. else an even split, the remainder on the later stages.
+    A split that is given but cannot be honoured is an error naming its file and field, never a silent fallback."""
+    where_recipe = f"{recipe_name} parallel.backbone.layer_split"
+    where_model = f"{model_name} text_decoder.pipeline_num_layers"
+    rule = (f"needs one entry per decoder pipeline stage (pp={stages}), each >= 1, summing to the LLM's "
+            f"{llm_layers} layers")
+    if recipe_split is not None:
+        split = tuple(recipe_split)
+        if len(split) != stages or any(not isinstance(n, int) or n < 1 for n in split) or sum(split) != llm_layers:
+            raise FlowRecipeError(f"{recipe_name}: parallel.backbone.layer_split={list(split)}: {rule} (the recipe's "
+                                  f"split wins over {where_model})")
+        return LayerSplit(split, where_recipe)
+    if model_split is not None and len(model_split) == stages:
+        split = tuple(model_split)
+        if any(n < 1 for n in split) or sum(split) != llm_layers:
+            raise FlowRecipeError(f"{model_name}: text_decoder.pipeline_num_layers={list(split)}: has one entry per "
+                                  f"pipeline stage (pp={stages}), so it gives the split, but each entry must be >= 1 "
+                                  f"and they must sum to the LLM's {llm_layers} layers; fix it or give {where_recipe}")
+        return LayerSplit(split, where_model)
+    why = (f"no {where_recipe}; {where_model} " +
+           ("absent" if model_split is None else f"{list(model_split)} has {len(model_split)} entries, not {stages}"))
+    return LayerSplit(even_split(llm_layers, stages), f"an even split ({why})")
+
+
+def decoder_split_for(job: FlowJobConfig, model: ModelShape, recipe_name: str = "FLOW.yaml") -> LayerSplit:
+    """`decoder_split` for a flow job: its recipe's backbone PP and split, its model.json's."""
+    return decoder_split(job.parallel.backbone.pp, model.llm_layers, recipe_split=job.parallel.backbone.layer_split,
+                         model_split=model.llm_split, recipe_name=recipe_name, model_name=model.source)
 
 
 def load_flow_job(path: str | Path) -> FlowJobConfig:
@@ -287,8 +325,9 @@ def build_parts(job: FlowJobConfig, *, world_size: int, model: ModelShape, globa
     if job.packing.oversize_policy not in ("error", "skip"):
         raise FlowRecipeError(f"{recipe_name}: packing.oversize_policy={job.packing.oversize_policy!r}: "
                               "'error' or 'skip'")
-    return FlowParts(layouts, job.packing, float(job.flow.timeout_s),
-                     model.encoder_trainable, decoder_layers(job, model.llm_layers, recipe_name))
+    split = decoder_split_for(job, model, recipe_name)
+    return FlowParts(layouts, job.packing, float(job.flow.timeout_s), model.encoder_trainable, split.layers,
+                     split.source)
 
 
 def argv_value(argv: list[str], flag: str, default: Optional[str] = None) -> Optional[str]:
