@@ -30,7 +30,8 @@ embedding. The header is also what the deadline watches: it is a host message, s
 costs no device synchronisation; the payload's work is then waited on the device stream only.
 
 Memory is bounded by the step: a consumer holds the receive buffers of one step's embeddings (what it consumes
-anyway), a producer keeps each sent embedding until its send completes.
+anyway), a producer keeps each sent embedding until its send completes (a frozen encoder waits, with
+`wait_sent`, once `flow.encoder_inflight` groups are in flight).
 """
 from __future__ import annotations
 
