@@ -257,7 +257,7 @@ class EncoderStep:
             with torch.set_grad_enabled(trainable), saved.counting():
                 out = self.encode(model[0], step, group)
             if check:
-                self._check_grouped(model[0], step, group, out)
+                self._check_grouped(model[0], step, group, out, is_leader)
             sizes = [step.samples[sid].image_tokens for sid in group]
             if is_leader:
                 for sid, emb in zip(group, torch.split(out, sizes, dim=0)):
@@ -314,10 +314,15 @@ class EncoderStep:
             torch.autograd.backward(out, grad.reshape(out.shape).to(out.dtype))
         peak.drop(entry.nbytes)
 
-    def _check_grouped(self, model: Any, step: FlowStep, group: list[int], out: torch.Tensor) -> None:
-        """MSF_FLOW_CHECK_GROUPED_ENCODER=1: print how far the group's call is from one call per sample."""
-        with torch.no_grad():
+    def _check_grouped(self, model: Any, step: FlowStep, group: list[int], out: torch.Tensor,
+                       is_leader: bool) -> None:
+        """MSF_FLOW_CHECK_GROUPED_ENCODER=1 (tests): print how far the group's call is from one call per sample.
+
+        The extra calls run without a graph and draw no random numbers, so training is unchanged."""
+        with torch.no_grad():  # every TP rank runs them (the ViT's TP collectives); the leader prints
             single = torch.cat([self.encode(model, step, [sid]) for sid in group], dim=0)
+        if not is_leader:
+            return
         diff = (out.detach().float() - single.float()).abs().max().item()
         scale = single.float().abs().max().item()
         print(f"[flow] grouped encoder check: iteration {step.step + 1} samples {group} images "
