@@ -459,3 +459,77 @@ def test_microbatch_tokens_count_padding_per_layout() -> None:
     assert microbatch_tokens([3, 2, 4], LAYOUT_PACKED, 4) == 12
     assert microbatch_tokens([3, 2, 4], LAYOUT_ROWS, 4) == 12
     assert microbatch_tokens([], LAYOUT_PACKED, 2) == 2
+
+
+# ------------------------------------------------------------------------------ encoder groups and in-flight bound
+
+
+@pytest.mark.parametrize("value,pp,frozen,want", [
+    (0, 1, False, 2), (0, 2, False, 3), (1, 1, False, 1), (2, 2, False, 2), (5, 2, False, 5),
+    (1, 2, True, 1),  # a frozen encoder waits only for receipts (posted at the decoder's step start): no deadlock
+])
+def test_encoder_inflight_resolves_from_the_decoder_pipeline(tmp_path, value, pp, frozen, want) -> None:
+    recipe = _recipe(tmp_path, f"parallel:\n  encoder: {{dp: 1}}\n  backbone: {{dp: 1, pp: {pp}}}\n"
+                               f"flow:\n  encoder_inflight: {value}\n")
+    model = _frozen_model(tmp_path) if frozen else _model_json(tmp_path)
+    argv = _argv(model) + (["--use-distributed-optimizer"] if frozen else [])
+    assert parts_for_job(recipe, argv, 1 + pp).encoder_inflight == want
+
+
+def _frozen_model(tmp_path: Path) -> Path:
+    path = _model_json(tmp_path, vit={"freeze": True})
+    cfg = json.loads(path.read_text())
+    cfg["image_encoder"]["vision_projector"]["freeze"] = True
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("value,want", [
+    (1, "flow.encoder_inflight=1: must be >= parallel.backbone.pp=2"),
+    (-1, "flow.encoder_inflight=-1: must be an integer >= 0"),
+])
+def test_encoder_inflight_that_would_deadlock_is_refused(tmp_path, value, want) -> None:
+    recipe = _recipe(tmp_path, f"parallel:\n  encoder: {{dp: 1}}\n  backbone: {{dp: 1, pp: 2}}\n"
+                               f"flow:\n  encoder_inflight: {value}\n")
+    with pytest.raises(FlowRecipeError) as err:
+        parts_for_job(recipe, _argv(_model_json(tmp_path)), 3)
+    assert want in str(err.value) and len(str(err.value).splitlines()) == 1
+
+
+def test_slot_groups_cut_the_encode_order_by_decoder_slot() -> None:
+    from mindspeed_flow.hosts.mindspeed_mm.schedule import embedding_order, slot_groups
+
+    step, _ = _step([[[0, 1], [2]], [[3], [4, 5]]], {0: [3, 0, 4], 1: [1, 2]},
+                    {0: 4, 1: 4, 2: 4, 3: 4, 4: 4, 5: 0})
+    assert slot_groups(step, [3, 0, 4]) == [[3, 0], [4]]  # slot 0 of both decoder replicas, then slot 1
+    assert slot_groups(step, [1, 2]) == [[1], [2]]
+    # Sending group by group, sample by sample, keeps each producer's part of the global embedding order.
+    order = embedding_order(step, [0, 1])
+    for p, ids in step.work.encode_order.items():
+        assert [sid for g in slot_groups(step, ids) for sid in g] == [s for s in order if s in ids]
+
+
+def test_saved_bytes_counts_activations_once_and_not_parameters() -> None:
+    from mindspeed_flow.hosts.mindspeed_mm.schedule import HeldPeak, SavedBytes
+
+    lin = torch.nn.Linear(8, 16, bias=False)
+    x = torch.randn(4, 8)
+    saved = SavedBytes()
+    with saved.counting():
+        h = lin(x)  # saves x (and the weight: a parameter, not counted)
+        y = (h * h).sum()  # saves h (twice: one storage)
+    assert saved.total == x.numel() * 4 + h.numel() * 4
+    y.backward()
+    peak = HeldPeak()
+    peak.add(10), peak.add(5), peak.drop(10), peak.add(7)
+    assert (peak.peak_groups, peak.peak_bytes, peak.groups, peak.bytes) == (2, 15, 2, 12)
+
+
+def test_torch_host_refuses_encoder_inflight() -> None:
+    from mindspeed_flow.config.load import RecipeError, check_rules
+    from mindspeed_flow.config.schema import FlowJobConfig
+
+    job = FlowJobConfig()
+    job.flow.encoder_inflight = 2
+    with pytest.raises(RecipeError, match="flow.encoder_inflight=2: bounds the MindSpeed-MM host's encoder only"):
+        check_rules(job)

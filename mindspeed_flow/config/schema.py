@@ -121,6 +121,12 @@ class FlowConfig:
     # ViT patches per encoder forward: consecutive samples of a rank's encode (= consumption) order are encoded
     # together up to this many patches (a larger sample alone); 0: one sample per forward.
     encoder_batch_tokens: int = 0
+    # MindSpeed-MM host: decoder microbatch groups whose encoder activations (autograd graphs) an encoder replica
+    # holds at once; at the bound it waits for the oldest group's gradients and runs its backward before encoding
+    # more (a frozen encoder: groups of embeddings sent but not yet received). Must be >= the decoder's pipeline
+    # depth (parallel.backbone.pp): the decoder's first stage forwards that many microbatches before its first
+    # backward. 0: the pipeline depth + 1 (the warm-up need and one group encoded ahead of the decoder).
+    encoder_inflight: int = 0
 
 
 @dataclass

@@ -257,6 +257,10 @@ class FlowHost:
         if "grad_bytes_sent" in c:
             extra += f" | gradient bytes sent {int(c['grad_bytes_sent'])} (decoder, this step)"
         pad = ""
+        if "encoder_held_groups" in c and self.ctx.parts.encoder_trainable:
+            # The peak of decoder microbatch groups whose ViT activations encoder dp0 held at once, and their bytes.
+            extra += (f" | encoder held {int(c['encoder_held_groups'])} groups {int(c['encoder_held_bytes'])} bytes "
+                      f"(peak, encoder dp0, bound {self.ctx.parts.encoder_inflight})")
         if c.get("padded_tokens"):
             pad = f" | padding {1 - c['real_tokens'] / c['padded_tokens']:.1%}"
         if "microbatches_per_rank" in c:

@@ -3,8 +3,9 @@
 A MindSpeed-MM job becomes a flow job by `--flow-recipe FLOW.yaml` (see `mindspeed_flow_patches.launch`). FLOW.yaml
 uses the project's recipe schema (`mindspeed_flow.config.schema.FlowJobConfig`), so the file `mindspeed-flow plan
 --out` writes works as it is: `parallel.encoder` / `parallel.backbone` give each part's dp/tp/pp/cp, `packing` the
-LLM microbatch scheduler, `flow.timeout_s` how long a transfer may take (the torch host's `flow.pool_capacity_mb`
-does not apply: the MindSpeed-MM host's transfers are planned and bounded by one step). The job's own model.json and data.json keep describing the model and
+LLM microbatch scheduler, `flow.timeout_s` how long a transfer may take, `flow.encoder_inflight` how many decoder microbatch groups an
+encoder replica holds (see `encoder_inflight`; the torch host's `flow.pool_capacity_mb` does not apply: the
+MindSpeed-MM host's transfers are planned and bounded by one step). The job's own model.json and data.json keep describing the model and
 the data (the recipe's `model`/`data`/`cluster` sections are the planner's and are not read here).
 
 Everything here is checked before any process group exists, with messages that name the recipe field (or the
@@ -105,6 +106,9 @@ class FlowParts:
     encoder_trainable: bool
     decoder_layers: tuple[int, ...] = field(default_factory=tuple)  # text_decoder.pipeline_num_layers per stage
     decoder_layers_from: str = "an even split"  # where decoder_layers came from (see `decoder_split`)
+    # Decoder microbatch groups an encoder replica holds at once (flow.encoder_inflight, 0 resolved): see
+    # `encoder_inflight`.
+    encoder_inflight: int = 2
 
     @property
     def world_size(self) -> int:
@@ -327,7 +331,29 @@ def build_parts(job: FlowJobConfig, *, world_size: int, model: ModelShape, globa
                               "'error' or 'skip'")
     split = decoder_split_for(job, model, recipe_name)
     return FlowParts(layouts, job.packing, float(job.flow.timeout_s), model.encoder_trainable, split.layers,
-                     split.source)
+                     split.source,
+                     encoder_inflight(job.flow.encoder_inflight, bb.pp, model.encoder_trainable, recipe_name))
+
+
+def encoder_inflight(value: object, decoder_pp: int, trainable: bool, recipe_name: str = "FLOW.yaml") -> int:
+    """The bound on decoder microbatch groups an encoder replica holds (`flow.encoder_inflight`), resolved.
+
+    A trainable encoder at the bound waits for its oldest group's gradients. Under 1F1B the decoder's first stage
+    forwards min(pp, microbatches) microbatches before the backward that returns the first gradient, so a bound
+    below pp can leave the encoder waiting for a gradient the decoder cannot compute before it gets the next
+    embedding: refused. 0 gives pp + 1, the warm-up need and one group encoded ahead of the decoder. A frozen
+    encoder waits only for its sends to be received (the decoder posts every receive of a step at its start), so
+    any bound >= 1 is safe there."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise FlowRecipeError(f"{recipe_name}: flow.encoder_inflight={value!r}: must be an integer >= 0 (0: the "
+                              "decoder's pipeline depth + 1)")
+    if value == 0:
+        return decoder_pp + 1
+    if trainable and value < decoder_pp:
+        raise FlowRecipeError(f"{recipe_name}: flow.encoder_inflight={value}: must be >= parallel.backbone.pp="
+                              f"{decoder_pp} (the decoder's first stage forwards {decoder_pp} microbatches before "
+                              "the first gradient comes back; a smaller bound deadlocks) or 0")
+    return value
 
 
 def argv_value(argv: list[str], flag: str, default: Optional[str] = None) -> Optional[str]:

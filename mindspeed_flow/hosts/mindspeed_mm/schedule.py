@@ -3,13 +3,17 @@
 MindSpeed-MM's `train_step` calls `get_forward_backward_func()(...)`, then `optimizer.step()`. The flow patches
 hand each part its own forward-backward function:
 
-- encoder ranks (`EncoderStep`): take the step's plan, run the ViT + projector on their images (moved to the
-  device in the job's dtype, as MindSpeed-MM's `get_batch` does) in the decoder's consumption order and send each
-  sample's embedding (`transport.PlannedTransport`) as soon as it exists (the decoder starts while later images
-  are still encoding); then wait for each embedding's gradient and run backward with it (a frozen encoder sends
-  nothing back and never waits). Every backward but the last runs under the model's `no_sync` (as Megatron's
-  schedules do for all but the last microbatch), so `--overlap-grad-reduce` launches each bucket's reduction once.
-  Tensor-parallel peers get the gradient by a TP broadcast.
+- encoder ranks (`EncoderStep`): take the step's plan, cut their images' encode order (the decoder's consumption
+  order) into decoder microbatch groups (`slot_groups`), run the ViT + projector once per group (images
+  concatenated, moved to the device in the job's dtype as MindSpeed-MM's `get_batch` does) and send each sample's
+  embedding (`transport.PlannedTransport`) as soon as its group exists (the decoder starts while later groups are
+  still encoding). At most `flow.encoder_inflight` groups' graphs are held: at the bound the encoder waits for the
+  oldest group's gradients, runs its backward and frees it before encoding the next (the recipe refuses a bound
+  below the decoder's pipeline depth, which 1F1B's warm-up needs); the rest are retired after the last forward. A
+  frozen encoder sends nothing back and waits for no gradient; its bound counts groups sent but not yet received.
+  Every backward but the last runs under the model's `no_sync` (as Megatron's schedules do for all but the last
+  microbatch), so `--overlap-grad-reduce` launches each bucket's reduction once. Tensor-parallel peers get each
+  group's gradient by a TP broadcast. The peak of groups and saved-activation bytes held goes to `ctx.counters`.
 - decoder ranks (`DecoderStep`): Megatron's own schedule (1F1B when PP > 1) over this DP rank's planned
   microbatches, each collated as one packed (THD) row (`packed.py`) or as padded rows (`packing.layout`); before each first-stage forward the microbatch's embeddings are taken from the receives posted
   at the step's start (TP rank 0 receives, TP peers get a broadcast) and become `VLMModel.input_tensor`, the
@@ -29,9 +33,12 @@ only plan metadata and the gloo headers.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
+import os
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -115,6 +122,77 @@ def gradient_order(step: FlowStep, consumers: list[int]) -> list[int]:
 # ------------------------------------------------------------------------------------------ encoder
 
 
+def slot_groups(step: FlowStep, order: list[int]) -> list[list[int]]:
+    """An encoder replica's encode order cut into decoder microbatch groups: consecutive samples of one slot.
+
+    The encode order is slot-major (see `embedding_order`), so a group is every sample of the replica that the
+    decoders consume in one microbatch slot, and the groups keep the order (and the sends) sample by sample."""
+    slots = slot_positions(step)
+    groups: list[list[int]] = []
+    last = None
+    for sid in order:
+        if not groups or slots[sid][0] != last:
+            groups.append([])
+            last = slots[sid][0]
+        groups[-1].append(sid)
+    return groups
+
+
+class SavedBytes:
+    """Bytes of the activations autograd saves for backward inside `with self.counting():` (each storage once).
+
+    Parameters saved by a layer are not activations (they live anyway), so they are left out; everything else a
+    forward saves is held until that graph's backward frees it. Reads tensor metadata only (no device sync)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._seen: set[int] = set()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter) and not (t.is_leaf and t.requires_grad):
+            try:
+                storage = t.untyped_storage()
+                key, nbytes = storage.data_ptr(), storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # a tensor without storage (e.g. a wrapper subclass)
+                key, nbytes = id(t), t.numel() * t.element_size()
+            if key not in self._seen:
+                self._seen.add(key)
+                self.total += nbytes
+        return t
+
+    def counting(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+
+class HeldPeak:
+    """Peak groups and bytes an encoder replica held at once during a step (activations, or sent embeddings)."""
+
+    def __init__(self) -> None:
+        self.groups = self.bytes = self.peak_groups = self.peak_bytes = 0
+
+    def add(self, nbytes: int) -> None:
+        self.groups += 1
+        self.bytes += nbytes
+        self.peak_groups = max(self.peak_groups, self.groups)
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+
+    def drop(self, nbytes: int) -> None:
+        self.groups -= 1
+        self.bytes -= nbytes
+
+
+@dataclass
+class HeldGroup:
+    """One decoder microbatch group an encoder replica still holds: its graph (trainable) or its sends (frozen)."""
+
+    step: int
+    index: int  # the group's place among the replica's groups of its step
+    sample_ids: list[int]
+    consumers: list[int]  # the decoder rank that consumes each sample (and returns its gradient)
+    out: Optional[torch.Tensor]  # the graph-holding output; None for a frozen encoder's sent group
+    nbytes: int  # saved activation bytes (trainable) or embedding bytes in flight (frozen)
+
+
 class EncoderStep:
     """The encoder part's forward-backward function (Megatron's fbf signature)."""
 
@@ -125,6 +203,23 @@ class EncoderStep:
         self.transport: Optional[PlannedTransport] = None
         self.hidden = hidden
         self.dtype = dtype
+        # The recipe's bound (flow.encoder_inflight, resolved): decoder microbatch groups held at once.
+        self.inflight = max(int(ctx.parts.encoder_inflight), 1)
+        # A frozen encoder's groups sent but not yet received; kept across steps, since it runs ahead of the
+        # decoder (it waits for no gradient) and its sends of one step may still be in flight in the next.
+        self.sent: collections.deque[HeldGroup] = collections.deque()
+
+    def encode(self, model: Any, step: FlowStep, group: list[int]) -> torch.Tensor:
+        """One ViT + projector call for a group of samples: their images concatenated ([tokens, 1, hidden] out).
+
+        MindSpeed-MM's Qwen2(.5) ViT takes any number of images with their grids, as in the unpatched job's
+        microbatch: full attention (cu_seqlens) and the Qwen2.5 windows are built per image from image_grid_thw,
+        so each sample's rows equal its own call's (tests/mindspeed_mm/test_encoder_inflight.py)."""
+        samples = [step.samples[sid] for sid in group]
+        # Concatenated on the host, then one copy to the device in the job's dtype (as MindSpeed-MM's get_batch).
+        pixels = torch.cat([s.pixel_values for s in samples]).to(device=self.ctx.device, dtype=self.dtype)
+        grid = torch.cat([s.image_grid_thw for s in samples]).to(device=self.ctx.device)
+        return model(input_ids=None, pixel_values=pixels, image_grid_thw=grid)
 
     def __call__(self, *, forward_step_func: Any = None, data_iterator: Any, model: list, num_microbatches: int,
                  forward_only: bool = False, **_: Any) -> list[dict]:
@@ -140,41 +235,46 @@ class EncoderStep:
             self.transport = self._transport_factory()
         config = get_model_config(model[0])
         trainable = ctx.parts.encoder_trainable and not forward_only
-        order = _image_samples(step, step.work.encode_order.get(leader, []))
+        groups = slot_groups(step, _image_samples(step, step.work.encode_order.get(leader, [])))
         if trainable and is_leader:
             # Every gradient this replica will get, posted now in the step's global gradient order.
             items = [Item(step.work.consumer_of[sid], step.step, sid, step.samples[sid].image_tokens)
                      for sid in gradient_order(step, ctx.consumers()) if step.work.producer_of.get(sid) == leader]
             self.transport.post_receives(KIND_GRAD, items, self.hidden)
-        kept: list[tuple[int, torch.Tensor]] = []
-        for sid in order:
-            ctx.doing(f"iteration {step.step + 1}: encoding sample {sid}")
-            sample = step.samples[sid]
-            pixels = sample.pixel_values.to(device=ctx.device, dtype=self.dtype)
-            grid = sample.image_grid_thw.to(device=ctx.device)
-            with torch.set_grad_enabled(trainable):
-                out = model[0](input_ids=None, pixel_values=pixels, image_grid_thw=grid)
-            if is_leader:
-                self.transport.send(KIND_EMBEDDING, step.work.consumer_of[sid], step.step, sid, out)
-            if trainable:
-                kept.append((sid, out))
         no_sync = _no_sync_context(config)
-        for i, (sid, out) in enumerate(kept):
-            consumer = step.work.consumer_of[sid]
-            ctx.doing(f"iteration {step.step + 1}: waiting for the gradient of sample {sid} from "
-                      f"{ctx.describe(consumer)}")
+        # Oldest first: graphs of this step (trainable), or sent groups of this and earlier steps (frozen).
+        held: collections.deque[HeldGroup] = collections.deque() if trainable else self.sent
+        peak = HeldPeak()
+        for g in held:
+            peak.add(g.nbytes)
+        check = _grouped_check_enabled()
+        for index, group in enumerate(groups):
+            while len(held) >= self.inflight:
+                # At the bound: the oldest group's gradients, its backward, its graph freed (only the encoder
+                # waits here; the decoder has every embedding it needs to return them, see recipe.encoder_inflight).
+                self._retire(held.popleft(), len(groups), peak, is_leader, no_sync, timer)
+            ctx.doing(f"iteration {step.step + 1}: encoding samples {group}")
+            saved = SavedBytes()
+            with torch.set_grad_enabled(trainable), saved.counting():
+                out = self.encode(model[0], step, group)
+            if check:
+                self._check_grouped(model[0], step, group, out, is_leader)
+            sizes = [step.samples[sid].image_tokens for sid in group]
             if is_leader:
-                since = time.perf_counter()
-                grad = self.transport.receive(KIND_GRAD, consumer, step.step, sid)
-                timer.waited(since)
-            else:
-                grad = torch.empty((out.numel() // out.shape[-1], out.shape[-1]), dtype=torch.bfloat16,
-                                   device=ctx.device)
-            grad = _tp_broadcast(grad.contiguous())
-            # Megatron's schedules run every microbatch but the last under no_sync: with --overlap-grad-reduce a
-            # parameter's gradient may be registered ready only once per step.
-            with (no_sync() if i < len(kept) - 1 else contextlib.nullcontext()):
-                torch.autograd.backward(out, grad.reshape(out.shape).to(out.dtype))
+                for sid, emb in zip(group, torch.split(out, sizes, dim=0)):
+                    self.transport.send(KIND_EMBEDDING, step.work.consumer_of[sid], step.step, sid, emb)
+            if trainable or is_leader:
+                # Frozen (leader only: it sends): the bound counts groups of embeddings sent but not yet received.
+                entry = HeldGroup(step.step, index, group, [step.work.consumer_of[sid] for sid in group],
+                                  out if trainable else None,
+                                  saved.total if trainable else out.numel() * out.element_size())
+                held.append(entry)
+                peak.add(entry.nbytes)
+        while trainable and held:
+            self._retire(held.popleft(), len(groups), peak, is_leader, no_sync, timer)
+        ctx.counters["encoder_held_groups"] = float(peak.peak_groups)
+        ctx.counters["encoder_held_bytes"] = float(peak.peak_bytes)
+        ctx.counters["encoder_forwards"] = float(len(groups))
         if self.transport is not None:
             ctx.counters["embedding_bytes_sent"] = float(self.transport.bytes_sent[KIND_EMBEDDING])
         if trainable and config.finalize_model_grads_func is not None:
@@ -184,6 +284,55 @@ class EncoderStep:
             config.finalize_model_grads_func(model, num_tokens)
         # No loss on encoder ranks: one empty dict per step keeps train_step's loss reduction a no-op.
         return [{}]
+
+    def _retire(self, entry: HeldGroup, n_groups: int, peak: HeldPeak, is_leader: bool,
+                no_sync: Callable[[], Any], timer: PartTimer) -> None:
+        """Free the oldest held group: its gradients, then its backward (trainable) or its sends' receipt."""
+        ctx = self.ctx
+        group, out, step_no = entry.sample_ids, entry.out, entry.step
+        since = time.perf_counter()
+        if out is None:  # frozen: wait until the decoder has received the group's embeddings
+            ctx.doing(f"iteration {step_no + 1}: waiting for the decoder to receive samples {group}")
+            self.transport.wait_sent(KIND_EMBEDDING, step_no, group)
+            timer.waited(since)
+            peak.drop(entry.nbytes)
+            return
+        if is_leader:
+            parts = []
+            for sid, consumer in zip(group, entry.consumers):
+                ctx.doing(f"iteration {step_no + 1}: waiting for the gradient of sample {sid} from "
+                          f"{ctx.describe(consumer)}")
+                parts.append(self.transport.receive(KIND_GRAD, consumer, step_no, sid))
+            timer.waited(since)
+            grad = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+        else:
+            grad = torch.empty((out.numel() // out.shape[-1], out.shape[-1]), dtype=torch.bfloat16,
+                               device=ctx.device)
+        grad = _tp_broadcast(grad.contiguous())
+        # Megatron's schedules run every microbatch but the last under no_sync: with --overlap-grad-reduce a
+        # parameter's gradient may be registered ready only once per step.
+        with (no_sync() if entry.index < n_groups - 1 else contextlib.nullcontext()):
+            torch.autograd.backward(out, grad.reshape(out.shape).to(out.dtype))
+        peak.drop(entry.nbytes)
+
+    def _check_grouped(self, model: Any, step: FlowStep, group: list[int], out: torch.Tensor,
+                       is_leader: bool) -> None:
+        """MSF_FLOW_CHECK_GROUPED_ENCODER=1 (tests): print how far the group's call is from one call per sample.
+
+        The extra calls run without a graph and draw no random numbers, so training is unchanged."""
+        with torch.no_grad():  # every TP rank runs them (the ViT's TP collectives); the leader prints
+            single = torch.cat([self.encode(model, step, [sid]) for sid in group], dim=0)
+        if not is_leader:
+            return
+        diff = (out.detach().float() - single.float()).abs().max().item()
+        scale = single.float().abs().max().item()
+        print(f"[flow] grouped encoder check: iteration {step.step + 1} samples {group} images "
+              f"{sum(int(step.samples[sid].image_grid_thw.shape[0]) for sid in group)} max abs diff {diff:.3e} "
+              f"(max abs {scale:.3e})", flush=True)
+
+
+def _grouped_check_enabled() -> bool:
+    return os.environ.get("MSF_FLOW_CHECK_GROUPED_ENCODER", "") == "1"
 
 
 def _no_sync_context(config: Any) -> Callable[[], Any]:
@@ -418,8 +567,11 @@ def finalize_with_global_tokens(ctx: FlowContext, finalize: Callable[..., Any]) 
     """
     from megatron.core import parallel_state as ps
 
-    # Each part leader's busy/wait seconds, and the gradient bytes every decoder rank sent this step (summed).
-    keys = ("encoder_busy_s", "encoder_wait_s", "decoder_busy_s", "decoder_wait_s", "grad_bytes_sent")
+    # Each part leader's busy/wait seconds, and the gradient bytes every decoder rank sent this step (summed); the
+    # encoder leader's peak of groups and activation bytes held (its replica's, see EncoderStep).
+    keys = ("encoder_busy_s", "encoder_wait_s", "decoder_busy_s", "decoder_wait_s", "grad_bytes_sent",
+            "encoder_held_groups", "encoder_held_bytes")
+    own_keys = {True: keys[:2] + keys[5:], False: keys[2:4]}  # by ctx.is_encoder
 
     def flow_finalize(model: list, num_tokens: Optional[torch.Tensor] = None) -> None:
         ctx.doing("gradient reduction over the part's data-parallel group")
@@ -434,7 +586,7 @@ def finalize_with_global_tokens(ctx: FlowContext, finalize: Callable[..., Any]) 
         # copy whose result is dropped (HCCL has no float64); the original would silently stay unreduced.
         own = [0.0] * len(keys)
         if ctx.is_part_leader:
-            for key in (keys[:2] if ctx.is_encoder else keys[2:4]):
+            for key in own_keys[ctx.is_encoder]:
                 own[keys.index(key)] = ctx.counters.get(key, 0.0)
         if not ctx.is_encoder:
             own[keys.index("grad_bytes_sent")] = float(ctx.step_grad_bytes())

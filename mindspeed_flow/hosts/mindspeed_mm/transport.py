@@ -30,7 +30,8 @@ embedding. The header is also what the deadline watches: it is a host message, s
 costs no device synchronisation; the payload's work is then waited on the device stream only.
 
 Memory is bounded by the step: a consumer holds the receive buffers of one step's embeddings (what it consumes
-anyway), a producer keeps each sent embedding until its send completes.
+anyway), a producer keeps each sent embedding until its send completes (a frozen encoder waits, with
+`wait_sent`, once `flow.encoder_inflight` groups are in flight).
 """
 from __future__ import annotations
 
@@ -170,15 +171,23 @@ class PlannedTransport:
         """Wait until every send of this rank has been received."""
         self._reap(block=True)
 
+    def wait_sent(self, kind: int, step: int, sample_ids: Sequence[int]) -> None:
+        """Wait until this rank's sends of these samples have been received (the encoder's in-flight bound)."""
+        ids = set(sample_ids)
+        self._reap(block=True, only=lambda s: s.kind == kind and s.item.step == step and s.item.sample_id in ids)
+
     def pending_receives(self) -> int:
         return len(self._recv)
 
     # ------------------------------------------------------------------ internals
 
-    def _reap(self, block: bool) -> None:
+    def _reap(self, block: bool, only: Callable[[_Pending], bool] = lambda s: True) -> None:
         keep = []
         for s in self._sends:
             works = (s.header_work, s.payload_work)
+            if block and not only(s):
+                keep.append(s)
+                continue
             if block:
                 deadline = time.monotonic() + self.timeout_s
                 what = self._what(s.kind, s.item, "to")
