@@ -56,7 +56,13 @@ REGISTRY: tuple[PatchTarget, ...] = (
                 "a coupled checkpoint loads into a decoupled run: each part takes, re-splits and renames its tensors",
                 ("load_dir", "args", "rank0")),
     PatchTarget("mindspeed_mm.training.training_log", "wrap",
-                "per-part busy/wait seconds after Megatron's iteration line", ("loss_dict", "total_loss_dict")),
+                "per-part busy/wait seconds after Megatron's iteration line; the iteration's metrics.jsonl line from "
+                "the values the log reads (loss, learning rate, gradient norm)",
+                ("loss_dict", "total_loss_dict", "learning_rate", "decoupled_learning_rate", "iteration", "loss_scale",
+                 "report_memory_flag", "skipped_iter", "grad_norm")),
+    PatchTarget("megatron.core.pipeline_parallel.schedules.backward_step", "wrap",
+                "the trace's decoder.backward span per microbatch (trainer.trace: true); the step is unchanged",
+                ("input_tensor", "output_tensor", "output_tensor_grad", "model_type", "config")),
 )
 
 def _module_of(target: str) -> str:
@@ -130,8 +136,10 @@ def pretrain_wrapper(pretrain: Callable) -> Callable:
         from mindspeed_flow.hosts.mindspeed_mm import host
 
         flow = host.FlowHost(ctx)
-        return pretrain(flow.dataset_provider(train_valid_test_dataset_provider), flow.model_provider(model_provider),
-                        model_type, flow.forward_step(forward_step_func), *args, **kwargs)
+        out = pretrain(flow.dataset_provider(train_valid_test_dataset_provider), flow.model_provider(model_provider),
+                       model_type, flow.forward_step(forward_step_func), *args, **kwargs)
+        flow.finish()
+        return out
 
     return wrapped
 
@@ -222,15 +230,36 @@ def load_base_checkpoint_wrapper(load: Callable) -> Callable:
 
 
 def training_log_wrapper(training_log: Callable) -> Callable:
+    names = ("loss_dict", "total_loss_dict", "learning_rate", "decoupled_learning_rate", "iteration", "loss_scale",
+             "report_memory_flag", "skipped_iter", "grad_norm")
+
     @functools.wraps(training_log)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        import time
+
+        entered_at = time.time()
         out = training_log(*args, **kwargs)
         ctx = flow_context.current()
         if ctx is not None:
             from mindspeed_flow.hosts.mindspeed_mm import host
 
-            host.active().log_iteration(args[4] if len(args) > 4 else kwargs.get("iteration"))
+            given = dict(zip(names, args), **kwargs)
+            host.active().log_iteration(given.get("iteration"), entered_at, loss_dict=given.get("loss_dict"),
+                                        lr=given.get("learning_rate"), grad_norm=given.get("grad_norm"))
         return out
+
+    return wrapped
+
+
+def backward_step_wrapper(backward_step: Callable) -> Callable:
+    @functools.wraps(backward_step)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if flow_context.current() is None:
+            return backward_step(*args, **kwargs)
+        from mindspeed_flow.runtime.trace import span
+
+        with span("decoder.backward", "busy"):  # costs one global lookup when tracing is off
+            return backward_step(*args, **kwargs)
 
     return wrapped
 
@@ -248,6 +277,7 @@ _WRAPPERS: dict[str, Callable] = {
     "megatron.training.checkpointing._get_checkpoint_format": get_checkpoint_format_wrapper,
     "megatron.training.checkpointing._load_base_checkpoint": load_base_checkpoint_wrapper,
     "mindspeed_mm.training.training_log": training_log_wrapper,
+    "megatron.core.pipeline_parallel.schedules.backward_step": backward_step_wrapper,
 }
 assert set(_WRAPPERS) == {t.target for t in REGISTRY}
 

@@ -26,6 +26,11 @@ hand each part its own forward-backward function:
 
 Every tensor that meets a device collective or the model lives on the device (`ctx.device`); host tensors carry
 only plan metadata and the gloo headers.
+
+With the recipe's `trainer.trace: true` each rank records host-side spans (`runtime/trace.py`), named by what they
+are and grouped by category for the timeline: `busy` (encoder.forward / encoder.backward per sample,
+decoder.forward / decoder.backward per microbatch), `wait` (wait.embedding, wait.gradient, wait.grad_norm) and
+`optimizer`. On a device they show when the host issued the work and where it blocked, not the kernels' own time.
 """
 from __future__ import annotations
 
@@ -40,6 +45,8 @@ import torch.distributed as dist
 from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext
 from mindspeed_flow.hosts.mindspeed_mm.data import FlowSample, FlowStep, collate_rows
 from mindspeed_flow.hosts.mindspeed_mm.transport import KIND_EMBEDDING, KIND_GRAD, Item, PlannedTransport
+from mindspeed_flow.runtime import trace
+from mindspeed_flow.runtime.trace import span
 
 LOSS_TOKEN, LOSS_MICROBATCH, LOSS_SAMPLE = "token", "microbatch", "sample"
 
@@ -133,6 +140,8 @@ class EncoderStep:
         ctx.doing("reading the next global batch")
         step: FlowStep = next(data_iterator)
         timer = ctx.timer = PartTimer()
+        ctx.step_started_at = time.time()
+        trace.set_step(step.step + 1)  # Megatron's iteration number, as in metrics.jsonl
         leader = ctx.replica_leader()
         is_leader = ctx.rank == leader
         if is_leader and self.transport is None:
@@ -151,7 +160,7 @@ class EncoderStep:
             sample = step.samples[sid]
             pixels = sample.pixel_values.to(device=ctx.device, dtype=self.dtype)
             grid = sample.image_grid_thw.to(device=ctx.device)
-            with torch.set_grad_enabled(trainable):
+            with torch.set_grad_enabled(trainable), span("encoder.forward", "busy"):
                 out = model[0](input_ids=None, pixel_values=pixels, image_grid_thw=grid)
             if is_leader:
                 self.transport.send(KIND_EMBEDDING, step.work.consumer_of[sid], step.step, sid, out)
@@ -164,7 +173,8 @@ class EncoderStep:
                       f"{ctx.describe(consumer)}")
             if is_leader:
                 since = time.perf_counter()
-                grad = self.transport.receive(KIND_GRAD, consumer, step.step, sid)
+                with span("wait.gradient", "wait"):
+                    grad = self.transport.receive(KIND_GRAD, consumer, step.step, sid)
                 timer.waited(since)
             else:
                 grad = torch.empty((out.numel() // out.shape[-1], out.shape[-1]), dtype=torch.bfloat16,
@@ -172,7 +182,7 @@ class EncoderStep:
             grad = _tp_broadcast(grad.contiguous())
             # Megatron's schedules run every microbatch but the last under no_sync: with --overlap-grad-reduce a
             # parameter's gradient may be registered ready only once per step.
-            with (no_sync() if i < len(kept) - 1 else contextlib.nullcontext()):
+            with (no_sync() if i < len(kept) - 1 else contextlib.nullcontext()), span("encoder.backward", "busy"):
                 torch.autograd.backward(out, grad.reshape(out.shape).to(out.dtype))
         if self.transport is not None:
             ctx.counters["embedding_bytes_sent"] = float(self.transport.bytes_sent[KIND_EMBEDDING])
@@ -244,6 +254,7 @@ class DecoderStep:
         self.loader_batches = loader_batches
         self.timer: Optional[PartTimer] = None
         self.num_microbatches = 1
+        self.last_embedding_at = 0.0  # perf_counter() when this step's latest embedding was taken
 
     def __call__(self, *, forward_step_func: Any, data_iterator: Any, model: list, num_microbatches: int,
                  **kwargs: Any) -> list[dict]:
@@ -252,6 +263,8 @@ class DecoderStep:
         ctx = self.ctx
         ctx.doing("reading the next global batch")
         step: FlowStep = next(data_iterator)
+        ctx.step_started_at = time.time()
+        trace.set_step(step.step + 1)
         dp_rank = ps.get_data_parallel_rank()
         microbatches = step.microbatches(dp_rank)
         if ctx.rank in ctx.consumers():
@@ -264,15 +277,31 @@ class DecoderStep:
             self.transport.post_receives(KIND_EMBEDDING, items, self.embed_dim)
         self.timer = ctx.timer = PartTimer()
         self.num_microbatches = len(microbatches)
-        sent_before = self.transport.bytes_sent[KIND_GRAD] if self.transport is not None else 0
-        # finalize (inside Megatron's schedule, after the last backward) reads this step's gradient bytes.
-        ctx.step_grad_bytes = lambda: (self.transport.bytes_sent[KIND_GRAD] - sent_before
-                                       if self.transport is not None else 0)
+        ctx.step_transfer = self._transfer_stats(self.timer)
         batches = iter([(step, ids) for ids in microbatches])
         losses = self.megatron_fbf(forward_step_func=forward_step_func, data_iterator=batches, model=model,
                                    num_microbatches=len(microbatches), **kwargs)
         ctx.counters.update(step.counts)
         return losses
+
+    def _transfer_stats(self, timer: PartTimer) -> Callable[[], dict[str, float]]:
+        """What finalize (inside Megatron's schedule, after the last backward) adds to the step's stats for this
+        rank: gradient bytes sent, embedding bytes taken, the seconds it was blocked on embeddings (exposed) and
+        the seconds from posting the step's receives to taking its last embedding (the streaming window: the
+        part of it not blocked was hidden behind this rank's compute). Zero on ranks that receive nothing."""
+        transport = self.transport
+        if transport is None:
+            return dict
+        sent, received = transport.bytes_sent[KIND_GRAD], transport.bytes_received[KIND_EMBEDDING]
+        self.last_embedding_at = timer.start
+
+        def stats() -> dict[str, float]:
+            return {"grad_bytes_sent": float(transport.bytes_sent[KIND_GRAD] - sent),
+                    "embedding_bytes": float(transport.bytes_received[KIND_EMBEDDING] - received),
+                    "transfer_exposed_s": timer.wait,
+                    "transfer_window_s": max(self.last_embedding_at - timer.start, 0.0)}
+
+        return stats
 
     def embeddings(self, step: FlowStep, sample_ids: list[int]) -> Optional[torch.Tensor]:
         """This microbatch's image embeddings in row order, as a leaf whose gradient flows back to the producers."""
@@ -285,12 +314,14 @@ class DecoderStep:
         if self.transport is not None:
             since = time.perf_counter()
             parts = []
-            for sid, p in zip(with_images, producers):
-                ctx.doing(f"iteration {step.step + 1}: waiting for the embedding of sample {sid} from "
-                          f"{ctx.describe(p)}")
-                parts.append(self.transport.receive(KIND_EMBEDDING, p, step.step, sid))
+            with span("wait.embedding", "wait"):
+                for sid, p in zip(with_images, producers):
+                    ctx.doing(f"iteration {step.step + 1}: waiting for the embedding of sample {sid} from "
+                              f"{ctx.describe(p)}")
+                    parts.append(self.transport.receive(KIND_EMBEDDING, p, step.step, sid))
             if self.timer is not None:
                 self.timer.waited(since)
+            self.last_embedding_at = time.perf_counter()
             embeds = torch.cat(parts, dim=0).reshape(-1, 1, self.embed_dim).to(self.dtype)
         else:
             embeds = torch.empty((sum(sizes), 1, self.embed_dim), dtype=self.dtype, device=ctx.device)
@@ -320,8 +351,9 @@ class DecoderStep:
             samples = [step.samples[sid] for sid in sample_ids]
             batch = collate_rows(samples, pad_multiple=self.pad_multiple)
             if self.loss == LOSS_TOKEN:
-                return original(iter([batch]), model)
-            with per_token_losses():
+                with span("decoder.forward", "busy"):
+                    return original(iter([batch]), model)
+            with per_token_losses(), span("decoder.forward", "busy"):
                 output, original_loss = original(iter([batch]), model)
             weights = loss_weights(samples, self.loss, self.loader_batches)
             scale = float(self.num_microbatches * self.ctx.parts.part("backbone").dp)
@@ -391,8 +423,10 @@ def finalize_with_global_tokens(ctx: FlowContext, finalize: Callable[..., Any]) 
     """
     from megatron.core import parallel_state as ps
 
-    # Each part leader's busy/wait seconds, and the gradient bytes every decoder rank sent this step (summed).
-    keys = ("encoder_busy_s", "encoder_wait_s", "decoder_busy_s", "decoder_wait_s", "grad_bytes_sent")
+    # Each part leader's busy/wait seconds, then what every decoder rank moved this step, summed over them
+    # (`DecoderStep._transfer_stats`).
+    keys = ("encoder_busy_s", "encoder_wait_s", "decoder_busy_s", "decoder_wait_s", "grad_bytes_sent",
+            "embedding_bytes", "transfer_exposed_s", "transfer_window_s")
 
     def flow_finalize(model: list, num_tokens: Optional[torch.Tensor] = None) -> None:
         ctx.doing("gradient reduction over the part's data-parallel group")
@@ -410,7 +444,8 @@ def finalize_with_global_tokens(ctx: FlowContext, finalize: Callable[..., Any]) 
             for key in (keys[:2] if ctx.is_encoder else keys[2:4]):
                 own[keys.index(key)] = ctx.counters.get(key, 0.0)
         if not ctx.is_encoder:
-            own[keys.index("grad_bytes_sent")] = float(ctx.step_grad_bytes())
+            for key, value in ctx.step_transfer().items():
+                own[keys.index(key)] = float(value)
         stats = torch.tensor([0.0] + own, dtype=torch.float32).to(ctx.device)
         if num_tokens is not None and contributes:
             stats[0] = num_tokens.to(device=ctx.device, dtype=torch.float32)
@@ -457,8 +492,9 @@ def global_grad_norm(ctx: FlowContext, part_norm: float, norm_type: float) -> fl
     # float32 on the device: see flow_finalize (not float64), and HCCL groups take device tensors only.
     t = torch.tensor([value if ctx.is_part_leader else 0.0], dtype=torch.float32).to(ctx.device)
     ctx.doing("the global gradient norm over every trainable part")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=ctx.reduce_group)
-    total = float(t[0]) if inf else float(t[0]) ** (1.0 / norm_type)
+    with span("wait.grad_norm", "wait"):  # the host blocks here until every trainable part has its norm
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=ctx.reduce_group)
+        total = float(t[0]) if inf else float(t[0]) ** (1.0 / norm_type)
     ctx.doing("optimizer step")
     ctx.counters["grad_norm_part"] = float(part_norm)
     ctx.counters["grad_norm_global"] = total
