@@ -246,6 +246,9 @@ class FlowHost:
         ctx = self.ctx
         parts = ctx.parts
         if parts.run_dir is None:
+            if self.is_writer:
+                print("[mindspeed-flow] no metrics.jsonl: the job has no run folder (set run_dir in the flow recipe, "
+                      "or give the job --tensorboard-dir or --save)", flush=True)
             return
         run_dir = Path(parts.run_dir)
         if parts.trace:
