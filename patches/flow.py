@@ -57,7 +57,10 @@ REGISTRY: tuple[PatchTarget, ...] = (
                 "a coupled checkpoint loads into a decoupled run: each part takes, re-splits and renames its tensors",
                 ("load_dir", "args", "rank0")),
     PatchTarget("mindspeed_mm.training.training_log", "wrap",
-                "per-part busy/wait seconds after Megatron's iteration line", ("loss_dict", "total_loss_dict")),
+                "per-part busy/wait seconds after Megatron's iteration line; the iteration's metrics.jsonl line from "
+                "the values the log reads (loss, learning rate, gradient norm)",
+                ("loss_dict", "total_loss_dict", "learning_rate", "decoupled_learning_rate", "iteration", "loss_scale",
+                 "report_memory_flag", "skipped_iter", "grad_norm")),
     PatchTarget("mindspeed_mm.models.vision.vlm_attentionmask_for_llm.prepare_positionsids_mask_for_llm", "wrap",
                 "a packed (THD) decoder microbatch brings its per-sample position ids and needs no dense [s, s] mask "
                 "(VLMModel builds one for every forward)", ("config", "input_ids", "inference_params",
@@ -69,6 +72,9 @@ REGISTRY: tuple[PatchTarget, ...] = (
                 "wrap", "fix: Qwen2vlSelfAttention squeezes packed q/k to [t, heads, dim] before mrope, whose cos/sin "
                 "are [t, 1, 1, dim], so the product broadcasts to [t, t, heads, dim]; the rope runs on [t, 1, heads, "
                 "dim]", ("q", "k", "cos", "sin")),
+    PatchTarget("megatron.core.pipeline_parallel.schedules.backward_step", "wrap",
+                "the trace's decoder.backward span per microbatch (trainer.trace: true); the step is unchanged",
+                ("input_tensor", "output_tensor", "output_tensor_grad", "model_type", "config")),
 )
 
 def _module_of(target: str) -> str:
@@ -142,8 +148,10 @@ def pretrain_wrapper(pretrain: Callable) -> Callable:
         from mindspeed_flow.hosts.mindspeed_mm import host
 
         flow = host.FlowHost(ctx)
-        return pretrain(flow.dataset_provider(train_valid_test_dataset_provider), flow.model_provider(model_provider),
-                        model_type, flow.forward_step(forward_step_func), *args, **kwargs)
+        out = pretrain(flow.dataset_provider(train_valid_test_dataset_provider), flow.model_provider(model_provider),
+                       model_type, flow.forward_step(forward_step_func), *args, **kwargs)
+        flow.finish()
+        return out
 
     return wrapped
 
@@ -234,15 +242,36 @@ def load_base_checkpoint_wrapper(load: Callable) -> Callable:
 
 
 def training_log_wrapper(training_log: Callable) -> Callable:
+    names = ("loss_dict", "total_loss_dict", "learning_rate", "decoupled_learning_rate", "iteration", "loss_scale",
+             "report_memory_flag", "skipped_iter", "grad_norm")
+
     @functools.wraps(training_log)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        import time
+
+        entered_at = time.time()
         out = training_log(*args, **kwargs)
         ctx = flow_context.current()
         if ctx is not None:
             from mindspeed_flow.hosts.mindspeed_mm import host
 
-            host.active().log_iteration(args[4] if len(args) > 4 else kwargs.get("iteration"))
+            given = dict(zip(names, args), **kwargs)
+            host.active().log_iteration(given.get("iteration"), entered_at, loss_dict=given.get("loss_dict"),
+                                        lr=given.get("learning_rate"), grad_norm=given.get("grad_norm"))
         return out
+
+    return wrapped
+
+
+def backward_step_wrapper(backward_step: Callable) -> Callable:
+    @functools.wraps(backward_step)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if flow_context.current() is None:
+            return backward_step(*args, **kwargs)
+        from mindspeed_flow.runtime.trace import span
+
+        with span("decoder.backward", "busy"):  # costs one global lookup when tracing is off
+            return backward_step(*args, **kwargs)
 
     return wrapped
 
@@ -265,6 +294,7 @@ _WRAPPERS: dict[str, Callable] = {
     "mindspeed_mm.models.common.mm_gpt_model.MMGPTModel.forward": packed.decoder_forward_wrapper,
     "mindspeed_mm.models.vision.vision_encoders.qwen2vl_vit_model.apply_multimodal_rotary_pos_emb":
         packed.multimodal_rope_wrapper,
+    "megatron.core.pipeline_parallel.schedules.backward_step": backward_step_wrapper,
 }
 assert set(_WRAPPERS) == {t.target for t in REGISTRY}
 

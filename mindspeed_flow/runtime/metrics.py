@@ -55,6 +55,36 @@ def measure_cpu_peak_flops(seconds: float = 0.3, n: int = 512) -> float:
     return 2.0 * n**3 * reps / (time.perf_counter() - start)
 
 
+MFU_FORMULA = "MFU = model FLOPs per step (padding excluded) / step seconds / peak of all devices"
+
+
+def machine_peak_flops(device_name: str, host_cpu: bool, dtype: str, devices: int,
+                       group: Optional[dist.ProcessGroup] = None) -> tuple[float, str]:
+    """Peak FLOP/s of all devices together, and how it was obtained (printed beside every MFU).
+
+    Accelerators: devices x the per-SKU table (`planner/hardware.py`), named with the figure's source; a device the
+    table does not know gives nan (no MFU rather than a wrong one). Host CPU (`host_cpu`: a CPU run, or an
+    emulated NPU whose "device" is host memory): every rank of `group` times a matmul at the same moment (one
+    thread each) and the rates are summed, so ranks sharing cores share the peak (3 ranks on 2 cores sum to about
+    2 cores' worth) and MFU cannot exceed 1 because of oversubscription; then every rank of `group` must call this.
+    """
+    from mindspeed_flow.planner.hardware import SKUS, peak_flops, sku_of
+
+    if not host_cpu:
+        sku = sku_of(device_name)
+        per_device = peak_flops(device_name, dtype) if sku is not None else None
+        if per_device is None:
+            return float("nan"), f"{device_name}: no {dtype} peak in the SKU table (planner/hardware.py), no MFU"
+        return per_device * devices, (f"{devices} x {per_device / 1e12:.1f} TFLOPS ({device_name}, table: "
+                                      f"{SKUS[sku].source})")
+    dist.barrier(group=group)
+    # float32: MindSpeed's all_reduce wrapper reduces a float64 tensor on a dropped float32 copy (see the MM host)
+    rate = torch.tensor([measure_cpu_peak_flops()], dtype=torch.float32)
+    dist.all_reduce(rate, group=group)
+    total = float(rate)
+    return total, f"{total / 1e12:.4f} TFLOPS: {devices} ranks timing an fp32 matmul concurrently, summed"
+
+
 @dataclass
 class StepStatic:
     """What the writer knows about a step from the plan (no communication needed)."""
@@ -75,6 +105,46 @@ class StepStatic:
     bad_samples_total: int = 0  # samples skipped so far (missing/corrupt), identical on every rank
 
 
+def _step_of(line: str) -> float:
+    """The step of a metrics line; a torn line (the writer was killed while appending it) counts as redone."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+
+
+class MetricsFile:
+    """RUN_DIR/metrics.jsonl on the writer rank, and the sinks (TensorBoard) that get each line too.
+
+    A fresh run starts the file empty; a resumed run (`resume_step`) continues it without the lines of the steps it
+    is about to redo, so each step appears once. Used by the torch host's gatherer and by the MindSpeed-MM host."""
+
+    def __init__(self, run_dir: Path, append: bool = False, resume_step: Optional[int] = None) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.lines: list[dict[str, Any]] = []
+        self.sinks: list[Any] = []  # more writers of each line (TensorBoard): .write(line), .close()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not append:
+            self.path.write_text("")
+        elif resume_step is not None and self.path.exists():
+            kept = [x for x in self.path.read_text().splitlines(keepends=True)
+                    if (_step_of(x) if x.strip() else resume_step) < resume_step]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(kept))
+            tmp.replace(self.path)
+
+    def write(self, line: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        self.lines.append(line)
+        for sink in self.sinks:
+            sink.write(line)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
 class MetricsGatherer:
     """Async all_gather of StepRecords on its own group; the writer turns them into JSON lines."""
 
@@ -84,20 +154,17 @@ class MetricsGatherer:
         self.group, self.world_size, self.writer = group, world_size, writer
         self.devices, self.peak_flops, self.peak_desc = devices, peak_flops, peak_desc
         self.pending: list[tuple[StepStatic, list[torch.Tensor], Any]] = []
-        self.path = run_dir / "metrics.jsonl"
         self.last_end: Optional[float] = None
-        self.lines: list[dict[str, Any]] = []
-        self.sinks: list[Any] = []  # more writers of each line (TensorBoard): .write(line), .close()
-        if writer:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            if not append:  # a resumed run continues the same file
-                self.path.write_text("")
-            elif resume_step is not None and self.path.exists():  # ... without the steps it redoes
-                kept = [x for x in self.path.read_text().splitlines(keepends=True)
-                        if x.strip() and json.loads(x)["step"] < resume_step]
-                tmp = self.path.with_suffix(".jsonl.tmp")
-                tmp.write_text("".join(kept))
-                tmp.replace(self.path)
+        self.file = MetricsFile(run_dir, append, resume_step) if writer else None
+        self.path = run_dir / "metrics.jsonl"
+
+    @property
+    def lines(self) -> list[dict[str, Any]]:
+        return self.file.lines if self.file is not None else []
+
+    @property
+    def sinks(self) -> list[Any]:
+        return self.file.sinks if self.file is not None else []
 
     def post(self, static: StepStatic, record: StepRecord) -> None:
         out = [torch.empty_like(record.values) for _ in range(self.world_size)]
@@ -113,14 +180,10 @@ class MetricsGatherer:
                 break
             work.wait()
             self.pending.pop(0)
-            if self.writer:
+            if self.file is not None:
                 line = self._line(static, torch.stack(out))
-                with open(self.path, "a") as f:
-                    f.write(json.dumps(line) + "\n")
-                self.lines.append(line)
+                self.file.write(line)
                 written.append(line)
-                for sink in self.sinks:
-                    sink.write(line)
         return written
 
     def _line(self, s: StepStatic, table: torch.Tensor) -> dict[str, Any]:

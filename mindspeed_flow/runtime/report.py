@@ -1,9 +1,11 @@
 """`mindspeed-flow report RUN_DIR [--step N] [--out DIR]`: a run's curves and one step's timeline as PNG.
 
-    curves.png    loss, grad norm, samples/s, MFU, padding, step time, encoder and backbone busy/wait, pool
-                  occupancy per step (from RUN_DIR/metrics.jsonl)
+    curves.png    loss, grad norm, samples/s, MFU, padding, step time, encoder and backbone busy/wait, embedding
+                  transfer seconds exposed / hidden per step (from RUN_DIR/metrics.jsonl)
     timeline.png  one step of every rank: compute, waits and the pool calls of the encoder and backbone tracks
                   (from RUN_DIR/trace.json, written by a run with trainer.trace=true; default: the last step)
+
+RUN_DIR is a `mindspeed-flow train` run directory or a MindSpeed-MM flow job's (README: "What a flow job writes").
 
 Written to RUN_DIR/report/ unless --out says otherwise.
 """
@@ -27,9 +29,12 @@ PANELS: tuple[tuple[str, str, list[tuple[str, str]]], ...] = (
     ("Step time", "seconds", [("throughput/step_seconds", "step")]),
     ("Encoder ranks", "seconds per step", [("parts/encoder_busy_s", "busy"), ("parts/encoder_wait_s", "wait")]),
     ("Backbone ranks", "seconds per step", [("parts/backbone_busy_s", "busy"), ("parts/backbone_wait_s", "wait")]),
-    ("Embedding pool", "peak occupancy (MiB)", [("pool/occupancy_peak_mb", "peak occupancy")]),
+    # both hosts measure these (the pool's peak occupancy, torch host only, is in TensorBoard)
+    ("Embedding transfers", "seconds per step", [("pool/transfer_exposed_s", "exposed (decoder waited)"),
+                                                 ("pool/transfer_hidden_s", "hidden behind compute")]),
 )
-# timeline rows draw these events (others, e.g. the enclosing `step`, only set the step's extent)
+# timeline rows draw these events, by name, else by category (the MindSpeed-MM host names its spans by what they
+# are, e.g. `decoder.backward` in category `busy`); others, e.g. the enclosing `step`, only set the step's extent
 TIMELINE_STYLE: dict[str, dict[str, Any]] = {
     "busy": {"color": "tab:blue", "label": "compute"},
     "wait": {"color": "lightgray", "label": "wait"},
@@ -53,7 +58,8 @@ def _value(line: dict[str, Any], key: str) -> Optional[float]:
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file (RUN_DIR must be the run_dir of a `mindspeed-flow train` run)")
+        raise FileNotFoundError(f"{path}: no such file (RUN_DIR must be a `mindspeed-flow train` run_dir or a "
+                                "MindSpeed-MM flow job's run directory)")
     lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     if not lines:
         raise ValueError(f"{path} holds no step yet")
@@ -100,6 +106,10 @@ def step_events(trace: dict[str, Any], step: Optional[int]) -> tuple[int, list[d
     return chosen, [e for e in events if e["args"]["step"] == chosen], names
 
 
+def _style_key(event: dict[str, Any]) -> str:
+    return event["name"] if event["name"] in TIMELINE_STYLE else event.get("cat", "")
+
+
 def plot_timeline(trace_path: Path, out: Path, step: Optional[int]) -> Path:
     import matplotlib
 
@@ -114,7 +124,7 @@ def plot_timeline(trace_path: Path, out: Path, step: Optional[int]) -> Path:
     for y, (pid, tid) in enumerate(rows):
         mine = [e for e in events if (e["pid"], e["tid"]) == (pid, tid)]
         for name, style in TIMELINE_STYLE.items():
-            spans = [((e["ts"] - t0) / 1e3, e["dur"] / 1e3) for e in mine if e["name"] == name]
+            spans = [((e["ts"] - t0) / 1e3, e["dur"] / 1e3) for e in mine if _style_key(e) == name]
             # waits and compute fill the row; the pool calls (inside waits) and the optimizer sit on top, thinner
             height = 0.7 if name in ("busy", "wait") else 0.35
             if spans:
@@ -123,7 +133,7 @@ def plot_timeline(trace_path: Path, out: Path, step: Optional[int]) -> Path:
     ax.set_yticklabels([f"{names.get(pid, pid)} · rank {tid}" for pid, tid in rows])
     ax.invert_yaxis()
     ax.set_xlabel(f"milliseconds since step {chosen} started")
-    ax.set_title(f"Step {chosen}: encoder and backbone ranks (from {trace_path.name})")
+    ax.set_title(f"Step {chosen}: every rank of every part (from {trace_path.name})")
     ax.grid(axis="x", alpha=0.3)
     ax.legend(handles=[Patch(color=s["color"], label=s["label"]) for s in TIMELINE_STYLE.values()],
               loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(rows) < 4 else -0.1), ncol=len(TIMELINE_STYLE))

@@ -88,10 +88,25 @@ def traced(name: str) -> Callable[[F], F]:
     return wrap
 
 
-def merge(trace_dir: Path, out: Path) -> Path:
-    """One trace of every rank's file in `trace_dir` (the per-rank files stay)."""
+def merge(trace_dir: Path, out: Path, world_size: Optional[int] = None) -> Path:
+    """One trace of every rank's file in `trace_dir` (the per-rank files stay); with `world_size`, only the files
+    of ranks 0..world_size-1 (an earlier, larger run's files in the same folder are not this run's)."""
     events: list[dict[str, Any]] = []
     for path in sorted(trace_dir.glob("rank-*.json")):
-        events.extend(json.loads(path.read_text())["traceEvents"])
+        if world_size is None or int(path.stem.split("-")[1]) < world_size:
+            events.extend(json.loads(path.read_text())["traceEvents"])
     out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     return out
+
+
+def finish(run_dir: Path, group: Any, merger: bool, world_size: int) -> Optional[Path]:
+    """End of a run, on every rank of `group` (all ranks), traced or not: each rank saves its events, and once
+    every rank has (a barrier over `group`) the `merger` rank writes RUN_DIR/trace.json. Returns its path there."""
+    import torch.distributed as dist
+
+    if _TRACER is not None:
+        _TRACER.save()
+    dist.barrier(group=group)
+    if merger and _TRACER is not None:
+        return merge(run_dir / "trace", run_dir / "trace.json", world_size)
+    return None

@@ -30,7 +30,7 @@ from mindspeed_flow.resilience.rundir import new_run_id, read_run_id, write_run_
 from mindspeed_flow.resilience.watchdog import FAILURE_FILE, Watchdog
 from mindspeed_flow.runtime import build, trace
 from mindspeed_flow.runtime.engine import StepEngine
-from mindspeed_flow.runtime.metrics import MetricsGatherer, StepRecord, StepStatic, measure_cpu_peak_flops
+from mindspeed_flow.runtime.metrics import MFU_FORMULA, MetricsGatherer, StepRecord, StepStatic, machine_peak_flops
 from mindspeed_flow.runtime.plan import StepWork, plan_coupled_step, plan_decoupled_step
 from mindspeed_flow.runtime.tensorboard import open_sink
 from mindspeed_flow.specs import VLMSpec
@@ -62,23 +62,6 @@ def step_model_flops(spec: VLMSpec, shapes: list, trained: set[int], frozen_enco
         total += spec.llm.sample_flops(s.llm_tokens)
         total += sum(spec.vision.image_flops(p, trainable=not frozen_encoder) for p in s.vit_patches_per_image)
     return total
-
-
-def machine_peak_flops(acc: Accelerator, job: FlowJobConfig, world: int) -> tuple[float, str]:
-    """Peak FLOP/s of all devices together, and how it was obtained.
-
-    Accelerators: devices x the per-SKU table. CPU: every rank times a matmul at the same moment (one thread
-    each) and the rates are summed, so ranks sharing cores share the peak (3 ranks on 2 cores sum to about 2
-    cores' worth) and MFU cannot exceed 1 because of oversubscription.
-    """
-    if acc.device_type != "cpu":
-        per_device = acc.peak_flops("bf16" if job.model.dtype != "float32" else "fp32") or float("nan")
-        return per_device * world, f"{world} x {per_device / 1e12:.1f} TFLOPS ({acc.device_name}, table)"
-    dist.barrier()
-    rate = torch.tensor([measure_cpu_peak_flops()], dtype=torch.float64)
-    dist.all_reduce(rate)
-    total = float(rate)
-    return total, f"{total / 1e12:.4f} TFLOPS: {world} ranks timing an fp32 matmul concurrently, summed"
 
 
 def plan_for_step(job: FlowJobConfig, topo: Topology, step: int, shapes: list, cost_model: CostModel,
@@ -147,11 +130,12 @@ def run_worker(config_path: str) -> None:
     writer_rank = topo.backbone_rank(dp=0, pp=layout.part("backbone").pp - 1) if layout.mode == "decoupled" else 0
     is_writer = rank == writer_rank
     metrics_group = dist.new_group(backend="gloo")
-    peak_total, peak_desc = machine_peak_flops(acc, job, world)
+    # every rank together: on CPU the ranks time a matmul at the same moment
+    peak_total, peak_desc = machine_peak_flops(acc.device_name, acc.device_type == "cpu",
+                                               "bf16" if job.model.dtype != "float32" else "fp32", world)
     if is_writer:
         print(f"[mindspeed-flow] {layout.describe()} on {world} x {acc.device_name}; "
-              f"MFU = model FLOPs per step (padding excluded) / step seconds / peak of all devices "
-              f"({peak_desc})", flush=True)
+              f"{MFU_FORMULA} ({peak_desc})", flush=True)
         # What the installed torch lacks and how this run works around it (nothing on a current torch). The writer
         # is a backbone rank of the last stage, so it has met every adaptation the layout needs (FSDP, pipeline).
         compat = torch_compat.startup_line()
@@ -189,7 +173,8 @@ def run_worker(config_path: str) -> None:
     gatherer = MetricsGatherer(metrics_group, world, is_writer, Path(job.run_dir), 1, peak_total, peak_desc,
                                append=start_step > 0, resume_step=start_step)
     sink = open_sink(Path(job.run_dir) / "tensorboard", start_step) if is_writer and job.trainer.tensorboard else None
-    gatherer.sinks += [sink] if sink is not None else []
+    if sink is not None:
+        gatherer.sinks.append(sink)
     if job.trainer.trace:
         trace.install(trace.Tracer(rank, topo.part, Path(job.run_dir) / "trace"))
     progress = _progress(job, is_writer, start_step)
@@ -248,13 +233,9 @@ def run_worker(config_path: str) -> None:
     progress.close()
     if pool is not None:
         pool.close()
-    for sink in gatherer.sinks:
-        sink.close()
-    if trace.current() is not None:
-        trace.current().save()
-    dist.barrier(group=metrics_group)
-    if is_writer and trace.current() is not None:
-        trace.merge(Path(job.run_dir) / "trace", Path(job.run_dir) / "trace.json")
+    if gatherer.file is not None:
+        gatherer.file.close()
+    trace.finish(Path(job.run_dir), metrics_group, is_writer, world)
     watchdog.stop()
     torch_compat.destroy_process_groups()  # a plain destroy can deadlock on torch 2.7's gloo (see there)
     if stopped_on:

@@ -2,6 +2,7 @@
 (`mindspeed-flow emulate --shell`), one node of 3 ranks (encoder 1 + decoder DP 2), the tiny Qwen2.5-VL."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -36,3 +37,7 @@ def test_a2_script_trains_a_flow_job(mm_sources, tiny_assets, tmp_path: Path) ->
     assert iterations[:3] == [1, 2, 3] and losses[2] < losses[0], (iterations, losses)
     assert "[flow] iteration 3 |" in output  # trained decoupled, not as the plain job
     assert (tmp_path / "save/latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    # the script's --tensorboard-dir is SAVE_PATH/tensorboard, so the flow job's RUN_DIR is SAVE_PATH
+    metrics = (tmp_path / "save/metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in metrics] == [1, 2, 3]
+    assert list((tmp_path / "save/tensorboard/flow").glob("events.out.tfevents.*"))

@@ -7,6 +7,7 @@ iteration 4 (ranks never run more than one iteration apart: the global gradient 
 """
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -141,6 +142,13 @@ def test_killed_rank_ends_the_job_and_the_same_command_resumes_exactly(layout, t
     print(f"{layout}: resumed {again.losses}\n{layout}: uninterrupted {want}\n{layout}: max rel {max(rel):.2e}; "
           f"job ended {ended_after:.1f} s after the kill")
     assert max(rel) <= 1e-4, (rel, again.losses, want)
+    # metrics.jsonl (RUN_DIR: the folder holding --save): the killed run moved the uninterrupted run's file aside,
+    # and its restart continued the file without the iterations it redid: each iteration once, the resumed losses.
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [ln["step"] for ln in lines] == list(range(1, ITERS + 1)), [ln["step"] for ln in lines]
+    assert [ln["loss"] for ln in lines[SAVE_EVERY:]] == pytest.approx(again.losses, rel=1e-5)
+    (earlier,) = (tmp_path / "replaced").glob("*/metrics.jsonl")
+    assert [json.loads(x)["loss"] for x in earlier.read_text().splitlines()] == pytest.approx(whole.losses, rel=1e-5)
 
 
 def test_hung_rank_is_reported_with_its_part_and_what_was_awaited(tiny_assets, user_data, tmp_path) -> None:

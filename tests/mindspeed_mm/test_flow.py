@@ -6,9 +6,15 @@ every iteration (first within 5e-3, all within 2e-2 relative) and fall, with pac
 default under --use-flash-attn) and with padded rows. The per-token loss is what packing
 preserves: it is sum(token losses) / tokens over the global batch whichever microbatch a sample lands in. Without
 it MindSpeed-MM averages each microbatch's mean, so regrouping samples changes the loss definition itself.
+
+The cheapest layout also runs with `--tensorboard-dir` and the recipe's `trainer.trace: true` and checks what the
+job writes for its users (`check_run_outputs`): metrics.jsonl, `flow/` TensorBoard scalars, trace.json, and
+`mindspeed-flow report`'s two PNGs.
 """
 from __future__ import annotations
 
+import json
+import math
 import re
 import subprocess
 import sys
@@ -37,6 +43,12 @@ LAYOUTS = {
 }
 PADDING = re.compile(r"\| padding ([\d.]+)%")
 MC2_OPS = {"torch_npu.npu_all_gather_base_mm", "torch_npu.npu_mm_reduce_scatter_base"}
+# The layout whose run also writes TensorBoard scalars and a trace (checked by check_run_outputs).
+OBSERVED = "a_enc1_dec_dp2_rows"
+NUMBERS = ("loss", "samples", "real_tokens", "padded_tokens", "padding_fraction", "microbatches", "global_tokens",
+           "step_seconds", "encoder_busy_s", "encoder_wait_s", "backbone_busy_s", "backbone_wait_s",
+           "transfer_exposed_s", "transfer_hidden_s", "embedding_bytes", "gradient_bytes", "grad_norm",
+           "grad_norm_backbone", "grad_norm_encoder", "mfu", "model_tflops", "lr")
 
 
 def _job(model_json: Path, data_json: Path, iters: int, **kw) -> TinyJob:
@@ -78,10 +90,17 @@ def assert_parity(flow: list[float], coupled: list[float]) -> None:
 def test_flow_job_matches_unpatched_job(layout, tiny_assets, coupled_checkpoint, coupled_losses, run_job,
                                         tmp_path) -> None:
     enc, dec, flags, decoder_layout = LAYOUTS[layout]
-    recipe = write_recipe(tmp_path / f"{layout}.yaml", enc, dec, layout=decoder_layout)
+    observed = layout == OBSERVED
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / f"{layout}.yaml", enc, dec, layout=decoder_layout,
+                          **({"trainer": "{trace: true}"} if observed else {}))
     job = _finetune(tiny_assets["model_json"], tiny_assets["data_json"], coupled_checkpoint)
+    if observed:
+        flags = flags + ["--tensorboard-dir", str(run_dir / "tensorboard")]  # RUN_DIR: the folder holding it
     result = run_job(layout, job.argv() + flags, nproc=nranks(enc, dec), flow_recipe=recipe)
     result.assert_trained(ITERS)
+    if observed:
+        check_run_outputs(run_dir, result.losses, nranks(enc, dec))
     check_part_groups(result.output, enc, dec)
     if "--use-ascend-mc2" in flags:
         # MC2 runs in the decoder part (TP 2) only; the encoder part (TP 1) keeps Megatron's plain linears.
@@ -102,6 +121,53 @@ def test_flow_job_matches_unpatched_job(layout, tiny_assets, coupled_checkpoint,
         assert max(padding) < 1.0, padding
     assert_parity(result.losses, coupled_losses)
     print(f"{layout}: flow {result.losses}\n{layout}: coupled {coupled_losses}\n{layout}: padding % {padding}")
+
+
+def check_run_outputs(run_dir: Path, losses: list[float], world: int) -> None:
+    """metrics.jsonl, the flow/ TensorBoard scalars, trace.json and `mindspeed-flow report` of a flow run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [ln["step"] for ln in lines] == list(range(1, ITERS + 1)), lines
+    for ln in lines:
+        bad = [k for k in NUMBERS if not (isinstance(ln[k], (int, float)) and math.isfinite(ln[k]))]
+        assert not bad, (bad, ln)
+        assert 0 <= ln["padding_fraction"] < 1 and ln["real_tokens"] <= ln["padded_tokens"], ln
+        assert ln["padding_fraction"] == 1 - ln["real_tokens"] / ln["padded_tokens"], ln
+        assert min(ln[k] for k in NUMBERS if k != "loss") >= 0 and ln["mfu"] > 0 and ln["samples"] == 4, ln
+        # the global norm is the 2-norm over the two parts; each embedding's gradient has the embedding's bytes
+        assert ln["grad_norm"] ** 2 == pytest.approx(ln["grad_norm_encoder"] ** 2 + ln["grad_norm_backbone"] ** 2)
+        assert ln["gradient_bytes"] == ln["embedding_bytes"] > 0, ln
+        # the decoder leader receives embeddings: its blocked seconds are part of the exposed transfer seconds
+        assert ln["transfer_exposed_s"] >= ln["backbone_wait_s"] - 1e-6, ln
+    for ln in lines[1:]:  # each part leader's busy + wait lies inside the iteration (see hosts/mindspeed_mm/metrics)
+        for part in ("encoder", "backbone"):
+            assert ln[f"{part}_busy_s"] + ln[f"{part}_wait_s"] <= ln["step_seconds"] + 1e-3, (part, ln)
+    assert [ln["loss"] for ln in lines] == pytest.approx(losses, rel=1e-5)  # Megatron's log prints 6 digits
+
+    acc = EventAccumulator(str(run_dir / "tensorboard" / "flow"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"flow/train/loss", "flow/train/grad_norm_encoder", "flow/throughput/mfu", "flow/parts/encoder_busy_s",
+            "flow/pool/transfer_exposed_s", "flow/transfer/embedding_mb"} <= tags, tags
+    points = acc.Scalars("flow/train/loss")
+    assert [e.step for e in points] == [ln["step"] for ln in lines]
+    assert [e.value for e in points] == pytest.approx([ln["loss"] for ln in lines], rel=1e-6)
+
+    events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    parts = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["tid"] for e in spans} == set(range(world))
+    names = {p: {e["name"] for e in spans if parts[e["pid"]] == p} for p in ("encoder", "backbone")}
+    assert {"encoder.forward", "encoder.backward", "wait.gradient", "optimizer"} <= names["encoder"], names
+    assert {"decoder.forward", "decoder.backward", "wait.embedding", "optimizer"} <= names["backbone"], names
+    assert {e["args"]["step"] for e in spans} == set(range(1, ITERS + 1))
+
+    out = run_dir / "png"
+    done = subprocess.run([sys.executable, "-m", "mindspeed_flow.cli", "report", str(run_dir), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert all((out / name).stat().st_size > 10_000 for name in ("curves.png", "timeline.png"))
 
 
 def _emulate_check(recipe: Path, argv: list[str], nproc: int) -> subprocess.CompletedProcess:

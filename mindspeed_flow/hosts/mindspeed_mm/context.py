@@ -19,6 +19,8 @@ Flow groups built beside them (collectively, on every rank):
   replica and of each decoder first-stage replica), on the job's backend once per direction (device backends run
   one communicator's point-to-point operations in order: see `transport`), and on gloo for the headers that check
   each payload against the plan (`transport.PlannedTransport`).
+- `metrics_group`: every rank on gloo, used once at the start (timing the host CPU's peak under emulation, for MFU)
+  and once at the end (the trace's merge waits for every rank's file); never during a step.
 """
 from __future__ import annotations
 
@@ -57,7 +59,10 @@ class FlowContext:
     timer: Any = None  # the running step's PartTimer (busy/wait seconds)
     counters: dict[str, float] = field(default_factory=dict)
     pending_stats: Any = None  # the last step's device-side token count and part timings, read at log time
-    step_grad_bytes: Callable[[], int] = lambda: 0  # gradient bytes this rank sent in the running step
+    # this decoder rank's transfers in the running step (bytes, seconds), read by finalize into the step's stats
+    step_transfer: Callable[[], dict[str, float]] = dict
+    metrics_group: Any = None  # gloo over every rank: the CPU peak measurement and the end-of-run trace merge
+    step_started_at: float = 0.0  # time.time() when this rank's running step began
     watchdog: Any = None  # the hang watchdog's heartbeat thread (started once the world's store exists)
 
     @staticmethod
@@ -193,6 +198,7 @@ class FlowContext:
         self.embedding_group = dist.new_group(bridge)
         self.gradient_group = dist.new_group(bridge)
         self.header_group = dist.new_group(bridge, backend="gloo")
+        self.metrics_group = dist.new_group(backend="gloo")
 
     def check_groups(self) -> dict[str, list[int]]:
         """The global ranks of this rank's Megatron groups (for tests and the start-up report)."""

@@ -185,7 +185,8 @@ class FlowStepSource:
     def __init__(self, loaders: list[Any], *, global_batch_size: int, micro_batch_size: int, bridge: Bridge,
                  token_budget: int, cost_model: CostModel, scheduler: str, min_microbatches: int,
                  oversize_policy: str, vision_start_id: int, image_token_id: int, merge_size: int,
-                 first_step: int = 0, layout: str = LAYOUT_ROWS, pad_multiple: int = 1) -> None:
+                 first_step: int = 0, layout: str = LAYOUT_ROWS, pad_multiple: int = 1,
+                 encoder_flops_scale: float = 1.0) -> None:
         if global_batch_size % (micro_batch_size * len(loaders)):
             raise FlowDataError(f"--global-batch-size {global_batch_size} is not a multiple of --micro-batch-size "
                                 f"{micro_batch_size} x {len(loaders)} decoder DP replicas")
@@ -203,6 +204,8 @@ class FlowStepSource:
         self.merge_size = merge_size
         self.layout = layout
         self.pad_multiple = pad_multiple
+        # The cost model's encoder FLOPs are forward + backward; a frozen ViT runs forward only (x 1/3), for MFU.
+        self.encoder_flops_scale = encoder_flops_scale
         # The iteration this step is (after a resume: the checkpoint's), so step numbers on the wire and in
         # messages match an uninterrupted run.
         self.step = first_step
@@ -227,7 +230,13 @@ class FlowStepSource:
         padded = sum(microbatch_tokens([int(samples[i].input_ids.numel()) for i in mb.sample_ids], self.layout,
                                        self.pad_multiple)
                      for row in plan.microbatches for mb in row)
+        # Model FLOPs actually trained this step (padding excluded, oversize samples skipped), for the metrics' MFU.
+        skipped = {sid for sid, _ in plan.oversize}
+        trained = [sh for sh in shapes if sh.sample_id not in skipped]
+        flops = sum(self.cost_model.sample_cost(sh.llm_tokens)
+                    + self.encoder_flops_scale * self.cost_model.encoder_cost(sh) for sh in trained)
         step.counts = {"real_tokens": float(plan.real_tokens), "padded_tokens": float(padded),
-                       "microbatches_per_rank": float(plan.num_slots)}
+                       "microbatches_per_rank": float(plan.num_slots), "samples": float(len(trained)),
+                       "microbatches": float(sum(len(row) for row in plan.microbatches)), "model_flops": float(flops)}
         self.step += 1
         return step

@@ -10,20 +10,27 @@
 - `forward_step`: the job's forward step, fed a collated decoder microbatch with its image embeddings.
 - `forward_backward_func`: `schedule.EncoderStep` on encoder ranks, `schedule.DecoderStep` around Megatron's
   schedule on decoder ranks.
+- what the job writes for its users (`metrics`): metrics.jsonl and `flow/` TensorBoard scalars from the log line's
+  values (`log_iteration`), the trace (`finish`).
 """
 from __future__ import annotations
 
 import contextlib
+import time
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext
 from mindspeed_flow.hosts.mindspeed_mm.data import LAYOUT_PACKED, LAYOUT_ROWS, FlowStepSource, ReplicaView
+from mindspeed_flow.hosts.mindspeed_mm.metrics import FlowMetrics, loss_value
 from mindspeed_flow.hosts.mindspeed_mm.schedule import (DecoderStep, EncoderStep, finalize_with_global_tokens,
                                                         loss_mode, read_pending_stats)
 from mindspeed_flow.hosts.mindspeed_mm.transport import PlannedTransport
 from mindspeed_flow.packing import CostModel
+from mindspeed_flow.runtime import trace
+from mindspeed_flow.runtime.metrics import machine_peak_flops
 from mindspeed_flow.topology import Bridge
 
 _ACTIVE: Optional["FlowHost"] = None
@@ -64,6 +71,17 @@ def sequence_pad_multiple(ctx: FlowContext, args: Any) -> int:
     """Sequence parallelism splits each microbatch's sequence over the TP ranks: lengths pad to a multiple of TP."""
     tp = ctx.layout.tp
     return tp if tp > 1 and getattr(args, "sequence_parallel", False) else 1
+
+
+def _device_name(device: torch.device) -> tuple[str, bool]:
+    """(the device's name for the SKU table, whether it is host CPU: a CPU run or the emulated NPU)."""
+    if device.type == "cpu":
+        return "cpu", True
+    module = getattr(torch, device.type)
+    name = str(module.get_device_name(device))
+    from mindspeed_flow.emulation.device import DEVICE_NAME
+
+    return name, name == DEVICE_NAME
 
 
 @contextlib.contextmanager
@@ -117,7 +135,14 @@ class FlowHost:
         global _ACTIVE
         self.ctx = ctx
         self._step: Any = None
+        self.metrics: Optional[FlowMetrics] = None  # on the writer rank, when the job has a run folder
+        self.fbf_done_at = 0.0  # time.time() when this rank's forward-backward of the running step returned
         _ACTIVE = self
+
+    @property
+    def is_writer(self) -> bool:
+        """The global last rank: a decoder last-stage rank, where Megatron prints its iteration line."""
+        return self.ctx.rank == self.ctx.parts.world_size - 1
 
     # ------------------------------------------------------------------------------ providers
 
@@ -175,7 +200,9 @@ class FlowHost:
                 vision_start_id=int(model_cfg.vision_start_token_id),
                 image_token_id=int(model_cfg.img_context_token_id),
                 merge_size=int(_cfg(model_cfg.image_encoder.vision_encoder, "spatial_merge_size", 2)),
-                first_step=first_step, layout=decoder_layout(ctx, args), pad_multiple=sequence_pad_multiple(ctx, args))
+                first_step=first_step, layout=decoder_layout(ctx, args), pad_multiple=sequence_pad_multiple(ctx, args),
+                # MindSpeed-MM freezes the ViT unless model.json says otherwise: then it runs forward only
+                encoder_flops_scale=1.0 / 3.0 if _cfg(model_cfg.image_encoder.vision_encoder, "freeze", True) else 1.0)
             return source, None, None
 
         flow_dataset_provider.is_distributed = True  # every rank builds it (MindSpeed-MM sets the same)
@@ -213,6 +240,7 @@ class FlowHost:
             # Megatron's initialisation before the first step.
             device = torch.zeros(1).cuda().device
             self.ctx.device = device
+            self._start_outputs(args)
             factory = self._transport_factory(device)
             # The projector maps the ViT into the LLM's hidden size: that is the embedding width on the wire.
             hidden = int(args.mm.model.text_decoder.hidden_size)
@@ -235,18 +263,62 @@ class FlowHost:
                 config.finalize_model_grads_func = finalize_with_global_tokens(self.ctx,
                                                                                config.finalize_model_grads_func)
                 config._flow_finalize = True
-            return step(*args, **kwargs)
+            out = step(*args, **kwargs)
+            self.fbf_done_at = time.time()
+            return out
 
         return run
 
-    def log_iteration(self, iteration: Any) -> None:
-        """Per-part busy/wait seconds after Megatron's iteration line, on the rank that prints it."""
-        import torch.distributed as dist
+    # ------------------------------------------------------------------------------ what users look at
 
-        if dist.get_rank() != dist.get_world_size() - 1:
+    def _start_outputs(self, args: Any) -> None:
+        """On every rank at its first step: the tracer, and (for MFU) the peak of all devices, then the writer's
+        metrics. On a host CPU (the emulated NPU) every rank times a matmul at once, so this waits for every rank
+        once, before the first step; on a device the peak is the SKU table's."""
+        ctx = self.ctx
+        parts = ctx.parts
+        if parts.run_dir is None:
+            if self.is_writer:
+                print("[mindspeed-flow] no metrics.jsonl: the job has no run folder (set run_dir in the flow recipe, "
+                      "or give the job --tensorboard-dir or --save)", flush=True)
+            return
+        run_dir = Path(parts.run_dir)
+        if parts.trace:
+            trace.install(trace.Tracer(ctx.rank, "encoder" if ctx.is_encoder else "backbone", run_dir / "trace"))
+        name, host_cpu = _device_name(ctx.device)
+        dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(args.params_dtype, "fp32")
+        peak, desc = machine_peak_flops(name, host_cpu, dtype, parts.world_size, group=ctx.metrics_group)
+        if self.is_writer:
+            self.metrics = FlowMetrics(run_dir, getattr(args, "tensorboard_dir", None), peak, desc,
+                                       parts.encoder_trainable)
+
+    def finish(self) -> None:
+        """After MindSpeed-MM's pretrain returns, on every rank: close the metrics; merge the trace."""
+        if self.metrics is not None:
+            self.metrics.close()
+        parts = self.ctx.parts
+        if parts.trace and parts.run_dir is not None:
+            path = trace.finish(Path(parts.run_dir), self.ctx.metrics_group, self.is_writer, parts.world_size)
+            if path is not None:
+                print(f"[mindspeed-flow] trace: {path} (open it in Perfetto; `mindspeed-flow report "
+                      f"{parts.run_dir}` draws a step)", flush=True)
+
+    def log_iteration(self, iteration: Any, entered_at: float, loss_dict: Any = None, lr: Optional[float] = None,
+                      grad_norm: Optional[float] = None) -> None:
+        """After Megatron's iteration line: on every rank the trace's optimizer span (from the forward-backward's
+        return to Megatron's log: the optimizer step and the LR update); on the rank that prints the line, the
+        per-part busy/wait seconds, and the iteration's metrics line."""
+        tracer = trace.current()
+        if tracer is not None and self.fbf_done_at:
+            tracer.complete("optimizer", self.fbf_done_at, entered_at, "optimizer")
+        if not self.is_writer:
             return
         read_pending_stats(self.ctx)
         c = self.ctx.counters
+        if self.metrics is not None:
+            self.metrics.write(int(iteration), c, loss=loss_value(loss_dict), lr=lr,
+                               grad_norm=None if grad_norm is None else float(grad_norm), logged_at=entered_at,
+                               step_started_at=self.ctx.step_started_at)
         parts = []
         if self.ctx.parts.encoder_trainable:
             parts.append(f"encoder busy {c.get('encoder_busy_s', 0.0):.3f} s wait {c.get('encoder_wait_s', 0.0):.3f} s")

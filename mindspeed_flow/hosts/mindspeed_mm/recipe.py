@@ -19,7 +19,7 @@ and prints the usual iteration line. Inside a part the order is Megatron's tp-cp
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -109,6 +109,10 @@ class FlowParts:
     # Decoder microbatch groups an encoder replica holds at once (flow.encoder_inflight, 0 resolved): see
     # `encoder_inflight`.
     encoder_inflight: int = 2
+    # What the job writes for its users (hosts/mindspeed_mm/metrics.py): the recipe's `run_dir` when it sets one
+    # (absolute), and `trainer.trace` (per-rank spans merged into RUN_DIR/trace.json).
+    run_dir: Optional[str] = None
+    trace: bool = False
 
     @property
     def world_size(self) -> int:
@@ -438,7 +442,28 @@ def parts_for_job(recipe_path: str | Path, argv: list[str], world_size: int,
     if "--hetero-parallel" in argv or "--dist-train" in argv:
         raise FlowRecipeError("--hetero-parallel / --dist-train: these are MindSpeed's own encoder/LLM splits; "
                               "a flow job replaces them, drop the flag")
-    stated = OmegaConf.select(OmegaConf.load(str(recipe_path)), "trainer.global_batch_size")
-    return build_parts(job, world_size=world_size, model=model, global_batch_size=gbs, micro_batch_size=mbs,
-                       recipe_name=Path(recipe_path).name,
-                       recipe_global_batch_size=None if stated is None else int(stated))
+    raw = OmegaConf.load(str(recipe_path))
+    stated = OmegaConf.select(raw, "trainer.global_batch_size")
+    parts = build_parts(job, world_size=world_size, model=model, global_batch_size=gbs, micro_batch_size=mbs,
+                        recipe_name=Path(recipe_path).name,
+                        recipe_global_batch_size=None if stated is None else int(stated))
+    run_dir = flow_run_dir(OmegaConf.select(raw, "run_dir"), argv)
+    if job.trainer.trace and run_dir is None:
+        raise FlowRecipeError(f"{Path(recipe_path).name}: trainer.trace=true: the trace goes to RUN_DIR/trace.json but "
+                              "the job has no run directory; set run_dir in the recipe, or give the job "
+                              "--tensorboard-dir or --save")
+    return replace(parts, run_dir=run_dir, trace=bool(job.trainer.trace))
+
+
+def flow_run_dir(stated: Optional[str], argv: list[str]) -> Optional[str]:
+    """Where a flow job writes metrics.jsonl and trace.json (absolute; relative paths from the launch folder, as
+    Megatron reads its own): the recipe's `run_dir` when it states one (the schema's default is the torch
+    host's), else the folder holding `--tensorboard-dir`, else the folder holding `--save`; None: no run folder,
+    nothing written."""
+    if stated:
+        return str(Path(stated).resolve())
+    for flag in ("--tensorboard-dir", "--save"):
+        value = argv_value(argv, flag)
+        if value:
+            return str(Path(value).resolve().parent)
+    return None

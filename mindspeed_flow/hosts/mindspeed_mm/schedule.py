@@ -30,6 +30,11 @@ hand each part its own forward-backward function:
 
 Every tensor that meets a device collective or the model lives on the device (`ctx.device`); host tensors carry
 only plan metadata and the gloo headers.
+
+With the recipe's `trainer.trace: true` each rank records host-side spans (`runtime/trace.py`), named by what they
+are and grouped by category for the timeline: `busy` (encoder.forward / encoder.backward per sample,
+decoder.forward / decoder.backward per microbatch), `wait` (wait.embedding, wait.gradient, wait.grad_norm) and
+`optimizer`. On a device they show when the host issued the work and where it blocked, not the kernels' own time.
 """
 from __future__ import annotations
 
@@ -48,6 +53,8 @@ from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext
 from mindspeed_flow.hosts.mindspeed_mm.data import LAYOUT_PACKED, FlowSample, FlowStep, collate_rows
 from mindspeed_flow.hosts.mindspeed_mm.packed import pack_samples, packed_forward, rope_positions_fn
 from mindspeed_flow.hosts.mindspeed_mm.transport import KIND_EMBEDDING, KIND_GRAD, Item, PlannedTransport
+from mindspeed_flow.runtime import trace
+from mindspeed_flow.runtime.trace import span
 
 LOSS_TOKEN, LOSS_MICROBATCH, LOSS_SAMPLE = "token", "microbatch", "sample"
 
@@ -229,6 +236,8 @@ class EncoderStep:
         ctx.doing("reading the next global batch")
         step: FlowStep = next(data_iterator)
         timer = ctx.timer = PartTimer()
+        ctx.step_started_at = time.time()
+        trace.set_step(step.step + 1)  # Megatron's iteration number, as in metrics.jsonl
         leader = ctx.replica_leader()
         is_leader = ctx.rank == leader
         if is_leader and self.transport is None:
@@ -255,7 +264,7 @@ class EncoderStep:
                 self._retire(held.popleft(), len(groups), peak, is_leader, no_sync, timer)
             ctx.doing(f"iteration {step.step + 1}: encoding samples {group}")
             saved = SavedBytes()
-            with torch.set_grad_enabled(trainable), saved.counting():
+            with torch.set_grad_enabled(trainable), saved.counting(), span("encoder.forward", "busy"):
                 out = self.encode(model[0], step, group)
             if check:
                 self._check_grouped(model[0], step, group, out, is_leader)
@@ -299,10 +308,11 @@ class EncoderStep:
             return
         if is_leader:
             parts = []
-            for sid, consumer in zip(group, entry.consumers):
-                ctx.doing(f"iteration {step_no + 1}: waiting for the gradient of sample {sid} from "
-                          f"{ctx.describe(consumer)}")
-                parts.append(self.transport.receive(KIND_GRAD, consumer, step_no, sid))
+            with span("wait.gradient", "wait"):
+                for sid, consumer in zip(group, entry.consumers):
+                    ctx.doing(f"iteration {step_no + 1}: waiting for the gradient of sample {sid} from "
+                              f"{ctx.describe(consumer)}")
+                    parts.append(self.transport.receive(KIND_GRAD, consumer, step_no, sid))
             timer.waited(since)
             grad = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
         else:
@@ -311,7 +321,7 @@ class EncoderStep:
         grad = _tp_broadcast(grad.contiguous())
         # Megatron's schedules run every microbatch but the last under no_sync: with --overlap-grad-reduce a
         # parameter's gradient may be registered ready only once per step.
-        with (no_sync() if entry.index < n_groups - 1 else contextlib.nullcontext()):
+        with (no_sync() if entry.index < n_groups - 1 else contextlib.nullcontext()), span("encoder.backward", "busy"):
             torch.autograd.backward(out, grad.reshape(out.shape).to(out.dtype))
         peak.drop(entry.nbytes)
 
@@ -396,6 +406,7 @@ class DecoderStep:
         self._positions: Optional[Callable[..., torch.Tensor]] = None
         self.timer: Optional[PartTimer] = None
         self.num_microbatches = 1
+        self.last_embedding_at = 0.0  # perf_counter() when this step's latest embedding was taken
 
     def __call__(self, *, forward_step_func: Any, data_iterator: Any, model: list, num_microbatches: int,
                  **kwargs: Any) -> list[dict]:
@@ -404,6 +415,8 @@ class DecoderStep:
         ctx = self.ctx
         ctx.doing("reading the next global batch")
         step: FlowStep = next(data_iterator)
+        ctx.step_started_at = time.time()
+        trace.set_step(step.step + 1)
         dp_rank = ps.get_data_parallel_rank()
         microbatches = step.microbatches(dp_rank)
         if ctx.rank in ctx.consumers():
@@ -416,15 +429,31 @@ class DecoderStep:
             self.transport.post_receives(KIND_EMBEDDING, items, self.embed_dim)
         self.timer = ctx.timer = PartTimer()
         self.num_microbatches = len(microbatches)
-        sent_before = self.transport.bytes_sent[KIND_GRAD] if self.transport is not None else 0
-        # finalize (inside Megatron's schedule, after the last backward) reads this step's gradient bytes.
-        ctx.step_grad_bytes = lambda: (self.transport.bytes_sent[KIND_GRAD] - sent_before
-                                       if self.transport is not None else 0)
+        ctx.step_transfer = self._transfer_stats(self.timer)
         batches = iter([(step, ids) for ids in microbatches])
         losses = self.megatron_fbf(forward_step_func=forward_step_func, data_iterator=batches, model=model,
                                    num_microbatches=len(microbatches), **kwargs)
         ctx.counters.update(step.counts)
         return losses
+
+    def _transfer_stats(self, timer: PartTimer) -> Callable[[], dict[str, float]]:
+        """What finalize (inside Megatron's schedule, after the last backward) adds to the step's stats for this
+        rank: gradient bytes sent, embedding bytes taken, the seconds it was blocked on embeddings (exposed) and
+        the seconds from posting the step's receives to taking its last embedding (the streaming window: the
+        part of it not blocked was hidden behind this rank's compute). Zero on ranks that receive nothing."""
+        transport = self.transport
+        if transport is None:
+            return dict
+        sent, received = transport.bytes_sent[KIND_GRAD], transport.bytes_received[KIND_EMBEDDING]
+        self.last_embedding_at = timer.start
+
+        def stats() -> dict[str, float]:
+            return {"grad_bytes_sent": float(transport.bytes_sent[KIND_GRAD] - sent),
+                    "embedding_bytes": float(transport.bytes_received[KIND_EMBEDDING] - received),
+                    "transfer_exposed_s": timer.wait,
+                    "transfer_window_s": max(self.last_embedding_at - timer.start, 0.0)}
+
+        return stats
 
     def embeddings(self, step: FlowStep, sample_ids: list[int]) -> Optional[torch.Tensor]:
         """This microbatch's image embeddings in row order, as a leaf whose gradient flows back to the producers."""
@@ -437,12 +466,14 @@ class DecoderStep:
         if self.transport is not None:
             since = time.perf_counter()
             parts = []
-            for sid, p in zip(with_images, producers):
-                ctx.doing(f"iteration {step.step + 1}: waiting for the embedding of sample {sid} from "
-                          f"{ctx.describe(p)}")
-                parts.append(self.transport.receive(KIND_EMBEDDING, p, step.step, sid))
+            with span("wait.embedding", "wait"):
+                for sid, p in zip(with_images, producers):
+                    ctx.doing(f"iteration {step.step + 1}: waiting for the embedding of sample {sid} from "
+                              f"{ctx.describe(p)}")
+                    parts.append(self.transport.receive(KIND_EMBEDDING, p, step.step, sid))
             if self.timer is not None:
                 self.timer.waited(since)
+            self.last_embedding_at = time.perf_counter()
             embeds = torch.cat(parts, dim=0).reshape(-1, 1, self.embed_dim).to(self.dtype)
         else:
             embeds = torch.empty((sum(sizes), 1, self.embed_dim), dtype=self.dtype, device=ctx.device)
@@ -494,9 +525,9 @@ class DecoderStep:
             samples = [step.samples[sid] for sid in sample_ids]
             batch, token_weights, forward_context = self.collate(samples, vlm)
             if self.loss == LOSS_TOKEN:
-                with forward_context:
+                with forward_context, span("decoder.forward", "busy"):
                     return original(iter([batch]), model)
-            with per_token_losses(), forward_context:
+            with per_token_losses(), forward_context, span("decoder.forward", "busy"):
                 output, original_loss = original(iter([batch]), model)
             weights = token_weights(loss_weights(samples, self.loss, self.loader_batches)) if samples else None
             scale = float(self.num_microbatches * self.ctx.parts.part("backbone").dp)
@@ -567,11 +598,12 @@ def finalize_with_global_tokens(ctx: FlowContext, finalize: Callable[..., Any]) 
     """
     from megatron.core import parallel_state as ps
 
-    # Each part leader's busy/wait seconds, and the gradient bytes every decoder rank sent this step (summed); the
-    # encoder leader's peak of groups and activation bytes held (its replica's, see EncoderStep).
+    # Each part leader's busy/wait seconds, then what every decoder rank moved this step, summed over them
+    # (`DecoderStep._transfer_stats`); the encoder leader's peak of groups and activation bytes held (its replica's,
+    # see EncoderStep).
     keys = ("encoder_busy_s", "encoder_wait_s", "decoder_busy_s", "decoder_wait_s", "grad_bytes_sent",
-            "encoder_held_groups", "encoder_held_bytes")
-    own_keys = {True: keys[:2] + keys[5:], False: keys[2:4]}  # by ctx.is_encoder
+            "embedding_bytes", "transfer_exposed_s", "transfer_window_s", "encoder_held_groups", "encoder_held_bytes")
+    own_keys = {True: keys[:2] + keys[8:], False: keys[2:4]}  # by ctx.is_encoder
 
     def flow_finalize(model: list, num_tokens: Optional[torch.Tensor] = None) -> None:
         ctx.doing("gradient reduction over the part's data-parallel group")
@@ -589,7 +621,8 @@ def finalize_with_global_tokens(ctx: FlowContext, finalize: Callable[..., Any]) 
             for key in own_keys[ctx.is_encoder]:
                 own[keys.index(key)] = ctx.counters.get(key, 0.0)
         if not ctx.is_encoder:
-            own[keys.index("grad_bytes_sent")] = float(ctx.step_grad_bytes())
+            for key, value in ctx.step_transfer().items():
+                own[keys.index(key)] = float(value)
         stats = torch.tensor([0.0] + own, dtype=torch.float32).to(ctx.device)
         if num_tokens is not None and contributes:
             stats[0] = num_tokens.to(device=ctx.device, dtype=torch.float32)
@@ -636,8 +669,9 @@ def global_grad_norm(ctx: FlowContext, part_norm: float, norm_type: float) -> fl
     # float32 on the device: see flow_finalize (not float64), and HCCL groups take device tensors only.
     t = torch.tensor([value if ctx.is_part_leader else 0.0], dtype=torch.float32).to(ctx.device)
     ctx.doing("the global gradient norm over every trainable part")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=ctx.reduce_group)
-    total = float(t[0]) if inf else float(t[0]) ** (1.0 / norm_type)
+    with span("wait.grad_norm", "wait"):  # the host blocks here until every trainable part has its norm
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=ctx.reduce_group)
+        total = float(t[0]) if inf else float(t[0]) ** (1.0 / norm_type)
     ctx.doing("optimizer step")
     ctx.counters["grad_norm_part"] = float(part_norm)
     ctx.counters["grad_norm_global"] = total

@@ -95,6 +95,7 @@ class PlannedTransport:
         self._recv: dict[tuple[int, int, int, int], _Pending] = {}  # (peer, kind, step, sample) -> posted receive
         self._sends: list[_Pending] = []
         self.bytes_sent = {KIND_EMBEDDING: 0, KIND_GRAD: 0}
+        self.bytes_received = {KIND_EMBEDDING: 0, KIND_GRAD: 0}  # payloads taken by receive() (for the metrics)
 
     def _what(self, kind: int, item: Item, direction: str) -> str:
         return (f"the {_KINDS[kind]} of sample {item.sample_id} (iteration {item.step + 1}) {direction} "
@@ -165,6 +166,7 @@ class PlannedTransport:
             pending.payload_work.wait()
         except RuntimeError as exc:
             raise FlowTransportError(f"{me}: the transfer of {what} failed ({exc})") from exc
+        self.bytes_received[kind] += pending.payload.numel() * pending.payload.element_size()
         return pending.payload
 
     def flush(self) -> None:
