@@ -39,6 +39,7 @@ BENCHMARKS: dict[str, str] = {
     "attention": "mindspeed_flow.bench.attention",
     "build": "mindspeed_flow.bench.build",
     "device": "mindspeed_flow.bench.device",
+    "msmm": "mindspeed_flow.bench.msmm",
 }
 
 

@@ -204,6 +204,9 @@ class FlowStepSource:
         self.merge_size = merge_size
         self.layout = layout
         self.pad_multiple = pad_multiple
+        # What this rank has read through MindSpeed-MM's loaders (every rank reads whole global batches today).
+        self.samples_read = 0
+        self.pixel_bytes_read = 0
         # The cost model's encoder FLOPs are forward + backward; a frozen ViT runs forward only (x 1/3), for MFU.
         self.encoder_flops_scale = encoder_flops_scale
         # The iteration this step is (after a resume: the checkpoint's), so step numbers on the wire and in
@@ -218,9 +221,13 @@ class FlowStepSource:
         index = 0
         for it in self._its:  # replica after replica, each its next micro-batches: the unpatched job's batches
             for _ in range(self.batches_per_replica):
-                samples += split_batch(next(it), len(samples), self.vision_start_id, self.image_token_id,
-                                       self.merge_size, batch_index=index)
+                batch = split_batch(next(it), len(samples), self.vision_start_id, self.image_token_id,
+                                    self.merge_size, batch_index=index)
+                samples += batch
                 index += 1
+        self.samples_read += len(samples)
+        self.pixel_bytes_read += sum(s.pixel_values.numel() * s.pixel_values.element_size() for s in samples
+                                     if s.pixel_values is not None)
         shapes = [s.shape(self.merge_size) for s in samples]
         work = plan_decoupled_step(self.step, shapes, bridge=self.bridge, token_budget=self.token_budget,
                                    cost_model=self.cost_model, scheduler=self.scheduler,

@@ -15,7 +15,9 @@
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
+import resource
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -56,6 +58,13 @@ def cost_model_from(model_cfg: Any) -> CostModel:
     hv, fv, nv = vit.hidden_size, vit.ffn_hidden_size, vit.num_layers
     return CostModel(linear=6.0 * n * (4 * h * h + 3 * h * f), quadratic=6.0 * n * h,
                      enc_linear=6.0 * nv * (4 * hv * hv + 3 * hv * fv), enc_quadratic=12.0 * nv * hv)
+
+
+def report_reads(ctx: FlowContext, source: FlowStepSource) -> None:
+    """At exit, one line per rank: what it read through the loaders and its peak host memory (resident set)."""
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+    print(f"[mindspeed-flow] {ctx.describe(ctx.rank)} read {source.samples_read} samples, "
+          f"{source.pixel_bytes_read} bytes of pixels; peak host memory {peak_mib:.0f} MiB", flush=True)
 
 
 def decoder_layout(ctx: FlowContext, args: Any) -> str:
@@ -203,6 +212,7 @@ class FlowHost:
                 first_step=first_step, layout=decoder_layout(ctx, args), pad_multiple=sequence_pad_multiple(ctx, args),
                 # MindSpeed-MM freezes the ViT unless model.json says otherwise: then it runs forward only
                 encoder_flops_scale=1.0 / 3.0 if _cfg(model_cfg.image_encoder.vision_encoder, "freeze", True) else 1.0)
+            atexit.register(report_reads, ctx, source)
             return source, None, None
 
         flow_dataset_provider.is_distributed = True  # every rank builds it (MindSpeed-MM sets the same)
