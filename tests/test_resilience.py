@@ -102,7 +102,8 @@ def test_truncation_drill_resume_uses_the_previous_checkpoint(tmp_path: Path, ca
     capfd.readouterr()
     assert _run(run, "trainer.checkpoint_every=2", "trainer.resume=true") == 0
     out = [x for x in capfd.readouterr().out.splitlines() if "resume:" in x]
-    assert len(out) == 1 and "skipped step-3 (" in out[0] and "(truncated)); using" in out[0], out
+    assert len(out) == 1 and "skipped step-3 (" in out[0] and "(truncated)); moved aside" in out[0], out
+    assert (run / "checkpoints" / "step-3.corrupt").is_dir()  # kept for inspection, out of keep-last's reach
     assert out[0].rstrip().endswith("step-1")
     full = tmp_path / "full"
     assert _run(full, "trainer.checkpoint_every=2") == 0
