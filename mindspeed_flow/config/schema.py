@@ -143,7 +143,8 @@ class TrainerConfig:
     # A run_dir that holds another run is refused unless resume=true (continue it) or overwrite=true (its files
     # are moved, unchanged, under RUN_DIR/replaced/<its run id>/).
     overwrite: bool = False
-    # torchrun's elastic agent restarts all workers this many times after a rank fails; they resume by themselves.
+    # The launcher restarts all workers this many times after a rank fails or hangs; they resume by themselves.
+    # Never after a deliberate stop (SIGTERM saved, nan_policy=stop, a refused resume, bad data).
     max_restarts: int = 0
     # A failed checkpoint save (ENOSPC, I/O error): stop (exit with the cause) | continue (warn, train on).
     on_save_error: str = "stop"

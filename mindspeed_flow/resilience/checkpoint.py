@@ -205,10 +205,11 @@ class Checkpointer:
         self.layout = dict(layout or {})
         self.verbose = verbose
         # Own gloo group: async saves need it and the resume decision is broadcast on it.
-        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._pending: Optional[_Pending] = None
         self.blocking_seconds: list[float] = []
         self.fail_next_with_enospc = False  # fault drill (faults.enospc_step)
+        self.last_skipped: list[str] = []  # the folders the last load_latest skipped, each with why
         # Rank 0 appends one JSON line per save / restore: how long the loop was blocked, bytes, restore time.
         self.log_path = log_path
 
@@ -232,7 +233,7 @@ class Checkpointer:
             (path / MANIFEST).unlink(missing_ok=True)
         rngs: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
         if dist.is_initialized():
-            dist.all_gather_object(rngs, _rng_blob(), group=self._group)
+            dist.all_gather_object(rngs, _rng_blob(), group=self.group)
         else:
             rngs = [_rng_blob()]
         meta = {"extra": _jsonable(extra), "rng": {str(r): b for r, b in enumerate(rngs)}, "_start": start}
@@ -242,7 +243,7 @@ class Checkpointer:
             self.fail_next_with_enospc = False
             writer.fs = _DiskFull()
         if self.async_save:
-            fut = dcp.async_save(state, storage_writer=writer, checkpoint_id=str(path), process_group=self._group)
+            fut = dcp.async_save(state, storage_writer=writer, checkpoint_id=str(path), process_group=self.group)
             pending = _Pending(step, path, fut, meta)
             self._pending = pending
             fut.add_done_callback(lambda f, p=pending: self._on_async_done(p))
@@ -339,7 +340,7 @@ class Checkpointer:
                 skipped[-1] += f"; moved aside (kept, never counted for keep-last): {', '.join(moved)}"
             decision = [(str(chosen) if chosen else None, skipped)]
         if dist.is_initialized():
-            dist.broadcast_object_list(decision, src=0, group=self._group)
+            dist.broadcast_object_list(decision, src=0, group=self.group)
         chosen_s, skipped = decision[0]
         return (Path(chosen_s) if chosen_s else None), skipped
 
@@ -357,6 +358,7 @@ class Checkpointer:
         `extra` dict, or None when there is none. Skipped folders are reported in one line on rank 0."""
         verify_start = time.perf_counter()
         chosen, skipped = self.choose()
+        self.last_skipped = skipped  # what a refused resume reports
         verify_s = time.perf_counter() - verify_start
         if skipped and self.verbose and self._rank == 0:
             print(f"[mindspeed-flow] resume: skipped {'; '.join(skipped)}; "
