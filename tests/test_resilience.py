@@ -236,7 +236,7 @@ def test_deliberate_stop_is_never_restarted(tmp_path: Path, capfd, monkeypatch, 
     else:
         assert "NonFiniteLoss: step 2: the global gradient norm is nan" in verdict[0], verdict
         assert [x["step"] for x in _lines(run)] == [0, 1]
-    assert not list(tmp.glob("torchelastic_*"))
+    assert not list(tmp.glob("torchelastic_*")) and not list(tmp.glob("pytorch-errorfile-*")), list(tmp.iterdir())
 
 
 def _flip_a_byte(path: Path) -> None:
@@ -307,3 +307,18 @@ def test_skipped_nan_step_records_grad_norm_as_null() -> None:
     good = line([0.5, 0.5], [0.0, 0.0])
     assert good["grad_norm"] == 0.5 and good["update_skipped"] is False
 
+
+def test_hang_of_both_watchers_is_reported_by_the_next_rank(tmp_path: Path, capfd) -> None:
+    """Issue 25 item 5: ranks 0 and 1 (the two watchers, a whole first node) stop together. No hang was reported:
+    the job ended after the peers' timeout and the agent's grace with "training failed: " and nothing after it.
+    Rank 2, whose lower ranks all stopped, reports both, kills them, and the launcher names the hang."""
+    rc = _run(tmp_path / "hang", "flow.timeout_s=8", "faults.hang_rank=0", "faults.hang_ranks=[1]",
+              "faults.hang_step=2")
+    err = capfd.readouterr().err
+    assert rc == 1
+    lines = [x for x in err.splitlines() if "[mindspeed-flow] hang:" in x]
+    assert len(lines) == 1, err[-3000:]
+    assert "rank 0 (encoder) stopped answering" in lines[0] and "rank 1 (backbone) stopped answering" in lines[0]
+    assert "during step 2" in lines[0] and "rank 2 (backbone) is waiting for them" in lines[0], lines[0]
+    final = err.strip().splitlines()[-1]
+    assert final.startswith("mindspeed-flow train: training failed: hang: rank 0 (encoder)"), final

@@ -168,6 +168,8 @@ class FaultsConfig:
     # SIGSTOP global rank `hang_rank` at the start of step `hang_step` (a peer that stops answering).
     hang_rank: int = -1
     hang_step: int = -1
+    # More global ranks SIGSTOPped together with hang_rank at hang_step (a whole node stopping, e.g. [0, 1]).
+    hang_ranks: list = field(default_factory=list)
     # Every data file of the save at step `enospc_step` fails with ENOSPC, as on a full disk.
     enospc_step: int = -1
     # After the save at step `truncate_step` completes, cut `truncate_file` (distcp | metadata) in half.

@@ -353,9 +353,11 @@ class Checkpointer:
         return manifest is None or manifest.get("run_id") == self.run_id
 
     def load_latest(self, params: dict[str, torch.nn.Parameter], optimizer: Optional[torch.optim.Optimizer],
-                    extra_template: dict[str, Any]) -> Optional[dict[str, Any]]:
+                    extra_template: dict[str, Any],
+                    admit: Optional[Callable[[Path, dict[str, Any]], None]] = None) -> Optional[dict[str, Any]]:
         """Load the newest verified checkpoint of this run in place (DCP reshards to this layout); returns its
-        `extra` dict, or None when there is none. Skipped folders are reported in one line on rank 0."""
+        `extra` dict, or None when there is none. Skipped folders are reported in one line on rank 0. `admit`
+        sees the chosen folder and its manifest's `extra` before anything is loaded, and may raise to refuse it."""
         verify_start = time.perf_counter()
         chosen, skipped = self.choose()
         self.last_skipped = skipped  # what a refused resume reports
@@ -365,6 +367,8 @@ class Checkpointer:
                   + (f"using {chosen}" if chosen else "no valid checkpoint left"), flush=True)
         if chosen is None:
             return None
+        if admit is not None:
+            admit(chosen, (read_manifest(chosen) or {}).get("extra", {}))
         start = time.perf_counter()
         if optimizer is not None:
             _ensure_adam_state(optimizer, params)

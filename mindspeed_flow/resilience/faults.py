@@ -30,7 +30,7 @@ class FaultDrills:
         if self._fires(c.kill_rank, c.kill_step, step):
             print(f"[mindspeed-flow] fault drill: SIGKILL rank {self.rank} at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        if self._fires(c.hang_rank, c.hang_step, step):
+        if any(self._fires(r, c.hang_step, step) for r in (c.hang_rank, *c.hang_ranks)):
             print(f"[mindspeed-flow] fault drill: SIGSTOP rank {self.rank} at step {step}", flush=True)
             if watchdog is not None:
                 watchdog.flush()  # a real hang strikes mid-step, after the heartbeat has told where it is

@@ -75,15 +75,20 @@ def launch_local(config_path: Path, nproc: int, max_restarts: int = 0) -> int:
     """Run the workers, restarting them up to `max_restarts` times after a failure that is not a deliberate stop
     (resilience/restarts.py); returns the restarts used. A failure that ends the job is raised with
     `restarts` set on it. Each attempt is one elastic launch with no restarts of its own, and its log folder is a
-    temporary one removed afterwards (the agent's default leaves a `torchelastic_*` folder per launch)."""
+    temporary one removed afterwards (the agent's default leaves a `torchelastic_*` folder per launch, and failed
+    workers their error files)."""
     import shutil
     import tempfile
 
     from mindspeed_flow.resilience.restarts import RESTART_ENV, is_deliberate
 
+    saved_tempdir = tempfile.tempdir
     for attempt in range(max_restarts + 1):
         log_dir = tempfile.mkdtemp(prefix="mindspeed-flow-elastic-")
         os.environ[RESTART_ENV] = str(attempt)  # the workers inherit it: resume, drills armed in attempt 0 only
+        # The agent's per-worker error files (pytorch-errorfile-*.pickle, left behind by a failed worker) go to
+        # the temporary directory: this attempt's, removed with it.
+        tempfile.tempdir = log_dir
         try:
             _launch_once(config_path, nproc, log_dir)
             return attempt
@@ -96,6 +101,7 @@ def launch_local(config_path: Path, nproc: int, max_restarts: int = 0) -> int:
                   "the workers resume from the newest verified checkpoint", file=sys.stderr, flush=True)
         finally:
             os.environ.pop(RESTART_ENV, None)
+            tempfile.tempdir = saved_tempdir
             shutil.rmtree(log_dir, ignore_errors=True)
     raise AssertionError("unreachable")
 

@@ -27,7 +27,8 @@ from mindspeed_flow.resilience.checkpoint import Checkpointer, CheckpointSaveErr
 from mindspeed_flow.resilience.faults import FaultDrills
 from mindspeed_flow.resilience.preempt import EXIT_SAVED_ON_SIGNAL, StopRequests
 from mindspeed_flow.resilience.restarts import restart_count
-from mindspeed_flow.resilience.resume import accept_config, has_previous_run, mismatch, no_checkpoint
+from mindspeed_flow.data.sampler import resume_mismatch
+from mindspeed_flow.resilience.resume import accept_config, has_previous_run, mismatch, no_checkpoint, sampler_state
 from mindspeed_flow.resilience.rundir import new_run_id, read_run_id, write_run_id
 from mindspeed_flow.resilience.watchdog import FAILURE_FILE, Watchdog
 from mindspeed_flow.runtime import build, trace
@@ -303,8 +304,15 @@ def _maybe_resume(job: FlowJobConfig, models: Any, optim: Any, batches: Any, ver
     if not resume:
         return checkpointer, 0
     # DCP loads into the structure it is given: the sampler's own state is the template for its fields.
-    extra = checkpointer.load_latest(models.named_params, optim.optimizer,
-                                     {"step": -1, "sampler": batches.state_dict()})
+    template = {"step": -1, "sampler": batches.state_dict()}
+
+    def admit(folder: Path, saved: dict[str, Any]) -> None:
+        """Refuse another seed / batch size / dataset before the load (nothing restored, nothing logged)."""
+        why = resume_mismatch(sampler_state(saved), sampler_state(template))
+        if why is not None:
+            raise mismatch(Path(job.run_dir), folder, why)
+
+    extra = checkpointer.load_latest(models.named_params, optim.optimizer, template, admit=admit)
     if extra is None:
         # A previous run with nothing to continue is refused, never silently started over (resilience/resume.py).
         # Rank 0 decides while the others wait in the broadcast, before any rank writes metrics.jsonl.
