@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from shutil import rmtree as shutil_rmtree
+from typing import Optional
 
 import pytest
 import torch
@@ -149,3 +151,35 @@ def test_failed_delete_does_not_stop(tmp_path: Path, monkeypatch, capsys) -> Non
     _train(Checkpointer(tmp_path, run_id="r", keep_last=1), range(3))
     assert valid_steps(tmp_path, "r") == [0, 1, 2]
     assert "could not delete old checkpoint step-0" in capsys.readouterr().out
+
+
+def _fallback_then_save(rank: int, world: int, root: str) -> tuple[Optional[int], list[int]]:
+    """Both of this run's checkpoints are corrupt: the resume starts over, and the next saves must be kept."""
+    ck = Checkpointer(Path(root), run_id="r", keep_last=2)
+    fresh = _params(3)
+    opt = torch.optim.AdamW(fresh.values(), lr=0.1)
+    extra = ck.load_latest(fresh, opt, {"step": -1, "note": ""})
+    _train(ck, range(1))  # the restarted run saves step-0
+    return (None if extra is None else extra["step"]), valid_steps(Path(root), "r")
+
+
+def test_corrupt_checkpoints_are_moved_aside_and_never_count_for_keep_last(tmp_path: Path, capfd) -> None:
+    """Issue 25 item 1: after a fallback past corrupt checkpoints, keep-last deleted every new valid save (the
+    corrupt ones were still this run's newest). They are renamed `<name>.corrupt`, kept byte for byte."""
+    run_ranks(_save_three, 2, str(tmp_path), timeout_s=60)  # keep_last=3: step-0, step-1, step-2
+    truncated = sorted(p for p in (tmp_path / "step-2").iterdir() if p.name.endswith(".distcp"))[0]
+    os.truncate(truncated, truncated.stat().st_size // 2)
+    flipped = tmp_path / "step-1" / ".metadata"
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, another byte: only the SHA-256 tells
+    flipped.write_bytes(bytes(data))
+    shutil_rmtree(tmp_path / "step-0")  # nothing valid left: the resume starts at step 0
+    before = {p.relative_to(tmp_path): p.read_bytes() for d in ("step-1", "step-2") for p in (tmp_path / d).iterdir()}
+    capfd.readouterr()
+    out = run_ranks(_fallback_then_save, 2, str(tmp_path), timeout_s=60)
+    assert out[0] == (None, [0]), out  # the new step-0 survives its own purge
+    line = [x for x in capfd.readouterr().out.splitlines() if "resume:" in x]
+    assert len(line) == 1 and "moved aside" in line[0] and "step-2.corrupt" in line[0], line
+    for rel, content in before.items():  # moved, never deleted nor changed
+        assert (tmp_path / f"{rel.parts[0]}.corrupt" / rel.name).read_bytes() == content
+    assert not (tmp_path / "step-1").exists() and not (tmp_path / "step-2").exists()

@@ -261,3 +261,24 @@ def test_ordinary_errors_in_a_reader_are_counted() -> None:
     fresh = SampleGuard(max_bad=100)
     fresh.load_state_dict(json.loads(json.dumps(state)))  # checkpoint-friendly (JSON keys are strings)
     assert fresh.bad == guard.bad
+
+
+def test_malformed_jsonl_line_is_named_by_its_record_id_and_skips_state_the_limit(tmp_path: Path, capsys) -> None:
+    """Issue 25 item 8: a malformed .jsonl line was reported as "id 1" (its index, as if a record id); a skip line
+    did not say when the job stops. The id the line still shows names it; a line with none is named by its line
+    number only; each skip line states data.max_bad_samples and data.max_bad_fraction."""
+    lines = [json.dumps({"id": "a", "conversations": _conv("Hi", "Yo")}),
+             '{"id": "rec-7", "conversations": [{"from": "human" "value": "x"}]}',  # a missing comma
+             '{"conversations": [',
+             json.dumps({"id": "d", "conversations": _conv("a", "b")})]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    ds = ShareGPTDataset(str(path), SPEC)
+    guard = SampleGuard(max_bad=5, max_bad_fraction=0.5, log_skips=True)
+    assert guard.shape(ds, 1) is None and guard.shape(ds, 2) is None
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2, out
+    assert f"skipped bad sample 1 (id 'rec-7', {path}): line 2 of" in out[0], out[0]
+    assert f"skipped bad sample 2 ({path}): line 3 of" in out[1], out[1]
+    for x in out:
+        assert "the job stops above data.max_bad_samples=5 or above data.max_bad_fraction=0.5" in x, x

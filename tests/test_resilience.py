@@ -4,10 +4,12 @@ bitwise-equal losses, checkpoint fault drills (truncation, ENOSPC) and a hang dr
 from __future__ import annotations
 
 import hashlib
+import tempfile
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from mindspeed_flow.resilience.checkpoint import valid_steps
 from mindspeed_flow.resilience.rundir import read_run_id
@@ -102,7 +104,8 @@ def test_truncation_drill_resume_uses_the_previous_checkpoint(tmp_path: Path, ca
     capfd.readouterr()
     assert _run(run, "trainer.checkpoint_every=2", "trainer.resume=true") == 0
     out = [x for x in capfd.readouterr().out.splitlines() if "resume:" in x]
-    assert len(out) == 1 and "skipped step-3 (" in out[0] and "(truncated)); using" in out[0], out
+    assert len(out) == 1 and "skipped step-3 (" in out[0] and "(truncated)); moved aside" in out[0], out
+    assert (run / "checkpoints" / "step-3.corrupt").is_dir()  # kept for inspection, out of keep-last's reach
     assert out[0].rstrip().endswith("step-1")
     full = tmp_path / "full"
     assert _run(full, "trainer.checkpoint_every=2") == 0
@@ -156,6 +159,7 @@ def test_nan_drill_skips_the_step_or_stops(tmp_path: Path, capfd, policy: str) -
         lines = _lines(tmp_path / "nan")
         assert [x["step"] for x in lines] == list(range(6))
         assert all(x["loss"] == x["loss"] for x in lines)  # the update was dropped: no NaN reached the weights
+        assert [x["grad_norm"] is None for x in lines] == [False, False, True, False, False, False]
     else:
         assert rc == 1
         final = captured.err.strip().splitlines()[-1]
@@ -204,3 +208,117 @@ def test_loader_error_drill_restarts_and_resumes(tmp_path: Path, capfd) -> None:
     assert "fault drill: data loader error on rank 1 at step 3" in captured.out
     assert f"resumed from {run / 'checkpoints'}/step-1" in captured.out
     assert [x["step"] for x in _lines(run)] == list(range(6))
+    assert '"restarts": 1' in captured.out  # the final summary says the run needed one restart
+    assert "restart 1 of 1 (trainer.max_restarts) after: rank " in captured.err  # one line, then the resume
+
+
+@pytest.mark.parametrize("stop", ["sigterm", "nan"])
+def test_deliberate_stop_is_never_restarted(tmp_path: Path, capfd, monkeypatch, stop: str) -> None:
+    """Issue 25 item 4: with trainer.max_restarts=1, a SIGTERM reaching one worker (all save and exit 75) and
+    nan_policy=stop (NonFiniteLoss) end the job with their own exit code and one line; the agent used to restart
+    them (the drills fire in the first attempt only, so the restarted job ran to the end and exited 0).
+    Item 8: no `torchelastic_*` folder is left in the temporary directory."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    run = tmp_path / "run"
+    drill = ["faults.sigterm_rank=2", "faults.sigterm_step=1"] if stop == "sigterm" else \
+        ["faults.nan_rank=1", "faults.nan_step=2"]
+    rc = _run(run, "trainer.max_restarts=1", "trainer.checkpoint_every=2", *drill)
+    captured = capfd.readouterr()
+    assert rc == (75 if stop == "sigterm" else 1), captured.err[-2000:]
+    assert "resumed from" not in captured.out and "restart" not in captured.err, captured.err[-2000:]
+    verdict = [x for x in captured.err.splitlines() if x.startswith("mindspeed-flow train:")]
+    assert len(verdict) == 1, captured.err[-2000:]
+    if stop == "sigterm":
+        assert "stopped by a signal" in verdict[0] and "continue with trainer.resume=true" in verdict[0], verdict
+        assert [x["step"] for x in _lines(run)] == [0, 1, 2, 3, 4]
+    else:
+        assert "NonFiniteLoss: step 2: the global gradient norm is nan" in verdict[0], verdict
+        assert [x["step"] for x in _lines(run)] == [0, 1]
+    assert not list(tmp.glob("torchelastic_*")) and not list(tmp.glob("pytorch-errorfile-*")), list(tmp.iterdir())
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the workers' SHA-256 check sees it
+    path.write_bytes(bytes(data))
+
+
+def test_resume_without_a_valid_checkpoint_is_refused_and_changes_nothing(tmp_path: Path, capfd) -> None:
+    """Issue 25 item 2: trainer.resume=true on a run whose only checkpoint is corrupt used to start over at step 0,
+    exit 0 and truncate metrics.jsonl. Now the workers refuse (exit 2, one line naming the run dir and what was
+    found; max_restarts does not restart it), the corrupt folder is moved aside and nothing else changes; a
+    second resume, with nothing valid left, is refused by the launcher before any worker starts."""
+    run = tmp_path / "run"
+    assert _run(run, "trainer.steps=3", "trainer.save_final=true") == 0  # one checkpoint: step-2
+    _flip_a_byte(sorted((run / "checkpoints" / "step-2").glob("*.distcp"))[0])
+    before = _tree(run)
+    capfd.readouterr()
+    assert _run(run, "trainer.resume=true", "trainer.max_restarts=1") == 2
+    err = capfd.readouterr().err
+    verdict = [x for x in err.splitlines() if x.startswith("mindspeed-flow train:")]
+    assert len(verdict) == 1 and "restart" not in err, err[-2000:]
+    assert f"run_dir='{run}'" in verdict[0] and "no valid checkpoint" in verdict[0], verdict
+    assert "step-2 (" in verdict[0] and "trainer.overwrite=true" in verdict[0], verdict
+    moved = {k.replace("checkpoints/step-2/", "checkpoints/step-2.corrupt/"): v for k, v in before.items()}
+    assert _tree(run) == moved  # metrics.jsonl, config.yaml, run.json: not a byte changed
+    assert _run(run, "trainer.resume=true") == 2
+    err = capfd.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "step-2.corrupt" in err and f"run_dir='{run}'" in err, err
+    assert _tree(run) == moved
+
+
+def test_resume_with_another_global_batch_size_is_refused_before_anything_changes(tmp_path: Path, capfd) -> None:
+    """Issue 25 item 6: the refusal came from the workers, after the launcher had overwritten config.yaml, with an
+    empty message. Now the launcher refuses first: one line naming the field, the old and the new value."""
+    run = tmp_path / "run"
+    assert _run(run, "trainer.steps=2", "trainer.save_final=true") == 0
+    before = _tree(run)
+    capfd.readouterr()
+    rc = _run(run, "trainer.resume=true", "trainer.global_batch_size=6")
+    err = capfd.readouterr().err.strip()
+    assert _tree(run) == before  # config.yaml still the run's own
+    assert rc == 2 and len(err.splitlines()) == 1, err[-2000:]
+    assert "trainer.global_batch_size=6" in err and "trainer.global_batch_size=12" in err, err
+
+
+def test_skipped_nan_step_records_grad_norm_as_null() -> None:
+    """Issue 25 item 8: a step whose update nan_policy=skip dropped recorded grad_norm 0.0 (NaN is "unset" in a
+    StepRecord, so the NaN norm aggregated to 0.0). It is null, and the line says the update was skipped."""
+    from mindspeed_flow.runtime.metrics import MetricsGatherer, StepRecord, StepStatic
+
+    gatherer = MetricsGatherer(None, 2, False, Path("."), 1, 1.0, "")
+    static = StepStatic(step=2, samples=4, real_tokens=10, padded_tokens=12, microbatches=2, padding_fraction=0.1,
+                        dp_imbalance=1.0, slot_imbalance=1.0, encoder_imbalance=1.0, model_flops=1.0,
+                        oversize_skipped=0, lr=0.1)
+
+    def line(norms: list[float], skipped: list[float]) -> dict:
+        records = []
+        for norm, skip in zip(norms, skipped):
+            r = StepRecord()
+            r["is_encoder"], r["is_backbone"], r["step_start_t"], r["step_end_t"] = 0.0, 1.0, 1.0, 2.0
+            r["grad_norm"], r["update_skipped"] = norm, skip
+            records.append(r.values)
+        return gatherer._line(static, torch.stack(records))
+
+    bad = line([float("nan"), float("nan")], [1.0, 1.0])
+    assert bad["grad_norm"] is None and bad["update_skipped"] is True
+    good = line([0.5, 0.5], [0.0, 0.0])
+    assert good["grad_norm"] == 0.5 and good["update_skipped"] is False
+
+
+def test_hang_of_both_watchers_is_reported_by_the_next_rank(tmp_path: Path, capfd) -> None:
+    """Issue 25 item 5: ranks 0 and 1 (the two watchers, a whole first node) stop together. No hang was reported:
+    the job ended after the peers' timeout and the agent's grace with "training failed: " and nothing after it.
+    Rank 2, whose lower ranks all stopped, reports both, kills them, and the launcher names the hang."""
+    rc = _run(tmp_path / "hang", "flow.timeout_s=8", "faults.hang_rank=0", "faults.hang_ranks=[1]",
+              "faults.hang_step=2")
+    err = capfd.readouterr().err
+    assert rc == 1
+    lines = [x for x in err.splitlines() if "[mindspeed-flow] hang:" in x]
+    assert len(lines) == 1, err[-3000:]
+    assert "rank 0 (encoder) stopped answering" in lines[0] and "rank 1 (backbone) stopped answering" in lines[0]
+    assert "during step 2" in lines[0] and "rank 2 (backbone) is waiting for them" in lines[0], lines[0]
+    final = err.strip().splitlines()[-1]
+    assert final.startswith("mindspeed-flow train: training failed: hang: rank 0 (encoder)"), final

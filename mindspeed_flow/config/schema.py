@@ -149,7 +149,8 @@ class TrainerConfig:
     # A run_dir that holds another run is refused unless resume=true (continue it) or overwrite=true (its files
     # are moved, unchanged, under RUN_DIR/replaced/<its run id>/).
     overwrite: bool = False
-    # torchrun's elastic agent restarts all workers this many times after a rank fails; they resume by themselves.
+    # The launcher restarts all workers this many times after a rank fails or hangs; they resume by themselves.
+    # Never after a deliberate stop (SIGTERM saved, nan_policy=stop, a refused resume, bad data).
     max_restarts: int = 0
     # A failed checkpoint save (ENOSPC, I/O error): stop (exit with the cause) | continue (warn, train on).
     on_save_error: str = "stop"
@@ -173,6 +174,8 @@ class FaultsConfig:
     # SIGSTOP global rank `hang_rank` at the start of step `hang_step` (a peer that stops answering).
     hang_rank: int = -1
     hang_step: int = -1
+    # More global ranks SIGSTOPped together with hang_rank at hang_step (a whole node stopping, e.g. [0, 1]).
+    hang_ranks: list = field(default_factory=list)
     # Every data file of the save at step `enospc_step` fails with ENOSPC, as on a full disk.
     enospc_step: int = -1
     # After the save at step `truncate_step` completes, cut `truncate_file` (distcp | metadata) in half.

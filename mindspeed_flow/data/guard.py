@@ -83,8 +83,11 @@ class SampleGuard:
         where = _where(dataset, sample_id)
         self.bad[sample_id] = f"{where}: {cause}" if where else cause
         if self.log_skips:
+            rate = f" or above data.max_bad_fraction={self.max_bad_fraction} of the samples read" \
+                if self.max_bad_fraction < 1.0 else ""
             print(f"[mindspeed-flow] skipped bad sample {sample_id}{f' ({where})' if where else ''}: {cause} "
-                  f"[{len(self.bad)} skipped so far]", flush=True)
+                  f"[{len(self.bad)} skipped so far; the job stops above data.max_bad_samples={self.max_bad}{rate}]",
+                  flush=True)
         if len(self.bad) > self.max_bad:
             raise TooManyBadSamples(self.bad, self.max_bad)
         self._check_rate(dataset)
@@ -124,14 +127,17 @@ class SampleGuard:
 
 
 def _where(dataset: Any, index: int) -> str:
-    """'id <record id>, <file>' for datasets that know them (ShareGPT), '' otherwise."""
+    """'id <record id>, <file>' for datasets that know them (ShareGPT), '' otherwise; a record whose id cannot be
+    read (a malformed line without one) is named by its line in the cause, never by its index as if an id."""
     parts = []
     record_id = getattr(dataset, "record_id", None)
     if record_id is not None:
         try:
-            parts.append(f"id {record_id(index)!r}")
-        except Exception:  # noqa: BLE001 - a malformed entry may have no usable id; the index still names it
-            pass
+            rid = record_id(index)
+        except Exception:  # noqa: BLE001 - a malformed entry may have no usable id; the cause still names it
+            rid = None
+        if rid is not None:
+            parts.append(f"id {rid!r}")
     path = getattr(dataset, "path", None)
     if isinstance(path, str):
         parts.append(path)

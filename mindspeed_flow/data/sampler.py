@@ -77,14 +77,28 @@ class GlobalBatchSampler:
                 "guard": self.guard.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key, mine in (("seed", self.seed), ("global_batch_size", self.global_batch_size),
-                          ("num_samples", len(self.dataset))):
-            if state[key] != mine:
-                raise ValueError(f"sampler state has {key}={state[key]} but this run has {key}={mine}; "
-                                 "resuming would replay different batches")
+        why = resume_mismatch(state, {"seed": self.seed, "global_batch_size": self.global_batch_size,
+                                      "num_samples": len(self.dataset)})
+        if why is not None:
+            raise ValueError(why)
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self.batches_yielded = int(state["batches_yielded"])
         self.guard.load_state_dict(state["guard"])
+
+
+# The sampler state a resume must match, by the recipe field that sets it.
+RESUME_FIELDS = {"seed": "seed", "global_batch_size": "trainer.global_batch_size",
+                 "num_samples": "data.num_samples (samples in the dataset)"}
+
+
+def resume_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> Optional[str]:
+    """One line naming the first field of `current` whose value differs from the checkpoint's sampler state
+    `saved`, with the new and the old value; None when they agree."""
+    for key, name in RESUME_FIELDS.items():
+        if key in current and key in saved and saved[key] != current[key]:
+            return (f"{name}={current[key]} but the checkpoint was saved with {name}={saved[key]}: resuming would "
+                    "replay different batches")
+    return None
 
 
 def iter_global_batches(dataset: Any, global_batch_size: int, seed: int, epoch: int = 0, *,

@@ -22,6 +22,7 @@ and pass `shape_table=csv`: `shape(i)` then reads no image at all, and a sample 
 from __future__ import annotations
 
 import json
+import re
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional
@@ -54,6 +55,20 @@ class _Entry:
     turns: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
 
 
+_ID_FIELD = re.compile(r'"id"\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+)')
+
+
+def _salvage_id(line: str) -> Any:
+    """The "id" a malformed .jsonl line still shows (the error is usually further on), or None."""
+    m = _ID_FIELD.search(line)
+    if m is None:
+        return None
+    try:
+        return json.loads(m.group(1))
+    except ValueError:
+        return None
+
+
 def load_entries(path: str) -> list[Any]:
     """The raw entries of a .json (a list) or .jsonl file; a malformed .jsonl line becomes a `BadSample`. A
     missing, non-UTF-8 or malformed file raises `DataError` naming the file and line (see data/preflight.py)."""
@@ -68,7 +83,9 @@ def load_entries(path: str) -> list[Any]:
             try:
                 entries.append(json.loads(line))
             except json.JSONDecodeError as exc:
-                entries.append(BadSample(len(entries), f"line {line_no} of {path} is not valid JSON: {exc}"))
+                bad = BadSample(len(entries), f"line {line_no} of {path} is not valid JSON: {exc}")
+                bad.record_id = _salvage_id(line)  # type: ignore[attr-defined]
+                entries.append(bad)
         return entries
     try:
         data = json.loads(text)
@@ -170,8 +187,11 @@ class ShareGPTDataset(VLMDataset):
         return len(self._raw)
 
     def record_id(self, i: int) -> Any:
-        """The entry's own "id" (for messages and reports); the index when it has none."""
+        """The entry's own "id" (for messages and reports); the index when a valid entry has none; for a malformed
+        .jsonl line the id it still shows, or None (its line number, in the cause, names it)."""
         raw = self._raw[self._check_index(i)]
+        if isinstance(raw, BadSample):
+            return getattr(raw, "record_id", None)
         return raw.get("id", i) if isinstance(raw, dict) else i
 
     def image_path(self, rel: str) -> str:

@@ -10,8 +10,11 @@ Safety. Rank 0 writes `manifest.json` last, once DCP reports every rank's files 
 the layout, the data position, every rank's RNG state and each file's size and SHA-256. A step folder counts
 only when its manifest exists, belongs to this run and matches the files; a resume walks the folders newest
 first and loads the first that verifies, printing one line per folder it skipped and why (truncated `.distcp`,
-truncated `.metadata`, unfinished save, another run's). Older checkpoints are deleted only after a newer one is
-complete, only this run's, and a failed delete never stops training. A failed save (ENOSPC ...) leaves a folder
+truncated `.metadata`, unfinished save, another run's). A finished checkpoint of this run that fails
+verification (truncated, bit-flipped, unreadable manifest) is renamed `step-N.corrupt` (kept byte for byte for
+inspection, never deleted) so it can never count as this run's newest for keep-last: otherwise, after a fallback,
+every new valid save would be purged at once in favour of the corrupt ones. Older checkpoints are deleted only
+after a newer one is complete, only this run's valid ones, and a failed delete never stops training. A failed save (ENOSPC ...) leaves a folder
 without a manifest, so the previous checkpoint stays the newest valid one. Async saves use their own gloo group
 (on the default group `async_save` deadlocks while training runs).
 """
@@ -44,6 +47,7 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
+CORRUPT_SUFFIX = ".corrupt"
 
 
 class CheckpointSaveError(RuntimeError):
@@ -104,6 +108,22 @@ def verify(path: Path, run_id: Optional[str] = None, *, hashes: bool = True) -> 
 def valid_steps(root: Path, run_id: Optional[str] = None) -> list[int]:
     """Steps of the folders under `root` whose manifest verifies (sizes only), oldest first."""
     return sorted(s for s, d in _step_dirs(root) if verify(d, run_id, hashes=False) is None)
+
+
+def move_aside(path: Path) -> Optional[Path]:
+    """Rename a checkpoint folder that failed verification to `<name>.corrupt` (`.corrupt-2` ... if taken), out of
+    reach of resume and keep-last; None (with a warning) when the rename fails, which never stops training."""
+    path = Path(path)
+    for n in range(1, 1000):
+        dest = path.with_name(path.name + CORRUPT_SUFFIX + ("" if n == 1 else f"-{n}"))
+        if not dest.exists():
+            break
+    try:
+        os.rename(path, dest)
+    except OSError as e:
+        print(f"[mindspeed-flow] warning: could not move the corrupt checkpoint {path} aside: {e}", flush=True)
+        return None
+    return dest
 
 
 def _ensure_adam_state(optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter]) -> None:
@@ -185,10 +205,11 @@ class Checkpointer:
         self.layout = dict(layout or {})
         self.verbose = verbose
         # Own gloo group: async saves need it and the resume decision is broadcast on it.
-        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._pending: Optional[_Pending] = None
         self.blocking_seconds: list[float] = []
         self.fail_next_with_enospc = False  # fault drill (faults.enospc_step)
+        self.last_skipped: list[str] = []  # the folders the last load_latest skipped, each with why
         # Rank 0 appends one JSON line per save / restore: how long the loop was blocked, bytes, restore time.
         self.log_path = log_path
 
@@ -212,7 +233,7 @@ class Checkpointer:
             (path / MANIFEST).unlink(missing_ok=True)
         rngs: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
         if dist.is_initialized():
-            dist.all_gather_object(rngs, _rng_blob(), group=self._group)
+            dist.all_gather_object(rngs, _rng_blob(), group=self.group)
         else:
             rngs = [_rng_blob()]
         meta = {"extra": _jsonable(extra), "rng": {str(r): b for r, b in enumerate(rngs)}, "_start": start}
@@ -222,7 +243,7 @@ class Checkpointer:
             self.fail_next_with_enospc = False
             writer.fs = _DiskFull()
         if self.async_save:
-            fut = dcp.async_save(state, storage_writer=writer, checkpoint_id=str(path), process_group=self._group)
+            fut = dcp.async_save(state, storage_writer=writer, checkpoint_id=str(path), process_group=self.group)
             pending = _Pending(step, path, fut, meta)
             self._pending = pending
             fut.add_done_callback(lambda f, p=pending: self._on_async_done(p))
@@ -287,8 +308,15 @@ class Checkpointer:
     def _purge(self) -> None:
         if self._rank != 0 or self.keep_last <= 0:
             return
-        mine = [s for s, d in _step_dirs(self.root)
-                if (read_manifest(d) or {}).get("run_id") == self.run_id and (d / MANIFEST).exists()]
+        mine = []
+        for s, d in _step_dirs(self.root):
+            if (read_manifest(d) or {}).get("run_id") != self.run_id or not (d / MANIFEST).exists():
+                continue  # another run's, or an unfinished save: never this run's to count or delete
+            if verify(d, self.run_id, hashes=False) is None:  # sizes only: hashing every folder per save is slow
+                mine.append(s)
+            elif (dest := move_aside(d)) is not None:
+                print(f"[mindspeed-flow] warning: checkpoint {d} fails verification ({verify(dest, self.run_id)}); "
+                      f"moved aside to {dest.name}", flush=True)
         for s in sorted(mine)[:-self.keep_last]:
             try:
                 shutil.rmtree(self.root / f"step-{s}")
@@ -299,31 +327,48 @@ class Checkpointer:
         """Rank 0 verifies newest first; every rank gets the folder to load (or None) and the skip lines."""
         decision: list[Any] = [None]
         if self._rank == 0:
-            skipped, chosen = [], None
+            skipped, chosen, moved = [], None, []
             for _, d in _step_dirs(self.root):
                 why = verify(d, self.run_id)
                 if why is None:
                     chosen = d
                     break
                 skipped.append(f"{d.name} ({why})")
+                if self._is_own_corrupt(d) and (dest := move_aside(d)) is not None:
+                    moved.append(dest.name)
+            if moved:  # one line with the skips: say where the corrupt folders went
+                skipped[-1] += f"; moved aside (kept, never counted for keep-last): {', '.join(moved)}"
             decision = [(str(chosen) if chosen else None, skipped)]
         if dist.is_initialized():
-            dist.broadcast_object_list(decision, src=0, group=self._group)
+            dist.broadcast_object_list(decision, src=0, group=self.group)
         chosen_s, skipped = decision[0]
         return (Path(chosen_s) if chosen_s else None), skipped
 
+    def _is_own_corrupt(self, d: Path) -> bool:
+        """A finished save (its manifest exists) of this run, or one whose manifest cannot be read: not an
+        unfinished save (no manifest) and not another run's checkpoint, which are left where they are."""
+        if not (d / MANIFEST).exists():
+            return False
+        manifest = read_manifest(d)
+        return manifest is None or manifest.get("run_id") == self.run_id
+
     def load_latest(self, params: dict[str, torch.nn.Parameter], optimizer: Optional[torch.optim.Optimizer],
-                    extra_template: dict[str, Any]) -> Optional[dict[str, Any]]:
+                    extra_template: dict[str, Any],
+                    admit: Optional[Callable[[Path, dict[str, Any]], None]] = None) -> Optional[dict[str, Any]]:
         """Load the newest verified checkpoint of this run in place (DCP reshards to this layout); returns its
-        `extra` dict, or None when there is none. Skipped folders are reported in one line on rank 0."""
+        `extra` dict, or None when there is none. Skipped folders are reported in one line on rank 0. `admit`
+        sees the chosen folder and its manifest's `extra` before anything is loaded, and may raise to refuse it."""
         verify_start = time.perf_counter()
         chosen, skipped = self.choose()
+        self.last_skipped = skipped  # what a refused resume reports
         verify_s = time.perf_counter() - verify_start
         if skipped and self.verbose and self._rank == 0:
             print(f"[mindspeed-flow] resume: skipped {'; '.join(skipped)}; "
                   + (f"using {chosen}" if chosen else "no valid checkpoint left"), flush=True)
         if chosen is None:
             return None
+        if admit is not None:
+            admit(chosen, (read_manifest(chosen) or {}).get("extra", {}))
         start = time.perf_counter()
         if optimizer is not None:
             _ensure_adam_state(optimizer, params)

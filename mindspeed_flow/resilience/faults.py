@@ -1,7 +1,7 @@
 """Fault drills from the recipe (`faults.*`): the failures a long run meets, on demand, in a real job.
 
-Each drill fires in the first attempt only (TORCHELASTIC_RESTART_COUNT == 0), so a job with
-`trainer.max_restarts >= 1` shows the recovery: the elastic agent restarts the workers and they resume from the
+Each drill fires in the first attempt only (`restart_count() == 0`), so a job with
+`trainer.max_restarts >= 1` shows the recovery: the launcher restarts the workers and they resume from the
 newest verified checkpoint. Kill and hang act on the process itself (SIGKILL, SIGSTOP), exactly as an OOM kill or
 a wedged device would; the loader drill raises where the step reads its batch; NaN multiplies one rank's gradients by NaN for one step; ENOSPC swaps DCP's file system for one whose writes fail as a full disk does; truncation
 cuts a finished checkpoint's file in half, as a crash of the storage layer would.
@@ -13,12 +13,14 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from mindspeed_flow.resilience.restarts import restart_count
+
 
 class FaultDrills:
     def __init__(self, cfg: Any, rank: int) -> None:
         self.cfg = cfg
         self.rank = rank
-        self.armed = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        self.armed = restart_count() == 0
 
     def _fires(self, rank: int, step: int, now: int) -> bool:
         return self.armed and step >= 0 and step == now and rank == self.rank
@@ -28,7 +30,7 @@ class FaultDrills:
         if self._fires(c.kill_rank, c.kill_step, step):
             print(f"[mindspeed-flow] fault drill: SIGKILL rank {self.rank} at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        if self._fires(c.hang_rank, c.hang_step, step):
+        if any(self._fires(r, c.hang_step, step) for r in (c.hang_rank, *c.hang_ranks)):
             print(f"[mindspeed-flow] fault drill: SIGSTOP rank {self.rank} at step {step}", flush=True)
             if watchdog is not None:
                 watchdog.flush()  # a real hang strikes mid-step, after the heartbeat has told where it is

@@ -7,10 +7,13 @@ every rank's background thread bumps a heartbeat in the job's TCPStore (its own 
 shares a socket with the process groups) with its side (encoder/backbone) and what it is doing (`activity`,
 set by the step loop). Ranks 0 and 1 watch everyone: a heartbeat that has not changed for half of `timeout_s`
 by the watcher's own clock (no cross-host clock needed) is a hang; half, so the report comes before the peers'
-own receive timeouts (`timeout_s`), which could only say that something did not arrive. The lowest watcher that is itself alive prints one
-line naming the rank, its side, where it stopped and what the watcher's rank is waiting for, then SIGKILLs the
-stuck process when it runs on the same host (a stopped process ignores SIGTERM) or exits itself with
-`EXIT_HANG`, so the agent ends (or, with `trainer.max_restarts`, restarts) the job. The line also goes to
+own receive timeouts (`timeout_s`), which could only say that something did not arrive. Every other rank watches
+the two watchers only (two store reads per interval, whatever the world size); when both have stopped (a whole
+first node), it watches the ranks below it too, and the lowest rank whose lower ranks all stopped reports: so
+exactly one rank reports, whichever ranks stop. The reporting rank prints one line naming each stopped rank, its
+side, where it stopped and what the reporting rank is waiting for, then SIGKILLs the stuck processes on its host
+(a stopped process ignores SIGTERM) or exits itself with `EXIT_HANG`, so the job ends (or, with
+`trainer.max_restarts`, restarts). The line also goes to
 `RUN_DIR/failure.txt`: the peers then fail on a connection the kill reset, and the launcher reports the hang as
 the job's cause rather than their consequential errors.
 """
@@ -100,41 +103,65 @@ class Watchdog:
                 return
             try:
                 self._beat(store)
-                if self.rank in self.watchers and not self._reported:
+                if not self._reported:
                     self._watch(store, seen)
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending; the watchdog ends with it
                 return
 
     def _watch(self, store: object, seen: dict[int, tuple[bytes, float]]) -> None:
         now = time.monotonic()
-        for r in range(self.world):
+        watchers = [w for w in self.watchers if w < self.world]
+
+        def stale(r: int) -> bool:
+            return r in seen and now - seen[r][1] > self.stale_after
+
+        if self.rank in watchers:
+            ranks: list[int] = list(range(self.world))
+        elif watchers and all(stale(w) for w in watchers):
+            ranks = list(range(self.rank))  # the watchers stopped: is every rank below this one stopped too?
+        else:
+            ranks = watchers
+        for r in ranks:
             if r == self.rank or not store.check([self.prefix + str(r)]):  # type: ignore[attr-defined]
                 continue
             value = store.get(self.prefix + str(r))  # type: ignore[attr-defined]
             if r not in seen or seen[r][0] != value:
                 seen[r] = (value, now)
-        stale = sorted(r for r, (_, t) in seen.items() if now - t > self.stale_after)
-        alive_watchers = [w for w in self.watchers if w < self.world and w not in stale]
-        if stale and alive_watchers and alive_watchers[0] == self.rank:
-            self._report(stale[0], seen[stale[0]], now)
+        stopped = sorted(r for r in seen if stale(r))
+        if self.rank in watchers:  # the lowest watcher that is itself alive reports
+            alive_watchers = [w for w in watchers if w not in stopped]
+            mine = bool(stopped) and alive_watchers[0] == self.rank
+        else:  # both watchers stopped: the lowest rank still alive reports
+            mine = bool(watchers) and all(stale(r) for r in range(self.rank))
+        if mine:
+            self._report({r: seen[r] for r in stopped}, now)
 
-    def _report(self, hung: int, entry: tuple[bytes, float], now: float) -> None:
+    def _report(self, hung: dict[int, tuple[bytes, float]], now: float) -> None:
         self._reported = True
-        _, side, pid, host, activity = entry[0].decode().split("|", 4)
-        line = (f"hang: rank {hung} ({side}) stopped answering {now - entry[1]:.1f} s ago "
-                f"(flow.timeout_s={self.timeout_s:g}) during {activity}; rank {self.rank} ({self.side}) is waiting "
-                f"for it in {self.activity}. The process (pid {pid} on {host}) is alive but stuck, not dead: "
-                "stopping the job")
+        parts, procs = [], []
+        for r, (value, since) in sorted(hung.items()):
+            _, side, pid, host, activity = value.decode().split("|", 4)
+            parts.append(f"rank {r} ({side}) stopped answering {now - since:.1f} s ago during {activity}")
+            procs.append((int(pid), host))
+        them = "it" if len(hung) == 1 else "them"
+        line = (f"hang: {'; '.join(parts)} (flow.timeout_s={self.timeout_s:g}); rank {self.rank} ({self.side}) is "
+                f"waiting for {them} in {self.activity}. "
+                + (f"The process (pid {procs[0][0]} on {procs[0][1]}) is" if len(procs) == 1 else
+                   f"The processes ({', '.join(f'pid {p} on {h}' for p, h in procs)}) are")
+                + " alive but stuck, not dead: stopping the job")
         print(f"[mindspeed-flow] {line}", file=sys.stderr, flush=True)
         if self.report_path is not None:  # the launcher prints it as the job's cause, not the peers' errors
             try:
                 self.report_path.write_text(line + "\n")
             except OSError:
                 pass
-        if host == socket.gethostname():
+        killed_all = True
+        for pid, host in procs:
             try:
-                os.kill(int(pid), signal.SIGKILL)
-                return
+                if host != socket.gethostname():
+                    raise OSError("on another host")
+                os.kill(pid, signal.SIGKILL)
             except OSError:
-                pass
-        os._exit(EXIT_HANG)
+                killed_all = False
+        if not killed_all:  # a stuck process out of reach: this rank's exit ends the job
+            os._exit(EXIT_HANG)

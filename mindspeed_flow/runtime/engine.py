@@ -390,6 +390,7 @@ class StepEngine:
         record["grad_norm"] = value
         # The norm is global (one all_reduce over every trained rank), so every rank takes the same decision.
         self.skipped_nonfinite = not math.isfinite(value)
+        record["update_skipped"] = float(self.skipped_nonfinite)
         if self.skipped_nonfinite:
             self.nonfinite_in_a_row += 1
             if self.nan_policy != "skip" or self.nonfinite_in_a_row > self.max_nonfinite_steps:

@@ -4,8 +4,10 @@ inside an outer torchrun.
 
 Errors in the recipe, the layout, the run directory or the data are reported here, before any process starts,
 in one message (exit code 2): the field or file, and the rule. The run directory is claimed here (see
-resilience/rundir.py); `trainer.max_restarts` goes to the elastic agent, whose restarted workers resume by
-themselves from the newest verified checkpoint.
+resilience/rundir.py). `trainer.max_restarts` is the launcher's: after a failure that is not a deliberate stop
+(resilience/restarts.py) it launches the workers again and they resume by themselves from the newest verified
+checkpoint; a deliberate stop (SIGTERM/SIGINT saved, `nan_policy=stop`, a refused resume) ends the job with its own
+exit code and one line. The final summary says how many restarts the run needed.
 """
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from mindspeed_flow.config.load import (RecipeError, check_rules, compose, load,
                                         save, to_job_config)
 from mindspeed_flow.data.preflight import DataError, preflight
 from mindspeed_flow.resilience.preempt import EXIT_SAVED_ON_SIGNAL
-from mindspeed_flow.resilience.rundir import RunDirInUse, claim
+from mindspeed_flow.resilience.restarts import error_message as _message, error_type, restart_count
+from mindspeed_flow.resilience.resume import PENDING_CONFIG, ResumeRefused, check_resume
+from mindspeed_flow.resilience.rundir import RunDirInUse, claim, existing_state
 from mindspeed_flow.resilience.watchdog import FAILURE_FILE
 from mindspeed_flow.specs import VLMSpec
 from mindspeed_flow.topology import Layout, LayoutError
@@ -52,16 +56,58 @@ def prepare(overrides: list[str], *, owner: bool = True) -> tuple[Path, int]:
     preflight(job.data, job.trainer.global_batch_size)
     run_dir = Path(job.run_dir)
     # Under an outer torchrun that restarted its workers, this is the same run continuing, not a rerun.
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    restarted = restart_count() > 0
+    # A resume is admitted (or refused, changing nothing) before the directory is claimed or config.yaml written;
+    # a restart is the same run continuing and starts over at step 0 if it failed before its first checkpoint.
+    continuing = (job.trainer.resume or restarted) and bool(existing_state(run_dir))
+    if job.trainer.resume and not restarted:
+        check_resume(run_dir, seed=job.seed, global_batch_size=job.trainer.global_batch_size)
     claim(run_dir, resume=job.trainer.resume or restarted, overwrite=job.trainer.overwrite and not restarted,
           experiment=job.experiment_name)
-    path = run_dir / "config.yaml"
+    # Continuing a run: config.yaml stays the run's own until the workers accept the resume (resilience/resume.py).
+    path = run_dir / (PENDING_CONFIG if continuing else "config.yaml")
     save(cfg, path)
     load(path)  # exactly what every worker will read must validate here, before any process starts
     return path, layout.world_size
 
 
-def launch_local(config_path: Path, nproc: int, max_restarts: int = 0) -> None:
+def launch_local(config_path: Path, nproc: int, max_restarts: int = 0) -> int:
+    """Run the workers, restarting them up to `max_restarts` times after a failure that is not a deliberate stop
+    (resilience/restarts.py); returns the restarts used. A failure that ends the job is raised with
+    `restarts` set on it. Each attempt is one elastic launch with no restarts of its own, and its log folder is a
+    temporary one removed afterwards (the agent's default leaves a `torchelastic_*` folder per launch, and failed
+    workers their error files)."""
+    import shutil
+    import tempfile
+
+    from mindspeed_flow.resilience.restarts import RESTART_ENV, is_deliberate
+
+    saved_tempdir = tempfile.tempdir
+    for attempt in range(max_restarts + 1):
+        log_dir = tempfile.mkdtemp(prefix="mindspeed-flow-elastic-")
+        os.environ[RESTART_ENV] = str(attempt)  # the workers inherit it: resume, drills armed in attempt 0 only
+        # The agent's per-worker error files (pytorch-errorfile-*.pickle, left behind by a failed worker) go to
+        # the temporary directory: this attempt's, removed with it.
+        tempfile.tempdir = log_dir
+        try:
+            _launch_once(config_path, nproc, log_dir)
+            return attempt
+        except Exception as e:
+            if attempt == max_restarts or is_deliberate(e):
+                e.restarts = attempt  # type: ignore[attr-defined]
+                raise
+            cause = _first_cause(config_path.parent, e, short=True)
+            print(f"[mindspeed-flow] restart {attempt + 1} of {max_restarts} (trainer.max_restarts) after: {cause}; "
+                  "the workers resume from the newest verified checkpoint", file=sys.stderr, flush=True)
+        finally:
+            os.environ.pop(RESTART_ENV, None)
+            tempfile.tempdir = saved_tempdir
+            shutil.rmtree(log_dir, ignore_errors=True)
+    raise AssertionError("unreachable")
+
+
+def _launch_once(config_path: Path, nproc: int, log_dir: str) -> None:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from mindspeed_flow.accelerator import detect_type
@@ -79,15 +125,16 @@ def launch_local(config_path: Path, nproc: int, max_restarts: int = 0) -> None:
         os.environ.setdefault(f"PYTORCH_{device_type.upper()}_ALLOC_CONF", "expandable_segments:True")
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"msf-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
-        monitor_interval=0.1, start_method=start_method,
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
+        monitor_interval=0.1, start_method=start_method, logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
     elastic_launch(config, run_worker_recorded)(str(config_path))
 
 
 # Errors the workers raise on purpose, with a message that says it all: the launcher prints that message alone,
 # not the elastic agent's page of tracebacks (which it keeps for anything unexpected).
-CLEAR_ERRORS = ("CheckpointSaveError", "TooManyBadSamples", "DataError", "PeerHang", "NonFiniteLoss")
+CLEAR_ERRORS = ("CheckpointSaveError", "TooManyBadSamples", "DataError", "PeerHang", "NonFiniteLoss",
+                "ResumeRefused")
 
 
 def _failure_summary(exc: Exception) -> str:
@@ -95,10 +142,23 @@ def _failure_summary(exc: Exception) -> str:
     if first is None:
         return str(exc)
     rank, failure = first()
-    message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
-    if message.split(":", 1)[0].rsplit(".", 1)[-1] in CLEAR_ERRORS:
-        return f"rank {rank}: {message}"
+    if error_type(failure) in CLEAR_ERRORS:
+        return f"rank {rank}: {_message(failure)}"
     return str(exc)
+
+
+def _first_cause(run_dir: Path, exc: Exception, short: bool = False) -> str:
+    """A hang found by the watchdog is the cause; the peers' errors (a reset connection) are its consequence.
+    `short`: one line (the first failed rank and the first line of what it raised, or its exit code)."""
+    failure = run_dir / FAILURE_FILE
+    if failure.exists():
+        return failure.read_text().strip()
+    first = getattr(exc, "get_first_failure", None)
+    if not short or first is None:
+        return _failure_summary(exc)
+    rank, f = first()
+    said = _message(f).strip().splitlines()
+    return f"rank {rank}: {said[0] if said else f'exit code {f.exitcode}'}"
 
 
 def summarize(run_dir: Path) -> dict:
@@ -125,7 +185,7 @@ def main(argv: list[str]) -> int:
     except DataError as e:
         print(f"mindspeed-flow train: bad data: {e}", file=sys.stderr)
         return 2
-    except RunDirInUse as e:
+    except (RunDirInUse, ResumeRefused) as e:
         print(f"mindspeed-flow train: {e}", file=sys.stderr)
         return 2
     except (RecipeError, LayoutError, ValueError, FileNotFoundError, HydraException, OmegaConfBaseException) as e:
@@ -139,17 +199,27 @@ def main(argv: list[str]) -> int:
     failure = config_path.parent / FAILURE_FILE
     failure.unlink(missing_ok=True)
     try:
-        launch_local(config_path, nproc, max_restarts=load(config_path).trainer.max_restarts)
+        restarts = launch_local(config_path, nproc, max_restarts=load(config_path).trainer.max_restarts)
     except Exception as e:  # ChildFailedError carries each failed rank's root cause
-        codes = {f.exitcode for f in getattr(e, "failures", {}).values()}
+        restarts = getattr(e, "restarts", 0)
+        after = f" after {restarts} restart(s)" if restarts else ""
+        failures = getattr(e, "failures", {})
+        codes = {f.exitcode for f in failures.values()}
+        if failures and {error_type(f) for f in failures.values()} == {"ResumeRefused"}:
+            # the workers refused what they loaded (a checkpoint failing its SHA-256, another dataset size)
+            print(f"mindspeed-flow train: {_message(next(iter(failures.values()))).split(': ', 1)[-1]}",
+                  file=sys.stderr)
+            return 2
         if codes == {EXIT_SAVED_ON_SIGNAL} or type(e).__name__ == "SignalException":
-            print(f"mindspeed-flow train: stopped by a signal ({e if not codes else 'SIGTERM/SIGINT'}); the workers "
-                  f"saved a checkpoint when they could: continue with trainer.resume=true", file=sys.stderr)
+            print(f"mindspeed-flow train: stopped by a signal ({e if not codes else 'SIGTERM/SIGINT'}){after}; the "
+                  f"workers saved a checkpoint when they could: continue with trainer.resume=true", file=sys.stderr)
             return EXIT_SAVED_ON_SIGNAL
-        # A hang found by the watchdog is the cause; the peers' errors (a reset connection) are its consequence.
-        cause = failure.read_text().strip() if failure.exists() else _failure_summary(e)
-        print(f"mindspeed-flow train: training failed: {cause}", file=sys.stderr)
+        print(f"mindspeed-flow train: training failed{after}: {_first_cause(config_path.parent, e)}",
+              file=sys.stderr)
         return 1
+    finally:
+        (config_path.parent / PENDING_CONFIG).unlink(missing_ok=True)  # installed as config.yaml if accepted
     summary = summarize(config_path.parent)
+    summary["restarts"] = restarts  # how often trainer.max_restarts was drawn on (0: the run never failed)
     print(json.dumps(summary, indent=2))
     return 0

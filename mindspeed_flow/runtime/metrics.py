@@ -22,7 +22,7 @@ SLOTS = (
     "encoder_busy_s", "encoder_wait_s", "encoder_last_sample_done_t", "encoder_samples", "encoder_forwards",
     "backbone_busy_s", "backbone_wait_s", "backbone_first_mb_start_t",
     "loss_sum", "label_tokens", "pool_peak_bytes", "pool_bytes_sent", "grad_norm", "peak_rss_bytes",
-    "pool_transfer_s", "pool_transfer_exposed_s",
+    "pool_transfer_s", "pool_transfer_exposed_s", "update_skipped",
 )
 INDEX = {name: i for i, name in enumerate(SLOTS)}
 
@@ -207,6 +207,7 @@ class MetricsGatherer:
         loss_sum = agg("loss_sum", bb, "sum")
         mfu = s.model_flops / max(seconds, 1e-9) / (self.devices * self.peak_flops) if self.peak_flops else None
         first_mb = agg("backbone_first_mb_start_t", bb, "min")
+        skipped = agg("update_skipped", everyone) > 0
         last_enc = agg("encoder_last_sample_done_t", enc, "max")
         return {
             "step": s.step,
@@ -231,7 +232,10 @@ class MetricsGatherer:
             "transfer_s": agg("pool_transfer_s", bb, "sum"),
             "transfer_exposed_s": agg("pool_transfer_exposed_s", bb, "sum"),
             "transfer_hidden_s": agg("pool_transfer_s", bb, "sum") - agg("pool_transfer_exposed_s", bb, "sum"),
-            "grad_norm": agg("grad_norm", everyone),
+            # A step whose update was skipped for a non-finite norm (trainer.nan_policy=skip) has no norm to show:
+            # null, never the 0.0 that NaN-as-unset would aggregate to (NaN is "not set" in a StepRecord).
+            "grad_norm": None if skipped else agg("grad_norm", everyone),
+            "update_skipped": skipped,
             "mfu": mfu,
             "model_tflops": s.model_flops / 1e12,
             "dp_imbalance": s.dp_imbalance,

@@ -26,6 +26,9 @@ from mindspeed_flow.packing import CostModel
 from mindspeed_flow.resilience.checkpoint import Checkpointer, CheckpointSaveError
 from mindspeed_flow.resilience.faults import FaultDrills
 from mindspeed_flow.resilience.preempt import EXIT_SAVED_ON_SIGNAL, StopRequests
+from mindspeed_flow.resilience.restarts import restart_count
+from mindspeed_flow.data.sampler import resume_mismatch
+from mindspeed_flow.resilience.resume import accept_config, has_previous_run, mismatch, no_checkpoint, sampler_state
 from mindspeed_flow.resilience.rundir import new_run_id, read_run_id, write_run_id
 from mindspeed_flow.resilience.watchdog import FAILURE_FILE, Watchdog
 from mindspeed_flow.runtime import build, trace
@@ -38,12 +41,12 @@ from mindspeed_flow.topology import Layout, Topology
 
 
 def init_distributed(acc: Accelerator, timeout_s: float) -> tuple[int, int]:
-    """Join the world. A worker restarted by the elastic agent gets a fresh store prefix: a restarted worker's
-    plain init_process_group fails to connect the gloo mesh."""
+    """Join the world. A restarted worker gets a fresh store prefix: under an outer torchrun that restarts its
+    workers, a restarted worker's plain init_process_group fails to connect the gloo mesh."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = restart_count()
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=False, timeout=timeout) if "TORCHELASTIC_RUN_ID" in os.environ else \
@@ -169,6 +172,8 @@ def run_worker(config_path: str) -> None:
     run_id = _run_id(job, rank, metrics_group)
     checkpointer, start_step = _maybe_resume(job, rank_models, optim, batches, is_writer, run_id,
                                              {"describe": layout.describe(), "world_size": world})
+    if rank == 0:  # accepted: this launch's recipe becomes the run's config.yaml
+        accept_config(Path(job.run_dir), Path(config_path))
     # A resumed run continues metrics.jsonl without the lines of steps it is about to redo.
     gatherer = MetricsGatherer(metrics_group, world, is_writer, Path(job.run_dir), 1, peak_total, peak_desc,
                                append=start_step > 0, resume_step=start_step)
@@ -185,7 +190,7 @@ def run_worker(config_path: str) -> None:
     if rank == 0:  # a hang a restart recovered from is no longer the cause of anything
         (Path(job.run_dir) / FAILURE_FILE).unlink(missing_ok=True)
     watchdog = Watchdog(rank, world, side, job.flow.timeout_s,
-                        attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                        attempt=restart_count(),
                         report_path=Path(job.run_dir) / FAILURE_FILE).start()
     stops = StopRequests().install()
     stopped_on = 0
@@ -270,8 +275,8 @@ def _guarded_save(job: FlowJobConfig, checkpointer: Checkpointer, rank: int, sav
 def _maybe_resume(job: FlowJobConfig, models: Any, optim: Any, batches: Any, verbose: bool, run_id: str,
                   layout: dict[str, Any]) -> tuple[Checkpointer, int]:
     t = job.trainer
-    # A worker restarted by the elastic agent (trainer.max_restarts) resumes whatever the recipe says.
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    # A restarted worker (trainer.max_restarts) resumes whatever the recipe says.
+    restarted = restart_count() > 0
     resume = t.resume or restarted
     # Always a checkpointer: a SIGTERM saves even when the recipe saves nothing periodically.
     checkpointer = Checkpointer(Path(job.run_dir) / "checkpoints", run_id=run_id, keep_last=t.keep_checkpoints,
@@ -280,15 +285,31 @@ def _maybe_resume(job: FlowJobConfig, models: Any, optim: Any, batches: Any, ver
     if not resume:
         return checkpointer, 0
     # DCP loads into the structure it is given: the sampler's own state is the template for its fields.
-    extra = checkpointer.load_latest(models.named_params, optim.optimizer,
-                                     {"step": -1, "sampler": batches.state_dict()})
+    template = {"step": -1, "sampler": batches.state_dict()}
+
+    def admit(folder: Path, saved: dict[str, Any]) -> None:
+        """Refuse another seed / batch size / dataset before the load (nothing restored, nothing logged)."""
+        why = resume_mismatch(sampler_state(saved), sampler_state(template))
+        if why is not None:
+            raise mismatch(Path(job.run_dir), folder, why)
+
+    extra = checkpointer.load_latest(models.named_params, optim.optimizer, template, admit=admit)
     if extra is None:
+        # A previous run with nothing to continue is refused, never silently started over (resilience/resume.py).
+        # Rank 0 decides while the others wait in the broadcast, before any rank writes metrics.jsonl.
+        previous: list[Any] = [has_previous_run(Path(job.run_dir)) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(previous, src=0, group=checkpointer.group)
+        if not restarted and previous[0]:
+            raise no_checkpoint(Path(job.run_dir), run_id, checkpointer.last_skipped)
         if verbose:
-            why = "restarted by the elastic agent" if restarted else "trainer.resume=true"
-            print(f"[mindspeed-flow] {why} but {checkpointer.root} holds no valid checkpoint of run {run_id}: "
+            why = "restarted" if restarted else "trainer.resume=true on a directory without a previous run"
+            print(f"[mindspeed-flow] {why}: {checkpointer.root} holds no valid checkpoint of run {run_id}; "
                   "starting at step 0", flush=True)
         return checkpointer, 0
-    batches.load_state_dict(extra["sampler"])
+    try:
+        batches.load_state_dict(extra["sampler"])
+    except ValueError as e:  # another seed / batch size / dataset: refused before anything is written
+        raise mismatch(Path(job.run_dir), checkpointer.root / f"step-{extra['step']}", str(e)) from None
     if verbose:
         print(f"[mindspeed-flow] resumed from {checkpointer.root}/step-{extra['step']}", flush=True)
     return checkpointer, int(extra["step"]) + 1
