@@ -87,7 +87,7 @@ def test_resume_from_state_dict_continues_exactly(stop_after: int) -> None:
     resumed.load_state_dict(state)
     assert [next(resumed) for _ in range(12 - stop_after)] == expected[stop_after:]
     assert resumed.batches_yielded == 12
-    with pytest.raises(ValueError, match="global_batch_size=7 but this run has global_batch_size=8"):
+    with pytest.raises(ValueError, match="trainer.global_batch_size=8 but the checkpoint was saved with trainer.global_batch_size=7"):
         iter_global_batches(ds, 8, seed=9).load_state_dict(state)
 
 
