@@ -53,7 +53,7 @@ except ImportError:  # pragma: no cover - torch < 2.6
 __all__ = ["DTensor", "Replicate", "FSDPModule", "fully_shard", "device_mesh_for", "dist_fn", "accepts",
            "schedule_kwargs", "step_kwargs", "ensure_pipeline_p2p_waits_all", "prepare_pipelining",
            "reduce_scatter_avg_averages", "fsdp_grad_reduction", "destroy_process_groups",
-           "install_privateuse1_accelerator", "adaptations", "startup_line"]
+           "install_privateuse1_accelerator", "adaptations", "startup_line", "shutdown_grace"]
 
 # key -> one short phrase; insertion-ordered, each recorded once per process.
 _ADAPTATIONS: dict[str, str] = {}
@@ -358,3 +358,25 @@ def install_privateuse1_accelerator(device_module: Any) -> str:
     _adapt("privateuse1", "no Python PrivateUse1 hook registration, so the emulated npu answers torch's "
                           f"accelerator queries in Python ({', '.join(replaced)})")
     return "python"
+
+
+# ---------------------------------------------------------------- the launcher's grace period
+def shutdown_grace(seconds: int) -> dict[str, Any]:
+    """LaunchConfig keywords that give the workers `seconds` between the agent's SIGTERM and its SIGKILL. Newer
+    torch takes `shutdown_timeout`; older releases (2.7) close the workers with `PContext.close`'s default of 30 s,
+    so that default is set to `seconds` here instead (the launcher process only)."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        return {"shutdown_timeout": int(seconds)}
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    sig = inspect.signature(PContext.close)
+    if "timeout" in sig.parameters and seconds != sig.parameters["timeout"].default:
+        names = list(sig.parameters)[1:]  # the defaults cover the parameters after self, in order
+        PContext.close.__defaults__ = tuple(int(seconds) if n == "timeout" else sig.parameters[n].default
+                                            for n in names)
+        _adapt("shutdown_grace", f"no LaunchConfig.shutdown_timeout: PContext.close waits {seconds} s by default")
+    return {}

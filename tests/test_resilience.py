@@ -27,8 +27,9 @@ def _lines(run_dir: Path) -> list[dict]:
 
 
 def _tree(root: Path) -> dict[str, str]:
+    """Every file of a run and its hash; RUN_DIR/.lock is the launches' lock, not the run's state (it stays put)."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".lock"}
 
 
 def test_rerun_into_used_run_dir_is_refused_and_changes_nothing(tmp_path: Path, capsys) -> None:
@@ -231,7 +232,8 @@ def test_deliberate_stop_is_never_restarted(tmp_path: Path, capfd, monkeypatch, 
     verdict = [x for x in captured.err.splitlines() if x.startswith("mindspeed-flow train:")]
     assert len(verdict) == 1, captured.err[-2000:]
     if stop == "sigterm":
-        assert "stopped by a signal" in verdict[0] and "continue with trainer.resume=true" in verdict[0], verdict
+        assert "stopped: saved" in verdict[0] and "step-4 on SIGTERM" in verdict[0], verdict
+        assert "continue with trainer.resume=true" in verdict[0], verdict
         assert [x["step"] for x in _lines(run)] == [0, 1, 2, 3, 4]
     else:
         assert "NonFiniteLoss: step 2: the global gradient norm is nan" in verdict[0], verdict

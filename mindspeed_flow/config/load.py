@@ -135,6 +135,7 @@ def check_rules(job: FlowJobConfig) -> None:
         (t.max_nonfinite_steps >= 0, f"trainer.max_nonfinite_steps={t.max_nonfinite_steps}: must be >= 0"),
         (t.max_restarts >= 0, f"trainer.max_restarts={t.max_restarts}: must be >= 0"),
         (t.on_save_error in ("stop", "continue"), f"trainer.on_save_error={t.on_save_error!r}: 'stop' or 'continue'"),
+        (t.stop_grace_s >= 1, f"trainer.stop_grace_s={t.stop_grace_s}: must be >= 1 (seconds)"),
         (not (t.resume and t.overwrite), "trainer.resume=true and trainer.overwrite=true: choose one (resume "
                                          "continues the run in run_dir, overwrite starts a new one there)"),
         (job.faults.truncate_file in ("distcp", "metadata"),

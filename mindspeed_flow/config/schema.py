@@ -152,8 +152,14 @@ class TrainerConfig:
     # The launcher restarts all workers this many times after a rank fails or hangs; they resume by themselves.
     # Never after a deliberate stop (SIGTERM saved, nan_policy=stop, a refused resume, bad data).
     max_restarts: int = 0
-    # A failed checkpoint save (ENOSPC, I/O error): stop (exit with the cause) | continue (warn, train on).
+    # A failed checkpoint save (ENOSPC, I/O error): stop (exit with the cause) | continue (warn, train on; a
+    # metrics line that cannot be written is kept and appended once a write succeeds).
     on_save_error: str = "stop"
+    # Seconds the launcher gives the workers after it passes on a SIGTERM/SIGINT before it kills them (torchrun's
+    # own default is 30). The workers save at most 3 steps after the signal (they agree on the step without
+    # waiting on each other), so it must exceed 3 step times plus one save; the writer rank warns when it does not.
+    # Keep the scheduler's own grace period (e.g. Slurm's KillWait) above it.
+    stop_grace_s: int = 30
     # A non-finite global gradient norm (NaN/Inf loss) before the optimizer step: stop | skip (drop the step's
     # update) and stop once more than max_nonfinite_steps steps in a row were non-finite.
     nan_policy: str = "stop"
@@ -190,6 +196,8 @@ class FaultsConfig:
     # Global rank `loader_error_rank` raises where it reads the batch of step `loader_error_step`.
     loader_error_rank: int = -1
     loader_error_step: int = -1
+    # Every rank sleeps this many seconds at the start of every step (a model whose steps are long), in every attempt.
+    slow_step_s: float = 0.0
 
 
 @dataclass

@@ -14,8 +14,9 @@ truncated `.metadata`, unfinished save, another run's). A finished checkpoint of
 verification (truncated, bit-flipped, unreadable manifest) is renamed `step-N.corrupt` (kept byte for byte for
 inspection, never deleted) so it can never count as this run's newest for keep-last: otherwise, after a fallback,
 every new valid save would be purged at once in favour of the corrupt ones. Older checkpoints are deleted only
-after a newer one is complete, only this run's valid ones, and a failed delete never stops training. A failed save (ENOSPC ...) leaves a folder
-without a manifest, so the previous checkpoint stays the newest valid one. Async saves use their own gloo group
+after a newer one is complete, only this run's valid ones, and a failed delete never stops training. A failed save
+(ENOSPC ...) never writes a manifest, so the previous checkpoint stays the newest valid one; its partial folder is
+removed, so that a full disk is not kept full by the save that failed. Async saves use their own gloo group
 (on the default group `async_save` deadlocks while training runs).
 """
 from __future__ import annotations
@@ -208,6 +209,7 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._pending: Optional[_Pending] = None
         self.blocking_seconds: list[float] = []
+        self.last_save_s: Optional[float] = None  # the newest finished save, start to manifest (async included)
         self.fail_next_with_enospc = False  # fault drill (faults.enospc_step)
         self.last_skipped: list[str] = []  # the folders the last load_latest skipped, each with why
         # Rank 0 appends one JSON line per save / restore: how long the loop was blocked, bytes, restore time.
@@ -215,8 +217,11 @@ class Checkpointer:
 
     def _log(self, **event: Any) -> None:
         if self.log_path is not None and self._rank == 0:
-            with open(self.log_path, "a") as f:
-                f.write(json.dumps(event) + "\n")
+            try:
+                with open(self.log_path, "a") as f:
+                    f.write(json.dumps(event) + "\n")
+            except OSError as e:  # a timing log; the checkpoints themselves are verified by their manifests
+                print(f"[mindspeed-flow] warning: could not append to {self.log_path}: {e.strerror or e}", flush=True)
 
     @property
     def _rank(self) -> int:
@@ -250,9 +255,9 @@ class Checkpointer:
         else:
             try:
                 dcp.save(state, storage_writer=writer, checkpoint_id=str(path))
+                self._finalize(step, path, meta)  # the manifest write can meet the full disk too
             except (Exception, CheckpointException) as exc:  # DCP's (a BaseException) carries every rank's failure
                 raise self._save_error(step, path, exc) from None
-            self._finalize(step, path, meta)
         self.blocking_seconds.append(time.perf_counter() - start)
         self._log(event="save", step=step, async_save=self.async_save, blocked_s=self.blocking_seconds[-1])
         return path
@@ -284,13 +289,22 @@ class Checkpointer:
     def _save_error(self, step: int, path: Path, exc: BaseException) -> CheckpointSaveError:
         prev = valid_steps(self.root, self.run_id)
         cause = _root_cause(exc)
+        removed = ""
+        # The failed save's partial files never counted (no manifest); left behind they would keep a full disk full
+        # and fail the next metrics line or save. DCP reports a failure once every rank has stopped writing.
+        if self._rank == 0 and path.is_dir() and not (path / MANIFEST).exists():
+            freed = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            shutil.rmtree(path, ignore_errors=True)
+            removed = f"; its partial folder was removed ({freed / 2**20:.1f} MiB freed)"
         return CheckpointSaveError(
-            f"checkpoint {path} failed: {cause}; "
+            f"checkpoint {path} failed: {cause}{removed}; "
             + (f"the previous checkpoint step-{prev[-1]} is intact" if prev else "there is no earlier checkpoint"))
 
     def _finalize(self, step: int, path: Path, meta: dict[str, Any]) -> None:
         """Rank 0: write the manifest (last, atomically), then purge this run's older checkpoints."""
         start = meta.pop("_start", None)
+        if start is not None:  # every rank: the whole save as this rank saw it (the stop-on-signal bound uses it)
+            self.last_save_s = time.perf_counter() - start
         if self._rank != 0:
             return
         files = {f.name: {"size": f.stat().st_size, "sha256": _sha256(f)}

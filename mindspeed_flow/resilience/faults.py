@@ -3,13 +3,15 @@
 Each drill fires in the first attempt only (`restart_count() == 0`), so a job with
 `trainer.max_restarts >= 1` shows the recovery: the launcher restarts the workers and they resume from the
 newest verified checkpoint. Kill and hang act on the process itself (SIGKILL, SIGSTOP), exactly as an OOM kill or
-a wedged device would; the loader drill raises where the step reads its batch; NaN multiplies one rank's gradients by NaN for one step; ENOSPC swaps DCP's file system for one whose writes fail as a full disk does; truncation
+a wedged device would; the slow-step drill makes every step long (for the stop-on-signal bound); the loader drill raises where the step reads its batch; NaN multiplies one rank's gradients by NaN for one step; ENOSPC swaps DCP's file system for one whose writes fail as a full disk does; truncation
 cuts a finished checkpoint's file in half, as a crash of the storage layer would.
 """
 from __future__ import annotations
 
 import os
 import signal
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +29,31 @@ class FaultDrills:
 
     def at_step_start(self, step: int, watchdog: Any = None) -> None:
         c = self.cfg
+        if c.slow_step_s > 0:
+            time.sleep(c.slow_step_s)
         if self._fires(c.kill_rank, c.kill_step, step):
             print(f"[mindspeed-flow] fault drill: SIGKILL rank {self.rank} at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        if any(self._fires(r, c.hang_step, step) for r in (c.hang_rank, *c.hang_ranks)):
+        hung = [r for r in (c.hang_rank, *c.hang_ranks) if r >= 0]
+        if any(self._fires(r, c.hang_step, step) for r in hung):
             print(f"[mindspeed-flow] fault drill: SIGSTOP rank {self.rank} at step {step}", flush=True)
             if watchdog is not None:
                 watchdog.flush()  # a real hang strikes mid-step, after the heartbeat has told where it is
+            self._stop_together(hung, step)
             os.kill(os.getpid(), signal.SIGSTOP)
+
+    def _stop_together(self, ranks: list[int], step: int) -> None:
+        """Ranks that stop together (a whole node) meet before they stop: on a busy machine one of them could
+        otherwise reach the step seconds after another, long enough to watch it stop and report it, which a node
+        stopping at once never shows. They meet through files in the attempt's own temporary folder (the launcher
+        gives each attempt one; the ranks share a host here), with their heartbeats still running."""
+        if len(ranks) < 2:
+            return
+        folder = Path(tempfile.gettempdir())
+        (folder / f"msf-drill-hang-{step}-{self.rank}").touch()
+        deadline = time.monotonic() + 300  # a rank listed that never comes (not in the world) stops the wait
+        while not all((folder / f"msf-drill-hang-{step}-{r}").exists() for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def nan_gradients(self, step: int, params: Any) -> list[Any]:
         """Hooks that turn this rank's gradients NaN during `step` (remove them after the step)."""

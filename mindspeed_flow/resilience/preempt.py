@@ -6,13 +6,18 @@ after which they all save. The handler only records the signal; at the end of ev
 async all_reduce(MAX) of its flag on its own gloo group and reads the result of the one posted `LAG` steps
 earlier (long complete by then, so a rank running ahead, such as a frozen encoder, is held back by at most
 `LAG` steps and never waits on the current one). Every rank reads the same reduced value at the same step, so
-all save the same step and exit together. The elastic agent gives workers 30 s after its own SIGTERM before
-SIGKILL: a save of the newest state fits in that on the models this targets, and if it does not, the previous
-periodic checkpoint is still the newest valid one (a save is only valid once its manifest is written).
+all save the same step and exit together.
+
+The bound: a rank signalled during step s saves after step s + LAG at the latest, so the save ends within
+(LAG + 1) step times plus one save after the signal (`stop_bound_s`). The launcher gives the workers
+`trainer.stop_grace_s` seconds after it passes a signal on before it kills them (torchrun's default is 30 s); the
+writer rank warns once when the bound, measured on this run's steps and saves, exceeds it. If a save is killed,
+the previous periodic checkpoint is still the newest valid one (a save is only valid once its manifest is written).
 """
 from __future__ import annotations
 
 import signal
+import time
 from collections import deque
 from typing import Any, Optional
 
@@ -27,6 +32,7 @@ class StopRequests:
     def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
         self.group = group if group is not None else dist.new_group(backend="gloo")
         self.signum = 0
+        self.signalled_at: Optional[float] = None  # time.monotonic() of the first signal this rank received
         self._posted: deque[tuple[torch.Tensor, Any]] = deque()
         self._previous: dict[int, Any] = {}
 
@@ -37,6 +43,8 @@ class StopRequests:
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.signum = signum
+        if self.signalled_at is None:
+            self.signalled_at = time.monotonic()
 
     def agreed(self) -> int:
         """Call once per step on every rank: the signal number all ranks agree to stop on now, or 0."""
@@ -54,3 +62,8 @@ class StopRequests:
             self._posted.popleft()[1].wait()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def stop_bound_s(step_seconds: float, save_seconds: float) -> float:
+    """The longest a stop on a signal can take, from the signal to the saved checkpoint (see the module docstring)."""
+    return (LAG + 1) * step_seconds + save_seconds

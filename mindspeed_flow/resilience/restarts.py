@@ -18,8 +18,15 @@ from typing import Any
 from mindspeed_flow.resilience.preempt import EXIT_SAVED_ON_SIGNAL
 
 RESTART_ENV = "MSF_RESTART_COUNT"
+# Where a worker that fails with one of CLEAR_ERRORS writes its one line (the launcher sets it for each attempt, in
+# the attempt's own temporary folder: the run directory may be the full disk the error is about).
+CAUSE_ENV = "MSF_CAUSE_FILE"
 # Error types (the worker's exception class names) that end a job without a restart.
 DELIBERATE_ERRORS = ("NonFiniteLoss", "ResumeRefused", "TooManyBadSamples", "DataError")
+# Errors the workers raise on purpose, with a message that says it all: the launcher prints that message alone,
+# not the elastic agent's page of tracebacks (which it keeps for anything unexpected).
+CLEAR_ERRORS = ("CheckpointSaveError", "TooManyBadSamples", "DataError", "PeerHang", "NonFiniteLoss",
+                "ResumeRefused", "RunDirWriteError")
 
 
 def restart_count() -> int:
@@ -47,3 +54,24 @@ def is_deliberate(exc: BaseException) -> bool:
     if not failures:
         return False
     return all(f.exitcode == EXIT_SAVED_ON_SIGNAL or error_type(f) in DELIBERATE_ERRORS for f in failures.values())
+
+
+def record_cause(exc: BaseException, rank: int) -> None:
+    """A worker failing with one of `CLEAR_ERRORS` says so at once, first writer wins: its peers then fail with
+    secondary errors (a reset connection) that can reach the elastic agent first, or be all it records when this
+    worker is still tearing down as the agent stops the others."""
+    if type(exc).__name__ in CLEAR_ERRORS:
+        tell_launcher(f"rank {rank}: {type(exc).__name__}: {exc}")
+
+
+def tell_launcher(line: str) -> None:
+    """Leave the launcher the one line that ends this attempt (a clear error, a save on a signal); the first wins."""
+    path = os.environ.get(CAUSE_ENV)
+    if not path:
+        return  # not under `mindspeed-flow train`'s launcher
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError:
+        return  # another rank's line came first (or the temporary folder is gone)
+    with os.fdopen(fd, "w") as f:
+        f.write(line.strip() + "\n")

@@ -69,12 +69,13 @@ def mismatch(run_dir: Path, folder: Path, why: str) -> ResumeRefused:
                          "resume with the old value, or start a new run with trainer.overwrite=true or another run_dir")
 
 
-def check_resume(run_dir: Path, *, seed: int, global_batch_size: int) -> None:
+def check_resume(run_dir: Path, *, seed: int, global_batch_size: int) -> Optional[Path]:
     """Launcher side, before anything is written: raise `ResumeRefused` when `run_dir` holds a previous run with no
-    checkpoint that verifies (sizes only), or its newest one was saved with another seed or global batch size."""
+    checkpoint that verifies (sizes only), or its newest one was saved with another seed or global batch size.
+    Returns the checkpoint the resume will continue from (None: no previous run)."""
     run_dir = Path(run_dir)
     if not existing_state(run_dir):
-        return  # no previous run: a resume starts one
+        return None  # no previous run: a resume starts one
     run_id = read_run_id(run_dir)
     for _, d in _step_dirs(run_dir / "checkpoints"):
         if verify(d, run_id, hashes=False) is None:
@@ -82,7 +83,7 @@ def check_resume(run_dir: Path, *, seed: int, global_batch_size: int) -> None:
             why = resume_mismatch(saved, {"seed": seed, "global_batch_size": global_batch_size})
             if why is not None:
                 raise mismatch(run_dir, d, why)
-            return
+            return d
     raise no_checkpoint(run_dir, run_id)
 
 

@@ -14,7 +14,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 RUN_FILE = "run.json"
 # What a run leaves in its directory; any of these means "another run's state is here".
@@ -98,3 +98,48 @@ def claim(run_dir: Path, *, resume: bool, overwrite: bool, experiment: str = "")
     write_run_id(run_dir, run_id, experiment=experiment, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  replaces=old_id if state and old_id else None)
     return run_id
+
+
+class RunDirLock:
+    """An exclusive lock on RUN_DIR/.lock held by the launch that uses the directory, for as long as it runs: a second
+    launch on the same run directory (two `trainer.resume=true` after one failure, from two shells) is refused
+    before it reads or writes anything of the run. `flock` locks belong to the open file, so the lock goes with
+    the process that holds it, even when it is killed (no stale lock to clean up); the forked workers share it.
+    The file holds who took it, for the refusal message. On NFS, flock is served by the lock manager (NFSv4, or
+    v3 with `lockd`)."""
+
+    NAME = ".lock"
+
+    def __init__(self) -> None:
+        self._file: Optional[Any] = None
+
+    def acquire(self, run_dir: Path) -> None:
+        import fcntl
+        import socket
+
+        run_dir = Path(run_dir)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise RunDirInUse(f"run_dir={str(run_dir)!r} exists and is not a directory")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        f = open(run_dir / self.NAME, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise RunDirInUse(f"run_dir={str(run_dir)!r} is in use by another launch ({holder}); wait for it to end "
+                              "(or stop it), or choose another run_dir") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since "
+                f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
+        f.flush()
+        self._file = f
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.seek(0)
+            self._file.truncate()  # nobody holds it now (an empty file is a free directory)
+            self._file.close()  # closing the last descriptor of the open file releases the lock
+            self._file = None

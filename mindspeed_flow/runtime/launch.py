@@ -12,18 +12,25 @@ exit code and one line. The final summary says how many restarts the run needed.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
 import sys
 import uuid
 from pathlib import Path
+from typing import Any, Optional
 
+from mindspeed_flow import torch_compat
 from mindspeed_flow.config.load import (RecipeError, check_rules, compose, load, model_hf_config, model_limits,
                                         save, to_job_config)
 from mindspeed_flow.data.preflight import DataError, preflight
 from mindspeed_flow.resilience.preempt import EXIT_SAVED_ON_SIGNAL
-from mindspeed_flow.resilience.restarts import error_message as _message, error_type, restart_count
+from mindspeed_flow.resilience.restarts import (CAUSE_ENV, CLEAR_ERRORS, error_message as _message, error_type,
+                                                restart_count)
 from mindspeed_flow.resilience.resume import PENDING_CONFIG, ResumeRefused, check_resume
-from mindspeed_flow.resilience.rundir import RunDirInUse, claim, existing_state
+from mindspeed_flow.resilience.diskspace import RunDirWriteError, check_room_for_save
+from mindspeed_flow.resilience.checkpoint import valid_steps
+from mindspeed_flow.resilience.rundir import RunDirInUse, RunDirLock, claim, existing_state, read_run_id
 from mindspeed_flow.resilience.watchdog import FAILURE_FILE
 from mindspeed_flow.specs import VLMSpec
 from mindspeed_flow.topology import Layout, LayoutError
@@ -35,10 +42,11 @@ def _inside_torchrun() -> bool:
                                                    and "MASTER_ADDR" in os.environ)
 
 
-def prepare(overrides: list[str], *, owner: bool = True) -> tuple[Path, int]:
-    """Compose + validate + check the data + claim the run directory + write the run's config; returns (config
-    path, world size the layout needs). Only the `owner` (the launcher, or rank 0 under an outer torchrun)
-    claims RUN_DIR; the others validate the same recipe and write their copy of it to a private file."""
+def prepare(overrides: list[str], *, owner: bool = True, lock: Optional[RunDirLock] = None) -> tuple[Path, int]:
+    """Compose + validate + check the data + lock and claim the run directory + write the run's config; returns
+    (config path, world size the layout needs). Only the `owner` (the launcher, or rank 0 under an outer torchrun)
+    claims RUN_DIR, holding `lock` on it; the others validate the same recipe and write their copy of it to a
+    private file."""
     cfg = compose(overrides)
     job = to_job_config(cfg)
     check_rules(job)
@@ -55,13 +63,17 @@ def prepare(overrides: list[str], *, owner: bool = True) -> tuple[Path, int]:
         return Path(name), layout.world_size
     preflight(job.data, job.trainer.global_batch_size)
     run_dir = Path(job.run_dir)
+    if lock is not None:  # before anything of the run is read: another launch may be writing it
+        lock.acquire(run_dir)
     # Under an outer torchrun that restarted its workers, this is the same run continuing, not a rerun.
     restarted = restart_count() > 0
     # A resume is admitted (or refused, changing nothing) before the directory is claimed or config.yaml written;
     # a restart is the same run continuing and starts over at step 0 if it failed before its first checkpoint.
     continuing = (job.trainer.resume or restarted) and bool(existing_state(run_dir))
     if job.trainer.resume and not restarted:
-        check_resume(run_dir, seed=job.seed, global_batch_size=job.trainer.global_batch_size)
+        newest = check_resume(run_dir, seed=job.seed, global_batch_size=job.trainer.global_batch_size)
+        if newest is not None and (job.trainer.checkpoint_every or job.trainer.save_final):
+            check_room_for_save(run_dir, newest)
     claim(run_dir, resume=job.trainer.resume or restarted, overwrite=job.trainer.overwrite and not restarted,
           experiment=job.experiment_name)
     # Continuing a run: config.yaml stays the run's own until the workers accept the resume (resilience/resume.py).
@@ -71,7 +83,7 @@ def prepare(overrides: list[str], *, owner: bool = True) -> tuple[Path, int]:
     return path, layout.world_size
 
 
-def launch_local(config_path: Path, nproc: int, max_restarts: int = 0) -> int:
+def launch_local(config_path: Path, nproc: int, max_restarts: int = 0, stop_grace_s: int = 30) -> int:
     """Run the workers, restarting them up to `max_restarts` times after a failure that is not a deliberate stop
     (resilience/restarts.py); returns the restarts used. A failure that ends the job is raised with
     `restarts` set on it. Each attempt is one elastic launch with no restarts of its own, and its log folder is a
@@ -86,13 +98,16 @@ def launch_local(config_path: Path, nproc: int, max_restarts: int = 0) -> int:
     for attempt in range(max_restarts + 1):
         log_dir = tempfile.mkdtemp(prefix="mindspeed-flow-elastic-")
         os.environ[RESTART_ENV] = str(attempt)  # the workers inherit it: resume, drills armed in attempt 0 only
+        os.environ[CAUSE_ENV] = cause_file = os.path.join(log_dir, "cause.txt")
         # The agent's per-worker error files (pytorch-errorfile-*.pickle, left behind by a failed worker) go to
         # the temporary directory: this attempt's, removed with it.
         tempfile.tempdir = log_dir
         try:
-            _launch_once(config_path, nproc, log_dir)
+            _launch_once(config_path, nproc, log_dir, stop_grace_s)
             return attempt
         except Exception as e:
+            if os.path.exists(cause_file):  # what a worker said it failed of, before its peers' consequences
+                e.cause = Path(cause_file).read_text().strip()  # type: ignore[attr-defined]
             if attempt == max_restarts or is_deliberate(e):
                 e.restarts = attempt  # type: ignore[attr-defined]
                 raise
@@ -101,12 +116,13 @@ def launch_local(config_path: Path, nproc: int, max_restarts: int = 0) -> int:
                   "the workers resume from the newest verified checkpoint", file=sys.stderr, flush=True)
         finally:
             os.environ.pop(RESTART_ENV, None)
+            os.environ.pop(CAUSE_ENV, None)
             tempfile.tempdir = saved_tempdir
             shutil.rmtree(log_dir, ignore_errors=True)
     raise AssertionError("unreachable")
 
 
-def _launch_once(config_path: Path, nproc: int, log_dir: str) -> None:
+def _launch_once(config_path: Path, nproc: int, log_dir: str, stop_grace_s: int = 30) -> None:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -127,21 +143,33 @@ def _launch_once(config_path: Path, nproc: int, log_dir: str) -> None:
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"msf-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
         monitor_interval=0.1, start_method=start_method, logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        **torch_compat.shutdown_grace(stop_grace_s),
     )
+    # The agent logs every failed worker's traceback as it reaps it (a page per rank, mostly the secondary failures
+    # of its peers); the launcher prints the job's cause once, and for an unexpected error the agent's summary with
+    # the root-cause traceback.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     elastic_launch(config, run_worker_recorded)(str(config_path))
 
 
-# Errors the workers raise on purpose, with a message that says it all: the launcher prints that message alone,
-# not the elastic agent's page of tracebacks (which it keeps for anything unexpected).
-CLEAR_ERRORS = ("CheckpointSaveError", "TooManyBadSamples", "DataError", "PeerHang", "NonFiniteLoss",
-                "ResumeRefused")
+def first_failure(exc: Exception) -> Optional[tuple[int, Any]]:
+    """(rank, failure) of the job's cause: the earliest failure that raised one of `CLEAR_ERRORS`, else the earliest.
+    A rank that fails on purpose (a full disk, bad data) takes its peers down with secondary errors ("connection
+    closed by peer"), and on a busy machine one of those can be recorded first."""
+    failures = getattr(exc, "failures", None)
+    if not failures:
+        return None
+    clear = {r: f for r, f in failures.items() if error_type(f) in CLEAR_ERRORS}
+    pool = clear or failures
+    rank = min(pool, key=lambda r: (pool[r].timestamp, r))
+    return rank, pool[rank]
 
 
 def _failure_summary(exc: Exception) -> str:
-    first = getattr(exc, "get_first_failure", None)
-    if first is None:
+    found = first_failure(exc)
+    if found is None:
         return str(exc)
-    rank, failure = first()
+    rank, failure = found
     if error_type(failure) in CLEAR_ERRORS:
         return f"rank {rank}: {_message(failure)}"
     return str(exc)
@@ -153,10 +181,12 @@ def _first_cause(run_dir: Path, exc: Exception, short: bool = False) -> str:
     failure = run_dir / FAILURE_FILE
     if failure.exists():
         return failure.read_text().strip()
-    first = getattr(exc, "get_first_failure", None)
-    if not short or first is None:
+    if getattr(exc, "cause", None):
+        return exc.cause  # type: ignore[attr-defined]
+    found = first_failure(exc)
+    if not short or found is None:
         return _failure_summary(exc)
-    rank, f = first()
+    rank, f = found
     said = _message(f).strip().splitlines()
     return f"rank {rank}: {said[0] if said else f'exit code {f.exitcode}'}"
 
@@ -176,16 +206,24 @@ def summarize(run_dir: Path) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    lock = RunDirLock()
+    try:
+        return _main(argv, lock)
+    finally:
+        lock.release()
+
+
+def _main(argv: list[str], lock: RunDirLock) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     inside = _inside_torchrun()
     try:
-        config_path, nproc = prepare(argv, owner=not inside or os.environ.get("RANK", "0") == "0")
+        config_path, nproc = prepare(argv, owner=not inside or os.environ.get("RANK", "0") == "0", lock=lock)
     except DataError as e:
         print(f"mindspeed-flow train: bad data: {e}", file=sys.stderr)
         return 2
-    except (RunDirInUse, ResumeRefused) as e:
+    except (RunDirInUse, ResumeRefused, RunDirWriteError) as e:
         print(f"mindspeed-flow train: {e}", file=sys.stderr)
         return 2
     except (RecipeError, LayoutError, ValueError, FileNotFoundError, HydraException, OmegaConfBaseException) as e:
@@ -199,7 +237,9 @@ def main(argv: list[str]) -> int:
     failure = config_path.parent / FAILURE_FILE
     failure.unlink(missing_ok=True)
     try:
-        restarts = launch_local(config_path, nproc, max_restarts=load(config_path).trainer.max_restarts)
+        trainer = load(config_path).trainer
+        restarts = launch_local(config_path, nproc, max_restarts=trainer.max_restarts,
+                                stop_grace_s=trainer.stop_grace_s)
     except Exception as e:  # ChildFailedError carries each failed rank's root cause
         restarts = getattr(e, "restarts", 0)
         after = f" after {restarts} restart(s)" if restarts else ""
@@ -211,9 +251,18 @@ def main(argv: list[str]) -> int:
                   file=sys.stderr)
             return 2
         if codes == {EXIT_SAVED_ON_SIGNAL} or type(e).__name__ == "SignalException":
-            print(f"mindspeed-flow train: stopped by a signal ({e if not codes else 'SIGTERM/SIGINT'}){after}; the "
-                  f"workers saved a checkpoint when they could: continue with trainer.resume=true", file=sys.stderr)
-            return EXIT_SAVED_ON_SIGNAL
+            said = getattr(e, "cause", "") or ""
+            if said.startswith("saved "):  # the writer rank's line once the stop's save had landed
+                print(f"mindspeed-flow train: stopped{after}: {said}; continue with trainer.resume=true",
+                      file=sys.stderr)
+                return EXIT_SAVED_ON_SIGNAL
+            sigval = getattr(e, "sigval", signal.SIGTERM)
+            newest = valid_steps(config_path.parent / "checkpoints", read_run_id(config_path.parent))
+            print(f"mindspeed-flow train: stopped by {signal.Signals(sigval).name}{after}; the workers did not save "
+                  f"within trainer.stop_grace_s={trainer.stop_grace_s} s; trainer.resume=true continues from "
+                  + (f"the newest valid checkpoint, step-{newest[-1]}" if newest else "step 0 (no valid checkpoint)"),
+                  file=sys.stderr)
+            return 128 + int(sigval)
         print(f"mindspeed-flow train: training failed{after}: {_first_cause(config_path.parent, e)}",
               file=sys.stderr)
         return 1

@@ -8,6 +8,7 @@ second over devices x per-device peak; the formula and the peak used are printed
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from mindspeed_flow.resilience.diskspace import write_failed
 
 SLOTS = (
     "is_encoder", "is_backbone", "is_writer",
@@ -119,10 +122,15 @@ class MetricsFile:
     A fresh run starts the file empty; a resumed run (`resume_step`) continues it without the lines of the steps it
     is about to redo, so each step appears once. Used by the torch host's gatherer and by the MindSpeed-MM host."""
 
-    def __init__(self, run_dir: Path, append: bool = False, resume_step: Optional[int] = None) -> None:
+    def __init__(self, run_dir: Path, append: bool = False, resume_step: Optional[int] = None,
+                 on_write_error: str = "stop") -> None:
         self.path = run_dir / "metrics.jsonl"
         self.lines: list[dict[str, Any]] = []
         self.sinks: list[Any] = []  # more writers of each line (TensorBoard): .write(line), .close()
+        # A failed append (full disk): "stop" raises RunDirWriteError; "continue" (trainer.on_save_error=continue)
+        # keeps the lines and appends them with the next write that succeeds, so none is lost while space returns.
+        self.on_write_error = on_write_error
+        self.unwritten: list[str] = []
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if not append:
             self.path.write_text("")
@@ -130,19 +138,50 @@ class MetricsFile:
             kept = [x for x in self.path.read_text().splitlines(keepends=True)
                     if (_step_of(x) if x.strip() else resume_step) < resume_step]
             tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(kept))
-            tmp.replace(self.path)
+            try:
+                tmp.write_text("".join(kept))
+                tmp.replace(self.path)
+            except OSError as exc:  # the run's history stays as it was; no empty .tmp left behind
+                tmp.unlink(missing_ok=True)
+                raise write_failed(self.path, exc, "it is unchanged; free space there, then launch again") from None
 
     def write(self, line: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        self.unwritten.append(json.dumps(line) + "\n")
+        try:
+            self._append()
+        except OSError as exc:
+            if self.on_write_error != "continue":
+                raise write_failed(self.path, exc, f"its first {len(self.lines)} lines are intact; the newest "
+                                   "valid checkpoint is what trainer.resume=true continues from") from None
+            if len(self.unwritten) == 1:
+                said = write_failed(self.path, exc, "its lines are kept in memory and appended once a write succeeds")
+                print(f"[mindspeed-flow] warning: {said} (trainer.on_save_error=continue)", flush=True)
         self.lines.append(line)
         for sink in self.sinks:
             sink.write(line)
 
+    def _append(self) -> None:
+        """Append the unwritten lines whole or not at all: a write cut short by a full disk is truncated away, so
+        the file never ends in a torn line."""
+        size = self.path.stat().st_size if self.path.exists() else 0
+        try:
+            with open(self.path, "a") as f:
+                f.write("".join(self.unwritten))
+        except OSError:
+            os.truncate(self.path, size)
+            raise
+        self.unwritten.clear()
+
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+        if self.unwritten:  # the last chance: the lines kept through a full disk
+            try:
+                self._append()
+            except OSError as exc:
+                raise write_failed(self.path, exc, f"{len(self.unwritten)} step lines could not be written; "
+                                   f"the first {len(self.lines) - len(self.unwritten)} are intact") from None
+            self.unwritten.clear()
 
 
 class MetricsGatherer:
@@ -150,12 +189,12 @@ class MetricsGatherer:
 
     def __init__(self, group: Optional[dist.ProcessGroup], world_size: int, writer: bool, run_dir: Path,
                  devices: int, peak_flops: float, peak_desc: str, append: bool = False,
-                 resume_step: Optional[int] = None) -> None:
+                 resume_step: Optional[int] = None, on_write_error: str = "stop") -> None:
         self.group, self.world_size, self.writer = group, world_size, writer
         self.devices, self.peak_flops, self.peak_desc = devices, peak_flops, peak_desc
         self.pending: list[tuple[StepStatic, list[torch.Tensor], Any]] = []
         self.last_end: Optional[float] = None
-        self.file = MetricsFile(run_dir, append, resume_step) if writer else None
+        self.file = MetricsFile(run_dir, append, resume_step, on_write_error) if writer else None
         self.path = run_dir / "metrics.jsonl"
 
     @property

@@ -8,6 +8,7 @@ import datetime
 import os
 import signal
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -25,8 +26,8 @@ from mindspeed_flow.data.guard import SampleGuard
 from mindspeed_flow.packing import CostModel
 from mindspeed_flow.resilience.checkpoint import Checkpointer, CheckpointSaveError
 from mindspeed_flow.resilience.faults import FaultDrills
-from mindspeed_flow.resilience.preempt import EXIT_SAVED_ON_SIGNAL, StopRequests
-from mindspeed_flow.resilience.restarts import restart_count
+from mindspeed_flow.resilience.preempt import EXIT_SAVED_ON_SIGNAL, LAG, StopRequests, stop_bound_s
+from mindspeed_flow.resilience.restarts import record_cause, restart_count, tell_launcher
 from mindspeed_flow.data.sampler import resume_mismatch
 from mindspeed_flow.resilience.resume import accept_config, has_previous_run, mismatch, no_checkpoint, sampler_state
 from mindspeed_flow.resilience.rundir import new_run_id, read_run_id, write_run_id
@@ -176,7 +177,8 @@ def run_worker(config_path: str) -> None:
         accept_config(Path(job.run_dir), Path(config_path))
     # A resumed run continues metrics.jsonl without the lines of steps it is about to redo.
     gatherer = MetricsGatherer(metrics_group, world, is_writer, Path(job.run_dir), 1, peak_total, peak_desc,
-                               append=start_step > 0, resume_step=start_step)
+                               append=start_step > 0, resume_step=start_step,
+                               on_write_error=job.trainer.on_save_error)
     sink = open_sink(Path(job.run_dir) / "tensorboard", start_step) if is_writer and job.trainer.tensorboard else None
     if sink is not None:
         gatherer.sinks.append(sink)
@@ -194,6 +196,7 @@ def run_worker(config_path: str) -> None:
                         report_path=Path(job.run_dir) / FAILURE_FILE).start()
     stops = StopRequests().install()
     stopped_on = 0
+    grace_warned, saved = False, True
     for step in range(start_step, job.trainer.steps):
         watchdog.activity = f"step {step} ({doing})"
         drills.at_step_start(step, watchdog)
@@ -221,18 +224,24 @@ def run_worker(config_path: str) -> None:
         stopped_on = stops.agreed()
         if stopped_on or (every and (step + 1) % every == 0) or (last and job.trainer.save_final):
             checkpointer.fail_next_with_enospc = drills.enospc(step)
-            _guarded_save(job, checkpointer, rank, lambda: checkpointer.save(
+            saved = _guarded_save(job, checkpointer, rank, lambda: checkpointer.save(
                 step, rank_models.named_params, optim.optimizer, {"step": step, "sampler": batches.state_dict()}))
             drills.after_save(step, checkpointer, rank)
         drills.signal_self(step)
         if stopped_on:
-            if is_writer:
-                print(f"[mindspeed-flow] {signal.Signals(stopped_on).name}: saved {checkpointer.root}/step-{step}; "
-                      f"exiting with code {EXIT_SAVED_ON_SIGNAL} (continue with trainer.resume=true)", flush=True)
             break
+        if is_writer and not grace_warned and checkpointer.last_save_s is not None and gatherer.lines:
+            grace_warned = _warn_if_stop_outlasts_grace(job, gatherer.lines, checkpointer.last_save_s)
     watchdog.activity = "the final checkpoint and metrics"
     stops.close()
-    _guarded_save(job, checkpointer, rank, checkpointer.wait)
+    saved = _guarded_save(job, checkpointer, rank, checkpointer.wait) and saved
+    if stopped_on and is_writer and saved:  # the save (async too) has landed: say so, and how long the stop took
+        name = signal.Signals(stopped_on).name
+        after = f" {time.monotonic() - stops.signalled_at:.1f} s after it reached this rank" \
+            if stops.signalled_at is not None else ""
+        tell_launcher(f"saved {checkpointer.root}/step-{step} on {name}{after}")
+        print(f"[mindspeed-flow] {name}: saved {checkpointer.root}/step-{step}{after}; "
+              f"exiting with code {EXIT_SAVED_ON_SIGNAL} (continue with trainer.resume=true)", flush=True)
     for line in gatherer.drain(block=True):
         progress.update(line)
     progress.close()
@@ -245,6 +254,22 @@ def run_worker(config_path: str) -> None:
     torch_compat.destroy_process_groups()  # a plain destroy can deadlock on torch 2.7's gloo (see there)
     if stopped_on:
         sys.exit(EXIT_SAVED_ON_SIGNAL)
+
+
+def _warn_if_stop_outlasts_grace(job: FlowJobConfig, lines: list[dict[str, Any]], save_s: float) -> bool:
+    """Once a save and a few steps are measured: say so when a stop on SIGTERM could not save within the launcher's
+    grace period (resilience/preempt.py). Returns whether it has said it."""
+    recent = [x["step_seconds"] for x in lines[-5:] if x.get("step_seconds")]
+    if not recent:
+        return False
+    bound, grace = stop_bound_s(max(recent), save_s), job.trainer.stop_grace_s
+    if bound > grace:
+        print(f"[mindspeed-flow] warning: a stop on SIGTERM would save up to {bound:.0f} s after the signal "
+              f"({LAG + 1} steps of up to {max(recent):.1f} s and a save of {save_s:.1f} s), more than "
+              f"trainer.stop_grace_s={grace}: the launcher would kill that save and a resume would continue from the "
+              "newest periodic checkpoint. Raise trainer.stop_grace_s (and the scheduler's own grace period).",
+              flush=True)
+    return True
 
 
 def _run_id(job: FlowJobConfig, rank: int, group: Any) -> str:
@@ -261,15 +286,18 @@ def _run_id(job: FlowJobConfig, rank: int, group: Any) -> str:
     return str(box[0])
 
 
-def _guarded_save(job: FlowJobConfig, checkpointer: Checkpointer, rank: int, save: Any) -> None:
-    """A failed save never damages the previous checkpoint; `trainer.on_save_error` says whether to go on."""
+def _guarded_save(job: FlowJobConfig, checkpointer: Checkpointer, rank: int, save: Any) -> bool:
+    """A failed save never damages the previous checkpoint; `trainer.on_save_error` says whether to go on.
+    Returns whether the save succeeded."""
     try:
         save()
+        return True
     except CheckpointSaveError as exc:
         if job.trainer.on_save_error != "continue":
             raise
         if rank == 0:
             print(f"[mindspeed-flow] warning: {exc}; training goes on (trainer.on_save_error=continue)", flush=True)
+        return False
 
 
 def _maybe_resume(job: FlowJobConfig, models: Any, optim: Any, batches: Any, verbose: bool, run_id: str,
@@ -348,5 +376,10 @@ def _recorded() -> "Any":
 
 
 def run_worker_recorded(config_path: str) -> None:
-    """Entry for the elastic agent: `record` writes the root-cause traceback the launcher prints."""
-    _recorded()(config_path)
+    """Entry for the elastic agent: `record` writes the root-cause traceback the launcher prints; a failure that
+    says it all (resilience/restarts.py CLEAR_ERRORS) is also noted at once as the job's cause."""
+    try:
+        _recorded()(config_path)
+    except Exception as exc:
+        record_cause(exc, int(os.environ.get("RANK", "0")))
+        raise
