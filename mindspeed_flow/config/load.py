@@ -23,11 +23,14 @@ class RecipeError(ValueError):
 
 
 def recipes_dir() -> Path:
-    """The Hydra recipe tree: $MSF_RECIPES, else recipes/ at the repository root (beside the package)."""
+    """The Hydra recipe tree: $MSF_RECIPES, else the package's (mindspeed_flow.resources: recipes/ at the
+    repository root, or inside an installed wheel)."""
+    from mindspeed_flow.resources import data_path
+
     env = os.environ.get("MSF_RECIPES")
     if env:
         return Path(env).resolve()
-    return (Path(__file__).resolve().parents[2] / "recipes").resolve()
+    return data_path("recipes").resolve()
 
 
 def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictConfig:
