@@ -5,14 +5,13 @@ torch_npu is imported here only, only when it is installed, and its absence is n
 mindspeed-flow asks an `Accelerator` instead of touching `torch.cuda` / `torch.npu` directly, so the same code
 runs on Ascend, on NVIDIA GPUs and on the CPU (how CI tests it).
 
-`mindspeed-flow doctor` prints what this machine offers.
+`mindspeed-flow doctor` (mindspeed_flow/doctor.py) prints what this machine offers.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib
 import importlib.util
-import json
 import os
 import platform
 import sys
@@ -167,14 +166,3 @@ def _has_mc2_ops() -> bool:
         return False
     return all(hasattr(torch_npu, op) for op in ("npu_all_gather_base_mm", "npu_mm_reduce_scatter_base"))
 
-
-def main(argv: list[str] | None = None) -> int:
-    """`mindspeed-flow doctor`: print what this machine offers as JSON."""
-    acc = Accelerator.detect()
-    info = acc.describe()
-    info["packages"] = {}
-    for pkg in ("transformers", "ortools", "hydra", "torch_npu", "mindspeed", "mindspeed_mm", "megatron"):
-        spec = importlib.util.find_spec(pkg)
-        info["packages"][pkg] = "present" if spec is not None else "absent"
-    print(json.dumps(info, indent=2, default=str))
-    return 0

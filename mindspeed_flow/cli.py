@@ -9,6 +9,9 @@
     mindspeed-flow doctor                          what this machine offers (device, backend, MC2, versions)
     mindspeed-flow launch-script RECIPE.yaml [--cluster a2|a3] [--job mm|train] [--out F.sh]   Ascend launch script
     mindspeed-flow report RUN_DIR                  PNG curves and one step's timeline of a run
+    mindspeed-flow --version                       the package version
+
+`mindspeed-flow COMMAND --help` prints a command's own usage.
 
 Subcommand modules are imported only when used, so `plan` never imports torch.distributed machinery and
 `emulate` never loads the emulation layer into another command's process.
@@ -24,7 +27,7 @@ SUBCOMMANDS: dict[str, str] = {
     "profile": "mindspeed_flow.planner.profile",
     "emulate": "mindspeed_flow.emulation.cli",
     "convert-checkpoint": "mindspeed_flow.hosts.mindspeed_mm.convert",
-    "doctor": "mindspeed_flow.accelerator",
+    "doctor": "mindspeed_flow.doctor",
     "launch-script": "mindspeed_flow.runtime.launch_script",
     "report": "mindspeed_flow.runtime.report",
 }
@@ -52,16 +55,27 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
+    if argv[0] in ("-V", "--version"):
+        from mindspeed_flow import __version__
+
+        print(f"mindspeed-flow {__version__}")
+        return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":
+        bench_usage = f"usage: mindspeed-flow bench {{{'|'.join(sorted(BENCHMARKS))}}} [options]"
+        if rest and rest[0] in ("-h", "--help"):
+            print(bench_usage)
+            return 0
         if not rest or rest[0] not in BENCHMARKS:
-            print(f"usage: mindspeed-flow bench {{{'|'.join(sorted(BENCHMARKS))}}} [options]", file=sys.stderr)
+            print(bench_usage, file=sys.stderr)
             return 2
         module, rest = BENCHMARKS[rest[0]], rest[1:]
     elif cmd in SUBCOMMANDS:
         module = SUBCOMMANDS[cmd]
     else:
-        print(f"mindspeed-flow: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
+        from mindspeed_flow.utils.usage import unknown_key
+
+        print(f"mindspeed-flow: {unknown_key(cmd, [*SUBCOMMANDS, 'bench'], 'command')}\n\n{_usage()}", file=sys.stderr)
         return 2
     return int(importlib.import_module(module).main(rest) or 0)
 

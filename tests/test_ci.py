@@ -1,5 +1,6 @@
-"""ci/: the hosted-CI workflow calls only scripts that exist, and the pinned-sources fetch (git by commit, then the
-archive with .source_commit) works end to end against local git repositories standing in for the upstreams."""
+"""The hosted-CI workflow (.github/workflows/ci.yml) calls only scripts that exist, and the pinned-sources fetch
+(git by commit, then the archive with .source_commit) works end to end against local git repositories standing in
+for the upstreams."""
 from __future__ import annotations
 
 import re
@@ -17,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_workflow_jobs_run_repository_scripts() -> None:
-    wf = yaml.safe_load((REPO / "ci/github-actions.yml").read_text())
+    wf = yaml.safe_load((REPO / ".github/workflows/ci.yml").read_text())
     assert set(wf["jobs"]) == {"lint", "unit", "multirank", "mindspeed-mm"}
     runs = {job: [s["run"] for s in spec["steps"] if "run" in s] for job, spec in wf["jobs"].items()}
     for job, commands in runs.items():
@@ -30,6 +31,9 @@ def test_workflow_jobs_run_repository_scripts() -> None:
     emulation = (REPO / "ci/emulation.sh").read_text()
     assert "ci/fetch_sources.sh" in emulation and "scripts/run_mindspeed_mm_tests.sh" in emulation
     assert "scripts/run_tests.sh" in (REPO / ".ci/run").read_text()  # the README's entry stays
+    # torch as the README installs it: pinned by scripts/constraints*.txt, the CPU wheels from PyTorch's index
+    assert wf["env"]["PIP_EXTRA_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert not list((REPO / "ci").glob("*.yml"))  # one workflow definition, where the service reads it
 
 
 def _upstream(root: Path, name: str) -> str:

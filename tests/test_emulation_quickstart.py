@@ -77,6 +77,19 @@ def test_script_relative_to_the_callers_folder_runs_from_there(sources, tmp_path
     assert str(caller) in err and str(sources["MindSpeed-MM"]) in err
 
 
+def test_dry_run_with_a_shell_script_runs_nothing(sources, tmp_path: Path, capsys) -> None:
+    """`emulate --dry-run --shell SCRIPT` prints what it would run (folder, PYTHONPATH, mode, `bash SCRIPT`)."""
+    marker = tmp_path / "ran"
+    script = tmp_path / "launch.sh"
+    script.write_text(f"touch {marker}\n")
+    assert cli.main(["--dry-run", "--shell", str(script)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"cd {sources['MindSpeed-MM']}" and out[-1] == f"bash {script}"
+    assert any(line.startswith("PYTHONPATH=") for line in out) and not marker.exists()
+    assert cli.main(["--dry-run", "--setup", str(tmp_path / "setup")]) == 0
+    assert "would prepare" in capsys.readouterr().out and not (tmp_path / "setup").exists()
+
+
 # ------------------------------------------------------------------------------------ torchvision compat
 def test_torchvision_compat_applies_itself_under_emulation(tmp_path: Path) -> None:
     probe = textwrap.dedent("""

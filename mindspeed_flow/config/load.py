@@ -23,11 +23,14 @@ class RecipeError(ValueError):
 
 
 def recipes_dir() -> Path:
-    """The Hydra recipe tree: $MSF_RECIPES, else recipes/ at the repository root (beside the package)."""
+    """The Hydra recipe tree: $MSF_RECIPES, else the package's (mindspeed_flow.resources: recipes/ at the
+    repository root, or inside an installed wheel)."""
+    from mindspeed_flow.resources import data_path
+
     env = os.environ.get("MSF_RECIPES")
     if env:
         return Path(env).resolve()
-    return (Path(__file__).resolve().parents[2] / "recipes").resolve()
+    return data_path("recipes").resolve()
 
 
 def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictConfig:
@@ -41,6 +44,44 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictC
     with initialize_config_dir(config_dir=str(recipes_dir()), version_base="1.3"):
         cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
     return cfg
+
+
+def known_keys() -> list[str]:
+    """Every dotted key a `train` override may set (the schema's fields) and the recipe groups (experiment=, ...)."""
+    keys: list[str] = []
+
+    def walk(node: object, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                keys.append(prefix + str(k))
+                walk(v, f"{prefix}{k}.")
+
+    walk(OmegaConf.to_container(OmegaConf.structured(FlowJobConfig)), "")
+    return keys + [d.name for d in recipes_dir().iterdir() if d.is_dir()]
+
+
+def explain_override_error(exc: Exception) -> str | None:
+    """One line for an override Hydra / OmegaConf refused: an unknown key with the nearest valid one, a value of
+    the wrong type with the field and the type, an unknown recipe with the nearest one; None for anything else."""
+    from hydra.errors import MissingConfigException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    from mindspeed_flow.utils.usage import nearest, unknown_key
+
+    if isinstance(exc, MissingConfigException) and exc.options and exc.missing_cfg_file:
+        group, _, name = str(exc.missing_cfg_file).rpartition("/")
+        guess = nearest(name, exc.options)
+        hint = f"did you mean {group}={guess}?" if guess else f"recipes: {', '.join(exc.options)}"
+        return f"{group}={name}: no such recipe in recipes/{group}/; {hint}"
+    err: BaseException | None = exc
+    while err is not None:
+        key = getattr(err, "full_key", None)
+        if key and isinstance(err, (ConfigAttributeError, ConfigKeyError)):
+            return str(unknown_key(key, known_keys(), see="the fields are recipes/config.yaml's and its groups'"))
+        if key and isinstance(err, ValidationError):
+            return f"{key}: {str(getattr(err, 'msg', err)).splitlines()[0]}"
+        err = err.__cause__
+    return None
 
 
 def to_job_config(cfg: DictConfig) -> FlowJobConfig:

@@ -1,6 +1,7 @@
 """`mindspeed-flow emulate`: run a MindSpeed-MM job on CPU with the emulated torch_npu.
 
     mindspeed-flow emulate [--nproc N] [--patches] [--flow-recipe FLOW.yaml] [--log FILE] [--lenient] -- pretrain_vlm.py <args...>
+    mindspeed-flow emulate [--lenient] --shell SCRIPT.sh       a MindSpeed-MM launch script, unchanged
     mindspeed-flow emulate --setup DIR [--sources-archive A.tar.gz | --fetch]   sources + tiny assets + env.sh
     mindspeed-flow emulate --print-command [--tiny DIR] [--layout dp2|tp2sp|pp2|dp2pp2] [--flow-recipe F.yaml]
 
@@ -16,7 +17,8 @@ are in the line `--print-command` prints (`mindspeed_flow.emulation.jobs.TinyJob
 
 The emulated NPU is strict by default (a real npu device that refuses host tensors in device ops and in HCCL
 collectives, see README "Strict and lenient"); `--lenient` (or MSF_EMULATION_MODE=lenient) runs the job with npu
-tensors as host CPU tensors instead.
+tensors as host CPU tensors instead. `--dry-run` prints what would run (the folder, PYTHONPATH, the mode and the
+command, or `bash SCRIPT.sh` with --shell) and starts nothing.
 """
 from __future__ import annotations
 
@@ -56,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lenient", action="store_true",
                    help=f"lenient emulation: npu tensors are host CPU tensors (default: ${modes.ENV_VAR}, else strict)")
     p.add_argument("--allow-untested", action="store_true", help="run sources at commits other than the tested ones")
-    p.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the command (or --shell script) and its environment; run and write nothing")
     p.add_argument("--shell", default=None, metavar="SCRIPT.sh",
                    help="run a MindSpeed-MM launch script (torchrun inside) in the emulated environment instead")
     p.add_argument("--setup", default=None, metavar="DIR",
@@ -149,8 +152,18 @@ def _run_shell(args: argparse.Namespace) -> int:
     if not shell.is_file():
         print(f"mindspeed-flow emulate: --shell {args.shell}: no such file", file=sys.stderr)
         return 2
-    return subprocess.run(["bash", str(shell)], cwd=str(sources.mindspeed_mm.root),
-                          env=job_env(sources, args.log, mode=_mode(args))).returncode
+    env = job_env(sources, args.log, mode=_mode(args))
+    cmd = ["bash", str(shell)]
+    if args.dry_run:
+        return _print_dry_run(sources.mindspeed_mm.root, env, cmd)
+    return subprocess.run(cmd, cwd=str(sources.mindspeed_mm.root), env=env).returncode
+
+
+def _print_dry_run(root: Path, env: dict[str, str], cmd: list[str]) -> int:
+    """--dry-run: what would run, where and with which emulation environment; nothing is started."""
+    mode = env.get(modes.ENV_VAR, modes.STRICT)
+    print(f"cd {root}\nPYTHONPATH={env['PYTHONPATH']}\n{modes.ENV_VAR}={mode}\n" + " ".join(cmd))
+    return 0
 
 
 @contextlib.contextmanager
@@ -169,6 +182,10 @@ def main(argv: list[str]) -> int:
     if script[:1] == ["--"]:
         script = script[1:]
     if args.setup:
+        if args.dry_run:
+            print(f"would prepare {args.setup}: the pinned sources, the tiny assets and env.sh (--dry-run: nothing "
+                  "written)")
+            return 0
         from mindspeed_flow.emulation.quickstart import run_setup
 
         return run_setup(args.setup, archive=args.sources_archive, fetch=args.fetch)
@@ -208,8 +225,5 @@ def main(argv: list[str]) -> int:
     env = job_env(sources, args.log, mode=_mode(args))
     cmd = job_command(args.nproc, script, args.patches, args.master_port, args.flow_recipe)
     if args.dry_run:
-        mode = env.get(modes.ENV_VAR, modes.STRICT)
-        print(f"cd {sources.mindspeed_mm.root}\nPYTHONPATH={env['PYTHONPATH']}\n{modes.ENV_VAR}={mode}\n" +
-              " ".join(cmd))
-        return 0
+        return _print_dry_run(sources.mindspeed_mm.root, env, cmd)
     return subprocess.run(cmd, cwd=str(sources.mindspeed_mm.root), env=env).returncode

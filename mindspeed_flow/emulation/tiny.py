@@ -69,7 +69,7 @@ def build_tokenizer(out_dir: Path) -> None:
 
 def build_processor(out_dir: Path) -> None:
     """Qwen2.5-VL processor (Qwen2-VL image processor: patch 14, merge 2) around the saved tokenizer."""
-    from mindspeed_flow.emulation import torchvision_compat
+    from mindspeed_flow.utils import torchvision_compat
 
     torchvision_compat.install()  # transformers' vision modules import torchvision (CUDA wheel next to CPU torch)
     from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLImageProcessor

@@ -2,10 +2,17 @@
 
     mindspeed-flow plan [cluster=atlas_900_a3_384] [model=qwen2_5_vl_72b] [data=infovqa] [devices=N]
                         [global_batch=G] [freeze_encoder=true] [samples=2048] [planner.FIELD=VALUE]
-                        [encoder.tp=2 backbone.pp=4 backbone.token_budget=32768 backbone.recompute=1]
-                        [--out recipe.yaml] [--name NAME] [--json] [--exhaustive] [--plot PATH.png]
+                        [parallel.encoder.tp=2 parallel.backbone.pp=4 parallel.backbone.token_budget=32768
+                         parallel.backbone.recompute=1]
+                        [--out recipe.yaml [--force]] [--name NAME] [--json] [--exhaustive] [--plot PATH.png]
                         [--no-baselines] [--simulate K] [--timeline PATH.png]
                         [--launch-script FILE.sh [--cluster a2|a3] [--job mm|train]]
+
+Layout pins use train's names, parallel.PART.FIELD (PART: encoder or backbone; FIELD: dp, tp, pp, cp,
+token_budget (b), recompute (rc)); the short PART.FIELD is an alias. trainer.global_batch_size= and
+model.freeze_encoder= are aliases of global_batch= and freeze_encoder=. An unknown key or option, or a value of the
+wrong type, is a usage error (exit status 2) naming the nearest valid key. --out and --launch-script refuse an
+existing file unless --force is given (which replaces only those files, and says so).
 
 --simulate K replays one step of each of the K best layouts (by the analytic model) in the discrete-event step
 simulator (`planner/simulate.py`) and prints them ranked by simulated step time beside the analytic figure;
@@ -32,8 +39,10 @@ from mindspeed_flow.planner.plan import make_plan
 from mindspeed_flow.planner.report import recipe_yaml, render_ranking, render_text, to_json, write_plot
 from mindspeed_flow.planner.simulate import rank_by_simulation, write_timeline
 from mindspeed_flow.planner.space import PlanError
+from mindspeed_flow.utils.usage import UsageError, unknown_key
 
 _FLAGS_WITH_VALUE = ("--out", "--plot", "--name", "--simulate", "--timeline", "--launch-script", "--cluster", "--job")
+_SWITCHES = ("--json", "--exhaustive", "--no-baselines", "--force")
 
 
 def _split_flags(argv: list[str]) -> tuple[dict[str, str | bool], list[str]]:
@@ -44,18 +53,31 @@ def _split_flags(argv: list[str]) -> tuple[dict[str, str | bool], list[str]]:
         if a in _FLAGS_WITH_VALUE:
             value = next(it, None)
             if value is None:
-                raise PlanError(f"{a} needs a value")
+                raise UsageError(f"{a} needs a value")
             flags[a] = value
         elif a.startswith("--") and "=" in a and a.split("=", 1)[0] in _FLAGS_WITH_VALUE:
             k, v = a.split("=", 1)
             flags[k] = v
-        elif a in ("--json", "--exhaustive", "--no-baselines"):
+        elif a in _SWITCHES:
             flags[a] = True
         elif a in ("-h", "--help"):
             flags["--help"] = True
+        elif a.startswith("-"):
+            raise unknown_key(a.split("=", 1)[0], (*_FLAGS_WITH_VALUE, *_SWITCHES, "--help"), "option")
         else:
             rest.append(a)
     return flags, rest
+
+
+def _check_outputs(flags: dict[str, str | bool]) -> None:
+    """--out and --launch-script never replace a file unless --force says so (and then say that they did)."""
+    for flag in ("--out", "--launch-script"):
+        target = flags.get(flag)
+        if target and os.path.exists(str(target)):
+            if not flags.get("--force"):
+                raise UsageError(f"{flag} {target} already exists: not overwriting it (pass --force to replace it, "
+                                 f"or choose another {flag})")
+            print(f"mindspeed-flow plan: --force: replacing {target}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             print((__doc__ or "").strip())
             return 0
         if flags.get("--launch-script") and not flags.get("--out"):
-            raise ValueError("--launch-script needs --out RECIPE.yaml: the script launches that recipe")
+            raise UsageError("--launch-script needs --out RECIPE.yaml: the script launches that recipe")
         args = parse_kv(kv)
+        _check_outputs(flags)
         problem, model = build_problem(args)
         plan = make_plan(problem, exhaustive=bool(flags.get("--exhaustive")),
                          with_baselines=not flags.get("--no-baselines"))
@@ -101,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
             try:
                 launch = plan_from_recipe(out, flags.get("--cluster"), str(flags.get("--job") or "mm"))
-                script = write_script(launch, str(flags["--launch-script"]))
+                script = write_script(launch, str(flags["--launch-script"]), force=bool(flags.get("--force")))
                 for note in launch.notes:
                     print(f"mindspeed-flow plan: launch script note: {note}", file=sys.stderr)
             except LaunchScriptError as e:

@@ -161,9 +161,10 @@ def validate_cluster(cfg: ClusterConfig) -> None:
 
 
 def recipes_dir() -> str:
-    """The repository's recipes/ folder (next to the package)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    return os.path.normpath(os.path.join(here, "..", "..", "recipes"))
+    """The package's recipes/ folder (mindspeed_flow.resources: the repository's, or an installed wheel's)."""
+    from mindspeed_flow.resources import data_path
+
+    return str(data_path("recipes"))
 
 
 def load_cluster(name_or_path: str) -> Cluster:

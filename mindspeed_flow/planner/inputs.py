@@ -3,7 +3,9 @@
 model= accepts a model recipe name (recipes/model/NAME.yaml: family + preset, or pretrained_path), a local
 checkpoint directory or config.json path, or FAMILY:PRESET (e.g. qwen2_5_vl:72b). The training precision
 follows the model recipe's dtype (float32 -> fp32 memory model); `planner.FIELD=VALUE` overrides any
-PlannerConfig field, `encoder.tp=2` / `backbone.pp=4` pin a layout field of a part.
+PlannerConfig field, `parallel.encoder.tp=2` / `parallel.backbone.pp=4` (train's names; `encoder.tp=2` and
+`backbone.pp=4` are short aliases) pin a layout field of a part. `trainer.global_batch_size=` and
+`model.freeze_encoder=` are accepted for `global_batch=` and `freeze_encoder=`.
 """
 from __future__ import annotations
 
@@ -18,12 +20,14 @@ import yaml
 from mindspeed_flow.config.planner import PlannerConfig
 from mindspeed_flow.config.schema import ModelConfig
 from mindspeed_flow.model_presets import hf_config_dict, load_config_json
+from mindspeed_flow.planner.cost import LAYOUT_FIELDS
 from mindspeed_flow.planner.hardware import Cluster, load_cluster, recipes_dir
 from mindspeed_flow.planner.parts import vlm_parts
 from mindspeed_flow.planner.plan import Problem
 from mindspeed_flow.planner.space import PlanError
 from mindspeed_flow.planner.workload import BUILTIN_DATA, load_workload
 from mindspeed_flow.specs import VLMSpec
+from mindspeed_flow.utils.usage import UsageError, typed, unknown_key
 
 DEFAULTS = {"cluster": "atlas_900_a3_384", "model": "qwen2_5_vl_72b", "data": "infovqa"}
 _PIN_ALIASES = {"token_budget": "b", "recompute": "rc"}
@@ -86,7 +90,7 @@ def apply_planner_overrides(cfg: PlannerConfig, overrides: Mapping[str, Any]) ->
     known = {f.name for f in dataclasses.fields(PlannerConfig)}
     for key in overrides:
         if key not in known:
-            raise PlanError(f"planner.{key}: unknown planner field; known: {sorted(known)}")
+            raise unknown_key(f"planner.{key}", (f"planner.{k}" for k in known), "planner field")
     return dataclasses.replace(cfg, **dict(overrides))
 
 
@@ -136,34 +140,60 @@ class PlanArgs:
     samples: int
 
 
+# plan's own keys, and the names `train` gives the same things (accepted as aliases)
+TOP_KEYS = ("cluster", "model", "data", "devices", "global_batch", "freeze_encoder", "samples")
+TRAIN_NAMES = {"trainer.global_batch_size": "global_batch", "model.freeze_encoder": "freeze_encoder"}
+PART_NAMES = ("encoder", "backbone")
+
+
+def _pin_key(key: str) -> tuple[str, str] | None:
+    """(part, layout field) of a pin: `parallel.backbone.cp` (train's name) or its short form `backbone.cp`."""
+    parts = key.split(".")
+    if parts[0] == "parallel":
+        parts = parts[1:]
+    if len(parts) != 2 or parts[0] == "planner":
+        return None
+    return parts[0], parts[1]
+
+
+def known_plan_keys() -> list[str]:
+    fields = [*LAYOUT_FIELDS, *_PIN_ALIASES]
+    return [*TOP_KEYS, *TRAIN_NAMES, *(f"planner.{f.name}" for f in dataclasses.fields(PlannerConfig)),
+            *(f"{pre}{part}.{f}" for pre in ("parallel.", "") for part in PART_NAMES for f in fields)]
+
+
 def parse_kv(argv: Sequence[str]) -> PlanArgs:
-    """key=value arguments (flags are handled by the caller)."""
+    """key=value arguments (flags are handled by the caller). An unknown key or a value of the wrong type is a
+    UsageError naming it (and the nearest valid key), never a PlanError: nothing was planned yet."""
     kv: dict[str, str] = {}
     for a in argv:
         if "=" not in a:
-            raise PlanError(f"argument {a!r}: expected key=value (cluster=, model=, data=, devices=, "
-                            "planner.FIELD=, encoder.tp=, backbone.pp=, ...)")
+            raise UsageError(f"argument {a!r}: expected key=value (cluster=, model=, data=, devices=, "
+                             "planner.FIELD=, parallel.encoder.tp=, parallel.backbone.pp=, ...) or a --flag")
         k, v = a.split("=", 1)
-        kv[k.strip()] = v.strip()
+        k = k.strip()
+        kv[TRAIN_NAMES.get(k, k)] = v.strip()
     planner: dict[str, Any] = {}
     pins: dict[str, dict[str, int]] = {}
     args = PlanArgs(cluster=kv.pop("cluster", DEFAULTS["cluster"]), model=kv.pop("model", DEFAULTS["model"]),
                     data=kv.pop("data", DEFAULTS["data"]), devices=None, planner=planner, pins=pins,
-                    samples=int(kv.pop("samples", 2048)))
+                    samples=int(typed("samples", kv.pop("samples", "2048"), int)))
     if "devices" in kv:
-        args.devices = int(kv.pop("devices"))
+        args.devices = int(typed("devices", kv.pop("devices"), int))
     if "global_batch" in kv:
-        planner["global_batch_size"] = int(kv.pop("global_batch"))
+        planner["global_batch_size"] = typed("global_batch", kv.pop("global_batch"), int)
     if "freeze_encoder" in kv:
         planner["freeze_encoder"] = bool(_parse_value(kv.pop("freeze_encoder")))
+    planner_fields = {f.name for f in dataclasses.fields(PlannerConfig)}
     for k, v in kv.items():
         head, _, field = k.partition(".")
-        if head == "planner" and field:
+        pin = _pin_key(k)
+        if head == "planner" and field in planner_fields:
             planner[field] = _parse_value(v)
-        elif field:
-            pins.setdefault(head, {})[_PIN_ALIASES.get(field, field)] = int(_parse_value(v))
+        elif pin and pin[0] in PART_NAMES and pin[1] in (*LAYOUT_FIELDS, *_PIN_ALIASES):
+            pins.setdefault(pin[0], {})[_PIN_ALIASES.get(pin[1], pin[1])] = int(typed(k, v, int))
         else:
-            raise PlanError(f"argument {k}={v}: unknown key")
+            raise unknown_key(k, known_plan_keys(), see="the keys are listed by `mindspeed-flow plan --help`")
     return args
 
 

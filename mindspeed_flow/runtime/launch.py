@@ -20,6 +20,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
+from omegaconf import OmegaConf
+
 from mindspeed_flow import torch_compat
 from mindspeed_flow.config.load import (RecipeError, check_rules, compose, load, model_hf_config, model_limits,
                                         save, to_job_config)
@@ -48,7 +50,9 @@ def prepare(overrides: list[str], *, owner: bool = True, lock: Optional[RunDirLo
     claims RUN_DIR, holding `lock` on it; the others validate the same recipe and write their copy of it to a
     private file."""
     cfg = compose(overrides)
-    job = to_job_config(cfg)
+    # as every worker will read it (plain YAML): a key added with `+` that the schema lacks fails here, before
+    # the run directory is claimed
+    job = to_job_config(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
     check_rules(job)
     layout = Layout.from_config(job.parallel, job.flow.mode)
     spec = VLMSpec.from_hf_config(model_hf_config(job))
@@ -205,6 +209,13 @@ def summarize(run_dir: Path) -> dict:
             "metrics": str(run_dir / "metrics.jsonl")}
 
 
+USAGE = """usage: mindspeed-flow train [experiment=NAME] [key=value ...]
+
+Hydra overrides of the recipe tree (recipes/): a group (experiment=, model=, data=, parallel=, packing=, flow=)
+or a field (trainer.steps=20, parallel.backbone.dp=2, run_dir=runs/x); `+key=value` adds a key a dict field holds.
+An unknown key or a value of the wrong type is a usage error (exit 2) naming the key and the nearest valid one."""
+
+
 def main(argv: list[str]) -> int:
     lock = RunDirLock()
     try:
@@ -217,6 +228,16 @@ def _main(argv: list[str], lock: RunDirLock) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from mindspeed_flow.config.load import explain_override_error
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE + "\n\n" + (__doc__ or "").strip())
+        return 0
+    options = [a for a in argv if a.startswith("-")]
+    if options:
+        print(f"mindspeed-flow train: unknown option {options[0]!r}: train takes key=value overrides only\n{USAGE}",
+              file=sys.stderr)
+        return 2
     inside = _inside_torchrun()
     try:
         config_path, nproc = prepare(argv, owner=not inside or os.environ.get("RANK", "0") == "0", lock=lock)
@@ -227,7 +248,7 @@ def _main(argv: list[str], lock: RunDirLock) -> int:
         print(f"mindspeed-flow train: {e}", file=sys.stderr)
         return 2
     except (RecipeError, LayoutError, ValueError, FileNotFoundError, HydraException, OmegaConfBaseException) as e:
-        print(f"mindspeed-flow train: invalid recipe: {e}", file=sys.stderr)
+        print(f"mindspeed-flow train: invalid recipe: {explain_override_error(e) or e}", file=sys.stderr)
         return 2
     if inside:
         from mindspeed_flow.runtime.worker import run_worker

@@ -23,7 +23,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-SCRIPTS_DIR = Path(__file__).resolve().parents[2] / "scripts" / "ascend"
+from mindspeed_flow.resources import data_path
+
+SCRIPTS_DIR = data_path("scripts/ascend")
 # script, devices per node the runtime sees (A3: each 910C package is two devices, one per die; MindSpeed-MM's
 # examples/qwen2.5vl/finetune_qwen2_5_vl_72b.sh sets NPUS_PER_NODE=16 on A3)
 CLUSTERS: dict[str, tuple[str, int]] = {"a2": ("train_a2.sh", 8), "a3": ("train_a3.sh", 16)}

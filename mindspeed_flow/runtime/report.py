@@ -60,7 +60,20 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (RUN_DIR must be a `mindspeed-flow train` run_dir or a "
                                 "MindSpeed-MM flow job's run directory)")
-    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    lines = []
+    for number, text in enumerate(path.read_text().splitlines(), start=1):
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as err:
+            print(f"mindspeed-flow report: {path}:{number}: skipped, not JSON ({err.msg})", file=sys.stderr)
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            print(f"mindspeed-flow report: {path}:{number}: skipped, not a step record (no integer 'step')",
+                  file=sys.stderr)
+            continue
+        lines.append(record)
     if not lines:
         raise ValueError(f"{path} holds no step yet")
     return lines

@@ -1,7 +1,7 @@
 """Start-up hook of every interpreter that runs under emulation (this folder is first on its PYTHONPATH).
 
 The PyPI torchvision wheel next to CPU torch dies on import (`operator torchvision::nms does not exist`);
-`mindspeed_flow.emulation.torchvision_compat.install()` fixes that, and here it runs automatically, just before
+`mindspeed_flow.utils.torchvision_compat.install()` fixes that, and here it runs automatically, just before
 the first `import torchvision`, whoever imports it first (MindSpeed-MM, transformers, a data worker, a user's
 helper). Nothing is imported at start-up (not even torch), so interpreters that never touch torchvision pay
 nothing. A `sitecustomize` further down sys.path, which this file shadows, still runs.
@@ -19,7 +19,7 @@ class _TorchvisionCompatOnImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if fullname == "torchvision":
             sys.meta_path.remove(self)
-            from mindspeed_flow.emulation import torchvision_compat
+            from mindspeed_flow.utils import torchvision_compat
 
             torchvision_compat.install()
         return None

@@ -18,6 +18,12 @@ Public API (what the runtime calls):
     global_grad_norm(shares, group) -> device scalar; clip_grads_(params, total_norm, max_norm) -> device factor;
     check_finite_norm(norm) -> float  (data_parallel.py)
 """
+# transformers' vision models import torchvision: PyPI's torchvision wheel next to a CPU torch (the `emulate`
+# extra's environment) must still import, as under `mindspeed-flow emulate`. Before anything imports transformers.
+from mindspeed_flow.utils.torchvision_compat import allow_missing_ops
+
+allow_missing_ops()
+
 from mindspeed_flow.hosts.torch.build import build_vlm
 from mindspeed_flow.hosts.torch.data_parallel import (allreduce_grads_, apply_ddp, apply_fsdp, clip_grads_,
                                                       check_finite_norm, dp_loss_scale, global_grad_norm, grad_sq_sum,

@@ -16,7 +16,7 @@ from mindspeed_flow.emulation import log as _log
 from mindspeed_flow.emulation import modes as _modes
 from mindspeed_flow.emulation import ops as _ops
 from mindspeed_flow.emulation import patching as _patching
-from mindspeed_flow.emulation import torchvision_compat as _tv_compat
+from mindspeed_flow.utils import torchvision_compat as _tv_compat
 
 __version__ = "2.7.1+msf.emulated"
 EMULATED = True

@@ -1,4 +1,6 @@
-"""Make the PyPI torchvision wheel importable next to CPU torch (not NPU-related, but MindSpeed-MM needs it).
+"""Make the PyPI torchvision wheel importable next to CPU torch (not NPU-related: MindSpeed-MM and transformers'
+vision models import torchvision). `train` applies `allow_missing_ops()` (from `mindspeed_flow.hosts.torch`), the
+emulation the whole of `install()` (from its start-up hook), so both run in the `emulate` extra's environment.
 
 PyPI ships only CUDA builds of torchvision for Linux; with CPU torch its compiled ops are missing and
 `import torchvision` dies registering fake kernels (`operator torchvision::nms does not exist`). Registering a
@@ -58,9 +60,19 @@ def _video_stub() -> types.ModuleType:
     return mod
 
 
+def allow_missing_ops() -> None:
+    """Let `import torchvision` (and transformers' vision models, which import it) succeed when the wheel's
+    compiled ops do not load: registering a fake kernel for a missing torchvision op becomes a no-op. Harmless
+    where the ops load (nothing else changes). Idempotent; `mindspeed-flow train` calls it through
+    `mindspeed_flow.hosts.torch`, the emulation through `install()`."""
+    if not getattr(torch.library.register_fake, "_msf_emulated", False):
+        torch.library.register_fake = _tolerant_register_fake(torch.library.register_fake)
+
+
 def install() -> None:
-    """Idempotent; only acts if torchvision has not been imported yet."""
-    if "torchvision" in sys.modules or getattr(torch.library.register_fake, "_msf_emulated", False):
+    """allow_missing_ops() and the video I/O stub MindSpeed-MM needs. Idempotent; only acts if torchvision has
+    not been imported yet."""
+    if "torchvision" in sys.modules:
         return
-    torch.library.register_fake = _tolerant_register_fake(torch.library.register_fake)
+    allow_missing_ops()
     sys.modules.setdefault("torchvision.io.video", _video_stub())
