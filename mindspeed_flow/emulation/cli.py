@@ -1,6 +1,7 @@
 """`mindspeed-flow emulate`: run a MindSpeed-MM job on CPU with the emulated torch_npu.
 
     mindspeed-flow emulate [--nproc N] [--patches] [--flow-recipe FLOW.yaml] [--log FILE] [--lenient] -- pretrain_vlm.py <args...>
+    mindspeed-flow emulate --shell SCRIPT.sh [--nodes N [--nproc RANKS_PER_NODE] [--log-dir DIR]]
     mindspeed-flow emulate --setup DIR [--sources-archive A.tar.gz | --fetch]   sources + tiny assets + env.sh
     mindspeed-flow emulate --print-command [--tiny DIR] [--layout dp2|tp2sp|pp2|dp2pp2] [--flow-recipe F.yaml]
 
@@ -43,7 +44,9 @@ OUTPUT_PATH_FLAGS = ("--save", "--tensorboard-dir", "--wandb-save-dir")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mindspeed-flow emulate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=1, help="ranks on this host (torchrun --nproc_per_node)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks on this host (torchrun --nproc_per_node; default 1); with --nodes: ranks per node "
+                        "(default: the script's ranks / N)")
     p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: torchrun's)")
     p.add_argument("--mindspeed-mm-home", default=None, help="MindSpeed-MM root (else $MINDSPEED_MM_HOME)")
     p.add_argument("--mindspeed-home", default=None, help="MindSpeed root (else $MINDSPEED_HOME)")
@@ -59,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
     p.add_argument("--shell", default=None, metavar="SCRIPT.sh",
                    help="run a MindSpeed-MM launch script (torchrun inside) in the emulated environment instead")
+    p.add_argument("--nodes", type=int, default=None, metavar="N",
+                   help="with --shell: rehearse a multi-node launch: the script once per node rank, all at once "
+                        "(NODE_RANK=i, NNODES=N, MASTER_ADDR=localhost, a free MASTER_PORT, NPUS_PER_NODE)")
+    p.add_argument("--log-dir", default=None, help="with --nodes: each node's output as node<i>.out (default: a "
+                                                   "new temporary folder)")
     p.add_argument("--setup", default=None, metavar="DIR",
                    help="prepare DIR: the pinned sources (from --sources-archive, --fetch, or the *_HOME variables), "
                         "the tiny model/data assets and DIR/env.sh; then print the next commands")
@@ -149,8 +157,44 @@ def _run_shell(args: argparse.Namespace) -> int:
     if not shell.is_file():
         print(f"mindspeed-flow emulate: --shell {args.shell}: no such file", file=sys.stderr)
         return 2
-    return subprocess.run(["bash", str(shell)], cwd=str(sources.mindspeed_mm.root),
-                          env=job_env(sources, args.log, mode=_mode(args))).returncode
+    env = job_env(sources, args.log, mode=_mode(args))
+    if args.nodes:
+        return _run_nodes(args, shell, sources, env)
+    if args.dry_run:
+        print(f"cd {sources.mindspeed_mm.root}\nPYTHONPATH={env['PYTHONPATH']}\nbash {shell}")
+        return 0
+    return subprocess.run(["bash", str(shell)], cwd=str(sources.mindspeed_mm.root), env=env).returncode
+
+
+def _run_nodes(args: argparse.Namespace, shell: Path, sources: Sources, env: dict[str, str]) -> int:
+    """The launch script as --nodes nodes on this machine (see `mindspeed_flow.emulation.nodes`)."""
+    import tempfile
+
+    from mindspeed_flow.emulation import nodes
+    from mindspeed_flow.utils.multiproc import free_port
+
+    try:
+        per_node = nodes.ranks_per_node(shell, args.nodes, args.nproc)
+    except nodes.NodesError as err:
+        print(f"mindspeed-flow emulate: {err}", file=sys.stderr)
+        return 2
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="msf-nodes-")).resolve()
+    # a twin written without a log file of the user's writes FLOW_LOG_DIR/train_<date>_node<i>.log: here, not in
+    # the MindSpeed-MM sources
+    env.setdefault("FLOW_LOG_DIR", str(log_dir))
+    port = free_port()
+    if args.dry_run:
+        print(f"cd {sources.mindspeed_mm.root}\nPYTHONPATH={env['PYTHONPATH']}")
+        for i in range(args.nodes):
+            print(f"NODE_RANK={i} NNODES={args.nodes} NPUS_PER_NODE={per_node} MASTER_ADDR=localhost "
+                  f"MASTER_PORT={port} bash {shell} > {log_dir / f'node{i}.out'} 2>&1 &")
+        return 0
+    print(f"mindspeed-flow emulate: {args.nodes} nodes x {per_node} ranks of {shell.name} on this machine "
+          f"(rendezvous localhost:{port}; outputs in {log_dir})", flush=True)
+    results, failed = nodes.run_nodes(shell, args.nodes, per_node, env, sources.mindspeed_mm.root, log_dir, port)
+    rc, line = nodes.report(results, failed)
+    print(f"mindspeed-flow emulate: {line}", file=sys.stderr if rc else sys.stdout, flush=True)
+    return rc
 
 
 @contextlib.contextmanager
@@ -178,6 +222,11 @@ def main(argv: list[str]) -> int:
         return print_command(args.tiny, args.layout, args.flow_recipe)
     if args.shell:
         return _run_shell(args)
+    if args.nodes:
+        print("mindspeed-flow emulate: --nodes rehearses a launch script: give it with --shell SCRIPT.sh",
+              file=sys.stderr)
+        return 2
+    args.nproc = args.nproc or 1
     if not script:
         print("mindspeed-flow emulate: give the job after '--', e.g. -- pretrain_vlm.py --mm-model ...",
               file=sys.stderr)

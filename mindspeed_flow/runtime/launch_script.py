@@ -70,9 +70,6 @@ def _preset_of(raw: object) -> str | None:
 
 def plan_from_recipe(recipe: str | Path, cluster: str | None = None, job: str = "mm",
                      npus_per_node: int | None = None) -> ScriptPlan:
-    from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, _unsupported, load_flow_job
-    from mindspeed_flow.topology import Layout, LayoutError
-
     path = Path(recipe).expanduser().resolve()
     if job not in ("mm", "train"):
         raise LaunchScriptError(f"--job {job!r}: must be mm (flow-patched MindSpeed-MM) or train (mindspeed-flow)")
@@ -86,25 +83,12 @@ def plan_from_recipe(recipe: str | Path, cluster: str | None = None, job: str = 
         cfg = to_job_config(compose([f"experiment={path.stem}"]))
         preset = cfg.cluster.name
     else:
-        try:
-            cfg = load_flow_job(path)
-        except FlowRecipeError as err:
-            raise LaunchScriptError(str(err)) from None
-        preset = _preset_of(OmegaConf.load(str(path)))
+        cfg, preset = _mm_recipe(path)
     cluster = cluster or PRESET_CLUSTERS.get(preset or "")
     if cluster not in CLUSTERS:
         raise LaunchScriptError(f"{path.name}: cluster preset {preset!r} is not an Ascend cluster this command knows "
                                 f"({', '.join(PRESET_CLUSTERS)}); pass --cluster a2 or --cluster a3")
-    try:
-        layout = Layout.from_config(cfg.parallel, cfg.flow.mode)
-        # the layout rules the launcher applies before starting any rank
-        layout.validate(expected_world=cfg.parallel.world_size, global_batch_size=cfg.trainer.global_batch_size)
-    except LayoutError as err:
-        raise LaunchScriptError(f"{path.name}: {err}") from None
-    if job == "mm":
-        problems = _unsupported(cfg)
-        if problems:
-            raise LaunchScriptError(f"{path.name} cannot run as a MindSpeed-MM flow job: " + "; ".join(problems))
+    layout = _checked_layout(path, cfg, job)
     experiment = path.stem
     per_node = npus_per_node or CLUSTERS[cluster][1]
     world = layout.world_size
@@ -127,6 +111,60 @@ def plan_from_recipe(recipe: str | Path, cluster: str | None = None, job: str = 
                      f"a per-die preset before trusting its memory fit")
     return ScriptPlan(cluster, job, path, nnodes, per_node, parts, cfg.trainer.global_batch_size, experiment,
                       tuple(notes))
+
+
+def _mm_recipe(path: Path):
+    """(the flow job config, its cluster preset or None) of a MindSpeed-MM flow recipe."""
+    from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, load_flow_job
+
+    try:
+        cfg = load_flow_job(path)
+    except FlowRecipeError as err:
+        raise LaunchScriptError(str(err)) from None
+    return cfg, _preset_of(OmegaConf.load(str(path)))
+
+
+def _checked_layout(path: Path, cfg, job: str, global_batch: int | None = -1):
+    """The recipe's layout, checked as the launcher checks it before any rank starts (and, for mm, what the
+    MindSpeed-MM flow host supports)."""
+    from mindspeed_flow.hosts.mindspeed_mm.recipe import _unsupported
+    from mindspeed_flow.topology import Layout, LayoutError
+
+    try:
+        layout = Layout.from_config(cfg.parallel, cfg.flow.mode)
+        layout.validate(expected_world=cfg.parallel.world_size,
+                        global_batch_size=cfg.trainer.global_batch_size if global_batch == -1 else global_batch)
+    except LayoutError as err:
+        raise LaunchScriptError(f"{path.name}: {err}") from None
+    if job == "mm":
+        problems = _unsupported(cfg)
+        if problems:
+            raise LaunchScriptError(f"{path.name} cannot run as a MindSpeed-MM flow job: " + "; ".join(problems))
+    return layout
+
+
+def twin_of_script(recipe: str | Path, user_script: str | Path, cluster: str | None = None,
+                   npus_per_node: int | None = None):
+    """The flow twin (`flow_twin.Twin`) of the user's MindSpeed-MM launch script for a flow recipe."""
+    from mindspeed_flow.runtime.flow_twin import RecipeLaunch, TwinError, make_twin
+
+    path = Path(recipe).expanduser().resolve()
+    cfg, preset = _mm_recipe(path)
+    raw = OmegaConf.load(str(path))
+    stated_batch = OmegaConf.select(raw, "trainer.global_batch_size")
+    # a batch the recipe does not state is the user's script's, checked against the parts by the twin
+    layout = _checked_layout(path, cfg, "mm", None if stated_batch is None else int(stated_batch))
+    per_node = npus_per_node or (CLUSTERS[cluster][1] if cluster else None) or \
+        (CLUSTERS[PRESET_CLUSTERS[preset]][1] if preset in PRESET_CLUSTERS else None)
+    stated_run_dir = OmegaConf.select(raw, "run_dir")
+    plan = RecipeLaunch(path, tuple((p.name, p.dp, p.tp, p.pp, p.cp) for p in layout.parts),
+                        None if stated_batch is None else int(stated_batch),
+                        None if stated_run_dir is None else str(stated_run_dir), per_node)
+    user = Path(user_script)
+    try:
+        return make_twin(user.read_text(), user.name, plan)
+    except TwinError as err:
+        raise LaunchScriptError(str(err)) from None
 
 
 def _preset_devices_per_node(preset: str | None) -> int | None:
@@ -189,8 +227,14 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help="a recipe written by `mindspeed-flow plan --out` (or any flow recipe)")
     p.add_argument("--out", default=None, help="write the script here (default: print it)")
+    p.add_argument("--from", dest="user_script", default=None, metavar="USER_SCRIPT.sh",
+                   help="write the flow twin of this MindSpeed-MM launch script (the one you run today) instead of "
+                        "a stock script: its flags, model, data and paths kept, the entry, launch size and parallel "
+                        "sizes the recipe needs changed")
     add_arguments(p)
     args = p.parse_args(argv)
+    if args.user_script:
+        return _main_twin(args)
     try:
         plan = plan_from_recipe(args.recipe, args.cluster, args.job, args.npus_per_node)
         for note in plan.notes:
@@ -204,6 +248,29 @@ def main(argv: list[str]) -> int:
     except (LaunchScriptError, OSError) as err:
         print(f"mindspeed-flow launch-script: {err}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _main_twin(args: argparse.Namespace) -> int:
+    try:
+        if args.job != "mm":
+            raise LaunchScriptError("--from writes the flow twin of a MindSpeed-MM script (--job mm)")
+        twin = twin_of_script(args.recipe, args.user_script, args.cluster, args.npus_per_node)
+        if not args.out:
+            sys.stdout.write(twin.text)
+            return 0
+        out = Path(args.out)
+        if out.exists() and not args.force:
+            raise LaunchScriptError(f"{out} already exists: not overwriting it (pass --force, or another --out)")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(twin.text)
+        out.chmod(out.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    except (LaunchScriptError, OSError) as err:
+        print(f"mindspeed-flow launch-script: {err}", file=sys.stderr)
+        return 2
+    changes = ", ".join(f"{k} {v[0]} -> {v[1]}" for k, v in twin.changed.items())
+    print(f"flow twin of {args.user_script} written to {out}: {twin.nnodes} node(s) x {twin.per_node} ranks; changed: "
+          f"{changes or 'nothing but the entry'}; see bash {out} --help", file=sys.stderr)
     return 0
 
 
