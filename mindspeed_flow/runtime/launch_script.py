@@ -49,6 +49,7 @@ class ScriptPlan:
     global_batch: int
     experiment: str
     notes: tuple[str, ...] = ()
+    mm_configs: tuple[str, str] | None = None  # (MM_MODEL, MM_DATA) for the recipe's model (mm)
 
     @property
     def world_size(self) -> int:
@@ -58,14 +59,23 @@ class ScriptPlan:
         return " ".join(f"{n}:{dp}x{tp}x{pp}x{cp}" for n, dp, tp, pp, cp in self.parts)
 
 
-def _preset_of(raw: object) -> str | None:
+def _preset_of(raw: object, group: str = "cluster") -> str | None:
+    """The preset a recipe's Hydra defaults list picks for `group` (`- override /cluster: NAME`)."""
     container = OmegaConf.to_container(raw)  # type: ignore[arg-type]
     for entry in (container.get("defaults") if isinstance(container, dict) else None) or []:
         if isinstance(entry, dict):
             for key, value in entry.items():
-                if key.split()[-1].strip("/") == "cluster":
+                if key.split()[-1].strip("/") == group:
                     return str(value)
     return None
+
+
+def mm_configs(model_preset: str | None) -> tuple[str, str] | None:
+    """MindSpeed-MM's example model.json and data.json (relative to its root) for a planner model preset."""
+    m = re.fullmatch(r"qwen2_5_vl_(\d+b)", model_preset or "")
+    if not m:
+        return None
+    return f"./examples/qwen2.5vl/model_{m.group(1)}.json", f"./examples/qwen2.5vl/data_{m.group(1)}.json"
 
 
 def plan_from_recipe(recipe: str | Path, cluster: str | None = None, job: str = "mm",
@@ -109,8 +119,15 @@ def plan_from_recipe(recipe: str | Path, cluster: str | None = None, job: str = 
                      f"launches {per_node} ranks per node: each plan device becomes one rank, which has "
                      f"{preset_per_node}/{per_node} of the memory and FLOPs the plan assumed per device; re-plan with "
                      f"a per-die preset before trusting its memory fit")
+    configs = None
+    if job == "mm":
+        model = _preset_of(OmegaConf.load(str(path)), "model")
+        configs = mm_configs(model)
+        if configs is None:
+            notes.append(f"the recipe's model ({model or 'none named'}) has no MindSpeed-MM example config this "
+                         "command knows: launch with MM_MODEL and MM_DATA set")
     return ScriptPlan(cluster, job, path, nnodes, per_node, parts, cfg.trainer.global_batch_size, experiment,
-                      tuple(notes))
+                      tuple(notes), configs)
 
 
 def _mm_recipe(path: Path):
@@ -193,6 +210,8 @@ def render(plan: ScriptPlan, scripts_dir: Path = SCRIPTS_DIR) -> str:
         f"NPUS_PER_NODE={plan.npus_per_node}",
         f"PARTS=${{PARTS:-{q(plan.parts_spec())}}}",
         f"GLOBAL_BATCH=${{GLOBAL_BATCH:-{plan.global_batch}}}",
+        *([f"MM_MODEL=${{MM_MODEL:-{plan.mm_configs[0]}}}", f"MM_DATA=${{MM_DATA:-{plan.mm_configs[1]}}}"]
+          if plan.mm_configs else []),
         "# <<< plan", ""])
     header = (f"#!/usr/bin/env bash\n# NODE_RANK=<i> MASTER_ADDR=<node-0 ip> bash THIS_SCRIPT [--dry-run]   (on each of "
               f"the {plan.nnodes} nodes; or HOSTFILE=...)\n# Written by `mindspeed-flow launch-script {plan.recipe.name} "
