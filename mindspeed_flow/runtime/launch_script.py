@@ -2,6 +2,7 @@
 
     mindspeed-flow launch-script RECIPE.yaml [--cluster a2|a3] [--job mm|train] [--npus-per-node N] [--out FILE]
     mindspeed-flow plan ... --out RECIPE.yaml --launch-script FILE [--cluster a2|a3] [--job mm|train]
+    mindspeed-flow launch-script RECIPE.yaml --from YOUR_SCRIPT.sh [--npus-per-node N | --cluster a2|a3] [--out FILE]
 
 The script is `scripts/ascend/train_a2.sh` (Atlas 800T A2: 8 NPUs per node) or `train_a3.sh` (Atlas 900 A3
 SuperPoD: 16 devices per node, one per die) with its plan block filled in from the recipe (nodes, the parts in
@@ -10,6 +11,9 @@ rank order, the global batch, the recipe) and the shared body inlined, so the on
 `--job train` launches `mindspeed-flow train experiment=NAME` (the recipe must sit in recipes/experiment/). The
 recipe is checked first against what the chosen job supports, so a plan the job would refuse at start-up is refused
 here, with the field. Run the script with `--dry-run` to see every node's command.
+
+`--from YOUR_SCRIPT.sh` writes instead the flow twin of the MindSpeed-MM launch script you run today: your flags,
+model, data and paths kept, only the lines the plan needs changed (see `mindspeed_flow.runtime.flow_twin`).
 """
 from __future__ import annotations
 
