@@ -249,3 +249,31 @@ def test_launch_script_from_needs_the_mm_job(tmp_path: Path, capsys) -> None:
     shellcheck = shutil.which("shellcheck", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     if shellcheck:  # the twin of a script that passes shellcheck passes it too
         subprocess.run([shellcheck, str(out)], check=True, capture_output=True, text=True)
+
+
+def test_twin_of_other_shapes(tmp_path: Path) -> None:
+    """`python -m torch.distributed.run`, the global batch computed in the flag string, CP from the environment,
+    a launch without a log of its own."""
+    user = tmp_path / "mine.sh"
+    user.write_text('#!/bin/bash\nGPUS=8\nHOST=localhost\nPORT=6000\nN=1\nR=0\nTP=${TP:-1}\nCP=${CP:-2}\nACC=3\n'
+                    'ARGS="--tensor-model-parallel-size $TP --context-parallel-size $CP \\\n'
+                    '    --micro-batch-size 1 --global-batch-size $((ACC*GPUS/TP/CP))"\n'
+                    'python -m torch.distributed.run --nproc_per_node $GPUS --nnodes $N --node_rank $R \\\n'
+                    '    --master_addr $HOST --master_port $PORT pretrain_vlm.py $ARGS --mm-model m.json\n')
+    recipe = "parallel:\n  encoder: {dp: 2, tp: 1, pp: 1, cp: 1}\n  backbone: {dp: 6, tp: 1, pp: 1, cp: 1}\n"
+    _, out = _twin(recipe, user, tmp_path)
+    removed, added = _changes(user.read_text(), out.read_text())
+    assert sorted(removed) == sorted([
+        "GPUS=8", "HOST=localhost", "PORT=6000", "N=1", "R=0", "CP=${CP:-2}",
+        "    --micro-batch-size 1 --global-batch-size $((ACC*GPUS/TP/CP))\"",
+        "    --master_addr $HOST --master_port $PORT pretrain_vlm.py $ARGS --mm-model m.json"])
+    # the user's global batch (3 x 8 / 1 / 2 = 12) kept as a number once CP is the recipe's
+    assert sorted(added) == sorted([
+        "GPUS=${GPUS:-8}", "HOST=${HOST:-localhost}", "PORT=${PORT:-6000}", "N=${N:-1}", "R=${R:-0}",
+        "CP=${CP:-1}", "    --micro-batch-size 1 --global-batch-size 12\"",
+        '    --master_addr $HOST --master_port $PORT -m mindspeed_flow_patches.launch --flow-recipe "$FLOW_RECIPE" '
+        'pretrain_vlm.py $ARGS --mm-model m.json 2>&1 | tee "$FLOW_LOG"',
+        "FLOW_STATUS=${PIPESTATUS[0]}  # mindspeed-flow: the script exits with torchrun's status",
+        'exit "$FLOW_STATUS"'])
+    proc = _run(out, tmp_path, _stub_torchrun(tmp_path), "--help")
+    assert re.findall(r"^  (\w+)\s", proc.stdout, re.M)[:7] == ["GPUS", "HOST", "PORT", "N", "R", "TP", "CP"]

@@ -247,7 +247,8 @@ def _keep_global_batch(script: _Script, plan: RecipeLaunch, edits: dict[str, str
     env = {launch_var["nproc"]: str(per_node), launch_var["nnodes"]: str(nnodes), launch_var["node_rank"]: "0"}
 
     def gbs(with_edits: dict[str, str], environment: dict[str, str]) -> str:
-        return _evaluate(script, with_edits, environment).vars.get(var, "") if var else raw
+        ex = _evaluate(script, with_edits, environment)
+        return ex.vars.get(var, "") if var else ex.word(raw)  # a variable, or arithmetic in the flag string
 
     before = gbs({}, {})
     target = plan.global_batch if plan.global_batch is not None else (int(before) if before.isdigit() else None)
