@@ -5,9 +5,11 @@
     mindspeed-flow profile [...]                   measure step times of a few layouts on the devices at hand
     mindspeed-flow bench packing|planner|...       benchmarks that print side-by-side numbers
     mindspeed-flow emulate [--nproc N] -- pretrain_vlm.py ...   run a MindSpeed-MM job on CPU (emulated NPU)
+    mindspeed-flow emulate --nodes N --shell SCRIPT.sh          a launch script rehearsed as N nodes on this machine
     mindspeed-flow convert-checkpoint --to decoupled|coupled ...   coupled MindSpeed-MM checkpoint <-> flow parts
     mindspeed-flow doctor                          what this machine offers (device, backend, MC2, versions)
     mindspeed-flow launch-script RECIPE.yaml [--cluster a2|a3] [--job mm|train] [--out F.sh]   Ascend launch script
+    mindspeed-flow launch-script RECIPE.yaml --from YOUR_SCRIPT.sh [--out F.sh]   the flow twin of your script
     mindspeed-flow report RUN_DIR                  PNG curves and one step's timeline of a run
     mindspeed-flow --version                       the package version
 

@@ -78,6 +78,8 @@ def test_plan_launch_script_dry_run_matches_the_plan(name: str, tmp_path: Path) 
     for var in ("TASK_QUEUE_ENABLE=2", "HCCL_CONNECT_TIMEOUT=1200", "CPU_AFFINITY_CONF", "CUDA_DEVICE_MAX_CONNECTIONS=1"):
         assert f"export {var}" in out
     assert ("PYTORCH_NPU_ALLOC_CONF=expandable_segments:True" in out) == (cluster == "a3")
+    size = re.search(r"model=qwen2_5_vl_(\d+b)", " ".join(PLANS[name][0])).group(1)  # the planned model's configs
+    assert f"--mm-data ./examples/qwen2.5vl/data_{size}.json --mm-model ./examples/qwen2.5vl/model_{size}.json" in out
     assert "source /usr/local/Ascend/cann/set_env.sh" in out and "cd /opt/MindSpeed-MM" in out
     lines = out.splitlines()
     heads = [(i, NODE_LINE.match(line)) for i, line in enumerate(lines) if NODE_LINE.match(line)]
@@ -110,6 +112,34 @@ def test_script_refuses_a_world_the_plan_does_not_fill(tmp_path: Path) -> None:
     proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
                           env=os.environ | {"CANN_ENV": str(tmp_path / "none.sh"), "MASTER_ADDR": "x"})
     assert proc.returncode == 2 and "none.sh: no such file" in proc.stderr
+
+
+def test_stock_script_takes_the_model_from_the_recipe(tmp_path: Path) -> None:
+    """The planned model's MindSpeed-MM configs (none named: the launch asks for them), fine-tuning vs resuming from
+    LOAD_PATH, the socket variables, one log per node."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("defaults:\n  - override /model: qwen2_5_vl_3b\n  - override /cluster: atlas_900_a3_384\n"
+                      "parallel:\n  encoder: {dp: 4, tp: 1, pp: 1, cp: 1}\n  backbone: {dp: 6, tp: 2, pp: 1, cp: 1}\n"
+                      "trainer:\n  global_batch_size: 96\n")
+    script = tmp_path / "a3.sh"
+    assert launch_script.main([str(recipe), "--out", str(script)]) == 0
+    out = _dry_run(script, MASTER_ADDR="10.1.0.1", LOAD_PATH="ckpt/qwen", FLOW_SOCKET_IFNAME="eth9")
+    assert "--mm-data ./examples/qwen2.5vl/data_3b.json --mm-model ./examples/qwen2.5vl/model_3b.json" in out
+    assert "--load ckpt/qwen --finetune --no-load-optim --no-load-rng" in out
+    assert "export GLOO_SOCKET_IFNAME=eth9" in out and "export HCCL_SOCKET_IFNAME=eth9" in out
+    out = _dry_run(script, MASTER_ADDR="10.1.0.1", LOAD_PATH="ckpt/run", SAVE_PATH="ckpt/run")
+    assert "--load ckpt/run " in out and "--finetune" not in out  # --load = --save resumes
+    bare = tmp_path / "bare.yaml"
+    bare.write_text(recipe.read_text().replace("  - override /model: qwen2_5_vl_3b\n", ""))
+    script = tmp_path / "bare.sh"
+    assert launch_script.main([str(bare), "--out", str(script)]) == 0
+    assert r"--mm-model \<MM_MODEL\>" in _dry_run(script, MASTER_ADDR="10.1.0.1")
+    cann = tmp_path / "set_env.sh"
+    cann.write_text("")
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env=os.environ | {"CANN_ENV": str(cann), "MASTER_ADDR": "x", "NODE_RANK": "0",
+                                            "FLOW_RECIPE": str(bare), "LOG_DIR": str(tmp_path / "logs")})
+    assert proc.returncode == 2 and "set MM_MODEL and MM_DATA" in proc.stderr
 
 
 def test_train_job_script_and_recipe_checks(tmp_path: Path, capsys) -> None:
@@ -162,6 +192,7 @@ def test_train_job_script_launches_real_training(tmp_path: Path) -> None:
     cann.write_text("# stands in for CANN's set_env.sh on a machine without CANN\n")
     run_dir = tmp_path / "run"
     env = os.environ | {"CANN_ENV": str(cann), "MSF_DEVICE": "cpu", "MASTER_PORT": str(free_port()),
+                        "LOG_DIR": str(tmp_path / "logs"),
                         "RUN_DIR": str(run_dir), "EXTRA_ARGS": "trainer.steps=2 trainer.progress=false",
                         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                         "PYTHONPATH": str(REPO)}
@@ -169,6 +200,8 @@ def test_train_job_script_launches_real_training(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[Atlas 800T A2] node 0 of 1: ranks encoder 0-1, backbone 2-2" in proc.stdout
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    node_logs = list((tmp_path / "logs").glob("train_*_node0.log"))  # the node's output, also in its own file
+    assert len(node_logs) == 1 and "encoder[dp2 tp1 pp1] + backbone[dp1 tp1 pp1]" in node_logs[0].read_text()
     assert len(lines) == 2 and "encoder[dp2 tp1 pp1] + backbone[dp1 tp1 pp1] on 3 x cpu" in proc.stdout + proc.stderr
 
 

@@ -248,3 +248,20 @@ def test_tiny_samples_and_configs(tmp_path: Path) -> None:
     assert str(tmp_path / "processor") in data.read_text()
     with pytest.raises(ValueError, match="must sum to num_layers"):
         tiny.write_configs(tmp_path, [1, 0], None)
+
+
+def test_emulate_shell_dry_run_runs_nothing(fake_sources: dict[str, Path], tmp_path: Path, capsys) -> None:
+    marker = tmp_path / "ran"
+    script = tmp_path / "launch.sh"
+    script.write_text(f"# The flow twin of x.sh: the same job trained decoupled with r.yaml (4 ranks = encoder dp2 tp1 "
+                      f"pp1 cp1, backbone dp1 tp2 pp1 cp1), 2 node(s) x 2.\ntouch {marker}\n")
+    assert cli.main(["--dry-run", "--shell", str(script)]) == 0
+    assert capsys.readouterr().out.endswith(f"bash {script}\n")
+    assert cli.main(["--dry-run", "--nodes", "2", "--shell", str(script), "--log-dir", str(tmp_path / "logs")]) == 0
+    out = capsys.readouterr().out
+    assert "NODE_RANK=1 NNODES=2 NPUS_PER_NODE=2 MASTER_ADDR=localhost MASTER_PORT=" in out
+    assert not marker.exists()
+    assert cli.main(["--nodes", "3", "--shell", str(script)]) == 2
+    assert "4 ranks, which 3 nodes cannot share evenly" in capsys.readouterr().err
+    assert cli.main(["--nodes", "2", "--", "pretrain_vlm.py"]) == 2
+    assert "--nodes rehearses a launch script" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
     mindspeed-flow emulate [--nproc N] [--patches] [--flow-recipe FLOW.yaml] [--log FILE] [--lenient] -- pretrain_vlm.py <args...>
     mindspeed-flow emulate [--lenient] --shell SCRIPT.sh       a MindSpeed-MM launch script, unchanged
+    mindspeed-flow emulate --shell SCRIPT.sh --nodes N [--nproc RANKS_PER_NODE] [--log-dir DIR]   N nodes rehearsed
     mindspeed-flow emulate --setup DIR [--sources-archive A.tar.gz | --fetch]   sources + tiny assets + env.sh
     mindspeed-flow emulate --print-command [--tiny DIR] [--layout dp2|tp2sp|pp2|dp2pp2] [--flow-recipe F.yaml]
 
@@ -45,7 +46,9 @@ OUTPUT_PATH_FLAGS = ("--save", "--tensorboard-dir", "--wandb-save-dir")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mindspeed-flow emulate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=1, help="ranks on this host (torchrun --nproc_per_node)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks on this host (torchrun --nproc_per_node; default 1); with --nodes: ranks per node "
+                        "(default: the script's ranks / N)")
     p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: torchrun's)")
     p.add_argument("--mindspeed-mm-home", default=None, help="MindSpeed-MM root (else $MINDSPEED_MM_HOME)")
     p.add_argument("--mindspeed-home", default=None, help="MindSpeed root (else $MINDSPEED_HOME)")
@@ -62,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the command (or --shell script) and its environment; run and write nothing")
     p.add_argument("--shell", default=None, metavar="SCRIPT.sh",
                    help="run a MindSpeed-MM launch script (torchrun inside) in the emulated environment instead")
+    p.add_argument("--nodes", type=int, default=None, metavar="N",
+                   help="with --shell: rehearse a multi-node launch: the script once per node rank, all at once "
+                        "(NODE_RANK=i, NNODES=N, MASTER_ADDR=localhost, a free MASTER_PORT, NPUS_PER_NODE)")
+    p.add_argument("--log-dir", default=None, help="with --nodes: each node's output as node<i>.out (default: a "
+                                                   "new temporary folder)")
     p.add_argument("--setup", default=None, metavar="DIR",
                    help="prepare DIR: the pinned sources (from --sources-archive, --fetch, or the *_HOME variables), "
                         "the tiny model/data assets and DIR/env.sh; then print the next commands")
@@ -153,10 +161,46 @@ def _run_shell(args: argparse.Namespace) -> int:
         print(f"mindspeed-flow emulate: --shell {args.shell}: no such file", file=sys.stderr)
         return 2
     env = job_env(sources, args.log, mode=_mode(args))
+    if args.nodes:
+        return _run_nodes(args, shell, sources, env)
     cmd = ["bash", str(shell)]
     if args.dry_run:
         return _print_dry_run(sources.mindspeed_mm.root, env, cmd)
     return subprocess.run(cmd, cwd=str(sources.mindspeed_mm.root), env=env).returncode
+
+
+def _run_nodes(args: argparse.Namespace, shell: Path, sources: Sources, env: dict[str, str]) -> int:
+    """The launch script as --nodes nodes on this machine (see `mindspeed_flow.emulation.nodes`)."""
+    import tempfile
+
+    from mindspeed_flow.emulation import nodes
+    from mindspeed_flow.utils.multiproc import free_port
+
+    try:
+        per_node = nodes.ranks_per_node(shell, args.nodes, args.nproc)
+    except nodes.NodesError as err:
+        print(f"mindspeed-flow emulate: {err}", file=sys.stderr)
+        return 2
+    if args.log_dir:
+        log_dir = Path(args.log_dir).resolve()
+    else:  # a dry run creates nothing, not even the folder it names
+        log_dir = Path("<new temporary folder>") if args.dry_run else Path(tempfile.mkdtemp(prefix="msf-nodes-"))
+    # a twin written without a log file of the user's writes FLOW_LOG_DIR/train_<date>_node<i>.log: here, not in
+    # the MindSpeed-MM sources
+    env.setdefault("FLOW_LOG_DIR", str(log_dir))
+    port = free_port()
+    if args.dry_run:
+        _print_dry_run(sources.mindspeed_mm.root, env, [])
+        for i in range(args.nodes):
+            print(f"NODE_RANK={i} NNODES={args.nodes} NPUS_PER_NODE={per_node} MASTER_ADDR=localhost "
+                  f"MASTER_PORT={port} bash {shell} > {log_dir / f'node{i}.out'} 2>&1 &")
+        return 0
+    print(f"mindspeed-flow emulate: {args.nodes} nodes x {per_node} ranks of {shell.name} on this machine "
+          f"(rendezvous localhost:{port}; outputs in {log_dir})", flush=True)
+    results, failed = nodes.run_nodes(shell, args.nodes, per_node, env, sources.mindspeed_mm.root, log_dir, port)
+    rc, line = nodes.report(results, failed)
+    print(f"mindspeed-flow emulate: {line}", file=sys.stderr if rc else sys.stdout, flush=True)
+    return rc
 
 
 def _print_dry_run(root: Path, env: dict[str, str], cmd: list[str]) -> int:
@@ -195,6 +239,11 @@ def main(argv: list[str]) -> int:
         return print_command(args.tiny, args.layout, args.flow_recipe)
     if args.shell:
         return _run_shell(args)
+    if args.nodes:
+        print("mindspeed-flow emulate: --nodes rehearses a launch script: give it with --shell SCRIPT.sh",
+              file=sys.stderr)
+        return 2
+    args.nproc = args.nproc or 1
     if not script:
         print("mindspeed-flow emulate: give the job after '--', e.g. -- pretrain_vlm.py --mm-model ...",
               file=sys.stderr)

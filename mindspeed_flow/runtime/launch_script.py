@@ -2,6 +2,7 @@
 
     mindspeed-flow launch-script RECIPE.yaml [--cluster a2|a3] [--job mm|train] [--npus-per-node N] [--out FILE]
     mindspeed-flow plan ... --out RECIPE.yaml --launch-script FILE [--cluster a2|a3] [--job mm|train]
+    mindspeed-flow launch-script RECIPE.yaml --from YOUR_SCRIPT.sh [--npus-per-node N | --cluster a2|a3] [--out FILE]
 
 The script is `scripts/ascend/train_a2.sh` (Atlas 800T A2: 8 NPUs per node) or `train_a3.sh` (Atlas 900 A3
 SuperPoD: 16 devices per node, one per die) with its plan block filled in from the recipe (nodes, the parts in
@@ -10,6 +11,9 @@ rank order, the global batch, the recipe) and the shared body inlined, so the on
 `--job train` launches `mindspeed-flow train experiment=NAME` (the recipe must sit in recipes/experiment/). The
 recipe is checked first against what the chosen job supports, so a plan the job would refuse at start-up is refused
 here, with the field. Run the script with `--dry-run` to see every node's command.
+
+`--from YOUR_SCRIPT.sh` writes instead the flow twin of the MindSpeed-MM launch script you run today: your flags,
+model, data and paths kept, only the lines the plan needs changed (see `mindspeed_flow.runtime.flow_twin`).
 """
 from __future__ import annotations
 
@@ -51,6 +55,7 @@ class ScriptPlan:
     global_batch: int
     experiment: str
     notes: tuple[str, ...] = ()
+    mm_configs: tuple[str, str] | None = None  # (MM_MODEL, MM_DATA) for the recipe's model (mm)
 
     @property
     def world_size(self) -> int:
@@ -60,21 +65,27 @@ class ScriptPlan:
         return " ".join(f"{n}:{dp}x{tp}x{pp}x{cp}" for n, dp, tp, pp, cp in self.parts)
 
 
-def _preset_of(raw: object) -> str | None:
+def _preset_of(raw: object, group: str = "cluster") -> str | None:
+    """The preset a recipe's Hydra defaults list picks for `group` (`- override /cluster: NAME`)."""
     container = OmegaConf.to_container(raw)  # type: ignore[arg-type]
     for entry in (container.get("defaults") if isinstance(container, dict) else None) or []:
         if isinstance(entry, dict):
             for key, value in entry.items():
-                if key.split()[-1].strip("/") == "cluster":
+                if key.split()[-1].strip("/") == group:
                     return str(value)
     return None
 
 
+def mm_configs(model_preset: str | None) -> tuple[str, str] | None:
+    """MindSpeed-MM's example model.json and data.json (relative to its root) for a planner model preset."""
+    m = re.fullmatch(r"qwen2_5_vl_(\d+b)", model_preset or "")
+    if not m:
+        return None
+    return f"./examples/qwen2.5vl/model_{m.group(1)}.json", f"./examples/qwen2.5vl/data_{m.group(1)}.json"
+
+
 def plan_from_recipe(recipe: str | Path, cluster: str | None = None, job: str = "mm",
                      npus_per_node: int | None = None) -> ScriptPlan:
-    from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, _unsupported, load_flow_job
-    from mindspeed_flow.topology import Layout, LayoutError
-
     path = Path(recipe).expanduser().resolve()
     if job not in ("mm", "train"):
         raise LaunchScriptError(f"--job {job!r}: must be mm (flow-patched MindSpeed-MM) or train (mindspeed-flow)")
@@ -88,25 +99,12 @@ def plan_from_recipe(recipe: str | Path, cluster: str | None = None, job: str = 
         cfg = to_job_config(compose([f"experiment={path.stem}"]))
         preset = cfg.cluster.name
     else:
-        try:
-            cfg = load_flow_job(path)
-        except FlowRecipeError as err:
-            raise LaunchScriptError(str(err)) from None
-        preset = _preset_of(OmegaConf.load(str(path)))
+        cfg, preset = _mm_recipe(path)
     cluster = cluster or PRESET_CLUSTERS.get(preset or "")
     if cluster not in CLUSTERS:
         raise LaunchScriptError(f"{path.name}: cluster preset {preset!r} is not an Ascend cluster this command knows "
                                 f"({', '.join(PRESET_CLUSTERS)}); pass --cluster a2 or --cluster a3")
-    try:
-        layout = Layout.from_config(cfg.parallel, cfg.flow.mode)
-        # the layout rules the launcher applies before starting any rank
-        layout.validate(expected_world=cfg.parallel.world_size, global_batch_size=cfg.trainer.global_batch_size)
-    except LayoutError as err:
-        raise LaunchScriptError(f"{path.name}: {err}") from None
-    if job == "mm":
-        problems = _unsupported(cfg)
-        if problems:
-            raise LaunchScriptError(f"{path.name} cannot run as a MindSpeed-MM flow job: " + "; ".join(problems))
+    layout = _checked_layout(path, cfg, job)
     experiment = path.stem
     per_node = npus_per_node or CLUSTERS[cluster][1]
     world = layout.world_size
@@ -127,8 +125,69 @@ def plan_from_recipe(recipe: str | Path, cluster: str | None = None, job: str = 
                      f"launches {per_node} ranks per node: each plan device becomes one rank, which has "
                      f"{preset_per_node}/{per_node} of the memory and FLOPs the plan assumed per device; re-plan with "
                      f"a per-die preset before trusting its memory fit")
+    configs = None
+    if job == "mm":
+        model = _preset_of(OmegaConf.load(str(path)), "model")
+        configs = mm_configs(model)
+        if configs is None:
+            notes.append(f"the recipe's model ({model or 'none named'}) has no MindSpeed-MM example config this "
+                         "command knows: launch with MM_MODEL and MM_DATA set")
     return ScriptPlan(cluster, job, path, nnodes, per_node, parts, cfg.trainer.global_batch_size, experiment,
-                      tuple(notes))
+                      tuple(notes), configs)
+
+
+def _mm_recipe(path: Path):
+    """(the flow job config, its cluster preset or None) of a MindSpeed-MM flow recipe."""
+    from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, load_flow_job
+
+    try:
+        cfg = load_flow_job(path)
+    except FlowRecipeError as err:
+        raise LaunchScriptError(str(err)) from None
+    return cfg, _preset_of(OmegaConf.load(str(path)))
+
+
+def _checked_layout(path: Path, cfg, job: str, global_batch: int | None = -1):
+    """The recipe's layout, checked as the launcher checks it before any rank starts (and, for mm, what the
+    MindSpeed-MM flow host supports)."""
+    from mindspeed_flow.hosts.mindspeed_mm.recipe import _unsupported
+    from mindspeed_flow.topology import Layout, LayoutError
+
+    try:
+        layout = Layout.from_config(cfg.parallel, cfg.flow.mode)
+        layout.validate(expected_world=cfg.parallel.world_size,
+                        global_batch_size=cfg.trainer.global_batch_size if global_batch == -1 else global_batch)
+    except LayoutError as err:
+        raise LaunchScriptError(f"{path.name}: {err}") from None
+    if job == "mm":
+        problems = _unsupported(cfg)
+        if problems:
+            raise LaunchScriptError(f"{path.name} cannot run as a MindSpeed-MM flow job: " + "; ".join(problems))
+    return layout
+
+
+def twin_of_script(recipe: str | Path, user_script: str | Path, cluster: str | None = None,
+                   npus_per_node: int | None = None):
+    """The flow twin (`flow_twin.Twin`) of the user's MindSpeed-MM launch script for a flow recipe."""
+    from mindspeed_flow.runtime.flow_twin import RecipeLaunch, TwinError, make_twin
+
+    path = Path(recipe).expanduser().resolve()
+    cfg, preset = _mm_recipe(path)
+    raw = OmegaConf.load(str(path))
+    stated_batch = OmegaConf.select(raw, "trainer.global_batch_size")
+    # a batch the recipe does not state is the user's script's, checked against the parts by the twin
+    layout = _checked_layout(path, cfg, "mm", None if stated_batch is None else int(stated_batch))
+    per_node = npus_per_node or (CLUSTERS[cluster][1] if cluster else None) or \
+        (CLUSTERS[PRESET_CLUSTERS[preset]][1] if preset in PRESET_CLUSTERS else None)
+    stated_run_dir = OmegaConf.select(raw, "run_dir")
+    plan = RecipeLaunch(path, tuple((p.name, p.dp, p.tp, p.pp, p.cp) for p in layout.parts),
+                        None if stated_batch is None else int(stated_batch),
+                        None if stated_run_dir is None else str(stated_run_dir), per_node)
+    user = Path(user_script)
+    try:
+        return make_twin(user.read_text(), user.name, plan)
+    except TwinError as err:
+        raise LaunchScriptError(str(err)) from None
 
 
 def _preset_devices_per_node(preset: str | None) -> int | None:
@@ -157,6 +216,8 @@ def render(plan: ScriptPlan, scripts_dir: Path = SCRIPTS_DIR) -> str:
         f"NPUS_PER_NODE={plan.npus_per_node}",
         f"PARTS=${{PARTS:-{q(plan.parts_spec())}}}",
         f"GLOBAL_BATCH=${{GLOBAL_BATCH:-{plan.global_batch}}}",
+        *([f"MM_MODEL=${{MM_MODEL:-{plan.mm_configs[0]}}}", f"MM_DATA=${{MM_DATA:-{plan.mm_configs[1]}}}"]
+          if plan.mm_configs else []),
         "# <<< plan", ""])
     header = (f"#!/usr/bin/env bash\n# NODE_RANK=<i> MASTER_ADDR=<node-0 ip> bash THIS_SCRIPT [--dry-run]   (on each of "
               f"the {plan.nnodes} nodes; or HOSTFILE=...)\n# Written by `mindspeed-flow launch-script {plan.recipe.name} "
@@ -191,8 +252,14 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help="a recipe written by `mindspeed-flow plan --out` (or any flow recipe)")
     p.add_argument("--out", default=None, help="write the script here (default: print it)")
+    p.add_argument("--from", dest="user_script", default=None, metavar="USER_SCRIPT.sh",
+                   help="write the flow twin of this MindSpeed-MM launch script (the one you run today) instead of "
+                        "a stock script: its flags, model, data and paths kept, the entry, launch size and parallel "
+                        "sizes the recipe needs changed")
     add_arguments(p)
     args = p.parse_args(argv)
+    if args.user_script:
+        return _main_twin(args)
     try:
         plan = plan_from_recipe(args.recipe, args.cluster, args.job, args.npus_per_node)
         for note in plan.notes:
@@ -206,6 +273,29 @@ def main(argv: list[str]) -> int:
     except (LaunchScriptError, OSError) as err:
         print(f"mindspeed-flow launch-script: {err}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _main_twin(args: argparse.Namespace) -> int:
+    try:
+        if args.job != "mm":
+            raise LaunchScriptError("--from writes the flow twin of a MindSpeed-MM script (--job mm)")
+        twin = twin_of_script(args.recipe, args.user_script, args.cluster, args.npus_per_node)
+        if not args.out:
+            sys.stdout.write(twin.text)
+            return 0
+        out = Path(args.out)
+        if out.exists() and not args.force:
+            raise LaunchScriptError(f"{out} already exists: not overwriting it (pass --force, or another --out)")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(twin.text)
+        out.chmod(out.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    except (LaunchScriptError, OSError) as err:
+        print(f"mindspeed-flow launch-script: {err}", file=sys.stderr)
+        return 2
+    changes = ", ".join(f"{k} {v[0]} -> {v[1]}" for k, v in twin.changed.items())
+    print(f"flow twin of {args.user_script} written to {out}: {twin.nnodes} node(s) x {twin.per_node} ranks; changed: "
+          f"{changes or 'nothing but the entry'}; see bash {out} --help", file=sys.stderr)
     return 0
 
 

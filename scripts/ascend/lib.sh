@@ -21,8 +21,9 @@ MSF_COMMON_ENV=(
 )
 
 # The job's own settings (the sourcing script or the environment may set them first). mm: MindSpeed-MM's data and
-# model configs, relative to its root as in its examples; train: the run folder.
-: "${MM_DATA:=./examples/qwen2.5vl/data_7b.json}" "${MM_MODEL:=./examples/qwen2.5vl/model_7b.json}"
+# model configs, relative to its root as in its examples (the plan block sets them from the recipe's model; with
+# no model there they must be given); train: the run folder.
+: "${MM_DATA:=}" "${MM_MODEL:=}"
 : "${MM_TOOL:=./mindspeed_mm/tools/tools.json}" "${LOAD_PATH:=}" "${SAVE_PATH:=save_dir}" "${MBS:=1}"
 : "${SEQ_LENGTH:=1024}" "${VOCAB_SIZE:=152064}" "${LR:=1.0e-5}" "${TRAIN_ITERS:=10000}" "${SAVE_INTERVAL:=10000}"
 : "${RUN_DIR:=runs/${EXPERIMENT:-flow}}" "${CANN_ENV:=/usr/local/Ascend/cann/set_env.sh}"
@@ -34,6 +35,13 @@ usage: $0 [--dry-run]
 pretrain_vlm.py, recipe $FLOW_RECIPE" || echo "mindspeed-flow train experiment=$EXPERIMENT")).
   Run it on every node with NODE_RANK set (or HOSTFILE: one IP per line, the first is the master), MASTER_ADDR
   (default: the HOSTFILE's first line), MASTER_PORT (default 6000). CANN_ENV: CANN's set_env.sh.
+  FLOW_RECIPE and the save / load / run folders must be on storage every node shares.
+  mm: MM_MODEL, MM_DATA (default: the recipe's model's MindSpeed-MM example configs), MM_TOOL, SAVE_PATH,
+  LOAD_PATH (a checkpoint to fine-tune from: --finetune --no-load-optim --no-load-rng; LOAD_PATH=SAVE_PATH
+  resumes the run), MBS, SEQ_LENGTH, VOCAB_SIZE, LR, TRAIN_ITERS, SAVE_INTERVAL. train: RUN_DIR, MSF_DEVICE.
+  EXTRA_ARGS: more arguments for the job, split on white space (no quoting).
+  FLOW_SOCKET_IFNAME: the network interface for gloo and HCCL (sets GLOO_SOCKET_IFNAME, HCCL_SOCKET_IFNAME).
+  LOG_DIR: each node also writes its output to LOG_DIR/train_<date>_node<rank>.log (default: ./logs).
   --dry-run  print every node's command and environment, start nothing (works on any machine)
 USAGE
 }
@@ -101,7 +109,8 @@ msf_command() {
       --log-interval 1 --save-interval "$SAVE_INTERVAL" --eval-interval "$SAVE_INTERVAL" --eval-iters 0
       --save "$SAVE_PATH" --ckpt-format torch --tensorboard-dir "$SAVE_PATH/tensorboard"
       --distributed-timeout-minutes 20)
-    if [ -n "$LOAD_PATH" ]; then MSF_CMD+=(--load "$LOAD_PATH"); fi
+    if [ -n "$LOAD_PATH" ] && [ "$LOAD_PATH" = "$SAVE_PATH" ]; then MSF_CMD+=(--load "$LOAD_PATH")  # resume
+    elif [ -n "$LOAD_PATH" ]; then MSF_CMD+=(--load "$LOAD_PATH" --finetune --no-load-optim --no-load-rng); fi
   else
     MSF_CMD+=(-m mindspeed_flow.cli train "experiment=$EXPERIMENT" "run_dir=$RUN_DIR")
   fi
@@ -137,10 +146,14 @@ the plan's parts ($PARTS) need $parts_world"
   fi
   MASTER_PORT=${MASTER_PORT:-6000}
   local -a env_list=("${MSF_COMMON_ENV[@]}" "${MSF_HW_ENV[@]}")
+  if [ -n "${FLOW_SOCKET_IFNAME:-}" ]; then
+    env_list+=("GLOO_SOCKET_IFNAME=$FLOW_SOCKET_IFNAME" "HCCL_SOCKET_IFNAME=$FLOW_SOCKET_IFNAME")
+  fi
   [ "$JOB" = train ] && env_list+=("MSF_DEVICE=${MSF_DEVICE:-npu}")
   local workdir=$PWD
   [ "$JOB" = mm ] && workdir=${MINDSPEED_MM_HOME:-<MINDSPEED_MM_HOME>}
   if [ "$dry_run" -eq 1 ]; then
+    MM_MODEL=${MM_MODEL:-<MM_MODEL>} MM_DATA=${MM_DATA:-<MM_DATA>}
     echo "# $HARDWARE: $NNODES node(s) x $NPUS_PER_NODE NPUs = $world ranks; job: $JOB; parts: $PARTS"
     echo "source $CANN_ENV"
     printf 'export %s\n' "${env_list[@]}"
@@ -159,15 +172,23 @@ the plan's parts ($PARTS) need $parts_world"
   source "$CANN_ENV"
   local kv
   for kv in "${env_list[@]}"; do export "${kv?}"; done
+  local node_rank log
+  node_rank=$(msf_node_rank)
+  mkdir -p "${LOG_DIR:=$PWD/logs}"
+  log="$(cd "$LOG_DIR" && pwd)/train_$(date +%Y%m%d_%H%M%S)_node${node_rank}.log"
   if [ "$JOB" = mm ]; then
-    [ -f "$FLOW_RECIPE" ] || msf_fail "FLOW_RECIPE=$FLOW_RECIPE: no such file (mindspeed-flow plan --out writes one)"
+    [ -f "$FLOW_RECIPE" ] || msf_fail "FLOW_RECIPE=$FLOW_RECIPE: no such file on this node ($HOSTNAME): put it on \
+storage every node shares (mindspeed-flow plan --out writes one)"
+    if [ -z "$MM_MODEL" ] || [ -z "$MM_DATA" ]; then
+      msf_fail "set MM_MODEL and MM_DATA (MindSpeed-MM's model.json and data.json): the recipe names no Qwen2.5-VL \
+model this script knows"
+    fi
     FLOW_RECIPE="$(cd "$(dirname "$FLOW_RECIPE")" && pwd)/$(basename "$FLOW_RECIPE")"  # before leaving this folder
     [ -d "${MINDSPEED_MM_HOME:-}" ] || msf_fail "set MINDSPEED_MM_HOME to the MindSpeed-MM checkout"
     cd "$MINDSPEED_MM_HOME" || exit 2
   fi
-  local node_rank
-  node_rank=$(msf_node_rank)
   msf_command "$node_rank"
-  echo "[$HARDWARE] node $node_rank of $NNODES: ranks $(msf_parts_on_node "$node_rank")"
-  exec "${MSF_CMD[@]}"
+  echo "[$HARDWARE] node $node_rank of $NNODES: ranks $(msf_parts_on_node "$node_rank"); log: $log"
+  "${MSF_CMD[@]}" 2>&1 | tee "$log"
+  exit "${PIPESTATUS[0]}"
 }

@@ -11,7 +11,6 @@ set -euo pipefail
 HARDWARE="Atlas 900 A3 SuperPoD"
 NPUS_PER_NODE=${NPUS_PER_NODE:-16}
 MSF_HW_ENV=("CPU_AFFINITY_CONF=2" "PYTORCH_NPU_ALLOC_CONF=expandable_segments:True")
-: "${MM_DATA:=./examples/qwen2.5vl/data_72b.json}" "${MM_MODEL:=./examples/qwen2.5vl/model_72b.json}"
 
 # >>> plan (each value can be overridden from the environment)
 JOB=${JOB:-mm}

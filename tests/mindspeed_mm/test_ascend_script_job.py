@@ -25,7 +25,7 @@ def test_a2_script_trains_a_flow_job(mm_sources, tiny_assets, tmp_path: Path) ->
         "FLOW_RECIPE": str(REPO / "recipes/mindspeed_mm/tiny_enc1_dec_dp2.yaml"), "GLOBAL_BATCH": "4",
         "MM_DATA": str(tiny_assets["data_json"]), "MM_MODEL": str(tiny_assets["model_json"]), "VOCAB_SIZE": "384",
         "SEQ_LENGTH": "128", "TRAIN_ITERS": "3", "LR": "1e-3", "SAVE_PATH": str(tmp_path / "save"),
-        "EXTRA_ARGS": "--num-workers 0", "MASTER_PORT": str(free_port()),
+        "EXTRA_ARGS": "--num-workers 0", "MASTER_PORT": str(free_port()), "LOG_DIR": str(tmp_path / "logs"),
     }
     proc = subprocess.run([sys.executable, "-m", "mindspeed_flow.cli", "emulate", "--shell",
                            str(REPO / "scripts/ascend/train_a2.sh")], env=env, capture_output=True, text=True,
@@ -36,6 +36,7 @@ def test_a2_script_trains_a_flow_job(mm_sources, tiny_assets, tmp_path: Path) ->
     iterations, losses, _ = parse_iterations(output)
     assert iterations[:3] == [1, 2, 3] and losses[2] < losses[0], (iterations, losses)
     assert "[flow] iteration 3 |" in output  # trained decoupled, not as the plain job
+    assert "[flow] iteration 3 |" in next((tmp_path / "logs").glob("train_*_node0.log")).read_text()
     assert (tmp_path / "save/latest_checkpointed_iteration.txt").read_text().strip() == "3"
     # the script's --tensorboard-dir is SAVE_PATH/tensorboard, so the flow job's RUN_DIR is SAVE_PATH
     metrics = (tmp_path / "save/metrics.jsonl").read_text().splitlines()
