@@ -52,12 +52,42 @@ CASES = {
 
 
 def _examples() -> Path:
+    """MindSpeed-MM's examples/qwen2.5vl: from $MINDSPEED_MM_HOME, else read out of the pinned sources archive
+    (../shared/third_party beside the repository, or $MSF_SOURCES_ARCHIVE) into a temporary folder, once."""
     root = os.environ.get("MINDSPEED_MM_HOME")
-    folder = Path(root) / "examples/qwen2.5vl" if root else None
+    if root:
+        folder = Path(root) / "examples/qwen2.5vl"
+    else:
+        folder = _examples_from_archive()
     if folder is None or not (folder / "finetune_qwen2_5_vl_7b.sh").is_file():
-        pytest.skip("MindSpeed-MM sources absent (set MINDSPEED_MM_HOME): the upstream example scripts are read "
-                    "from there")
+        pytest.skip("MindSpeed-MM sources absent (set MINDSPEED_MM_HOME, or keep the pinned archive in "
+                    "../shared/third_party): the upstream example scripts are read from there")
     return folder
+
+
+_FROM_ARCHIVE: dict[str, Path] = {}
+
+
+def _examples_from_archive() -> "Path | None":
+    import tarfile
+    import tempfile
+
+    archive = Path(os.environ.get("MSF_SOURCES_ARCHIVE") or
+                   Path(__file__).resolve().parents[1].parent / "shared/third_party/mindspeed_mm_sources.tar.gz")
+    if not archive.is_file():
+        return None
+    if "folder" not in _FROM_ARCHIVE:
+        import atexit
+
+        out = Path(tempfile.mkdtemp(prefix="msf-examples-"))
+        atexit.register(shutil.rmtree, out, True)
+        with tarfile.open(archive) as tar:
+            for member in tar.getmembers():
+                if member.isfile() and member.name.startswith("MindSpeed-MM/examples/qwen2.5vl/") \
+                        and member.name.endswith(".sh"):
+                    (out / Path(member.name).name).write_bytes(tar.extractfile(member).read())
+        _FROM_ARCHIVE["folder"] = out
+    return _FROM_ARCHIVE["folder"]
 
 
 def _twin(recipe_text: str, user: Path, tmp_path: Path, *extra: str) -> tuple[Path, Path]:
