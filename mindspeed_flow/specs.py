@@ -11,7 +11,7 @@ A frozen part runs forward only: one third of the above (2x its parameters per t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 
@@ -174,9 +174,6 @@ class VLMSpec:
     @property
     def total_params(self) -> int:
         return self.vision.params + self.llm.total_params + (self.audio.params if self.audio else 0)
-
-    def with_name(self, name: str) -> "VLMSpec":
-        return replace(self, name=name)
 
     @staticmethod
     def from_hf_config(config: Any, name: str | None = None) -> "VLMSpec":

@@ -276,10 +276,6 @@ class Topology:
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.part_layout.pp - 1
-
     @staticmethod
     def build(layout: Layout, *, rank: Optional[int] = None, world_size: Optional[int] = None,
               backend: Optional[str] = None) -> "Topology":

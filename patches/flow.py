@@ -19,60 +19,62 @@ from mindspeed_flow.hosts.mindspeed_mm import packed
 
 @dataclass(frozen=True)
 class PatchTarget:
+    """A function the flow job wraps (every patch keeps the original and calls it), why, and the leading
+    parameters the wrapper relies on (checked against the pinned sources by the registry test)."""
+
     target: str
-    kind: str  # "wrap": the function is kept and called; "replace": it is not
     why: str
     parameters: tuple[str, ...]  # leading parameters the wrapper relies on
 
 
 REGISTRY: tuple[PatchTarget, ...] = (
-    PatchTarget("megatron.training.arguments.validate_args", "wrap",
+    PatchTarget("megatron.training.arguments.validate_args",
                 "each rank's args describe its own part (world size, TP/PP/CP) before Megatron derives DP",
                 ("args", "defaults")),
-    PatchTarget("megatron.training.initialize._initialize_distributed", "wrap",
+    PatchTarget("megatron.training.initialize._initialize_distributed",
                 "init_process_group over the whole world while the args describe the part",
                 ("get_embedding_ranks", "get_position_embedding_ranks")),
-    PatchTarget("megatron.core.parallel_state.initialize_model_parallel", "wrap",
+    PatchTarget("megatron.core.parallel_state.initialize_model_parallel",
                 "one pass per part over an offset sub-world; the rank keeps its own part's groups; flow groups",
                 ("tensor_model_parallel_size", "pipeline_model_parallel_size")),
-    PatchTarget("mindspeed_mm.training.pretrain", "wrap",
+    PatchTarget("mindspeed_mm.training.pretrain",
                 "swap in the flow model provider (modules= per part), data provider and forward step",
                 ("train_valid_test_dataset_provider", "model_provider", "model_type", "forward_step_func")),
-    PatchTarget("megatron.core.pipeline_parallel.schedules.get_forward_backward_func", "wrap",
+    PatchTarget("megatron.core.pipeline_parallel.schedules.get_forward_backward_func",
                 "encoder ranks get the streaming encoder step; decoder ranks Megatron's schedule over the plan",
                 ()),
-    PatchTarget("megatron.core.optimizer.clip_grads.get_grad_norm_fp32", "wrap",
+    PatchTarget("megatron.core.optimizer.clip_grads.get_grad_norm_fp32",
                 "one global gradient norm over every trainable part (dist-train clips per part)",
                 ("grads_for_norm", "norm_type", "grad_stats_parallel_group")),
     PatchTarget("megatron.core.optimizer.optimizer.MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan",
-                "wrap", "one found-inf decision over every trainable part (fp16 loss scaling skips a step everywhere "
+                "one found-inf decision over every trainable part (fp16 loss scaling skips a step everywhere "
                 "or nowhere)", ("self",)),
-    PatchTarget("megatron.training.checkpointing.get_checkpoint_name", "wrap",
+    PatchTarget("megatron.training.checkpointing.get_checkpoint_name",
                 "per-part checkpoint folders (mp_<part>_rank_TT[_PPP]) in Megatron's format",
                 ("checkpoints_path", "iteration", "release", "pipeline_parallel", "tensor_rank", "pipeline_rank")),
-    PatchTarget("megatron.training.checkpointing._get_checkpoint_format", "wrap",
+    PatchTarget("megatron.training.checkpointing._get_checkpoint_format",
                 "a flow job's own iteration folders (mp_<part>_rank_*) are Megatron's torch format, so the same "
                 "command resumes from them", ("checkpoint_name",)),
-    PatchTarget("megatron.training.checkpointing._load_base_checkpoint", "wrap",
+    PatchTarget("megatron.training.checkpointing._load_base_checkpoint",
                 "a coupled checkpoint loads into a decoupled run: each part takes, re-splits and renames its tensors",
                 ("load_dir", "args", "rank0")),
-    PatchTarget("mindspeed_mm.training.training_log", "wrap",
+    PatchTarget("mindspeed_mm.training.training_log",
                 "per-part busy/wait seconds after Megatron's iteration line; the iteration's metrics.jsonl line from "
                 "the values the log reads (loss, learning rate, gradient norm)",
                 ("loss_dict", "total_loss_dict", "learning_rate", "decoupled_learning_rate", "iteration", "loss_scale",
                  "report_memory_flag", "skipped_iter", "grad_norm")),
-    PatchTarget("mindspeed_mm.models.vision.vlm_attentionmask_for_llm.prepare_positionsids_mask_for_llm", "wrap",
+    PatchTarget("mindspeed_mm.models.vision.vlm_attentionmask_for_llm.prepare_positionsids_mask_for_llm",
                 "a packed (THD) decoder microbatch brings its per-sample position ids and needs no dense [s, s] mask "
                 "(VLMModel builds one for every forward)", ("config", "input_ids", "inference_params",
                                                             "attention_mask", "position_ids")),
-    PatchTarget("mindspeed_mm.models.common.mm_gpt_model.MMGPTModel.forward", "wrap",
+    PatchTarget("mindspeed_mm.models.common.mm_gpt_model.MMGPTModel.forward",
                 "VLMModel never passes packed_seq_params to its text decoder; a packed microbatch's reach it",
                 ("self", "input_ids", "position_ids", "attention_mask")),
     PatchTarget("mindspeed_mm.models.vision.vision_encoders.qwen2vl_vit_model.apply_multimodal_rotary_pos_emb",
-                "wrap", "fix: Qwen2vlSelfAttention squeezes packed q/k to [t, heads, dim] before mrope, whose cos/sin "
+                "fix: Qwen2vlSelfAttention squeezes packed q/k to [t, heads, dim] before mrope, whose cos/sin "
                 "are [t, 1, 1, dim], so the product broadcasts to [t, t, heads, dim]; the rope runs on [t, 1, heads, "
                 "dim]", ("q", "k", "cos", "sin")),
-    PatchTarget("megatron.core.pipeline_parallel.schedules.backward_step", "wrap",
+    PatchTarget("megatron.core.pipeline_parallel.schedules.backward_step",
                 "the trace's decoder.backward span per microbatch (trainer.trace: true); the step is unchanged",
                 ("input_tensor", "output_tensor", "output_tensor_grad", "model_type", "config")),
 )

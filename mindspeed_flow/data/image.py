@@ -136,8 +136,3 @@ def stack_pixels(spec: TokenSpec, per_image: list[torch.Tensor]) -> torch.Tensor
     if not per_image:
         return None
     return torch.cat(per_image, dim=0) if spec.image_format == "qwen2" else torch.stack(per_image, dim=0)
-
-
-def image_tokens_of_grid(grid: tuple[int, int, int], merge_size: int) -> int:
-    t, h, w = grid
-    return t * h * w // (merge_size * merge_size)

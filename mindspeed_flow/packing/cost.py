@@ -15,7 +15,6 @@ Pure computation: numpy only, no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 import numpy as np
 
@@ -86,10 +85,6 @@ class CostModel:
         """Vectorized `sample_cost` (float64, so l^2 never overflows)."""
         lengths = np.asarray(llm_tokens, dtype=np.float64)
         return self.linear * lengths + self.quadratic * lengths * lengths
-
-    def microbatch_cost(self, llm_tokens: Sequence[int]) -> float:
-        """Packed microbatch with varlen attention: samples never attend to each other, so costs add up."""
-        return float(self.sample_costs(np.asarray(llm_tokens)).sum())
 
     # ---- encoder --------------------------------------------------------------------------------------------
     def image_cost(self, patches: int) -> float:

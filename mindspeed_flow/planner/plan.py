@@ -165,9 +165,7 @@ class Plan:
     def strongest_baseline(self) -> BaselineResult | None:
         return strongest(self.baselines)
 
-    def gain_over(self, name: str) -> float | None:
-        b = self.baselines.get(name)
-        return None if b is None else self.samples_per_s / b.samples_per_s
+
 
 
 def _part_plan(table: OptionTable, i: int) -> PartPlan:
@@ -311,7 +309,3 @@ def make_plan(problem: Problem, exhaustive: bool = False, with_baselines: bool =
         mfu=flops / (step * sel.devices * ctx.peak), binding=_binding(problem, tables, sel), baselines=baselines,
         options_priced=sum(len(t.layouts) for t in tables), solve_seconds=solve_seconds,
     )
-
-
-def with_budget(problem: Problem, budget: int) -> Problem:
-    return dataclasses.replace(problem, budget=budget)

@@ -52,13 +52,6 @@ class StepWork:
             self.__dict__["_put_position"] = pos
         return sorted(sample_ids, key=lambda sid: pos.get(sid, -1))
 
-    def consumption_order(self) -> list[int]:
-        """Slot-major order in which the backbone consumes samples: slot 0 of every DP rank, then slot 1..."""
-        mbs = self.plan.microbatches
-        n_slots = max((len(r) for r in mbs), default=0)
-        return [sid for k in range(n_slots) for d in range(len(mbs)) if k < len(mbs[d])
-                for sid in mbs[d][k].sample_ids]
-
 
 def plan_decoupled_step(step: int, shapes: Sequence[SampleShape], *, bridge: Bridge, token_budget: int,
                         cost_model: CostModel, scheduler: str, min_microbatches: int, oversize_policy: str,
