@@ -1,6 +1,6 @@
 """`plan --job mm|torch`: every cluster preset x model preset default plan, for each job, writes a recipe that
 passes that host's own checks and a launch script that dry-runs (Ascend presets); and the recommendation never
-loses to the strongest baseline on the MindSpeed-MM jobs the README quotes."""
+loses to the strongest baseline on the MindSpeed-MM jobs docs/planner.md quotes."""
 from __future__ import annotations
 
 import json

@@ -21,7 +21,7 @@ from mindspeed_flow import __version__
 from mindspeed_flow.resources import DATA_TREES
 
 REPO = Path(__file__).resolve().parents[1]
-# the planner arguments of the README's A2 example, with fewer sample shapes
+# the planner arguments of the A2 example (docs/ascend.md), with fewer sample shapes
 PLAN = ["cluster=atlas_800t_a2", "model=qwen2_5_vl_7b", "devices=16", "data=infovqa_1280", "samples=128",
         "parallel.backbone.cp=1", "parallel.encoder.cp=1", "parallel.backbone.recompute=0",
         "parallel.encoder.recompute=0", "planner.distributed_optimizer=false", "--no-baselines"]

@@ -17,7 +17,7 @@ first. The flags a CPU run needs (`--bf16`, `--no-gradient-accumulation-fusion`,
 are in the line `--print-command` prints (`mindspeed_flow.emulation.jobs.TinyJob` builds it).
 
 The emulated NPU is strict by default (a real npu device that refuses host tensors in device ops and in HCCL
-collectives, see README "Strict and lenient"); `--lenient` (or MSF_EMULATION_MODE=lenient) runs the job with npu
+collectives, see mindspeed_flow/emulation/README.md "Strict and lenient"); `--lenient` (or MSF_EMULATION_MODE=lenient) runs the job with npu
 tensors as host CPU tensors instead. `--dry-run` prints what would run (the folder, PYTHONPATH, the mode and the
 command, or `bash SCRIPT.sh` with --shell) and starts nothing.
 """

@@ -594,7 +594,7 @@ def simulate_job(job: Any, ctx: CostContext, steps: Sequence[int], cores: float 
 
     `spinning_waits` (default: on for CPU clusters): a waiting rank keeps its share of the host cores, as the
     CPU runtime's ranks do (gloo waits, the pool's receiving threads, the pixel prefetcher); measured on 6 CPU
-    layouts this predicted the step better than counting only computing ranks (see README).
+    layouts this predicted the step better than counting only computing ranks (see docs/planner.md).
     `costs`: per-call costs to charge instead of the planner's FLOP rates (e.g. `bench.simulator`'s measured
     ones); `host_share`: per step, the cores the job got with n ranks computing (`Simulator`'s capacity)."""
     from types import SimpleNamespace

@@ -5,7 +5,7 @@
     timeline.png  one step of every rank: compute, waits and the pool calls of the encoder and backbone tracks
                   (from RUN_DIR/trace.json, written by a run with trainer.trace=true; default: the last step)
 
-RUN_DIR is a `mindspeed-flow train` run directory or a MindSpeed-MM flow job's (README: "What a flow job writes").
+RUN_DIR is a `mindspeed-flow train` run directory or a MindSpeed-MM flow job's (docs/mindspeed_mm.md: "What a flow job writes").
 
 Written to RUN_DIR/report/ unless --out says otherwise.
 """
