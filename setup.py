@@ -35,7 +35,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["mindspeed_flow", "mindspeed_flow.*"])
     + ["mindspeed_flow_patches" + p[len("patches"):] for p in find_packages(include=["patches", "patches.*"])],
-    # patches/ sits at the top level of the repo (see README) but installs as its own subpackage.
+    # patches/ sits at the top level of the repo (docs/architecture.md) but installs as its own subpackage.
     package_dir={"mindspeed_flow_patches": "patches"},
     # the emulation's fake torch_npu / torchair (site/, not packages of mindspeed_flow), its C++ sources and assets
     package_data={"mindspeed_flow.emulation": ["README.md", "site/**/*.py", "csrc/*", "assets/*"]},
