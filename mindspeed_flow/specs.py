@@ -14,6 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+# family -> its encoder parts, in part order; a family not listed has one encoder part, "encoder" (vision)
+ENCODER_PARTS: dict[str, tuple[str, ...]] = {"qwen2_5_omni_thinker": ("audio", "vision")}
+
+
+def encoder_parts(family: str) -> tuple[str, ...]:
+    """The names of a family's encoder parts: ("encoder",) for a VLM, ("audio", "vision") for the Omni thinker."""
+    return ENCODER_PARTS.get(family, ("encoder",))
+
 
 @dataclass(frozen=True)
 class LLMSpec:

@@ -270,7 +270,7 @@ def backward_step_wrapper(backward_step: Callable) -> Callable:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if flow_context.current() is None:
             return backward_step(*args, **kwargs)
-        from mindspeed_flow.runtime.trace import span
+        from mindspeed_flow.telemetry.trace import span
 
         with span("decoder.backward", "busy"):  # costs one global lookup when tracing is off
             return backward_step(*args, **kwargs)

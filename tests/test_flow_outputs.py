@@ -12,9 +12,10 @@ import pytest
 
 from mindspeed_flow.hosts.mindspeed_mm.metrics import FLOW_SCALARS, FlowMetrics, flow_line, set_aside
 from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, flow_run_dir, parts_for_job
-from mindspeed_flow.runtime import report, trace
-from mindspeed_flow.runtime.metrics import MetricsFile, machine_peak_flops
-from mindspeed_flow.runtime.tensorboard import TensorBoardSink
+from mindspeed_flow.runtime import report
+from mindspeed_flow.telemetry import trace
+from mindspeed_flow.telemetry.metrics import MetricsFile, machine_peak_flops
+from mindspeed_flow.telemetry.tensorboard import TensorBoardSink
 
 COUNTERS = {"real_tokens": 150.0, "padded_tokens": 200.0, "samples": 4.0, "microbatches": 4.0,
             "microbatches_per_rank": 2.0, "model_flops": 2e12, "encoder_busy_s": 0.3, "encoder_wait_s": 0.1,

@@ -381,7 +381,7 @@ def test_tied_embeddings_give_the_last_stage_its_output_layer(layers) -> None:
 def _step(dp_rows: list[list[list[int]]], producers: dict[int, list[int]], tokens: dict[int, int]):
     from mindspeed_flow.hosts.mindspeed_mm.data import FlowSample, FlowStep
     from mindspeed_flow.packing.types import Microbatch, StepPlan
-    from mindspeed_flow.runtime.plan import StepWork
+    from mindspeed_flow.step.plan import StepWork
 
     plan = StepPlan([[Microbatch(ids, 0, 0.0) for ids in row] for row in dp_rows], [], 64)
     work = StepWork(0, sorted(tokens), plan)

@@ -12,7 +12,7 @@ import torch
 from mindspeed_flow.config.load import check_rules, compose, model_hf_config, model_limits, recipes_dir, to_job_config
 from mindspeed_flow.data import build_dataset, token_spec_from_hf_config
 from mindspeed_flow.packing import CostModel, plan_step
-from mindspeed_flow.specs import VLMSpec
+from mindspeed_flow.specs import VLMSpec, encoder_parts
 from mindspeed_flow.topology import Layout
 
 ROOT = recipes_dir()
@@ -46,14 +46,14 @@ def test_model_recipe_instantiates(name: str) -> None:
     spec = VLMSpec.from_hf_config(cfg)
     assert spec.total_params > 0
     if job.model.preset == "tiny":  # real sizes are counted (tests/test_specs_real.py builds them on meta)
-        from mindspeed_flow.hosts.torch import build_vlm, hf_compat, split_vlm
+        from mindspeed_flow.hosts.torch import build_vlm, split_vlm
 
         # a CPU-sized model is materialised; a bigger one built from the tiny preset (small_qwen2_vl, for one
         # accelerator) only as its encoder part(s), the backbone staying on meta: the counts are the same
-        parts = None if spec.total_params < 50e6 else hf_compat.encoder_parts(job.model.family)
+        parts = None if spec.total_params < 50e6 else encoder_parts(job.model.family)
         model = build_vlm(job.model.family, cfg, seed=0, parts=parts)
         assert sum(p.numel() for p in model.parameters()) == spec.total_params
-        if len(hf_compat.encoder_parts(job.model.family)) > 1:  # audio + vision encoder parts
+        if len(encoder_parts(job.model.family)) > 1:  # audio + vision encoder parts
             from mindspeed_flow.hosts.torch.omni import split_omni
 
             parts = split_omni(model)

@@ -288,7 +288,7 @@ def test_resume_with_another_global_batch_size_is_refused_before_anything_change
 def test_skipped_nan_step_records_grad_norm_as_null() -> None:
     """Issue 25 item 8: a step whose update nan_policy=skip dropped recorded grad_norm 0.0 (NaN is "unset" in a
     StepRecord, so the NaN norm aggregated to 0.0). It is null, and the line says the update was skipped."""
-    from mindspeed_flow.runtime.metrics import MetricsGatherer, StepRecord, StepStatic
+    from mindspeed_flow.telemetry.metrics import MetricsGatherer, StepRecord, StepStatic
 
     gatherer = MetricsGatherer(None, 2, False, Path("."), 1, 1.0, "")
     static = StepStatic(step=2, samples=4, real_tokens=10, padded_tokens=12, microbatches=2, padding_fraction=0.1,

@@ -17,7 +17,7 @@ import pytest
 from mindspeed_flow.resilience.diskspace import RunDirWriteError
 from mindspeed_flow.resilience.rundir import RunDirLock
 from mindspeed_flow.runtime import launch
-from mindspeed_flow.runtime.metrics import MetricsFile
+from mindspeed_flow.telemetry.metrics import MetricsFile
 from test_resilience import _tree  # tests/ is on sys.path (pytest's default import mode)
 
 def _run(run_dir: Path, *overrides: str) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mindspeed_flow.runtime import launch, report
-from mindspeed_flow.runtime.tensorboard import SCALARS
+from mindspeed_flow.telemetry.tensorboard import SCALARS
 
 STEPS = 4
 

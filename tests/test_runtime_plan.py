@@ -6,7 +6,7 @@ import pytest
 
 from mindspeed_flow.packing import CostModel
 from mindspeed_flow.packing.workloads import infovqa_shapes
-from mindspeed_flow.runtime.plan import plan_coupled_step, plan_decoupled_step
+from mindspeed_flow.step.plan import plan_coupled_step, plan_decoupled_step
 from mindspeed_flow.specs import VLMSpec
 from mindspeed_flow.model_presets import hf_config_dict
 from mindspeed_flow.topology import Bridge

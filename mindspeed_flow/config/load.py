@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from mindspeed_flow.config.schema import FlowJobConfig, register_configs
+from mindspeed_flow.specs import encoder_parts
 
 if TYPE_CHECKING:
     from mindspeed_flow.specs import VLMSpec
@@ -193,9 +194,23 @@ def check_rules(job: FlowJobConfig) -> None:
     for ok, msg in rules:
         if not ok:
             raise RecipeError(msg)
-    from mindspeed_flow.runtime.multipart import check_encoder_parts
+    check_encoder_parts(job)
 
-    try:
-        check_encoder_parts(job)
-    except ValueError as exc:
-        raise RecipeError(str(exc)) from None
+
+def check_encoder_parts(job: FlowJobConfig) -> None:
+    """`parallel.encoders` must name exactly the model's encoder parts; raises RecipeError naming the field."""
+    want = encoder_parts(job.model.family)
+    got = list((job.parallel.encoders or {}).keys())
+    if len(want) == 1 and got:
+        raise RecipeError(f"parallel.encoders={got}: model.family={job.model.family!r} has one encoder part; "
+                         "use parallel.encoder (parallel.encoders is for models with several encoders)")
+    if len(want) > 1:
+        if sorted(got) != sorted(want):
+            raise RecipeError(f"parallel.encoders={got}: model.family={job.model.family!r} has the encoder parts "
+                             f"{list(want)}; give each one a layout (e.g. {{{want[0]}: {{dp: 1}}, ...}})")
+        if job.model.freeze_encoder:
+            raise RecipeError("model.freeze_encoder=true with several encoder parts (parallel.encoders) is not "
+                             "supported yet: every encoder part trains")
+        if job.flow.encoder_batch_tokens:
+            raise RecipeError(f"flow.encoder_batch_tokens={job.flow.encoder_batch_tokens} with several encoder "
+                             "parts: batching counts ViT patches, which an audio part has not; use 0")

@@ -4,7 +4,7 @@ Each sample holds an audio clip, an image, or both (a third each), then QA turns
 is a real log-mel spectrogram: a tone whose pitch encodes the sample's class plus noise, run through transformers'
 Whisper feature extractor (the one Qwen2.5-Omni's processor uses; 100 frames per second, `num_mel_bins` bins), so
 the features have the model's shape and the answers are learnable from the audio alone. A clip of F frames takes
-the audio tower's own output length in LLM tokens (`hosts.torch.omni.audio_output_lengths`).
+the audio tower's own output length in LLM tokens (`audio_output_lengths`).
 
 Template, per sample:  <audio_start> <audio_pad> * n_audio <audio_end>  (if audio), then the image block and the
 turns of `data.tokens.build_conversation`. `shape(i)` counts the audio block as text tokens, so packing sees the
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -29,6 +29,18 @@ from mindspeed_flow.data.tokens import build_conversation, template_text_tokens
 
 SAMPLE_RATE = 16_000
 HOP = 160  # Whisper features: one frame per 10 ms
+
+
+def audio_output_lengths(frames: Sequence[int]) -> list[int]:
+    """LLM tokens of audio clips of `frames` mel frames each, by the HF audio tower's own length rule."""
+    # transformers is imported here, not at the top: reading the data set needs it only for audio
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoder
+
+    if not frames:
+        return []
+    # the rule reads no module state, so it is called unbound (no model is built for a length)
+    _, out = Qwen2_5OmniAudioEncoder._get_feat_extract_output_lengths(None, torch.tensor(list(frames)))
+    return [int(x) for x in out]
 
 
 @dataclass(frozen=True)
@@ -114,8 +126,6 @@ class SyntheticOmni(VLMDataset):
     def shape(self, i: int) -> SampleShape:
         i = self._check_index(i)
         if i not in self._shapes:
-            from mindspeed_flow.hosts.torch.omni import audio_output_lengths
-
             plan = self._plan(i)
             grids = self._grids(plan)
             audio = sum(n + 2 for n in audio_output_lengths(plan.frames))  # pads + start/end, as text tokens
@@ -128,8 +138,6 @@ class SyntheticOmni(VLMDataset):
         return float(sum(self._plan(self._check_index(i)).frames))
 
     def sample(self, i: int, with_pixels: bool = True) -> OmniSample:
-        from mindspeed_flow.hosts.torch.omni import audio_output_lengths
-
         i = self._check_index(i)
         plan = self._plan(i)
         grids = self._grids(plan)

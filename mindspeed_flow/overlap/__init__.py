@@ -9,8 +9,8 @@ from mindspeed_flow.overlap.collectives import all_gather_rows, reduce_scatter_r
 from mindspeed_flow.overlap.linear import (IMPLS, TP_CTX_ATTR, TP_DIM_ATTR, TP_FUSED_ATTR, ColumnParallelLinear, ColumnParallelLinearSP,
                                            OverlapContext, RowParallelLinear, RowParallelLinearSP,
                                            column_parallel_linear, column_parallel_linear_sp, row_parallel_linear,
-                                           local_shard, row_parallel_linear_sp, shard_of)
+                                           checkpoint_tensor, local_shard, row_parallel_linear_sp, shard_of)
 
-__all__ = ["IMPLS", "TP_CTX_ATTR", "TP_DIM_ATTR", "TP_FUSED_ATTR", "local_shard", "shard_of", "ColumnParallelLinear", "ColumnParallelLinearSP", "OverlapContext",
+__all__ = ["IMPLS", "TP_CTX_ATTR", "TP_DIM_ATTR", "TP_FUSED_ATTR", "checkpoint_tensor", "local_shard", "shard_of", "ColumnParallelLinear", "ColumnParallelLinearSP", "OverlapContext",
            "RowParallelLinear", "RowParallelLinearSP", "all_gather_rows", "column_parallel_linear",
            "column_parallel_linear_sp", "reduce_scatter_rows", "row_parallel_linear", "row_parallel_linear_sp"]

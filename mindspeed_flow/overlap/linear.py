@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from mindspeed_flow.overlap import mc2_api
 from mindspeed_flow.overlap.collectives import Waitable, all_gather_rows, default_group, reduce_scatter_rows
@@ -525,6 +526,38 @@ def shard_of(full: torch.Tensor, param: torch.Tensor, rank: int, world: int) -> 
     if dim is None:
         return full
     return local_shard(full, dim, rank, world, getattr(param, TP_FUSED_ATTR, 1))
+
+
+def checkpoint_tensor(param: nn.Parameter, tensor: torch.Tensor
+                      ) -> tuple[torch.Tensor, Optional[Callable[[], None]]]:
+    """What a checkpoint stores for `tensor` (a parameter's data, or an optimizer moment shaped like it), and
+    what to run once a load has filled it in.
+
+    A TP shard is stored as a DTensor view over the TP group, so DCP writes the whole tensor under the same key
+    as a tp=1 run and loads it back resharded to any TP size, in place. A fused projection's shard (q_r|k_r|v_r)
+    is not a slice DTensor can describe: it is gathered to the dense tensor (a ViT's qkv: small) and its shard
+    copied back after a load.
+    """
+    dim = getattr(param, TP_DIM_ATTR, None)
+    ctx = getattr(param, TP_CTX_ATTR, None)
+    if dim is None or ctx is None or ctx.world == 1:
+        return tensor, None
+    fused = getattr(param, "tensor_parallel_fused", 1)
+    if fused == 1:
+        return DTensor.from_local(tensor, ctx.mesh(tensor.device.type), [Shard(dim)], run_check=False), None
+    world, rank = ctx.world, dist.get_rank(ctx.group)
+    pieces = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(pieces, tensor.contiguous(), group=ctx.group)
+    rows = tensor.shape[0] // fused
+    # piece r stacks q_r|k_r|v_r: regroup as q_0..q_{tp-1} | k_0.. | v_0.. (the dense layout)
+    dense = torch.stack([p.reshape(fused, rows, *tensor.shape[1:]) for p in pieces], dim=1)
+    dense = dense.reshape(fused * world * rows, *tensor.shape[1:]).contiguous()
+
+    def copy_back() -> None:
+        with torch.no_grad():
+            tensor.copy_(local_shard(dense, 0, rank, world, fused))
+
+    return dense, copy_back
 
 
 class _ParallelLinear(nn.Module):

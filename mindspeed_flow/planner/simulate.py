@@ -1,7 +1,7 @@
 """Discrete-event simulation of one training step of a job, as the runtime would run it.
 
 The analytic cost model (cost.py) prices a layout from workload averages; this module replays one real step:
-- the step's samples and the runtime's own step plan (`runtime.plan`: the packing scheduler's microbatches per
+- the step's samples and the runtime's own step plan (`step.plan`: the packing scheduler's microbatches per
   backbone DP rank, the encoder schedule that orders each encoder rank's samples, the producer -> consumer map);
 - per encoder rank, each sample's forward (its real images' FLOPs), its `put` into the embedding pool, which
   blocks while the pool holds `capacity` un-consumed samples of that producer, then each sample's backward when
@@ -646,7 +646,7 @@ def simulate_layout(problem: Any, enc_row: dict, bb_row: dict, cores: float = 0.
 
     from mindspeed_flow.config.packing import PackingConfig
     from mindspeed_flow.packing import CostModel
-    from mindspeed_flow.runtime.plan import plan_decoupled_step
+    from mindspeed_flow.step.plan import plan_decoupled_step
     from mindspeed_flow.topology import BACKBONE, ENCODER, Layout, PartLayout, bridge_of
 
     if problem.spec is None or not problem.shapes:

@@ -73,7 +73,7 @@ from mindspeed_flow.pool.wire import (CHANNEL_CREDIT, CHANNEL_EMBEDDING, CHANNEL
                                       HEADER_LEN, MAX_BATCH, MAX_NDIM, STAGED_MAX_BYTES, TAGS, WireHeader, check_sendable, credit_header,
                                       decode_header, dense_payload, encode_header, from_bytes, item_header, pack_payloads,
                                       payload_layout, slice_payloads, tensor_nbytes)
-from mindspeed_flow.runtime.trace import traced
+from mindspeed_flow.telemetry.trace import traced
 
 # (peer rank, sample_id, step): the pool's key for an item on one side of one producer/consumer pair.
 ItemKey = tuple[int, int, int]

@@ -42,7 +42,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from mindspeed_flow.hosts.torch.tensor_parallel import checkpoint_tensor
+from mindspeed_flow.overlap import checkpoint_tensor
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")

@@ -27,10 +27,10 @@ from mindspeed_flow.data.prefetch import prefetch_samples
 from mindspeed_flow.data.sample import VLMSample
 from mindspeed_flow.hosts.torch.data_parallel import allreduce_grads_, grad_sync
 from mindspeed_flow.hosts.torch.tensor_parallel import broadcast_like, broadcast_rows
-from mindspeed_flow.runtime.metrics import StepRecord
+from mindspeed_flow.telemetry.metrics import StepRecord
 from mindspeed_flow.runtime.optim import PartOptimizer, lr_at
-from mindspeed_flow.runtime.plan import StepWork
-from mindspeed_flow.runtime.trace import span, traced
+from mindspeed_flow.step.plan import StepWork
+from mindspeed_flow.telemetry.trace import span, traced
 
 
 class NonFiniteLoss(RuntimeError):

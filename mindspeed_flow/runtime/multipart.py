@@ -20,39 +20,21 @@ import torch
 
 from mindspeed_flow.config.schema import FlowJobConfig
 from mindspeed_flow.data.sample import VLMSample
-from mindspeed_flow.hosts.torch import build_vlm, dp_loss_scale, hf_compat
+from mindspeed_flow.hosts.torch import build_vlm, dp_loss_scale
 from mindspeed_flow.hosts.torch.data_parallel import apply_ddp, grad_sync
 from mindspeed_flow.hosts.torch.omni import split_omni
 from mindspeed_flow.pool import EmbeddingPool
 from mindspeed_flow.runtime.engine import RankModels, StepEngine, Timer, encode_samples
-from mindspeed_flow.runtime.metrics import StepRecord
+from mindspeed_flow.telemetry.metrics import StepRecord
 from mindspeed_flow.runtime.optim import ParamShare, PartOptimizer, build_optimizer
-from mindspeed_flow.runtime.plan import StepWork
+from mindspeed_flow.step.plan import StepWork
+from mindspeed_flow.specs import encoder_parts
 from mindspeed_flow.topology import Topology
 
 
 def is_multipart(job: FlowJobConfig) -> bool:
     """The job's model has several encoder parts (then `parallel.encoders` names them)."""
-    return len(hf_compat.encoder_parts(job.model.family)) > 1
-
-
-def check_encoder_parts(job: FlowJobConfig) -> None:
-    """`parallel.encoders` must name exactly the model's encoder parts; raises ValueError naming the field."""
-    want = hf_compat.encoder_parts(job.model.family)
-    got = list((job.parallel.encoders or {}).keys())
-    if len(want) == 1 and got:
-        raise ValueError(f"parallel.encoders={got}: model.family={job.model.family!r} has one encoder part; "
-                         "use parallel.encoder (parallel.encoders is for models with several encoders)")
-    if len(want) > 1:
-        if sorted(got) != sorted(want):
-            raise ValueError(f"parallel.encoders={got}: model.family={job.model.family!r} has the encoder parts "
-                             f"{list(want)}; give each one a layout (e.g. {{{want[0]}: {{dp: 1}}, ...}})")
-        if job.model.freeze_encoder:
-            raise ValueError("model.freeze_encoder=true with several encoder parts (parallel.encoders) is not "
-                             "supported yet: every encoder part trains")
-        if job.flow.encoder_batch_tokens:
-            raise ValueError(f"flow.encoder_batch_tokens={job.flow.encoder_batch_tokens} with several encoder "
-                             "parts: batching counts ViT patches, which an audio part has not; use 0")
+    return len(encoder_parts(job.model.family)) > 1
 
 
 def has_input(part: str, sample: VLMSample) -> bool:
@@ -92,7 +74,7 @@ def build_multipart_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, devic
                          opt_kwargs: dict) -> tuple[RankModels, PartOptimizer, Optional[Any], None]:
     """As `build.build_rank` for a model with several encoder parts: this rank's part only (all of them when
     coupled), DDP over the part's DP group, and the pool on decoupled ranks."""
-    names = hf_compat.encoder_parts(job.model.family)
+    names = encoder_parts(job.model.family)
     wanted = (*names, "backbone") if topo.is_coupled else (topo.part,)
     model = build_vlm(job.model.family, hf_cfg, seed=job.seed, dtype=dtype, pretrained_path=job.model.pretrained_path,
                       parts=wanted)

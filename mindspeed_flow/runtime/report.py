@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from mindspeed_flow.runtime.tensorboard import SCALARS
+from mindspeed_flow.telemetry.tensorboard import SCALARS
 
 # (title, y label, [(metrics.jsonl field or SCALARS tag, legend label)])
 PANELS: tuple[tuple[str, str, list[tuple[str, str]]], ...] = (

@@ -32,11 +32,12 @@ from mindspeed_flow.data.sampler import resume_mismatch
 from mindspeed_flow.resilience.resume import accept_config, has_previous_run, mismatch, no_checkpoint, sampler_state
 from mindspeed_flow.resilience.rundir import new_run_id, read_run_id, write_run_id
 from mindspeed_flow.resilience.watchdog import FAILURE_FILE, Watchdog
-from mindspeed_flow.runtime import build, trace
+from mindspeed_flow.runtime import build
+from mindspeed_flow.telemetry import trace
 from mindspeed_flow.runtime.engine import StepEngine
-from mindspeed_flow.runtime.metrics import MFU_FORMULA, MetricsGatherer, StepRecord, StepStatic, machine_peak_flops
-from mindspeed_flow.runtime.plan import StepWork, plan_coupled_step, plan_decoupled_step
-from mindspeed_flow.runtime.tensorboard import open_sink
+from mindspeed_flow.telemetry.metrics import MFU_FORMULA, MetricsGatherer, StepRecord, StepStatic, machine_peak_flops
+from mindspeed_flow.step.plan import StepWork, plan_coupled_step, plan_decoupled_step
+from mindspeed_flow.telemetry.tensorboard import open_sink
 from mindspeed_flow.specs import VLMSpec
 from mindspeed_flow.topology import Layout, Topology
 
@@ -70,14 +71,14 @@ def step_model_flops(spec: VLMSpec, shapes: list, trained: set[int], frozen_enco
 
 def plan_for_step(job: FlowJobConfig, topo: Topology, step: int, shapes: list, cost_model: CostModel,
                   dataset: Any = None, plan: Any = None) -> StepWork:
-    """The step plan, identical on every rank (see runtime/plan.py); `plan` is the streaming packer's plan of this
+    """The step plan, identical on every rank (see step/plan.py); `plan` is the streaming packer's plan of this
     step (packing.step_mode=packs), used instead of packing `shapes`."""
     p = job.packing
     common = dict(token_budget=p.token_budget, cost_model=cost_model, scheduler=p.scheduler,
                   oversize_policy=p.oversize_policy, pad_multiple=p.pad_multiple, plan=plan)
     if topo.layout.multipart:  # several encoder parts: each balanced over its own producers
         from mindspeed_flow.runtime.multipart import part_costs
-        from mindspeed_flow.runtime.plan import plan_multipart_step
+        from mindspeed_flow.step.plan import plan_multipart_step
 
         costs = part_costs(dataset, cost_model)
         return plan_multipart_step(step, shapes, bridges=topo.bridges, part_costs={n: costs[n] for n in topo.bridges},

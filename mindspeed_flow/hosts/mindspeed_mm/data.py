@@ -39,7 +39,7 @@ import torch
 from mindspeed_flow.data.shapes import SampleShape
 from mindspeed_flow.hosts.mindspeed_mm.packed import padded_length
 from mindspeed_flow.packing import CostModel
-from mindspeed_flow.runtime.plan import StepWork, plan_decoupled_step
+from mindspeed_flow.step.plan import StepWork, plan_decoupled_step
 from mindspeed_flow.topology import Bridge
 
 IGNORE_INDEX = -100

@@ -31,8 +31,8 @@ from mindspeed_flow.hosts.mindspeed_mm.schedule import (DecoderStep, EncoderStep
                                                         loss_mode, read_pending_stats)
 from mindspeed_flow.hosts.mindspeed_mm.transport import PlannedTransport
 from mindspeed_flow.packing import CostModel
-from mindspeed_flow.runtime import trace
-from mindspeed_flow.runtime.metrics import machine_peak_flops
+from mindspeed_flow.telemetry import trace
+from mindspeed_flow.telemetry.metrics import machine_peak_flops
 from mindspeed_flow.topology import Bridge
 
 _ACTIVE: Optional["FlowHost"] = None

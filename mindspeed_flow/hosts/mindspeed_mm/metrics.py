@@ -1,7 +1,7 @@
 """What a MindSpeed-MM flow job writes for its users: RUN_DIR/metrics.jsonl, `flow/` TensorBoard scalars, a trace.
 
-The torch host's modules do the writing (`runtime/metrics.py` MetricsFile, `runtime/tensorboard.py`,
-`runtime/trace.py`), so `mindspeed-flow report RUN_DIR` reads a flow job's run as it reads a torch-host run.
+The torch host's modules do the writing (`telemetry/metrics.py` MetricsFile, `telemetry/tensorboard.py`,
+`telemetry/trace.py`), so `mindspeed-flow report RUN_DIR` reads a flow job's run as it reads a torch-host run.
 
 - **Where.** RUN_DIR is the flow recipe's `run_dir` when it states one, else the folder holding the job's
   `--tensorboard-dir`, else the folder holding `--save` (`recipe.flow_run_dir`); without any, nothing is written.
@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from mindspeed_flow.runtime.metrics import MFU_FORMULA, MetricsFile
-from mindspeed_flow.runtime.tensorboard import SCALARS, Scalars, to_mib, open_sink
+from mindspeed_flow.telemetry.metrics import MFU_FORMULA, MetricsFile
+from mindspeed_flow.telemetry.tensorboard import SCALARS, Scalars, to_mib, open_sink
 
 # The torch host's curves (those a flow job's lines have) and the flow job's own.
 FLOW_SCALARS: Scalars = {

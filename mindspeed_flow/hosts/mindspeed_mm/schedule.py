@@ -31,7 +31,7 @@ hand each part its own forward-backward function:
 Every tensor that meets a device collective or the model lives on the device (`ctx.device`); host tensors carry
 only plan metadata and the gloo headers.
 
-With the recipe's `trainer.trace: true` each rank records host-side spans (`runtime/trace.py`), named by what they
+With the recipe's `trainer.trace: true` each rank records host-side spans (`telemetry/trace.py`), named by what they
 are and grouped by category for the timeline: `busy` (encoder.forward / encoder.backward per sample,
 decoder.forward / decoder.backward per microbatch), `wait` (wait.embedding, wait.gradient, wait.grad_norm) and
 `optimizer`. On a device they show when the host issued the work and where it blocked, not the kernels' own time.
@@ -53,8 +53,8 @@ from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext
 from mindspeed_flow.hosts.mindspeed_mm.data import LAYOUT_PACKED, FlowSample, FlowStep, collate_rows
 from mindspeed_flow.hosts.mindspeed_mm.packed import pack_samples, packed_forward, rope_positions_fn
 from mindspeed_flow.hosts.mindspeed_mm.transport import KIND_EMBEDDING, KIND_GRAD, Item, PlannedTransport
-from mindspeed_flow.runtime import trace
-from mindspeed_flow.runtime.trace import span
+from mindspeed_flow.telemetry import trace
+from mindspeed_flow.telemetry.trace import span
 
 LOSS_TOKEN, LOSS_MICROBATCH, LOSS_SAMPLE = "token", "microbatch", "sample"
 

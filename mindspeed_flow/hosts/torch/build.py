@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from mindspeed_flow.hosts.torch import hf_compat
+from mindspeed_flow.specs import encoder_parts
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 PARTS = ("encoder", "backbone")
@@ -97,7 +98,7 @@ def build_vlm(family: str, hf_config: Mapping[str, Any], *, seed: int, dtype: to
 
 def parts_of(family: str) -> tuple[str, ...]:
     """A family's parts in build order (the order sets each part's seed stream): encoder part(s), backbone."""
-    return hf_compat.encoder_parts(family) + ("backbone",)
+    return encoder_parts(family) + ("backbone",)
 
 
 def part_parameters(model: nn.Module, family: str) -> dict[str, list[nn.Parameter]]:

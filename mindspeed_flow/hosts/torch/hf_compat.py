@@ -35,13 +35,6 @@ FAMILY_CLASSES: dict[str, tuple[str, str]] = {
     "qwen2_5_omni_thinker": ("Qwen2_5OmniThinkerForConditionalGeneration", "Qwen2_5OmniThinkerConfig"),
 }
 MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni_thinker")
-# family -> its encoder parts, in part order; a family not listed has one encoder part, "encoder" (vision)
-ENCODER_PARTS: dict[str, tuple[str, ...]] = {"qwen2_5_omni_thinker": ("audio", "vision")}
-
-
-def encoder_parts(family: str) -> tuple[str, ...]:
-    """The names of a family's encoder parts: ("encoder",) for a VLM, ("audio", "vision") for the Omni thinker."""
-    return ENCODER_PARTS.get(family, ("encoder",))
 
 
 def encoder_modules(model: nn.Module, family: str) -> dict[str, dict[str, nn.Module]]:

@@ -24,17 +24,6 @@ OMNI_FAMILY = "qwen2_5_omni_thinker"
 Embeds = Mapping[str, Sequence[Optional[torch.Tensor]]]  # encoder part -> one tensor (or None) per sample
 
 
-def audio_output_lengths(frames: Sequence[int]) -> list[int]:
-    """LLM tokens of audio clips of `frames` mel frames each, by the HF audio tower's own length rule."""
-    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoder
-
-    if not frames:
-        return []
-    # the rule reads no module state, so it is called unbound (no model is built for a length)
-    _, out = Qwen2_5OmniAudioEncoder._get_feat_extract_output_lengths(None, torch.tensor(list(frames)))
-    return [int(x) for x in out]
-
-
 def _audio_of(sample: VLMSample) -> list[torch.Tensor]:
     return list(getattr(sample, "audio_features", None) or [])
 
