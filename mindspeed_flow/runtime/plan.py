@@ -52,6 +52,15 @@ class StepWork:
             self.__dict__["_put_position"] = pos
         return sorted(sample_ids, key=lambda sid: pos.get(sid, -1))
 
+    def slot_of(self) -> dict[int, int]:
+        """Sample id -> the microbatch slot (index in its consumer's row) that consumes it; every DP rank has the
+        same number of slots, and each producer's encode order runs through them in increasing order."""
+        slots = self.__dict__.get("_slot_of")
+        if slots is None:
+            slots = {sid: k for row in self.plan.microbatches for k, mb in enumerate(row) for sid in mb.sample_ids}
+            self.__dict__["_slot_of"] = slots
+        return slots
+
     def consumption_order(self) -> list[int]:
         """Slot-major order in which the backbone consumes samples: slot 0 of every DP rank, then slot 1..."""
         mbs = self.plan.microbatches
