@@ -204,8 +204,8 @@ class StepEngine:
     # samples or groups could make an encoder wait for a gradient whose microbatch still needs a sample that the
     # same encoder has not encoded. In slots it cannot, once B >= W (W = pp, 1 without a pipeline; GPipe needs the
     # whole step, so config refuses a bound there): let s be the lowest slot any encoder waits on. Every encoder
-    # has put every sample of slots < s + B (one that waits on slot s' >= s is about to encode slot >= s' + B),
-    # so all of slots s .. s + W - 1 are in the pool or on their way; a put that waits for pool credits waits
+    # puts every sample of slots < s + B without waiting for a gradient (one that waits on slot s' >= s is about
+    # to encode slot >= s' + B), so all of slots s .. s + W - 1 reach the pool; a put that waits for pool credits waits
     # for an item of a lower slot, which its consumer takes when it forwards that slot; the DP gradient
     # reductions are collectives at the same slot on every consumer (the plan gives every DP rank the same
     # number of microbatches), so the backward of slot s runs everywhere and its gradients come back. Encoder TP
