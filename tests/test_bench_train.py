@@ -42,3 +42,18 @@ def test_ranking_runs_all_three_layouts(capsys) -> None:
         assert 0 < row["final_loss"] < 10
     assert sorted(out["measured_ranking"]) == sorted(out["rows"]) and len(out["core_share_per_round"]) == 1
     assert all(0 < share <= 1.05 for share in out["core_share_per_round"][0])
+
+
+def test_encoder_inflight_rows_side_by_side(capsys) -> None:
+    """`--encoder-inflight 0,1`: the whole-step encoder and the bounded one in one run, each row with the peak
+    samples and slots an encoder rank held (the bounded row holds fewer, one slot) and the step time."""
+    rc = bench_train.main(["--modes", "decoupled", "--encoder-inflight", "0,1", "--steps", "2", "--warmup", "0",
+                           "--json", "experiment=parity_dp2"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    out, _ = json.JSONDecoder().raw_decode(text[text.rindex('{\n  "modes"'):])
+    whole, bounded = out["modes"]["decoupled/inflight0"], out["modes"]["decoupled/inflight1"]
+    assert bounded["encoder_held_slots_peak"] == 1 < whole["encoder_held_slots_peak"]
+    assert 0 < bounded["encoder_held_peak"] < whole["encoder_held_peak"]
+    assert 0 < bounded["encoder_held_mb"] < whole["encoder_held_mb"]
+    assert bounded["median_step_s"] > 0 and whole["final_loss"] == bounded["final_loss"]

@@ -511,7 +511,7 @@ def test_slot_groups_cut_the_encode_order_by_decoder_slot() -> None:
 
 
 def test_saved_bytes_counts_activations_once_and_not_parameters() -> None:
-    from mindspeed_flow.hosts.mindspeed_mm.schedule import HeldPeak, SavedBytes
+    from mindspeed_flow.step.held import HeldPeak, SavedBytes
 
     lin = torch.nn.Linear(8, 16, bias=False)
     x = torch.randn(4, 8)
@@ -524,13 +524,3 @@ def test_saved_bytes_counts_activations_once_and_not_parameters() -> None:
     peak = HeldPeak()
     peak.add(10), peak.add(5), peak.drop(10), peak.add(7)
     assert (peak.peak_groups, peak.peak_bytes, peak.groups, peak.bytes) == (2, 15, 2, 12)
-
-
-def test_torch_host_refuses_encoder_inflight() -> None:
-    from mindspeed_flow.config.load import RecipeError, check_rules
-    from mindspeed_flow.config.schema import FlowJobConfig
-
-    job = FlowJobConfig()
-    job.flow.encoder_inflight = 2
-    with pytest.raises(RecipeError, match="flow.encoder_inflight=2: bounds the MindSpeed-MM host's encoder only"):
-        check_rules(job)

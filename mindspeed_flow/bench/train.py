@@ -19,6 +19,12 @@ and the embedding transfer time exposed per step with and without receiving ahea
     mindspeed-flow bench train --modes decoupled --variant "prefetch=flow.prefetch_embeddings=true" \
         --variant "no_prefetch=flow.prefetch_embeddings=false"
 
+and the encoder's bound on held activations (`flow.encoder_inflight`, in consumer microbatch slots) against
+the whole step, with the peak samples / slots / saved-activation MiB an encoder rank held beside the step time:
+
+    mindspeed-flow bench train --modes decoupled --encoder-inflight 0,1,2 experiment=parity_dp2 \
+        trainer.global_batch_size=24
+
 Ratios are against the first row (samples/s).
 
 --ranking: the three ways to run one job on 2 ranks (`experiment=heavy_encoder_2rank` unless given: a heavy
@@ -67,6 +73,10 @@ def _summarize(lines: list[dict], warmup: int) -> dict:
         "transfer_exposed_s": statistics.mean(x.get("transfer_exposed_s") or 0.0 for x in steady),
         "transfer_hidden_s": statistics.mean(x.get("transfer_hidden_s") or 0.0 for x in steady),
         "final_loss": lines[-1]["loss"],
+        # the most an encoder rank held at once between forward and backward in any step (flow.encoder_inflight)
+        "encoder_held_peak": max(x.get("encoder_held_peak") or 0.0 for x in steady),
+        "encoder_held_slots_peak": max(x.get("encoder_held_slots_peak") or 0.0 for x in steady),
+        "encoder_held_mb": max(x.get("encoder_held_bytes_peak") or 0.0 for x in steady) / 2**20,
     }
 
 
@@ -95,6 +105,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--modes", default="decoupled,coupled")
     ap.add_argument("--variant", action="append", default=[], metavar='NAME="k=v ..."',
                     help="an extra set of overrides, run for every mode (repeatable)")
+    ap.add_argument("--encoder-inflight", default="", metavar="N,N,...",
+                    help="one variant per flow.encoder_inflight value (0: the whole step), beside any --variant")
     ap.add_argument("--ranking", action="store_true",
                     help="coupled DP2 / coupled PP2 / decoupled 1+1 on 2 ranks, measured and predicted")
     ap.add_argument("--repeats", type=int, default=3, help="--ranking: interleaved rounds (medians reported)")
@@ -106,6 +118,10 @@ def main(argv: list[str]) -> int:
     if args.ranking:
         return ranking_main(args, overrides)
     variants = _parse_variants(ap, args.variant)
+    if args.encoder_inflight:
+        bounds = _parse_bounds(ap, args.encoder_inflight)
+        named = [(f"inflight{b}", [f"flow.encoder_inflight={b}"]) for b in bounds]
+        variants = [(f"{n}+{name}" if name else n, [*extra, *o]) for name, extra in variants for n, o in named]
     if not any(o.startswith("experiment=") for o in overrides):
         overrides = ["experiment=default", *overrides]
     results = {}
@@ -132,6 +148,8 @@ def main(argv: list[str]) -> int:
         return 0
     cols = ["samples_per_s", "samples_per_s_vs_first", "median_step_s", "mfu", "padding_fraction",
             "encoder_busy_s", "backbone_wait_s", "transfer_exposed_s", "transfer_hidden_s", "final_loss"]
+    if args.encoder_inflight:
+        cols += ["encoder_held_peak", "encoder_held_slots_peak", "encoder_held_mb"]
     width = max(10, *(len(m) + 2 for m in results))
     print(f"{'mode':<{width}}" + "".join(f"{c:>24}" for c in cols))
     for mode, r in results.items():
@@ -139,6 +157,17 @@ def main(argv: list[str]) -> int:
     if "speedup_samples_per_s" in out:
         print(f"decoupled / coupled samples/s: {out['speedup_samples_per_s']:.3f}")
     return 0
+
+
+def _parse_bounds(ap: argparse.ArgumentParser, spec: str) -> list[int]:
+    """--encoder-inflight "0,1,2" -> [0, 1, 2] (each an integer >= 0)."""
+    try:
+        bounds = [int(x) for x in spec.split(",")]
+    except ValueError:
+        bounds = []
+    if not bounds or min(bounds) < 0:
+        ap.error(f"--encoder-inflight {spec!r}: expected integers >= 0 separated by commas (0: the whole step)")
+    return bounds
 
 
 def _train_once(launch, overrides: list[str], run_dir: Path, steps: int, warmup: int) -> Optional[dict]:

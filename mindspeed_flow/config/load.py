@@ -118,6 +118,35 @@ def model_limits(spec: "VLMSpec") -> "ModelLimits":
                        vit_layers=spec.vision.depth)
 
 
+def encoder_inflight_error(job: FlowJobConfig) -> str:
+    """Why the torch host cannot run `flow.encoder_inflight` with this job ('' when it can).
+
+    The bound counts consumer microbatch slots (see `StepEngine._produce`). A trainable encoder at the bound
+    waits for its oldest slot's gradients, which a consumer returns only after that slot's backward: without a
+    backbone pipeline that needs the slot itself (any bound >= 1 is safe); under 1F1B the first stage forwards
+    min(pp, microbatches) microbatches before its first backward, so the bound must be >= parallel.backbone.pp;
+    GPipe forwards the whole step first, so no bound below the step's (varying) microbatch count is safe. A
+    frozen encoder holds nothing (the pool's credits bound what it sends) and coupled ranks hold one
+    microbatch's graph, so the bound does not apply there. 0 keeps the whole step held: it is safe for every
+    layout (GPipe included) and leaves the default run's schedule and timing unchanged."""
+    f, bb = job.flow, job.parallel.backbone
+    value = f.encoder_inflight
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return (f"flow.encoder_inflight={value!r}: must be an integer >= 0 (consumer microbatch slots an encoder "
+                "rank holds graphs of; 0: the whole step)")
+    if value == 0 or f.mode != "decoupled" or job.model.freeze_encoder or bb.pp <= 1:
+        return ""
+    if job.parallel.pp_schedule == "gpipe":
+        return (f"flow.encoder_inflight={value} with parallel.pp_schedule='gpipe' and parallel.backbone.pp={bb.pp}: "
+                "GPipe forwards every microbatch of the step before the first gradient comes back, so the encoder "
+                "must hold the whole step; use parallel.pp_schedule=1f1b or flow.encoder_inflight=0")
+    if value < bb.pp:
+        return (f"flow.encoder_inflight={value}: must be >= parallel.backbone.pp={bb.pp} (1F1B: the backbone's "
+                f"first stage forwards {bb.pp} microbatches before the first gradient comes back; a smaller bound "
+                "deadlocks) or 0 (the whole step)")
+    return ""
+
+
 def check_rules(job: FlowJobConfig) -> None:
     """Cross-field rules of the training recipe (layout rules live in topology.Layout.validate)."""
     t, p, f, d = job.trainer, job.packing, job.flow, job.data
@@ -132,9 +161,6 @@ def check_rules(job: FlowJobConfig) -> None:
         (f.pool_capacity_mb > 0, f"flow.pool_capacity_mb={f.pool_capacity_mb}: must be > 0"),
         (f.encoder_batch_tokens >= 0, f"flow.encoder_batch_tokens={f.encoder_batch_tokens}: must be >= 0 "
                                       f"(0: one sample per encoder forward)"),
-        (f.encoder_inflight == 0, f"flow.encoder_inflight={f.encoder_inflight}: bounds the MindSpeed-MM host's "
-                                  "encoder only; the torch host's encoder holds one step's graphs (set 0, or "
-                                  "flow.keep_encoder_activations=false to recompute instead)"),
         (job.model.dtype in ("float32", "bfloat16", "float16"),
          f"model.dtype={job.model.dtype!r}: float32, bfloat16 or float16"),
         (d.min_pixels <= d.max_pixels, f"data.min_pixels={d.min_pixels} > data.max_pixels={d.max_pixels}"),
@@ -194,6 +220,9 @@ def check_rules(job: FlowJobConfig) -> None:
     for ok, msg in rules:
         if not ok:
             raise RecipeError(msg)
+    inflight = encoder_inflight_error(job)
+    if inflight:
+        raise RecipeError(inflight)
     check_encoder_parts(job)
 
 

@@ -125,11 +125,16 @@ class FlowConfig:
     # ViT patches per encoder forward: consecutive samples of a rank's encode (= consumption) order are encoded
     # together up to this many patches (a larger sample alone); 0: one sample per forward.
     encoder_batch_tokens: int = 0
-    # MindSpeed-MM host: decoder microbatch groups whose encoder activations (autograd graphs) an encoder replica
-    # holds at once; at the bound it waits for the oldest group's gradients and runs its backward before encoding
-    # more (a frozen encoder: groups of embeddings sent but not yet received). Must be >= the decoder's pipeline
-    # depth (parallel.backbone.pp): the decoder's first stage forwards that many microbatches before its first
-    # backward. 0: the pipeline depth + 1 (the warm-up need and one group encoded ahead of the decoder).
+    # Encoder activations held at once, in consumer microbatch slots (both hosts; the MindSpeed-MM host calls a
+    # slot a decoder microbatch group). A trainable encoder holds the autograd graphs (torch host recomputing:
+    # the inputs) of at most this many consecutive slots; at the bound it waits for the oldest slot's gradients
+    # and runs its backward before encoding more (only the encoder waits). Must be >= the backbone's pipeline
+    # depth (parallel.backbone.pp): under 1F1B its first stage forwards that many microbatches before its first
+    # backward; GPipe needs the whole step (refused with a bound on the torch host). 0: MindSpeed-MM host: the
+    # pipeline depth + 1 (the warm-up need and one group encoded ahead of the decoder); torch host: the whole
+    # step, as before the bound existed (safe for every layout, GPipe included). A frozen MindSpeed-MM encoder
+    # counts groups of embeddings sent but not yet received; a frozen torch-host encoder holds nothing (pool
+    # credits bound what it sends).
     encoder_inflight: int = 0
 
 

@@ -15,8 +15,10 @@ and reports the loss.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -27,6 +29,7 @@ from mindspeed_flow.data.prefetch import prefetch_samples
 from mindspeed_flow.data.sample import VLMSample
 from mindspeed_flow.hosts.torch.data_parallel import allreduce_grads_, grad_sync
 from mindspeed_flow.hosts.torch.tensor_parallel import broadcast_like, broadcast_rows
+from mindspeed_flow.step.held import HeldPeak, SavedBytes
 from mindspeed_flow.telemetry.metrics import StepRecord
 from mindspeed_flow.runtime.optim import PartOptimizer, lr_at
 from mindspeed_flow.step.plan import StepWork
@@ -88,19 +91,34 @@ def encode_samples(encoder: Any, samples: list[VLMSample], trainable: bool) -> l
         return encoder.encode_many(samples)
 
 
-def encode_groups(sample_ids: list[int], patches: list[int], budget: int) -> list[list[int]]:
+def encode_groups(sample_ids: list[int], patches: list[int], budget: int,
+                  slots: Optional[list[int]] = None) -> list[list[int]]:
     """Consecutive runs of `sample_ids` of at most `budget` ViT patches each (order kept; a sample over the
-    budget alone); budget 0: one sample per group."""
+    budget alone); budget 0: one sample per group. `slots` (each sample's consumer microbatch slot): a group
+    never spans two slots, so a slot's embeddings never wait for a later slot's encoding and the encoder's bound
+    (`flow.encoder_inflight`, in slots) can free a group with its slot."""
     groups: list[list[int]] = []
     load = 0
-    for sid, n in zip(sample_ids, patches):
-        if groups and budget and load + n <= budget:
+    for i, (sid, n) in enumerate(zip(sample_ids, patches)):
+        same_slot = slots is None or (i > 0 and slots[i] == slots[i - 1])
+        if groups and budget and load + n <= budget and same_slot:
             groups[-1].append(sid)
             load += n
         else:
             groups.append([sid])
             load = n
     return groups
+
+
+@dataclass
+class _HeldGroup:
+    """One encoder forward whose gradients have not come back yet."""
+
+    sample_ids: list[int]
+    slot: int  # the consumer microbatch slot of its samples (a group never spans two)
+    kept: Any  # graph-holding embeddings, or the samples to recompute them from
+    likes: list[tuple]  # (shape, dtype, device) per embedding: what a TP peer's gradient broadcast receives
+    nbytes: int  # saved-activation bytes of its graph (0 when recomputing)
 
 
 class StepEngine:
@@ -110,7 +128,7 @@ class StepEngine:
                  optim: PartOptimizer, norm_group: Optional[dist.ProcessGroup], grad_clip: float, base_lr: float,
                  warmup_steps: int, prefetch_depth: int = 2,
                  keep_encoder_activations: bool = True, encoder_batch_tokens: int = 0, nan_policy: str = "stop",
-                 max_nonfinite_steps: int = 0) -> None:
+                 max_nonfinite_steps: int = 0, encoder_inflight: int = 0) -> None:
         self.topo, self.m, self.pool, self.dataset = topo, models, pool, dataset
         self.token_budget = token_budget
         self.optim, self.norm_group = optim, norm_group
@@ -118,6 +136,9 @@ class StepEngine:
         self.prefetch_depth = prefetch_depth
         self.keep_encoder_activations = keep_encoder_activations
         self.encoder_batch_tokens = encoder_batch_tokens
+        # flow.encoder_inflight: consumer microbatch slots whose encoder graphs this rank holds at once (0: the
+        # whole step); see _produce for why the unit is a slot and which bound cannot deadlock.
+        self.encoder_inflight = encoder_inflight
         # trainer.nan_policy: "stop" raises at the first non-finite gradient norm; "skip" drops that step's update
         # and raises only after more than `max_nonfinite_steps` such steps in a row.
         self.nan_policy, self.max_nonfinite_steps = nan_policy, max_nonfinite_steps
@@ -169,9 +190,27 @@ class StepEngine:
         p = next(iter(self.m.named_params.values()), None)
         return p.device if p is not None else torch.device("cpu")
 
-    # --- encoder ranks ----------------------------------------------------------------------------------------
+    # --- encoder ranks ---------------------------------------------------------------------------------------
     # A frozen encoder never waits for gradients and does not flush per step: it runs ahead into the next
     # steps, bounded by the pool's capacity (credits), and the pool is drained once at the end (close()).
+    #
+    # The bound (flow.encoder_inflight = B > 0) counts consumer microbatch slots: a trainable encoder holds the
+    # graphs (or, recomputing, the inputs) of samples from at most B consecutive slots of the step plan; before it
+    # encodes a group of slot t it retires (waits for the gradients of, runs the backward of, frees) every held
+    # group of a slot <= t - B, oldest first. Why slots, not samples or groups: a consumer returns a sample's
+    # gradient only after the backward of that sample's microbatch, which needs every embedding of that
+    # microbatch (from every producer) and, under 1F1B on a backbone pipeline of depth pp, the embeddings of the
+    # next pp - 1 microbatches as well (stage 0 forwards pp microbatches before its first backward). A bound in
+    # samples or groups could make an encoder wait for a gradient whose microbatch still needs a sample that the
+    # same encoder has not encoded. In slots it cannot, once B >= W (W = pp, 1 without a pipeline; GPipe needs the
+    # whole step, so config refuses a bound there): let s be the lowest slot any encoder waits on. Every encoder
+    # puts every sample of slots < s + B without waiting for a gradient (one that waits on slot s' >= s is about
+    # to encode slot >= s' + B), so all of slots s .. s + W - 1 reach the pool; a put that waits for pool credits waits
+    # for an item of a lower slot, which its consumer takes when it forwards that slot; the DP gradient
+    # reductions are collectives at the same slot on every consumer (the plan gives every DP rank the same
+    # number of microbatches), so the backward of slot s runs everywhere and its gradients come back. Encoder TP
+    # peers retire at the same points (the rule reads only the plan), so their broadcasts pair up with the
+    # leader's. Groups (flow.encoder_batch_tokens) never span two slots, for the same reason.
     @traced("encoder.produce")
     def _produce(self, work: StepWork, record: StepRecord) -> None:
         timer, rank, trainable = Timer(), self.topo.rank, not self.m.frozen_encoder
@@ -181,17 +220,26 @@ class StepEngine:
         keep = trainable and self.keep_encoder_activations
         leader = self.is_tp_leader
         order = work.encode_order.get(self.topo.tp_leader, [])  # TP peers encode their leader's samples
-        # Several samples per forward (flow.encoder_batch_tokens), in encode order: each group's embeddings go to
-        # the pool as soon as the group is encoded, and its backward runs once all its gradients are back.
+        slot_of = work.slot_of()
+        # Several samples per forward (flow.encoder_batch_tokens), in encode order and within one consumer
+        # microbatch slot: each group's embeddings go to the pool as soon as the group is encoded, and its
+        # backward runs once all its gradients are back.
         patches = [self.dataset.shape(sid).vit_patches if self.encoder_batch_tokens else 0 for sid in order]
-        groups = encode_groups(order, patches, self.encoder_batch_tokens)
-        # (sample ids, graph-holding embeddings or the samples to recompute, (shape, dtype, device) per embedding)
-        held: list[tuple[list[int], Any, list[tuple]]] = []
+        groups = encode_groups(order, patches, self.encoder_batch_tokens, slots=[slot_of[sid] for sid in order])
+        held: deque[_HeldGroup] = deque()
+        peak = HeldPeak()
+        peak_slots = 0
+        bound = self.encoder_inflight if trainable else 0
         # Pixels are decoded/generated in a background thread while the encoder computes.
         loader = iter(prefetch_samples(self.dataset, order, with_pixels=True, depth=self.prefetch_depth))
         for group in groups:
+            slot = slot_of[group[0]]
+            while bound and held and slot - held[0].slot >= bound:
+                self._retire(work, held.popleft(), peak, timer)
             samples = [timer.timed("wait", lambda: next(loader)) for _ in group]
-            embs = timer.timed("busy", lambda: encode_samples(self.m.encoder, samples, keep))
+            saved = SavedBytes()
+            with saved.counting() if keep else contextlib.nullcontext():
+                embs = timer.timed("busy", lambda: encode_samples(self.m.encoder, samples, keep))
             if leader:
                 # One put_many per consumer: the forward's output (per-sample views of one tensor) leaves as one
                 # message, uncopied when its samples go to one consumer. The graph (if kept) stays here.
@@ -200,32 +248,48 @@ class StepEngine:
                     timer.timed("wait", lambda: self.pool.put_many([e for _, e in mine], sample_ids=[
                         sid for sid, _ in mine], step=work.step, consumer=consumer))
             if trainable:
-                held.append((group, embs if keep else samples, [(e.shape, e.dtype, e.device) for e in embs]))
+                held.append(_HeldGroup(group, slot, embs if keep else samples,
+                                       [(e.shape, e.dtype, e.device) for e in embs], saved.total))
+                peak.add(saved.total, len(group))
+                peak_slots = max(peak_slots, slot - held[0].slot + 1)
         record["encoder_last_sample_done_t"] = time.time()
         record["encoder_samples"] = len(order)
         record["encoder_forwards"] = len(groups)
-        for group, kept, likes in held:  # gradients come back in consumption order, as they are computed
-            grads: list = [None] * len(group)
-            if leader:
-                grads = [timer.timed("wait", lambda: self.pool.wait_grad(sample_id=sid, step=work.step,
-                                                                         consumer=work.consumer_of[sid]))
-                         for sid in group]
-            if self.tp > 1:  # TP peers run the same backward with the leader's gradients
-                grads = [timer.timed("wait", lambda: broadcast_like(g, like, self.topo.tp_group))
-                         for g, like in zip(grads, likes)]
-
-            def backward() -> None:
-                embs = kept if keep else encode_samples(self.m.encoder, kept, True)
-                torch.autograd.backward(embs, [g.to(e.dtype) for g, e in zip(grads, embs)])
-
-            timer.timed("busy", backward)
+        while held:  # gradients come back in consumption order, as they are computed
+            self._retire(work, held.popleft(), peak, timer)
         if trainable:
             timer.timed("wait", self.pool.flush)
             # Encoder DP ranks encoded different samples: their gradients add up (the loss normalisation
             # is already global), so sum rather than average.
             timer.timed("wait", lambda: allreduce_grads_(self.optim.params, self.topo.dp_group, average=False))
         record["encoder_busy_s"], record["encoder_wait_s"] = timer.busy, timer.wait
+        # What the encoder held at once this step: samples, consumer microbatch slots (<= flow.encoder_inflight
+        # when it is set) and saved-activation bytes (0 when recomputing: no graph is held).
+        record["encoder_held_peak"] = peak.peak_samples
+        record["encoder_held_slots_peak"] = peak_slots
+        record["encoder_held_bytes_peak"] = peak.peak_bytes
         self._pool_stats(record)
+
+    def _retire(self, work: StepWork, entry: "_HeldGroup", peak: HeldPeak, timer: Timer) -> None:
+        """The held group's gradients (the leader from the pool, TP peers by broadcast from it), then its
+        backward; its graph is freed with it."""
+        grads: list = [None] * len(entry.sample_ids)
+        if self.is_tp_leader:
+            grads = [timer.timed("wait", lambda: self.pool.wait_grad(sample_id=sid, step=work.step,
+                                                                     consumer=work.consumer_of[sid]))
+                     for sid in entry.sample_ids]
+        if self.tp > 1:  # TP peers run the same backward with the leader's gradients
+            grads = [timer.timed("wait", lambda: broadcast_like(g, like, self.topo.tp_group))
+                     for g, like in zip(grads, entry.likes)]
+        keep = self.keep_encoder_activations
+
+        def backward() -> None:
+            embs = entry.kept if keep else encode_samples(self.m.encoder, entry.kept, True)
+            torch.autograd.backward(embs, [g.to(e.dtype) for g, e in zip(grads, embs)])
+
+        timer.timed("busy", backward)
+        entry.kept = None  # the graph (or the samples to recompute) goes now, not when the step ends
+        peak.drop(entry.nbytes, len(entry.sample_ids))
 
     # --- backbone ranks ---------------------------------------------------------------------------------------
     @traced("backbone.consume")

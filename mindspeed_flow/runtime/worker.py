@@ -157,6 +157,7 @@ def run_worker(config_path: str) -> None:
                         prefetch_depth=job.data.prefetch_depth,
                         keep_encoder_activations=job.flow.keep_encoder_activations,
                         encoder_batch_tokens=job.flow.encoder_batch_tokens,
+                        encoder_inflight=job.flow.encoder_inflight,
                         nan_policy=job.trainer.nan_policy, max_nonfinite_steps=job.trainer.max_nonfinite_steps)
     # Every rank judges every sample alike (see data/guard.py); one rank says which it skipped and why.
     guard = SampleGuard(job.data.max_bad_samples, job.data.max_bad_fraction, log_skips=is_writer)

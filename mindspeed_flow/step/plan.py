@@ -52,6 +52,15 @@ class StepWork:
             self.__dict__["_put_position"] = pos
         return sorted(sample_ids, key=lambda sid: pos.get(sid, -1))
 
+    def slot_of(self) -> dict[int, int]:
+        """Sample id -> the microbatch slot (index in its consumer's row) that consumes it; every DP rank has the
+        same number of slots, and each producer's encode order runs through them in increasing order."""
+        slots = self.__dict__.get("_slot_of")
+        if slots is None:
+            slots = {sid: k for row in self.plan.microbatches for k, mb in enumerate(row) for sid in mb.sample_ids}
+            self.__dict__["_slot_of"] = slots
+        return slots
+
 
 def plan_decoupled_step(step: int, shapes: Sequence[SampleShape], *, bridge: Bridge, token_budget: int,
                         cost_model: CostModel, scheduler: str, min_microbatches: int, oversize_policy: str,

@@ -26,6 +26,7 @@ SLOTS = (
     "backbone_busy_s", "backbone_wait_s", "backbone_first_mb_start_t",
     "loss_sum", "label_tokens", "pool_peak_bytes", "pool_bytes_sent", "grad_norm", "peak_rss_bytes",
     "pool_transfer_s", "pool_transfer_exposed_s", "update_skipped",
+    "encoder_held_peak", "encoder_held_slots_peak", "encoder_held_bytes_peak",
 )
 INDEX = {name: i for i, name in enumerate(SLOTS)}
 
@@ -262,6 +263,11 @@ class MetricsGatherer:
             # encoder forwards over all encoder ranks (fewer than the samples when flow.encoder_batch_tokens > 0)
             "encoder_forwards": agg("encoder_forwards", enc, "sum"),
             "encoder_samples": agg("encoder_samples", enc, "sum"),
+            # what one encoder rank held at once between forward and backward (max over encoder ranks):
+            # samples, consumer microbatch slots (<= flow.encoder_inflight when set) and saved-activation bytes
+            "encoder_held_peak": agg("encoder_held_peak", enc),
+            "encoder_held_slots_peak": agg("encoder_held_slots_peak", enc),
+            "encoder_held_bytes_peak": agg("encoder_held_bytes_peak", enc),
             "backbone_busy_s": agg("backbone_busy_s", bb),
             "backbone_wait_s": agg("backbone_wait_s", bb),
             "pool_occupancy_peak_bytes": agg("pool_peak_bytes", everyone),

@@ -53,6 +53,7 @@ from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext
 from mindspeed_flow.hosts.mindspeed_mm.data import LAYOUT_PACKED, FlowSample, FlowStep, collate_rows
 from mindspeed_flow.hosts.mindspeed_mm.packed import pack_samples, packed_forward, rope_positions_fn
 from mindspeed_flow.hosts.mindspeed_mm.transport import KIND_EMBEDDING, KIND_GRAD, Item, PlannedTransport
+from mindspeed_flow.step.held import HeldPeak, SavedBytes
 from mindspeed_flow.telemetry import trace
 from mindspeed_flow.telemetry.trace import span
 
@@ -143,49 +144,6 @@ def slot_groups(step: FlowStep, order: list[int]) -> list[list[int]]:
             last = slots[sid][0]
         groups[-1].append(sid)
     return groups
-
-
-class SavedBytes:
-    """Bytes of the activations autograd saves for backward inside `with self.counting():` (each storage once).
-
-    Parameters saved by a layer are not activations (they live anyway), so they are left out; everything else a
-    forward saves is held until that graph's backward frees it. Reads tensor metadata only (no device sync)."""
-
-    def __init__(self) -> None:
-        self.total = 0
-        self._seen: set[int] = set()
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, torch.nn.Parameter) and not (t.is_leaf and t.requires_grad):
-            try:
-                storage = t.untyped_storage()
-                key, nbytes = storage.data_ptr(), storage.nbytes()
-            except (RuntimeError, NotImplementedError):  # a tensor without storage (e.g. a wrapper subclass)
-                key, nbytes = id(t), t.numel() * t.element_size()
-            if key not in self._seen:
-                self._seen.add(key)
-                self.total += nbytes
-        return t
-
-    def counting(self) -> Any:
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-
-class HeldPeak:
-    """Peak groups and bytes an encoder replica held at once during a step (activations, or sent embeddings)."""
-
-    def __init__(self) -> None:
-        self.groups = self.bytes = self.peak_groups = self.peak_bytes = 0
-
-    def add(self, nbytes: int) -> None:
-        self.groups += 1
-        self.bytes += nbytes
-        self.peak_groups = max(self.peak_groups, self.groups)
-        self.peak_bytes = max(self.peak_bytes, self.bytes)
-
-    def drop(self, nbytes: int) -> None:
-        self.groups -= 1
-        self.bytes -= nbytes
 
 
 @dataclass
