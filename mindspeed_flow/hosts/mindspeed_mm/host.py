@@ -344,7 +344,15 @@ class FlowHost:
                                        parts.encoder_trainable)
 
     def finish(self) -> None:
-        """After MindSpeed-MM's pretrain returns, on every rank: close the metrics; merge the trace."""
+        """After MindSpeed-MM's pretrain returns, on every rank: wait for this rank's sends to be received; close
+        the metrics; merge the trace."""
+        transport = getattr(self._step, "transport", None)
+        if transport is not None:
+            # A frozen encoder runs ahead of the decoder (it waits for no gradient) and can finish while its last
+            # embeddings are still on the wire: gloo moves a message only once the receiver has posted its receive,
+            # and a process that exits with a send pending aborts ("terminate called without an active exception").
+            self.ctx.doing("waiting for the last sends to be received")
+            transport.flush()
         if self.metrics is not None:
             self.metrics.close()
         parts = self.ctx.parts
