@@ -87,11 +87,14 @@ class Layout:
             ranks = int(getattr(parallel_cfg, "world_size", 0) or 0) or sum(e.size for e in encoders) + bb.size
             coupled = getattr(parallel_cfg, "coupled", None)
             pp = coupled.pp if coupled is not None else 1
-            if not isinstance(pp, int) or pp < 1 or ranks % pp:
+            tp, cp = (int(getattr(coupled, "tp", 1) or 1), int(getattr(coupled, "cp", 1) or 1)) if coupled else (1, 1)
+            if not isinstance(pp, int) or pp < 1 or ranks % (pp * tp * cp):
+                sizes = f" (times tp={tp} x cp={cp})" if tp * cp > 1 else ""
                 raise LayoutError(f"parallel.coupled.pp={pp!r}: must be an integer >= 1 that divides the {ranks} "
-                                  "ranks of the layout (coupled mode runs on the ranks the decoupled one uses)")
+                                  f"ranks of the layout{sizes} (coupled mode runs on the ranks the decoupled one uses)")
             split = _split(coupled.layer_split, "parallel.coupled.layer_split") if coupled is not None else None
-            return Layout((PartLayout(COUPLED, dp=ranks // pp, pp=pp, layer_split=split),), "coupled")
+            return Layout((PartLayout(COUPLED, dp=ranks // (pp * tp * cp), tp=tp, pp=pp, cp=cp, layer_split=split),),
+                          "coupled")
         raise LayoutError(f"flow.mode={mode!r}: must be 'decoupled' or 'coupled'")
 
     @property
@@ -136,6 +139,9 @@ class Layout:
                     raise LayoutError(f"{f}.{dim}={v!r}: every parallel size must be an integer >= 1")
             if p.cp != 1:
                 raise LayoutError(f"{f}.cp={p.cp}: context parallelism is not supported by the torch host (cp must be 1)")
+            if p.name == COUPLED and p.tp != 1:
+                raise LayoutError(f"parallel.coupled.tp={p.tp}: the torch host's coupled mode runs DP x PP only (tp must "
+                                  "be 1); a coupled MindSpeed-MM recipe runs with `launch-script --job mm`")
             if limits is not None:
                 heads = limits.vit_heads if is_encoder else limits.llm_heads
                 if heads % p.tp:

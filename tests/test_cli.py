@@ -15,7 +15,8 @@ from mindspeed_flow.runtime import report
 
 SUBCOMMANDS = sorted(cli.SUBCOMMANDS) + [f"bench {b}" for b in sorted(cli.BENCHMARKS)] + ["bench"]
 # a small plan: the tiny model on the CPU preset, few sample shapes
-SMALL_PLAN = ("cluster=cpu", "model=tiny_qwen2_vl", "data=infovqa_tiny", "samples=64", "--no-baselines")
+SMALL_PLAN = ("cluster=cpu", "model=tiny_qwen2_vl", "data=infovqa_tiny", "samples=64", "--no-baselines", "--job",
+              "torch")
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:

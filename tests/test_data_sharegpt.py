@@ -9,7 +9,7 @@ import pytest
 
 from mindspeed_flow.data.guard import BadSample, SampleGuard, TooManyBadSamples
 from mindspeed_flow.data.length_table import export_length_table
-from mindspeed_flow.data.preflight import DataError
+from mindspeed_flow.data.records import DataError
 from mindspeed_flow.data.prefetch import Prefetcher
 from mindspeed_flow.data.sampler import iter_global_batches
 from mindspeed_flow.data.sharegpt import ShareGPTDataset

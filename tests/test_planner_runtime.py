@@ -22,8 +22,10 @@ def test_cpu_plan_recipe_trains(tmp_path) -> None:
     shutil.copytree(ROOT / "recipes", recipes)
     out = recipes / "experiment" / "planned.yaml"
     env_py = [sys.executable, "-m", "mindspeed_flow.cli"]
+    # the decoupled plan itself (--no-baselines: a faster baseline would otherwise be the recipe)
     plan = subprocess.run(env_py + ["plan", "cluster=cpu", "model=tiny_qwen2_vl", "data=infovqa_tiny",
-                                    "global_batch=6", "samples=256", "--out", str(out), "--json"],
+                                    "global_batch=6", "samples=256", "--job", "torch", "--no-baselines",
+                                    "--out", str(out), "--json"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert plan.returncode == 0, plan.stderr
     planned = {p["name"]: p for p in json.loads(plan.stdout)["parts"]}
@@ -40,3 +42,24 @@ def test_cpu_plan_recipe_trains(tmp_path) -> None:
         for dim in ("dp", "tp", "pp", "cp"):
             assert ran["parallel"][name][dim] == planned[name][dim], (name, dim)
     assert ran["trainer"]["global_batch_size"] == 6
+
+
+def test_cpu_recommended_recipe_trains(tmp_path) -> None:
+    """Whatever `plan --job torch` recommends (the decoupled plan or a faster baseline's layout), the recipe it
+    writes trains on the torch host."""
+    recipes = tmp_path / "recipes"
+    shutil.copytree(ROOT / "recipes", recipes)
+    out = recipes / "experiment" / "recommended.yaml"
+    env_py = [sys.executable, "-m", "mindspeed_flow.cli"]
+    plan = subprocess.run(env_py + ["plan", "cluster=cpu", "model=tiny_qwen2_vl", "data=infovqa_tiny",
+                                    "global_batch=6", "samples=256", "--job", "torch", "--out", str(out), "--json"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert plan.returncode == 0, plan.stderr
+    recommended = json.loads(plan.stdout)["recommended"]
+    run_dir = tmp_path / "run"
+    train = subprocess.run(env_py + ["train", "experiment=recommended", "trainer.steps=1", f"run_dir={run_dir}",
+                                     "trainer.progress=false"],
+                           capture_output=True, text=True, timeout=240, cwd=ROOT,
+                           env={**__import__("os").environ, "MSF_RECIPES": str(recipes)})
+    assert train.returncode == 0, (recommended, train.stderr[-3000:])
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1

@@ -118,6 +118,24 @@ def test_cpsat_equals_exhaustive_on_random_option_tables() -> None:
             assert a.devices == b.devices
 
 
+def test_whole_node_solver_equals_exhaustive_on_random_option_tables() -> None:
+    """Whole nodes (at most one node, or a multiple of it): the per-residue pruning keeps CP-SAT exact."""
+    rng = np.random.default_rng(23)
+    for _ in range(300):
+        k = int(rng.integers(1, 4))
+        node = int(rng.choice([2, 4, 8]))
+        devs = [rng.integers(1, 20, size=int(rng.integers(1, 30))) for _ in range(k)]
+        times = [np.round(rng.uniform(0.1, 10, size=len(d)), int(rng.integers(1, 4))) for d in devs]
+        budget = int(rng.integers(1, 50))
+        a, b = solve_cpsat(devs, times, budget, node=node), solve_exhaustive(devs, times, budget, node=node)
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.devices <= node or a.devices % node == 0
+            assert a.max_time == pytest.approx(b.max_time, rel=1e-6)
+            assert abs(a.gap - b.gap) <= 1e-6 * b.max_time
+            assert a.devices == b.devices
+
+
 def test_shared_host_solver_equals_exhaustive_on_random_option_tables() -> None:
     """With the host-CPU bound (step >= sum of busy work / cores), CP-SAT still equals enumeration."""
     rng = np.random.default_rng(11)

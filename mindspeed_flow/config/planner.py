@@ -85,6 +85,9 @@ class PlannerConfig:
     batch_divisible: bool = True
     # Frozen encoder: forward only, no grads or optimizer states.
     freeze_encoder: bool = False
+    # The job the plan is for (planner/jobs.py): "mm" (flow-patched MindSpeed-MM), "torch" (mindspeed-flow
+    # train), or "" (every layout the cost model prices, whichever host runs it). `plan --job` sets it.
+    job: str = ""
     # Path of a profile table (JSON from `mindspeed-flow profile`) that calibrates the fields above.
     profile: str = ""
     # Per part, the largest relative residual of the profile's fit (written by `profile`): predictions are

@@ -80,6 +80,10 @@ class CoupledParallelConfig:
     pp: int = 1
     # LLM layers per stage; null: an even split. A tuned job gives stage 0 fewer layers to carry the ViT.
     layer_split: Optional[list] = None
+    # Tensor and context parallel sizes of a coupled MindSpeed-MM job (the unpatched job that `launch-script --job
+    # mm` starts for a coupled recipe); the torch host's coupled mode runs tp = cp = 1.
+    tp: int = 1
+    cp: int = 1
 
 
 @dataclass

@@ -11,42 +11,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from mindspeed_flow.data.guard import BadSample
+from mindspeed_flow.data.records import DataError, load_entries, read_text
+
 FIRST_RECORDS = 8  # records checked at preflight; all of them bad means the format, not a record, is wrong
-
-
-class DataError(ValueError):
-    """The dataset cannot be used at all; the message names the file (and line) and the fix."""
-
-
-def _line_of(raw: bytes, offset: int) -> tuple[int, int]:
-    line = raw.count(b"\n", 0, offset) + 1
-    return line, offset - (raw.rfind(b"\n", 0, offset) + 1) + 1
-
-
-def read_text(path: str, field: str) -> tuple[bytes, str]:
-    """The file's bytes and UTF-8 text; a missing, unreadable or non-UTF-8 file is a `DataError`."""
-    if not os.path.exists(path):
-        raise DataError(f"{field}={path!r} does not exist; fix the path (relative paths are from the directory "
-                        f"you launch in: {os.getcwd()})")
-    if os.path.isdir(path):
-        raise DataError(f"{field}={path!r} is a directory; it must name the file itself")
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as exc:
-        raise DataError(f"{field}={path!r} cannot be read: {exc.strerror}") from None
-    try:
-        return raw, raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line, col = _line_of(raw, exc.start)
-        raise DataError(f"{path}, line {line} column {col}: byte 0x{raw[exc.start]:02x} is not UTF-8; re-encode "
-                        "the file as UTF-8 (for example `iconv -f GB18030 -t UTF-8`)") from None
 
 
 def _record_problem(entry: Any) -> str:
     """Why a ShareGPT record's structure is unusable ('' when it looks right)."""
-    from mindspeed_flow.data.guard import BadSample
-
     if isinstance(entry, BadSample):
         return entry.cause
     if not isinstance(entry, dict):
@@ -84,8 +56,6 @@ def preflight(data_cfg: Any, global_batch_size: int) -> None:
     table = getattr(data_cfg, "shape_table", None)
     if table:
         read_text(table, "data.shape_table")
-    from mindspeed_flow.data.sharegpt import load_entries
-
     first = load_entries(path)[:FIRST_RECORDS]
     if not first:
         raise DataError(f"{path} holds no records")

@@ -21,8 +21,6 @@ and pass `shape_table=csv`: `shape(i)` then reads no image at all, and a sample 
 """
 from __future__ import annotations
 
-import json
-import re
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional
@@ -33,6 +31,7 @@ from mindspeed_flow.data.base import VLMDataset
 from mindspeed_flow.data.guard import BadSample, is_system_error
 from mindspeed_flow.data.image import (llava_grid, process_pil_llava, process_pil_qwen2, qwen2_grid,
                                        stack_pixels)
+from mindspeed_flow.data.records import load_entries
 from mindspeed_flow.data.sample import TokenSpec, VLMSample
 from mindspeed_flow.data.shapes import SampleShape, read_length_table
 from mindspeed_flow.data.tokens import (ByteTokenizer, Tokenizer, build_conversation, check_ordinary_ids,
@@ -53,49 +52,6 @@ class _Entry:
 
     images: tuple[str, ...]
     turns: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
-
-
-_ID_FIELD = re.compile(r'"id"\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+)')
-
-
-def _salvage_id(line: str) -> Any:
-    """The "id" a malformed .jsonl line still shows (the error is usually further on), or None."""
-    m = _ID_FIELD.search(line)
-    if m is None:
-        return None
-    try:
-        return json.loads(m.group(1))
-    except ValueError:
-        return None
-
-
-def load_entries(path: str) -> list[Any]:
-    """The raw entries of a .json (a list) or .jsonl file; a malformed .jsonl line becomes a `BadSample`. A
-    missing, non-UTF-8 or malformed file raises `DataError` naming the file and line (see data/preflight.py)."""
-    from mindspeed_flow.data.preflight import DataError, read_text
-
-    _, text = read_text(path, "data.path")
-    if path.endswith(".jsonl"):
-        entries: list[Any] = []
-        for line_no, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                entries.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                bad = BadSample(len(entries), f"line {line_no} of {path} is not valid JSON: {exc}")
-                bad.record_id = _salvage_id(line)  # type: ignore[attr-defined]
-                entries.append(bad)
-        return entries
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path}, line {exc.lineno} column {exc.colno}: invalid JSON ({exc.msg}); fix the file "
-                        "there (a missing comma, bracket or quote), or use .jsonl with one record per line") from None
-    if not isinstance(data, list):
-        raise DataError(f"{path}: the top level is a JSON {type(data).__name__}; it must be a list of records "
-                        '[{"id": ..., "image": ..., "conversations": [...]}, ...]')
-    return data
 
 
 def _image_list(entry: dict, i: int) -> tuple[str, ...]:

@@ -7,8 +7,9 @@ gain is over the best that family can do, and the report names the strongest one
   the LLM layers, ViT TP = LLM TP, one recompute flag for both, no CP.
 - `megatron_coupled`: the coupled layout as a tuned MindSpeed-MM user runs it (its 72B config): uneven
   `pipeline_num_layers` that move LLM layers off stage 0 to balance the ViT, separate recompute for ViT and
-  LLM, CP allowed, and the ViT split over its own TP inside stage 0's tp x cp devices (the rest of that group
-  splits the microbatch's images). The 1F1B pipeline runs at the pace of its slowest stage:
+  LLM (per module in model.json), CP allowed (Ulysses), and the ViT on the job's TP with the microbatch's images
+  split over the CP ranks (model.json `use_vit_dp`: MindSpeed-MM builds every module with the job's TP, so the
+  ViT cannot take another). The 1F1B pipeline runs at the pace of its slowest stage:
   T = (m - 1) max_s t_s + sum_s t_s.
 - `mindspeed_mm_hetero`: MindSpeed-MM `--hetero-parallel`: ViT and LLM co-located on the same devices, each
   with its own DP/TP layout; the ViT's schedule runs first for the whole step, then the LLM's (no overlap):
@@ -16,7 +17,12 @@ gain is over the best that family can do, and the report names the strongest one
 - `mindspeed_dist_train`: MindSpeed `--dist-train`: the ViT on its own devices as an extra, blocking pipeline
   stage in front of the LLM stages (embedding traffic not overlapped), with equal DP, or with `main_dp` on the
   LLM: the ViT's DP is k x the LLM's and each inner-DP group of k ViT replicas encodes one LLM microbatch's
-  images together: T = (m - 1) max(t_vit, t_llm) + t_vit + sum of LLM stages.
+  images together: T = (m - 1) max(t_vit, t_llm) + t_vit + sum of LLM stages. MindSpeed's dist-train runs only
+  the model pairs it lists (`_SUPPORT_MODEL_NAME` in mindspeed/core/multi_modal/dist_train/dist_train_config.py:
+  InternVL2's ViT + GPT, OpenSoraPlan 1.3's VAE + DiT); for other models it is priced but marked as not
+  applying, and the plan's gain is reported over the strongest baseline that applies.
+
+With `node` > 1 every baseline uses at most one node or whole nodes of that size (what a launch starts).
 """
 from __future__ import annotations
 
@@ -31,8 +37,13 @@ from mindspeed_flow.planner.cost import (
     dp_sync_time, encoder_activation_memory, encoder_costs, encoder_samples_time, encoder_static_params,
     model_flops_per_step, optimizer_time, pipeline_time, stage_layer_list, stage_time, static_memory,
 )
+from mindspeed_flow.planner.jobs import allowed_total
 from mindspeed_flow.planner.parts import PartSpec
 from mindspeed_flow.planner.space import PlanError, enumerate_layouts, rc_values
+
+# model families (HF model_type) whose encoder + LLM pair MindSpeed's dist-train runs (InternVL2: a LLaVA-style
+# InternViT + LLM); see the module docstring
+DIST_TRAIN_FAMILIES = ("llava", "internvl", "internvl_chat")
 
 BASELINES = ("coupled_uniform", "megatron_coupled", "mindspeed_mm_hetero", "mindspeed_dist_train")
 
@@ -46,6 +57,15 @@ class BaselineResult:
     mfu: float
     devices: int
     memory_gb: float
+    applies: bool = True  # the system this baseline stands for runs this model
+    why_not: str = ""
+
+
+def _whole(devices: np.ndarray, budget: int, node: int) -> np.ndarray:
+    """Which device counts a launch in whole nodes of `node` can use (all when node <= 1)."""
+    if node <= 1:
+        return np.ones(np.shape(devices), dtype=bool)
+    return np.vectorize(lambda n: allowed_total(int(n), budget, node), otypes=[bool])(devices)
 
 
 def _finish(name: str, layout: dict, t: float, devices: int, mem: float, parts: list[PartSpec],
@@ -69,11 +89,13 @@ def _split_row(L: Layouts, mb: dict, i: int) -> dict:
 
 
 def megatron_coupled(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int,
-                     tuned: bool = True, fixed: Mapping[str, int] | None = None) -> BaselineResult | None:
+                     tuned: bool = True, fixed: Mapping[str, int] | None = None, node: int = 0,
+                     vit_rc: tuple[int, ...] | None = None) -> BaselineResult | None:
     """Best coupled (ViT on stage 0) layout within `budget` devices, or None if none fits in memory.
 
     tuned=False is `coupled_uniform` (even split, shared TP and recompute, no CP). `fixed` pins layout fields of
-    the coupled model (dp, pp, tp, cp, b, rc), e.g. to price the exact layout a run uses."""
+    the coupled model (dp, pp, tp, cp, b, rc), e.g. to price the exact layout a run uses; `vit_rc` limits the
+    ViT's recompute levels (e.g. a host without ViT recompute); `node`: whole nodes."""
     name = "megatron_coupled" if tuned else "coupled_uniform"
     cctx = ctx if tuned else dataclasses.replace(ctx, cfg=dataclasses.replace(ctx.cfg, uneven_pp=False))
     pins = {**({} if tuned else {"cp": 1}), **dict(fixed or {})}
@@ -81,16 +103,16 @@ def megatron_coupled(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int,
         L = enumerate_layouts(bb, cctx, budget, pins or None)
     except PlanError:
         return None
-    if not tuned:
-        L = L.take(np.nonzero(np.isin(L.tp, enc.tp_sizes))[0])  # the ViT shares the TP group
+    # the ViT shares the job's TP group
+    L = L.take(np.nonzero(np.isin(L.tp, enc.tp_sizes) & _whole(L.devices, budget, node))[0])
     if len(L) == 0:
         return None
     m = backbone_costs(bb, cctx, L).microbatches
     samples_mb = ctx.global_batch / L.dp / m
     group = L.tp * L.cp  # stage 0's devices per replica: the ViT runs on them
     best: tuple[float, int, int, int, float, dict] | None = None
-    for tv in enc.tp_sizes if tuned else (0,):
-        for rcv in rc_values(enc, ctx) if tuned else (None,):
+    for tv in (0,):
+        for rcv in (vit_rc if vit_rc is not None else rc_values(enc, ctx)) if tuned else (None,):
             t_v = L.tp if tv == 0 else np.full_like(L.tp, tv)
             rc_v = L.rc if rcv is None else np.full_like(L.rc, rcv)
             ok_shape = (group % t_v == 0)
@@ -136,7 +158,8 @@ def _grids(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int) -> tuple[
         return None
 
 
-def mindspeed_mm_hetero(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int) -> BaselineResult | None:
+def mindspeed_mm_hetero(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int,
+                        node: int = 0) -> BaselineResult | None:
     """Best `--hetero-parallel` layout: ViT then LLM on the same devices, each with its own layout, or None."""
     grids = _grids(enc, bb, ctx, budget)
     if grids is None:
@@ -150,7 +173,7 @@ def mindspeed_mm_hetero(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: i
     # the ViT's activations wait for the LLM's backward unless it recomputes: both sets of states are resident
     e_mem = ce.memory - ce.memory_parts["buffers"]
     best: tuple[float, int, int, float] | None = None
-    for d in np.unique(Lb.devices):
+    for d in np.unique(Lb.devices[_whole(Lb.devices, budget, node)]):
         jb, je = np.nonzero(Lb.devices == d)[0], np.nonzero(Le.devices == d)[0]
         if len(je) == 0:
             continue
@@ -168,7 +191,8 @@ def mindspeed_mm_hetero(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: i
     return _finish("mindspeed_mm_hetero", layout, t, int(Lb.devices[ib]), mem, [enc, bb], ctx)
 
 
-def mindspeed_dist_train(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int) -> BaselineResult | None:
+def mindspeed_dist_train(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int,
+                         node: int = 0) -> BaselineResult | None:
     """Best dist-train layout (separate ViT devices, ViT DP = k x LLM DP with inner DP, blocking stage)."""
     grids = _grids(enc, bb, ctx, budget)
     if grids is None:
@@ -203,7 +227,8 @@ def mindspeed_dist_train(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: 
         enc_mem = (sum(static_memory(ctx, p_e, dp_e, enc.trainable).values())
                    + encoder_activation_memory(enc, ctx, inflight * samples_mb, tp_e, rc_e))
         devices = Le.devices[je][:, None] + Lb.devices[jb][None, :]
-        ok = (enc_mem <= _limit(ctx)) & (cb.memory[jb][None, :] <= _limit(ctx)) & (devices <= budget)
+        ok = ((enc_mem <= _limit(ctx)) & (cb.memory[jb][None, :] <= _limit(ctx)) & (devices <= budget)
+              & _whole(devices, budget, node))
         if not ok.any():
             continue
         flat = np.where(ok, t, np.inf)
@@ -219,17 +244,25 @@ def mindspeed_dist_train(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: 
     return _finish("mindspeed_dist_train", layout, t, int(Le.devices[ie] + Lb.devices[ib]), mem, [enc, bb], ctx)
 
 
-def all_baselines(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int) -> dict[str, BaselineResult | None]:
-    """Every baseline at its best layout (None: that family has no layout that fits)."""
-    return {
-        "coupled_uniform": megatron_coupled(enc, bb, ctx, budget, tuned=False),
-        "megatron_coupled": megatron_coupled(enc, bb, ctx, budget, tuned=True),
-        "mindspeed_mm_hetero": mindspeed_mm_hetero(enc, bb, ctx, budget),
-        "mindspeed_dist_train": mindspeed_dist_train(enc, bb, ctx, budget),
+def all_baselines(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int, node: int = 0,
+                  family: str = "") -> dict[str, BaselineResult | None]:
+    """Every baseline at its best layout (None: that family has no layout that fits); `family` (HF model_type,
+    empty: unknown) marks the baselines whose system does not run that model."""
+    out = {
+        "coupled_uniform": megatron_coupled(enc, bb, ctx, budget, tuned=False, node=node),
+        "megatron_coupled": megatron_coupled(enc, bb, ctx, budget, tuned=True, node=node),
+        "mindspeed_mm_hetero": mindspeed_mm_hetero(enc, bb, ctx, budget, node=node),
+        "mindspeed_dist_train": mindspeed_dist_train(enc, bb, ctx, budget, node=node),
     }
+    dist = out["mindspeed_dist_train"]
+    if dist is not None and family and family not in DIST_TRAIN_FAMILIES:
+        dist.applies = False
+        dist.why_not = (f"MindSpeed's dist-train does not run {family} (it runs InternVL2 and OpenSoraPlan 1.3 "
+                        "only)")
+    return out
 
 
 def strongest(baselines: dict[str, BaselineResult | None]) -> BaselineResult | None:
-    """The baseline with the most samples/s (what the plan's gain is reported against)."""
-    found = [b for b in baselines.values() if b is not None]
+    """The applicable baseline with the most samples/s (what the plan's gain is reported against)."""
+    found = [b for b in baselines.values() if b is not None and b.applies]
     return max(found, key=lambda b: b.samples_per_s) if found else None

@@ -4,9 +4,14 @@
                         [global_batch=G] [freeze_encoder=true] [samples=2048] [planner.FIELD=VALUE]
                         [parallel.encoder.tp=2 parallel.backbone.pp=4 parallel.backbone.token_budget=32768
                          parallel.backbone.recompute=1]
-                        [--out recipe.yaml [--force]] [--name NAME] [--json] [--exhaustive] [--plot PATH.png]
-                        [--no-baselines] [--simulate K] [--timeline PATH.png]
-                        [--launch-script FILE.sh [--cluster a2|a3] [--job mm|train]]
+                        [--job mm|torch] [--out recipe.yaml [--force]] [--name NAME] [--json] [--exhaustive]
+                        [--plot PATH.png] [--no-baselines] [--simulate K] [--timeline PATH.png]
+                        [--launch-script FILE.sh [--cluster a2|a3]]
+
+--job is the job that will run the plan: mm (default), the flow-patched MindSpeed-MM job, or torch (`train` is an
+alias), mindspeed-flow train. Only layouts that job runs are searched (planner/jobs.py: no context parallelism,
+its recompute kinds, its optimizer sharding, whole nodes of the cluster preset); one line says what was left out
+and why. The written recipe and --launch-script are for that job.
 
 Layout pins use train's names, parallel.PART.FIELD (PART: encoder or backbone; FIELD: dp, tp, pp, cp,
 token_budget (b), recompute (rc)); the short PART.FIELD is an alias. trainer.global_batch_size= and
@@ -35,7 +40,10 @@ import os
 import sys
 
 from mindspeed_flow.planner.inputs import build_problem, data_recipe_fields, parse_kv
+from mindspeed_flow.planner.jobs import job_rules, refusal
 from mindspeed_flow.planner.plan import make_plan
+from mindspeed_flow.planner.recommend import coupled_recipe, first_line, recommend
+from mindspeed_flow.planner.recommend import to_json as recommendation_json
 from mindspeed_flow.planner.report import recipe_yaml, render_ranking, render_text, to_json, write_plot
 from mindspeed_flow.planner.simulate import rank_by_simulation, write_timeline
 from mindspeed_flow.planner.space import PlanError
@@ -90,8 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         if flags.get("--launch-script") and not flags.get("--out"):
             raise UsageError("--launch-script needs --out RECIPE.yaml: the script launches that recipe")
         args = parse_kv(kv)
+        rules = job_rules(str(flags.get("--job") or "mm"))
+        args.planner.setdefault("job", rules.name)
         _check_outputs(flags)
         problem, model = build_problem(args)
+        family = model.hf_config.get("model_type")
+        if refusal(rules, family):
+            raise ValueError(f"model={args.model} ({family}): {refusal(rules, family)}")
         plan = make_plan(problem, exhaustive=bool(flags.get("--exhaustive")),
                          with_baselines=not flags.get("--no-baselines"))
     except PlanError as e:
@@ -100,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"mindspeed-flow plan: {e}", file=sys.stderr)
         return 2
+    rec = recommend(plan)
+    launch_msg = ""
     ranked = None
     if flags.get("--simulate"):
         try:
@@ -115,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         out = str(flags["--out"])
         name = str(flags.get("--name") or os.path.splitext(os.path.basename(out))[0])
         data_recipe, data_inline = data_recipe_fields(args.data)
-        text = recipe_yaml(plan, name, model.recipe, data_recipe, model.inline, data_inline)
+        if rec.baseline is not None:  # a baseline the job runs beats the decoupled plan: write its layout
+            text = coupled_recipe(plan, rec, name, model.recipe, data_recipe, model.inline, data_inline)
+        else:
+            text = recipe_yaml(plan, name, model.recipe, data_recipe, model.inline, data_inline)
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:
             f.write(text)
@@ -123,22 +141,25 @@ def main(argv: list[str] | None = None) -> int:
             from mindspeed_flow.runtime.launch_script import LaunchScriptError, plan_from_recipe, write_script
 
             try:
-                launch = plan_from_recipe(out, flags.get("--cluster"), str(flags.get("--job") or "mm"))
+                launch = plan_from_recipe(out, flags.get("--cluster"), job_rules(problem.cfg.job).launch_job or "mm")
                 script = write_script(launch, str(flags["--launch-script"]), force=bool(flags.get("--force")))
                 for note in launch.notes:
                     print(f"mindspeed-flow plan: launch script note: {note}", file=sys.stderr)
             except LaunchScriptError as e:
                 print(f"mindspeed-flow plan: recipe written to {out}, but no launch script: {e}", file=sys.stderr)
                 return 2
-            print(f"launch script written to {script} (check it: bash {script} --dry-run)")
+            launch_msg = f"launch script written to {script} (check it: bash {script} --dry-run)"
     if flags.get("--plot"):
         write_plot(plan, str(flags["--plot"]))
     if flags.get("--json"):
-        obj = to_json(plan)
+        obj = {**recommendation_json(plan, rec), **to_json(plan)}
         if ranked is not None:
             obj["simulated"] = [{k: v for k, v in r.items() if k != "result"} for r in ranked]
         print(json.dumps(obj, indent=1, sort_keys=False))
     else:
+        print(first_line(plan, rec))
+        for setting in rec.settings:
+            print(f"  {setting}")
         print(render_text(plan))
         if ranked is not None:
             print(render_ranking(ranked))
@@ -146,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"timeline written to {flags['--timeline']}")
         if flags.get("--out"):
             print(f"recipe written to {flags['--out']}")
+        if launch_msg:
+            print(launch_msg)
         if flags.get("--plot"):
             print(f"plot written to {flags['--plot']}")
     return 0

@@ -37,6 +37,7 @@ import numpy as np
 
 from mindspeed_flow.config.planner import PlannerConfig
 from mindspeed_flow.planner.hardware import Cluster, normalize_dtype
+from mindspeed_flow.planner.jobs import job_rules
 from mindspeed_flow.planner.parts import PartSpec
 
 LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "b", "rc")
@@ -166,10 +167,22 @@ def dp_sync_time(ctx: CostContext, params_per_device: np.ndarray, dp: np.ndarray
     return np.where(dp > 1, t, 0.0) * (1.0 - ctx.overlap("dp"))
 
 
-def optimizer_time(ctx: CostContext, params_per_device: np.ndarray, dp: np.ndarray) -> np.ndarray:
+def optimizer_shards(ctx: CostContext, role: str, dp: np.ndarray, tp: np.ndarray) -> np.ndarray:
+    """DP ranks a part's optimizer states are sharded over on the planned job (planner.job; 1: unsharded)."""
+    rules = job_rules(ctx.cfg.job)
+    dp = np.asarray(dp)
+    if not ctx.cfg.distributed_optimizer or (role == "encoder" and not rules.shard_encoder):
+        return np.ones_like(dp)
+    if role == "backbone" and not rules.shard_with_tp:
+        return np.where(np.asarray(tp) > 1, 1, dp)
+    return dp
+
+
+def optimizer_time(ctx: CostContext, params_per_device: np.ndarray, dp: np.ndarray,
+                   shards: np.ndarray | None = None) -> np.ndarray:
     """Adam update is memory bound: read + write weights, grads and states of this device's shard."""
     by = ctx.bytes
-    shard = params_per_device / (dp if ctx.cfg.distributed_optimizer else 1)
+    shard = params_per_device / (shards if shards is not None else dp if ctx.cfg.distributed_optimizer else 1)
     return shard * 2.0 * (by.param + by.grad + by.optim) / ctx.cluster.hbm_bandwidth
 
 
@@ -183,12 +196,13 @@ def act_elems_per_token_layer(part: PartSpec, flash: bool) -> float:
     return part.act_h * part.hidden + part.act_kv * kv + part.act_f * part.ffn
 
 
-def static_memory(ctx: CostContext, params: np.ndarray, dp: np.ndarray, trainable: bool) -> dict[str, np.ndarray]:
+def static_memory(ctx: CostContext, params: np.ndarray, dp: np.ndarray, trainable: bool,
+                  shards: np.ndarray | None = None) -> dict[str, np.ndarray]:
     by = ctx.bytes
     if not trainable:
         z = np.zeros_like(params, dtype=np.float64)
         return {"weights": params * by.param, "grads": z, "optim": z}
-    shard = dp if ctx.cfg.distributed_optimizer else 1
+    shard = shards if shards is not None else dp if ctx.cfg.distributed_optimizer else 1
     return {"weights": params * by.param, "grads": params * by.grad, "optim": params * by.optim / shard}
 
 
@@ -377,7 +391,7 @@ def backbone_costs(part: PartSpec, ctx: CostContext, L: Layouts) -> Costs:
     p_mid = mb["layers_mid"] * part.layer_params / L.tp
     p_dev = np.maximum(np.maximum(p_first, p_last), p_mid)
     dp_t = dp_sync_time(ctx, p_dev, L.dp, L.tp * L.cp * L.dp)
-    opt_t = optimizer_time(ctx, p_dev, L.dp)
+    opt_t = optimizer_time(ctx, p_dev, L.dp, optimizer_shards(ctx, part.role, L.dp, L.tp))
     time = pipeline + dp_t + opt_t + ctx.cfg.step_overhead_s * ctx.contention
     mem = backbone_memory(part, ctx, L, m, mb)
     comp = mb["compute"] * m
@@ -403,9 +417,10 @@ def backbone_memory(part: PartSpec, ctx: CostContext, L: Layouts, m: np.ndarray,
     logits = L.b / L.cp * part.vocab / L.tp * LOGITS_BYTES  # fp32 log-probs saved for the loss + their grad
     p_first, p_last = backbone_stage_params(part, L, mb)
     p_mid = mb["layers_mid"] * part.layer_params / L.tp
-    s_first = static_memory(ctx, p_first, L.dp, True)
-    s_mid = static_memory(ctx, p_mid, L.dp, True)
-    s_last = static_memory(ctx, p_last, L.dp, True)
+    shards = optimizer_shards(ctx, part.role, L.dp, L.tp)
+    s_first = static_memory(ctx, p_first, L.dp, True, shards)
+    s_mid = static_memory(ctx, p_mid, L.dp, True, shards)
+    s_last = static_memory(ctx, p_last, L.dp, True, shards)
     single = L.pp == 1
     stages = {
         "first": sum(s_first.values()) + act_first + recv + np.where(single, logits, 0.0),
@@ -490,11 +505,11 @@ def encoder_costs(part: PartSpec, ctx: CostContext, L: Layouts) -> Costs:
     p_dev = encoder_static_params(part, L.tp)
     if part.trainable:
         dp_t = dp_sync_time(ctx, p_dev, L.dp, L.tp * L.dp)
-        opt_t = optimizer_time(ctx, p_dev, L.dp)
+        opt_t = optimizer_time(ctx, p_dev, L.dp, optimizer_shards(ctx, part.role, L.dp, L.tp))
     else:
         dp_t = opt_t = np.zeros_like(work)
     time = work + fill + dp_t + opt_t + ctx.cfg.step_overhead_s * ctx.contention
-    static = static_memory(ctx, p_dev, L.dp, part.trainable)
+    static = static_memory(ctx, p_dev, L.dp, part.trainable, optimizer_shards(ctx, part.role, L.dp, L.tp))
     act = encoder_activation_memory(part, ctx, samples, L.tp, L.rc)
     pool = np.full_like(act, ctx.cfg.pool_capacity_mb * 2**20)
     parts = dict(static)

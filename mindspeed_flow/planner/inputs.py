@@ -211,5 +211,6 @@ def build_problem(args: PlanArgs) -> tuple[Problem, ModelRef]:
         cluster = cluster.with_devices(budget)
     problem = Problem(parts=parts, cluster=cluster, cfg=cfg, budget=budget, fixed=args.pins,
                       model_name=model.name, data_name=workload.name, spec=spec,
+                      family=str(model.hf_config.get("model_type") or ""),
                       shapes=tuple(workload.shapes))
     return problem, model

@@ -22,6 +22,7 @@ from mindspeed_flow.planner.cost import (
     CostContext, Costs, Layouts, model_flops_per_step, part_costs, stage_layer_list,
 )
 from mindspeed_flow.planner.hardware import Cluster
+from mindspeed_flow.planner.jobs import job_rules
 from mindspeed_flow.planner.parts import PartSpec
 from mindspeed_flow.planner.solver import Selection, solve_cpsat, solve_cpsat_shared, solve_exhaustive
 from mindspeed_flow.planner.space import PlanError, enumerate_layouts
@@ -58,6 +59,7 @@ class Problem:
     fixed: dict[str, dict[str, int]] = field(default_factory=dict)  # part name -> pinned layout fields
     model_name: str = "model"
     data_name: str = "data"
+    family: str = ""  # the model's HF model_type (which baselines' systems run it); empty: unknown
     # what the step simulator replays (set by inputs.build_problem): the model's VLMSpec and sample shapes
     spec: Any = None
     shapes: tuple = ()
@@ -83,10 +85,16 @@ class Problem:
         return (os.cpu_count() or 1) if cores < 0 else cores
 
     @property
+    def node(self) -> int:
+        """Devices per node when the planned job starts whole nodes (planner.job), else 0."""
+        return int(self.cluster.devices_per_node) if job_rules(self.cfg.job).whole_nodes else 0
+
+    @property
     def baseline_ctx(self) -> CostContext:
-        """Baselines keep every device busy most of the step: on shared cores they slow down by devices/cores."""
+        """Baselines keep every device busy most of the step: on shared cores they slow down by devices/cores.
+        They are priced as their own systems run (every layout the cost model prices), whichever job is planned."""
         cores = self.host_cores
-        return CostContext(self.cluster, self.cfg, self.global_batch,
+        return CostContext(self.cluster, dataclasses.replace(self.cfg, job=""), self.global_batch,
                            max(1.0, self.budget / cores) if cores > 0 else 1.0)
 
     @property
@@ -177,7 +185,7 @@ def _part_plan(table: OptionTable, i: int) -> PartPlan:
 
 
 def _solve(tables: list[OptionTable], budget: int, exhaustive: bool,
-           host_cores: int = 0) -> tuple[Selection | None, list[np.ndarray]]:
+           host_cores: int = 0, node: int = 0) -> tuple[Selection | None, list[np.ndarray]]:
     usable = [t.usable(budget) for t in tables]
     devs = [t.layouts.devices[u] for t, u in zip(tables, usable)]
     times = [t.costs.time[u] for t, u in zip(tables, usable)]
@@ -187,8 +195,9 @@ def _solve(tables: list[OptionTable], budget: int, exhaustive: bool,
         if exhaustive:
             return solve_exhaustive(devs, times, budget, keys, work=work), usable
         return solve_cpsat_shared(devs, times, work, budget, keys), usable
-    solve = solve_exhaustive if exhaustive else solve_cpsat
-    return solve(devs, times, budget, keys), usable
+    if exhaustive:
+        return solve_exhaustive(devs, times, budget, keys, node=node), usable
+    return solve_cpsat(devs, times, budget, keys, node=node), usable
 
 
 def smallest_fitting_devices(problem: Problem, pin: bool = True) -> tuple[int | None, dict[str, int | None]]:
@@ -257,8 +266,9 @@ def _binding(problem: Problem, tables: list[OptionTable], sel: Selection) -> lis
                    f"work per step ({sel.max_time:.3g} s per core) exceeds the slowest part ({max(times):.3g} s)")
     idle = problem.budget - sel.devices
     if idle > 0:
+        nodes = (f"; the job starts whole nodes of {problem.node}" if problem.node > 1 else "")
         out.append(f"layout granularity: {idle} devices stay idle because no faster layout uses them "
-                   f"(devices = dp x tp x pp x cp, dp divides the global batch {problem.global_batch})")
+                   f"(devices = dp x tp x pp x cp, dp divides the global batch {problem.global_batch}{nodes})")
     if not out:
         out.append("none binding: a layout rule (TP in a node, divisibility) or the rate balance itself")
     return out
@@ -279,7 +289,7 @@ def make_plan(problem: Problem, exhaustive: bool = False, with_baselines: bool =
         need, _ = smallest_fitting_devices(problem, pin=False)
         hint = "" if need is None else f"; without the pinned value the smallest fitting plan needs {need} devices"
         raise PlanError(f"{e}{hint}") from None
-    sel, usable = _solve(tables, problem.budget, exhaustive, problem.host_cores)
+    sel, usable = _solve(tables, problem.budget, exhaustive, problem.host_cores, problem.node)
     if sel is None:
         raise _infeasible(problem, tables)
     solve_seconds = time.perf_counter() - t0
@@ -294,7 +304,7 @@ def make_plan(problem: Problem, exhaustive: bool = False, with_baselines: bool =
     if with_baselines:
         enc = next((p for p in problem.parts if p.role == "encoder"), None)
         if enc is not None and len(problem.parts) == 2:
-            baselines = all_baselines(enc, backbone, base_ctx, problem.budget)
+            baselines = all_baselines(enc, backbone, base_ctx, problem.budget, problem.node, problem.family)
     return Plan(
         problem=problem, parts=parts, selection=sel, samples_per_s=problem.global_batch / step,
         tokens_per_s=problem.global_batch * backbone.tokens_per_sample / step,

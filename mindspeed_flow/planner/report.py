@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from mindspeed_flow.planner.jobs import job_rules
 from mindspeed_flow.planner.plan import Plan, Problem, option_table
 
 MFU_FORMULA = "MFU = model FLOPs per step (no recompute, no padding) / (step time x devices x peak)"
@@ -59,6 +60,22 @@ def assumed_inputs(plan: Plan) -> str:
     return out + "assumed: " + ", ".join(assumed)
 
 
+def job_line(plan: Plan) -> str:
+    """Which job the plan is for and what its search left out (empty: no job, every layout)."""
+    rules = job_rules(plan.problem.cfg.job)
+    if not rules.name:
+        return ""
+    return f"job: {rules.name} ({rules.label}); not searched: " + "; ".join(rules.skipped())
+
+
+def mm_settings(parts) -> list[str]:
+    """MindSpeed-MM model.json settings a flow job needs for the planned recompute (TransformerConfig fields,
+    which MindSpeed-MM reads per module from model.json, not from the command line)."""
+    full = "recompute_granularity: full, recompute_method: uniform, recompute_num_layers: 1"
+    where = {"backbone": "text_decoder", "encoder": "image_encoder.vision_encoder"}
+    return [f"model.json {where[p.name]}: {full}" for p in parts if p.name in where and int(p.layout["rc"])]
+
+
 def to_json(plan: Plan) -> dict[str, Any]:
     pr = plan.problem
     baselines = {}
@@ -66,9 +83,10 @@ def to_json(plan: Plan) -> dict[str, Any]:
         baselines[name] = None if b is None else {
             "samples_per_s": b.samples_per_s, "mfu": b.mfu, "step_seconds": b.step_seconds,
             "devices": b.devices, "memory_gb": b.memory_gb, "layout": b.layout,
-            "gain": plan.samples_per_s / b.samples_per_s}
+            "gain": plan.samples_per_s / b.samples_per_s, "applies": b.applies, "why_not": b.why_not}
     return {
         "model": pr.model_name, "cluster": pr.cluster.name, "data": pr.data_name, "budget_devices": pr.budget,
+        "job": pr.cfg.job, "not_searched": job_rules(pr.cfg.job).skipped(),
         "global_batch_size": pr.global_batch, "dtype": pr.cfg.dtype,
         "parts": [{"name": p.name, "role": p.role, "devices": p.devices, "dp": p.layout["dp"], "tp": p.layout["tp"],
                    "pp": p.layout["pp"], "cp": p.layout["cp"], "token_budget": p.layout["b"],
@@ -97,9 +115,10 @@ def render_text(plan: Plan) -> str:
         f"mindspeed-flow plan: {pr.model_name} on {c.name} ({pr.budget} of {c.devices} devices, "
         f"{c.devices_per_node}/node, {c.config.hbm_gb:g} GB, {pr.ctx.peak / 1e12:g} TFLOPS {pr.cfg.dtype} "
         f"[{c.config.sku}]), data {pr.data_name}, global batch {pr.global_batch}",
-        "",
-        "layout:",
     ]
+    if job_line(plan):
+        lines.append(job_line(plan))
+    lines += ["", "layout:"]
     for p in plan.parts:
         mem = p.memory_gb
         lines.append(f"  {p.name:<9} {p.devices:>6} devices  {_layout_str(p.layout)}"
@@ -131,7 +150,8 @@ def render_text(plan: Plan) -> str:
                 continue
             lay = "; ".join(f"{k}: {_layout_str(v)}" for k, v in b.layout.items())
             lines.append(f"  {name:<22} {b.samples_per_s:.4g} samples/s, MFU {100 * b.mfu:.1f}% on {b.devices} "
-                         f"devices -> plan gain x{plan.samples_per_s / b.samples_per_s:.2f}  [{lay}]")
+                         f"devices -> plan gain x{plan.samples_per_s / b.samples_per_s:.2f}  [{lay}]"
+                         + ("" if b.applies else f" (does not apply: {b.why_not})"))
         best = plan.strongest_baseline
         if best is not None:
             lines.append(f"strongest baseline: {best.name}; plan gain over it x"
@@ -155,6 +175,22 @@ def _quote(v: Any) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
+def recipe_head(pr: Problem, name: str, model_recipe: str | None, data_recipe: str | None,
+                model_inline: dict | None = None, data_inline: dict | None = None) -> list[str]:
+    """An experiment recipe's defaults list (model, data, cluster), its name and inline model / data fields."""
+    overrides = [f"  - override /cluster: {pr.cluster.name}"]
+    if model_recipe:
+        overrides.insert(0, f"  - override /model: {model_recipe}")
+    if data_recipe:
+        overrides.insert(1 if model_recipe else 0, f"  - override /data: {data_recipe}")
+    lines = ["defaults:"] + overrides + ["", f"experiment_name: {name}"]
+    if model_inline:
+        lines += ["model:"] + [f"  {k}: {_quote(v)}" for k, v in model_inline.items()]
+    if data_inline:
+        lines += ["data:"] + [f"  {k}: {_quote(v)}" for k, v in data_inline.items()]
+    return lines
+
+
 def recipe_yaml(plan: Plan, name: str, model_recipe: str | None, data_recipe: str | None,
                 model_inline: dict | None = None, data_inline: dict | None = None) -> str:
     """A Hydra experiment recipe that `mindspeed-flow train experiment=NAME` runs as planned."""
@@ -174,16 +210,7 @@ def recipe_yaml(plan: Plan, name: str, model_recipe: str | None, data_recipe: st
         lines.append(f"# The plan assumes backbone layers per pipeline stage {list(bb.stage_layers)}: "
                      "parallel.backbone.layer_split below (both hosts take it; on a MindSpeed-MM flow job it wins over "
                      "model.json's text_decoder.pipeline_num_layers).")
-    overrides = [f"  - override /cluster: {pr.cluster.name}"]
-    if model_recipe:
-        overrides.insert(0, f"  - override /model: {model_recipe}")
-    if data_recipe:
-        overrides.insert(1 if model_recipe else 0, f"  - override /data: {data_recipe}")
-    lines += ["defaults:"] + overrides + ["", f"experiment_name: {name}"]
-    if model_inline:
-        lines += ["model:"] + [f"  {k}: {_quote(v)}" for k, v in model_inline.items()]
-    if data_inline:
-        lines += ["data:"] + [f"  {k}: {_quote(v)}" for k, v in data_inline.items()]
+    lines += recipe_head(pr, name, model_recipe, data_recipe, model_inline, data_inline)
     lines += ["parallel:"]
     for part in (enc, bb):
         if part is not None:
@@ -191,7 +218,11 @@ def recipe_yaml(plan: Plan, name: str, model_recipe: str | None, data_recipe: st
             split = f", layer_split: {list(part.stage_layers)}" if part is bb and uneven else ""
             lines.append(f"  {part.name}: {{dp: {lay['dp']}, tp: {lay['tp']}, pp: {lay['pp']}, "
                          f"cp: {lay['cp']}{split}}}")
-    sharded = pr.cfg.distributed_optimizer and bb is not None and bb.layout["dp"] > 1
+    job = job_rules(pr.cfg.job).name
+    # the MindSpeed-MM job shards optimizer states with its --use-distributed-optimizer; FSDP2 is the torch host's
+    # and runs without TP there
+    sharded = (pr.cfg.distributed_optimizer and bb is not None and bb.layout["dp"] > 1 and job != "mm"
+               and (job != "torch" or bb.layout["tp"] == 1))
     lines.append(f"  backbone_dp_impl: {'fsdp' if sharded else 'ddp'}")
     lines.append(f"  pp_schedule: {pr.cfg.pp_schedule}")
     lines.append(f"  world_size: {plan.devices}")
@@ -199,7 +230,12 @@ def recipe_yaml(plan: Plan, name: str, model_recipe: str | None, data_recipe: st
     if bb is not None:
         lines += ["packing:", f"  token_budget: {bb.layout['b']}"]
     if enc is not None and enc.role == "encoder":
-        lines += ["flow:", f"  keep_encoder_activations: {_quote(not bool(enc.layout['rc']))}"]
+        # level 1 recomputes from the pixels (the torch host's keep_encoder_activations=false); the MindSpeed-MM
+        # host keeps them and recomputes per layer from model.json
+        keep = int(enc.layout["rc"]) != 1 if job else not bool(enc.layout["rc"])
+        lines += ["flow:", f"  keep_encoder_activations: {_quote(keep)}"]
+    if job == "mm" and mm_settings(plan.parts):
+        lines[3:3] = [f"# MindSpeed-MM {s} (the recompute the plan assumes)" for s in mm_settings(plan.parts)]
     return "\n".join(lines) + "\n"
 
 

@@ -16,6 +16,11 @@ provably keeps that stage's optimum:
           sum fits the budget because the stage-2 solution does.
 Times enter CP-SAT as integers (seconds x scale, about 1e-7 relative resolution).
 
+Whole nodes (`node` > 1, what a job's launch script starts): the devices used must be at most one node or a
+whole number of nodes. Swapping an option for one with the same devices modulo `node` keeps that property, so
+the staircase and frontier are kept per residue class (at most `node` times the options) and stay exact; stage 3
+is then a small CP-SAT model (fewest devices per part and residue) instead of a separable pick.
+
 CPU-emulated clusters, whose devices are processes sharing a few cores, add one more bound: the step cannot
 be shorter than the busy work of all parts divided by the cores (sum_p W_p). That couples the parts, so
 `solve_cpsat_shared` solves the same three stages as general CP-SAT models over all options (no pruning:
@@ -75,8 +80,26 @@ def _slow_frontier(devices: np.ndarray, times: np.ndarray, idx: np.ndarray) -> n
     return np.asarray(keep, dtype=np.int64)
 
 
+def _per_residue(devices: np.ndarray, idx: np.ndarray, node: int, front) -> np.ndarray:
+    """`front` (a Pareto filter over idx) applied per class of devices modulo `node` (all of idx when node <= 1)."""
+    if node <= 1:
+        return front(idx)
+    res = devices[idx] % node
+    kept = [front(idx[res == r]) for r in np.unique(res)]
+    return np.concatenate(kept) if kept else idx[:0]
+
+
+def _whole_nodes(m: "cp_model.CpModel", total, budget: int, node: int) -> None:
+    """total devices in {1..node} or a multiple of node (see `jobs.node_sizes`)."""
+    from mindspeed_flow.planner.jobs import node_sizes
+
+    if node > 1:
+        m.add_linear_expression_in_domain(total, cp_model.Domain.from_intervals(
+            [list(iv) for iv in node_sizes(budget, node)]))
+
+
 def _cpsat(options: list[np.ndarray], devices: list[np.ndarray], tint: list[np.ndarray], budget: int,
-           maximize_min: bool) -> tuple[list[int], int] | None:
+           maximize_min: bool, node: int = 0) -> tuple[list[int], int] | None:
     """One CP-SAT model: pick one option per part within the budget; minimize max T or maximize min T."""
     m = cp_model.CpModel()
     hi = int(max(int(t[o].max()) for t, o in zip(tint, options)))
@@ -93,6 +116,7 @@ def _cpsat(options: list[np.ndarray], devices: list[np.ndarray], tint: list[np.n
         used.append(sum(int(devices[p][o]) * v for o, v in zip(opts, x)))
         xs.append(x)
     m.add(sum(used) <= budget)
+    _whole_nodes(m, sum(used), budget, node)
     if maximize_min:
         m.maximize(bound)
     else:
@@ -112,8 +136,9 @@ def _as_arrays(devices: Sequence[np.ndarray],
 
 
 def solve_cpsat(devices: list[np.ndarray], times: list[np.ndarray], budget: int,
-                tie_key: list[np.ndarray] | None = None) -> Selection | None:
-    """Lexicographic optimum (see module docstring) with CP-SAT; None when nothing fits the budget."""
+                tie_key: list[np.ndarray] | None = None, node: int = 0) -> Selection | None:
+    """Lexicographic optimum (see module docstring) with CP-SAT; None when nothing fits the budget (in whole
+    nodes of `node` devices when node > 1)."""
     t0 = time.perf_counter()
     devices, times = _as_arrays(devices, times)
     if any(len(t) == 0 for t in times):
@@ -122,29 +147,54 @@ def solve_cpsat(devices: list[np.ndarray], times: list[np.ndarray], budget: int,
     tint = [np.rint(t * scale).astype(np.int64) for t in times]
     keys = tie_key or [np.zeros_like(t) for t in times]
     # stage 1: min max T over the staircases
-    stairs = [staircase(d, t.astype(np.float64), k) for d, t, k in zip(devices, tint, keys)]
+    stairs = [_per_residue(d, np.arange(len(d)), node, lambda ix, d=d, t=t, k=k: ix[staircase(
+        d[ix], t[ix].astype(np.float64), k[ix])]) for d, t, k in zip(devices, tint, keys)]
     if sum(int(d[s].min()) for d, s in zip(devices, stairs)) > budget:
         return None
-    res = _cpsat(stairs, devices, tint, budget, maximize_min=False)
+    res = _cpsat(stairs, devices, tint, budget, maximize_min=False, node=node)
     if res is None:
         return None
     _, z = res
     # stage 2: max min T with every T <= z
     if len(devices) > 1:
-        fronts = [_slow_frontier(d, t.astype(np.float64), np.nonzero(t <= z)[0]) for d, t in zip(devices, tint)]
-        res2 = _cpsat(fronts, devices, tint, budget, maximize_min=True)
+        fronts = [_per_residue(d, np.nonzero(t <= z)[0], node, lambda ix, d=d, t=t: _slow_frontier(
+            d, t.astype(np.float64), ix)) for d, t in zip(devices, tint)]
+        res2 = _cpsat(fronts, devices, tint, budget, maximize_min=True, node=node)
         if res2 is None:  # cannot happen when stage 1 was optimal; keep stage 1's answer
             raise RuntimeError("CP-SAT stage 2 found no solution although stage 1 did")
         _, w = res2
     else:
         w = z
-    # stage 3: separable: per part the fewest devices with w <= T <= z (ties: the tie key, then faster)
+    # stage 3: per part the fewest devices with w <= T <= z (ties: the tie key, then faster); separable unless
+    # whole nodes couple the parts, then per residue class and a small CP-SAT model over those
     choice = []
+    picks = []
     for d, t, k in zip(devices, tint, keys):
         ok = np.nonzero((t >= w) & (t <= z))[0]
-        best = ok[np.lexsort((t[ok], k[ok], d[ok]))[0]]
-        choice.append(int(best))
+        picks.append(_per_residue(d, ok, node, lambda ix, d=d, t=t, k=k: ix[np.lexsort((t[ix], k[ix], d[ix]))[:1]]))
+        choice.append(int(picks[-1][np.argmin(d[picks[-1]])]) if node <= 1 else -1)
+    if node > 1:
+        choice = _fewest_devices(picks, devices, budget, node)
     return _selection(choice, devices, times, time.perf_counter() - t0, "cp-sat")
+
+
+def _fewest_devices(options: list[np.ndarray], devices: list[np.ndarray], budget: int, node: int) -> list[int]:
+    """One option per part (from `options`) using the fewest devices, in whole nodes."""
+    m = cp_model.CpModel()
+    xs = []
+    for p, opts in enumerate(options):
+        x = [m.new_bool_var(f"x{p}_{k}") for k in range(len(opts))]
+        m.add_exactly_one(x)
+        xs.append(x)
+    used = sum(int(devices[p][o]) * v for p, (opts, x) in enumerate(zip(options, xs)) for o, v in zip(opts, x))
+    m.add(used <= budget)
+    _whole_nodes(m, used, budget, node)
+    m.minimize(used)
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    if solver.solve(m) != cp_model.OPTIMAL:
+        raise RuntimeError("CP-SAT stage 3 found no solution although stages 1 and 2 did")
+    return [int(opts[next(k for k, v in enumerate(x) if solver.value(v))]) for opts, x in zip(options, xs)]
 
 
 def _cpsat_shared(devices: list[np.ndarray], tint: list[np.ndarray], wint: list[np.ndarray], budget: int,
@@ -218,7 +268,7 @@ def _selection(choice: list[int], devices: list[np.ndarray], times: list[np.ndar
 
 def solve_exhaustive(devices: list[np.ndarray], times: list[np.ndarray], budget: int,
                      tie_key: list[np.ndarray] | None = None,
-                     work: list[np.ndarray] | None = None) -> Selection | None:
+                     work: list[np.ndarray] | None = None, node: int = 0) -> Selection | None:
     """The same lexicographic objective by enumerating every combination of options (no pruning); with
     `work`, the step is max(max_p T_p, sum_p work_p) as in `solve_cpsat_shared`."""
     t0 = time.perf_counter()
@@ -230,6 +280,10 @@ def solve_exhaustive(devices: list[np.ndarray], times: list[np.ndarray], budget:
     tt = np.stack([t[i] for t, i in zip(times, idx)])
     dev = sum(d[i] for d, i in zip(devices, idx))
     ok = dev <= budget
+    if node > 1:
+        from mindspeed_flow.planner.jobs import node_sizes
+
+        ok &= np.any([(dev >= lo) & (dev <= hi) for lo, hi in node_sizes(budget, node)], axis=0)
     if not ok.any():
         return None
     tmax, tmin = tt.max(axis=0), tt.min(axis=0)

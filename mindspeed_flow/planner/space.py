@@ -18,6 +18,7 @@ from typing import Mapping
 import numpy as np
 
 from mindspeed_flow.planner.cost import LAYOUT_FIELDS, CostContext, Layouts
+from mindspeed_flow.planner.jobs import job_rules
 from mindspeed_flow.planner.parts import PartSpec
 
 
@@ -49,8 +50,10 @@ def candidate_values(part: PartSpec, ctx: CostContext, max_devices: int,
     fixed = dict(fixed or {})
     c = ctx.cluster
     dpn = c.devices_per_node
-    tp = [t for t in part.tp_sizes if t in set(int(x) for x in c.config.tp_sizes) and t <= dpn and dpn % t == 0]
-    cp = [x for x in part.cp_sizes if x in set(int(y) for y in c.config.cp_sizes)]
+    rules = job_rules(ctx.cfg.job)
+    tp = [t for t in part.tp_sizes if t in set(int(x) for x in c.config.tp_sizes) and t <= dpn and dpn % t == 0
+          and (rules.replicated_kv or part.role != "backbone" or part.kv_heads % t == 0)]
+    cp = [x for x in part.cp_sizes if x in set(int(y) for y in c.config.cp_sizes) and (x == 1 or rules.cp)]
     budgets = [0] if part.role == "encoder" else sorted(int(b) for b in (ctx.cfg.token_budgets
                                                                           or auto_token_budgets(part, ctx.cfg.token_alignment)))
     values = {
@@ -75,13 +78,16 @@ def candidate_values(part: PartSpec, ctx: CostContext, max_devices: int,
 
 
 def rc_values(part: PartSpec, ctx: CostContext) -> list[int]:
-    """Recompute levels: 0 keep, 1 full; a trainable encoder also 2 (from the pixels and per layer)."""
+    """Recompute levels: 0 keep, 1 full; a trainable encoder also 2 (from the pixels and per layer); only those
+    the planned job runs (planner.job)."""
     if not part.trainable:
         return [0]
     levels = {int(bool(r)) for r in ctx.cfg.recompute}
     if part.role == "encoder" and 1 in levels:
         levels.add(2)
-    return sorted(levels)
+    rules = job_rules(ctx.cfg.job)
+    runs = rules.encoder_rc if part.role == "encoder" else rules.backbone_rc
+    return sorted(levels & set(runs)) or [0]
 
 
 def _why_not(part: PartSpec, ctx: CostContext, key: str, val: int) -> str:
@@ -99,6 +105,8 @@ def _why_not(part: PartSpec, ctx: CostContext, key: str, val: int) -> str:
         valid = [p for p in part.pp_sizes if ctx.cfg.uneven_pp or part.layers % p == 0]
         rule = "at least 1 layer per stage" if ctx.cfg.uneven_pp else "layers divisible by pp (planner.uneven_pp=false)"
         return f"{part.layers} layers: {rule}; valid: {valid}"
+    if key == "cp" and not job_rules(ctx.cfg.job).cp:
+        return f"{job_rules(ctx.cfg.job).label} runs without context parallelism (cp must be 1)"
     if key == "cp":
         return f"cp must be in {sorted(set(part.cp_sizes) & set(int(x) for x in c.config.cp_sizes))}"
     if key == "dp":
@@ -106,7 +114,9 @@ def _why_not(part: PartSpec, ctx: CostContext, key: str, val: int) -> str:
                 f"dp <= devices")
     if key == "b":
         return f"token budget must be >= the longest sample ({part.max_item_tokens} tokens)"
-    return "recompute must be 0/1 (trainable encoders also 2: per layer; frozen encoders: 0)"
+    return (f"recompute must be one of {rc_values(part, ctx)} for the {part.name} on "
+            f"{job_rules(ctx.cfg.job).label} (0 keep, 1 full / encoder from the pixels, 2 encoder per layer; "
+            "frozen encoders: 0)")
 
 
 def enumerate_layouts(part: PartSpec, ctx: CostContext, max_devices: int,

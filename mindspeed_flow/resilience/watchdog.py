@@ -19,6 +19,7 @@ the job's cause rather than their consequential errors.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import signal
@@ -74,11 +75,23 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, args=(store,), name="mindspeed-flow-watchdog",
                                         daemon=True)
         self._thread.start()
+        # A job that never calls stop() (the MindSpeed-MM flow job ends inside Megatron's own loop) must still not
+        # leave the thread inside a store call when the interpreter finalizes: a daemon thread that comes back from
+        # C++ with the GIL released after finalization is ended by pthread_exit, whose unwinding through pybind11's
+        # noexcept GIL guard aborts the process ("terminate called without an active exception", exit -6) after
+        # a run that succeeded. atexit runs before finalization, while the thread can still be joined.
+        atexit.register(self.stop)
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """End the heartbeat thread and wait for it (it is between store calls within one interval; a store call
+        to a live store returns in milliseconds, to a dead one it fails at once)."""
         self._stop.set()
         self._wake.set()
+        thread = self._thread
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            thread.join(timeout_s)
+        atexit.unregister(self.stop)
 
     def flush(self) -> None:
         """Publish the current activity now (waits for the heartbeat thread, at most a few intervals)."""

@@ -25,7 +25,8 @@ from omegaconf import OmegaConf
 from mindspeed_flow import torch_compat
 from mindspeed_flow.config.load import (RecipeError, check_rules, compose, load, model_hf_config, model_limits,
                                         save, to_job_config)
-from mindspeed_flow.data.preflight import DataError, preflight
+from mindspeed_flow.data.preflight import preflight
+from mindspeed_flow.data.records import DataError
 from mindspeed_flow.resilience.preempt import EXIT_SAVED_ON_SIGNAL
 from mindspeed_flow.resilience.restarts import (CAUSE_ENV, CLEAR_ERRORS, error_message as _message, error_type,
                                                 restart_count)

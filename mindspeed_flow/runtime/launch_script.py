@@ -8,6 +8,8 @@ The script is `scripts/ascend/train_a2.sh` (Atlas 800T A2: 8 NPUs per node) or `
 SuperPoD: 16 devices per node, one per die) with its plan block filled in from the recipe (nodes, the parts in
 rank order, the global batch, the recipe) and the shared body inlined, so the one file can be copied to every node.
 `--job mm` (default) launches the flow-patched MindSpeed-MM `pretrain_vlm.py` with the recipe as its flow recipe;
+A coupled recipe (`flow.mode: coupled`, the layout in `parallel.coupled`: what `plan` writes when a coupled
+baseline beats the decoupled plan) launches the unpatched MindSpeed-MM job with `--job mm`.
 `--job train` launches `mindspeed-flow train experiment=NAME` (the recipe must sit in recipes/experiment/). The
 recipe is checked first against what the chosen job supports, so a plan the job would refuse at start-up is refused
 here, with the field. Run the script with `--dry-run` to see every node's command.
@@ -96,7 +98,13 @@ def plan_from_recipe(recipe: str | Path, cluster: str | None = None, job: str = 
         if path.parent != recipes_dir() / "experiment":
             raise LaunchScriptError(f"--job train runs `mindspeed-flow train experiment=NAME`: put the recipe in "
                                     f"{recipes_dir() / 'experiment'} (plan --out there), not {path.parent}")
+        from mindspeed_flow.config.load import RecipeError, check_rules
+
         cfg = to_job_config(compose([f"experiment={path.stem}"]))
+        try:
+            check_rules(cfg)  # the torch host's own cross-field rules, as `train` checks them
+        except RecipeError as err:
+            raise LaunchScriptError(f"{path.name} cannot run as a mindspeed-flow train job: {err}") from None
         preset = cfg.cluster.name
     else:
         cfg, preset = _mm_recipe(path)
@@ -153,6 +161,18 @@ def _checked_layout(path: Path, cfg, job: str, global_batch: int | None = -1):
     from mindspeed_flow.hosts.mindspeed_mm.recipe import _unsupported
     from mindspeed_flow.topology import Layout, LayoutError
 
+    if job == "mm" and cfg.flow.mode == "coupled":
+        # the unpatched MindSpeed-MM job: Megatron's own TP / CP / PP over every rank (no flow launcher)
+        try:
+            layout = Layout.from_config(cfg.parallel, "coupled")
+        except LayoutError as err:
+            raise LaunchScriptError(f"{path.name}: {err}") from None
+        batch = cfg.trainer.global_batch_size if global_batch == -1 else global_batch
+        dp = layout.parts[0].dp
+        if batch is not None and batch % dp:
+            raise LaunchScriptError(f"{path.name}: trainer.global_batch_size={batch} is not divisible by the coupled "
+                                    f"job's data-parallel size {dp}")
+        return layout
     try:
         layout = Layout.from_config(cfg.parallel, cfg.flow.mode)
         layout.validate(expected_world=cfg.parallel.world_size,

@@ -96,10 +96,19 @@ msf_command() {
   MSF_CMD=(torchrun --nproc_per_node "$NPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$1"
            --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
   if [ "$JOB" = mm ]; then
-    # A flow job's per-part TP/PP/DP come from FLOW_RECIPE; the job's own Megatron sizes stay 1.
-    MSF_CMD+=(-m mindspeed_flow_patches.launch --flow-recipe "$FLOW_RECIPE" pretrain_vlm.py
-      --use-mcore-models --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
-      --micro-batch-size "$MBS" --global-batch-size "$GLOBAL_BATCH" --seq-length "$SEQ_LENGTH"
+    local tp=1 pp=1 cp=1 dp
+    if [ "${PARTS#coupled:}" != "$PARTS" ]; then
+      # A coupled plan is the unpatched MindSpeed-MM job: Megatron's own sizes from PARTS, no flow launcher.
+      IFS=x read -r dp tp pp cp <<<"${PARTS#coupled:}"
+      : "$dp"
+      MSF_CMD+=(pretrain_vlm.py)
+    else
+      # A flow job's per-part TP/PP/DP come from FLOW_RECIPE; the job's own Megatron sizes stay 1.
+      MSF_CMD+=(-m mindspeed_flow_patches.launch --flow-recipe "$FLOW_RECIPE" pretrain_vlm.py)
+    fi
+    MSF_CMD+=(--use-mcore-models --tensor-model-parallel-size "$tp" --pipeline-model-parallel-size "$pp")
+    if [ "$cp" -gt 1 ]; then MSF_CMD+=(--context-parallel-size "$cp" --context-parallel-algo ulysses_cp_algo); fi
+    MSF_CMD+=(--micro-batch-size "$MBS" --global-batch-size "$GLOBAL_BATCH" --seq-length "$SEQ_LENGTH"
       --tokenizer-type NullTokenizer --vocab-size "$VOCAB_SIZE" --make-vocab-size-divisible-by 1
       --normalization RMSNorm --use-fused-rmsnorm --swiglu --use-fused-swiglu --no-masked-softmax-fusion
       --use-flash-attn --bf16 --variable-seq-lengths --calculate-per-token-loss --use-distributed-optimizer

@@ -1,0 +1,104 @@
+"""What each job that runs a plan can run, as rules on the planner's search space (`plan --job mm|torch`).
+
+A plan is only useful if the job it is written for starts it. Each rule below mirrors a check the host makes
+before any rank starts, so the planner never prices a layout that host refuses:
+
+- `mm`, the flow-patched MindSpeed-MM job (`hosts/mindspeed_mm/recipe.py`): no context parallelism in either
+  part (MindSpeed's CP groups span the whole world); the image encoder is not pipelined; recompute is Megatron's,
+  per module in model.json (`recompute_granularity: full`, `recompute_method: uniform`, `recompute_num_layers:
+  1`: TransformerConfig fields, which MindSpeed-MM's get_model_config takes from the module's section only), so
+  the encoder recomputes per layer (level 2) or not at all, never from the pixels (the host keeps ViT
+  activations: flow.keep_encoder_activations must stay true); the optimizer is sharded by the job's
+  --use-distributed-optimizer (the recipe says `backbone_dp_impl: ddp`); only Qwen2.5-VL models.
+- `torch`, the torch host (`mindspeed-flow train`, `topology.Layout.validate` and `config.load.check_rules`): no
+  context parallelism; the encoder is not pipelined; the encoder recomputes only from the pixels
+  (flow.keep_encoder_activations=false, level 1); the backbone never recomputes; FSDP2 shards the backbone only
+  without TP (with TP it runs DDP, so optimizer states are not sharded) and never shards the encoder.
+- both: the launch scripts start whole nodes, so a plan fills whole nodes of the cluster preset (or fewer than
+  one node).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+JOBS = ("mm", "torch")
+JOB_ALIASES = {"train": "torch"}  # launch-script's name for the torch host's job
+
+
+@dataclass(frozen=True)
+class JobRules:
+    name: str  # "" (no host: every layout the cost model prices), "mm" or "torch"
+    label: str
+    cp: bool  # context parallelism
+    encoder_rc: tuple[int, ...]  # recompute levels of a trainable encoder (0 keep, 1 from pixels, 2 per layer)
+    backbone_rc: tuple[int, ...]  # 0 keep, 1 full recompute per layer
+    shard_with_tp: bool  # the backbone's optimizer states shard over DP also when tp > 1
+    shard_encoder: bool  # the encoder's optimizer states shard over DP
+    whole_nodes: bool
+    replicated_kv: bool = True  # backbone tp may exceed the KV heads (each TP rank keeps a copy of a KV head)
+    families: tuple[str, ...] = ()  # model families the job trains decoupled (empty: any)
+    # model families the planner cannot plan for this job, and why
+    refused: tuple[tuple[str, str], ...] = ()
+    launch_job: str = ""  # `launch-script --job` of this job
+
+    def skipped(self) -> list[str]:
+        """What the job's plans leave out, and why (one phrase each)."""
+        if not self.name:
+            return []
+        out = ["context parallelism (the host refuses cp > 1)" if not self.cp else "",
+               "encoder pipelining (the encoder part runs data/tensor parallel only)"]
+        if 1 not in self.encoder_rc:
+            out.append("encoder recompute from the pixels (the MindSpeed-MM host keeps ViT activations; it "
+                       "recomputes per layer from model.json)")
+        if 2 not in self.encoder_rc:
+            out.append("per-layer encoder recompute (the torch host recomputes from the pixels only)")
+        if 1 not in self.backbone_rc:
+            out.append("backbone recompute (the torch host has no activation checkpointing)")
+        if not self.shard_with_tp:
+            out.append("optimizer sharding with TP (FSDP2 runs without TP; tp > 1 layouts are priced with DDP)")
+        if not self.replicated_kv:
+            out.append("backbone TP beyond the KV heads (the host needs num_query_groups divisible by tp)")
+        if self.whole_nodes:
+            out.append("partial nodes (the launch scripts start whole nodes)")
+        return [s for s in out if s]
+
+
+RULES = {
+    "": JobRules("", "any layout", cp=True, encoder_rc=(0, 1, 2), backbone_rc=(0, 1), shard_with_tp=True,
+                 shard_encoder=True, whole_nodes=False),
+    "mm": JobRules("mm", "the flow-patched MindSpeed-MM job", cp=False, encoder_rc=(0, 2), backbone_rc=(0, 1),
+                   shard_with_tp=True, shard_encoder=True, whole_nodes=True, replicated_kv=False, families=("qwen2_5_vl",),
+                   launch_job="mm"),
+    "torch": JobRules("torch", "the torch host (mindspeed-flow train)", cp=False, encoder_rc=(0, 1),
+                      backbone_rc=(0,), shard_with_tp=False, shard_encoder=False, whole_nodes=True,
+                      refused=(("qwen2_5_omni_thinker", "the planner plans one encoder part, the Omni thinker has "
+                                "audio and vision parts (write parallel.encoders by hand)"),),
+                      launch_job="train"),
+}
+
+
+def refusal(rules: JobRules, family: str | None) -> str:
+    """Why the job cannot run a plan of this model family (empty when it can)."""
+    if rules.families and family not in rules.families:
+        return (f"{rules.label} trains {', '.join(rules.families)} models decoupled only (hosts/mindspeed_mm/"
+                "recipe.py); plan it for the torch host with --job torch")
+    return dict(rules.refused).get(str(family), "")
+
+
+def job_rules(job: str) -> JobRules:
+    key = JOB_ALIASES.get(job, job)
+    if key not in RULES:
+        raise ValueError(f"--job {job!r}: must be one of {', '.join(JOBS)} (mm: the flow-patched MindSpeed-MM job; "
+                         "torch: mindspeed-flow train)")
+    return RULES[key]
+
+
+def node_sizes(total_budget: int, per_node: int) -> list[tuple[int, int]]:
+    """The device counts a whole-node plan may use, as closed intervals: up to one node, then whole nodes."""
+    if per_node <= 1 or total_budget <= per_node:
+        return [(0, total_budget)]
+    return [(0, per_node)] + [(k * per_node, k * per_node) for k in range(2, total_budget // per_node + 1)]
+
+
+def allowed_total(n: int, budget: int, per_node: int) -> bool:
+    return any(lo <= n <= hi for lo, hi in node_sizes(budget, per_node))
