@@ -6,21 +6,24 @@ side by side.
 Runs MindSpeed-MM's own `pretrain_vlm.py` (the pinned sources, `MINDSPEED_MM_HOME` etc. or the archive
 `scripts/run_mindspeed_mm_tests.sh` unpacks) under the emulated NPU as flow jobs (encoder 1 + decoder DP 2) on a
 scaled MindSpeed-MM example config (`--size`, its ViT made trainable) and a user-like data set of mixed image sizes
-(0-2 images per sample), in two variants on the same samples:
+(0-2 images per sample), in three variants on the same samples:
 
-- "rows, whole step": padded rows (`packing.layout: rows`) and an encoder that keeps every group of the step until
-  its gradients return (`flow.encoder_inflight` = 1024), how the flow job ran before packed microbatches and the bound;
-- "packed, bounded": packed (THD) rows and the default bound (decoder PP + 1 groups).
+- "rows, whole step, whole reads": padded rows (`packing.layout: rows`), an encoder that keeps every group of the
+  step until its gradients return (`flow.encoder_inflight` = 1024) and every rank reading whole global batches,
+  pixels included (`MSF_FLOW_DATA_READS=whole`): how the flow job ran before packed microbatches, the bound and
+  the metadata index;
+- "packed, bounded, whole reads": packed (THD) rows and the default bound (decoder PP + 1 groups), whole reads;
+- "packed, bounded, index reads": the same, each rank loading only what its side uses (the default).
 
 Per variant it prints: padding of the decoder's microbatches (mean over iterations), iteration time (median),
 the encoder's peak groups and saved-activation bytes held (largest over iterations), and per rank the samples and
-bytes of pixels it read through MindSpeed-MM's loaders and its peak resident host memory (each rank's exit line).
-Every rank still reads every global batch, pixels included (the decoder ranks' pixel bytes show it).
+bytes of pixels it loaded and its peak resident host memory (each rank's exit line).
 Needs the emulation environment (`scripts/setup_emulate_env.sh`); each variant is one job of a few minutes.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import tempfile
@@ -29,7 +32,11 @@ from typing import Any, Sequence
 
 from mindspeed_flow.bench import bench_main
 
-VARIANTS = {"rows, whole step": ("rows", 1024), "packed, bounded": ("packed", 0)}
+# name: (decoder layout, flow.encoder_inflight, MSF_FLOW_DATA_READS)
+VARIANTS = {"rows, whole step, whole reads": ("rows", 1024, "whole"),
+            "packed, bounded, whole reads": ("packed", 0, "whole"),
+            "packed, bounded, index reads": ("packed", 0, "index")}
+WIDTH = 30
 ENC = {"dp": 1, "tp": 1}
 DEC = {"dp": 2, "tp": 1, "pp": 1}
 _READ = re.compile(r"\[mindspeed-flow\] rank (\d+) \((\w+)[^)]*\) read (\d+) samples, (\d+) bytes of pixels; "
@@ -86,12 +93,20 @@ def measure(args: argparse.Namespace) -> dict:
                               **{"image_encoder.vision_encoder.freeze": False})
     report: dict[str, Any] = {"size": args.size, "global_batch": args.global_batch, "iters": args.iters,
                               "layout": "encoder 1 + decoder DP 2", "variants": {}}
-    for name, (layout, inflight) in VARIANTS.items():
-        tag = layout
+    reads_before = os.environ.get("MSF_FLOW_DATA_READS")
+    for name, (layout, inflight, reads) in VARIANTS.items():
+        tag = f"{layout}_{reads}"
         recipe = _write_recipe(workdir / f"bench_{tag}.yaml", layout, inflight)
         job = TinyJob(model, data, train_iters=args.iters, global_batch_size=args.global_batch, seq_length=512,
                       extra=["--variable-seq-lengths", "--calculate-per-token-loss"])
-        result = emulate_job(f"bench_{tag}", job.argv(), log_dir=workdir, nproc=3, flow_recipe=recipe)
+        os.environ["MSF_FLOW_DATA_READS"] = reads
+        try:
+            result = emulate_job(f"bench_{tag}", job.argv(), log_dir=workdir, nproc=3, flow_recipe=recipe)
+        finally:
+            if reads_before is None:
+                os.environ.pop("MSF_FLOW_DATA_READS", None)
+            else:
+                os.environ["MSF_FLOW_DATA_READS"] = reads_before
         if result.rc != 0:
             raise SystemExit(f"bench msmm: the {name!r} job failed (rc={result.rc}):\n{result.output[-3000:]}")
         report["variants"][name] = _summary(result.output, result.times_ms)
@@ -106,11 +121,11 @@ def table(report: dict, args: argparse.Namespace) -> str:
     names = list(report["variants"])
     rows = [f"MindSpeed-MM flow job, scaled {report['size']}, {report['layout']}, global batch "
             f"{report['global_batch']}, {report['iters']} iterations (emulated NPU, host CPU)", ""]
-    head = f"{'':<34}" + "".join(f"{n:>22}" for n in names)
+    head = f"{'':<34}" + "".join(f"{n:>{WIDTH}}" for n in names)
     rows.append(head)
 
     def line(label: str, values: list[str]) -> None:
-        rows.append(f"{label:<34}" + "".join(f"{v:>22}" for v in values))
+        rows.append(f"{label:<34}" + "".join(f"{v:>{WIDTH}}" for v in values))
 
     v = [report["variants"][n] for n in names]
     line("decoder padding (mean %)", [f"{x['padding_pct']:.2f}" if x["padding_pct"] is not None else "-" for x in v])
@@ -126,6 +141,9 @@ def table(report: dict, args: argparse.Namespace) -> str:
         rows.append("")
         rows.append(f"encoder activations held: {b['encoder_held_bytes'] / a['encoder_held_bytes']:.2f}x of "
                     f"'{names[0]}'; padding {a['padding_pct']:.2f}% -> {b['padding_pct']:.2f}%")
+    if a["ranks"] and b["ranks"]:
+        total = [sum(r.get("pixel_bytes", 0) for r in x["ranks"].values()) for x in (a, b)]
+        rows.append(f"pixels read, all ranks: {_mb(total[0])} MiB -> {_mb(total[1])} MiB")
     return "\n".join(rows)
 
 

@@ -26,17 +26,32 @@ ranks), and no further.
 Each sample also keeps what the job's loss definition needs to weigh it the way the unpatched job does: its own
 loss tokens, and the loader batch (the unpatched job's microbatch) it came in with its token and sample counts.
 
-Weak on purpose: every rank reads the whole global batch (pixels included) through MindSpeed-MM's dataset; a
-metadata index would let decoder ranks skip pixels and encoder ranks skip text.
+What each rank reads (`IndexedReads`, the default for a map-style data set): the samplers' batches are taken as
+lists of data set indices (each replica loader's own `batch_sampler`, cycled as above; the loaders themselves are
+never iterated) and every rank plans the step from the metadata index (`index.py`: token counts, image grids,
+loss tokens, built once per data set and cached beside MindSpeed-MM's data set cache). Then each rank loads only
+what its side uses, through MindSpeed-MM's own code:
+
+- encoder ranks: the pixels of the samples their replica encodes (`encode_order` of their bridge rank), each
+  sample's item through the job's own collator alone (MindSpeed-MM's processor path); no token ids, no labels;
+- decoder ranks: the token ids of their DP rank's microbatches, from the data set's item (the tokenized text that
+  MindSpeed-MM's `map` preprocessing holds; the index build checked that the collator keeps it as it is), on
+  every TP rank and pipeline stage (the embedding on the first stage, MindSpeed-MM's mrope positions on every
+  stage, in both layouts, need them), labels only on the last stage (the loss), grids from the index, no pixels.
+
+A streaming (iterable) data set has no indices to plan from: it is read as before (`WholeBatchReads`: every rank
+reads the whole global batch, pixels included, through the loaders), and the launch says so.
+`MSF_FLOW_DATA_READS=whole` forces that path for comparison (`mindspeed-flow bench msmm`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
 from mindspeed_flow.data.shapes import SampleShape
+from mindspeed_flow.hosts.mindspeed_mm.index import MetadataIndex, SampleMeta
 from mindspeed_flow.hosts.mindspeed_mm.packed import padded_length
 from mindspeed_flow.packing import CostModel
 from mindspeed_flow.step.plan import StepWork, plan_decoupled_step
@@ -67,9 +82,12 @@ class ReplicaView:
 
 @dataclass
 class FlowSample:
-    sample_id: int
-    input_ids: torch.Tensor  # [len]
-    labels: torch.Tensor  # [len]
+    """One sample of a global batch. Its metadata (length, tokens, grid, loss counts) is on every rank; its content
+    (token ids, labels, pixels) only where a rank's side uses it (None elsewhere)."""
+
+    sample_id: int  # its place in the global batch
+    input_ids: Optional[torch.Tensor]  # [len]
+    labels: Optional[torch.Tensor]  # [len]
     pixel_values: Optional[torch.Tensor]  # [patches, C] or None
     image_grid_thw: Optional[torch.Tensor]  # [images, 3] or None
     image_tokens: int
@@ -78,11 +96,23 @@ class FlowSample:
     batch_loss_tokens: int = 0  # loss tokens of that whole loader batch
     batch_samples: int = 1  # samples in that loader batch
     position_ids: Optional[torch.Tensor] = None  # [3, len]: its own rope positions (packed layout; set once)
+    length: int = -1  # tokens (from input_ids when not given)
+    dataset_index: int = -1  # its index in MindSpeed-MM's data set (index reads)
+
+    def __post_init__(self) -> None:
+        if self.length < 0 and self.input_ids is not None:
+            self.length = int(self.input_ids.numel())
 
     def shape(self, merge_size: int) -> SampleShape:
         grids = tuple(tuple(int(v) for v in g) for g in self.image_grid_thw) if self.image_grid_thw is not None \
             else ()
-        return SampleShape(self.sample_id, int(self.input_ids.numel()) - self.image_tokens, grids, merge_size)
+        return SampleShape(self.sample_id, self.length - self.image_tokens, grids, merge_size)
+
+    def labels_or_ignored(self) -> torch.Tensor:
+        """Its labels; -100 everywhere on a rank that computes no loss (a decoder stage before the last)."""
+        if self.labels is not None:
+            return self.labels
+        return torch.full_like(self.input_ids, IGNORE_INDEX)
 
 
 @dataclass
@@ -98,14 +128,17 @@ class FlowStep:
         return [mb.sample_ids for mb in self.work.plan.microbatches[dp_rank]]
 
 
+def video_error(which: str, keys: Iterable[str]) -> FlowDataError:
+    return FlowDataError(f"{which} carry video ({', '.join(keys)}): a flow job decouples images only; train video "
+                         "samples with the unpatched job (drop --flow-recipe) or remove them from the data set")
+
+
 def split_batch(batch: dict[str, Any], first_id: int, vision_start_id: int, image_token_id: int,
                 merge_size: int, batch_index: int = 0) -> list[FlowSample]:
     """Cut a collated MindSpeed-MM batch ([b, s], right padding) back into its samples."""
     videos = [k for k in VIDEO_KEYS if batch.get(k) is not None]
     if videos:
-        raise FlowDataError(f"samples {first_id}-{first_id + int(batch['input_ids'].shape[0]) - 1} carry video "
-                            f"({', '.join(videos)}): a flow job decouples images only; train video samples with the "
-                            "unpatched job (drop --flow-recipe) or remove them from the data set")
+        raise video_error(f"samples {first_id}-{first_id + int(batch['input_ids'].shape[0]) - 1}", videos)
     ids, labels, mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
     pixels, grids = batch.get("pixel_values"), batch.get("image_grid_thw")
     out, img_ptr, pix_ptr = [], 0, 0
@@ -158,7 +191,7 @@ def collate_rows(samples: list[FlowSample], pad_id: int = 0, pad_multiple: int =
     mask = torch.zeros((len(samples), length), dtype=torch.long)
     for i, s in enumerate(samples):
         n = int(s.input_ids.numel())
-        ids[i, :n], labels[i, :n], mask[i, :n] = s.input_ids, s.labels, 1
+        ids[i, :n], labels[i, :n], mask[i, :n] = s.input_ids, s.labels_or_ignored(), 1
     batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
     grids = [s.image_grid_thw for s in samples if s.image_grid_thw is not None]
     if grids:
@@ -179,32 +212,167 @@ def cycle_passes(loader: Iterable[Any]) -> Iterator[Any]:
                                 "one micro-batch, or every sample filtered out?)")
 
 
-class FlowStepSource:
-    """Yields one `FlowStep` per iteration from MindSpeed-MM's loaders (one per decoder DP replica)."""
+@dataclass(frozen=True)
+class SideNeeds:
+    """What one rank's side uses of a planned step: encoder ranks the pixels of the samples their replica encodes
+    (`encoder_leader`: the replica's bridge rank, which keys the plan's encode order); decoder ranks the token ids
+    of their DP rank's microbatches, and labels on the last pipeline stage."""
 
-    def __init__(self, loaders: list[Any], *, global_batch_size: int, micro_batch_size: int, bridge: Bridge,
+    encoder_leader: Optional[int] = None
+    decoder_dp: Optional[int] = None
+    labels: bool = False
+
+    def pixels_of(self, step: "FlowStep") -> list[int]:
+        if self.encoder_leader is None:
+            return []
+        return [sid for sid in step.work.encode_order.get(self.encoder_leader, [])
+                if step.samples[sid].image_tokens > 0]
+
+    def text_of(self, step: "FlowStep") -> list[int]:
+        if self.decoder_dp is None:
+            return []
+        return [sid for ids in step.microbatches(self.decoder_dp) for sid in ids]
+
+
+def sample_meta(dataset: Any, collate: Callable[[list], dict], vision_start_id: int, image_token_id: int,
+                merge_size: int, i: int) -> SampleMeta:
+    """Sample i's index entry, by MindSpeed-MM's own path: its item through the job's collator alone, cut back as a
+    loader batch is. Checks that the collator keeps the item's token ids and labels (decoder ranks take them from
+    the item, without the collator's pixel path)."""
+    item = dataset[i]
+    ids = torch.as_tensor(item["input_ids"], dtype=torch.long)
+    labels = torch.as_tensor(item["labels"], dtype=torch.long)
+    batch = collate([item])
+    if any(batch.get(k) is not None for k in VIDEO_KEYS):
+        return SampleMeta(int(ids.numel()), 0, 0, True, None)
+    s = split_batch(batch, i, vision_start_id, image_token_id, merge_size)[0]
+    if not (torch.equal(s.input_ids, ids) and torch.equal(s.labels, labels)):
+        raise FlowDataError(f"data set sample {i}: MindSpeed-MM's collator changes its token ids or labels, so decoder "
+                            "ranks cannot take them from the data set's item; read whole batches with "
+                            "MSF_FLOW_DATA_READS=whole")
+    return SampleMeta(s.length, s.image_tokens, s.loss_tokens, False, s.image_grid_thw)
+
+
+class _ReplicaBatches:
+    """Each global batch as the unpatched job's DP ranks take it: replica after replica, each replica's next
+    micro-batches from its own (cycled) source: MindSpeed-MM's loader, or its sampler's batches of indices."""
+
+    def __init__(self, sources: list[Iterable[Any]], vision_start_id: int, image_token_id: int,
+                 merge_size: int) -> None:
+        self.replicas = len(sources)
+        self._its = [cycle_passes(source) for source in sources]
+        self._ids = (vision_start_id, image_token_id, merge_size)
+
+    def _samples(self, batch: Any, first_id: int, batch_index: int) -> list[FlowSample]:
+        raise NotImplementedError
+
+    def global_batch(self, batches_per_replica: int) -> list[FlowSample]:
+        samples: list[FlowSample] = []
+        index = 0
+        for it in self._its:
+            for _ in range(batches_per_replica):
+                samples += self._samples(next(it), len(samples), index)
+                index += 1
+        return samples
+
+
+class WholeBatchReads(_ReplicaBatches):
+    """Every rank reads each global batch whole, pixels included, through MindSpeed-MM's loaders (one per decoder
+    DP replica): the path of a streaming data set, and of MSF_FLOW_DATA_READS=whole."""
+
+    def _samples(self, batch: Any, first_id: int, batch_index: int) -> list[FlowSample]:
+        return split_batch(batch, first_id, *self._ids, batch_index=batch_index)
+
+    def load(self, step: "FlowStep") -> tuple[int, int]:
+        """(samples, bytes of pixels) read for this step: all of them, already."""
+        return len(step.samples), sum(s.pixel_values.numel() * s.pixel_values.element_size()
+                                      for s in step.samples.values() if s.pixel_values is not None)
+
+
+class IndexedReads(_ReplicaBatches):
+    """Global batches as data set indices from MindSpeed-MM's samplers, planned from the metadata index; each rank
+    then loads only what its side uses (`SideNeeds`), through MindSpeed-MM's data set item and collator. Taking a
+    batch loads nothing."""
+
+    def __init__(self, dataset: Any, collate: Callable[[list], dict], batch_samplers: list[Iterable[list[int]]],
+                 index: MetadataIndex, needs: SideNeeds, vision_start_id: int, image_token_id: int,
+                 merge_size: int) -> None:
+        super().__init__(batch_samplers, vision_start_id, image_token_id, merge_size)
+        self.dataset, self.collate, self.index, self.needs = dataset, collate, index, needs
+
+    def _samples(self, indices: list[int], first_id: int, batch_index: int) -> list[FlowSample]:
+        batch = []
+        for di in indices:
+            m = self.index.meta(int(di))
+            if m.has_video:
+                raise video_error(f"data set sample {di} (sample {first_id + len(batch)} of the global batch)",
+                                  VIDEO_KEYS)
+            batch.append(FlowSample(first_id + len(batch), None, None, None, m.grid, m.image_tokens, m.loss_tokens,
+                                    batch_index, length=m.length, dataset_index=int(di)))
+        tokens = sum(s.loss_tokens for s in batch)
+        for s in batch:
+            s.batch_loss_tokens, s.batch_samples = tokens, len(batch)
+        return batch
+
+    def load(self, step: "FlowStep") -> tuple[int, int]:
+        """Fill in what this rank's side uses of the step; (samples, bytes of pixels) loaded."""
+        pixels, text = self.needs.pixels_of(step), self.needs.text_of(step)
+        nbytes = 0
+        for sid in pixels:
+            nbytes += self._load_pixels(step.samples[sid])
+        for sid in text:
+            self._load_text(step.samples[sid])
+        return len(set(pixels) | set(text)), nbytes
+
+    def _stale(self, s: FlowSample, what: str) -> FlowDataError:
+        return FlowDataError(f"data set sample {s.dataset_index}: {what} differs from the metadata index "
+                             f"{self.index.path or '(in memory)'} (its data or images changed after the index was "
+                             "built): delete that file and start again to rebuild it")
+
+    def _load_pixels(self, s: FlowSample) -> int:
+        batch = self.collate([self.dataset[s.dataset_index]])
+        try:
+            got = split_batch(batch, s.sample_id, *self._ids)[0]
+        except ValueError as err:  # its image tokens no longer match its images
+            raise self._stale(s, f"what its images give ({err})") from err
+        grid = got.image_grid_thw
+        if grid is None or s.image_grid_thw is None or not torch.equal(grid, s.image_grid_thw):
+            raise self._stale(s, f"its image_grid_thw {None if grid is None else grid.tolist()}")
+        s.pixel_values = got.pixel_values
+        return s.pixel_values.numel() * s.pixel_values.element_size()
+
+    def _load_text(self, s: FlowSample) -> None:
+        item = self.dataset[s.dataset_index]
+        s.input_ids = torch.as_tensor(item["input_ids"], dtype=torch.long)
+        if int(s.input_ids.numel()) != s.length:
+            raise self._stale(s, f"its length {int(s.input_ids.numel())}")
+        if self.needs.labels:
+            s.labels = torch.as_tensor(item["labels"], dtype=torch.long)
+
+
+class FlowStepSource:
+    """Yields one `FlowStep` per iteration: the unpatched job's global batch (`reads`), planned, with what this
+    rank's side uses loaded."""
+
+    def __init__(self, reads: Any, *, global_batch_size: int, micro_batch_size: int, bridge: Bridge,
                  token_budget: int, cost_model: CostModel, scheduler: str, min_microbatches: int,
-                 oversize_policy: str, vision_start_id: int, image_token_id: int, merge_size: int,
-                 first_step: int = 0, layout: str = LAYOUT_ROWS, pad_multiple: int = 1,
-                 encoder_flops_scale: float = 1.0) -> None:
-        if global_batch_size % (micro_batch_size * len(loaders)):
+                 oversize_policy: str, merge_size: int, first_step: int = 0, layout: str = LAYOUT_ROWS,
+                 pad_multiple: int = 1, encoder_flops_scale: float = 1.0) -> None:
+        if global_batch_size % (micro_batch_size * reads.replicas):
             raise FlowDataError(f"--global-batch-size {global_batch_size} is not a multiple of --micro-batch-size "
-                                f"{micro_batch_size} x {len(loaders)} decoder DP replicas")
-        self.loaders = loaders
-        self._its = [cycle_passes(loader) for loader in loaders]
-        self.batches_per_replica = global_batch_size // (micro_batch_size * len(loaders))
+                                f"{micro_batch_size} x {reads.replicas} decoder DP replicas")
+        self.reads = reads
+        self.batches_per_replica = global_batch_size // (micro_batch_size * reads.replicas)
         self.bridge = bridge
         self.token_budget = token_budget
         self.cost_model = cost_model
         self.scheduler = scheduler
         self.min_microbatches = min_microbatches
         self.oversize_policy = oversize_policy
-        self.vision_start_id = vision_start_id
-        self.image_token_id = image_token_id
         self.merge_size = merge_size
         self.layout = layout
         self.pad_multiple = pad_multiple
-        # What this rank has read through MindSpeed-MM's loaders (every rank reads whole global batches today).
+        # What this rank has loaded (samples with any content, bytes of pixels): its exit line.
         self.samples_read = 0
         self.pixel_bytes_read = 0
         # The cost model's encoder FLOPs are forward + backward; a frozen ViT runs forward only (x 1/3), for MFU.
@@ -217,25 +385,17 @@ class FlowStepSource:
         return self
 
     def __next__(self) -> FlowStep:
-        samples: list[FlowSample] = []
-        index = 0
-        for it in self._its:  # replica after replica, each its next micro-batches: the unpatched job's batches
-            for _ in range(self.batches_per_replica):
-                batch = split_batch(next(it), len(samples), self.vision_start_id, self.image_token_id,
-                                    self.merge_size, batch_index=index)
-                samples += batch
-                index += 1
-        self.samples_read += len(samples)
-        self.pixel_bytes_read += sum(s.pixel_values.numel() * s.pixel_values.element_size() for s in samples
-                                     if s.pixel_values is not None)
+        samples = self.reads.global_batch(self.batches_per_replica)
         shapes = [s.shape(self.merge_size) for s in samples]
         work = plan_decoupled_step(self.step, shapes, bridge=self.bridge, token_budget=self.token_budget,
                                    cost_model=self.cost_model, scheduler=self.scheduler,
                                    min_microbatches=self.min_microbatches, oversize_policy=self.oversize_policy)
         step = FlowStep(self.step, {s.sample_id: s for s in samples}, work)
+        n, nbytes = self.reads.load(step)
+        self.samples_read += n
+        self.pixel_bytes_read += nbytes
         plan = work.plan
-        padded = sum(microbatch_tokens([int(samples[i].input_ids.numel()) for i in mb.sample_ids], self.layout,
-                                       self.pad_multiple)
+        padded = sum(microbatch_tokens([samples[i].length for i in mb.sample_ids], self.layout, self.pad_multiple)
                      for row in plan.microbatches for mb in row)
         # Model FLOPs actually trained this step (padding excluded, oversize samples skipped), for the metrics' MFU.
         skipped = {sid for sid, _ in plan.oversize}

@@ -5,8 +5,8 @@
   config's pipeline splits are set to the part's own PP: the ViT whole, the LLM as `recipe.decoder_split` chose
   (recipe layer_split, else model.json's split when it has one entry per decoder stage, else even); each decoder
   stage prints the layers its built model holds.
-- `dataset_provider`: MindSpeed-MM's dataset and sampler over whole global batches, planned per step
-  (`data.FlowStepSource`).
+- `dataset_provider`: MindSpeed-MM's dataset and sampler over whole global batches, planned per step from the
+  metadata index, each rank loading only what its side uses (`data.FlowStepSource`, `index.py`).
 - `forward_step`: the job's forward step, fed a collated decoder microbatch with its image embeddings.
 - `forward_backward_func`: `schedule.EncoderStep` on encoder ranks, `schedule.DecoderStep` around Megatron's
   schedule on decoder ranks.
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
+import os
 import resource
 import time
 from pathlib import Path
@@ -25,7 +27,9 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext
-from mindspeed_flow.hosts.mindspeed_mm.data import LAYOUT_PACKED, LAYOUT_ROWS, FlowStepSource, ReplicaView
+from mindspeed_flow.hosts.mindspeed_mm.data import (LAYOUT_PACKED, LAYOUT_ROWS, FlowStepSource, IndexedReads,
+                                                    ReplicaView, SideNeeds, WholeBatchReads, sample_meta)
+from mindspeed_flow.hosts.mindspeed_mm.index import index_folder, index_inputs, load_or_build
 from mindspeed_flow.hosts.mindspeed_mm.metrics import FlowMetrics, loss_value
 from mindspeed_flow.hosts.mindspeed_mm.schedule import (DecoderStep, EncoderStep, finalize_with_global_tokens,
                                                         loss_mode, read_pending_stats)
@@ -58,6 +62,56 @@ def cost_model_from(model_cfg: Any) -> CostModel:
     hv, fv, nv = vit.hidden_size, vit.ffn_hidden_size, vit.num_layers
     return CostModel(linear=6.0 * n * (4 * h * h + 3 * h * f), quadratic=6.0 * n * h,
                      enc_linear=6.0 * nv * (4 * hv * hv + 3 * hv * fv), enc_quadratic=12.0 * nv * hv)
+
+
+def side_needs(ctx: FlowContext) -> SideNeeds:
+    """What this rank's side uses of each step (Megatron's parallel state is the part's own here)."""
+    if ctx.is_encoder:
+        return SideNeeds(encoder_leader=ctx.replica_leader())
+    from megatron.core import parallel_state as ps
+
+    return SideNeeds(decoder_dp=ps.get_data_parallel_rank(), labels=ps.is_pipeline_last_stage(ignore_virtual=True))
+
+
+def build_reads(ctx: FlowContext, args: Any, data_cfg: Any, *, vision_start_id: int, image_token_id: int,
+                merge_size: int) -> Any:
+    """MindSpeed-MM's data set and one loader per decoder DP replica (`ReplicaView`), read per side from the
+    metadata index (`data.IndexedReads`), or whole through the loaders where the data set is streamed or
+    MSF_FLOW_DATA_READS=whole (`data.WholeBatchReads`)."""
+    from mindspeed_mm.data import build_mm_dataloader, build_mm_dataset
+
+    datasets = build_mm_dataset(data_cfg.dataset_param)
+    train = datasets[0] if isinstance(datasets, (tuple, list)) else datasets
+    replicas = ctx.parts.part("backbone").dp
+    whole = os.environ.get("MSF_FLOW_DATA_READS", "") == "whole" or isinstance(train, torch.utils.data.IterableDataset)
+    workers = args.num_workers
+    loaders = []
+    try:  # whole reads: each replica's loader gets its share of the job's loader processes; else none iterates
+        args.num_workers = -(-workers // replicas) if workers and whole else 0
+        for r in range(replicas):
+            loaders.append(build_mm_dataloader(train, data_cfg.dataloader_param, process_group=ReplicaView(replicas, r),
+                                               dataset_param=data_cfg.dataset_param,
+                                               consumed_samples=args.consumed_train_samples))
+    finally:
+        args.num_workers = workers
+    samplers = [getattr(loader, "batch_sampler", None) for loader in loaders]
+    collate = getattr(loaders[0], "collate_fn", None)
+    ids = (vision_start_id, image_token_id, merge_size)
+    if not whole and (any(s is None for s in samplers) or collate is None):
+        whole = True
+    if whole:
+        if ctx.rank == 0:
+            why = "MSF_FLOW_DATA_READS=whole" if os.environ.get("MSF_FLOW_DATA_READS") == "whole" else \
+                "the data set is streamed (no indices to plan from)"
+            print(f"[mindspeed-flow] data: every rank reads whole global batches, pixels included ({why})", flush=True)
+        return WholeBatchReads(loaders, *ids)
+    inputs = index_inputs(data_cfg.dataset_param, args.seq_length, train,
+                          {"vision_start_id": vision_start_id, "image_token_id": image_token_id,
+                           "merge_size": merge_size})
+    index = load_or_build(index_folder(data_cfg.dataset_param), inputs,
+                          functools.partial(sample_meta, train, collate, *ids), len(train), workers=workers,
+                          log=lambda line: print(f"[mindspeed-flow] {ctx.describe(ctx.rank)} {line}", flush=True))
+    return IndexedReads(train, collate, samplers, index, side_needs(ctx), *ids)
 
 
 def report_reads(ctx: FlowContext, source: FlowStepSource) -> None:
@@ -180,36 +234,23 @@ class FlowHost:
 
         def flow_dataset_provider(train_val_test_num_samples: Any) -> tuple[Any, None, None]:
             from megatron.training import get_args
-            from mindspeed_mm.data import build_mm_dataloader, build_mm_dataset
 
             args = get_args()
             data_cfg, model_cfg = args.mm.data, args.mm.model
-            datasets = build_mm_dataset(data_cfg.dataset_param)
-            train = datasets[0] if isinstance(datasets, tuple) else datasets
-            replicas = ctx.parts.part("backbone").dp
-            workers = args.num_workers
-            loaders = []
-            try:  # each replica's loader gets its share of the job's loader processes
-                args.num_workers = -(-workers // replicas) if workers else 0
-                for r in range(replicas):
-                    loaders.append(build_mm_dataloader(train, data_cfg.dataloader_param,
-                                                       process_group=ReplicaView(replicas, r),
-                                                       dataset_param=data_cfg.dataset_param,
-                                                       consumed_samples=args.consumed_train_samples))
-            finally:
-                args.num_workers = workers
+            ids = dict(vision_start_id=int(model_cfg.vision_start_token_id),
+                       image_token_id=int(model_cfg.img_context_token_id),
+                       merge_size=int(_cfg(model_cfg.image_encoder.vision_encoder, "spatial_merge_size", 2)))
+            reads = build_reads(ctx, args, data_cfg, **ids)
             # After a resume Megatron has set args.iteration (and the sampler starts at consumed_train_samples).
             first_step = int(getattr(args, "iteration", 0) or 0)
             packing = ctx.parts.packing
             source = FlowStepSource(
-                loaders, global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+                reads, global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
                 bridge=Bridge.build(ctx.producers(), ctx.consumers()), token_budget=packing.token_budget,
                 cost_model=cost_model_from(model_cfg), scheduler=packing.scheduler,
                 min_microbatches=ctx.parts.part("backbone").pp, oversize_policy=packing.oversize_policy,
-                vision_start_id=int(model_cfg.vision_start_token_id),
-                image_token_id=int(model_cfg.img_context_token_id),
-                merge_size=int(_cfg(model_cfg.image_encoder.vision_encoder, "spatial_merge_size", 2)),
-                first_step=first_step, layout=decoder_layout(ctx, args), pad_multiple=sequence_pad_multiple(ctx, args),
+                merge_size=ids["merge_size"], first_step=first_step, layout=decoder_layout(ctx, args),
+                pad_multiple=sequence_pad_multiple(ctx, args),
                 # MindSpeed-MM freezes the ViT unless model.json says otherwise: then it runs forward only
                 encoder_flops_scale=1.0 / 3.0 if _cfg(model_cfg.image_encoder.vision_encoder, "freeze", True) else 1.0)
             atexit.register(report_reads, ctx, source)
@@ -303,7 +344,15 @@ class FlowHost:
                                        parts.encoder_trainable)
 
     def finish(self) -> None:
-        """After MindSpeed-MM's pretrain returns, on every rank: close the metrics; merge the trace."""
+        """After MindSpeed-MM's pretrain returns, on every rank: wait for this rank's sends to be received; close
+        the metrics; merge the trace."""
+        transport = getattr(self._step, "transport", None)
+        if transport is not None:
+            # A frozen encoder runs ahead of the decoder (it waits for no gradient) and can finish while its last
+            # embeddings are still on the wire: gloo moves a message only once the receiver has posted its receive,
+            # and a process that exits with a send pending aborts ("terminate called without an active exception").
+            self.ctx.doing("waiting for the last sends to be received")
+            transport.flush()
         if self.metrics is not None:
             self.metrics.close()
         parts = self.ctx.parts

@@ -464,7 +464,7 @@ class DecoderStep:
         for s in samples:  # each sample's own rope positions, once (every pipeline stage needs them)
             if s.position_ids is None:
                 s.position_ids = self._positions(vlm.config, s.input_ids, s.image_grid_thw)
-        row = pack_samples([s.input_ids for s in samples], [s.labels for s in samples],
+        row = pack_samples([s.input_ids for s in samples], [s.labels_or_ignored() for s in samples],
                            [s.position_ids for s in samples], pad_multiple=self.pad_multiple)
         grids = [s.image_grid_thw for s in samples if s.image_grid_thw is not None]
         if grids:
