@@ -29,8 +29,8 @@ from mindspeed_flow.hosts.mindspeed_mm.data import LAYOUT_PACKED, LAYOUT_ROWS, F
 from mindspeed_flow.hosts.mindspeed_mm.metrics import FlowMetrics, loss_value
 from mindspeed_flow.hosts.mindspeed_mm.schedule import (DecoderStep, EncoderStep, finalize_with_global_tokens,
                                                         loss_mode, read_pending_stats)
-from mindspeed_flow.hosts.mindspeed_mm.transport import PlannedTransport
 from mindspeed_flow.packing import CostModel
+from mindspeed_flow.pool.planned import PlannedTransport
 from mindspeed_flow.runtime import trace
 from mindspeed_flow.runtime.metrics import machine_peak_flops
 from mindspeed_flow.topology import Bridge
