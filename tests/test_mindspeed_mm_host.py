@@ -132,49 +132,6 @@ def test_every_mindspeed_mm_flow_recipe_builds_its_parts(recipe) -> None:
     assert parts.world_size == world and parts.ranks("backbone")[-1] == world - 1
 
 
-def _transfer(rank: int, world: int, expected_sample: int) -> object:
-    import torch.distributed as dist
-
-    from mindspeed_flow.hosts.mindspeed_mm.transport import (KIND_EMBEDDING, KIND_GRAD, FlowTransportError, Item,
-                                                             PlannedTransport)
-
-    t = PlannedTransport(rank=rank, embedding_group=dist.new_group([0, 1]), gradient_group=dist.new_group([0, 1]),
-                         header_group=dist.new_group([0, 1], backend="gloo"), device=torch.device("cpu"),
-                         timeout_s=20)
-    if rank == 0:  # producer: two embeddings in its order, then the gradient of the first
-        t.post_receives(KIND_GRAD, [Item(1, 0, 7, 3)], hidden=4)
-        t.send(KIND_EMBEDDING, 1, 0, 7, torch.full((3, 1, 4), 1.5))
-        t.send(KIND_EMBEDDING, 1, 0, 8, torch.full((2, 1, 4), 2.5))
-        grad = t.receive(KIND_GRAD, 1, 0, 7)
-        t.flush()
-        return grad.float().sum().item()
-    t.post_receives(KIND_EMBEDDING, [Item(0, 0, 7, 3), Item(0, 0, expected_sample, 2)], hidden=4)
-    first = t.receive(KIND_EMBEDDING, 0, 0, 7)
-    t.send(KIND_GRAD, 0, 0, 7, torch.ones(3, 1, 4))
-    try:
-        second = t.receive(KIND_EMBEDDING, 0, 0, expected_sample)
-    except FlowTransportError as err:
-        t.flush()
-        return str(err)
-    t.flush()
-    return (first.float().mean().item(), second.float().mean().item())
-
-
-def test_planned_transport_moves_items_in_plan_order() -> None:
-    from mindspeed_flow.utils.multiproc import run_ranks
-
-    producer, consumer = run_ranks(_transfer, 2, 8, timeout_s=60)
-    assert producer == 12.0 and consumer == (1.5, 2.5)
-
-
-def test_planned_transport_stops_when_plans_differ() -> None:
-    from mindspeed_flow.utils.multiproc import run_ranks
-
-    _, message = run_ranks(_transfer, 2, 9, timeout_s=60)
-    assert "expected the embedding of sample 9 (iteration 1) from rank 0" in message
-    assert "sent embedding of sample 8" in message and "plans differ" in message
-
-
 # ------------------------------------------------------------------------------ refusals before any group exists
 
 

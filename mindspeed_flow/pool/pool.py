@@ -50,7 +50,12 @@ direction (embeddings producer->consumer, gradients consumer->producer), because
 point-to-point messages by order, not by tag, and run a pair's sends and receives on one stream, where
 embeddings and gradients crossing in opposite directions could wait on each other. Payloads then go from device
 memory to device memory (the device tier is device memory). Without `data_groups` (CPU jobs, or as a fallback)
-payloads are staged through host memory on `group` and moved to `device` in `get`/`wait_grad`.
+payloads are staged through host memory on `group` and moved to `device` in `get`/`wait_grad`. On `data_groups`
+the order of a rank's device operations is the order its threads reach them (a payload receive when its header
+lands, sends per consumer): safe where each pair of ranks has a stream of its own (torch_npu's default P2P
+communicators), not where a communicator's point-to-point operations share one stream (`P2P_HCCL_BUFFSIZE=0`),
+where consumers that saw headers in opposite producer orders deadlock (tests/test_pool_planned.py). A job whose
+every transfer is known in advance uses the planned mode instead (`planned.py`: one global order per direction).
 """
 from __future__ import annotations
 

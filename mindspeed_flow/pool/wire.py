@@ -71,7 +71,14 @@ PAYLOAD_ALIGN = 64  # byte alignment of each item inside a batch's payload buffe
 # of sample_id, step, dtype code, ndim, nbytes, dims[MAX_NDIM] (unused records are zero).
 _MESSAGE_FIELDS = 5
 _ITEM_FIELDS = 5 + MAX_NDIM
-HEADER_LEN = _MESSAGE_FIELDS + MAX_BATCH * _ITEM_FIELDS
+
+
+def header_len(max_items: int) -> int:
+    """The int64 length of a header holding up to `max_items` item records (both ends must agree on it)."""
+    return _MESSAGE_FIELDS + max_items * _ITEM_FIELDS
+
+
+HEADER_LEN = header_len(MAX_BATCH)
 
 
 @dataclass(frozen=True)
@@ -83,12 +90,16 @@ class PoolTags:
     grad_header: int = 0x4D50_0003
     grad_payload: int = 0x4D50_0004
     credit: int = 0x4D50_0005
-    # Planned batches (put_many(planned=True) against expect(groups=...)): receives posted from the plan at expect()
+    # Planned batches (put_many(planned=True) against expect(groups=...)): receives posted from the plan at expect();
+    # also the embedding headers and payloads of planned mode (planned.py)
     embedding_planned_header: int = 0x4D50_0006
     embedding_planned: int = 0x4D50_0007
     # Staged payloads (gloo): into a receive the consumer posted with the header's receive (see `staged_bytes`)
     embedding_staged: int = 0x4D50_0008
     grad_staged: int = 0x4D50_0009
+    # Planned mode (planned.py): gradient headers and payloads, posted in the plan's global gradient order
+    grad_planned_header: int = 0x4D50_000A
+    grad_planned: int = 0x4D50_000B
 
 
 TAGS = PoolTags()
@@ -162,17 +173,19 @@ def credit_header(sample_id: int, step: int, nbytes: int) -> WireHeader:
     return WireHeader(CHANNEL_CREDIT, sample_id, step, torch.uint8, (nbytes,), nbytes)
 
 
-def encode_header(items: list[WireHeader]) -> torch.Tensor:
-    """The int64 header announcing a batch of 1..MAX_BATCH items of one channel and layout (a CPU tensor)."""
-    if (not 1 <= len(items) <= MAX_BATCH or len({h.channel for h in items}) != 1
+def encode_header(items: list[WireHeader], length: int = HEADER_LEN) -> torch.Tensor:
+    """The int64 header announcing a batch of items of one channel and layout (a CPU tensor) of `length` values
+    (`header_len`: a receiver that knows it gets one item, as planned mode does, posts a short receive)."""
+    most = min(MAX_BATCH, (length - _MESSAGE_FIELDS) // _ITEM_FIELDS)
+    if (not 1 <= len(items) <= most or len({h.channel for h in items}) != 1
             or len({h.dense for h in items}) != 1):
-        raise ValueError(f"a pool message carries 1..{MAX_BATCH} items of one channel and one layout, got "
+        raise ValueError(f"a pool message carries 1..{most} items of one channel and one layout, got "
                          f"{len(items)}")
     values = [HEADER_MAGIC, WIRE_VERSION, items[0].channel, len(items), int(items[0].dense)]
     for h in items:
         values += [h.sample_id, h.step, DTYPE_CODES[h.dtype], len(h.shape), h.nbytes, *h.shape]
         values += [0] * (MAX_NDIM - len(h.shape))
-    values += [0] * (HEADER_LEN - len(values))
+    values += [0] * (length - len(values))
     return torch.tensor(values, dtype=torch.int64)
 
 
@@ -187,7 +200,7 @@ def decode_header(header: torch.Tensor, *, expected_channel: int, peer: int) -> 
     if channel != expected_channel:
         raise PoolProtocolError(f"rank {peer} sent a {CHANNEL_NAMES.get(channel, channel)} header on the "
                                 f"{CHANNEL_NAMES[expected_channel]} channel")
-    if not 1 <= count <= MAX_BATCH or dense not in (0, 1):
+    if not 1 <= count <= min(MAX_BATCH, (len(values) - _MESSAGE_FIELDS) // _ITEM_FIELDS) or dense not in (0, 1):
         raise PoolProtocolError(f"rank {peer} sent a header announcing {count} items (1..{MAX_BATCH} allowed) in "
                                 f"layout {dense} (0 or 1)")
     items = []

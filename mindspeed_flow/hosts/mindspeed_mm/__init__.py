@@ -4,8 +4,8 @@ separate ranks, each part with its own DP/TP/PP, after a one-line change to its 
     recipe.py     FLOW.yaml -> the parts, checked against the launched world and the job's model.json
     context.py    this rank's part; Megatron's parallel state built per part (sub-worlds); the flow groups
     data.py       MindSpeed-MM's dataset over whole global batches, planned per step by the packing scheduler
-    transport.py  embeddings and gradients between bridge ranks in plan order (device backend + gloo headers)
-    schedule.py   the encoder step, the decoder step around Megatron's schedule, global tokens and grad norm
+    schedule.py   the encoder step, the decoder step around Megatron's schedule, global tokens and grad norm;
+                  embeddings and gradients move through the pool's planned mode (`mindspeed_flow.pool.planned`)
     host.py       the providers handed to MindSpeed-MM's `pretrain`
     checkpoint.py per-part Megatron checkpoints; loading a coupled checkpoint into the parts
     convert.py    `mindspeed-flow convert-checkpoint` (coupled <-> parts)

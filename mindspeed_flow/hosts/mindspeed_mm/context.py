@@ -17,8 +17,8 @@ Flow groups built beside them (collectively, on every rank):
   every rank's timers, which bounds the lead to about one step).
 - `embedding_group`, `gradient_group` and `header_group`: the bridge ranks (tensor-parallel rank 0 of each encoder
   replica and of each decoder first-stage replica), on the job's backend once per direction (device backends run
-  one communicator's point-to-point operations in order: see `transport`), and on gloo for the headers that check
-  each payload against the plan (`transport.PlannedTransport`).
+  one communicator's point-to-point operations in order: see `mindspeed_flow.pool.planned`), and on gloo for the
+  headers that check each payload against the plan (`pool.planned.PlannedTransport`).
 - `metrics_group`: every rank on gloo, used once at the start (timing the host CPU's peak under emulation, for MFU)
   and once at the end (the trace's merge waits for every rank's file); never during a step.
 """

@@ -33,8 +33,8 @@ from mindspeed_flow.hosts.mindspeed_mm.index import index_folder, index_inputs, 
 from mindspeed_flow.hosts.mindspeed_mm.metrics import FlowMetrics, loss_value
 from mindspeed_flow.hosts.mindspeed_mm.schedule import (DecoderStep, EncoderStep, finalize_with_global_tokens,
                                                         loss_mode, read_pending_stats)
-from mindspeed_flow.hosts.mindspeed_mm.transport import PlannedTransport
 from mindspeed_flow.packing import CostModel
+from mindspeed_flow.pool.planned import PlannedTransport
 from mindspeed_flow.telemetry import trace
 from mindspeed_flow.telemetry.metrics import machine_peak_flops
 from mindspeed_flow.topology import Bridge

@@ -6,8 +6,8 @@ hand each part its own forward-backward function:
 - encoder ranks (`EncoderStep`): take the step's plan, cut their images' encode order (the decoder's consumption
   order) into decoder microbatch groups (`slot_groups`), run the ViT + projector once per group (images
   concatenated, moved to the device in the job's dtype as MindSpeed-MM's `get_batch` does) and send each sample's
-  embedding (`transport.PlannedTransport`) as soon as its group exists (the decoder starts while later groups are
-  still encoding). At most `flow.encoder_inflight` groups' graphs are held: at the bound the encoder waits for the
+  embedding (the pool's planned mode, `pool.planned.PlannedTransport`) as soon as its group exists (the decoder
+  starts while later groups are still encoding). At most `flow.encoder_inflight` groups' graphs are held: at the bound the encoder waits for the
   oldest group's gradients, runs its backward and frees it before encoding the next (the recipe refuses a bound
   below the decoder's pipeline depth, which 1F1B's warm-up needs); the rest are retired after the last forward. A
   frozen encoder sends nothing back and waits for no gradient; its bound counts groups sent but not yet received.
@@ -52,7 +52,8 @@ import torch.distributed as dist
 from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext
 from mindspeed_flow.hosts.mindspeed_mm.data import LAYOUT_PACKED, FlowSample, FlowStep, collate_rows
 from mindspeed_flow.hosts.mindspeed_mm.packed import pack_samples, packed_forward, rope_positions_fn
-from mindspeed_flow.hosts.mindspeed_mm.transport import KIND_EMBEDDING, KIND_GRAD, Item, PlannedTransport
+from mindspeed_flow.pool.planned import PlannedItem, PlannedTransport
+from mindspeed_flow.pool.wire import CHANNEL_EMBEDDING, CHANNEL_GRAD
 from mindspeed_flow.step.held import HeldPeak, SavedBytes
 from mindspeed_flow.telemetry import trace
 from mindspeed_flow.telemetry.trace import span
@@ -107,7 +108,7 @@ def embedding_order(step: FlowStep, producers: list[int]) -> list[int]:
     """Every embedding of the step in one global order: slot, then producer, then the producer's own order.
 
     Each producer's encode order is slot-major, so it is this order restricted to the producer; a consumer posts
-    its receives in this order restricted to itself (see transport: one global order per direction)."""
+    its receives in this order restricted to itself (see pool.planned: one global order per direction)."""
     slots = slot_positions(step)
     key = {}
     for p_index, producer in enumerate(producers):
@@ -205,9 +206,9 @@ class EncoderStep:
         groups = slot_groups(step, _image_samples(step, step.work.encode_order.get(leader, [])))
         if trainable and is_leader:
             # Every gradient this replica will get, posted now in the step's global gradient order.
-            items = [Item(step.work.consumer_of[sid], step.step, sid, step.samples[sid].image_tokens)
+            items = [PlannedItem(step.work.consumer_of[sid], step.step, sid, step.samples[sid].image_tokens)
                      for sid in gradient_order(step, ctx.consumers()) if step.work.producer_of.get(sid) == leader]
-            self.transport.post_receives(KIND_GRAD, items, self.hidden)
+            self.transport.post_receives(CHANNEL_GRAD, items, self.hidden)
         no_sync = _no_sync_context(config)
         # Oldest first: graphs of this step (trainable), or sent groups of this and earlier steps (frozen).
         held: collections.deque[HeldGroup] = collections.deque() if trainable else self.sent
@@ -229,7 +230,7 @@ class EncoderStep:
             sizes = [step.samples[sid].image_tokens for sid in group]
             if is_leader:
                 for sid, emb in zip(group, torch.split(out, sizes, dim=0)):
-                    self.transport.send(KIND_EMBEDDING, step.work.consumer_of[sid], step.step, sid, emb)
+                    self.transport.send(CHANNEL_EMBEDDING, step.work.consumer_of[sid], step.step, sid, emb)
             if trainable or is_leader:
                 # Frozen (leader only: it sends): the bound counts groups of embeddings sent but not yet received.
                 entry = HeldGroup(step.step, index, group, [step.work.consumer_of[sid] for sid in group],
@@ -243,7 +244,7 @@ class EncoderStep:
         ctx.counters["encoder_held_bytes"] = float(peak.peak_bytes)
         ctx.counters["encoder_forwards"] = float(len(groups))
         if self.transport is not None:
-            ctx.counters["embedding_bytes_sent"] = float(self.transport.bytes_sent[KIND_EMBEDDING])
+            ctx.counters["embedding_bytes_sent"] = float(self.transport.bytes_sent[CHANNEL_EMBEDDING])
         if trainable and config.finalize_model_grads_func is not None:
             ctx.doing(f"iteration {step.step + 1}: gradient reduction over the encoder part and the global token count")
             num_tokens = torch.zeros((), dtype=torch.int, device=ctx.device) if config.calculate_per_token_loss \
@@ -260,7 +261,7 @@ class EncoderStep:
         since = time.perf_counter()
         if out is None:  # frozen: wait until the decoder has received the group's embeddings
             ctx.doing(f"iteration {step_no + 1}: waiting for the decoder to receive samples {group}")
-            self.transport.wait_sent(KIND_EMBEDDING, step_no, group)
+            self.transport.wait_sent(CHANNEL_EMBEDDING, step_no, group)
             timer.waited(since)
             peak.drop(entry.nbytes)
             return
@@ -270,7 +271,7 @@ class EncoderStep:
                 for sid, consumer in zip(group, entry.consumers):
                     ctx.doing(f"iteration {step_no + 1}: waiting for the gradient of sample {sid} from "
                               f"{ctx.describe(consumer)}")
-                    parts.append(self.transport.receive(KIND_GRAD, consumer, step_no, sid))
+                    parts.append(self.transport.receive(CHANNEL_GRAD, consumer, step_no, sid))
             timer.waited(since)
             grad = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
         else:
@@ -382,9 +383,9 @@ class DecoderStep:
                 self.transport = self._transport_factory()
             # Every embedding of this step, posted at once in the step's global embedding order: each lands as
             # soon as it is encoded, while the decoder works on earlier microbatches.
-            items = [Item(step.work.producer_of[sid], step.step, sid, step.samples[sid].image_tokens)
+            items = [PlannedItem(step.work.producer_of[sid], step.step, sid, step.samples[sid].image_tokens)
                      for sid in embedding_order(step, ctx.producers()) if step.work.consumer_of.get(sid) == ctx.rank]
-            self.transport.post_receives(KIND_EMBEDDING, items, self.embed_dim)
+            self.transport.post_receives(CHANNEL_EMBEDDING, items, self.embed_dim)
         self.timer = ctx.timer = PartTimer()
         self.num_microbatches = len(microbatches)
         ctx.step_transfer = self._transfer_stats(self.timer)
@@ -402,12 +403,12 @@ class DecoderStep:
         transport = self.transport
         if transport is None:
             return dict
-        sent, received = transport.bytes_sent[KIND_GRAD], transport.bytes_received[KIND_EMBEDDING]
+        sent, received = transport.bytes_sent[CHANNEL_GRAD], transport.bytes_received[CHANNEL_EMBEDDING]
         self.last_embedding_at = timer.start
 
         def stats() -> dict[str, float]:
-            return {"grad_bytes_sent": float(transport.bytes_sent[KIND_GRAD] - sent),
-                    "embedding_bytes": float(transport.bytes_received[KIND_EMBEDDING] - received),
+            return {"grad_bytes_sent": float(transport.bytes_sent[CHANNEL_GRAD] - sent),
+                    "embedding_bytes": float(transport.bytes_received[CHANNEL_EMBEDDING] - received),
                     "transfer_exposed_s": timer.wait,
                     "transfer_window_s": max(self.last_embedding_at - timer.start, 0.0)}
 
@@ -428,7 +429,7 @@ class DecoderStep:
                 for sid, p in zip(with_images, producers):
                     ctx.doing(f"iteration {step.step + 1}: waiting for the embedding of sample {sid} from "
                               f"{ctx.describe(p)}")
-                    parts.append(self.transport.receive(KIND_EMBEDDING, p, step.step, sid))
+                    parts.append(self.transport.receive(CHANNEL_EMBEDDING, p, step.step, sid))
             if self.timer is not None:
                 self.timer.waited(since)
             self.last_embedding_at = time.perf_counter()
@@ -444,7 +445,7 @@ class DecoderStep:
 
             def return_grads(grad: torch.Tensor) -> None:
                 for sid, producer, g in zip(with_images, producers, torch.split(grad, sizes, dim=0)):
-                    transport.send(KIND_GRAD, producer, step_no, sid, g)
+                    transport.send(CHANNEL_GRAD, producer, step_no, sid, g)
 
             embeds.register_hook(return_grads)
         return embeds
