@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from mindspeed_flow.bench.planner import ENCODER_HEAVY, encoder_heavy_rows
 from mindspeed_flow.cli import main
 from mindspeed_flow.config.load import check_rules, compose, model_hf_config, model_limits, to_job_config
 from mindspeed_flow.hosts.mindspeed_mm.recipe import ModelShape, build_parts, load_flow_job
@@ -122,3 +123,29 @@ def test_mm_recommendation_never_loses_to_the_strongest_baseline(args: list[str]
     assert line.startswith("recommended: ") and f"x{obj['recommended']['gain_over_strongest']:.2f}" in line
     if obj["recommended"]["name"] != "decoupled":  # the decoupled plan's own figure stays beside it
         assert f"the decoupled plan ({dec['samples_per_s']:.4g} samples/s, x{dec['gain_over_strongest']:.2f})" in line
+
+
+@pytest.mark.parametrize("model,data", ENCODER_HEAVY)
+def test_encoder_heavy_presets_plan_for_mm_and_report_the_gain_honestly(model: str, data: str, capsys) -> None:
+    """The encoder-heavy presets (an InternViT-6B-like encoder with a 7B LLM; video of 16-64 frames, 448 px image
+    tiles) plan for the MindSpeed-MM job; the bench's row is the plan's own figures, gain or loss over the
+    strongest baseline included, and a shapes-only workload is refused for --out."""
+    args = [f"model={model}", f"data={data}", "cluster=atlas_900_a3_384", "devices=128", "samples=64"]
+    rc, out, err = _run(capsys, *args, "--json")
+    assert rc == 0, err
+    obj = json.loads(out)
+    rec, dec = obj["recommended"], obj["decoupled"]
+    strongest = obj["baselines"][obj["strongest_applicable_baseline"]]["samples_per_s"]
+    assert rec["gain_over_strongest"] == pytest.approx(rec["samples_per_s"] / strongest)
+    assert dec["gain_over_strongest"] == pytest.approx(dec["samples_per_s"] / strongest)
+    assert rec["gain_over_strongest"] >= 1 - 1e-9  # mm runs the coupled baselines: never worse than them
+    assert obj["predicted"]["mfu_cluster"] <= obj["predicted"]["mfu_devices_used"]
+    enc = next(p for p in obj["parts"] if p["name"] == "encoder")
+    assert enc["tp"] == 1  # InternViT-6B's 25 heads split over no TP size but 1
+    row = next(r for r in encoder_heavy_rows(devices=128, samples=64) if (r["model"], r["data"]) == (model, data))
+    assert row["recommended"] == rec["name"] and row["strongest"] == obj["strongest_applicable_baseline"]
+    assert row["recommended_gain"] == pytest.approx(rec["gain_over_strongest"])
+    assert row["decoupled_gain"] == pytest.approx(dec["gain_over_strongest"])
+    assert row["decoupled_mfu_cluster"] == pytest.approx(obj["predicted"]["mfu_cluster"])
+    rc, _, err = _run(capsys, *args, "--out", "unused.yaml")
+    assert rc == 2 and "a planning workload (sample shapes only)" in err

@@ -49,7 +49,9 @@ def test_uncalibrated_plan_says_its_rates_are_assumed() -> None:
     problem, _ = build_problem(parse_kv(["cluster=atlas_800t_a2", "model=qwen2_5_vl_3b", "devices=16",
                                          "samples=64"]))
     text = render_text(make_plan(problem, with_baselines=False))
-    assert "assumed: compute rate (efficiency" in text and "link bandwidth/latency (preset atlas_800t_a2)" in text
+    assert "assumed: compute rate (efficiency" in text
+    assert "link figures intra_node_gbps, intra_node_latency_us, inter_node_gbps, inter_node_latency_us (preset " \
+           "atlas_800t_a2, no public source)" in text
 
 
 def test_link_fit_recovers_bandwidth_and_latency() -> None:

@@ -126,3 +126,21 @@ def test_flow_recipe(name: str) -> None:
     job = to_job_config(compose([f"flow={name}"]))
     check_rules(job)
     Layout.from_config(job.parallel, job.flow.mode)
+
+
+@pytest.mark.parametrize("data", ["video", "infovqa_tiles"])
+def test_planning_workload_instantiates(data: str) -> None:
+    """The encoder-heavy planning workloads (shapes only; planner/workload.py) in the InternViT-6B-like preset's
+    geometry: 448 px tiles of 32 x 32 patches, 256 LLM tokens each after the 2 x 2 merge."""
+    from mindspeed_flow.model_presets import hf_config_dict
+    from mindspeed_flow.planner.workload import MAX_TILES, PLAN_ONLY_DATA, VIDEO_FRAMES, load_workload
+
+    assert data in PLAN_ONLY_DATA
+    shapes = load_workload(data, hf_config_dict("qwen2_5_vl", "internvit6b_7b"), 64).shapes
+    assert len(shapes) == 64
+    for s in shapes:
+        assert set(s.image_grid_thw) <= {(1, 32, 32)} and set(s.image_tokens_per_image) <= {256}
+        lo, hi = VIDEO_FRAMES if data == "video" else (0, MAX_TILES + 1)
+        assert lo <= s.num_images <= hi and s.text_tokens > 0
+    if data == "infovqa_tiles":
+        assert max(s.num_images for s in shapes) > 1  # infographics take several tiles and a thumbnail

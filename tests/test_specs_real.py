@@ -62,6 +62,17 @@ def test_real_presets_have_published_sizes() -> None:
         assert abs(total - billions) < 0.01, (key, total)
 
 
+def test_internvit6b_like_encoder_has_the_model_card_size() -> None:
+    # InternViT-6B-448px-V1-5 (model card): 45 layers, 5,540 M parameters; 256 LLM tokens per 448 px tile. The
+    # Qwen-style 2 x 2 merger (its last part) is counted apart: it stands for InternVL's pixel shuffle + MLP.
+    v = VLMSpec.from_hf_config(hf_config_dict("qwen2_5_vl", "internvit6b_7b")).vision
+    m = v.hidden_size * v.spatial_merge_size**2
+    merger = v.hidden_size + m * m + m + m * v.out_hidden_size + v.out_hidden_size
+    assert (v.depth, v.hidden_size, v.num_heads) == (45, 3200, 25)
+    assert abs((v.params - merger) / 5.540e9 - 1) < 0.01
+    assert v.llm_tokens_per_image(32 * 32) == 256
+
+
 def test_load_config_json_round_trip(tmp_path) -> None:
     import json
 

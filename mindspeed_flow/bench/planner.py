@@ -5,8 +5,9 @@ prints the median wall time of `make_plan` (pricing every layout + the three CP-
 constraint analysis; baselines excluded, workload loading excluded) against the goals: < 100 ms at 1,024
 devices and < 1 s at 16,384.
 
-    mindspeed-flow bench planner [--sizes 1024,16384] [--repeats 5] [--model qwen2_5_vl_72b]
+    mindspeed-flow bench planner [--sizes 1024,16384] [--repeats 5] [--model qwen2_5_vl_72b] [--data infovqa]
                                  [--cluster atlas_800t_a2] [--sanity] [--two-rank [--profile P]]
+                                 [--encoder-heavy [--devices 256]]
 
 --two-rank prints the step simulator's ranking of the three 2-rank layouts of the default CPU recipe (coupled
 DP2, coupled PP2 with the ViT on stage 0, decoupled 1 + 1), calibrated by a `mindspeed-flow profile` table;
@@ -15,6 +16,11 @@ DP2, coupled PP2 with the ViT on stage 0, decoupled 1 + 1), calibrated by a `min
 --sanity prints, instead, published figures beside the planner's predictions for the nearest job it can price
 (same model size and device count; its workload is InfoVQA-like images, so a figure measured on other data is
 an order-of-magnitude check, and MFU follows the assumed `planner.efficiency`, printed with it).
+
+--encoder-heavy plans the encoder-heavy presets (`ENCODER_HEAVY`: an InternViT-6B-like encoder with a 7B LLM on
+video of 16-64 frames a sample and on InfoVQA-like images in 448 px tiles) for the MindSpeed-MM job on an A3
+SuperPoD, and prints what `plan --job mm` recommends beside the decoupled plan and the strongest baseline, with
+the gain or loss of each over that baseline and MFU over the devices used and over the cluster's.
 """
 from __future__ import annotations
 
@@ -25,13 +31,14 @@ import time
 
 from mindspeed_flow.planner.inputs import build_problem, parse_kv
 from mindspeed_flow.planner.plan import make_plan
+from mindspeed_flow.planner.workload import DEFAULT_SAMPLES
 
 GOALS_S = {1024: 0.1, 16384: 1.0}
 
 
-def time_plan(model: str, cluster: str, devices: int, repeats: int) -> tuple[float, dict]:
+def time_plan(model: str, cluster: str, devices: int, repeats: int, data: str = "infovqa") -> tuple[float, dict]:
     problem, _ = build_problem(parse_kv([f"model={model}", f"cluster={cluster}", f"devices={devices}",
-                                         "samples=512"]))
+                                         f"data={data}", "samples=512"]))
     make_plan(problem, with_baselines=False)  # warm caches (OR-Tools, numpy)
     times, plan = [], None
     for _ in range(repeats):
@@ -91,12 +98,40 @@ def sanity_rows(samples: int = 512) -> list[dict]:
     return rows
 
 
+# Encoder-heavy presets: (model recipe, planning workload); see planner/workload.py and recipes/model/.
+ENCODER_HEAVY: tuple[tuple[str, str], ...] = (("internvit6b_7b", "video"), ("internvit6b_7b", "infovqa_tiles"))
+
+
+def encoder_heavy_rows(devices: int = 256, cluster: str = "atlas_900_a3_384",
+                       samples: int = DEFAULT_SAMPLES) -> list[dict]:
+    """Per encoder-heavy preset, what `plan --job mm` recommends, the decoupled plan and the strongest baseline."""
+    from mindspeed_flow.planner.recommend import recommend
+
+    rows = []
+    for model, data in ENCODER_HEAVY:
+        problem, _ = build_problem(parse_kv([f"model={model}", f"data={data}", f"cluster={cluster}",
+                                             f"devices={devices}", f"samples={samples}", "planner.job=mm"]))
+        plan = make_plan(problem)
+        rec, strong = recommend(plan), plan.strongest_baseline
+        base = strong.samples_per_s if strong is not None else float("nan")
+        rows.append(dict(model=model, data=data, cluster=cluster, devices=devices, recommended=rec.name,
+                         recommended_samples_per_s=rec.samples_per_s, recommended_gain=rec.samples_per_s / base,
+                         recommended_mfu=rec.mfu, recommended_mfu_cluster=rec.mfu * rec.devices / devices,
+                         decoupled_samples_per_s=plan.samples_per_s, decoupled_gain=plan.samples_per_s / base,
+                         decoupled_mfu=plan.mfu, decoupled_mfu_cluster=plan.mfu_cluster,
+                         strongest=None if strong is None else strong.name))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mindspeed-flow bench planner", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1024,16384")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--model", default="qwen2_5_vl_72b")
+    ap.add_argument("--data", default="infovqa", help="workload of the timing runs (e.g. video, infovqa_tiles)")
     ap.add_argument("--cluster", default="atlas_800t_a2")
+    ap.add_argument("--encoder-heavy", action="store_true", help="plan --job mm on the encoder-heavy presets")
+    ap.add_argument("--devices", type=int, default=256, help="A3 devices for --encoder-heavy")
     ap.add_argument("--sanity", action="store_true", help="published figures vs the planner's predictions")
     ap.add_argument("--two-rank", action="store_true", help="simulated ranking of the 2-rank CPU layouts")
     ap.add_argument("--profile", default="", help="profile table for --two-rank")
@@ -110,6 +145,17 @@ def main(argv: list[str] | None = None) -> int:
         for name, sec in two_rank_ranking(problem.ctx, ["experiment=default"]).items():
             print(f"  {name:<24} {sec:.3f} s  ({12 / sec:.1f} samples/s)")
         return 0
+    if args.encoder_heavy:
+        print(f"encoder-heavy presets, plan --job mm on atlas_900_a3_384 ({args.devices} devices); gains are over the "
+              "strongest baseline that applies; MFU over the devices used / over the cluster's")
+        for r in encoder_heavy_rows(args.devices):
+            print(f"  model={r['model']} data={r['data']}: recommended {r['recommended']} "
+                  f"{r['recommended_samples_per_s']:.4g} samples/s x{r['recommended_gain']:.2f}, MFU "
+                  f"{100 * r['recommended_mfu']:.1f}% / {100 * r['recommended_mfu_cluster']:.1f}%; decoupled "
+                  f"{r['decoupled_samples_per_s']:.4g} samples/s x{r['decoupled_gain']:.2f}, MFU "
+                  f"{100 * r['decoupled_mfu']:.1f}% / {100 * r['decoupled_mfu_cluster']:.1f}% "
+                  f"(strongest baseline: {r['strongest']})")
+        return 0
     if args.sanity:
         print("published figure vs planner prediction (Qwen2.5-VL-72B, InfoVQA-like data unless noted)")
         for r in sanity_rows():
@@ -119,10 +165,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {r['what']}\n      published {pub} {r['unit']}  [{r['source']}]\n"
                   f"      predicted {pred} ({r['label']}; {' '.join(r['job'])})")
         return 0
-    print(f"planner solve time: {args.model} on {args.cluster} nodes, InfoVQA-like data, median of {args.repeats}")
+    print(f"planner solve time: {args.model} on {args.cluster} nodes, data={args.data}, median of {args.repeats}")
     ok = True
     for n in (int(s) for s in args.sizes.split(",")):
-        sec, info = time_plan(args.model, args.cluster, n, args.repeats)
+        sec, info = time_plan(args.model, args.cluster, n, args.repeats, args.data)
         goal = GOALS_S.get(n)
         verdict = "" if goal is None else (f"goal < {goal * 1000:.0f} ms: " + ("met" if sec < goal else "MISSED"))
         ok &= goal is None or sec < goal

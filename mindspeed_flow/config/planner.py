@@ -37,6 +37,16 @@ class ClusterConfig:
     # on-package link between them (GB/s, 0 = same as intra_node_gbps).
     devices_per_package: int = 1
     package_link_gbps: float = 0.0
+    # The scale-out tier: devices in one scale-up domain (an A3 SuperPoD: 768 dies on one Unified Bus fabric),
+    # whose nodes talk over inter_node_*; traffic between domains crosses the scale-out network (scale_out_*).
+    # 0: the node is the scale-up domain and inter_node_* already is the scale-out network (A2 RoCE, H100 IB).
+    devices_per_pod: int = 0
+    scale_out_gbps: float = 0.0
+    scale_out_latency_us: float = 0.0
+    # Where each link figure comes from: figure name (intra_node_gbps, ...) -> {source: "..."} or
+    # {assumed: true, note: "..."}; the report prints which link figures are assumed. A figure with no entry is
+    # reported as assumed.
+    link_sources: dict = field(default_factory=dict)
     # Where the figures come from (filled from the SKU table when the preset names a known sku).
     source: str = ""
 

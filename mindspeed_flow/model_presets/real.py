@@ -12,6 +12,14 @@ ViT with the dims of InternViT-300M-448px (24 layers, hidden 1024, MLP 4096, 16 
 the Qwen2.5-7B text model that InternVL3-8B uses. Differences from the real InternVL, stated so nobody is
 misled: LLaVA has no pixel-shuffle, so each 448 px tile gives 1024 LLM tokens (InternVL: 256), and InternViT's
 layer-scale vectors and MLP-projector LayerNorm are absent (about 0.1 M parameters).
+
+The encoder-heavy preset `internvit6b_7b` (`_internvit6b_like_7b`) takes its encoder figures from OpenGVLab's
+InternViT-6B-448px-V1-5 (huggingface.co/OpenGVLab/InternViT-6B-448px-V1-5, config.json and model card): 45
+layers, hidden 3200, MLP 12800, 25 heads, 448 px input, patch 14, 5,540 M parameters (InternViT-6B had 48 layers
+and 5.9 B; the 448 px versions drop the last 3); and InternVL 1.5's pixel shuffle (arXiv 2404.16821): a 448 px tile
+is 1024 patches and 256 LLM tokens. Differences, stated: the Qwen-style merger (2 x 2 patches -> 12800 -> 12800
+-> LLM width, 0.21 B) is larger than InternVL's projector (LayerNorm + 12800 -> LLM width -> LLM width, 0.06 B);
+no QK-norm or layer scale; 25 heads leave the encoder no TP size but 1 (as for the real InternViT-6B).
 """
 from __future__ import annotations
 
@@ -89,6 +97,18 @@ def _internvl_like_8b() -> dict:
     }
 
 
+def _internvit6b_like_7b() -> dict:
+    """An InternViT-6B-like encoder with Qwen2.5-7B, written as a Qwen2.5-VL model (the family the MindSpeed-MM
+    job plans): InternViT-6B-448px-V1-5's depth, width and heads with full attention in every layer, and a 2 x 2
+    patch merger standing for InternVL's pixel shuffle (scale 0.5: a 448 px tile's 1024 patches become 256 LLM
+    tokens). Its GELU MLP (3200 -> 12800 -> 3200) is replaced by a SwiGLU of the same parameters and FLOPs per
+    patch (3 x 3200 x 8533 ~ 2 x 3200 x 12800)."""
+    cfg = _qwen2_5_vl(3584, 18944, 28, 28, 4, 8533)
+    cfg["vision_config"].update({"depth": 45, "hidden_size": 3200, "num_heads": 25,
+                                 "fullatt_block_indexes": list(range(45))})
+    return cfg
+
+
 REAL_PRESETS: dict[tuple[str, str], dict] = {
     ("qwen2_5_vl", "3b"): _qwen2_5_vl(2048, 11008, 36, 16, 2, 3420, vocab=151936, tie=True),
     ("qwen2_5_vl", "7b"): _qwen2_5_vl(3584, 18944, 28, 28, 4, 3420),
@@ -97,4 +117,5 @@ REAL_PRESETS: dict[tuple[str, str], dict] = {
     ("qwen2_vl", "7b"): _qwen2_vl(3584, 18944, 28, 28, 4),
     ("qwen2_vl", "72b"): _qwen2_vl(8192, 29568, 80, 64, 8),
     ("llava", "internvl_8b"): _internvl_like_8b(),
+    ("qwen2_5_vl", "internvit6b_7b"): _internvit6b_like_7b(),
 }

@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         rules = job_rules(str(flags.get("--job") or "mm"))
         args.planner.setdefault("job", rules.name)
         _check_outputs(flags)
+        if flags.get("--out"):
+            data_recipe_fields(args.data)  # a workload no host trains from cannot be written into a recipe
         problem, model = build_problem(args)
         family = model.hf_config.get("model_type")
         if refusal(rules, family):

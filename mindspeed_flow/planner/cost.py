@@ -69,6 +69,7 @@ class CostContext:
     cfg: PlannerConfig
     global_batch: int
     contention: float = 1.0  # compute slowdown when devices share host cores (CPU emulation)
+    job_devices: int = 0  # devices the job may span (prices the links between parts); 0: the whole cluster
 
     @property
     def bytes(self) -> Bytes:
@@ -143,15 +144,17 @@ def ring_allreduce_time(nbytes: np.ndarray, n: np.ndarray, bw: np.ndarray, lat: 
 
 
 def _link(ctx: CostContext, span: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Bandwidth and latency of a group whose ranks span `span` consecutive devices (rank order tp, cp, dp, pp)."""
-    span = np.asarray(span)
-    intra = span <= ctx.cluster.devices_per_node
-    c = ctx.cluster
-    bw = np.where(intra, c.bandwidth(True), c.bandwidth(False))
-    pkg = float(c.config.package_link_gbps)
-    if c.config.devices_per_package > 1 and pkg > 0:  # the dies of one package talk over their own link
-        bw = np.where(span <= c.config.devices_per_package, pkg * 1e9, bw)
-    return bw, np.where(intra, c.latency(True), c.latency(False))
+    """Bandwidth and latency of a group whose ranks span `span` consecutive devices (rank order tp, cp, dp, pp):
+    the slowest tier it crosses (package, node, scale-up domain, scale-out; `Cluster.tiers`)."""
+    return ctx.cluster.link(span)
+
+
+def bridge_link(ctx: CostContext) -> tuple[float, float]:
+    """The encoder -> backbone embedding link: parts sit side by side in rank order, so the bridge crosses at
+    least a node boundary, and the scale-out tier once the job spans more than one scale-up domain."""
+    span = max(ctx.cluster.devices_per_node + 1, ctx.job_devices or ctx.cluster.devices)
+    bw, lat = ctx.cluster.link(np.array([span]))
+    return float(bw[0]), float(lat[0])
 
 
 def dp_sync_time(ctx: CostContext, params_per_device: np.ndarray, dp: np.ndarray, span: np.ndarray) -> np.ndarray:
@@ -454,7 +457,7 @@ def encoder_samples_time(part: PartSpec, ctx: CostContext, samples: np.ndarray, 
     per_image = ring_allreduce_time(part.tokens_per_sample / max(part.items_per_sample, 1e-9) * part.hidden
                                     * by.act, tp, bw_tp, lat_tp)
     tp_comm = part.layers * n_coll * images * per_image
-    bw_x, lat_x = ctx.cluster.bandwidth(False), ctx.cluster.latency(False)
+    bw_x, lat_x = bridge_link(ctx)
     directions = 2.0 if part.trainable else 1.0
     embed = directions * (samples * part.out_tokens_per_sample * part.out_hidden * by.act / tp / bw_x
                           + samples * lat_x)

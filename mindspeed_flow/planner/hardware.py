@@ -12,6 +12,8 @@ import os
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 from mindspeed_flow.config.planner import ClusterConfig
 
 @dataclass(frozen=True)
@@ -94,6 +96,23 @@ def peak_flops(device_name: str, dtype: str) -> float | None:
     return None if tflops is None else tflops * 1e12
 
 
+# Link figures of a cluster preset, each of which needs a `link_sources` entry (a source, or assumed: true).
+LINK_FIGURES = ("intra_node_gbps", "intra_node_latency_us", "inter_node_gbps", "inter_node_latency_us",
+                "package_link_gbps", "scale_out_gbps", "scale_out_latency_us")
+
+
+@dataclass(frozen=True)
+class LinkTier:
+    """One level of the network: groups spanning at most `span` consecutive devices (0: any) use this link."""
+
+    name: str  # package | node | pod | scale_out
+    where: str
+    span: int
+    gbps: float
+    latency_us: float
+    figures: tuple[str, str]  # the ClusterConfig fields of its bandwidth and latency
+
+
 @dataclass(frozen=True)
 class Cluster:
     """A validated ClusterConfig with derived units (bytes, bytes/s, seconds)."""
@@ -135,6 +154,62 @@ class Cluster:
         return (self.config.intra_node_latency_us if intra else self.config.inter_node_latency_us) * 1e-6
 
     @property
+    def devices_per_pod(self) -> int:
+        """Devices of one scale-up domain; 0 when the node is that domain (no tier between node and scale-out)."""
+        return int(self.config.devices_per_pod)
+
+    @property
+    def pods(self) -> int:
+        """Scale-up domains the cluster spans (1 without a pod tier or when it fits in one)."""
+        pod = self.devices_per_pod
+        return max(1, -(-self.devices // pod)) if pod > 0 else 1
+
+    def tiers(self) -> list["LinkTier"]:
+        """The links a group of consecutive devices uses, innermost first; see `link`."""
+        c = self.config
+        out = []
+        if c.devices_per_package > 1 and c.package_link_gbps > 0:
+            out.append(LinkTier("package", "the dies of one package", c.devices_per_package, c.package_link_gbps,
+                                c.intra_node_latency_us, ("package_link_gbps", "intra_node_latency_us")))
+        out.append(LinkTier("node", "inside a node", c.devices_per_node, c.intra_node_gbps, c.intra_node_latency_us,
+                            ("intra_node_gbps", "intra_node_latency_us")))
+        pod = self.devices_per_pod
+        if pod > 0:
+            out.append(LinkTier("pod", f"between nodes of one scale-up domain ({pod} devices)", pod,
+                                c.inter_node_gbps, c.inter_node_latency_us, ("inter_node_gbps", "inter_node_latency_us")))
+            out.append(LinkTier("scale_out", "between scale-up domains (scale-out network)", 0, c.scale_out_gbps,
+                                c.scale_out_latency_us, ("scale_out_gbps", "scale_out_latency_us")))
+        else:
+            out.append(LinkTier("scale_out", "between nodes (scale-out network)", 0, c.inter_node_gbps,
+                                c.inter_node_latency_us, ("inter_node_gbps", "inter_node_latency_us")))
+        return out
+
+    def link(self, span) -> tuple[np.ndarray, np.ndarray]:
+        """Bandwidth (bytes/s) and latency (s) of a group spanning `span` consecutive devices: the slowest tier it
+        crosses (a flat ring runs at its slowest hop), vectorized over spans."""
+        span = np.asarray(span)
+        tiers = self.tiers()
+        bw = np.full(span.shape, tiers[-1].gbps * 1e9, dtype=np.float64)
+        lat = np.full(span.shape, tiers[-1].latency_us * 1e-6, dtype=np.float64)
+        for t in reversed(tiers[:-1]):  # innermost last, so it wins where it applies
+            bw = np.where(span <= t.span, t.gbps * 1e9, bw)
+            lat = np.where(span <= t.span, t.latency_us * 1e-6, lat)
+        return bw, lat
+
+    def provenance(self, figure: str) -> str:
+        """Where a link figure comes from: its source, or "assumed" (with the preset's note)."""
+        entry = dict(self.config.link_sources).get(figure) or {}
+        if entry.get("source"):
+            return str(entry["source"])
+        note = entry.get("note")
+        return "assumed" + (f" ({note})" if note else "")
+
+    def assumed_links(self) -> list[str]:
+        """Link figures the cost model uses that carry no source."""
+        return [f for t in self.tiers() for f in (t.figures[0], t.figures[1])
+                if self.provenance(f).startswith("assumed")]
+
+    @property
     def hbm_bandwidth(self) -> float:
         return float(self.config.hbm_tbps) * 1e12
 
@@ -156,6 +231,20 @@ def validate_cluster(cfg: ClusterConfig) -> None:
     if cfg.devices_per_package < 1 or cfg.devices_per_node % cfg.devices_per_package:
         raise ValueError(f"cluster {cfg.name!r}: devices_per_package={cfg.devices_per_package} must be >= 1 and "
                          f"divide devices_per_node={cfg.devices_per_node}")
+    if cfg.devices_per_pod < 0 or (cfg.devices_per_pod and cfg.devices_per_pod % cfg.devices_per_node):
+        raise ValueError(f"cluster {cfg.name!r}: devices_per_pod={cfg.devices_per_pod} must be 0 (no pod tier) or a "
+                         f"multiple of devices_per_node={cfg.devices_per_node}")
+    if cfg.devices_per_pod and (cfg.scale_out_gbps <= 0 or cfg.scale_out_latency_us < 0):
+        raise ValueError(f"cluster {cfg.name!r}: devices_per_pod={cfg.devices_per_pod} needs the scale-out link: "
+                         f"scale_out_gbps > 0 (got {cfg.scale_out_gbps}) and scale_out_latency_us >= 0")
+    for figure, entry in dict(cfg.link_sources).items():
+        if figure not in LINK_FIGURES:
+            raise ValueError(f"cluster {cfg.name!r}: link_sources.{figure}: not a link figure; known: {LINK_FIGURES}")
+        entry = dict(entry or {})
+        if not (str(entry.get("source") or "").strip() or entry.get("assumed") is True) or (
+                entry.get("source") and entry.get("assumed")):
+            raise ValueError(f"cluster {cfg.name!r}: link_sources.{figure} must give either source: TEXT or "
+                             f"assumed: true (with an optional note), got {entry}")
     if not cfg.tp_sizes or any(int(t) < 1 for t in cfg.tp_sizes):
         raise ValueError(f"cluster {cfg.name!r}: tp_sizes must list sizes >= 1, got {list(cfg.tp_sizes)}")
 

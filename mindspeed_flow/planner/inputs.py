@@ -25,7 +25,7 @@ from mindspeed_flow.planner.hardware import Cluster, load_cluster, recipes_dir
 from mindspeed_flow.planner.parts import vlm_parts
 from mindspeed_flow.planner.plan import Problem
 from mindspeed_flow.planner.space import PlanError
-from mindspeed_flow.planner.workload import BUILTIN_DATA, load_workload
+from mindspeed_flow.planner.workload import BUILTIN_DATA, PLAN_ONLY_DATA, load_workload
 from mindspeed_flow.specs import VLMSpec
 from mindspeed_flow.utils.usage import UsageError, typed, unknown_key
 
@@ -73,6 +73,9 @@ def resolve_model(model: str) -> ModelRef:
 
 def data_recipe_fields(data: str) -> tuple[str | None, dict | None]:
     """How an experiment recipe refers to `data=`: a recipe name, or inline fields."""
+    if data in PLAN_ONLY_DATA:  # shapes only: no dataset the hosts could train on
+        raise ValueError(f"data={data}: a planning workload (sample shapes only), which no host trains from; --out "
+                         "needs a data recipe or a length table (a CSV of the real data's shapes)")
     if data in BUILTIN_DATA:
         return None, dict(BUILTIN_DATA[data])
     if data.endswith(".csv"):
@@ -116,9 +119,13 @@ def apply_profile_links(cluster: Cluster, cfg: PlannerConfig) -> Cluster:
         link = json.load(f).get("calibration", {}).get("link")
     if not link:
         return cluster
-    return Cluster(dataclasses.replace(cluster.config, intra_node_gbps=link["gbps"], inter_node_gbps=link["gbps"],
-                                       intra_node_latency_us=link["latency_us"],
-                                       inter_node_latency_us=link["latency_us"]))
+    c = cluster.config
+    fields = {"intra_node_gbps": link["gbps"], "inter_node_gbps": link["gbps"],
+              "intra_node_latency_us": link["latency_us"], "inter_node_latency_us": link["latency_us"]}
+    if c.devices_per_pod:
+        fields.update(scale_out_gbps=link["gbps"], scale_out_latency_us=link["latency_us"])
+    measured = {k: {"source": f"measured by mindspeed-flow profile ({cfg.profile})"} for k in fields}
+    return Cluster(dataclasses.replace(c, **fields, link_sources={**dict(c.link_sources), **measured}))
 
 
 def default_planner_config(cluster: Cluster, model: ModelRef) -> PlannerConfig:

@@ -76,7 +76,7 @@ class Problem:
 
     @property
     def ctx(self) -> CostContext:
-        return CostContext(self.cluster, self.cfg, self.global_batch)
+        return CostContext(self.cluster, self.cfg, self.global_batch, job_devices=self.budget)
 
     @property
     def host_cores(self) -> int:
@@ -95,7 +95,7 @@ class Problem:
         They are priced as their own systems run (every layout the cost model prices), whichever job is planned."""
         cores = self.host_cores
         return CostContext(self.cluster, dataclasses.replace(self.cfg, job=""), self.global_batch,
-                           max(1.0, self.budget / cores) if cores > 0 else 1.0)
+                           max(1.0, self.budget / cores) if cores > 0 else 1.0, job_devices=self.budget)
 
     @property
     def memory_limit(self) -> float:
@@ -160,6 +160,11 @@ class Plan:
     @property
     def devices(self) -> int:
         return self.selection.devices
+
+    @property
+    def mfu_cluster(self) -> float:
+        """MFU over every device the plan was given (devices=, or the preset's size): idle devices count."""
+        return self.mfu * self.devices / max(self.problem.budget, 1)
 
     @property
     def strongest_baseline(self) -> BaselineResult | None:

@@ -108,10 +108,12 @@ def first_line(plan: Plan, rec: Recommendation) -> str:
 def to_json(plan: Plan, rec: Recommendation) -> dict:
     strong = plan.strongest_baseline
     return {
-        "recommended": {"name": rec.name, "samples_per_s": rec.samples_per_s, "mfu": rec.mfu, "devices": rec.devices,
+        "recommended": {"name": rec.name, "samples_per_s": rec.samples_per_s, "mfu": rec.mfu,
+                        "mfu_cluster": rec.mfu * rec.devices / max(plan.problem.budget, 1), "devices": rec.devices,
                         "gain_over_strongest": gain(rec.samples_per_s, plan),
                         "layout": None if rec.baseline is None else rec.baseline.layout, "settings": rec.settings},
-        "decoupled": {"samples_per_s": plan.samples_per_s, "mfu": plan.mfu, "devices": plan.devices,
+        "decoupled": {"samples_per_s": plan.samples_per_s, "mfu": plan.mfu, "mfu_cluster": plan.mfu_cluster,
+                      "devices": plan.devices,
                       "gain_over_strongest": gain(plan.samples_per_s, plan)},
         "strongest_applicable_baseline": None if strong is None else strong.name,
     }

@@ -16,7 +16,32 @@ import numpy as np
 from mindspeed_flow.planner.jobs import job_rules
 from mindspeed_flow.planner.plan import Plan, Problem, option_table
 
-MFU_FORMULA = "MFU = model FLOPs per step (no recompute, no padding) / (step time x devices x peak)"
+MFU_FORMULA = ("MFU = model FLOPs per step (no recompute, no padding) / (step time x devices x peak), over the "
+               "devices used and over the cluster's (idle ones included)")
+
+
+def cluster_mfu(mfu: float, devices: int, plan: Plan) -> float:
+    """An MFU over `devices` restated over every device the plan was given."""
+    return mfu * devices / max(plan.problem.budget, 1)
+
+
+def links_json(plan: Plan) -> list[dict[str, Any]]:
+    """The network tiers the cost model prices, innermost first, each figure with its source or `assumed`."""
+    c = plan.problem.cluster
+    return [{"tier": t.name, "where": t.where, "max_span_devices": t.span or None, "gbps": t.gbps,
+             "latency_us": t.latency_us, "gbps_source": c.provenance(t.figures[0]),
+             "latency_source": c.provenance(t.figures[1])} for t in c.tiers()]
+
+
+def links_lines(plan: Plan) -> list[str]:
+    c = plan.problem.cluster
+    out = [f"links ({c.pods} scale-up domain(s) of {c.devices_per_pod} devices)" if c.devices_per_pod else "links:"]
+    for t in links_json(plan):
+        out.append(f"  {t['tier']:<9} {t['gbps']:g} GB/s [{t['gbps_source']}], {t['latency_us']:g} us "
+                   f"[{t['latency_source']}]: {t['where']}")
+    if out[0] != "links:":
+        out[0] += ":"
+    return out
 
 
 def _layout_str(layout: dict) -> str:
@@ -51,9 +76,12 @@ def assumed_inputs(plan: Plan) -> str:
     measured, assumed = [], []
     (measured if dict(cfg.seconds_per_flop) else assumed).append(
         "compute rate" + ("" if dict(cfg.seconds_per_flop) else f" (efficiency {dict(cfg.efficiency)} of peak)"))
-    linked = bool(cfg.profile) and plan.problem.cluster.config.intra_node_gbps == plan.problem.cluster.config.inter_node_gbps
-    (measured if cfg.profile and linked else assumed).append("link bandwidth/latency" + (
-        "" if cfg.profile and linked else f" (preset {plan.problem.cluster.name})"))
+    cluster = plan.problem.cluster
+    unsourced = cluster.assumed_links()
+    if any("measured by" in cluster.provenance(f) for f in ("intra_node_gbps", "inter_node_gbps")):
+        measured.append("link bandwidth/latency")
+    if unsourced:
+        assumed.append(f"link figures {', '.join(unsourced)} (preset {cluster.name}, no public source)")
     assumed += [f"overlap {dict(cfg.overlap)}", f"packing fill {cfg.packing_fill}",
                 f"memory headroom {cfg.memory_headroom}"]
     out = ("measured by profile: " + ", ".join(measured) + "; ") if measured else ""
@@ -83,6 +111,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
         baselines[name] = None if b is None else {
             "samples_per_s": b.samples_per_s, "mfu": b.mfu, "step_seconds": b.step_seconds,
             "devices": b.devices, "memory_gb": b.memory_gb, "layout": b.layout,
+            "mfu_cluster": cluster_mfu(b.mfu, b.devices, plan),
             "gain": plan.samples_per_s / b.samples_per_s, "applies": b.applies, "why_not": b.why_not}
     return {
         "model": pr.model_name, "cluster": pr.cluster.name, "data": pr.data_name, "budget_devices": pr.budget,
@@ -95,9 +124,11 @@ def to_json(plan: Plan) -> dict[str, Any]:
                    "step_seconds": p.step_seconds, "memory_gb": p.memory_gb, "time_parts": p.time_parts}
                   for p in plan.parts],
         "predicted": {"samples_per_s": plan.samples_per_s, "tokens_per_s": plan.tokens_per_s, "mfu": plan.mfu,
+                      "mfu_devices_used": plan.mfu, "mfu_cluster": plan.mfu_cluster,
                       "step_seconds": plan.step_seconds, "rate_gap_seconds": plan.selection.gap,
-                      "devices_used": plan.devices, "peak_tflops": pr.ctx.peak / 1e12,
+                      "devices_used": plan.devices, "cluster_devices": pr.budget, "peak_tflops": pr.ctx.peak / 1e12,
                       "relative_spread": spread_of(plan)},
+        "links": links_json(plan),
         "inputs": assumed_inputs(plan),
         "binding": plan.binding,
         "solve_seconds": plan.solve_seconds,
@@ -133,12 +164,14 @@ def render_text(plan: Plan) -> str:
     lines += [
         "",
         f"predicted: {plan.samples_per_s:.4g} samples/s{_range(plan, plan.samples_per_s)}, "
-        f"{plan.tokens_per_s:.4g} tokens/s, MFU {100 * plan.mfu:.1f}%{_range(plan, 100 * plan.mfu, '%')} on "
-        f"{plan.devices} devices" + (f" ({unused} left idle)" if unused else ""),
+        f"{plan.tokens_per_s:.4g} tokens/s, MFU {100 * plan.mfu:.1f}%{_range(plan, 100 * plan.mfu, '%')} on the "
+        f"{plan.devices} devices used, {100 * plan.mfu_cluster:.1f}% over the cluster's {pr.budget}"
+        + (f" ({unused} left idle)" if unused else ""),
         f"  step {plan.step_seconds:.4g} s; rate gap {plan.selection.gap:.3g} s "
         f"({100 * plan.selection.gap / plan.step_seconds:.1f}% of the step, faster part idles)",
         f"  {MFU_FORMULA}; peak {pr.ctx.peak / 1e12:g} TFLOPS per device",
         "binding constraint: " + "; ".join(plan.binding),
+        *links_lines(plan),
         "inputs: " + assumed_inputs(plan),
         f"solved in {1000 * plan.solve_seconds:.1f} ms ({plan.selection.method}, {plan.options_priced} layouts priced)",
     ]
@@ -150,7 +183,7 @@ def render_text(plan: Plan) -> str:
                 continue
             lay = "; ".join(f"{k}: {_layout_str(v)}" for k, v in b.layout.items())
             lines.append(f"  {name:<22} {b.samples_per_s:.4g} samples/s, MFU {100 * b.mfu:.1f}% on {b.devices} "
-                         f"devices -> plan gain x{plan.samples_per_s / b.samples_per_s:.2f}  [{lay}]"
+                         f"devices ({100 * cluster_mfu(b.mfu, b.devices, plan):.1f}% over {pr.budget}) -> plan gain x{plan.samples_per_s / b.samples_per_s:.2f}  [{lay}]"
                          + ("" if b.applies else f" (does not apply: {b.why_not})"))
         best = plan.strongest_baseline
         if best is not None:

@@ -4,7 +4,11 @@
 - `infovqa`: InfoVQA-like shapes at Qwen2-VL's default resolution cap (max_pixels = 16384 * 28 * 28, so
   252 ... 16k image tokens per sample), the planner's default for real clusters;
 - a data recipe name (recipes/data/NAME.yaml, e.g. `infovqa_tiny`) or a YAML path (DataConfig fields);
-- a length-table CSV path (`sample_id,text_tokens,image_grid_thw`), replayed as is.
+- a length-table CSV path (`sample_id,text_tokens,image_grid_thw`), replayed as is;
+- encoder-heavy planning workloads (shapes only, no training data source: `PLAN_ONLY_DATA`):
+  `video`: 16-64 frames a sample, each frame one 448 px tile (InternVL's way of feeding video: every frame its own
+  tile and attention sequence), and `infovqa_tiles`: the InfoVQA-like images cut into InternVL's dynamic 448 px
+  tiles (at most 12, plus a thumbnail when there are several).
 
 Synthetic shapes come from the training data generator itself (`mindspeed_flow.data.synthetic`), so the planner
 sees exactly the shapes that `mindspeed-flow train` will train on for the same recipe.
@@ -15,6 +19,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+import numpy as np
 
 from mindspeed_flow.config.schema import DataConfig
 from mindspeed_flow.data.shapes import SampleShape, read_length_table
@@ -27,6 +33,17 @@ BUILTIN_DATA: dict[str, dict[str, Any]] = {
     "infovqa": {"source": "synthetic_infovqa", "min_pixels": QWEN_MIN_PIXELS, "max_pixels": QWEN_MAX_PIXELS},
 }
 DEFAULT_SAMPLES = 2048
+
+# Encoder-heavy workloads: InternVL's 448 px tile (InternVL 1.5, arXiv 2404.16821: dynamic tiling, at most 12 tiles
+# in training, plus a thumbnail). The frame count and the text lengths of `video` are assumed (16-64 frames a
+# sample is the range the planner is asked to cover), not drawn from a dataset.
+TILE_PX = 448
+MAX_TILES = 12
+VIDEO_FRAMES = (16, 64)
+VIDEO_PROMPT_TOKENS = (20, 60)
+VIDEO_ANSWER_TOKENS = (10, 200)
+VIDEO_TOKENS_PER_FRAME_MARKUP = 4  # "Frame k: <img>" ... "</img>" around each frame's tokens
+PLAN_ONLY_DATA = ("video", "infovqa_tiles")
 
 
 @dataclass(frozen=True)
@@ -48,7 +65,7 @@ def _data_config(data: str) -> DataConfig:
         return DataConfig(**BUILTIN_DATA[data])
     path = data if data.endswith((".yaml", ".yml")) else os.path.join(recipes_dir(), "data", f"{data}.yaml")
     if not os.path.exists(path):
-        known = sorted(BUILTIN_DATA) + sorted(
+        known = sorted(BUILTIN_DATA) + list(PLAN_ONLY_DATA) + sorted(
             f[:-5] for f in os.listdir(os.path.join(recipes_dir(), "data")) if f.endswith(".yaml"))
         raise ValueError(f"data={data!r}: not a built-in workload, data recipe, YAML or CSV path; known: {known}")
     from omegaconf import OmegaConf
@@ -74,10 +91,68 @@ def synthetic_shapes(cfg: DataConfig, hf_config: Mapping[str, Any], num_samples:
     return [dataset.shape(i) for i in range(n)]
 
 
+def _tile_grid(hf_config: Mapping[str, Any]) -> tuple[int, int, int]:
+    """The ViT patch grid of one 448 px tile (32 x 32 patches of 14 px)."""
+    side = TILE_PX // int(hf_config.get("vision_config", {}).get("patch_size", 14))
+    return (1, side, side)
+
+
+def tile_count(height: int, width: int, max_tiles: int = MAX_TILES) -> int:
+    """InternVL-style dynamic tiling: the tile grid (cols x rows, at most `max_tiles` tiles) whose aspect ratio is
+    nearest the image's, the larger grid on a tie when the image has the pixels for it; + 1 thumbnail if > 1."""
+    aspect = width / height
+    best, best_diff = (1, 1), float("inf")
+    for n in range(1, max_tiles + 1):
+        for cols in range(1, n + 1):
+            if n % cols:
+                continue
+            rows = n // cols
+            diff = abs(aspect - cols / rows)
+            if diff < best_diff or (diff == best_diff and height * width > 0.5 * TILE_PX**2 * cols * rows):
+                best, best_diff = (cols, rows), diff
+    tiles = best[0] * best[1]
+    return tiles + 1 if tiles > 1 else tiles
+
+
+def video_shapes(hf_config: Mapping[str, Any], num_samples: int, merge: int, seed: int = 1234) -> list[SampleShape]:
+    """`video`: 16-64 frames a sample (uniform), each one 448 px tile, plus a prompt and an answer."""
+    rng = np.random.default_rng(seed)
+    grid = _tile_grid(hf_config)
+    out = []
+    for i in range(num_samples):
+        frames = int(rng.integers(VIDEO_FRAMES[0], VIDEO_FRAMES[1] + 1))
+        text = (int(rng.integers(*VIDEO_PROMPT_TOKENS)) + int(rng.integers(*VIDEO_ANSWER_TOKENS))
+                + VIDEO_TOKENS_PER_FRAME_MARKUP * frames)
+        out.append(SampleShape(i, text, (grid,) * frames, merge))
+    return out
+
+
+def tiled_infovqa_shapes(hf_config: Mapping[str, Any], num_samples: int, merge: int) -> list[SampleShape]:
+    """`infovqa_tiles`: the `infovqa` samples' text and original image sizes, each image cut into 448 px tiles."""
+    from mindspeed_flow.data.synthetic import SyntheticInfoVQA, SyntheticParams
+    from mindspeed_flow.data.tokens import token_spec_from_hf_config
+
+    cfg = DataConfig(**BUILTIN_DATA["infovqa"])
+    n = min(num_samples, cfg.num_samples)
+    dataset = SyntheticInfoVQA(SyntheticParams(num_samples=n, seed=cfg.seed, min_pixels=cfg.min_pixels,
+                                               max_pixels=cfg.max_pixels), token_spec_from_hf_config(hf_config))
+    grid = _tile_grid(hf_config)
+    out = []
+    for i in range(n):
+        hw = dataset.original_size(i)
+        tiles = 0 if hw is None else tile_count(*hw)
+        out.append(SampleShape(i, dataset.shape(i).text_tokens, (grid,) * tiles, merge))
+    return out
+
+
 def load_workload(data: str, hf_config: Mapping[str, Any], num_samples: int = DEFAULT_SAMPLES) -> Workload:
     """Shapes for `data=` (see the module docstring), in the token geometry of `hf_config`'s family."""
     merge = 1 if hf_config.get("model_type") == "llava" else int(
         hf_config.get("vision_config", {}).get("spatial_merge_size", 2))
+    if data == "video":
+        return Workload(data, tuple(video_shapes(hf_config, num_samples, merge)))
+    if data == "infovqa_tiles":
+        return Workload(data, tuple(tiled_infovqa_shapes(hf_config, num_samples, merge)))
     if data.endswith(".csv"):
         return Workload(os.path.basename(data), tuple(read_length_table(data, merge_size=merge)))
     cfg = _data_config(data)
