@@ -168,3 +168,15 @@ def test_torch_job_peak_memory_per_rank_within_15_percent(tmp_path) -> None:
         assert abs(r.error) <= memory.TOLERANCE, (r.part, r.predicted, r.measured, r.terms)
         between = r.terms["weights"] + r.terms["optim"] + (r.terms["grads"] / 2 if r.part == "backbone" else 0.0)
         assert abs(between / r.measured_static - 1) <= 0.02, (r.part, between, r.measured_static)
+
+
+def test_mm_memory_lines_parse_when_ranks_print_on_one_line() -> None:
+    """Ranks print concurrently: a rank's memory line may run on into another's; each is still read whole."""
+    line = ("[flow] rank {r} ({p}) memory step 1: at start {s} bytes, peak before 1 bytes, peak after "
+            "forward-backward 9 bytes, at end 2 bytes, parameters 10 trainable 2 frozen, shapes {j}")
+    out = (line.format(r=0, p="encoder", s=5, j='{"images":[[[1,4,4]]]}')
+           + line.format(r=1, p="decoder", s=7, j='{"segments":[[3,1]]}') + "\n"
+           + "[msf-emulation rank=1] npu (strict): npu:1 peak 99 bytes, 7 still allocated\n")
+    ranks = memory.parse_mm_output(out)
+    assert ranks[0].steps == [{"images": [[[1, 4, 4]]]}] and ranks[0].static == 5
+    assert ranks[1].steps == [{"segments": [[3, 1]]}] and ranks[1].peak == 99 and ranks[1].trainable == 10

@@ -49,7 +49,7 @@ FUSED_MASK_BYTES = 2048 * 2048
 
 _MEMORY_LINE = re.compile(r"\[flow\] rank (\d+) \((encoder|decoder)\) memory step (\d+): at start (\d+) bytes, "
                           r"peak before (\d+) bytes, peak after forward-backward (\d+) bytes, at end (\d+) bytes, "
-                          r"parameters (\d+) trainable (\d+) frozen, shapes (\{.*?\})(?=\s|$)")
+                          r"parameters (\d+) trainable (\d+) frozen, shapes ")
 _NPU_PEAK = re.compile(r"\[msf-emulation rank=(\d+)\] npu \(strict\): npu:\d+ peak (\d+) bytes")
 _TORCH_LINE = re.compile(r"\[mindspeed-flow\] rank (\d+) \((encoder|backbone|coupled)\) tensor memory: peak (\d+) "
                          r"bytes, between steps (\d+) bytes")
@@ -89,11 +89,14 @@ class MMRank:
 def parse_mm_output(output: str) -> dict[int, MMRank]:
     """Ranks' memory lines (MSF_FLOW_MEMORY=1) and the emulator's exit peaks from a flow job's output."""
     ranks: dict[int, MMRank] = {}
+    decoder = json.JSONDecoder()
     for m in _MEMORY_LINE.finditer(output):
         rank, part = int(m.group(1)), m.group(2)
         r = ranks.setdefault(rank, MMRank(rank, part, 0, int(m.group(8)), int(m.group(9))))
         r.static = int(m.group(4))
-        r.steps.append(json.loads(m.group(10)))
+        # the shapes run to the end of the JSON object (ranks print concurrently: another line may follow on
+        # the same line of the output)
+        r.steps.append(decoder.raw_decode(output, m.end())[0])
     for rank, peak in _NPU_PEAK.findall(output):
         if int(rank) in ranks:
             ranks[int(rank)].peak = int(peak)
