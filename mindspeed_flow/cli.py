@@ -45,6 +45,7 @@ BENCHMARKS: dict[str, str] = {
     "build": "mindspeed_flow.bench.build",
     "device": "mindspeed_flow.bench.device",
     "msmm": "mindspeed_flow.bench.msmm",
+    "memory": "mindspeed_flow.bench.memory",
 }
 
 

@@ -98,6 +98,12 @@ class PlannerConfig:
     # The job the plan is for (planner/jobs.py): "mm" (flow-patched MindSpeed-MM), "torch" (mindspeed-flow
     # train), or "" (every layout the cost model prices, whichever host runs it). `plan --job` sets it.
     job: str = ""
+    # MindSpeed-MM job (planner.job=mm): decoder microbatch groups an encoder replica holds at once, the
+    # recipe's flow.encoder_inflight; 0 = the host's default (decoder pp + 1), priced at pp 8.
+    encoder_inflight: int = 0
+    # Activation bytes per layer: "" = the parts' own counts (from the HF modules); "megatron_emulated" =
+    # MindSpeed-MM's modules on the emulated NPU (planner/cost.py ACTIVATION_COUNTS).
+    activation_counts: str = ""
     # Path of a profile table (JSON from `mindspeed-flow profile`) that calibrates the fields above.
     profile: str = ""
     # Per part, the largest relative residual of the profile's fit (written by `profile`): predictions are

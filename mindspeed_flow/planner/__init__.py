@@ -14,7 +14,8 @@ OR-Tools, no process groups; importable in a notebook).
     inputs.py     cluster= / model= / data= / overrides -> Problem
     cli.py        `mindspeed-flow plan`
     profile.py    `mindspeed-flow profile`: timings on the devices at hand -> calibration table
-    measure.py    saved-activation bytes, static memory, timing helpers (torch imported lazily)
+    measure.py    saved-activation bytes, static memory, live tensor bytes, timing helpers (torch lazily)
+    memory.py     predicted vs measured peak memory per part of each host's tiny job (`bench memory`)
     validate.py   predicted vs measured step time through `mindspeed-flow train`
 """
 from mindspeed_flow.planner.hardware import PEAK_TFLOPS, peak_flops

@@ -16,17 +16,29 @@ Time of one optimizer step of a part (seconds), for the global batch G split ove
   (the backbone waits for the first embedding). A frozen encoder runs forward only (2x its parameters per patch).
 Compute rate = devices x peak x efficiency(role) x tp_scaling^log2(tp), or profiled seconds per FLOP.
 
-Memory per device (bytes), the most loaded pipeline stage:
-- weights / grads / optimizer states: bf16 weights (2 B), fp32 grads (4 B), fp32 master + Adam m, v (12 B)
-  sharded over DP by the distributed optimizer; fp32 training: 4 + 4 + 8 B, unsharded without it.
+Memory per device (bytes), the most loaded pipeline stage, as the planned job's host allocates it
+(planner.job; `planner/memory.py` checks each host's model against the memory its tiny jobs measure):
+- weights / grads / optimizer states. MindSpeed-MM (Megatron, and the default): bf16 weights (2 B), fp32 main
+  gradients (4 B: Megatron's gradient buffer accumulates in fp32 under --bf16), fp32 main weights + Adam m, v
+  (12 B) sharded by the distributed optimizer over DP x CP (its data-parallel group includes the CP ranks);
+  fp32 training: 4 + 4 + 8 B; unsharded without it. The torch host: gradients and AdamW's m, v in the
+  parameters' own dtype (bf16: 2 + 2 + 4 B, fp32: 4 + 4 + 8 B; no fp32 master copy); FSDP2 (the backbone at
+  tp 1, dp > 1) shards all three over DP; DDP (dp > 1 otherwise) keeps a second copy of the gradients in its
+  buckets; the encoder's optimizer is never sharded.
 - activations per token per layer (elements): act_h x h + act_kv x kv + act_f x ffn (PartSpec; counted
   from the HF modules: LLM 8h + 2kv + 4f), divided by tp (sequence parallel) and cp; unfused attention (CPU)
-  also keeps a b x b fp32 mask per layer. 1F1B keeps min(m, pp) microbatches on stage 0. Full recompute keeps
-  each layer's input only plus one layer's activations. The last stage also holds the logits (and their
-  gradient) in fp32.
-- buffers: the backbone keeps 2 microbatches of received embeddings; an encoder keeps the pool capacity.
+  also keeps a b x b fp32 mask per layer; the torch host's per-sequence attention keeps K, V at full width and
+  per-sequence copies of Q and the output instead (8h + 2h + 2h + 4f, no mask). 1F1B keeps min(m, pp)
+  microbatches on stage 0. Full recompute keeps each layer's input only plus one layer's activations. The last
+  stage also holds the logits (and their gradient) in fp32.
+- buffers: the backbone keeps 2 microbatches of received embeddings; an encoder the embeddings of its held
+  samples, at most the pool capacity.
   A trainable encoder keeps the activations of all its in-flight samples (strict mode: its backward waits for
-  the backbone's gradients) unless it recomputes, when it keeps only the pixel inputs.
+  the backbone's gradients) unless it recomputes, when it keeps only the pixel inputs. In flight: the whole
+  step's samples on the torch host; on MindSpeed-MM, `flow.encoder_inflight` decoder microbatch groups
+  (planner.encoder_inflight; each group is one decoder microbatch's samples, priced at the largest token budget).
+- activation counts: the parts' own (counted from the HF modules) unless planner.activation_counts names a
+  host's (`memory.ACTIVATION_COUNTS`: MindSpeed-MM's modules on the emulated NPU).
 """
 from __future__ import annotations
 
@@ -52,13 +64,17 @@ class Bytes:
     act: float
 
 
-def precision_bytes(dtype: str) -> Bytes:
+def precision_bytes(dtype: str, job: str = "") -> Bytes:
+    """Bytes per parameter (weights, gradients, optimizer states) and per activation element on the job's host."""
     d = normalize_dtype(dtype)
-    if d in ("bf16", "fp16"):
-        return Bytes(param=2, grad=4, optim=12, act=2)
+    if d not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"planner.dtype={dtype!r}: expected bf16, fp16 or fp32")
+    p = 4 if d == "fp32" else 2
+    if job_rules(job).name == "torch":  # autograd's gradients and AdamW's m, v in the parameters' dtype
+        return Bytes(param=p, grad=p, optim=2 * p, act=p)
     if d == "fp32":
         return Bytes(param=4, grad=4, optim=8, act=4)
-    raise ValueError(f"planner.dtype={dtype!r}: expected bf16, fp16 or fp32")
+    return Bytes(param=2, grad=4, optim=12, act=2)  # Megatron: fp32 main grads, fp32 main weights + m, v
 
 
 @dataclass(frozen=True)
@@ -73,7 +89,7 @@ class CostContext:
 
     @property
     def bytes(self) -> Bytes:
-        return precision_bytes(self.cfg.dtype)
+        return precision_bytes(self.cfg.dtype, self.cfg.job)
 
     @property
     def peak(self) -> float:
@@ -170,15 +186,19 @@ def dp_sync_time(ctx: CostContext, params_per_device: np.ndarray, dp: np.ndarray
     return np.where(dp > 1, t, 0.0) * (1.0 - ctx.overlap("dp"))
 
 
-def optimizer_shards(ctx: CostContext, role: str, dp: np.ndarray, tp: np.ndarray) -> np.ndarray:
-    """DP ranks a part's optimizer states are sharded over on the planned job (planner.job; 1: unsharded)."""
+def optimizer_shards(ctx: CostContext, role: str, dp: np.ndarray, tp: np.ndarray,
+                     cp: np.ndarray | int = 1) -> np.ndarray:
+    """Ranks a part's optimizer states are sharded over on the planned job (planner.job; 1: unsharded).
+
+    Megatron's distributed optimizer shards over the data-parallel group with context parallelism (DP x CP
+    ranks hold the same weights); FSDP2 on the torch host shards over DP (that host runs no CP)."""
     rules = job_rules(ctx.cfg.job)
     dp = np.asarray(dp)
     if not ctx.cfg.distributed_optimizer or (role == "encoder" and not rules.shard_encoder):
         return np.ones_like(dp)
     if role == "backbone" and not rules.shard_with_tp:
         return np.where(np.asarray(tp) > 1, 1, dp)
-    return dp
+    return dp * np.asarray(cp)
 
 
 def optimizer_time(ctx: CostContext, params_per_device: np.ndarray, dp: np.ndarray,
@@ -190,6 +210,52 @@ def optimizer_time(ctx: CostContext, params_per_device: np.ndarray, dp: np.ndarr
 
 
 # ------------------------------------------------------------------------------------------------ memory
+@dataclass(frozen=True)
+class ActCounts:
+    """Bytes one layer saves for backward: per token (x hidden, x ffn, x heads) and per attention score (x heads,
+    and once, summed over each sequence's length squared). What a host's modules save, counted from their saved
+    tensors (autograd's saved-tensor hooks) on one microbatch; the logits are booked apart (LOGITS_BYTES)."""
+
+    h: float
+    f: float
+    heads: float
+    scores_per_head: float
+    scores: float
+
+
+# planner.activation_counts: "" (the parts' own, counted from the HF modules) or one of these.
+# megatron_emulated: MindSpeed-MM's Megatron layers (fused RMSNorm, SwiGLU, npu_fusion_attention) on the emulated
+# NPU, counted on a tiny Qwen2.5-VL decoder (hidden 512, ffn 1024, 16 heads): per token per layer 18.7 B x h of
+# fp32 norm inputs and residuals, 6.7 B x h of bf16 linear inputs, 12 B x h of fp32 Q, K, V (the emulated kernel
+# upcasts them and repeats K and V to every head), 8 B x ffn of bf16 SwiGLU inputs and output, 13 B per head of
+# softmax statistics; per sequence the emulated kernel keeps 3 fp32 score matrices per head and a bool mask.
+ACTIVATION_COUNTS = {
+    "megatron_emulated": ActCounts(h=37.5, f=8.0, heads=13.0, scores_per_head=12.0, scores=1.0),
+}
+
+
+def activation_counts(ctx: CostContext) -> ActCounts | None:
+    name = ctx.cfg.activation_counts
+    if not name:
+        return None
+    if name not in ACTIVATION_COUNTS:
+        raise ValueError(f"planner.activation_counts={name!r}: expected '' or one of {sorted(ACTIVATION_COUNTS)}")
+    return ACTIVATION_COUNTS[name]
+
+
+def counted_layer_bytes(c: ActCounts, part: PartSpec, tokens: np.ndarray, sq_tokens: np.ndarray,
+                        tp: np.ndarray) -> np.ndarray:
+    """Bytes one layer saves for `tokens` tokens whose attention sequences' squared lengths sum to `sq_tokens`
+    (tensor parallel: hidden, ffn and heads split over tp)."""
+    per_token = (c.h * part.hidden + c.f * part.ffn + c.heads * part.heads) / tp
+    return tokens * per_token + sq_tokens * (c.scores_per_head * part.heads / tp + c.scores)
+
+
+# Hidden-wide copies per token per layer the torch host's varlen attention keeps besides the HF counts: each
+# sequence's slice of Q and of the attention output (counted on the tiny Qwen2-VL backbone's saved tensors).
+TORCH_VARLEN_COPIES = 2.0
+
+
 def act_elems_per_token_layer(part: PartSpec, flash: bool) -> float:
     """Stored activation elements per token per layer (before TP/CP division; no recompute).
 
@@ -207,6 +273,23 @@ def static_memory(ctx: CostContext, params: np.ndarray, dp: np.ndarray, trainabl
         return {"weights": params * by.param, "grads": z, "optim": z}
     shard = shards if shards is not None else dp if ctx.cfg.distributed_optimizer else 1
     return {"weights": params * by.param, "grads": params * by.grad, "optim": params * by.optim / shard}
+
+
+def part_static_memory(ctx: CostContext, role: str, params: np.ndarray, dp: np.ndarray, tp: np.ndarray,
+                       cp: np.ndarray | int, trainable: bool) -> dict[str, np.ndarray]:
+    """Weights, gradients and optimizer states of a part's device on the planned job's host.
+
+    Megatron (MindSpeed-MM, the default): `static_memory` with the optimizer sharded over DP x CP. The torch
+    host: FSDP2 (where it shards the optimizer) shards weights and gradients as well; DDP (dp > 1, unsharded)
+    also holds its gradient buckets, a second copy of the gradients."""
+    shards = optimizer_shards(ctx, role, dp, tp, cp)
+    mem = static_memory(ctx, params, dp, trainable, shards)
+    if job_rules(ctx.cfg.job).name != "torch" or not trainable:
+        return mem
+    fsdp = shards > 1
+    mem["weights"] = np.where(fsdp, mem["weights"] / shards, mem["weights"])
+    mem["grads"] = np.where(fsdp, mem["grads"] / shards, np.where(np.asarray(dp) > 1, 2.0, 1.0) * mem["grads"])
+    return mem
 
 
 # ------------------------------------------------------------------------------------------------ backbone
@@ -376,9 +459,19 @@ def backbone_activation_memory(part: PartSpec, ctx: CostContext, L: Layouts, inf
     by = ctx.bytes
     layers_stage = np.ceil(part.layers / L.pp) if layers_stage is None else layers_stage
     tokens = L.b / L.cp  # per device with CP; TP divides through sequence parallelism
-    per_layer = act_elems_per_token_layer(part, ctx.cfg.flash_attention) * tokens / L.tp * by.act
-    if not ctx.cfg.flash_attention:
-        per_layer = per_layer + tokens * L.b * 4.0
+    counts = activation_counts(ctx)
+    if counts is not None:  # a host's own counts; the microbatch's sequences: its share of samples' lengths^2
+        samples_mb = L.b * ctx.cfg.packing_fill / max(part.tokens_per_sample, 1.0)
+        per_layer = counted_layer_bytes(counts, part, tokens, part.sq_tokens_per_sample * samples_mb / L.cp, L.tp)
+    elif job_rules(ctx.cfg.job).name == "torch":
+        # The torch host's packed microbatches attend per sequence (its varlen path, on every device): no b x b
+        # mask, but K and V repeated to every head and per-sequence copies of Q and the output are kept.
+        elems = act_elems_per_token_layer(part, False) + TORCH_VARLEN_COPIES * part.hidden
+        per_layer = elems * tokens / L.tp * by.act
+    else:
+        per_layer = act_elems_per_token_layer(part, ctx.cfg.flash_attention) * tokens / L.tp * by.act
+        if not ctx.cfg.flash_attention:
+            per_layer = per_layer + tokens * L.b * 4.0
     full = inflight * layers_stage * per_layer
     ckpt = inflight * layers_stage * tokens / L.tp * part.hidden * by.act + per_layer
     return np.where(L.rc > 0, ckpt, full)
@@ -394,7 +487,7 @@ def backbone_costs(part: PartSpec, ctx: CostContext, L: Layouts) -> Costs:
     p_mid = mb["layers_mid"] * part.layer_params / L.tp
     p_dev = np.maximum(np.maximum(p_first, p_last), p_mid)
     dp_t = dp_sync_time(ctx, p_dev, L.dp, L.tp * L.cp * L.dp)
-    opt_t = optimizer_time(ctx, p_dev, L.dp, optimizer_shards(ctx, part.role, L.dp, L.tp))
+    opt_t = optimizer_time(ctx, p_dev, L.dp, optimizer_shards(ctx, part.role, L.dp, L.tp, L.cp))
     time = pipeline + dp_t + opt_t + ctx.cfg.step_overhead_s * ctx.contention
     mem = backbone_memory(part, ctx, L, m, mb)
     comp = mb["compute"] * m
@@ -420,10 +513,8 @@ def backbone_memory(part: PartSpec, ctx: CostContext, L: Layouts, m: np.ndarray,
     logits = L.b / L.cp * part.vocab / L.tp * LOGITS_BYTES  # fp32 log-probs saved for the loss + their grad
     p_first, p_last = backbone_stage_params(part, L, mb)
     p_mid = mb["layers_mid"] * part.layer_params / L.tp
-    shards = optimizer_shards(ctx, part.role, L.dp, L.tp)
-    s_first = static_memory(ctx, p_first, L.dp, True, shards)
-    s_mid = static_memory(ctx, p_mid, L.dp, True, shards)
-    s_last = static_memory(ctx, p_last, L.dp, True, shards)
+    s_first, s_mid, s_last = (part_static_memory(ctx, part.role, p, L.dp, L.tp, L.cp, True)
+                              for p in (p_first, p_mid, p_last))
     single = L.pp == 1
     stages = {
         "first": sum(s_first.values()) + act_first + recv + np.where(single, logits, 0.0),
@@ -489,6 +580,13 @@ def encoder_activation_memory(part: PartSpec, ctx: CostContext, samples: np.ndar
     inputs = samples * part.tokens_per_sample * part.input_elems_per_token * by.act
     kept = samples * part.tokens_per_sample * per_tok + inputs
     one_image = part.max_item_tokens * per_tok
+    counts = activation_counts(ctx)
+    if counts is not None:  # a host's own counts: every layer attends within each image (sq_tokens_per_sample)
+        per_sample = (part.layers * counted_layer_bytes(counts, part, part.tokens_per_sample,
+                                                        part.sq_tokens_per_sample, tp)
+                      + part.tokens_per_sample * part.act_head_per_token * by.act)
+        kept = samples * per_sample + inputs
+        one_image = per_sample * part.max_item_tokens / max(part.tokens_per_sample, 1.0)
     if not part.trainable:
         layer = act_elems_per_token_layer(part, ctx.cfg.flash_attention) / tp * by.act
         return np.broadcast_to(part.max_item_tokens * layer, np.shape(samples * tp)).astype(np.float64)
@@ -496,6 +594,29 @@ def encoder_activation_memory(part: PartSpec, ctx: CostContext, samples: np.ndar
     per_layer_ckpt = part.max_item_tokens * ((part.layers * part.hidden / tp + part.act_head_per_token) * by.act
                                              + layer_act)
     return np.where(rc >= 2, inputs + per_layer_ckpt, np.where(rc > 0, inputs + one_image, kept))
+
+
+# Decoder microbatch groups a MindSpeed-MM encoder replica holds when planner.encoder_inflight is 0: the host's
+# default is the decoder's pp + 1, and the encoder is priced before the decoder's pp is chosen, so this is that
+# default at pp 8 (an upper bound for plans with pp <= 8).
+DEFAULT_ENCODER_INFLIGHT = 9
+
+
+def encoder_inflight_samples(part: PartSpec, ctx: CostContext, samples: np.ndarray) -> np.ndarray:
+    """Samples whose activations an encoder replica holds at once.
+
+    The torch host (and any job without a bound) holds its whole step's samples until the backbone's gradients
+    come back. MindSpeed-MM holds `flow.encoder_inflight` decoder microbatch groups (planner.encoder_inflight,
+    0: DEFAULT_ENCODER_INFLIGHT); a group is one decoder microbatch's samples, priced at the largest token budget
+    the planner considers (planner.token_budgets, or 4 x the longest sample rounded up to token_alignment)."""
+    if job_rules(ctx.cfg.job).name != "mm" or not part.trainable or part.llm_tokens_per_sample <= 0:
+        return samples
+    groups = int(ctx.cfg.encoder_inflight) or DEFAULT_ENCODER_INFLIGHT
+    align = max(int(ctx.cfg.token_alignment), 1)
+    budget = max([int(b) for b in ctx.cfg.token_budgets]
+                 or [int(np.ceil(part.llm_max_tokens * 4.0 / align)) * align])
+    per_group = max(budget * ctx.cfg.packing_fill / part.llm_tokens_per_sample, 1.0)
+    return np.minimum(samples, groups * per_group)
 
 
 def encoder_costs(part: PartSpec, ctx: CostContext, L: Layouts) -> Costs:
@@ -508,13 +629,17 @@ def encoder_costs(part: PartSpec, ctx: CostContext, L: Layouts) -> Costs:
     p_dev = encoder_static_params(part, L.tp)
     if part.trainable:
         dp_t = dp_sync_time(ctx, p_dev, L.dp, L.tp * L.dp)
-        opt_t = optimizer_time(ctx, p_dev, L.dp, optimizer_shards(ctx, part.role, L.dp, L.tp))
+        opt_t = optimizer_time(ctx, p_dev, L.dp, optimizer_shards(ctx, part.role, L.dp, L.tp, L.cp))
     else:
         dp_t = opt_t = np.zeros_like(work)
     time = work + fill + dp_t + opt_t + ctx.cfg.step_overhead_s * ctx.contention
-    static = static_memory(ctx, p_dev, L.dp, part.trainable, optimizer_shards(ctx, part.role, L.dp, L.tp))
-    act = encoder_activation_memory(part, ctx, samples, L.tp, L.rc)
-    pool = np.full_like(act, ctx.cfg.pool_capacity_mb * 2**20)
+    static = part_static_memory(ctx, part.role, p_dev, L.dp, L.tp, L.cp, part.trainable)
+    held = encoder_inflight_samples(part, ctx, samples)
+    act = encoder_activation_memory(part, ctx, held, L.tp, L.rc)
+    # the embeddings in flight: those of the held samples, at most the pool's capacity (a bound, not a buffer
+    # allocated up front)
+    embeddings = held * part.out_tokens_per_sample * part.out_hidden * ctx.bytes.act / L.tp
+    pool = np.minimum(np.broadcast_to(embeddings, act.shape), ctx.cfg.pool_capacity_mb * 2**20)
     parts = dict(static)
     parts.update({"activations": act, "buffers": pool})
     return Costs(time=time, memory=sum(parts.values()), memory_parts=parts, microbatches=np.ceil(samples),

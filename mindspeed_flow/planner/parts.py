@@ -7,6 +7,7 @@ encoder (video, audio) is one more entry built the same way, not new solver code
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -49,6 +50,10 @@ class PartSpec:
     act_f: float = 4.0
     # Encoder: elements per patch saved by the patch merger / projector (after the last layer).
     act_head_per_token: float = 0.0
+    # Encoder: the backbone's mean and longest tokens per sample (how many samples a decoder microbatch holds:
+    # the unit of MindSpeed-MM's in-flight bound, `cost.encoder_inflight_samples`); 0 = unknown.
+    llm_tokens_per_sample: float = 0.0
+    llm_max_tokens: int = 0
     tp_sizes: tuple[int, ...] = (1, 2, 4, 8)
     pp_sizes: tuple[int, ...] = (1,)
     cp_sizes: tuple[int, ...] = (1,)
@@ -154,4 +159,7 @@ def _vision_layer_params(spec: VLMSpec) -> int:
 
 def vlm_parts(spec: VLMSpec, shapes: Sequence[SampleShape], freeze_encoder: bool = False) -> list[PartSpec]:
     """The two parts of a VLM, encoder first (the producer), backbone last (the consumer)."""
-    return [encoder_part(spec, shapes, trainable=not freeze_encoder), backbone_part(spec, shapes)]
+    bb = backbone_part(spec, shapes)
+    enc = dataclasses.replace(encoder_part(spec, shapes, trainable=not freeze_encoder),
+                              llm_tokens_per_sample=bb.tokens_per_sample, llm_max_tokens=bb.max_item_tokens)
+    return [enc, bb]

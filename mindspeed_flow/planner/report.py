@@ -267,6 +267,9 @@ def recipe_yaml(plan: Plan, name: str, model_recipe: str | None, data_recipe: st
         # host keeps them and recomputes per layer from model.json
         keep = int(enc.layout["rc"]) != 1 if job else not bool(enc.layout["rc"])
         lines += ["flow:", f"  keep_encoder_activations: {_quote(keep)}"]
+        if job == "mm" and pr.cfg.encoder_inflight and bb is not None and not pr.cfg.freeze_encoder:
+            # the bound the encoder's memory was priced with (the host refuses one below the decoder's pp)
+            lines.append(f"  encoder_inflight: {max(int(pr.cfg.encoder_inflight), int(bb.layout['pp']))}")
     if job == "mm" and mm_settings(plan.parts):
         lines[3:3] = [f"# MindSpeed-MM {s} (the recompute the plan assumes)" for s in mm_settings(plan.parts)]
     return "\n".join(lines) + "\n"

@@ -11,7 +11,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,9 @@ from mindspeed_flow.step.plan import StepWork, plan_coupled_step, plan_decoupled
 from mindspeed_flow.telemetry.tensorboard import open_sink
 from mindspeed_flow.specs import VLMSpec
 from mindspeed_flow.topology import Layout, Topology
+
+if TYPE_CHECKING:
+    from mindspeed_flow.planner.measure import LiveTensorBytes
 
 
 def init_distributed(acc: Accelerator, timeout_s: float) -> tuple[int, int]:
@@ -115,6 +118,7 @@ def run_worker(config_path: str) -> None:
     # torch 2.13 deprecates DDP's broadcast_buffers in favour of a flag 2.7 lacks; the old one is the portable one.
     warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
     job = config_load.load(config_path)
+    memory = _memory_tracker()
     torch.set_num_threads(int(os.environ.get("MSF_THREADS_PER_RANK", "1")))
     acc = Accelerator.detect(os.environ.get("MSF_DEVICE", "auto"))
     rank, world = init_distributed(acc, job.flow.timeout_s)
@@ -201,6 +205,8 @@ def run_worker(config_path: str) -> None:
     grace_warned, saved = False, True
     for step in range(start_step, job.trainer.steps):
         watchdog.activity = f"step {step} ({doing})"
+        if memory is not None and step > start_step:  # after the first update: the optimizer states exist
+            memory.marks["between steps"] = max(memory.marks.get("between steps", 0), memory.live)
         drills.at_step_start(step, watchdog)
         drills.loader_error(step)
         sample_ids = next(batches)
@@ -253,9 +259,27 @@ def run_worker(config_path: str) -> None:
         gatherer.file.close()
     trace.finish(Path(job.run_dir), metrics_group, is_writer, world)
     watchdog.stop()
+    if memory is not None:
+        memory.__exit__(None, None, None)
+        print(f"[mindspeed-flow] rank {rank} ({side}) tensor memory: peak {memory.peak} bytes, between steps "
+              f"{memory.marks.get('between steps', 0)} bytes", flush=True)
     torch_compat.destroy_process_groups()  # a plain destroy can deadlock on torch 2.7's gloo (see there)
     if stopped_on:
         sys.exit(EXIT_SAVED_ON_SIGNAL)
+
+
+# Set to 1: each rank counts its live tensor bytes (planner.measure.LiveTensorBytes) and prints the peak at exit.
+MEMORY_ENV = "MSF_MEMORY_TRACK"
+
+
+def _memory_tracker() -> Optional["LiveTensorBytes"]:
+    """The rank's tensor-bytes counter, entered before the model is built (MSF_MEMORY_TRACK=1), else None.
+    The CPU allocator keeps no peak of its own; `mindspeed-flow bench memory` compares this with the planner."""
+    if os.environ.get(MEMORY_ENV) != "1":
+        return None
+    from mindspeed_flow.planner.measure import LiveTensorBytes
+
+    return LiveTensorBytes().__enter__()
 
 
 def _warn_if_stop_outlasts_grace(job: FlowJobConfig, lines: list[dict[str, Any]], save_s: float) -> bool:

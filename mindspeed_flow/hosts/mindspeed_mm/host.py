@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from mindspeed_flow.hosts.mindspeed_mm import memory as flow_memory
 from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext
 from mindspeed_flow.hosts.mindspeed_mm.data import (LAYOUT_PACKED, LAYOUT_ROWS, FlowStepSource, IndexedReads,
                                                     ReplicaView, SideNeeds, WholeBatchReads, sample_meta)
@@ -200,6 +201,7 @@ class FlowHost:
         self._step: Any = None
         self.metrics: Optional[FlowMetrics] = None  # on the writer rank, when the job has a run folder
         self.fbf_done_at = 0.0  # time.time() when this rank's forward-backward of the running step returned
+        self._memory_steps = 0  # forward-backwards run (the step number of the memory line, MSF_FLOW_MEMORY=1)
         _ACTIVE = self
 
     @property
@@ -314,8 +316,12 @@ class FlowHost:
                 config.finalize_model_grads_func = finalize_with_global_tokens(self.ctx,
                                                                                config.finalize_model_grads_func)
                 config._flow_finalize = True
+            before = flow_memory.point()
             out = step(*args, **kwargs)
             self.fbf_done_at = time.time()
+            self._memory_steps += 1
+            flow_memory.report(self.ctx.rank, "encoder" if self.ctx.is_encoder else "decoder", self._memory_steps,
+                               before, kwargs["model"])
             return out
 
         return run

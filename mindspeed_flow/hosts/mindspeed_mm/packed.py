@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from mindspeed_flow.hosts.mindspeed_mm import memory as flow_memory
+
 IGNORE_INDEX = -100
 
 _ACTIVE: Optional[Any] = None  # the PackedSeqParams of the forward in progress
@@ -109,6 +111,7 @@ def pack_samples(ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], po
              "labels": torch.cat(label_parts).reshape(1, -1)}
     pos = torch.cat(pos_parts, dim=-1)
     batch["position_ids"] = pos.reshape(rope_dims, 1, -1) if rope_dims else pos.reshape(1, -1)
+    flow_memory.record("segments", lengths + ([pad] if pad else []))
     return PackedRow(batch, lengths + ([pad] if pad else []), len(lengths))
 
 

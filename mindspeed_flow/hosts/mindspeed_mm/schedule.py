@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from mindspeed_flow.hosts.mindspeed_mm import memory as flow_memory
 from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext
 from mindspeed_flow.hosts.mindspeed_mm.data import LAYOUT_PACKED, FlowSample, FlowStep, collate_rows
 from mindspeed_flow.hosts.mindspeed_mm.packed import pack_samples, packed_forward, rope_positions_fn
@@ -184,7 +185,10 @@ class EncoderStep:
         samples = [step.samples[sid] for sid in group]
         # Concatenated on the host, then one copy to the device in the job's dtype (as MindSpeed-MM's get_batch).
         pixels = torch.cat([s.pixel_values for s in samples]).to(device=self.ctx.device, dtype=self.dtype)
-        grid = torch.cat([s.image_grid_thw for s in samples]).to(device=self.ctx.device)
+        grid = torch.cat([s.image_grid_thw for s in samples])
+        if flow_memory.enabled():
+            flow_memory.record("images", grid.tolist())  # host tensor: no device read
+        grid = grid.to(device=self.ctx.device)
         return model(input_ids=None, pixel_values=pixels, image_grid_thw=grid)
 
     def __call__(self, *, forward_step_func: Any = None, data_iterator: Any, model: list, num_microbatches: int,
