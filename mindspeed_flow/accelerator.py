@@ -122,7 +122,7 @@ class Accelerator:
     def peak_flops(self, dtype: str) -> Optional[float]:
         """Nominal dense peak of one device (the planner's per-SKU table: 910B SKUs differ, so the name decides).
         On CPU the runtime measures a matmul instead, since the table's CPU entry is only nominal."""
-        from mindspeed_flow.planner.hardware import peak_flops
+        from mindspeed_flow.skus import peak_flops
 
         return peak_flops("cpu" if self.device_type == "cpu" else self.device_name, dtype)
 

@@ -10,7 +10,8 @@ import pytest
 
 from mindspeed_flow.config.planner import PlannerConfig
 from mindspeed_flow.planner import cli
-from mindspeed_flow.planner.hardware import PEAK_TFLOPS, SKUS, load_cluster, peak_flops
+from mindspeed_flow.planner.hardware import load_cluster
+from mindspeed_flow.skus import PEAK_TFLOPS, SKUS, peak_flops
 from mindspeed_flow.planner.inputs import build_problem, parse_kv
 from mindspeed_flow.planner.plan import make_plan, resolve_global_batch
 from mindspeed_flow.planner.space import PlanError

@@ -255,7 +255,8 @@ def _cluster_for(device_name: str) -> str:
     """The cluster preset whose SKU is this device (one device of it); cpu when none matches."""
     import yaml
 
-    from mindspeed_flow.planner.hardware import recipes_dir, sku_of
+    from mindspeed_flow.planner.hardware import recipes_dir
+    from mindspeed_flow.skus import sku_of
 
     sku = sku_of(device_name)
     folder = Path(recipes_dir()) / "cluster"

@@ -21,7 +21,7 @@ class ClusterConfig:
     inter_node_gbps: float = 10.0
     intra_node_latency_us: float = 10.0
     inter_node_latency_us: float = 50.0
-    # Device SKU (a key of planner.hardware.SKUS): peak_tflops, hbm_gb, hbm_tbps a preset leaves out come from it.
+    # Device SKU (a key of mindspeed_flow.skus.SKUS): peak_tflops, hbm_gb, hbm_tbps a preset leaves out come from it.
     sku: str = "cpu"
     # npu | cuda | cpu: the backend the runtime will use (decides what the runtime can run, e.g. TP on CPU).
     backend: str = "cpu"

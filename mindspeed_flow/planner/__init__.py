@@ -18,6 +18,6 @@ OR-Tools, no process groups; importable in a notebook).
     memory.py     predicted vs measured peak memory per part of each host's tiny job (`bench memory`)
     validate.py   predicted vs measured step time through `mindspeed-flow train`
 """
-from mindspeed_flow.planner.hardware import PEAK_TFLOPS, peak_flops
+from mindspeed_flow.skus import PEAK_TFLOPS, peak_flops
 
 __all__ = ["PEAK_TFLOPS", "peak_flops"]

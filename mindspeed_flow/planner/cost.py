@@ -48,7 +48,8 @@ from typing import Mapping
 import numpy as np
 
 from mindspeed_flow.config.planner import PlannerConfig
-from mindspeed_flow.planner.hardware import Cluster, normalize_dtype
+from mindspeed_flow.planner.hardware import Cluster
+from mindspeed_flow.skus import normalize_dtype
 from mindspeed_flow.planner.jobs import job_rules
 from mindspeed_flow.planner.parts import PartSpec
 

@@ -66,19 +66,19 @@ def machine_peak_flops(device_name: str, host_cpu: bool, dtype: str, devices: in
                        group: Optional[dist.ProcessGroup] = None) -> tuple[float, str]:
     """Peak FLOP/s of all devices together, and how it was obtained (printed beside every MFU).
 
-    Accelerators: devices x the per-SKU table (`planner/hardware.py`), named with the figure's source; a device the
+    Accelerators: devices x the per-SKU table (`skus.py`), named with the figure's source; a device the
     table does not know gives nan (no MFU rather than a wrong one). Host CPU (`host_cpu`: a CPU run, or an
     emulated NPU whose "device" is host memory): every rank of `group` times a matmul at the same moment (one
     thread each) and the rates are summed, so ranks sharing cores share the peak (3 ranks on 2 cores sum to about
     2 cores' worth) and MFU cannot exceed 1 because of oversubscription; then every rank of `group` must call this.
     """
-    from mindspeed_flow.planner.hardware import SKUS, peak_flops, sku_of
+    from mindspeed_flow.skus import SKUS, peak_flops, sku_of
 
     if not host_cpu:
         sku = sku_of(device_name)
         per_device = peak_flops(device_name, dtype) if sku is not None else None
         if per_device is None:
-            return float("nan"), f"{device_name}: no {dtype} peak in the SKU table (planner/hardware.py), no MFU"
+            return float("nan"), f"{device_name}: no {dtype} peak in the SKU table (skus.py), no MFU"
         return per_device * devices, (f"{devices} x {per_device / 1e12:.1f} TFLOPS ({device_name}, table: "
                                       f"{SKUS[sku].source})")
     dist.barrier(group=group)
