@@ -28,7 +28,7 @@ SUBCOMMANDS: dict[str, str] = {
     "plan": "mindspeed_flow.planner.cli",
     "profile": "mindspeed_flow.planner.profile",
     "emulate": "mindspeed_flow.emulation.cli",
-    "convert-checkpoint": "mindspeed_flow.hosts.mindspeed_mm.convert",
+    "convert-checkpoint": "mindspeed_flow.emulation.convert_command",
     "doctor": "mindspeed_flow.doctor",
     "launch-script": "mindspeed_flow.runtime.launch_script",
     "report": "mindspeed_flow.runtime.report",

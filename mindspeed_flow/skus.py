@@ -11,6 +11,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+# The name `mindspeed-flow emulate`'s npu reports: an NPU over host memory, no SKU of its own (MFU measures the host
+# CPU's peak on it instead of looking one up).
+EMULATED_NPU_NAME = "Emulated Ascend NPU (host CPU)"
+
 
 @dataclass(frozen=True)
 class Sku:

@@ -21,7 +21,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-DEVICE_NAME = "Emulated Ascend NPU (host CPU)"
+from mindspeed_flow.skus import EMULATED_NPU_NAME as DEVICE_NAME
+
 _TOTAL_MEMORY = 64 * 1024**3
 
 # The strict npu extension (npu_ext), once `use_extension` installed it; None in lenient mode.

@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -37,23 +37,6 @@ def _namespace(obj: Any) -> Any:
     if isinstance(obj, dict):
         return SimpleNamespace(**{k: _namespace(v) for k, v in obj.items()})
     return obj
-
-
-def _ensure_megatron_importable() -> None:
-    try:
-        import megatron  # noqa: F401  (only: is it importable?)
-        return
-    except ImportError:
-        pass
-    from mindspeed_flow import emulation
-    from mindspeed_flow.emulation.sources import SourceError, find_sources
-
-    try:
-        sources = find_sources()
-    except SourceError as err:
-        raise SystemExit(f"mindspeed-flow convert-checkpoint: Megatron is not importable and {err}")
-    emulation.activate()
-    sys.path[:0] = sources.pythonpath()
 
 
 def _write(save: Path, iteration: int, release: bool, folder: str, model: dict, args: Any) -> None:
@@ -127,7 +110,9 @@ def convert(*, to: str, load: Path, save: Path, model_json: Path, recipe: Path, 
     return written
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], prepare: Callable[[], None] = lambda: None) -> int:
+    """`prepare` runs once the arguments parse, before anything unpickles Megatron's args (the command's entry,
+    `emulation/convert_command.py`, makes Megatron importable there)."""
     p = argparse.ArgumentParser(prog="mindspeed-flow convert-checkpoint", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--to", required=True, choices=("decoupled", "coupled"))
@@ -141,7 +126,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tp", type=int, default=1, help="coupled target tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="coupled target pipeline-parallel size")
     a = p.parse_args(argv)
-    _ensure_megatron_importable()
+    prepare()
     try:
         written = convert(to=a.to, load=a.load, save=a.save, model_json=a.mm_model, recipe=a.flow_recipe,
                           swiglu=a.swiglu, tp=a.tp, pp=a.pp, untie=a.untie)

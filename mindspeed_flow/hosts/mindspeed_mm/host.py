@@ -36,6 +36,7 @@ from mindspeed_flow.hosts.mindspeed_mm.schedule import (DecoderStep, EncoderStep
                                                         loss_mode, read_pending_stats)
 from mindspeed_flow.packing import CostModel
 from mindspeed_flow.pool.planned import PlannedTransport
+from mindspeed_flow.skus import EMULATED_NPU_NAME
 from mindspeed_flow.telemetry import trace
 from mindspeed_flow.telemetry.metrics import machine_peak_flops
 from mindspeed_flow.topology import Bridge
@@ -143,9 +144,7 @@ def _device_name(device: torch.device) -> tuple[str, bool]:
         return "cpu", True
     module = getattr(torch, device.type)
     name = str(module.get_device_name(device))
-    from mindspeed_flow.emulation.device import DEVICE_NAME
-
-    return name, name == DEVICE_NAME
+    return name, name == EMULATED_NPU_NAME
 
 
 @contextlib.contextmanager

@@ -24,7 +24,6 @@ Every kernel returns [B, T, N, D], the layout HF attention implementations retur
 """
 from __future__ import annotations
 
-import importlib
 import sys
 from dataclasses import dataclass
 from functools import cached_property
@@ -106,7 +105,7 @@ def sdpa_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: S
 
 def npu_fusion_attention_tnd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments,
                              scale: Optional[float], dropout: float) -> torch.Tensor:
-    torch_npu = importlib.import_module("torch_npu")
+    torch_npu = sys.modules["torch_npu"]  # an npu tensor exists only once accelerator.py has imported torch_npu
     n_heads, head_dim = q.shape[1], q.shape[-1]
     causal = torch.ones(_NPU_CAUSAL_SIZE, _NPU_CAUSAL_SIZE, dtype=torch.bool, device=q.device).triu_(1)
     ends = segments.cumulative_ends
