@@ -49,6 +49,9 @@ REGISTRY: tuple[PatchTarget, ...] = (
     PatchTarget("megatron.core.optimizer.optimizer.MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan",
                 "one found-inf decision over every trainable part (fp16 loss scaling skips a step everywhere "
                 "or nowhere)", ("self",)),
+    PatchTarget("megatron.core.optimizer.get_megatron_optimizer",
+                "a frozen part's dummy optimizer group gets the keys the distributed optimizer's loader matches on "
+                "(wd_mult, lr_mult), so the job resumes from its own checkpoint", ("config", "model_chunks")),
     PatchTarget("megatron.training.checkpointing.get_checkpoint_name",
                 "per-part checkpoint folders (mp_<part>_rank_TT[_PPP]) in Megatron's format",
                 ("checkpoints_path", "iteration", "release", "pipeline_parallel", "tensor_rank", "pipeline_rank")),
@@ -204,6 +207,19 @@ def check_for_nan_wrapper(check: Callable) -> Callable:
     return wrapped
 
 
+def get_megatron_optimizer_wrapper(get_optimizer: Callable) -> Callable:
+    @functools.wraps(get_optimizer)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        optimizer = get_optimizer(*args, **kwargs)
+        if flow_context.current() is not None:
+            from mindspeed_flow.hosts.mindspeed_mm.checkpoint import complete_param_groups
+
+            complete_param_groups(optimizer)
+        return optimizer
+
+    return wrapped
+
+
 def get_checkpoint_name_wrapper(get_name: Callable) -> Callable:
     @functools.wraps(get_name)
     def wrapped(checkpoints_path: Any, iteration: Any, *args: Any, **kwargs: Any) -> Any:
@@ -287,6 +303,7 @@ _WRAPPERS: dict[str, Callable] = {
     "megatron.core.optimizer.clip_grads.get_grad_norm_fp32": get_grad_norm_fp32_wrapper,
     "megatron.core.optimizer.optimizer.MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan":
         check_for_nan_wrapper,
+    "megatron.core.optimizer.get_megatron_optimizer": get_megatron_optimizer_wrapper,
     "megatron.training.checkpointing.get_checkpoint_name": get_checkpoint_name_wrapper,
     "megatron.training.checkpointing._get_checkpoint_format": get_checkpoint_format_wrapper,
     "megatron.training.checkpointing._load_base_checkpoint": load_base_checkpoint_wrapper,

@@ -15,12 +15,15 @@ tensor-parallel reductions round differently from TP 1, and on these tiny models
 per sample) such differences grow past 2e-2 within 12 iterations even between two correct runs (measured: the
 32b pair's flow job against a TP 1 reference drifts to 2.6e-2, against TP 1 with a TP 1 decoder stays at 1e-4).
 
+`test_frozen_example_resumes_exactly` restarts the 7b example (frozen encoder, so its ranks run MindSpeed-MM's
+dummy optimizer; distributed optimizer) from the flow job's own checkpoint, past the epoch boundary.
+
 Pairs, chosen so every key and layout appears at least once (the full product would cost ~4x the CI time):
 
 | config | what it brings | flow layout | loss definition | flags |
 |---|---|---|---|---|
 | 3b  | tied embeddings, GQA 8:1, frozen ViT + projector | encoder 1 + decoder PP 2, uneven [1, 2] | per token | distributed optimizer |
-| 7b  | untied, GQA 7:1, trainable projector | encoder 1 + decoder DP 2 | MindSpeed-MM default (micro-batch mean) | --overlap-grad-reduce, distributed optimizer, micro-batch 2 |
+| 7b  | untied, GQA 7:1, frozen ViT + projector | encoder 1 + decoder DP 2 | MindSpeed-MM default (micro-batch mean) | --overlap-grad-reduce, distributed optimizer, micro-batch 2 |
 | 32b | untied, GQA 5:1, frozen encoder | encoder DP 2 + decoder TP 2 with sequence parallel | per sample | distributed optimizer |
 | 72b | Qwen2.5 ViT, untied, GQA 8:1 | encoder DP 2 + decoder TP 2 + SP + MC2 (trainable ViT) | per token | |
 """
@@ -94,3 +97,51 @@ def test_scaled_example_config_matches_unpatched_job(pair, mm_sources, tiny_asse
     print(f"{pair}: flow {flow.losses}\n{pair}: unpatched {ref.losses}\n{pair}: max rel {max(rel):.2e}")
     assert rel[0] <= 5e-3, (rel, flow.losses, ref.losses)
     assert max(rel) <= 2e-2, (rel, flow.losses, ref.losses)
+
+
+def test_frozen_example_resumes_exactly(mm_sources, tiny_assets, user_data, run_job, tmp_path) -> None:
+    """Stopped at iteration 6 and restarted with `--load` of its own checkpoint, the flow job repeats the
+    uninterrupted run's losses bit for bit (global batch 6: the restart crosses the epoch boundary)."""
+    model = scaled_model_json(mm_sources.mindspeed_mm.root, "7b", tmp_path)
+    flags = ["--variable-seq-lengths", "--calculate-per-token-loss", "--use-distributed-optimizer"]
+    enc, dec = {"dp": 2, "tp": 1}, {"dp": 1, "tp": 1, "pp": 2}
+    recipe = write_recipe(tmp_path / "flow.yaml", enc, dec)
+
+    def job(**kw) -> list[str]:
+        extra = flags + kw.pop("more", [])
+        return TinyJob(model, user_data, train_iters=ITERS, global_batch_size=6, seq_length=256, extra=extra,
+                       **kw).argv()
+
+    coupled = tmp_path / "coupled"
+    emulate_job("frozen_save", TinyJob(model, user_data, train_iters=1, global_batch_size=6, seq_length=256,
+                                       extra=flags, save=coupled).argv(), log_dir=tmp_path).assert_trained(1)
+    n = nranks(enc, dec)
+    whole = run_job("frozen_whole", job(load=coupled, more=["--finetune"]), nproc=n, flow_recipe=recipe)
+    whole.assert_trained(ITERS)
+    assert "encoder frozen" in whole.output
+    ckpt = tmp_path / "flow"
+    first = run_job("frozen_first", job(load=coupled, save=ckpt, save_interval=6, more=["--finetune", "--exit-interval",
+                                                                                         "6"]),
+                    nproc=n, flow_recipe=recipe)
+    first.assert_trained(6)
+    again = run_job("frozen_again", job(load=ckpt, save=ckpt, save_interval=6), nproc=n, flow_recipe=recipe)
+    again.assert_trained(ITERS - 6, first=7)
+    print(f"frozen 7b: whole {whole.losses}\nfrozen 7b: resumed {first.losses + again.losses}")
+    assert first.losses + again.losses == whole.losses
+
+    # Another layout (decoder PP 2 -> DP 2): the same command is refused in one line before any rank starts; with
+    # --no-load-optim --no-load-rng each decoder rank reads its share of iteration 6, re-split, and iteration 7
+    # trains on the weights and the batch the uninterrupted run had.
+    wide = write_recipe(tmp_path / "flow_dp2.yaml", enc, {"dp": 2, "tp": 1, "pp": 1})
+    refused = emulate_job("frozen_refused", job(load=ckpt, more=["--ckpt-step", "6"]), log_dir=tmp_path, nproc=n,
+                          flow_recipe=wide)
+    assert refused.rc == 2 and "saved with text_decoder at TP 1 PP 2 (the recipe: TP 1 PP 1)" in refused.output, \
+        refused.output[-3000:]
+    assert "Traceback" not in refused.output
+    moved = run_job("frozen_resplit", job(load=ckpt, more=["--ckpt-step", "6", "--no-load-optim", "--no-load-rng",
+                                                         "--exit-interval", "8"]), nproc=n, flow_recipe=wide)
+    moved.assert_trained(2, first=7)
+    assert "text_decoder saved rank files" in moved.output
+    rel = abs(moved.losses[0] - whole.losses[6]) / whole.losses[6]
+    print(f"frozen 7b: re-split to decoder DP 2, iteration 7 {moved.losses[0]} vs {whole.losses[6]} (rel {rel:.1e})")
+    assert rel <= 5e-3

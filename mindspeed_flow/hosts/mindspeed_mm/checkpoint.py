@@ -20,6 +20,7 @@ Fused QKV stays grouped by query group, so an even dim-0 split is exact whenever
 """
 from __future__ import annotations
 
+import copy
 import os
 import re
 from dataclasses import dataclass
@@ -35,6 +36,34 @@ _COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_
            "word_embeddings.weight", "output_layer.weight")
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
 TRACKER = "latest_checkpointed_iteration.txt"
+
+
+# Megatron's distributed optimizer (through MindSpeed's load_state_dict) matches a checkpoint's param groups to the
+# live ones by these keys. MindSpeed-MM's dummy optimizer, which gives a frozen part's ranks one empty parameter,
+# sets none of the multipliers, so such a part could save its optimizer but never load it back. The values are
+# the ones Megatron's scheduler assumes when a key is absent, so filling them in changes no step.
+PARAM_GROUP_KEYS = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
+
+
+def complete_param_groups(state: Any, depth: int = 0) -> None:
+    """Give every param group found in an optimizer (or its saved state dict) the keys its loader matches on."""
+    if depth > 4:
+        return
+    if isinstance(state, dict):
+        groups = state.get("param_groups")
+        if isinstance(groups, list):
+            for group in groups:
+                if isinstance(group, dict):
+                    for key, value in PARAM_GROUP_KEYS.items():
+                        group.setdefault(key, value)
+        for value in state.values():
+            if isinstance(value, dict):
+                complete_param_groups(value, depth + 1)
+        return
+    for opt in getattr(state, "chained_optimizers", None) or [state]:  # a live Megatron optimizer
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None and hasattr(inner, "param_groups"):
+            complete_param_groups({"param_groups": inner.param_groups}, depth + 1)
 
 
 class CheckpointError(ValueError):
@@ -200,11 +229,12 @@ class ReadStats:
     files_opened: int = 0
     files_total: int = 0
     split_from: str = ""
+    source: str = "coupled"  # or "<module> saved": a flow part's folders of another TP/PP
 
     def line(self) -> str:
-        return (f"read {self.read_bytes} bytes of tensor data from {self.files_opened} of {self.files_total} coupled "
-                f"rank files ({self.read_bytes / max(self.total_bytes, 1):.1%} of their {self.total_bytes} bytes; "
-                f"coupled split from {self.split_from})")
+        return (f"read {self.read_bytes} bytes of tensor data from {self.files_opened} of {self.files_total} "
+                f"{self.source} rank files ({self.read_bytes / max(self.total_bytes, 1):.1%} of their "
+                f"{self.total_bytes} bytes; {self.source} split from {self.split_from})")
 
 
 def _saved_split(saved_args: Any, part: str, stages: int) -> Optional[list[int]]:
@@ -228,20 +258,23 @@ def _split_from_keys(stage_models: list[dict[str, Any]], stack: str) -> list[int
 
 
 def read_for_rank(iter_dir: Path, part: str, *, tp: int, tp_rank: int, layers: list[int], pp_rank: int,
-                  gated_prefixes: Iterable[str], tied: bool = False) -> tuple[dict[str, Any], Any, ReadStats]:
-    """`part_state(read_whole(coupled), ...)` for one flow rank, reading only the coupled folders and tensors it needs.
+                  gated_prefixes: Iterable[str], tied: bool = False,
+                  source: Optional[str] = None) -> tuple[dict[str, Any], Any, ReadStats]:
+    """`part_state(read_whole(coupled), ...)` for one flow rank, reading only the folders and tensors it needs.
 
-    Returns its model tensors (equal to the whole-merge path's), the saved args, and what was read."""
-    folders = {(k[1], k[2]): v for k, v in rank_folders(iter_dir).items() if k[0] is None}
+    `source`: None reads a coupled checkpoint's `mp_rank_*` folders; a module name (image_encoder, text_decoder)
+    reads a flow checkpoint's folders of that part saved in another TP/PP. Returns its model tensors (equal to the
+    whole-merge path's), the saved args, and what was read."""
+    folders = {(k[1], k[2]): v for k, v in rank_folders(iter_dir).items() if k[0] == source}
     if not folders:
-        raise CheckpointError(f"{iter_dir}: no mp_rank_* folders")
+        raise CheckpointError(f"{iter_dir}: no mp_{source + '_' if source else ''}rank_* folders")
     tps, pps = sorted({t for t, _ in folders}), sorted({s for _, s in folders})
     for t in tps:
         for s in pps:
             if (t, s) not in folders:
                 raise CheckpointError(f"{iter_dir}: shard tp={t} pp={s} is missing")
     stats = ReadStats(total_bytes=sum((d / "model_optim_rng.pt").stat().st_size for d in folders.values()),
-                      files_total=len(folders))
+                      files_total=len(folders), source="coupled" if source is None else f"{source} saved")
     opened: dict[tuple[int, int], dict[str, Any]] = {}
 
     def model(t: int, s: int) -> dict[str, Any]:
@@ -257,7 +290,8 @@ def read_for_rank(iter_dir: Path, part: str, *, tp: int, tp_rank: int, layers: l
     if len(pps) == 1:
         counts, stats.split_from = None, "a single stage"
     else:
-        counts = _saved_split(saved_args, part, len(pps))
+        # A flow part's saved split is its recipe's, not model.json's: its folders' keys say it.
+        counts = _saved_split(saved_args, part, len(pps)) if source is None else None
         stats.split_from = "the saved args' pipeline_num_layers"
         if counts is None:
             counts = _split_from_keys([model(tps[0], s) for s in pps], stack)
@@ -366,39 +400,85 @@ def gated_prefixes_of(model_cfg: Any, swiglu: bool) -> tuple[str, ...]:
     return tuple(out)
 
 
+def loaded_iteration(load_dir: str | Path, ckpt_step: Optional[int] = None) -> tuple[int, bool]:
+    """The iteration Megatron loads: `--ckpt-step` when given, else the tracker's."""
+    return (int(ckpt_step), False) if ckpt_step else read_iteration(load_dir)
+
+
+def saved_layouts(load_dir: str | Path, ckpt_step: Optional[int] = None) -> dict[str, tuple[int, int]]:
+    """{module: (TP, PP)} of the flow part folders in the iteration `load_dir` loads; {} when it holds none (no
+    tracker, or a coupled checkpoint)."""
+    if not (Path(load_dir) / TRACKER).is_file():
+        return {}
+    iteration, release = loaded_iteration(load_dir, ckpt_step)
+    folders = rank_folders(Path(load_dir) / ("release" if release else f"iter_{iteration:07d}"))
+    return {module: (len({k[1] for k in folders if k[0] == module}), len({k[2] for k in folders if k[0] == module}))
+            for module in sorted({k[0] for k in folders if k[0] is not None})}
+
+
+def weights_only(args: Any) -> bool:
+    """The job loads weights only: --finetune, or --no-load-optim with --no-load-rng (Megatron keeps the iteration)."""
+    return bool(getattr(args, "finetune", False) or (getattr(args, "no_load_optim", False)
+                                                     and getattr(args, "no_load_rng", False)))
+
+
+RESPLIT_HINT = ("its optimizer state and RNG are per saved rank: resume with the layout it was saved with, or load "
+                "only its weights, re-split, with --no-load-optim --no-load-rng (iteration and data position kept) "
+                "or --finetune (from iteration 0)")
+
+
 def load_for_part(ctx: Any, load: Callable[..., Any], load_dir: Any, args: Any, rank0: bool, *more: Any,
                   **kwargs: Any) -> Any:
-    """Megatron's `_load_base_checkpoint` for a flow rank: its own part folders, or its share of a coupled one."""
+    """Megatron's `_load_base_checkpoint` for a flow rank: its own part folders as saved (a resume), its own part
+    folders of another TP/PP re-split (weights only), or its share of a coupled checkpoint (weights only)."""
     tracker = Path(str(load_dir)) / TRACKER
     if rank0 or not tracker.is_file():
         return load(load_dir, args, rank0, *more, **kwargs)
-    iteration, release = read_iteration(load_dir)
+    from megatron.core import parallel_state as ps
+    from megatron.training.checkpointing import read_metadata
+
+    iteration, release = loaded_iteration(load_dir, getattr(args, "ckpt_step", None))
     iter_dir = Path(str(load_dir)) / ("release" if release else f"iter_{iteration:07d}")
     folders = rank_folders(iter_dir)
     module = PREFIX[ctx.part].rstrip(".")
-    if any(k[0] == module for k in folders) or not any(k[0] is None for k in folders):
-        return load(load_dir, args, rank0, *more, **kwargs)
-    if getattr(args, "ckpt_format", "torch") != "torch":
-        raise CheckpointError(f"{load_dir}: a coupled checkpoint loads into a flow job in --ckpt-format torch only")
-    if not (getattr(args, "finetune", False) or (getattr(args, "no_load_optim", False)
-                                                 and getattr(args, "no_load_rng", False))):
-        raise CheckpointError(f"{load_dir} is a coupled checkpoint: its optimizer state and RNG do not carry over to "
-                              "separate parts; load it with --finetune (or --no-load-optim --no-load-rng), or convert "
-                              "it with `mindspeed-flow convert-checkpoint --to decoupled`")
-    from megatron.core import parallel_state as ps
 
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    saved = saved_layouts(load_dir, getattr(args, "ckpt_step", None)).get(module)
+    coupled = any(k[0] is None for k in folders)
+    if saved == (tp, pp) or (saved is None and not coupled):  # a resume (or nothing to read: Megatron says so)
+        loaded = load(load_dir, args, rank0, *more, **kwargs)
+        if isinstance(loaded, tuple) and loaded and isinstance(loaded[0], dict):
+            complete_param_groups(loaded[0].get("optimizer"))  # saved before the keys were filled in at build
+        return loaded
+    what = (f"{load_dir} holds {module} at TP {saved[0]} PP {saved[1]} and this job runs it at TP {tp} PP {pp}"
+            if saved else f"{load_dir} is a coupled checkpoint")
+    if getattr(args, "ckpt_format", "torch") != "torch":
+        raise CheckpointError(f"{what}: it loads into a flow job in --ckpt-format torch only")
+    if not weights_only(args):
+        hint = RESPLIT_HINT if saved else ("its optimizer state and RNG do not carry over to separate parts; load it "
+                                           "with --finetune (or --no-load-optim --no-load-rng), or convert it with "
+                                           "`mindspeed-flow convert-checkpoint --to decoupled`")
+        raise CheckpointError(f"{what}: {hint}")
+    # Megatron's loader reads the tracker with a MAX all-reduce over the world; a part resuming as saved runs it,
+    # so a part re-splitting here must too (the collective is matched rank for rank).
+    read_metadata(str(tracker))
     gated = gated_prefixes_of(args.mm.model, bool(getattr(args, "swiglu", False)))
     layers = ([int(args.mm.model.image_encoder.vision_encoder.num_layers)] if ctx.is_encoder
               else list(ctx.parts.decoder_layers))
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     model, saved_args, stats = read_for_rank(
-        iter_dir, ctx.part, tp=ps.get_tensor_model_parallel_world_size(), tp_rank=tp_rank, layers=layers,
-        pp_rank=pp_rank, gated_prefixes=gated,
-        tied=embeddings_tied(args.mm.model, bool(getattr(args, "untie_embeddings_and_output_weights", False))))
+        iter_dir, ctx.part, tp=tp, tp_rank=tp_rank, layers=layers, pp_rank=pp_rank, gated_prefixes=gated,
+        tied=embeddings_tied(args.mm.model, bool(getattr(args, "untie_embeddings_and_output_weights", False))),
+        source=module if saved else None)
+    if saved_args is not None:
+        # What this rank hands Megatron is in its own layout now, which Megatron's argument check compares.
+        saved_args = copy.copy(saved_args)
+        saved_args.tensor_model_parallel_size, saved_args.pipeline_model_parallel_size = tp, pp
     from megatron.training.checkpointing import CheckpointType
 
     if ctx.is_part_leader:
-        print(f"[mindspeed-flow] {ctx.part}: loading its tensors of the coupled checkpoint {iter_dir}", flush=True)
+        source = f"{iter_dir} (saved at TP {saved[0]} PP {saved[1]}, re-split)" if saved else f"the coupled {iter_dir}"
+        print(f"[mindspeed-flow] {ctx.part}: loading its tensors of {source}", flush=True)
     print(f"[mindspeed-flow] rank {ctx.rank} ({ctx.part} tp{tp_rank} pp{pp_rank}): {stats.line()}", flush=True)
     state = {"model": model, "args": saved_args, "iteration": iteration, "checkpoint_version": 3.0}
     return state, str(iter_dir), release, CheckpointType.LEGACY

@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mindspeed_flow.config.schema import FlowJobConfig, PackingConfig
+from mindspeed_flow.hosts.mindspeed_mm import checkpoint
 from mindspeed_flow.topology import BACKBONE, ENCODER, PartLayout
 
 # The MindSpeed-MM modules each part builds (`model_provider(modules=...)`); an audio encoder would be a third part.
@@ -447,12 +448,29 @@ def parts_for_job(recipe_path: str | Path, argv: list[str], world_size: int,
     parts = build_parts(job, world_size=world_size, model=model, global_batch_size=gbs, micro_batch_size=mbs,
                         recipe_name=Path(recipe_path).name,
                         recipe_global_batch_size=None if stated is None else int(stated))
+    check_resume_layout(argv, parts)
     run_dir = flow_run_dir(OmegaConf.select(raw, "run_dir"), argv)
     if job.trainer.trace and run_dir is None:
         raise FlowRecipeError(f"{Path(recipe_path).name}: trainer.trace=true: the trace goes to RUN_DIR/trace.json but "
                               "the job has no run directory; set run_dir in the recipe, or give the job "
                               "--tensorboard-dir or --save")
     return replace(parts, run_dir=run_dir, trace=bool(job.trainer.trace))
+
+
+def check_resume_layout(argv: list[str], parts: FlowParts) -> None:
+    """A flow checkpoint under --load whose parts were saved in another TP/PP than the recipe's: refused before any
+    rank starts unless the job loads weights only (each rank then reads its share, re-split)."""
+    load = argv_value(argv, "--load")
+    if not load:
+        return
+    saved = checkpoint.saved_layouts(load, int(argv_value(argv, "--ckpt-step", "0") or 0) or None)
+    modules = {ENCODER: "image_encoder", BACKBONE: "text_decoder"}
+    moved = [f"{modules[p.name]} at TP {saved[modules[p.name]][0]} PP {saved[modules[p.name]][1]} (the recipe: TP "
+             f"{p.tp} PP {p.pp})" for p in parts.layouts
+             if modules.get(p.name) in saved and saved[modules[p.name]] != (p.tp, p.pp)]
+    weights_only = "--finetune" in argv or ("--no-load-optim" in argv and "--no-load-rng" in argv)
+    if moved and not weights_only:
+        raise FlowRecipeError(f"--load {load}: saved with {', '.join(moved)}; {checkpoint.RESPLIT_HINT}")
 
 
 def flow_run_dir(stated: Optional[str], argv: list[str]) -> Optional[str]:
