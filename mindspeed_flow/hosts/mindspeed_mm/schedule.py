@@ -545,7 +545,9 @@ def weighted_loss(output: dict, weights: Optional[torch.Tensor], scale: float,
             _, _, extra = original_loss(output)
     extra = dict(extra)
     extra["loss"] = reported[0]
-    return loss.view(1), extra
+    # A tensor of its own, not a view: with a pipelined decoder Megatron frees each stage's output after use
+    # (`deallocate_output_tensor`, the last stage's being this loss) and refuses a view of another tensor.
+    return loss.reshape(1).clone(), extra
 
 
 def finalize_with_global_tokens(ctx: FlowContext, finalize: Callable[..., Any]) -> Callable[..., Any]:
