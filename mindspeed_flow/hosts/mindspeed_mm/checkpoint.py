@@ -477,7 +477,8 @@ def load_for_part(ctx: Any, load: Callable[..., Any], load_dir: Any, args: Any, 
     from megatron.training.checkpointing import CheckpointType
 
     if ctx.is_part_leader:
-        source = f"{iter_dir} (saved at TP {saved[0]} PP {saved[1]}, re-split)" if saved else f"the coupled checkpoint {iter_dir}"
+        source = (f"{iter_dir} (saved at TP {saved[0]} PP {saved[1]}, re-split)" if saved
+                  else f"the coupled checkpoint {iter_dir}")
         print(f"[mindspeed-flow] {ctx.part}: loading its tensors of {source}", flush=True)
     print(f"[mindspeed-flow] rank {ctx.rank} ({ctx.part} tp{tp_rank} pp{pp_rank}): {stats.line()}", flush=True)
     state = {"model": model, "args": saved_args, "iteration": iteration, "checkpoint_version": 3.0}
