@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from mindspeed_flow.hosts.mindspeed_mm import context as flow_context
-from mindspeed_flow.hosts.mindspeed_mm import packed
+from mindspeed_flow.hosts.mindspeed_mm import host, packed
+from mindspeed_flow.hosts.mindspeed_mm.checkpoint import (complete_param_groups, is_flow_iteration, load_for_part,
+                                                          part_checkpoint_name)
+from mindspeed_flow.hosts.mindspeed_mm.schedule import global_grad_norm
+from mindspeed_flow.telemetry.trace import span
 
 
 @dataclass(frozen=True)
@@ -150,8 +155,6 @@ def pretrain_wrapper(pretrain: Callable) -> Callable:
         if ctx is None:
             return pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
                             *args, **kwargs)
-        from mindspeed_flow.hosts.mindspeed_mm import host
-
         flow = host.FlowHost(ctx)
         out = pretrain(flow.dataset_provider(train_valid_test_dataset_provider), flow.model_provider(model_provider),
                        model_type, flow.forward_step(forward_step_func), *args, **kwargs)
@@ -168,8 +171,6 @@ def get_forward_backward_func_wrapper(get_fbf: Callable) -> Callable:
         ctx = flow_context.current()
         if ctx is None:
             return fbf
-        from mindspeed_flow.hosts.mindspeed_mm import host
-
         return host.active().forward_backward_func(fbf)
 
     return wrapped
@@ -182,8 +183,6 @@ def get_grad_norm_fp32_wrapper(get_norm: Callable) -> Callable:
         ctx = flow_context.current()
         if ctx is None:
             return norm
-        from mindspeed_flow.hosts.mindspeed_mm.schedule import global_grad_norm
-
         return global_grad_norm(ctx, norm, float(norm_type))
 
     return wrapped
@@ -212,8 +211,6 @@ def get_megatron_optimizer_wrapper(get_optimizer: Callable) -> Callable:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         optimizer = get_optimizer(*args, **kwargs)
         if flow_context.current() is not None:
-            from mindspeed_flow.hosts.mindspeed_mm.checkpoint import complete_param_groups
-
             complete_param_groups(optimizer)
         return optimizer
 
@@ -227,8 +224,6 @@ def get_checkpoint_name_wrapper(get_name: Callable) -> Callable:
         ctx = flow_context.current()
         if ctx is None:
             return name
-        from mindspeed_flow.hosts.mindspeed_mm.checkpoint import part_checkpoint_name
-
         return part_checkpoint_name(name, ctx.part)
 
     return wrapped
@@ -237,8 +232,6 @@ def get_checkpoint_name_wrapper(get_name: Callable) -> Callable:
 def get_checkpoint_format_wrapper(get_format: Callable) -> Callable:
     @functools.wraps(get_format)
     def wrapped(checkpoint_name: Any) -> str:
-        from mindspeed_flow.hosts.mindspeed_mm.checkpoint import is_flow_iteration
-
         if flow_context.current() is not None and is_flow_iteration(checkpoint_name):
             return "torch"
         return get_format(checkpoint_name)
@@ -252,8 +245,6 @@ def load_base_checkpoint_wrapper(load: Callable) -> Callable:
         ctx = flow_context.current()
         if ctx is None:
             return load(load_dir, args, rank0, *more, **kwargs)
-        from mindspeed_flow.hosts.mindspeed_mm.checkpoint import load_for_part
-
         return load_for_part(ctx, load, load_dir, args, rank0, *more, **kwargs)
 
     return wrapped
@@ -265,14 +256,10 @@ def training_log_wrapper(training_log: Callable) -> Callable:
 
     @functools.wraps(training_log)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        import time
-
         entered_at = time.time()
         out = training_log(*args, **kwargs)
         ctx = flow_context.current()
         if ctx is not None:
-            from mindspeed_flow.hosts.mindspeed_mm import host
-
             given = dict(zip(names, args), **kwargs)
             host.active().log_iteration(given.get("iteration"), entered_at, loss_dict=given.get("loss_dict"),
                                         lr=given.get("learning_rate"), grad_norm=given.get("grad_norm"))
@@ -286,8 +273,6 @@ def backward_step_wrapper(backward_step: Callable) -> Callable:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if flow_context.current() is None:
             return backward_step(*args, **kwargs)
-        from mindspeed_flow.telemetry.trace import span
-
         with span("decoder.backward", "busy"):  # costs one global lookup when tracing is off
             return backward_step(*args, **kwargs)
 

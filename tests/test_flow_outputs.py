@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from mindspeed_flow.hosts.mindspeed_mm.context import PartFigures, StepCounts, StepStats
 from mindspeed_flow.hosts.mindspeed_mm.metrics import FLOW_SCALARS, FlowMetrics, flow_line, set_aside
 from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, flow_run_dir, parts_for_job
 from mindspeed_flow.runtime import report
@@ -17,21 +18,23 @@ from mindspeed_flow.telemetry import trace
 from mindspeed_flow.telemetry.metrics import MetricsFile, machine_peak_flops
 from mindspeed_flow.telemetry.tensorboard import TensorBoardSink
 
-COUNTERS = {"real_tokens": 150.0, "padded_tokens": 200.0, "samples": 4.0, "microbatches": 4.0,
-            "microbatches_per_rank": 2.0, "model_flops": 2e12, "encoder_busy_s": 0.3, "encoder_wait_s": 0.1,
-            "decoder_busy_s": 0.5, "decoder_wait_s": 0.2, "transfer_exposed_s": 0.25, "transfer_window_s": 0.4,
-            "embedding_bytes": 4096.0, "grad_bytes_sent": 4096.0, "grad_norm_global": 5.0, "grad_norm_part": 4.0}
+STATS = StepStats(counts=StepCounts(samples=4, real_tokens=150, padded_tokens=200, microbatches=4,
+                                     microbatches_per_rank=2, model_flops=2e12),
+                  reduced=PartFigures(encoder_busy_s=0.3, encoder_wait_s=0.1, decoder_busy_s=0.5, decoder_wait_s=0.2,
+                                      transfer_exposed_s=0.25, transfer_window_s=0.4, embedding_bytes=4096.0,
+                                      grad_bytes_sent=4096.0),
+                  grad_norm_global=5.0, grad_norm_part=4.0)
 
 
 def test_flow_line_has_the_torch_hosts_fields_and_the_parts_norms() -> None:
-    line = flow_line(3, COUNTERS, loss=2.5, lr=1e-3, grad_norm=5.0, seconds=2.0, peak_flops=1e12,
+    line = flow_line(3, STATS, loss=2.5, lr=1e-3, grad_norm=5.0, seconds=2.0, peak_flops=1e12,
                      encoder_trainable=True)
     assert line["step"] == 3 and line["padding_fraction"] == pytest.approx(0.25)
     assert line["grad_norm_encoder"] == pytest.approx(3.0)  # 5^2 = 4^2 + 3^2
     assert line["transfer_hidden_s"] == pytest.approx(0.15) and line["transfer_exposed_s"] == 0.25
     assert line["mfu"] == pytest.approx(1.0)  # 2e12 FLOPs in 2 s on 1e12 FLOP/s
     assert (line["backbone_busy_s"], line["backbone_wait_s"]) == (0.5, 0.2)
-    frozen = flow_line(3, COUNTERS, loss=2.5, lr=1e-3, grad_norm=5.0, seconds=2.0, peak_flops=float("nan"),
+    frozen = flow_line(3, STATS, loss=2.5, lr=1e-3, grad_norm=5.0, seconds=2.0, peak_flops=float("nan"),
                        encoder_trainable=False)
     assert frozen["grad_norm_encoder"] is None and frozen["encoder_busy_s"] is None and frozen["mfu"] is None
     # every curve the torch host draws from a field this line has is written, plus the flow job's own
@@ -85,8 +88,8 @@ def test_a_fresh_flow_run_moves_the_earlier_runs_files_aside(tmp_path) -> None:
     (tmp_path / "trace").mkdir()
     (tmp_path / "trace" / "rank-00000.json").write_text("{}")
     metrics = FlowMetrics(tmp_path, None, float("nan"), "no peak", encoder_trainable=True)
-    metrics.write(1, COUNTERS, loss=1.0, lr=0.1, grad_norm=5.0, logged_at=10.0, step_started_at=9.0)
-    metrics.write(2, COUNTERS, loss=0.9, lr=0.1, grad_norm=5.0, logged_at=10.5, step_started_at=10.1)
+    metrics.write(1, STATS, loss=1.0, lr=0.1, grad_norm=5.0, logged_at=10.0, step_started_at=9.0)
+    metrics.write(2, STATS, loss=0.9, lr=0.1, grad_norm=5.0, logged_at=10.5, step_started_at=10.1)
     metrics.close()
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [ln["step"] for ln in lines] == [1, 2] and [ln["step_seconds"] for ln in lines] == [1.0, 0.5]
@@ -100,7 +103,7 @@ def test_tensorboard_sink_writes_prefixed_tags(tmp_path) -> None:
 
     sink = TensorBoardSink(tmp_path, 1, prefix="flow/", scalars=FLOW_SCALARS)
     for step in (1, 2):
-        sink.write(flow_line(step, COUNTERS, loss=3.0 - step, lr=1e-3, grad_norm=5.0, seconds=1.0, peak_flops=1e13,
+        sink.write(flow_line(step, STATS, loss=3.0 - step, lr=1e-3, grad_norm=5.0, seconds=1.0, peak_flops=1e13,
                              encoder_trainable=True))
     sink.close()
     acc = EventAccumulator(str(tmp_path))
@@ -141,7 +144,7 @@ def test_trace_merge_and_report_draw_a_flow_jobs_run(tmp_path) -> None:
     assert {e["tid"] for e in merged if e["ph"] == "X"} == {0, 1, 2}
     metrics = MetricsFile(tmp_path)
     for step in (1, 2, 3):
-        metrics.write(flow_line(step, COUNTERS, loss=3.0 / step, lr=1e-3, grad_norm=5.0, seconds=1.0,
+        metrics.write(flow_line(step, STATS, loss=3.0 / step, lr=1e-3, grad_norm=5.0, seconds=1.0,
                                 peak_flops=1e13, encoder_trainable=True))
     assert report.main([str(tmp_path), "--out", str(tmp_path / "png")]) == 0
     with Image.open(tmp_path / "png" / "timeline.png") as img:

@@ -143,6 +143,7 @@ def test_every_mindspeed_mm_flow_recipe_builds_its_parts(recipe) -> None:
     ("moe", "text_decoder.num_moe_experts=8: MoE decoders"),
     ("ep", "--expert-model-parallel-size 2: expert parallelism"),
     ("cp", "--context-parallel-size 2: flow parts run without context parallelism"),
+    ("fsdp2", "--use-torch-fsdp2: Megatron's FSDP wrapper is not supported per flow part yet"),
     ("video", "dataset_param.attr.videos='videos': video samples (pixel_values_videos, video_grid_thw)"),
     ("sampler", "dataloader_param.sampler_type='LengthGroupedSampler'"),
     ("ckpt", "--ckpt-format torch_dist (Megatron default): a flow job saves and loads Megatron's torch format"),
@@ -164,7 +165,7 @@ def test_what_the_host_cannot_take_is_refused_by_name(tmp_path, case, want) -> N
         (tmp_path / "data.json").write_text(json.dumps(data))
         argv += ["--mm-data", str(tmp_path / "data.json")]
     argv += {"ep": ["--expert-model-parallel-size", "2"], "cp": ["--context-parallel-size", "2"],
-             "ckpt": ["--save", str(tmp_path / "ck")]}.get(case, [])
+             "ckpt": ["--save", str(tmp_path / "ck")], "fsdp2": ["--use-torch-fsdp2"]}.get(case, [])
     with pytest.raises(FlowRecipeError) as err:
         parts_for_job(recipe, argv, 3, script=script)
     assert want in str(err.value), str(err.value)
@@ -481,3 +482,29 @@ def test_saved_bytes_counts_activations_once_and_not_parameters() -> None:
     peak = HeldPeak()
     peak.add(10), peak.add(5), peak.drop(10), peak.add(7)
     assert (peak.peak_groups, peak.peak_bytes, peak.groups, peak.bytes) == (2, 15, 2, 12)
+
+
+def _saved(root: Path, iteration: int, folders: list[str]) -> None:
+    for name in folders:
+        (root / f"iter_{iteration:07d}" / name).mkdir(parents=True)
+        (root / f"iter_{iteration:07d}" / name / "model_optim_rng.pt").write_bytes(b"")
+    (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
+def test_resume_in_another_layout_is_refused_unless_weights_only(tmp_path) -> None:
+    """A flow checkpoint whose decoder was saved at PP 2, loaded by a recipe with the decoder at PP 1: refused before
+    any rank starts, naming the part and both layouts; accepted when the job loads weights only (each rank then
+    re-splits its share); `--ckpt-step` picks the iteration whose layout counts."""
+    ckpt = tmp_path / "ckpt"
+    _saved(ckpt, 4, ["mp_image_encoder_rank_00", "mp_text_decoder_rank_00_000", "mp_text_decoder_rank_00_001"])
+    _saved(ckpt, 8, ["mp_image_encoder_rank_00", "mp_text_decoder_rank_00"])
+    model = _model_json(tmp_path)
+    argv = _argv(model) + ["--ckpt-format", "torch", "--load", str(ckpt), "--use-distributed-optimizer"]
+    recipe = _recipe(tmp_path, "parallel:\n  encoder: {dp: 1}\n  backbone: {dp: 2}\n")
+    parts_for_job(recipe, argv, 3)  # iteration 8 was saved in this layout
+    with pytest.raises(FlowRecipeError) as err:
+        parts_for_job(recipe, argv + ["--ckpt-step", "4"], 3)
+    assert "saved with text_decoder at TP 1 PP 2 (the recipe: TP 1 PP 1)" in str(err.value), str(err.value)
+    assert "--no-load-optim --no-load-rng" in str(err.value)
+    parts_for_job(recipe, argv + ["--ckpt-step", "4", "--no-load-optim", "--no-load-rng"], 3)
+    parts_for_job(recipe, argv + ["--ckpt-step", "4", "--finetune"], 3)

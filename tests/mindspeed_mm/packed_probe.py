@@ -20,17 +20,28 @@ from pathlib import Path
 import torch
 
 
+class _Holder:
+    """Where the probe's packed forward keeps its PackedSeqParams (a flow job keeps them on its FlowContext)."""
+
+    packed_params = None
+
+
+HOLDER = _Holder()
+
+
 def _install_packed_wrappers() -> None:
-    """The flow patch set's packed wrappers, put in place directly (this probe runs without a flow recipe)."""
+    """The flow patch set's packed wrappers, put in place directly (this probe runs without a flow recipe), reading
+    the probe's holder instead of a flow context."""
     from mindspeed_mm.models import vlm_model
     from mindspeed_mm.models.common import mm_gpt_model
     from mindspeed_mm.models.vision.vision_encoders import qwen2vl_vit_model
 
     from mindspeed_flow.hosts.mindspeed_mm import packed
 
+    packed_of = lambda: HOLDER.packed_params  # noqa: E731
     vlm_model.prepare_positionsids_mask_for_llm = packed.positions_and_mask_wrapper(
-        vlm_model.prepare_positionsids_mask_for_llm)
-    mm_gpt_model.MMGPTModel.forward = packed.decoder_forward_wrapper(mm_gpt_model.MMGPTModel.forward)
+        vlm_model.prepare_positionsids_mask_for_llm, packed_of)
+    mm_gpt_model.MMGPTModel.forward = packed.decoder_forward_wrapper(mm_gpt_model.MMGPTModel.forward, packed_of)
     qwen2vl_vit_model.apply_multimodal_rotary_pos_emb = packed.multimodal_rope_wrapper(
         qwen2vl_vit_model.apply_multimodal_rotary_pos_emb)
 
@@ -64,7 +75,7 @@ def _probe(batch: dict, model) -> dict:
             feed["pixel_values"] = torch.cat(pix).to(device=device, dtype=args.params_dtype)
             feed["image_grid_thw"] = torch.cat([s.image_grid_thw for s in group
                                                 if s.image_grid_thw is not None]).to(device)
-        with torch.no_grad(), packed_forward(row.packed_seq_params()):
+        with torch.no_grad(), packed_forward(HOLDER, row.packed_seq_params()):
             out = model(**feed)
         logits = out["logits"][0].float().cpu()
         return list(torch.split(logits, row.segments[:row.samples]))

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field, fields
 from typing import Any, Callable, Iterator, Optional
 
 import torch.distributed as dist
@@ -34,6 +34,8 @@ import torch.distributed as dist
 from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowParts, PART_MODULES
 from mindspeed_flow.topology import BACKBONE, ENCODER
 
+# The one registry the patch mechanism needs: MindSpeed's patches are plain functions that find the rank's flow
+# state here. Everything else a flow rank holds lives on its FlowContext.
 _CONTEXT: Optional["FlowContext"] = None
 
 
@@ -48,6 +50,66 @@ def install(ctx: Optional["FlowContext"]) -> None:
 
 
 @dataclass
+class StepCounts:
+    """What a step's plan holds; every rank plans the step, so these need no communication."""
+
+    samples: int = 0  # samples trained (oversize ones skipped)
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    microbatches: int = 0  # over every decoder replica
+    microbatches_per_rank: int = 0
+    model_flops: float = 0.0  # FLOPs of the samples trained, padding excluded (for MFU)
+
+
+@dataclass
+class PartFigures:
+    """One step's per-part figures, summed over the trainable parts by one all-reduce: each part leader adds its
+    part's busy/wait seconds (the encoder leader also the peak of groups and activation bytes its replica held),
+    every decoder rank adds what it moved (`DecoderStep._transfer_stats`)."""
+
+    encoder_busy_s: float = 0.0
+    encoder_wait_s: float = 0.0
+    decoder_busy_s: float = 0.0
+    decoder_wait_s: float = 0.0
+    grad_bytes_sent: float = 0.0
+    embedding_bytes: float = 0.0
+    transfer_exposed_s: float = 0.0  # blocked on embeddings
+    transfer_window_s: float = 0.0  # receives posted to last embedding taken
+    encoder_held_groups: float = 0.0
+    encoder_held_bytes: float = 0.0
+
+    def as_list(self) -> list[float]:
+        return [float(v) for v in astuple(self)]
+
+    @staticmethod
+    def from_list(values: list[float]) -> "PartFigures":
+        return PartFigures(*values[:len(fields(PartFigures))])
+
+
+@dataclass
+class StepStats:
+    """What the running step measured; the writer rank's iteration line and metrics.jsonl read it."""
+
+    counts: StepCounts = field(default_factory=StepCounts)
+    own: PartFigures = field(default_factory=PartFigures)  # this rank's, before the reduction
+    pending: Any = None  # the reduction's device tensor ([global tokens] + PartFigures), read at log time
+    reduced: Optional[PartFigures] = None  # the step's sums, once read
+    global_tokens: Optional[int] = None  # per-token loss: the global loss-token count
+    grad_norm_part: Optional[float] = None  # this part's gradient norm (decoder on the writer rank)
+    grad_norm_global: Optional[float] = None  # over every trainable part
+
+    def read_pending(self) -> None:
+        """Move the reduced device tensor into `reduced` / `global_tokens` (one device read per step)."""
+        if self.pending is None:
+            return
+        values = self.pending.tolist()
+        self.pending = None
+        if values[0] > 0:
+            self.global_tokens = int(values[0])
+        self.reduced = PartFigures.from_list(values[1:])
+
+
+@dataclass
 class FlowContext:
     parts: FlowParts
     rank: int
@@ -57,10 +119,12 @@ class FlowContext:
     header_group: Any = None  # bridge ranks on gloo: the small headers that check each payload against the plan
     device: Any = None  # where the job's tensors live (the NPU; set once the device is chosen)
     timer: Any = None  # the running step's PartTimer (busy/wait seconds)
-    counters: dict[str, float] = field(default_factory=dict)
-    pending_stats: Any = None  # the last step's device-side token count and part timings, read at log time
-    # this decoder rank's transfers in the running step (bytes, seconds), read by finalize into the step's stats
-    step_transfer: Callable[[], dict[str, float]] = dict
+    stats: StepStats = field(default_factory=StepStats)
+    # this decoder rank's transfers in the running step, added by finalize into `stats.own`
+    step_transfer: Callable[[PartFigures], None] = lambda figures: None
+    host: Any = None  # the rank's FlowHost (hosts.mindspeed_mm.host), set when MindSpeed-MM's pretrain starts
+    packed_params: Any = None  # the PackedSeqParams of the packed forward in progress (packed.packed_forward)
+    shapes: dict[str, list] = field(default_factory=lambda: {"segments": [], "images": []})  # memory.record
     metrics_group: Any = None  # gloo over every rank: the CPU peak measurement and the end-of-run trace merge
     step_started_at: float = 0.0  # time.time() when this rank's running step began
     watchdog: Any = None  # the hang watchdog's heartbeat thread (started once the world's store exists)

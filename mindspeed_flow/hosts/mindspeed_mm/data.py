@@ -51,6 +51,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from mindspeed_flow.data.shapes import SampleShape
+from mindspeed_flow.hosts.mindspeed_mm.context import StepCounts
 from mindspeed_flow.hosts.mindspeed_mm.index import MetadataIndex, SampleMeta
 from mindspeed_flow.hosts.mindspeed_mm.packed import padded_length
 from mindspeed_flow.packing import CostModel
@@ -122,7 +123,7 @@ class FlowStep:
     step: int
     samples: dict[int, FlowSample]
     work: StepWork
-    counts: dict[str, float] = field(default_factory=dict)
+    counts: StepCounts = field(default_factory=StepCounts)
 
     def microbatches(self, dp_rank: int) -> list[list[int]]:
         return [mb.sample_ids for mb in self.work.plan.microbatches[dp_rank]]
@@ -402,8 +403,8 @@ class FlowStepSource:
         trained = [sh for sh in shapes if sh.sample_id not in skipped]
         flops = sum(self.cost_model.sample_cost(sh.llm_tokens)
                     + self.encoder_flops_scale * self.cost_model.encoder_cost(sh) for sh in trained)
-        step.counts = {"real_tokens": float(plan.real_tokens), "padded_tokens": float(padded),
-                       "microbatches_per_rank": float(plan.num_slots), "samples": float(len(trained)),
-                       "microbatches": float(sum(len(row) for row in plan.microbatches)), "model_flops": float(flops)}
+        step.counts = StepCounts(samples=len(trained), real_tokens=int(plan.real_tokens), padded_tokens=int(padded),
+                                 microbatches=sum(len(row) for row in plan.microbatches),
+                                 microbatches_per_rank=int(plan.num_slots), model_flops=float(flops))
         self.step += 1
         return step

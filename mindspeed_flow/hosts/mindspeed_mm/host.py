@@ -26,14 +26,15 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from mindspeed_flow.hosts.mindspeed_mm import context as flow_context
 from mindspeed_flow.hosts.mindspeed_mm import memory as flow_memory
-from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext
+from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext, PartFigures
 from mindspeed_flow.hosts.mindspeed_mm.data import (LAYOUT_PACKED, LAYOUT_ROWS, FlowStepSource, IndexedReads,
                                                     ReplicaView, SideNeeds, WholeBatchReads, sample_meta)
 from mindspeed_flow.hosts.mindspeed_mm.index import index_folder, index_inputs, load_or_build
 from mindspeed_flow.hosts.mindspeed_mm.metrics import FlowMetrics, loss_value
 from mindspeed_flow.hosts.mindspeed_mm.schedule import (DecoderStep, EncoderStep, finalize_with_global_tokens,
-                                                        loss_mode, read_pending_stats)
+                                                        loss_mode)
 from mindspeed_flow.packing import CostModel
 from mindspeed_flow.pool.planned import PlannedTransport
 from mindspeed_flow.skus import EMULATED_NPU_NAME
@@ -41,14 +42,14 @@ from mindspeed_flow.telemetry import trace
 from mindspeed_flow.telemetry.metrics import machine_peak_flops
 from mindspeed_flow.topology import Bridge
 
-_ACTIVE: Optional["FlowHost"] = None
-
 
 def active() -> "FlowHost":
-    if _ACTIVE is None:
+    """The rank's flow host (its FlowContext holds it once MindSpeed-MM's pretrain started through the patch)."""
+    ctx = flow_context.current()
+    if ctx is None or ctx.host is None:
         raise RuntimeError("mindspeed-flow: the flow host is not set up (mindspeed_mm.training.pretrain was not "
                            "called through the flow patch)")
-    return _ACTIVE
+    return ctx.host
 
 
 def _cfg(node: Any, key: str, default: Any = None) -> Any:
@@ -195,13 +196,13 @@ def report_decoder_stage(model: Any, split: tuple[int, ...], source: str) -> Non
 
 class FlowHost:
     def __init__(self, ctx: FlowContext) -> None:
-        global _ACTIVE
         self.ctx = ctx
         self._step: Any = None
         self.metrics: Optional[FlowMetrics] = None  # on the writer rank, when the job has a run folder
         self.fbf_done_at = 0.0  # time.time() when this rank's forward-backward of the running step returned
         self._memory_steps = 0  # forward-backwards run (the step number of the memory line, MSF_FLOW_MEMORY=1)
-        _ACTIVE = self
+        self._finalize_wrapped = False  # Megatron's finalize_model_grads_func wrapped (once per model config)
+        ctx.host = self
 
     @property
     def is_writer(self) -> bool:
@@ -303,24 +304,22 @@ class FlowHost:
                     self.ctx, megatron_fbf, factory, hidden, args.params_dtype, loss=loss_mode(args),
                     pad_multiple=sequence_pad_multiple(self.ctx, args),
                     loader_batches=args.global_batch_size // args.micro_batch_size, layout=decoder_layout(self.ctx, args))
-        step = self._step
-        if isinstance(step, DecoderStep):
-            step.megatron_fbf = megatron_fbf
+        step = self._step  # Megatron's schedule function is fixed by the pipeline size: the one given first
 
         def run(*args: Any, **kwargs: Any) -> Any:
             from megatron.core.utils import get_model_config
 
             config = get_model_config(kwargs["model"][0])
-            if not getattr(config, "_flow_finalize", False):
+            if not self._finalize_wrapped:
                 config.finalize_model_grads_func = finalize_with_global_tokens(self.ctx,
                                                                                config.finalize_model_grads_func)
-                config._flow_finalize = True
+                self._finalize_wrapped = True
             before = flow_memory.point()
             out = step(*args, **kwargs)
             self.fbf_done_at = time.time()
             self._memory_steps += 1
             flow_memory.report(self.ctx.rank, "encoder" if self.ctx.is_encoder else "decoder", self._memory_steps,
-                               before, kwargs["model"])
+                               before, kwargs["model"], self.ctx.shapes)
             return out
 
         return run
@@ -377,28 +376,27 @@ class FlowHost:
             tracer.complete("optimizer", self.fbf_done_at, entered_at, "optimizer")
         if not self.is_writer:
             return
-        read_pending_stats(self.ctx)
-        c = self.ctx.counters
+        stats = self.ctx.stats
+        stats.read_pending()
         if self.metrics is not None:
-            self.metrics.write(int(iteration), c, loss=loss_value(loss_dict), lr=lr,
+            self.metrics.write(int(iteration), stats, loss=loss_value(loss_dict), lr=lr,
                                grad_norm=None if grad_norm is None else float(grad_norm), logged_at=entered_at,
                                step_started_at=self.ctx.step_started_at)
+        f = stats.reduced or PartFigures()
         parts = []
         if self.ctx.parts.encoder_trainable:
-            parts.append(f"encoder busy {c.get('encoder_busy_s', 0.0):.3f} s wait {c.get('encoder_wait_s', 0.0):.3f} s")
-        parts.append(f"decoder busy {c.get('decoder_busy_s', 0.0):.3f} s wait {c.get('decoder_wait_s', 0.0):.3f} s")
-        extra = f" | global tokens {int(c['global_tokens'])}" if "global_tokens" in c else ""
-        if "grad_norm_global" in c:
-            extra += f" | grad norm global {c['grad_norm_global']:.4f} (decoder part {c['grad_norm_part']:.4f})"
-        if "grad_bytes_sent" in c:
-            extra += f" | gradient bytes sent {int(c['grad_bytes_sent'])} (decoder, this step)"
-        pad = ""
-        if "encoder_held_groups" in c and self.ctx.parts.encoder_trainable:
+            parts.append(f"encoder busy {f.encoder_busy_s:.3f} s wait {f.encoder_wait_s:.3f} s")
+        parts.append(f"decoder busy {f.decoder_busy_s:.3f} s wait {f.decoder_wait_s:.3f} s")
+        extra = f" | global tokens {stats.global_tokens}" if stats.global_tokens is not None else ""
+        if stats.grad_norm_global is not None:
+            extra += f" | grad norm global {stats.grad_norm_global:.4f} (decoder part {stats.grad_norm_part:.4f})"
+        if stats.reduced is not None:
+            extra += f" | gradient bytes sent {int(f.grad_bytes_sent)} (decoder, this step)"
+        if stats.reduced is not None and self.ctx.parts.encoder_trainable:
             # The peak of decoder microbatch groups whose ViT activations encoder dp0 held at once, and their bytes.
-            extra += (f" | encoder held {int(c['encoder_held_groups'])} groups {int(c['encoder_held_bytes'])} bytes "
+            extra += (f" | encoder held {int(f.encoder_held_groups)} groups {int(f.encoder_held_bytes)} bytes "
                       f"(peak, encoder dp0, bound {self.ctx.parts.encoder_inflight})")
-        if c.get("padded_tokens"):
-            pad = f" | padding {1 - c['real_tokens'] / c['padded_tokens']:.1%}"
-        if "microbatches_per_rank" in c:
-            pad += f" | microbatches {int(c['microbatches_per_rank'])}"
+        c = stats.counts
+        pad = f" | padding {1 - c.real_tokens / c.padded_tokens:.1%}" if c.padded_tokens else ""
+        pad += f" | microbatches {c.microbatches_per_rank}"
         print(f" [flow] iteration {iteration} | " + " | ".join(parts) + pad + extra, flush=True)

@@ -18,17 +18,16 @@ import torch
 
 MEMORY_ENV = "MSF_FLOW_MEMORY"
 
-_SHAPES: dict[str, list] = {"segments": [], "images": []}
-
 
 def enabled() -> bool:
     return os.environ.get(MEMORY_ENV) == "1"
 
 
-def record(kind: str, value: Any) -> None:
-    """Note one shape of the running step: "segments" (a decoder microbatch) or "images" (an encoder group)."""
+def record(shapes: dict[str, list], kind: str, value: Any) -> None:
+    """Note one shape of the running step in `shapes` (the rank's `FlowContext.shapes`): "segments" (a decoder
+    microbatch) or "images" (an encoder group)."""
     if enabled():
-        _SHAPES[kind].append(value)
+        shapes[kind].append(value)
 
 
 def point() -> Optional[tuple[int, int]]:
@@ -38,7 +37,8 @@ def point() -> Optional[tuple[int, int]]:
     return int(torch.cuda.memory_allocated()), int(torch.cuda.max_memory_allocated())
 
 
-def report(rank: int, part: str, step: int, before: Optional[tuple[int, int]], model: list) -> None:
+def report(rank: int, part: str, step: int, before: Optional[tuple[int, int]], model: list,
+           recorded: dict[str, list]) -> None:
     """The rank's line for one forward-backward (see the module docstring), with the parameters its model chunks
     hold (trainable, frozen: what the static memory is made of); clears the recorded shapes."""
     after = point()
@@ -47,8 +47,8 @@ def report(rank: int, part: str, step: int, before: Optional[tuple[int, int]], m
     params = [p for chunk in model for p in chunk.parameters()]
     trainable = sum(p.numel() for p in params if p.requires_grad)
     frozen = sum(p.numel() for p in params if not p.requires_grad)
-    shapes = {k: list(v) for k, v in _SHAPES.items() if v}
-    for v in _SHAPES.values():
+    shapes = {k: list(v) for k, v in recorded.items() if v}
+    for v in recorded.values():
         v.clear()
     print(f"[flow] rank {rank} ({part}) memory step {step}: at start {before[0]} bytes, peak before {before[1]} "
           f"bytes, peak after forward-backward {after[1]} bytes, at end {after[0]} bytes, parameters {trainable} "

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from mindspeed_flow.hosts.mindspeed_mm.context import PartFigures, StepStats
 from mindspeed_flow.telemetry.metrics import MFU_FORMULA, MetricsFile
 from mindspeed_flow.telemetry.tensorboard import SCALARS, Scalars, to_mib, open_sink
 
@@ -45,22 +46,19 @@ REPLACED = "replaced"
 OUTPUTS = ("metrics.jsonl", "trace.json", "trace")  # what a fresh run would overwrite
 
 
-def flow_line(iteration: int, counters: dict[str, float], *, loss: Optional[float], lr: Optional[float],
+def flow_line(iteration: int, stats: StepStats, *, loss: Optional[float], lr: Optional[float],
               grad_norm: Optional[float], seconds: float, peak_flops: float,
               encoder_trainable: bool) -> dict[str, Any]:
-    """One metrics.jsonl line from the writer's counters (`ctx.counters` after `read_pending_stats`).
+    """One metrics.jsonl line from the writer's step stats (after `StepStats.read_pending`).
 
     Field names are the torch host's where the quantity is the same (`backbone_*` is the text decoder).
     `transfer_exposed_s`: seconds the decoder's receiving ranks were blocked on embeddings (summed over them);
     `transfer_hidden_s`: the rest of their streaming windows (receives posted to last embedding taken), when
     embeddings were still arriving but the decoder computed. Encoder busy/wait and gradient norm are None with a
     frozen encoder (its part is not in the reduction that carries them)."""
-    c = counters
-    real, padded = c.get("real_tokens", 0.0), c.get("padded_tokens", 0.0)
-    flops = c.get("model_flops", 0.0)
-    exposed = c.get("transfer_exposed_s", 0.0)
-    norm = c.get("grad_norm_global", grad_norm)
-    dec_norm = c.get("grad_norm_part")
+    c, f = stats.counts, stats.reduced or PartFigures()
+    norm = stats.grad_norm_global if stats.grad_norm_global is not None else grad_norm
+    dec_norm = stats.grad_norm_part
     enc_norm = None
     if encoder_trainable and norm is not None and dec_norm is not None:
         # the global norm is the 2-norm over both parts: the encoder's follows from the two
@@ -68,27 +66,28 @@ def flow_line(iteration: int, counters: dict[str, float], *, loss: Optional[floa
     return {
         "step": int(iteration),
         "loss": loss,
-        "samples": int(c.get("samples", 0)),
-        "real_tokens": int(real),
-        "padded_tokens": int(padded),
-        "padding_fraction": 1.0 - real / padded if padded else 0.0,
-        "microbatches": int(c.get("microbatches", 0)),
-        "microbatches_per_rank": int(c.get("microbatches_per_rank", 0)),
-        "global_tokens": int(c["global_tokens"]) if "global_tokens" in c else None,
+        "samples": c.samples,
+        "real_tokens": c.real_tokens,
+        "padded_tokens": c.padded_tokens,
+        "padding_fraction": 1.0 - c.real_tokens / c.padded_tokens if c.padded_tokens else 0.0,
+        "microbatches": c.microbatches,
+        "microbatches_per_rank": c.microbatches_per_rank,
+        "global_tokens": stats.global_tokens,
         "step_seconds": seconds,
-        "encoder_busy_s": c.get("encoder_busy_s", 0.0) if encoder_trainable else None,
-        "encoder_wait_s": c.get("encoder_wait_s", 0.0) if encoder_trainable else None,
-        "backbone_busy_s": c.get("decoder_busy_s", 0.0),
-        "backbone_wait_s": c.get("decoder_wait_s", 0.0),
-        "transfer_exposed_s": exposed,
-        "transfer_hidden_s": max(c.get("transfer_window_s", 0.0) - exposed, 0.0),
-        "embedding_bytes": int(c.get("embedding_bytes", 0)),
-        "gradient_bytes": int(c.get("grad_bytes_sent", 0)),
+        "encoder_busy_s": f.encoder_busy_s if encoder_trainable else None,
+        "encoder_wait_s": f.encoder_wait_s if encoder_trainable else None,
+        "backbone_busy_s": f.decoder_busy_s,
+        "backbone_wait_s": f.decoder_wait_s,
+        "transfer_exposed_s": f.transfer_exposed_s,
+        "transfer_hidden_s": max(f.transfer_window_s - f.transfer_exposed_s, 0.0),
+        "embedding_bytes": int(f.embedding_bytes),
+        "gradient_bytes": int(f.grad_bytes_sent),
         "grad_norm": norm,
         "grad_norm_backbone": dec_norm,
         "grad_norm_encoder": enc_norm,
-        "mfu": flops / max(seconds, 1e-9) / peak_flops if math.isfinite(peak_flops) and peak_flops > 0 else None,
-        "model_tflops": flops / 1e12,
+        "mfu": (c.model_flops / max(seconds, 1e-9) / peak_flops
+                if math.isfinite(peak_flops) and peak_flops > 0 else None),
+        "model_tflops": c.model_flops / 1e12,
         "lr": lr,
     }
 
@@ -141,7 +140,7 @@ class FlowMetrics:
         print(f"[mindspeed-flow] metrics: {file.path} ({how}); {MFU_FORMULA} ({self.peak_desc})", flush=True)
         return file
 
-    def write(self, iteration: int, counters: dict[str, float], *, loss: Optional[float], lr: Optional[float],
+    def write(self, iteration: int, stats: StepStats, *, loss: Optional[float], lr: Optional[float],
               grad_norm: Optional[float], logged_at: float, step_started_at: float) -> dict[str, Any]:
         """`logged_at`: when Megatron's `training_log` was entered for this iteration. Iteration seconds run from
         the previous iteration's `logged_at` (the first from this rank's step start, setup excluded), so every
@@ -152,7 +151,7 @@ class FlowMetrics:
             self.file = self._open(iteration)
         seconds = logged_at - (self.last_at if self.last_at is not None else step_started_at)
         self.last_at = logged_at
-        line = flow_line(iteration, counters, loss=loss, lr=lr, grad_norm=grad_norm, seconds=seconds,
+        line = flow_line(iteration, stats, loss=loss, lr=lr, grad_norm=grad_norm, seconds=seconds,
                          peak_flops=self.peak_flops, encoder_trainable=self.encoder_trainable)
         self.file.write(line)
         return line

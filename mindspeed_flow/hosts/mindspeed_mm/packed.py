@@ -14,7 +14,8 @@ Everything is built on the host from the step plan: no device synchronisation.
 MindSpeed-MM's VLMModel never hands `packed_seq_params` to its text decoder and always builds a dense [s, s]
 causal mask, and its Qwen2.5-VL LLM attention squeezes q/k/v to [t, heads, dim] before applying mrope, whose
 cos/sin stay [t, 1, 1, dim] (the product broadcasts to [t, t, heads, dim]). The three wrappers below (registered in
-`patches/flow.py`) close those gaps while a packed forward is active (`active()`), and are inert otherwise:
+`patches/flow.py`) close those gaps while a packed forward is active (the rank's flow context holds its
+`PackedSeqParams`: `packed_forward`), and are inert otherwise:
 - `positions_and_mask`: the packed microbatch brings its position ids, and no dense mask is built (MindSpeed's
   flash attention takes its 2048 x 2048 compressed causal mask with sparse_mode 2: causal within each sequence);
 - `decoder_forward`: the text decoder gets the microbatch's `PackedSeqParams`;
@@ -29,26 +30,26 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from mindspeed_flow.hosts.mindspeed_mm import memory as flow_memory
+from mindspeed_flow.hosts.mindspeed_mm import context as flow_context
 
 IGNORE_INDEX = -100
 
-_ACTIVE: Optional[Any] = None  # the PackedSeqParams of the forward in progress
 
-
-def active() -> Optional[Any]:
-    return _ACTIVE
+def active_params() -> Optional[Any]:
+    """The PackedSeqParams of the packed forward in progress on this rank, or None."""
+    ctx = flow_context.current()
+    return None if ctx is None else ctx.packed_params
 
 
 @contextlib.contextmanager
-def packed_forward(params: Any) -> Iterator[None]:
-    """Inside: the model's forward is the packed microbatch's (see the module docstring)."""
-    global _ACTIVE
-    saved, _ACTIVE = _ACTIVE, params
+def packed_forward(holder: Any, params: Any) -> Iterator[None]:
+    """Inside: the model's forward is the packed microbatch's (see the module docstring). `holder` keeps the
+    params where the wrappers look (the rank's FlowContext: `active_params`)."""
+    saved, holder.packed_params = holder.packed_params, params
     try:
         yield
     finally:
-        _ACTIVE = saved
+        holder.packed_params = saved
 
 
 def padded_length(length: int, multiple: int) -> int:
@@ -111,7 +112,6 @@ def pack_samples(ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], po
              "labels": torch.cat(label_parts).reshape(1, -1)}
     pos = torch.cat(pos_parts, dim=-1)
     batch["position_ids"] = pos.reshape(rope_dims, 1, -1) if rope_dims else pos.reshape(1, -1)
-    flow_memory.record("segments", lengths + ([pad] if pad else []))
     return PackedRow(batch, lengths + ([pad] if pad else []), len(lengths))
 
 
@@ -138,13 +138,13 @@ def rope_positions_fn(model_cfg: Any) -> Callable[[Any, torch.Tensor, Optional[t
 # ------------------------------------------------------------------------------------------ wrappers
 
 
-def positions_and_mask_wrapper(fn: Callable) -> Callable:
+def positions_and_mask_wrapper(fn: Callable, packed_of: Callable[[], Optional[Any]] = active_params) -> Callable:
     """Wrap `prepare_positionsids_mask_for_llm(config, input_ids, inference_params, attention_mask, position_ids,
     ...)`: in a packed forward, no dense mask and the row's own position ids."""
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if _ACTIVE is None:
+        if packed_of() is None:
             return fn(*args, **kwargs)
         position_ids = kwargs.get("position_ids", args[4] if len(args) > 4 else None)
         if position_ids is None:
@@ -160,14 +160,15 @@ def positions_and_mask_wrapper(fn: Callable) -> Callable:
     return wrapped
 
 
-def decoder_forward_wrapper(forward: Callable) -> Callable:
+def decoder_forward_wrapper(forward: Callable, packed_of: Callable[[], Optional[Any]] = active_params) -> Callable:
     """Wrap `MMGPTModel.forward(self, input_ids, position_ids, attention_mask, ..., packed_seq_params=None)`."""
 
     @functools.wraps(forward)
     def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
         # VLMModel calls its text decoder with keywords only, packed_seq_params never among them.
-        if _ACTIVE is not None and kwargs.get("packed_seq_params") is None:
-            kwargs["packed_seq_params"] = _ACTIVE
+        params = packed_of()
+        if params is not None and kwargs.get("packed_seq_params") is None:
+            kwargs["packed_seq_params"] = params
         return forward(self, *args, **kwargs)
 
     return wrapped

@@ -386,6 +386,11 @@ def check_job_flags(argv: list[str], script: Optional[str] = None) -> None:
     if ep > 1:
         raise FlowRecipeError(f"--expert-model-parallel-size {ep}: expert parallelism (MoE) is not supported by the "
                               "flow host")
+    if "--use-torch-fsdp2" in argv or "--use-custom-fsdp" in argv:
+        flag = "--use-torch-fsdp2" if "--use-torch-fsdp2" in argv else "--use-custom-fsdp"
+        raise FlowRecipeError(f"{flag}: Megatron's FSDP wrapper is not supported per flow part yet (its sharding and "
+                              "checkpoints are untested with separate parts); drop it: --use-distributed-optimizer "
+                              "shards the optimizer state over each part's data-parallel ranks")
     if argv_value(argv, "--save") or argv_value(argv, "--load"):
         fmt = argv_value(argv, "--ckpt-format", "torch_dist")
         if fmt != "torch":

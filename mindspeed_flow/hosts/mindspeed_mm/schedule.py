@@ -13,7 +13,7 @@ hand each part its own forward-backward function:
   frozen encoder sends nothing back and waits for no gradient; its bound counts groups sent but not yet received.
   Every backward but the last runs under the model's `no_sync` (as Megatron's schedules do for all but the last
   microbatch), so `--overlap-grad-reduce` launches each bucket's reduction once. Tensor-parallel peers get each
-  group's gradient by a TP broadcast. The peak of groups and saved-activation bytes held goes to `ctx.counters`.
+  group's gradient by a TP broadcast. The peak of groups and saved-activation bytes held goes to `ctx.stats`.
 - decoder ranks (`DecoderStep`): Megatron's own schedule (1F1B when PP > 1) over this DP rank's planned
   microbatches, each collated as one packed (THD) row (`packed.py`) or as padded rows (`packing.layout`); before each first-stage forward the microbatch's embeddings are taken from the receives posted
   at the step's start (TP rank 0 receives, TP peers get a broadcast) and become `VLMModel.input_tensor`, the
@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_flow.hosts.mindspeed_mm import memory as flow_memory
-from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext
+from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext, PartFigures
 from mindspeed_flow.hosts.mindspeed_mm.data import LAYOUT_PACKED, FlowSample, FlowStep, collate_rows
 from mindspeed_flow.hosts.mindspeed_mm.packed import pack_samples, packed_forward, rope_positions_fn
 from mindspeed_flow.pool.planned import PlannedItem, PlannedTransport
@@ -187,7 +187,7 @@ class EncoderStep:
         pixels = torch.cat([s.pixel_values for s in samples]).to(device=self.ctx.device, dtype=self.dtype)
         grid = torch.cat([s.image_grid_thw for s in samples])
         if flow_memory.enabled():
-            flow_memory.record("images", grid.tolist())  # host tensor: no device read
+            flow_memory.record(self.ctx.shapes, "images", grid.tolist())  # host tensor: no device read
         grid = grid.to(device=self.ctx.device)
         return model(input_ids=None, pixel_values=pixels, image_grid_thw=grid)
 
@@ -244,11 +244,8 @@ class EncoderStep:
                 peak.add(entry.nbytes)
         while trainable and held:
             self._retire(held.popleft(), len(groups), peak, is_leader, no_sync, timer)
-        ctx.counters["encoder_held_groups"] = float(peak.peak_groups)
-        ctx.counters["encoder_held_bytes"] = float(peak.peak_bytes)
-        ctx.counters["encoder_forwards"] = float(len(groups))
-        if self.transport is not None:
-            ctx.counters["embedding_bytes_sent"] = float(self.transport.bytes_sent[CHANNEL_EMBEDDING])
+        ctx.stats.own.encoder_held_groups = float(peak.peak_groups)
+        ctx.stats.own.encoder_held_bytes = float(peak.peak_bytes)
         if trainable and config.finalize_model_grads_func is not None:
             ctx.doing(f"iteration {step.step + 1}: gradient reduction over the encoder part and the global token count")
             num_tokens = torch.zeros((), dtype=torch.int, device=ctx.device) if config.calculate_per_token_loss \
@@ -396,27 +393,27 @@ class DecoderStep:
         batches = iter([(step, ids) for ids in microbatches])
         losses = self.megatron_fbf(forward_step_func=forward_step_func, data_iterator=batches, model=model,
                                    num_microbatches=len(microbatches), **kwargs)
-        ctx.counters.update(step.counts)
+        ctx.stats.counts = step.counts
         return losses
 
-    def _transfer_stats(self, timer: PartTimer) -> Callable[[], dict[str, float]]:
+    def _transfer_stats(self, timer: PartTimer) -> Callable[[PartFigures], None]:
         """What finalize (inside Megatron's schedule, after the last backward) adds to the step's stats for this
         rank: gradient bytes sent, embedding bytes taken, the seconds it was blocked on embeddings (exposed) and
         the seconds from posting the step's receives to taking its last embedding (the streaming window: the
         part of it not blocked was hidden behind this rank's compute). Zero on ranks that receive nothing."""
         transport = self.transport
         if transport is None:
-            return dict
+            return lambda figures: None
         sent, received = transport.bytes_sent[CHANNEL_GRAD], transport.bytes_received[CHANNEL_EMBEDDING]
         self.last_embedding_at = timer.start
 
-        def stats() -> dict[str, float]:
-            return {"grad_bytes_sent": float(transport.bytes_sent[CHANNEL_GRAD] - sent),
-                    "embedding_bytes": float(transport.bytes_received[CHANNEL_EMBEDDING] - received),
-                    "transfer_exposed_s": timer.wait,
-                    "transfer_window_s": max(self.last_embedding_at - timer.start, 0.0)}
+        def add(figures: PartFigures) -> None:
+            figures.grad_bytes_sent = float(transport.bytes_sent[CHANNEL_GRAD] - sent)
+            figures.embedding_bytes = float(transport.bytes_received[CHANNEL_EMBEDDING] - received)
+            figures.transfer_exposed_s = timer.wait
+            figures.transfer_window_s = max(self.last_embedding_at - timer.start, 0.0)
 
-        return stats
+        return add
 
     def embeddings(self, step: FlowStep, sample_ids: list[int]) -> Optional[torch.Tensor]:
         """This microbatch's image embeddings in row order, as a leaf whose gradient flows back to the producers."""
@@ -471,10 +468,11 @@ class DecoderStep:
                 s.position_ids = self._positions(vlm.config, s.input_ids, s.image_grid_thw)
         row = pack_samples([s.input_ids for s in samples], [s.labels_or_ignored() for s in samples],
                            [s.position_ids for s in samples], pad_multiple=self.pad_multiple)
+        flow_memory.record(self.ctx.shapes, "segments", list(row.segments))
         grids = [s.image_grid_thw for s in samples if s.image_grid_thw is not None]
         if grids:
             row.batch["image_grid_thw"] = torch.cat(grids, dim=0)
-        return row.batch, row.token_weights, packed_forward(row.packed_seq_params())
+        return row.batch, row.token_weights, packed_forward(self.ctx, row.packed_seq_params())
 
     def forward_step(self, original: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         """Wrap MindSpeed-MM's `forward_step(data_iterator, model)`: feed it a collated microbatch and the embeds."""
@@ -563,37 +561,37 @@ def finalize_with_global_tokens(ctx: FlowContext, finalize: Callable[..., Any]) 
     """
     from megatron.core import parallel_state as ps
 
-    # Each part leader's busy/wait seconds, then what every decoder rank moved this step, summed over them
-    # (`DecoderStep._transfer_stats`); the encoder leader's peak of groups and activation bytes held (its replica's,
-    # see EncoderStep).
-    keys = ("encoder_busy_s", "encoder_wait_s", "decoder_busy_s", "decoder_wait_s", "grad_bytes_sent",
-            "embedding_bytes", "transfer_exposed_s", "transfer_window_s", "encoder_held_groups", "encoder_held_bytes")
-    own_keys = {True: keys[:2] + keys[8:], False: keys[2:4]}  # by ctx.is_encoder
-
     def flow_finalize(model: list, num_tokens: Optional[torch.Tensor] = None) -> None:
         ctx.doing("gradient reduction over the part's data-parallel group")
         finalize(model, None)
+        own = ctx.stats.own
         if ctx.timer is not None:
-            prefix = "encoder" if ctx.is_encoder else "decoder"
-            ctx.counters[f"{prefix}_busy_s"], ctx.counters[f"{prefix}_wait_s"] = ctx.timer.result()
+            busy_wait = ctx.timer.result()
+            if ctx.is_encoder:
+                own.encoder_busy_s, own.encoder_wait_s = busy_wait
+            else:
+                own.decoder_busy_s, own.decoder_wait_s = busy_wait
         contributes = (not ctx.is_encoder and ps.is_pipeline_last_stage(ignore_virtual=True)
                        and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0)
-        # One all-reduce carries the token count and each part leader's busy/wait seconds (for the log line).
+        # One all-reduce carries the token count and the step's PartFigures (for the log line): each part leader's
+        # busy/wait seconds (the encoder leader's held peak too), every decoder rank's transfers.
         # float32: MindSpeed wraps torch.distributed.all_reduce so that a float64 tensor is reduced on a float32
         # copy whose result is dropped (HCCL has no float64); the original would silently stay unreduced.
-        own = [0.0] * len(keys)
+        mine = PartFigures()
         if ctx.is_part_leader:
-            for key in own_keys[ctx.is_encoder]:
-                own[keys.index(key)] = ctx.counters.get(key, 0.0)
+            if ctx.is_encoder:
+                mine.encoder_busy_s, mine.encoder_wait_s = own.encoder_busy_s, own.encoder_wait_s
+                mine.encoder_held_groups, mine.encoder_held_bytes = own.encoder_held_groups, own.encoder_held_bytes
+            else:
+                mine.decoder_busy_s, mine.decoder_wait_s = own.decoder_busy_s, own.decoder_wait_s
         if not ctx.is_encoder:
-            for key, value in ctx.step_transfer().items():
-                own[keys.index(key)] = float(value)
-        stats = torch.tensor([0.0] + own, dtype=torch.float32).to(ctx.device)
+            ctx.step_transfer(mine)
+        stats = torch.tensor([0.0] + mine.as_list(), dtype=torch.float32).to(ctx.device)
         if num_tokens is not None and contributes:
             stats[0] = num_tokens.to(device=ctx.device, dtype=torch.float32)
         ctx.doing("the global token count over every trainable part")
         dist.all_reduce(stats, group=ctx.reduce_group)
-        ctx.pending_stats = (keys, stats)
+        ctx.stats.pending = stats
         if num_tokens is not None:
             # Gradients scale by 1 / the global token count on the device (a step with no loss token keeps them).
             scaling = torch.where(stats[0] > 0, 1.0 / stats[0].clamp(min=1.0), torch.ones_like(stats[0]))
@@ -606,20 +604,6 @@ def finalize_with_global_tokens(ctx: FlowContext, finalize: Callable[..., Any]) 
                     chunk.scale_gradients(enc_dp / dec_dp)
 
     return flow_finalize
-
-
-def read_pending_stats(ctx: FlowContext) -> None:
-    """Move the last step's device-side stats into `ctx.counters` (called where the log line reads its values)."""
-    pending = getattr(ctx, "pending_stats", None)
-    if pending is None:
-        return
-    keys, stats = pending
-    values = stats.tolist()
-    if values[0] > 0:  # per-token loss: the global token count
-        ctx.counters["global_tokens"] = values[0]
-    for i, key in enumerate(keys, start=1):
-        ctx.counters[key] = values[i]
-    ctx.pending_stats = None
 
 
 def global_grad_norm(ctx: FlowContext, part_norm: float, norm_type: float) -> float:
@@ -638,6 +622,6 @@ def global_grad_norm(ctx: FlowContext, part_norm: float, norm_type: float) -> fl
         dist.all_reduce(t, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=ctx.reduce_group)
         total = float(t[0]) if inf else float(t[0]) ** (1.0 / norm_type)
     ctx.doing("optimizer step")
-    ctx.counters["grad_norm_part"] = float(part_norm)
-    ctx.counters["grad_norm_global"] = total
+    ctx.stats.grad_norm_part = float(part_norm)
+    ctx.stats.grad_norm_global = total
     return total
