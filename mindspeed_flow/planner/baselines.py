@@ -65,7 +65,10 @@ def _whole(devices: np.ndarray, budget: int, node: int) -> np.ndarray:
     """Which device counts a launch in whole nodes of `node` can use (all when node <= 1)."""
     if node <= 1:
         return np.ones(np.shape(devices), dtype=bool)
-    return np.vectorize(lambda n: allowed_total(int(n), budget, node), otypes=[bool])(devices)
+    # device counts repeat across the millions of (encoder, backbone) pairs: test each distinct count once
+    values, inverse = np.unique(np.asarray(devices), return_inverse=True)
+    ok = np.array([allowed_total(int(n), budget, node) for n in values], dtype=bool)
+    return ok[inverse].reshape(np.shape(devices))
 
 
 def _finish(name: str, layout: dict, t: float, devices: int, mem: float, parts: list[PartSpec],
