@@ -128,6 +128,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
                       "step_seconds": plan.step_seconds, "rate_gap_seconds": plan.selection.gap,
                       "devices_used": plan.devices, "cluster_devices": pr.budget, "peak_tflops": pr.ctx.peak / 1e12,
                       "relative_spread": spread_of(plan)},
+        "pool": pool_json(plan),
         "links": links_json(plan),
         "inputs": assumed_inputs(plan),
         "binding": plan.binding,
@@ -170,6 +171,7 @@ def render_text(plan: Plan) -> str:
         f"  step {plan.step_seconds:.4g} s; rate gap {plan.selection.gap:.3g} s "
         f"({100 * plan.selection.gap / plan.step_seconds:.1f}% of the step, faster part idles)",
         f"  {MFU_FORMULA}; peak {pr.ctx.peak / 1e12:g} TFLOPS per device",
+        *pool_lines(plan),
         "binding constraint: " + "; ".join(plan.binding),
         *links_lines(plan),
         "inputs: " + assumed_inputs(plan),
@@ -190,6 +192,23 @@ def render_text(plan: Plan) -> str:
             lines.append(f"strongest baseline: {best.name}; plan gain over it x"
                          f"{plan.samples_per_s / best.samples_per_s:.2f}")
     return "\n".join(lines)
+
+
+def pool_lines(plan: Plan) -> list[str]:
+    p = plan.pool
+    if p is None:
+        return []
+    line = (f"pool: flow.pool_capacity_mb {p.capacity_mb:g} per producer ({'pinned' if p.pinned else 'sized'}; the "
+            f"chosen layouts need {p.needed_mb:g} MB, the largest sample embedding is {p.largest_embedding_mb:.1f} MB)")
+    if p.stall_s > 0:
+        line += f"; below what the layouts need, a step waits {p.stall_s:.3g} s on pool credits (priced above)"
+    return [line]
+
+
+def pool_json(plan: Plan) -> dict[str, Any] | None:
+    p = plan.pool
+    return None if p is None else {"capacity_mb": p.capacity_mb, "needed_mb": p.needed_mb, "pinned": p.pinned,
+                                   "largest_embedding_mb": p.largest_embedding_mb, "stall_seconds": p.stall_s}
 
 
 def render_ranking(ranked: list[dict]) -> str:
@@ -267,6 +286,8 @@ def recipe_yaml(plan: Plan, name: str, model_recipe: str | None, data_recipe: st
         # host keeps them and recomputes per layer from model.json
         keep = int(enc.layout["rc"]) != 1 if job else not bool(enc.layout["rc"])
         lines += ["flow:", f"  keep_encoder_activations: {_quote(keep)}"]
+        if plan.pool is not None:  # the capacity the plan sized (or the pinned one it priced)
+            lines.append(f"  pool_capacity_mb: {plan.pool.capacity_mb:g}")
         if job == "mm" and pr.cfg.encoder_inflight and bb is not None and not pr.cfg.freeze_encoder:
             # the bound the encoder's memory was priced with (the host refuses one below the decoder's pp)
             lines.append(f"  encoder_inflight: {max(int(pr.cfg.encoder_inflight), int(bb.layout['pp']))}")
