@@ -176,7 +176,7 @@ def megatron_coupled(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int,
             vit = encoder_samples_time(enc, ctx, per_replica, t_v, rc_v)
             t_vit = vit["compute"] + vit["tp"] + vit["overhead"]  # co-located: no embedding traffic
             mb = backbone_stage_mb_time(bb, cctx, L, m, first_extra=t_vit)
-            pipeline = pipeline_time(mb, m) * cctx.loader.imbalance(L.dp)
+            pipeline = pipeline_time(mb, m) * cctx.loader.imbalance(L.dp, L.pp)
             p_vit = encoder_static_params(enc, t_v)
             p_first, p_last = backbone_stage_params(bb, L, mb)
             p_mid = mb["layers_mid"] * bb.layer_params / L.tp
@@ -235,7 +235,7 @@ def mindspeed_dist_train(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: 
     m = cb.microbatches
     mb = backbone_stage_mb_time(bb, ctx, Lb, m)
     t_llm = stage_time(mb)
-    imbalance = ctx.loader.imbalance(Lb.dp)
+    imbalance = ctx.loader.imbalance(Lb.dp, Lb.pp + 1)  # the ViT stage in front of the LLM's
     best: tuple[float, int, int, float] | None = None
     for dp in np.unique(Lb.dp):
         jb = np.nonzero(Lb.dp == dp)[0]
@@ -305,3 +305,64 @@ def strongest(baselines: dict[str, BaselineResult | None]) -> BaselineResult | N
     """The applicable baseline with the most samples/s (what the plan's gain is reported against)."""
     found = [b for b in baselines.values() if b is not None and b.applies]
     return max(found, key=lambda b: b.samples_per_s) if found else None
+
+
+# ----------------------------------------------------------------------------------------- gain by mechanism
+@dataclass
+class Counterfactual:
+    """One step of the gain split: a layout family re-priced with the same cost model."""
+
+    step: str  # "baseline", "packing", "layouts", "streaming"
+    what: str
+    samples_per_s: float | None
+    mfu: float | None
+    devices: int | None
+
+
+def gain_split(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int, base: BaselineResult,
+               decoupled: tuple[float, float, int], node: int = 0,
+               lengths: np.ndarray | None = None) -> list[Counterfactual]:
+    """The decoupled plan's gain over `base` split by mechanism, by counterfactual re-pricing:
+
+    baseline (its own loader) -> packing: the same coupled layout with the flow packing scheduler instead of its
+    loader (best token budget) -> layouts: each part on its own TP over the coupled pipeline (hetero-parallel's
+    per-part layouts) with the flow packing, best such layout -> streaming: the decoupled plan (its own devices per
+    part, embeddings streamed through the pool, `decoupled` = samples/s, MFU, devices). Each step's gain is the
+    ratio to the step before; their product is the plan's gain over `base`. A step with no layout that fits is
+    None and its gain folds into the next one. A non-coupled `base` (dist-train) is re-searched, not pinned."""
+    flow = with_loader(ctx, "flow", bb, lengths)
+    out = [Counterfactual("baseline", f"{base.name} as its system runs it ({LOADER_NAMES.get(base.loader, '')})",
+                          base.samples_per_s, base.mfu, base.devices)]
+    row = base.layout.get("coupled")
+    if row is not None:
+        fixed = {k: int(row[k]) for k in ("dp", "tp", "pp", "cp", "rc")}
+        packed = megatron_coupled(enc, bb, flow, budget, tuned=base.name != "coupled_uniform", fixed=fixed,
+                                  node=node, vit_rc=(int(row.get("vit_rc", 0)),),
+                                  vit_tps=(int(row.get("vit_tp", 0)),))
+    else:
+        packed = mindspeed_dist_train(enc, bb, flow, budget, node=node)
+    out.append(Counterfactual("packing", "the same layout, flow packing to a token budget",
+                              *((packed.samples_per_s, packed.mfu, packed.devices) if packed else (None,) * 3)))
+    layouts = mindspeed_mm_hetero(enc, bb, flow, budget, node=node)
+    out.append(Counterfactual("layouts", "each part on its own TP in the coupled pipeline, flow packing",
+                              *((layouts.samples_per_s, layouts.mfu, layouts.devices) if layouts else (None,) * 3)))
+    out.append(Counterfactual("streaming", "the decoupled plan: its own devices per part, streamed embeddings",
+                              *decoupled))
+    return out
+
+
+def split_factors(split: list[Counterfactual]) -> dict[str, dict[str, float | None]]:
+    """Each step's throughput and MFU gain over the last step that priced (None where a step did not)."""
+    out: dict[str, dict[str, float | None]] = {}
+    prev = split[0]
+    for c in split[1:]:
+        if c.samples_per_s is None or prev.samples_per_s is None:
+            out[c.step] = {"throughput": None, "mfu": None}
+            continue
+        out[c.step] = {"throughput": c.samples_per_s / prev.samples_per_s,
+                       "mfu": (c.mfu or 0.0) / max(prev.mfu or 0.0, 1e-30)}
+        prev = c
+    first, last = split[0], split[-1]
+    out["total"] = {"throughput": (last.samples_per_s or 0.0) / max(first.samples_per_s or 0.0, 1e-30),
+                    "mfu": (last.mfu or 0.0) / max(first.mfu or 0.0, 1e-30)}
+    return out

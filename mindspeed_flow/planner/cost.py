@@ -100,23 +100,30 @@ class Loader:
     def per_sample(self) -> bool:
         return self.kind in ("sample", "pad")
 
-    def imbalance(self, dp: np.ndarray) -> np.ndarray:
-        """Slowest DP replica's work over the mean replica's, per layout: MindSpeed-MM / Megatron hand each DP rank
-        a contiguous slice of the global batch, G / dp samples. Padded microbatches all cost the same (1.0); the
-        flow plan's packing scheduler balances its replicas (1.0: the fill factor prices its waste)."""
+    def imbalance(self, dp: np.ndarray, pp: np.ndarray | int = 1) -> np.ndarray:
+        """The step's pipeline time over the mean microbatch's, per layout. MindSpeed-MM / Megatron hand each DP
+        rank a contiguous slice of the global batch (G / dp samples, one a microbatch); in 1F1B the pp stages work
+        on pp consecutive microbatches at once and each slot lasts as long as the largest of them, so a replica
+        takes sum_k max(c_k .. c_k+pp-1) (its microbatch costs c), and the step waits for the slowest replica.
+        Padded microbatches all cost the same (1.0); the flow plan's packing scheduler balances its microbatches
+        (1.0: the fill factor prices its waste)."""
         dp = np.asarray(dp)
-        if self.kind != "sample" or not self.sample_costs:
+        pp = np.broadcast_to(np.asarray(pp), dp.shape)
+        if self.kind != "sample" or not self.sample_costs or dp.size == 0:
             return np.ones(dp.shape)
         c = np.asarray(self.sample_costs, dtype=np.float64)
-        out = {}
-        for d in np.unique(dp):
+        out: dict[tuple[int, int], float] = {}
+        for d, p in set(zip(dp.ravel().tolist(), pp.ravel().tolist())):
             n = len(c) // int(d) * int(d)
             if n == 0:
-                out[int(d)] = 1.0
+                out[(d, p)] = 1.0
                 continue
-            per = c[:n].reshape(int(d), -1).sum(axis=1)
-            out[int(d)] = float(per.max() / max(per.mean(), 1e-30))
-        return np.vectorize(lambda d: out[int(d)], otypes=[float])(dp) if dp.size else np.ones(dp.shape)
+            per = c[:n].reshape(int(d), -1)
+            w = min(int(p), per.shape[1])
+            slots = np.lib.stride_tricks.sliding_window_view(
+                np.concatenate([per, np.zeros((int(d), w - 1))], axis=1), w, axis=1).max(axis=2)
+            out[(d, p)] = float(slots.sum(axis=1).max() / max(per.sum(axis=1).mean(), 1e-30))
+        return np.array([out[(d, p)] for d, p in zip(dp.ravel().tolist(), pp.ravel().tolist())]).reshape(dp.shape)
 
 
 FLOW_LOADER = Loader()
@@ -545,7 +552,7 @@ def backbone_costs(part: PartSpec, ctx: CostContext, L: Layouts) -> Costs:
     m = microbatches(part, ctx, L.dp, L.b)
     mb = backbone_stage_mb_time(part, ctx, L, m)
     t_mb = stage_time(mb)
-    pipeline = pipeline_time(mb, m) * ctx.loader.imbalance(L.dp)
+    pipeline = pipeline_time(mb, m) * ctx.loader.imbalance(L.dp, L.pp)
     p_first, p_last = backbone_stage_params(part, L, mb)
     p_mid = mb["layers_mid"] * part.layer_params / L.tp
     p_dev = np.maximum(np.maximum(p_first, p_last), p_mid)

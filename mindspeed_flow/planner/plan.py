@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from mindspeed_flow.config.planner import PlannerConfig
-from mindspeed_flow.planner.baselines import BaselineResult, all_baselines, strongest
+from mindspeed_flow.planner.baselines import BaselineResult, Counterfactual, all_baselines, gain_split, strongest
 from mindspeed_flow.planner.cost import (
     CostContext, Costs, Layouts, embedding_bytes, model_flops_per_step, part_costs, pool_capacity_needed,
     pool_stall_time, stage_layer_list,
@@ -206,6 +206,7 @@ class Plan:
     options_priced: int
     solve_seconds: float
     pool: "PoolSizing | None" = None  # the embedding pool the plan writes (None: no encoder part)
+    gain_split: list[Counterfactual] = field(default_factory=list)  # the gain over the strongest, by mechanism
 
     @property
     def step_seconds(self) -> float:
@@ -365,9 +366,17 @@ def make_plan(problem: Problem, exhaustive: bool = False, with_baselines: bool =
         if enc is not None and len(problem.parts) == 2:
             baselines = all_baselines(enc, backbone, base_ctx, problem.budget, problem.node, problem.family,
                                       problem.stream_lengths())
+    mfu = flops / (step * sel.devices * ctx.peak)
+    split: list[Counterfactual] = []
+    base = strongest(baselines)
+    if base is not None:
+        enc = next(p for p in problem.parts if p.role == "encoder")
+        split = gain_split(enc, backbone, base_ctx, problem.budget, base,
+                           (problem.global_batch / step, mfu, sel.devices), problem.node, problem.stream_lengths())
     return Plan(
         problem=problem, parts=parts, selection=sel, samples_per_s=problem.global_batch / step,
         tokens_per_s=problem.global_batch * backbone.tokens_per_sample / step,
-        mfu=flops / (step * sel.devices * ctx.peak), binding=_binding(problem, tables, sel), baselines=baselines,
+        mfu=mfu, binding=_binding(problem, tables, sel), baselines=baselines,
         options_priced=sum(len(t.layouts) for t in tables), solve_seconds=solve_seconds, pool=pool,
+        gain_split=split,
     )
