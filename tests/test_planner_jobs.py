@@ -118,7 +118,10 @@ def test_mm_recommendation_never_loses_to_the_strongest_baseline(args: list[str]
     dec = obj["decoupled"]
     assert dec["gain_over_strongest"] == pytest.approx(
         dec["samples_per_s"] / obj["baselines"][obj["strongest_applicable_baseline"]]["samples_per_s"])
+    split = obj["gain_by_mechanism"]["factors"]  # the decoupled plan's own gain, by mechanism, beside it
+    assert split["total"]["throughput"] == pytest.approx(dec["gain_over_strongest"])
     rc, out, _ = _run(capsys, *args)
+    assert "decoupled plan's gain by mechanism" in out
     line = out.splitlines()[0]
     assert line.startswith("recommended: ") and f"x{obj['recommended']['gain_over_strongest']:.2f}" in line
     if obj["recommended"]["name"] != "decoupled":  # the decoupled plan's own figure stays beside it

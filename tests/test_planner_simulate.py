@@ -100,7 +100,10 @@ def test_top_k_ranked_by_simulated_time_from_the_cli(capsys, tmp_path) -> None:
                    "--simulate", "2", "--timeline", str(png), "--json"])
     assert rc == 0 and png.exists()
     obj = json.loads(capsys.readouterr().out)
-    assert len(obj["simulated"]) == 2 and {"simulated_s", "analytic_s", "encoder", "backbone"} <= set(obj["simulated"][0])
+    # the chosen plan replayed (no baselines asked for), and the 2 best layouts ranked
+    assert [r["name"] for r in obj["simulated"]] == ["decoupled"]
+    assert len(obj["simulated_top_k"]) == 2
+    assert {"simulated_s", "analytic_s", "encoder", "backbone"} <= set(obj["simulated_top_k"][0])
 
 
 def test_two_rank_layouts_ranked_with_the_vit_on_stage_zero() -> None:

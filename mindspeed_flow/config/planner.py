@@ -88,7 +88,9 @@ class PlannerConfig:
     # Use at most this fraction of device memory (allocator fragmentation, workspace).
     memory_headroom: float = 0.9
     # Embedding pool capacity per producer (MiB), counted on encoder ranks; backbone keeps 2 microbatches.
-    pool_capacity_mb: float = 64.0
+    # 0: sized by the plan (cost.pool_capacity_needed) and written as flow.pool_capacity_mb; > 0: pinned, and a
+    # capacity below what the plan needs is priced as producer stalls (cost.pool_stall_time).
+    pool_capacity_mb: float = 0.0
     # Recompute choices to consider (full activation recompute per layer).
     recompute: list = field(default_factory=lambda: [False, True])
     # Each DP rank's share of the global batch must be whole (the runtime splits the batch evenly).

@@ -1,7 +1,19 @@
 """The layouts mindspeed-flow is compared with, priced by the same cost model, each at its best layout.
 
 Every baseline searches its own layout space within the same device budget and memory limit, so the reported
-gain is over the best that family can do, and the report names the strongest one.
+gain is over the best that family can do, and the report names the strongest one. Each runs its own system's data
+loader (`LOADERS`, priced by `cost.Loader`): the tokens it computes per step and how unevenly its DP replicas are
+loaded follow from the workload's sample lengths, not from the decoupled plan's packing.
+
+Loaders, as the systems' own examples run them:
+- MindSpeed-MM (`megatron_coupled`, `mindspeed_mm_hetero`, `mindspeed_dist_train`, which runs MindSpeed-MM's
+  InternVL2 examples): examples/qwen2.5vl/finetune_qwen2_5_vl_{7b,72b}.sh set --micro-batch-size 1 and
+  --variable-seq-lengths, and data_{7b,72b}.json turns no packing on (MindSpeed-MM's greedy-knapsack packing,
+  data_utils/func_utils/convert.py, runs only for a dataset marked `packing`): one sample per microbatch at its
+  own length, the G / dp samples of a DP rank in a contiguous slice of the global batch; the step waits for the
+  replica whose samples cost the most.
+- Megatron-LM (`coupled_uniform`): static shapes, every microbatch (one sample) padded to --seq-length, here the
+  longest sample rounded up to planner.token_alignment; linear layers and the causal attention run on the padding.
 
 - `coupled_uniform`: the untuned coupled Megatron layout: the ViT on pipeline stage 0 beside an even share of
   the LLM layers, ViT TP = LLM TP, one recompute flag for both, no CP.
@@ -11,9 +23,11 @@ gain is over the best that family can do, and the report names the strongest one
   split over the CP ranks (model.json `use_vit_dp`: MindSpeed-MM builds every module with the job's TP, so the
   ViT cannot take another). The 1F1B pipeline runs at the pace of its slowest stage:
   T = (m - 1) max_s t_s + sum_s t_s.
-- `mindspeed_mm_hetero`: MindSpeed-MM `--hetero-parallel`: ViT and LLM co-located on the same devices, each
-  with its own DP/TP layout; the ViT's schedule runs first for the whole step, then the LLM's (no overlap):
-  T = T_vit + T_llm, and one device holds both modules' states.
+- `mindspeed_mm_hetero`: MindSpeed-MM `--hetero-parallel` as its code runs it (mindspeed_mm/utils/hetero_parallel.py:
+  the image encoder's forward pre-hook gathers the microbatch's pixels over the decoder's DP group and splits them
+  over the encoder's own DP group, inside each microbatch's forward): the coupled pipeline, the ViT on the first
+  stage's devices with a TP (and so a DP) of its own. Its limits: the ViT stays on the first stage's critical path,
+  every microbatch, and no pinned example (examples/qwen2.5vl, internvl) turns it on.
 - `mindspeed_dist_train`: MindSpeed `--dist-train`: the ViT on its own devices as an extra, blocking pipeline
   stage in front of the LLM stages (embedding traffic not overlapped), with equal DP, or with `main_dp` on the
   LLM: the ViT's DP is k x the LLM's and each inner-DP group of k ViT replicas encodes one LLM microbatch's
@@ -33,7 +47,7 @@ from typing import Mapping
 import numpy as np
 
 from mindspeed_flow.planner.cost import (
-    CostContext, Layouts, backbone_costs, backbone_memory, backbone_stage_mb_time, backbone_stage_params,
+    CostContext, Layouts, Loader, backbone_costs, backbone_memory, backbone_stage_mb_time, backbone_stage_params,
     dp_sync_time, encoder_activation_memory, encoder_costs, encoder_samples_time, encoder_static_params,
     model_flops_per_step, optimizer_time, pipeline_time, stage_layer_list, stage_time, static_memory,
 )
@@ -47,6 +61,31 @@ DIST_TRAIN_FAMILIES = ("llava", "internvl", "internvl_chat")
 
 BASELINES = ("coupled_uniform", "megatron_coupled", "mindspeed_mm_hetero", "mindspeed_dist_train")
 
+# which loader each baseline's system runs (module docstring), and how the report names it
+LOADERS = {"coupled_uniform": "pad", "megatron_coupled": "sample", "mindspeed_mm_hetero": "sample",
+           "mindspeed_dist_train": "sample"}
+LOADER_NAMES = {"pad": "Megatron-LM: micro-batch 1 padded to the sequence length",
+                "sample": "MindSpeed-MM examples: micro-batch 1 at its own length, no packing",
+                "flow": "flow packing to the token budget"}
+
+
+def stream_costs(bb: PartSpec, lengths: np.ndarray) -> tuple[float, ...]:
+    """Each sample's backbone FLOPs (linear on its tokens, causal attention on its length squared): what a DP
+    replica of a per-sample loader sums."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    attn_per_sq = bb.attn_flops_per_sample / max(bb.sq_tokens_per_sample, 1.0)
+    return tuple(float(x) for x in bb.linear_flops_per_token * lengths + attn_per_sq * lengths**2)
+
+
+def with_loader(ctx: CostContext, kind: str, bb: PartSpec, lengths: np.ndarray | None) -> CostContext:
+    """`ctx` running `kind`'s loader over the step's sample stream (`lengths`: LLM tokens per sample, in order)."""
+    if kind == "flow":
+        return dataclasses.replace(ctx, loader=Loader())
+    align = max(int(ctx.cfg.token_alignment), 1)
+    seq_len = int(np.ceil(bb.max_item_tokens / align)) * align
+    costs = stream_costs(bb, lengths) if lengths is not None and len(lengths) else ()
+    return dataclasses.replace(ctx, loader=Loader(kind, seq_len=seq_len, sample_costs=costs))
+
 
 @dataclass
 class BaselineResult:
@@ -59,13 +98,25 @@ class BaselineResult:
     memory_gb: float
     applies: bool = True  # the system this baseline stands for runs this model
     why_not: str = ""
+    loader: str = ""  # how its data loader forms microbatches (LOADERS)
+
+
+def _one_budget(L: Layouts, ctx: CostContext) -> np.ndarray:
+    """A per-sample loader has no token budget: keep one (the smallest, the padded sequence length) of the
+    layouts that differ only in it."""
+    if not ctx.loader.per_sample or len(L) == 0:
+        return np.ones(len(L), dtype=bool)
+    return L.b == L.b.min()
 
 
 def _whole(devices: np.ndarray, budget: int, node: int) -> np.ndarray:
     """Which device counts a launch in whole nodes of `node` can use (all when node <= 1)."""
     if node <= 1:
         return np.ones(np.shape(devices), dtype=bool)
-    return np.vectorize(lambda n: allowed_total(int(n), budget, node), otypes=[bool])(devices)
+    # device counts repeat across the millions of (encoder, backbone) pairs: test each distinct count once
+    values, inverse = np.unique(np.asarray(devices), return_inverse=True)
+    ok = np.array([allowed_total(int(n), budget, node) for n in values], dtype=bool)
+    return ok[inverse].reshape(np.shape(devices))
 
 
 def _finish(name: str, layout: dict, t: float, devices: int, mem: float, parts: list[PartSpec],
@@ -90,12 +141,14 @@ def _split_row(L: Layouts, mb: dict, i: int) -> dict:
 
 def megatron_coupled(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int,
                      tuned: bool = True, fixed: Mapping[str, int] | None = None, node: int = 0,
-                     vit_rc: tuple[int, ...] | None = None) -> BaselineResult | None:
+                     vit_rc: tuple[int, ...] | None = None, vit_tps: tuple[int, ...] = (0,)
+                     ) -> BaselineResult | None:
     """Best coupled (ViT on stage 0) layout within `budget` devices, or None if none fits in memory.
 
     tuned=False is `coupled_uniform` (even split, shared TP and recompute, no CP). `fixed` pins layout fields of
     the coupled model (dp, pp, tp, cp, b, rc), e.g. to price the exact layout a run uses; `vit_rc` limits the
-    ViT's recompute levels (e.g. a host without ViT recompute); `node`: whole nodes."""
+    ViT's recompute levels (e.g. a host without ViT recompute); `node`: whole nodes; `vit_tps`: the ViT's TP sizes
+    (0: the job's TP; others: `--hetero-parallel`, the ViT on its own TP over the first stage's devices)."""
     name = "megatron_coupled" if tuned else "coupled_uniform"
     cctx = ctx if tuned else dataclasses.replace(ctx, cfg=dataclasses.replace(ctx.cfg, uneven_pp=False))
     pins = {**({} if tuned else {"cp": 1}), **dict(fixed or {})}
@@ -104,14 +157,14 @@ def megatron_coupled(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int,
     except PlanError:
         return None
     # the ViT shares the job's TP group
-    L = L.take(np.nonzero(np.isin(L.tp, enc.tp_sizes) & _whole(L.devices, budget, node))[0])
+    L = L.take(np.nonzero(np.isin(L.tp, enc.tp_sizes) & _whole(L.devices, budget, node) & _one_budget(L, ctx))[0])
     if len(L) == 0:
         return None
     m = backbone_costs(bb, cctx, L).microbatches
     samples_mb = ctx.global_batch / L.dp / m
     group = L.tp * L.cp  # stage 0's devices per replica: the ViT runs on them
     best: tuple[float, int, int, int, float, dict] | None = None
-    for tv in (0,):
+    for tv in vit_tps:
         for rcv in (vit_rc if vit_rc is not None else rc_values(enc, ctx)) if tuned else (None,):
             t_v = L.tp if tv == 0 else np.full_like(L.tp, tv)
             rc_v = L.rc if rcv is None else np.full_like(L.rc, rcv)
@@ -123,7 +176,7 @@ def megatron_coupled(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int,
             vit = encoder_samples_time(enc, ctx, per_replica, t_v, rc_v)
             t_vit = vit["compute"] + vit["tp"] + vit["overhead"]  # co-located: no embedding traffic
             mb = backbone_stage_mb_time(bb, cctx, L, m, first_extra=t_vit)
-            pipeline = pipeline_time(mb, m)
+            pipeline = pipeline_time(mb, m) * cctx.loader.imbalance(L.dp, L.pp)
             p_vit = encoder_static_params(enc, t_v)
             p_first, p_last = backbone_stage_params(bb, L, mb)
             p_mid = mb["layers_mid"] * bb.layer_params / L.tp
@@ -160,35 +213,12 @@ def _grids(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int) -> tuple[
 
 def mindspeed_mm_hetero(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int,
                         node: int = 0) -> BaselineResult | None:
-    """Best `--hetero-parallel` layout: ViT then LLM on the same devices, each with its own layout, or None."""
-    grids = _grids(enc, bb, ctx, budget)
-    if grids is None:
-        return None
-    Le, Lb = grids
-    cb = backbone_costs(bb, ctx, Lb)
-    ce = encoder_costs(enc, ctx, Le)
-    # sequential: no fill wait and no embedding overlap (the ViT finishes before the LLM starts)
-    t_e = ce.time - ce.time_parts["fill"] - ce.time_parts["embed"] + ce.time_parts["embed"] / max(
-        1e-9, 1.0 - ctx.overlap("embed")) - ctx.cfg.step_overhead_s * ctx.contention
-    # the ViT's activations wait for the LLM's backward unless it recomputes: both sets of states are resident
-    e_mem = ce.memory - ce.memory_parts["buffers"]
-    best: tuple[float, int, int, float] | None = None
-    for d in np.unique(Lb.devices[_whole(Lb.devices, budget, node)]):
-        jb, je = np.nonzero(Lb.devices == d)[0], np.nonzero(Le.devices == d)[0]
-        if len(je) == 0:
-            continue
-        mem = e_mem[je][:, None] + cb.memory[jb][None, :]
-        t = t_e[je][:, None] + cb.time[jb][None, :]
-        flat = np.where(mem <= _limit(ctx), t, np.inf)
-        k = int(np.argmin(flat))
-        ie, ib = np.unravel_index(k, flat.shape)
-        if np.isfinite(flat[ie, ib]) and (best is None or flat[ie, ib] < best[0]):
-            best = (float(flat[ie, ib]), int(je[ie]), int(jb[ib]), float(mem[ie, ib]))
-    if best is None:
-        return None
-    t, ie, ib, mem = best
-    layout = {enc.name: Le.row(ie), bb.name: Lb.row(ib)}
-    return _finish("mindspeed_mm_hetero", layout, t, int(Lb.devices[ib]), mem, [enc, bb], ctx)
+    """Best `--hetero-parallel` layout: the coupled pipeline with the ViT on its own TP (and so its own DP) over
+    the first stage's devices, or None (module docstring)."""
+    best = megatron_coupled(enc, bb, ctx, budget, tuned=True, node=node, vit_tps=(0, *enc.tp_sizes))
+    if best is not None:
+        best.name = "mindspeed_mm_hetero"
+    return best
 
 
 def mindspeed_dist_train(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int,
@@ -198,12 +228,14 @@ def mindspeed_dist_train(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: 
     if grids is None:
         return None
     Le, Lb = grids
+    Lb = Lb.take(np.nonzero(_one_budget(Lb, ctx))[0])
     no_overlap = dataclasses.replace(ctx.cfg, overlap={**dict(ctx.cfg.overlap), "embed": 0.0})
     ctx_block = dataclasses.replace(ctx, cfg=no_overlap)
     cb = backbone_costs(bb, ctx, Lb)
     m = cb.microbatches
     mb = backbone_stage_mb_time(bb, ctx, Lb, m)
     t_llm = stage_time(mb)
+    imbalance = ctx.loader.imbalance(Lb.dp, Lb.pp + 1)  # the ViT stage in front of the LLM's
     best: tuple[float, int, int, float] | None = None
     for dp in np.unique(Lb.dp):
         jb = np.nonzero(Lb.dp == dp)[0]
@@ -216,7 +248,8 @@ def mindspeed_dist_train(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: 
         samples_mb = ctx.global_batch / dp / m_b / inner
         vit = encoder_samples_time(enc, ctx_block, samples_mb, tp_e, rc_e)
         t_vit = sum(vit.values())
-        pipeline = (m_b - 1) * np.maximum(t_vit, t_llm[jb][None, :]) + t_vit + mb["sum_stages"][jb][None, :]
+        pipeline = ((m_b - 1) * np.maximum(t_vit, t_llm[jb][None, :]) + t_vit + mb["sum_stages"][jb][None, :]) \
+            * imbalance[jb][None, :]
         p_e = encoder_static_params(enc, tp_e)
         dp_e = Le.dp[je][:, None]
         t_enc_tail = (dp_sync_time(ctx, p_e, dp_e, tp_e * dp_e) + optimizer_time(ctx, p_e, dp_e)
@@ -245,15 +278,21 @@ def mindspeed_dist_train(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: 
 
 
 def all_baselines(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int, node: int = 0,
-                  family: str = "") -> dict[str, BaselineResult | None]:
-    """Every baseline at its best layout (None: that family has no layout that fits); `family` (HF model_type,
-    empty: unknown) marks the baselines whose system does not run that model."""
+                  family: str = "", lengths: np.ndarray | None = None) -> dict[str, BaselineResult | None]:
+    """Every baseline at its best layout (None: that family has no layout that fits), each with its own loader
+    (`LOADERS`) over the step's sample stream (`lengths`: LLM tokens per sample; None: sample averages, no
+    imbalance); `family` (HF model_type, empty: unknown) marks the baselines whose system does not run that
+    model."""
+    lctx = {name: with_loader(ctx, kind, bb, lengths) for name, kind in LOADERS.items()}
     out = {
-        "coupled_uniform": megatron_coupled(enc, bb, ctx, budget, tuned=False, node=node),
-        "megatron_coupled": megatron_coupled(enc, bb, ctx, budget, tuned=True, node=node),
-        "mindspeed_mm_hetero": mindspeed_mm_hetero(enc, bb, ctx, budget, node=node),
-        "mindspeed_dist_train": mindspeed_dist_train(enc, bb, ctx, budget, node=node),
+        "coupled_uniform": megatron_coupled(enc, bb, lctx["coupled_uniform"], budget, tuned=False, node=node),
+        "megatron_coupled": megatron_coupled(enc, bb, lctx["megatron_coupled"], budget, tuned=True, node=node),
+        "mindspeed_mm_hetero": mindspeed_mm_hetero(enc, bb, lctx["mindspeed_mm_hetero"], budget, node=node),
+        "mindspeed_dist_train": mindspeed_dist_train(enc, bb, lctx["mindspeed_dist_train"], budget, node=node),
     }
+    for name, b in out.items():
+        if b is not None:
+            b.loader = LOADERS[name]
     dist = out["mindspeed_dist_train"]
     if dist is not None and family and family not in DIST_TRAIN_FAMILIES:
         dist.applies = False
@@ -266,3 +305,64 @@ def strongest(baselines: dict[str, BaselineResult | None]) -> BaselineResult | N
     """The applicable baseline with the most samples/s (what the plan's gain is reported against)."""
     found = [b for b in baselines.values() if b is not None and b.applies]
     return max(found, key=lambda b: b.samples_per_s) if found else None
+
+
+# ----------------------------------------------------------------------------------------- gain by mechanism
+@dataclass
+class Counterfactual:
+    """One step of the gain split: a layout family re-priced with the same cost model."""
+
+    step: str  # "baseline", "packing", "layouts", "streaming"
+    what: str
+    samples_per_s: float | None
+    mfu: float | None
+    devices: int | None
+
+
+def gain_split(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int, base: BaselineResult,
+               decoupled: tuple[float, float, int], node: int = 0,
+               lengths: np.ndarray | None = None) -> list[Counterfactual]:
+    """The decoupled plan's gain over `base` split by mechanism, by counterfactual re-pricing:
+
+    baseline (its own loader) -> packing: the same coupled layout with the flow packing scheduler instead of its
+    loader (best token budget) -> layouts: each part on its own TP over the coupled pipeline (hetero-parallel's
+    per-part layouts) with the flow packing, best such layout -> streaming: the decoupled plan (its own devices per
+    part, embeddings streamed through the pool, `decoupled` = samples/s, MFU, devices). Each step's gain is the
+    ratio to the step before; their product is the plan's gain over `base`. A step with no layout that fits is
+    None and its gain folds into the next one. A non-coupled `base` (dist-train) is re-searched, not pinned."""
+    flow = with_loader(ctx, "flow", bb, lengths)
+    out = [Counterfactual("baseline", f"{base.name} as its system runs it ({LOADER_NAMES.get(base.loader, '')})",
+                          base.samples_per_s, base.mfu, base.devices)]
+    row = base.layout.get("coupled")
+    if row is not None:
+        fixed = {k: int(row[k]) for k in ("dp", "tp", "pp", "cp", "rc")}
+        packed = megatron_coupled(enc, bb, flow, budget, tuned=base.name != "coupled_uniform", fixed=fixed,
+                                  node=node, vit_rc=(int(row.get("vit_rc", 0)),),
+                                  vit_tps=(int(row.get("vit_tp", 0)),))
+    else:
+        packed = mindspeed_dist_train(enc, bb, flow, budget, node=node)
+    out.append(Counterfactual("packing", "the same layout, flow packing to a token budget",
+                              *((packed.samples_per_s, packed.mfu, packed.devices) if packed else (None,) * 3)))
+    layouts = mindspeed_mm_hetero(enc, bb, flow, budget, node=node)
+    out.append(Counterfactual("layouts", "each part on its own TP in the coupled pipeline, flow packing",
+                              *((layouts.samples_per_s, layouts.mfu, layouts.devices) if layouts else (None,) * 3)))
+    out.append(Counterfactual("streaming", "the decoupled plan: its own devices per part, streamed embeddings",
+                              *decoupled))
+    return out
+
+
+def split_factors(split: list[Counterfactual]) -> dict[str, dict[str, float | None]]:
+    """Each step's throughput and MFU gain over the last step that priced (None where a step did not)."""
+    out: dict[str, dict[str, float | None]] = {}
+    prev = split[0]
+    for c in split[1:]:
+        if c.samples_per_s is None or prev.samples_per_s is None:
+            out[c.step] = {"throughput": None, "mfu": None}
+            continue
+        out[c.step] = {"throughput": c.samples_per_s / prev.samples_per_s,
+                       "mfu": (c.mfu or 0.0) / max(prev.mfu or 0.0, 1e-30)}
+        prev = c
+    first, last = split[0], split[-1]
+    out["total"] = {"throughput": (last.samples_per_s or 0.0) / max(first.samples_per_s or 0.0, 1e-30),
+                    "mfu": (last.mfu or 0.0) / max(first.mfu or 0.0, 1e-30)}
+    return out

@@ -19,9 +19,11 @@ model.freeze_encoder= are aliases of global_batch= and freeze_encoder=. An unkno
 wrong type, is a usage error (exit status 2) naming the nearest valid key. --out and --launch-script refuse an
 existing file unless --force is given (which replaces only those files, and says so).
 
---simulate K replays one step of each of the K best layouts (by the analytic model) in the discrete-event step
-simulator (`planner/simulate.py`) and prints them ranked by simulated step time beside the analytic figure;
---timeline writes the fastest one's simulated timeline.
+--simulate 1 replays one step of the chosen decoupled plan and of each baseline in the discrete-event step
+simulator (`planner/simulate.py`), all on the same sample stream (one seeded draw of the global batch from the
+workload, so microbatches vary as its lengths do), and prints per row the analytic step time, the simulated one and
+the error (`--json`: "simulated"); --timeline writes the decoupled plan's simulated timeline. --simulate K > 1 also
+ranks the K best layouts (by the analytic model) by simulated step time, as before.
 
 cluster= is a preset in recipes/cluster/ or a YAML path; model= a model recipe (recipes/model/), a local
 checkpoint directory / config.json, or FAMILY:PRESET; data= `infovqa` (full resolution), a data recipe, or a
@@ -44,8 +46,8 @@ from mindspeed_flow.planner.jobs import job_rules, refusal
 from mindspeed_flow.planner.plan import make_plan
 from mindspeed_flow.planner.recommend import coupled_recipe, first_line, recommend
 from mindspeed_flow.planner.recommend import to_json as recommendation_json
-from mindspeed_flow.planner.report import recipe_yaml, render_ranking, render_text, to_json, write_plot
-from mindspeed_flow.planner.simulate import rank_by_simulation, write_timeline
+from mindspeed_flow.planner.report import recipe_yaml, render_ranking, render_replay, render_text, to_json, write_plot
+from mindspeed_flow.planner.simulate import rank_by_simulation, replay_plan, write_timeline
 from mindspeed_flow.planner.space import PlanError
 from mindspeed_flow.utils.usage import UsageError, unknown_key
 
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rec = recommend(plan)
     launch_msg = ""
-    ranked = None
+    ranked = replayed = None
     if flags.get("--simulate"):
         try:
             k = int(str(flags["--simulate"]))
@@ -125,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mindspeed-flow plan: --simulate {flags['--simulate']!r}: expected a whole number of layouts",
                   file=sys.stderr)
             return 2
-        ranked = rank_by_simulation(problem, max(k, 1), cores=problem.host_cores)
-        if flags.get("--timeline") and ranked:
-            write_timeline(ranked[0]["result"], str(flags["--timeline"]))
+        replayed = replay_plan(plan, cores=problem.host_cores)
+        ranked = rank_by_simulation(problem, k, cores=problem.host_cores) if k > 1 else None
+        if flags.get("--timeline") and replayed and replayed[0].get("result") is not None:
+            write_timeline(replayed[0]["result"], str(flags["--timeline"]))
     if flags.get("--out"):
         out = str(flags["--out"])
         name = str(flags.get("--name") or os.path.splitext(os.path.basename(out))[0])
@@ -155,17 +158,21 @@ def main(argv: list[str] | None = None) -> int:
         write_plot(plan, str(flags["--plot"]))
     if flags.get("--json"):
         obj = {**recommendation_json(plan, rec), **to_json(plan)}
+        if replayed is not None:
+            obj["simulated"] = [{k: v for k, v in r.items() if k != "result"} for r in replayed]
         if ranked is not None:
-            obj["simulated"] = [{k: v for k, v in r.items() if k != "result"} for r in ranked]
+            obj["simulated_top_k"] = [{k: v for k, v in r.items() if k != "result"} for r in ranked]
         print(json.dumps(obj, indent=1, sort_keys=False))
     else:
         print(first_line(plan, rec))
         for setting in rec.settings:
             print(f"  {setting}")
         print(render_text(plan))
+        if replayed is not None:
+            print(render_replay(replayed))
         if ranked is not None:
             print(render_ranking(ranked))
-        if flags.get("--timeline") and ranked:
+        if flags.get("--timeline") and replayed:
             print(f"timeline written to {flags['--timeline']}")
         if flags.get("--out"):
             print(f"recipe written to {flags['--out']}")

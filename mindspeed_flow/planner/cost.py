@@ -32,7 +32,13 @@ Memory per device (bytes), the most loaded pipeline stage, as the planned job's 
   microbatches on stage 0. Full recompute keeps each layer's input only plus one layer's activations. The last
   stage also holds the logits (and their gradient) in fp32.
 - buffers: the backbone keeps 2 microbatches of received embeddings; an encoder the embeddings of its held
-  samples, at most the pool capacity.
+  samples, at most the pool capacity (planner.pool_capacity_mb; 0: the plan sizes it, `pool_capacity_needed`).
+
+Loaders (CostContext.loader): how a job's data loader turns samples into backbone microbatches. The decoupled plan
+packs samples to the token budget b (`flow`); a baseline runs its own system's loader: one sample per microbatch at
+its own length (`sample`: MindSpeed-MM's examples, --micro-batch-size 1 --variable-seq-lengths) or padded to the
+sequence length (`pad`: Megatron-LM's static shapes). A per-sample loader leaves the DP replicas with unequal work;
+the step waits for the slowest (`Loader.imbalance`, from the workload's sample lengths).
   A trainable encoder keeps the activations of all its in-flight samples (strict mode: its backward waits for
   the backbone's gradients) unless it recomputes, when it keeps only the pixel inputs. In flight: the whole
   step's samples on the torch host; on MindSpeed-MM, `flow.encoder_inflight` decoder microbatch groups
@@ -79,6 +85,51 @@ def precision_bytes(dtype: str, job: str = "") -> Bytes:
 
 
 @dataclass(frozen=True)
+class Loader:
+    """How samples become backbone microbatches (module docstring: Loaders).
+
+    kind: "flow" (packed to the layout's token budget b), "sample" (one sample per microbatch at its own length),
+    "pad" (one sample per microbatch padded to `seq_len`). `sample_costs`: the backbone cost of each sample of the
+    step's stream in FLOPs, in the order the loader deals them to DP replicas (what `imbalance` sums)."""
+
+    kind: str = "flow"
+    seq_len: int = 0
+    sample_costs: tuple[float, ...] = ()
+
+    @property
+    def per_sample(self) -> bool:
+        return self.kind in ("sample", "pad")
+
+    def imbalance(self, dp: np.ndarray, pp: np.ndarray | int = 1) -> np.ndarray:
+        """The step's pipeline time over the mean microbatch's, per layout. MindSpeed-MM / Megatron hand each DP
+        rank a contiguous slice of the global batch (G / dp samples, one a microbatch); in 1F1B the pp stages work
+        on pp consecutive microbatches at once and each slot lasts as long as the largest of them, so a replica
+        takes sum_k max(c_k .. c_k+pp-1) (its microbatch costs c), and the step waits for the slowest replica.
+        Padded microbatches all cost the same (1.0); the flow plan's packing scheduler balances its microbatches
+        (1.0: the fill factor prices its waste)."""
+        dp = np.asarray(dp)
+        pp = np.broadcast_to(np.asarray(pp), dp.shape)
+        if self.kind != "sample" or not self.sample_costs or dp.size == 0:
+            return np.ones(dp.shape)
+        c = np.asarray(self.sample_costs, dtype=np.float64)
+        out: dict[tuple[int, int], float] = {}
+        for d, p in set(zip(dp.ravel().tolist(), pp.ravel().tolist())):
+            n = len(c) // int(d) * int(d)
+            if n == 0:
+                out[(d, p)] = 1.0
+                continue
+            per = c[:n].reshape(int(d), -1)
+            w = min(int(p), per.shape[1])
+            slots = np.lib.stride_tricks.sliding_window_view(
+                np.concatenate([per, np.zeros((int(d), w - 1))], axis=1), w, axis=1).max(axis=2)
+            out[(d, p)] = float(slots.sum(axis=1).max() / max(per.sum(axis=1).mean(), 1e-30))
+        return np.array([out[(d, p)] for d, p in zip(dp.ravel().tolist(), pp.ravel().tolist())]).reshape(dp.shape)
+
+
+FLOW_LOADER = Loader()
+
+
+@dataclass(frozen=True)
 class CostContext:
     """What the cost model needs besides the part and the layout."""
 
@@ -87,6 +138,7 @@ class CostContext:
     global_batch: int
     contention: float = 1.0  # compute slowdown when devices share host cores (CPU emulation)
     job_devices: int = 0  # devices the job may span (prices the links between parts); 0: the whole cluster
+    loader: Loader = FLOW_LOADER  # how samples become backbone microbatches (baselines run their own loader)
 
     @property
     def bytes(self) -> Bytes:
@@ -298,13 +350,28 @@ def microbatches(part: PartSpec, ctx: CostContext, dp: np.ndarray, b: np.ndarray
     """Packed microbatches per replica: its tokens over the filled budget, at least 1, at most one per sample.
 
     Best fit leaves on average about half a sample of room in each microbatch, so the fill is
-    packing_fill x (1 - mean sample / (2 b)) (at least half the budget).
+    packing_fill x (1 - mean sample / (2 b)) (at least half the budget). A per-sample loader: one per sample.
     """
     samples = ctx.global_batch / dp
+    if ctx.loader.per_sample:  # --micro-batch-size 1: one microbatch per sample
+        return np.maximum(np.floor(samples), 1)
     b = np.maximum(b, 1).astype(np.float64)
     fill = ctx.cfg.packing_fill * np.maximum(0.5, 1.0 - part.tokens_per_sample / (2.0 * b))
     m = np.ceil(samples * part.tokens_per_sample / (b * fill))
     return np.clip(m, 1, np.maximum(np.floor(samples), 1))
+
+
+def microbatch_tokens(part: PartSpec, ctx: CostContext, b: np.ndarray, peak: bool = False) -> np.ndarray:
+    """Tokens a backbone microbatch computes (peak=False: on average; True: the largest, what memory holds).
+
+    flow: the token budget (static shapes: padded to b). sample: the mean sample (the longest for memory). pad:
+    the sequence length."""
+    b = np.asarray(b, dtype=np.float64)
+    if ctx.loader.kind == "sample":
+        return np.full(b.shape, float(part.max_item_tokens if peak else part.tokens_per_sample))
+    if ctx.loader.kind == "pad":
+        return np.full(b.shape, float(max(ctx.loader.seq_len, part.max_item_tokens)))
+    return b
 
 
 def stage_split(layers: int, pp: np.ndarray, e_first: np.ndarray, e_last: np.ndarray,
@@ -375,17 +442,18 @@ def backbone_stage_mb_time(part: PartSpec, ctx: CostContext, L: Layouts, m: np.n
     """
     by = ctx.bytes
     samples = ctx.global_batch / L.dp
+    b = microbatch_tokens(part, ctx, L.b)
     rc_mult = np.where(L.rc > 0, 1.0 + part.forward_fraction, 1.0)
-    if ctx.cfg.flash_attention:  # varlen kernels: attention per sample
+    if ctx.cfg.flash_attention and ctx.loader.kind != "pad":  # varlen kernels: attention per sample
         attn_mb = part.attn_flops_per_sample * samples / m
-    else:  # one dense b x b masked attention per microbatch
-        attn_mb = part.attn_flops_per_sample / max(part.sq_tokens_per_sample, 1.0) * L.b.astype(np.float64) ** 2
+    else:  # one dense b x b masked attention per microbatch (padded: the whole sequence length)
+        attn_mb = part.attn_flops_per_sample / max(part.sq_tokens_per_sample, 1.0) * b ** 2
     head_tok = min((6.0 if part.trainable else 2.0) * part.vocab * part.hidden, part.linear_flops_per_token)
-    layer_flops = ((part.linear_flops_per_token - head_tok) * L.b + attn_mb) * rc_mult / part.layers
+    layer_flops = ((part.linear_flops_per_token - head_tok) * b + attn_mb) * rc_mult / part.layers
     spf = ctx.seconds_per_flop(part.role, L.tp) / (L.tp * L.cp)
     layer_compute = layer_flops * spf
-    head = head_tok * L.b * spf  # the LM head is not recomputed
-    tokens = L.b / L.cp
+    head = head_tok * b * spf  # the LM head is not recomputed
+    tokens = b / L.cp
     bw_tp, lat_tp = _link(ctx, L.tp)
     n_coll = np.where(L.rc > 0, 6.0, 4.0)
     layer_tp = n_coll * ring_allreduce_time(tokens * part.hidden * by.act, L.tp, bw_tp, lat_tp) * (1 - ctx.overlap("tp"))
@@ -459,10 +527,11 @@ def backbone_activation_memory(part: PartSpec, ctx: CostContext, L: Layouts, inf
     """
     by = ctx.bytes
     layers_stage = np.ceil(part.layers / L.pp) if layers_stage is None else layers_stage
-    tokens = L.b / L.cp  # per device with CP; TP divides through sequence parallelism
+    b = microbatch_tokens(part, ctx, L.b, peak=True)
+    tokens = b / L.cp  # per device with CP; TP divides through sequence parallelism
     counts = activation_counts(ctx)
     if counts is not None:  # a host's own counts; the microbatch's sequences: its share of samples' lengths^2
-        samples_mb = L.b * ctx.cfg.packing_fill / max(part.tokens_per_sample, 1.0)
+        samples_mb = b * ctx.cfg.packing_fill / max(part.tokens_per_sample, 1.0)
         per_layer = counted_layer_bytes(counts, part, tokens, part.sq_tokens_per_sample * samples_mb / L.cp, L.tp)
     elif job_rules(ctx.cfg.job).name == "torch":
         # The torch host's packed microbatches attend per sequence (its varlen path, on every device): no b x b
@@ -472,7 +541,7 @@ def backbone_activation_memory(part: PartSpec, ctx: CostContext, L: Layouts, inf
     else:
         per_layer = act_elems_per_token_layer(part, ctx.cfg.flash_attention) * tokens / L.tp * by.act
         if not ctx.cfg.flash_attention:
-            per_layer = per_layer + tokens * L.b * 4.0
+            per_layer = per_layer + tokens * b * 4.0
     full = inflight * layers_stage * per_layer
     ckpt = inflight * layers_stage * tokens / L.tp * part.hidden * by.act + per_layer
     return np.where(L.rc > 0, ckpt, full)
@@ -483,7 +552,7 @@ def backbone_costs(part: PartSpec, ctx: CostContext, L: Layouts) -> Costs:
     m = microbatches(part, ctx, L.dp, L.b)
     mb = backbone_stage_mb_time(part, ctx, L, m)
     t_mb = stage_time(mb)
-    pipeline = pipeline_time(mb, m)
+    pipeline = pipeline_time(mb, m) * ctx.loader.imbalance(L.dp, L.pp)
     p_first, p_last = backbone_stage_params(part, L, mb)
     p_mid = mb["layers_mid"] * part.layer_params / L.tp
     p_dev = np.maximum(np.maximum(p_first, p_last), p_mid)
@@ -510,8 +579,9 @@ def backbone_memory(part: PartSpec, ctx: CostContext, L: Layouts, m: np.ndarray,
     act_first = backbone_activation_memory(part, ctx, L, inflight_first, mb["layers_first"])
     act_mid = backbone_activation_memory(part, ctx, L, inflight_mid, mb["layers_mid"])
     act_last = backbone_activation_memory(part, ctx, L, np.ones_like(m), mb["layers_last"])
-    recv = 2.0 * L.b / L.cp * part.hidden * by.act / L.tp  # embeddings of 2 microbatches from the pool
-    logits = L.b / L.cp * part.vocab / L.tp * LOGITS_BYTES  # fp32 log-probs saved for the loss + their grad
+    b = microbatch_tokens(part, ctx, L.b, peak=True)
+    recv = 2.0 * b / L.cp * part.hidden * by.act / L.tp  # embeddings of 2 microbatches from the pool
+    logits = b / L.cp * part.vocab / L.tp * LOGITS_BYTES  # fp32 log-probs saved for the loss + their grad
     p_first, p_last = backbone_stage_params(part, L, mb)
     p_mid = mb["layers_mid"] * part.layer_params / L.tp
     s_first, s_mid, s_last = (part_static_memory(ctx, part.role, p, L.dp, L.tp, L.cp, True)
@@ -620,6 +690,47 @@ def encoder_inflight_samples(part: PartSpec, ctx: CostContext, samples: np.ndarr
     return np.minimum(samples, groups * per_group)
 
 
+def embedding_bytes(part: PartSpec, ctx: CostContext, tokens: float) -> float:
+    """Bytes of one sample's embeddings of `tokens` LLM tokens (what the pool carries and counts)."""
+    return float(tokens) * part.out_hidden * ctx.bytes.act
+
+
+def samples_per_round(ctx: CostContext, enc_dp: int, microbatches: int) -> float:
+    """Samples one producer (encoder replica) supplies while every backbone replica takes one microbatch: the
+    step's G samples come in `microbatches` rounds and are shared by the enc_dp producers."""
+    return ctx.global_batch / max(int(microbatches), 1) / max(int(enc_dp), 1)
+
+
+def pool_capacity_needed(part: PartSpec, ctx: CostContext, enc_dp: int, microbatches: int, pp: int) -> float:
+    """Pool capacity per producer (bytes) so that it never stalls on credits while the backbone can take more.
+
+    Derivation: the backbone's first stage takes one microbatch a round, and in the 1F1B warm-up it takes pp of
+    them before its first backward; a producer that has encoded the samples of those pp rounds plus the round it
+    is encoding never waits for a credit the backbone could return. So it needs room for (pp + 1) rounds of its
+    samples (`samples_per_round`), at most the samples it holds anyway (the encoder's in-flight bound, its whole
+    step without one), each sized as the workload's largest embedding: a byte-counting pool holding that many
+    bytes holds that many samples whatever their sizes, and the largest one always passes."""
+    per_round = samples_per_round(ctx, enc_dp, microbatches)
+    samples_step = ctx.global_batch / max(int(enc_dp), 1)
+    held = float(encoder_inflight_samples(part, ctx, np.array([samples_step]))[0])
+    samples = min(np.ceil(per_round) * min(int(pp) + 1, max(int(microbatches), 1)), held, np.ceil(samples_step))
+    return max(samples, 1.0) * embedding_bytes(part, ctx, part.max_out_tokens)
+
+
+def pool_stall_time(part: PartSpec, ctx: CostContext, capacity_bytes: float, enc_dp: int, microbatches: int,
+                    forward_per_sample_s: float) -> float:
+    """Seconds a step waits on a pool smaller than a round of a producer's samples (a pinned capacity).
+
+    The pool counts bytes, so it holds about capacity / (mean embedding) samples (at least one: an embedding larger
+    than the capacity passes when nothing else is in flight). While the backbone computes a round, a producer
+    encodes that many samples of the next one and then waits for credits; when the backbone takes them, the rest of
+    the round (per-round samples - held samples) is encoded while the backbone waits: that many encoder forwards a
+    round, every round (the step simulator's pool credits replay the same)."""
+    held = max(1.0, np.floor(capacity_bytes / max(embedding_bytes(part, ctx, part.out_tokens_per_sample), 1.0)))
+    short = max(0.0, samples_per_round(ctx, enc_dp, microbatches) - held)
+    return float(microbatches) * short * forward_per_sample_s
+
+
 def encoder_costs(part: PartSpec, ctx: CostContext, L: Layouts) -> Costs:
     samples = ctx.global_batch / L.dp
     enc = encoder_samples_time(part, ctx, samples, L.tp, L.rc)
@@ -638,9 +749,10 @@ def encoder_costs(part: PartSpec, ctx: CostContext, L: Layouts) -> Costs:
     held = encoder_inflight_samples(part, ctx, samples)
     act = encoder_activation_memory(part, ctx, held, L.tp, L.rc)
     # the embeddings in flight: those of the held samples, at most the pool's capacity (a bound, not a buffer
-    # allocated up front)
-    embeddings = held * part.out_tokens_per_sample * part.out_hidden * ctx.bytes.act / L.tp
-    pool = np.minimum(np.broadcast_to(embeddings, act.shape), ctx.cfg.pool_capacity_mb * 2**20)
+    # allocated up front; 0: the plan sizes the pool after the search and books the capacity it chose)
+    embeddings = held * embedding_bytes(part, ctx, part.out_tokens_per_sample) / L.tp
+    cap = ctx.cfg.pool_capacity_mb * 2**20 if ctx.cfg.pool_capacity_mb > 0 else np.inf
+    pool = np.minimum(np.broadcast_to(embeddings, act.shape), cap)
     parts = dict(static)
     parts.update({"activations": act, "buffers": pool})
     return Costs(time=time, memory=sum(parts.values()), memory_parts=parts, microbatches=np.ceil(samples),

@@ -40,6 +40,7 @@ class PartSpec:
     linear_flops_per_token: float  # training multiplier (6 or 2 frozen) already applied
     attn_flops_per_sample: float  # mean quadratic attention FLOPs per sample (training multiplier applied)
     out_tokens_per_sample: float = 0.0  # encoder: LLM tokens handed to the backbone
+    max_out_tokens: int = 0  # encoder: the largest sample's embedding tokens (what the pool must let through)
     out_hidden: int = 0  # encoder: width of those embeddings
     input_elems_per_token: int = 0  # encoder: pixel values per patch (kept when recomputing)
     vocab: int = 0  # backbone: logits width
@@ -137,7 +138,7 @@ def encoder_part(spec: VLMSpec, shapes: Sequence[SampleShape], trainable: bool =
         items_per_sample=float(np.mean([s.num_images for s in shapes])),
         max_item_tokens=int(max(per_image) if per_image else 0), linear_flops_per_token=mult * v.params,
         attn_flops_per_sample=float(attn.mean()), out_tokens_per_sample=float(out_tokens.mean()),
-        out_hidden=v.out_hidden_size, input_elems_per_token=in_elems, tp_sizes=tp_ok,
+        max_out_tokens=int(out_tokens.max()) if len(out_tokens) else 0, out_hidden=v.out_hidden_size, input_elems_per_token=in_elems, tp_sizes=tp_ok,
         act_h=act_h, act_kv=0.0, act_f=act_f, act_head_per_token=head,
     )
 

@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 
 from mindspeed_flow.config.planner import PlannerConfig
-from mindspeed_flow.planner.baselines import BaselineResult, all_baselines, strongest
+from mindspeed_flow.planner.baselines import BaselineResult, Counterfactual, all_baselines, gain_split, strongest
 from mindspeed_flow.planner.cost import (
-    CostContext, Costs, Layouts, model_flops_per_step, part_costs, stage_layer_list,
+    CostContext, Costs, Layouts, embedding_bytes, model_flops_per_step, part_costs, pool_capacity_needed,
+    pool_stall_time, stage_layer_list,
 )
 from mindspeed_flow.planner.hardware import Cluster
 from mindspeed_flow.planner.jobs import job_rules
@@ -28,6 +29,7 @@ from mindspeed_flow.planner.solver import Selection, solve_cpsat, solve_cpsat_sh
 from mindspeed_flow.planner.space import PlanError, enumerate_layouts
 
 GB = 1e9
+STREAM_SEED = 0  # the step's sample stream (Problem.stream): one draw, shared by every priced and replayed row
 
 
 def resolve_global_batch(cfg: PlannerConfig, devices: int) -> int:
@@ -77,6 +79,19 @@ class Problem:
     @property
     def ctx(self) -> CostContext:
         return CostContext(self.cluster, self.cfg, self.global_batch, job_devices=self.budget)
+
+    def stream(self, seed: int = STREAM_SEED) -> list:
+        """One step's global batch drawn from the workload's shapes (with replacement, a fixed seed), numbered
+        0..G-1: the one sample stream the baselines' loaders are priced on and every `--simulate` row replays."""
+        if not self.shapes:
+            return []
+        idx = np.random.default_rng(seed).integers(0, len(self.shapes), size=self.global_batch)
+        return [dataclasses.replace(self.shapes[int(i)], sample_id=k) for k, i in enumerate(idx)]
+
+    def stream_lengths(self) -> np.ndarray | None:
+        """LLM tokens per sample of `stream()`, in order (None: no shapes, baselines priced from averages)."""
+        s = self.stream()
+        return np.array([x.llm_tokens for x in s], dtype=np.float64) if s else None
 
     @property
     def host_cores(self) -> int:
@@ -141,6 +156,44 @@ class PartPlan:
 
 
 @dataclass
+class PoolSizing:
+    """The embedding pool of a decoupled plan: the capacity it needs, the one it writes, and what a smaller
+    (pinned) one costs a step."""
+
+    needed_mb: float  # cost.pool_capacity_needed for the chosen layouts, rounded up to whole MiB
+    capacity_mb: float  # what the recipe's flow.pool_capacity_mb says: needed_mb, or planner.pool_capacity_mb
+    pinned: bool
+    largest_embedding_mb: float  # the workload's largest sample embedding
+    stall_s: float  # seconds a step waits on credits (0 unless pinned below needed_mb)
+
+
+def size_pool(problem: Problem, parts: list["PartPlan"]) -> PoolSizing | None:
+    """The pool the chosen layouts need (`cost.pool_capacity_needed`), or the pinned one and its stall; the
+    encoder's memory figure books the capacity (an upper bound on the embeddings it has in flight)."""
+    by_role = {p.role: p for p in parts}
+    enc_p = next((p for p in problem.parts if p.role == "encoder"), None)
+    if enc_p is None or "encoder" not in by_role or "backbone" not in by_role:
+        return None
+    enc, bb = by_role["encoder"], by_role["backbone"]
+    ctx = problem.ctx
+    m, enc_dp = max(bb.microbatches, 1), int(enc.layout["dp"])
+    needed = float(np.ceil(pool_capacity_needed(enc_p, ctx, enc_dp, m, int(bb.layout["pp"])) / 2**20))
+    pinned = problem.cfg.pool_capacity_mb > 0
+    capacity = float(problem.cfg.pool_capacity_mb) if pinned else needed
+    # one sample's encoder forward on a producer (what a short round waits for): the fill is exactly that
+    forward = enc.time_parts.get("fill", 0.0)
+    stall = pool_stall_time(enc_p, ctx, capacity * 2**20, enc_dp, m, forward) if pinned else 0.0
+    # book the capacity on the encoder (a pinned one: at most the embeddings it holds, as priced)
+    if not pinned:
+        mem = enc.memory_gb
+        mem["total"] += capacity * 2**20 / GB - mem.get("buffers", 0.0)
+        mem["buffers"] = capacity * 2**20 / GB
+    largest = embedding_bytes(enc_p, ctx, enc_p.max_out_tokens) / 2**20
+    return PoolSizing(needed_mb=needed, capacity_mb=capacity, pinned=pinned, largest_embedding_mb=largest,
+                      stall_s=stall)
+
+
+@dataclass
 class Plan:
     problem: Problem
     parts: list[PartPlan]
@@ -152,10 +205,13 @@ class Plan:
     baselines: dict[str, BaselineResult | None]
     options_priced: int
     solve_seconds: float
+    pool: "PoolSizing | None" = None  # the embedding pool the plan writes (None: no encoder part)
+    gain_split: list[Counterfactual] = field(default_factory=list)  # the gain over the strongest, by mechanism
 
     @property
     def step_seconds(self) -> float:
-        return self.selection.max_time
+        """The slowest part's step, plus the waits of a pinned pool smaller than the plan needs."""
+        return self.selection.max_time + (self.pool.stall_s if self.pool else 0.0)
 
     @property
     def devices(self) -> int:
@@ -301,16 +357,26 @@ def make_plan(problem: Problem, exhaustive: bool = False, with_baselines: bool =
     ctx = problem.ctx
     base_ctx = problem.baseline_ctx
     flops = model_flops_per_step(problem.parts, problem.global_batch)
-    step = sel.max_time
+    pool = size_pool(problem, parts)
+    step = sel.max_time + (pool.stall_s if pool else 0.0)
     backbone = next((p for p in problem.parts if p.role == "backbone"), problem.parts[-1])
     baselines: dict[str, BaselineResult | None] = {}
     if with_baselines:
         enc = next((p for p in problem.parts if p.role == "encoder"), None)
         if enc is not None and len(problem.parts) == 2:
-            baselines = all_baselines(enc, backbone, base_ctx, problem.budget, problem.node, problem.family)
+            baselines = all_baselines(enc, backbone, base_ctx, problem.budget, problem.node, problem.family,
+                                      problem.stream_lengths())
+    mfu = flops / (step * sel.devices * ctx.peak)
+    split: list[Counterfactual] = []
+    base = strongest(baselines)
+    if base is not None:
+        enc = next(p for p in problem.parts if p.role == "encoder")
+        split = gain_split(enc, backbone, base_ctx, problem.budget, base,
+                           (problem.global_batch / step, mfu, sel.devices), problem.node, problem.stream_lengths())
     return Plan(
         problem=problem, parts=parts, selection=sel, samples_per_s=problem.global_batch / step,
         tokens_per_s=problem.global_batch * backbone.tokens_per_sample / step,
-        mfu=flops / (step * sel.devices * ctx.peak), binding=_binding(problem, tables, sel), baselines=baselines,
-        options_priced=sum(len(t.layouts) for t in tables), solve_seconds=solve_seconds,
+        mfu=mfu, binding=_binding(problem, tables, sel), baselines=baselines,
+        options_priced=sum(len(t.layouts) for t in tables), solve_seconds=solve_seconds, pool=pool,
+        gain_split=split,
     )

@@ -4,7 +4,8 @@ Following the tool must never lose throughput: when a baseline the planned job c
 the recommendation (first line of the report, the recipe `--out` writes, `--json`'s "recommended") is that
 baseline's layout, and the decoupled plan's own figures stay beside it. What each job can run of a baseline:
 
-- `mm`: a coupled baseline (`megatron_coupled`, `coupled_uniform`) is the unpatched MindSpeed-MM job itself: the
+- `mm`: a coupled baseline (`megatron_coupled`, `coupled_uniform`, and `mindspeed_mm_hetero`, the coupled
+  pipeline with --hetero-parallel and the ViT's own TP) is the unpatched MindSpeed-MM job itself: the
   recipe says `flow.mode: coupled` with the layout in `parallel.coupled`, the launch script runs `pretrain_vlm.py`
   without the flow launcher, and the MindSpeed-MM flags and model.json settings are printed.
 - `torch`: a coupled baseline with TP, CP and recompute off (the torch host's coupled mode runs DP x PP, the ViT
@@ -20,7 +21,7 @@ from mindspeed_flow.planner.baselines import BaselineResult
 from mindspeed_flow.planner.jobs import job_rules
 from mindspeed_flow.planner.plan import Plan
 
-COUPLED = ("megatron_coupled", "coupled_uniform")
+COUPLED = ("megatron_coupled", "coupled_uniform", "mindspeed_mm_hetero")
 
 
 @dataclass
@@ -44,8 +45,9 @@ def runnable(b: BaselineResult, job: str) -> bool:
         return False
     if job == "mm":
         return True
-    if job == "torch":
-        return row["tp"] == 1 and row["cp"] == 1 and not row["rc"] and not row.get("vit_rc")
+    if job == "torch":  # no TP, CP or recompute, and the ViT on the job's (DP-only) layout
+        return (row["tp"] == 1 and row["cp"] == 1 and not row["rc"] and not row.get("vit_rc")
+                and row.get("vit_tp", 1) == 1)
     return False
 
 
@@ -54,7 +56,12 @@ def mm_coupled_settings(row: dict, vit_layers: int) -> list[str]:
     flags = [f"--tensor-model-parallel-size {row['tp']}", f"--pipeline-model-parallel-size {row['pp']}"]
     if row["cp"] > 1:
         flags += [f"--context-parallel-size {row['cp']}", "--context-parallel-algo ulysses_cp_algo"]
+    if row.get("vit_tp", row["tp"]) != row["tp"]:  # the ViT on a TP of its own: MindSpeed-MM's hetero-parallel
+        flags.append("--hetero-parallel")
     out = ["MindSpeed-MM flags: " + " ".join(flags + ["--use-distributed-optimizer"])]
+    if "--hetero-parallel" in flags:
+        out.append(f"model.json image_encoder.vision_encoder: tp: {row['vit_tp']} (its own TP under "
+                   "--hetero-parallel)")
     layers = row.get("layers") or []
     if row["pp"] > 1 and layers:
         out.append(f"model.json text_decoder.pipeline_num_layers: {list(layers)}; image_encoder.vision_encoder."

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from mindspeed_flow.planner.baselines import LOADER_NAMES, split_factors
 from mindspeed_flow.planner.jobs import job_rules
 from mindspeed_flow.planner.plan import Plan, Problem, option_table
 
@@ -112,7 +113,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "samples_per_s": b.samples_per_s, "mfu": b.mfu, "step_seconds": b.step_seconds,
             "devices": b.devices, "memory_gb": b.memory_gb, "layout": b.layout,
             "mfu_cluster": cluster_mfu(b.mfu, b.devices, plan),
-            "gain": plan.samples_per_s / b.samples_per_s, "applies": b.applies, "why_not": b.why_not}
+            "gain": plan.samples_per_s / b.samples_per_s, "applies": b.applies, "why_not": b.why_not,
+            "loader": b.loader}
     return {
         "model": pr.model_name, "cluster": pr.cluster.name, "data": pr.data_name, "budget_devices": pr.budget,
         "job": pr.cfg.job, "not_searched": job_rules(pr.cfg.job).skipped(),
@@ -128,6 +130,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
                       "step_seconds": plan.step_seconds, "rate_gap_seconds": plan.selection.gap,
                       "devices_used": plan.devices, "cluster_devices": pr.budget, "peak_tflops": pr.ctx.peak / 1e12,
                       "relative_spread": spread_of(plan)},
+        "pool": pool_json(plan),
+        "gain_by_mechanism": split_json(plan),
         "links": links_json(plan),
         "inputs": assumed_inputs(plan),
         "binding": plan.binding,
@@ -170,6 +174,7 @@ def render_text(plan: Plan) -> str:
         f"  step {plan.step_seconds:.4g} s; rate gap {plan.selection.gap:.3g} s "
         f"({100 * plan.selection.gap / plan.step_seconds:.1f}% of the step, faster part idles)",
         f"  {MFU_FORMULA}; peak {pr.ctx.peak / 1e12:g} TFLOPS per device",
+        *pool_lines(plan),
         "binding constraint: " + "; ".join(plan.binding),
         *links_lines(plan),
         "inputs: " + assumed_inputs(plan),
@@ -184,11 +189,68 @@ def render_text(plan: Plan) -> str:
             lay = "; ".join(f"{k}: {_layout_str(v)}" for k, v in b.layout.items())
             lines.append(f"  {name:<22} {b.samples_per_s:.4g} samples/s, MFU {100 * b.mfu:.1f}% on {b.devices} "
                          f"devices ({100 * cluster_mfu(b.mfu, b.devices, plan):.1f}% over {pr.budget}) -> plan gain x{plan.samples_per_s / b.samples_per_s:.2f}  [{lay}]"
-                         + ("" if b.applies else f" (does not apply: {b.why_not})"))
+                         + (f" loader: {LOADER_NAMES[b.loader]}" if b.loader in LOADER_NAMES else "")
+                         + ("" if b.applies else f" (not applicable: {b.why_not})"))
         best = plan.strongest_baseline
         if best is not None:
             lines.append(f"strongest baseline: {best.name}; plan gain over it x"
                          f"{plan.samples_per_s / best.samples_per_s:.2f}")
+        lines += split_lines(plan)
+    return "\n".join(lines)
+
+
+def split_lines(plan: Plan) -> list[str]:
+    """The decoupled plan's gain over the strongest baseline by mechanism (throughput and MFU apart)."""
+    if not plan.gain_split:
+        return []
+    f = split_factors(plan.gain_split)
+    x = lambda v: "-" if v is None else f"x{v:.2f}"  # noqa: E731
+    lines = [f"decoupled plan's gain by mechanism ({plan.problem.data_name}; counterfactuals re-priced with the same "
+             f"model): throughput {x(f['total']['throughput'])}, MFU {x(f['total']['mfu'])}"]
+    for c in plan.gain_split:
+        fig = ("no layout fits" if c.samples_per_s is None else
+               f"{c.samples_per_s:.4g} samples/s, MFU {100 * (c.mfu or 0):.1f}% on {c.devices} devices")
+        gain = "" if c.step == "baseline" else (f"  -> {c.step} throughput {x(f[c.step]['throughput'])}, "
+                                                f"MFU {x(f[c.step]['mfu'])}")
+        lines.append(f"  {c.step:<9} {fig}: {c.what}{gain}")
+    return lines
+
+
+def split_json(plan: Plan) -> dict[str, Any] | None:
+    if not plan.gain_split:
+        return None
+    return {"rows": [{"step": c.step, "what": c.what, "samples_per_s": c.samples_per_s, "mfu": c.mfu,
+                      "devices": c.devices} for c in plan.gain_split],
+            "factors": split_factors(plan.gain_split)}
+
+
+def pool_lines(plan: Plan) -> list[str]:
+    p = plan.pool
+    if p is None:
+        return []
+    line = (f"pool: flow.pool_capacity_mb {p.capacity_mb:g} per producer ({'pinned' if p.pinned else 'sized'}; the "
+            f"chosen layouts need {p.needed_mb:g} MB, the largest sample embedding is {p.largest_embedding_mb:.1f} MB)")
+    if p.stall_s > 0:
+        line += f"; below what the layouts need, a step waits {p.stall_s:.3g} s on pool credits (priced above)"
+    return [line]
+
+
+def pool_json(plan: Plan) -> dict[str, Any] | None:
+    p = plan.pool
+    return None if p is None else {"capacity_mb": p.capacity_mb, "needed_mb": p.needed_mb, "pinned": p.pinned,
+                                   "largest_embedding_mb": p.largest_embedding_mb, "stall_seconds": p.stall_s}
+
+
+def render_replay(rows: list[dict]) -> str:
+    """The chosen plan and each baseline replayed on the same sample stream, analytic vs simulated."""
+    lines = ["", "simulated (one step, the same sample stream for every row; error = simulated / analytic - 1):"]
+    for r in rows:
+        if r.get("simulated_s") is None:
+            lines.append(f"  {r['name']:<22} analytic {r['analytic_s']:.4g} s; not replayed: {r.get('why_not', '')}")
+            continue
+        lines.append(f"  {r['name']:<22} analytic {r['analytic_s']:.4g} s, simulated {r['simulated_s']:.4g} s, "
+                     f"error {100 * r['error']:+.1f}%; bubbles {100 * r['bubble_fraction']:.1f}%, pool wait "
+                     f"{r['pool_wait_s']:.3g} s")
     return "\n".join(lines)
 
 
@@ -267,6 +329,8 @@ def recipe_yaml(plan: Plan, name: str, model_recipe: str | None, data_recipe: st
         # host keeps them and recomputes per layer from model.json
         keep = int(enc.layout["rc"]) != 1 if job else not bool(enc.layout["rc"])
         lines += ["flow:", f"  keep_encoder_activations: {_quote(keep)}"]
+        if plan.pool is not None:  # the capacity the plan sized (or the pinned one it priced)
+            lines.append(f"  pool_capacity_mb: {plan.pool.capacity_mb:g}")
         if job == "mm" and pr.cfg.encoder_inflight and bb is not None and not pr.cfg.freeze_encoder:
             # the bound the encoder's memory was priced with (the host refuses one below the decoder's pp)
             lines.append(f"  encoder_inflight: {max(int(pr.cfg.encoder_inflight), int(bb.layout['pp']))}")

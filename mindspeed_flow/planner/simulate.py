@@ -294,9 +294,13 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
                   pp_schedule: str = "1f1b", layer_split: Optional[Sequence[int]] = None,
                   cores: float = 0.0, step_overhead_s: float = 0.0, spinning_waits: bool = False,
                   vit_on_stage0: bool = False, capacity: Optional[Sequence[float]] = None,
-                  prefetch_depth: int = 0) -> StepResult:
+                  prefetch_depth: int = 0, pool_capacity_bytes: float = 0.0,
+                  embedding_elem_bytes: float = 4.0) -> StepResult:
     """Simulate one step. `work`: the runtime's StepWork; `layout`: the runtime's topology.Layout;
-    `pool_capacity`: samples a producer may have in the pool not yet taken by the backbone.
+    `pool_capacity`: samples a producer may have in the pool not yet taken by the backbone; with
+    `pool_capacity_bytes` > 0 the pool counts bytes as the runtime's does instead (a put waits until the bytes
+    not yet taken plus its own fit, or nothing else is in flight), each sample's embedding its image tokens x
+    the ViT's output width x `embedding_elem_bytes`.
 
     `vit_on_stage0`: the coupled pipeline layout (MindSpeed-MM's) priced on a decoupled layout's step plan: no
     encoder ranks; each first-stage rank encodes its microbatch's images inside that microbatch's forward (and
@@ -330,7 +334,7 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
     roles: dict[int, str] = {}
     start = {r: sim.add(r, "step start", step_overhead_s, tag="overhead") for r in range(off, layout.world_size)}
     takes: dict[int, list[tuple[int, float, int]]] = {r: [] for r in lane_of}  # rank -> [(sample, load s, take op)]
-    emb_bytes = lambda sid: by_id[sid].image_tokens * spec.vision.out_hidden_size * 4.0  # noqa: E731
+    emb_bytes = lambda sid: by_id[sid].image_tokens * spec.vision.out_hidden_size * embedding_elem_bytes  # noqa: E731
     if coupled and not pipelined_coupled:
         _coupled_program(sim, work, by_id, layout, costs, roles, start, takes)
     else:
@@ -376,7 +380,15 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
                 f, _ = costs.encoder_fwd_bwd(patches)
                 enc_fwd_ids[sid] = sim.add(r, f"enc fwd {sid}", f, deps=[(start[r], 0.0)], tag="enc_fwd")
                 put_ops[sid] = sim.add(r, f"put {sid}", 0.0, kind=COMM, tag="put")
-                if k >= pool_capacity:
+                if pool_capacity_bytes > 0:
+                    # the earliest sample j whose bytes up to this one fit; the put waits for sample j - 1's take
+                    j, held = k, emb_bytes(sid)
+                    while j > 0 and held + emb_bytes(order[j - 1]) <= pool_capacity_bytes:
+                        j -= 1
+                        held += emb_bytes(order[j])
+                    if j > 0:
+                        credit_deps.append((put_ops[sid], order[j - 1]))
+                elif k >= pool_capacity:
                     credit_deps.append((put_ops[sid], order[k - pool_capacity]))
         # backbone ops
         ids: dict[tuple[int, int, str, int], int] = {}
@@ -639,9 +651,12 @@ def simulate_job(job: Any, ctx: CostContext, steps: Sequence[int], cores: float 
 
 # ------------------------------------------------------------------------------------------- planner top-k
 def simulate_layout(problem: Any, enc_row: dict, bb_row: dict, cores: float = 0.0,
-                    scheduler: str = "flow") -> StepResult:
-    """Simulate one step of a planned layout: the problem's workload shapes as one global batch (cycled), packed
-    by the runtime's step planner; each simulated rank is one tp x cp group."""
+                    scheduler: str = "flow", stream: Optional[Sequence[Any]] = None,
+                    pool_capacity_mb: float = 0.0) -> StepResult:
+    """Simulate one step of a planned layout: the problem's workload shapes as one global batch (cycled; or
+    `stream`, the step's samples), packed by the runtime's step planner; each simulated rank is one tp x cp
+    group. `pool_capacity_mb` > 0: the pool counts bytes with that capacity (else planner.pool_capacity_mb in
+    samples of the mean embedding, the older replay)."""
     import dataclasses as dc
 
     from mindspeed_flow.config.packing import PackingConfig
@@ -653,7 +668,8 @@ def simulate_layout(problem: Any, enc_row: dict, bb_row: dict, cores: float = 0.
         raise ValueError("the problem carries no model spec / workload shapes (build it with inputs.build_problem)")
     spec, ctx = problem.spec, problem.ctx
     g = problem.global_batch
-    shapes = [dc.replace(problem.shapes[i % len(problem.shapes)], sample_id=i) for i in range(g)]
+    shapes = list(stream) if stream is not None else [
+        dc.replace(problem.shapes[i % len(problem.shapes)], sample_id=i) for i in range(g)]
     layout = Layout((PartLayout(ENCODER, dp=int(enc_row["dp"])),
                      PartLayout(BACKBONE, dp=int(bb_row["dp"]), pp=int(bb_row["pp"]))), "decoupled")
     frozen = bool(problem.cfg.freeze_encoder)
@@ -663,12 +679,14 @@ def simulate_layout(problem: Any, enc_row: dict, bb_row: dict, cores: float = 0.
                                oversize_policy="error")
     costs = StepCosts(spec, ctx, trainable_encoder=not frozen, enc_tp=int(enc_row["tp"]), enc_rc=int(enc_row["rc"]),
                       bb_tp=int(bb_row["tp"]), bb_cp=int(bb_row["cp"]), bb_rc=int(bb_row["rc"]))
-    emb = np.mean([s.image_tokens for s in shapes]) * spec.vision.out_hidden_size * precision_bytes(ctx.cfg.dtype).act
-    capacity = max(1, int(problem.cfg.pool_capacity_mb * 2**20 // max(emb, 1.0)))
+    act = precision_bytes(ctx.cfg.dtype).act
+    emb = np.mean([s.image_tokens for s in shapes]) * spec.vision.out_hidden_size * act
+    capacity = max(1, int((problem.cfg.pool_capacity_mb or 64.0) * 2**20 // max(emb, 1.0)))
     split = bb_row.get("layers") or None
-    run = lambda cap: simulate_step(work, shapes, layout, costs, pool_capacity=cap,  # noqa: E731
-                                    pp_schedule=problem.cfg.pp_schedule, layer_split=split, cores=cores,
-                                    step_overhead_s=ctx.cfg.step_overhead_s)
+    run = lambda cap: simulate_step(  # noqa: E731
+        work, shapes, layout, costs, pool_capacity=cap, pp_schedule=problem.cfg.pp_schedule, layer_split=split,
+        cores=cores, step_overhead_s=ctx.cfg.step_overhead_s, embedding_elem_bytes=act,
+        pool_capacity_bytes=pool_capacity_mb * 2**20 if cap < g else 0.0)
     try:
         return run(capacity)
     except SimulationDeadlock:
@@ -740,3 +758,63 @@ def two_rank_ranking(ctx: CostContext, overrides: Sequence[str] = (), steps: Seq
         res = simulate_job(job, ctx, list(steps), cores=cores, vit_on_stage0=vit0)
         out[name] = float(np.mean([r.step_seconds for r in res.values()]))
     return dict(sorted(out.items(), key=lambda kv: kv[1]))
+
+
+# ------------------------------------------------------------------------------- the plan and its baselines
+def simulate_coupled_baseline(problem: Any, b: Any, stream: Sequence[Any], cores: float = 0.0) -> StepResult:
+    """Replay a coupled baseline (`baselines.LOADERS`: one sample per microbatch; padded to the sequence length
+    for `pad`) on the step's stream: DP rank d takes the d-th contiguous slice of the global batch, stage 0
+    encodes each microbatch's images inside its forward, 1F1B over the baseline's stage split."""
+    from types import SimpleNamespace
+
+    from mindspeed_flow.planner.baselines import with_loader
+    from mindspeed_flow.topology import COUPLED, Layout, PartLayout
+
+    row = b.layout["coupled"]
+    dp, pp = int(row["dp"]), int(row["pp"])
+    bb = next(p for p in problem.parts if p.role == "backbone")
+    loader = with_loader(problem.baseline_ctx, b.loader or "sample", bb, None).loader
+    per = len(stream) // dp
+    rows = [[SimpleNamespace(sample_ids=[s.sample_id]) for s in stream[d * per:(d + 1) * per]] for d in range(dp)]
+    work = SimpleNamespace(plan=SimpleNamespace(microbatches=rows, seq_len=loader.seq_len if loader.kind == "pad"
+                                                else 0),
+                           encode_order={}, in_put_order=lambda ids: list(ids))
+    layout = Layout((PartLayout(COUPLED, dp=dp, pp=pp),), "coupled")
+    costs = StepCosts(problem.spec, problem.baseline_ctx, trainable_encoder=not problem.cfg.freeze_encoder,
+                      enc_tp=int(row.get("vit_tp", row["tp"])), bb_tp=int(row["tp"]), bb_cp=int(row["cp"]),
+                      bb_rc=int(row["rc"]))
+    return simulate_step(work, stream, layout, costs, pool_capacity=len(stream), pp_schedule=problem.cfg.pp_schedule,
+                         layer_split=row.get("layers") or None, cores=cores,
+                         step_overhead_s=problem.cfg.step_overhead_s)
+
+
+def replay_plan(plan: Any, cores: float = 0.0) -> list[dict]:
+    """`plan --simulate`: the chosen decoupled plan and each baseline replayed on the same sample stream
+    (`Problem.stream`: one draw of G samples, so microbatches vary as the workload's lengths do), each row with
+    the analytic step time beside the simulated one and the error. Baselines the simulator has no program for
+    (dist-train's blocking ViT stage) say so instead of a number."""
+    problem = plan.problem
+    stream = problem.stream()
+    by = {p.role: p for p in plan.parts}
+    out: list[dict] = []
+    enc, bb = by.get("encoder"), by.get("backbone")
+    if enc is not None and bb is not None:
+        row = dict(bb.layout, layers=bb.stage_layers or None)
+        res = simulate_layout(problem, enc.layout, row, cores, stream=stream,
+                              pool_capacity_mb=plan.pool.capacity_mb if plan.pool else 0.0)
+        out.append({"name": "decoupled", "analytic_s": plan.step_seconds, "simulated_s": res.step_seconds,
+                    "bubble_fraction": res.bubble_fraction, "pool_wait_s": res.pool_wait_s, "result": res})
+    for name, b in plan.baselines.items():
+        if b is None:
+            continue
+        entry: dict = {"name": name, "analytic_s": b.step_seconds}
+        if "coupled" in b.layout:
+            res = simulate_coupled_baseline(problem, b, stream, cores)
+            entry.update(simulated_s=res.step_seconds, bubble_fraction=res.bubble_fraction, pool_wait_s=0.0,
+                         result=res)
+        else:
+            entry.update(simulated_s=None, why_not="no simulator program for dist-train's blocking ViT stage")
+        out.append(entry)
+    for r in out:
+        r["error"] = None if r.get("simulated_s") is None else r["simulated_s"] / r["analytic_s"] - 1.0
+    return out
