@@ -7,7 +7,7 @@ evaluated on the shapes the job ran; `planner/memory.py`) beside the peak the jo
 terms:
 
 - torch: `mindspeed-flow train` (the default recipe: tiny Qwen2-VL, fp32, encoder 1 + backbone DP 2 with DDP) with
-  MSF_MEMORY_TRACK=1: each rank's peak of live tensor bytes (`planner.measure.LiveTensorBytes`);
+  MSF_MEMORY_TRACK=1: each rank's peak of live tensor bytes (`telemetry.tensor_bytes.LiveTensorBytes`);
 - mm: MindSpeed-MM's `pretrain_vlm.py` under the emulated NPU as a flow job (`MM_ENC` + `MM_DEC`: encoder 1,
   decoder PP 2 split [1, 2]) on MindSpeed-MM's Qwen2.5-VL 72B example config scaled down, its ViT trainable,
   bf16 with the distributed optimizer, run with MSF_FLOW_MEMORY=1: each rank's npu allocator peak (the

@@ -5,7 +5,7 @@ Activation memory is measured as the bytes of the distinct tensor storages autog
 until its backward, independent of allocator caching and of other processes (RSS deltas on a shared CPU are too
 noisy for models of a few MB). Static memory is parameters + gradients + optimizer states, summed over tensors
 after one real AdamW step. A whole job's peak on the CPU is the peak of its live tensor storages
-(`LiveTensorBytes`, a dispatch mode the torch host's ranks enter with MSF_MEMORY_TRACK=1).
+(`telemetry.tensor_bytes.LiveTensorBytes`, which the torch host's ranks enter with MSF_MEMORY_TRACK=1).
 
 Imports torch lazily: the planner itself stays importable without it.
 """
@@ -90,81 +90,3 @@ def core_share(processes: int, seconds: float = 0.5) -> float:
     for p in procs:
         p.join()
     return sum(shares) / len(shares)
-
-
-class LiveTensorBytes:
-    """Live and peak bytes of the tensor storages this thread's torch ops create (a TorchDispatchMode).
-
-    Torch's CPU allocator keeps no statistics, so the torch host's memory is measured one level up: every op's
-    output storages are counted once while any tensor viewing them is alive (a weakref finalizer per tensor; torch
-    keeps a tensor's Python object alive as long as its C++ tensor, so the finalizer runs when the storage's last
-    user goes). This is what a device allocator would count, without its rounding or caching. Not counted:
-    tensors made by other threads (the pool's transfer threads: the embedding buffers in flight) and storages
-    resized in place (FSDP2 frees its gathered parameters that way, so measure FSDP2 layouts elsewhere).
-
-    Use as a context manager around the whole job (parameters included); `mark(name)` records the live bytes at
-    a point (e.g. each step's start) and `marks` keeps the last value of each name.
-    """
-
-    def __init__(self) -> None:
-        import threading
-
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        owner = self
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-                out = func(*args, **(kwargs or {}))
-                owner._track(out)
-                return out
-
-        self._mode = _Mode()
-        # re-entrant: a finalizer may run (garbage collection) while this thread holds the lock in _track
-        self._lock = threading.RLock()
-        self._storages: dict[tuple[int, int], list[int]] = {}  # (data_ptr, nbytes) -> [nbytes, tensors alive]
-        self.live = 0
-        self.peak = 0
-        self.marks: dict[str, int] = {}
-
-    def _free(self, key: tuple[int, int]) -> None:
-        with self._lock:
-            entry = self._storages.get(key)
-            if entry is None:
-                return
-            entry[1] -= 1
-            if entry[1] == 0:
-                self.live -= entry[0]
-                del self._storages[key]
-
-    def _track(self, out: Any) -> None:
-        import weakref
-
-        import torch
-        from torch.utils._pytree import tree_flatten
-
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-                continue
-            storage = t.untyped_storage()
-            if not storage.data_ptr():
-                continue
-            key = (storage.data_ptr(), storage.nbytes())
-            with self._lock:
-                entry = self._storages.get(key)
-                if entry is None:
-                    entry = self._storages[key] = [storage.nbytes(), 0]
-                    self.live += entry[0]
-                    self.peak = max(self.peak, self.live)
-                entry[1] += 1
-            weakref.finalize(t, self._free, key)
-
-    def mark(self, name: str) -> None:
-        self.marks[name] = self.live
-
-    def __enter__(self) -> "LiveTensorBytes":
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._mode.__exit__(*exc)

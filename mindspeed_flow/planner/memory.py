@@ -16,7 +16,7 @@ tests/mindspeed_mm/test_memory_model.py):
   on the emulated NPU, `cost.ACTIVATION_COUNTS`), evaluated on each microbatch's tokens and sequence lengths and
   each group's images (window-attention layers attend within 8 x 8 patch windows).
 - the torch host (`mindspeed-flow train`, run with MSF_MEMORY_TRACK=1): measured = each rank's peak of live
-  tensor bytes (`measure.LiveTensorBytes`; torch's CPU allocator keeps no peak). Predicted per rank: weights,
+  tensor bytes (`telemetry.tensor_bytes.LiveTensorBytes`; torch's CPU allocator keeps no peak). Predicted per rank: weights,
   gradients and AdamW states in the parameters' dtype, DDP's gradient buckets on a DDP backbone (dp > 1), the
   encoder holding its whole step's samples' activations (strict mode: their backward waits for the backbone),
   the backbone one microbatch at the token budget (its per-sequence attention keeps no score matrix, but K and V

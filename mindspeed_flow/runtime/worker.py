@@ -11,7 +11,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,12 +37,11 @@ from mindspeed_flow.telemetry import trace
 from mindspeed_flow.runtime.engine import StepEngine
 from mindspeed_flow.telemetry.metrics import MFU_FORMULA, MetricsGatherer, StepRecord, StepStatic, machine_peak_flops
 from mindspeed_flow.step.plan import StepWork, plan_coupled_step, plan_decoupled_step
+from mindspeed_flow.telemetry.tensor_bytes import LiveTensorBytes
 from mindspeed_flow.telemetry.tensorboard import open_sink
 from mindspeed_flow.specs import VLMSpec
 from mindspeed_flow.topology import Layout, Topology
 
-if TYPE_CHECKING:
-    from mindspeed_flow.planner.measure import LiveTensorBytes
 
 
 def init_distributed(acc: Accelerator, timeout_s: float) -> tuple[int, int]:
@@ -268,17 +267,15 @@ def run_worker(config_path: str) -> None:
         sys.exit(EXIT_SAVED_ON_SIGNAL)
 
 
-# Set to 1: each rank counts its live tensor bytes (planner.measure.LiveTensorBytes) and prints the peak at exit.
+# Set to 1: each rank counts its live tensor bytes (telemetry.tensor_bytes.LiveTensorBytes) and prints the peak at exit.
 MEMORY_ENV = "MSF_MEMORY_TRACK"
 
 
-def _memory_tracker() -> Optional["LiveTensorBytes"]:
+def _memory_tracker() -> Optional[LiveTensorBytes]:
     """The rank's tensor-bytes counter, entered before the model is built (MSF_MEMORY_TRACK=1), else None.
     The CPU allocator keeps no peak of its own; `mindspeed-flow bench memory` compares this with the planner."""
     if os.environ.get(MEMORY_ENV) != "1":
         return None
-    from mindspeed_flow.planner.measure import LiveTensorBytes
-
     return LiveTensorBytes().__enter__()
 
 
