@@ -20,10 +20,14 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+# Ascend's PyTorch adapter: optional, imported only where the device is an NPU (see the module docstring).
+NPU_MODULE = "torch_npu"
+
+
 def _torch_npu_available() -> bool:
     # find_spec does not import: importing torch_npu without CANN breaks `import torch` itself.
-    return importlib.util.find_spec("torch_npu") is not None and bool(os.environ.get("ASCEND_HOME_PATH")
-                                                                       or os.path.isdir("/usr/local/Ascend"))
+    return importlib.util.find_spec(NPU_MODULE) is not None and bool(os.environ.get("ASCEND_HOME_PATH")
+                                                                     or os.path.isdir("/usr/local/Ascend"))
 
 
 @dataclass
@@ -40,7 +44,7 @@ class Accelerator:
     def detect(prefer: str = "auto") -> "Accelerator":
         """`prefer`: auto | npu | cuda | cpu. auto takes npu, then cuda, then cpu."""
         if prefer in ("auto", "npu") and _torch_npu_available():
-            importlib.import_module("torch_npu")
+            importlib.import_module(NPU_MODULE)
             if torch.npu.is_available():  # type: ignore[attr-defined]
                 return Accelerator.for_type("npu")
         if prefer == "npu":
@@ -161,7 +165,7 @@ def varlen_attention_kernel(device_type: str) -> str:
 
 def _has_mc2_ops() -> bool:
     try:
-        torch_npu = importlib.import_module("torch_npu")
+        torch_npu = importlib.import_module(NPU_MODULE)
     except ImportError:
         return False
     return all(hasattr(torch_npu, op) for op in ("npu_all_gather_base_mm", "npu_mm_reduce_scatter_base"))
