@@ -361,18 +361,19 @@ def make_plan(problem: Problem, exhaustive: bool = False, with_baselines: bool =
     step = sel.max_time + (pool.stall_s if pool else 0.0)
     backbone = next((p for p in problem.parts if p.role == "backbone"), problem.parts[-1])
     baselines: dict[str, BaselineResult | None] = {}
+    lengths = problem.stream_lengths() if with_baselines else None  # one draw for the baselines and the split
     if with_baselines:
         enc = next((p for p in problem.parts if p.role == "encoder"), None)
         if enc is not None and len(problem.parts) == 2:
             baselines = all_baselines(enc, backbone, base_ctx, problem.budget, problem.node, problem.family,
-                                      problem.stream_lengths())
+                                      lengths)
     mfu = flops / (step * sel.devices * ctx.peak)
     split: list[Counterfactual] = []
     base = strongest(baselines)
     if base is not None:
         enc = next(p for p in problem.parts if p.role == "encoder")
         split = gain_split(enc, backbone, base_ctx, problem.budget, base,
-                           (problem.global_batch / step, mfu, sel.devices), problem.node, problem.stream_lengths())
+                           (problem.global_batch / step, mfu, sel.devices), problem.node, lengths)
     return Plan(
         problem=problem, parts=parts, selection=sel, samples_per_s=problem.global_batch / step,
         tokens_per_s=problem.global_batch * backbone.tokens_per_sample / step,

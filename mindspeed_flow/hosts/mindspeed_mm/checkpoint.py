@@ -45,25 +45,40 @@ TRACKER = "latest_checkpointed_iteration.txt"
 PARAM_GROUP_KEYS = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
 
 
-def complete_param_groups(state: Any, depth: int = 0) -> None:
-    """Give every param group found in an optimizer (or its saved state dict) the keys its loader matches on."""
-    if depth > 4:
-        return
-    if isinstance(state, dict):
-        groups = state.get("param_groups")
-        if isinstance(groups, list):
-            for group in groups:
-                if isinstance(group, dict):
-                    for key, value in PARAM_GROUP_KEYS.items():
-                        group.setdefault(key, value)
-        for value in state.values():
-            if isinstance(value, dict):
-                complete_param_groups(value, depth + 1)
-        return
-    for opt in getattr(state, "chained_optimizers", None) or [state]:  # a live Megatron optimizer
+def _complete(groups: Iterable[Any]) -> None:
+    for group in groups:
+        if isinstance(group, dict):
+            for key, value in PARAM_GROUP_KEYS.items():
+                group.setdefault(key, value)
+
+
+def complete_param_groups(optimizer: Any) -> None:
+    """Give a live Megatron optimizer's param groups (each chained one's) the keys its loader matches on."""
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         inner = getattr(opt, "optimizer", None)
         if inner is not None and hasattr(inner, "param_groups"):
-            complete_param_groups({"param_groups": inner.param_groups}, depth + 1)
+            _complete(inner.param_groups)
+
+
+def complete_saved_param_groups(state: Any) -> None:
+    """The same for a loaded checkpoint's optimizer state: every `param_groups` list in its nested dicts (the
+    distributed optimizer's, each chained optimizer's)."""
+    if isinstance(state, dict):
+        if isinstance(state.get("param_groups"), list):
+            _complete(state["param_groups"])
+        for value in state.values():
+            complete_saved_param_groups(value)
+
+
+def module_of(part: str) -> str:
+    """The MindSpeed-MM module a flow part holds (its checkpoint folders' name): image_encoder or text_decoder."""
+    return PREFIX[part].rstrip(".")
+
+
+def weights_only(finetune: bool, no_load_optim: bool, no_load_rng: bool) -> bool:
+    """A load that takes weights only: --finetune, or --no-load-optim with --no-load-rng (Megatron keeps the
+    iteration); only such a load can re-split a checkpoint saved in another layout."""
+    return finetune or (no_load_optim and no_load_rng)
 
 
 class CheckpointError(ValueError):
@@ -72,7 +87,7 @@ class CheckpointError(ValueError):
 
 def part_checkpoint_name(name: str, part: str) -> str:
     """Megatron's `.../mp_rank_TT[_PPP]/file` -> `.../mp_<module>_rank_TT[_PPP]/file` for a flow part."""
-    module = PREFIX[part].rstrip(".")
+    module = module_of(part)
     folder = os.path.basename(os.path.dirname(name))
     if not folder.startswith("mp_rank_"):
         return name
@@ -416,12 +431,6 @@ def saved_layouts(load_dir: str | Path, ckpt_step: Optional[int] = None) -> dict
             for module in sorted({k[0] for k in folders if k[0] is not None})}
 
 
-def weights_only(args: Any) -> bool:
-    """The job loads weights only: --finetune, or --no-load-optim with --no-load-rng (Megatron keeps the iteration)."""
-    return bool(getattr(args, "finetune", False) or (getattr(args, "no_load_optim", False)
-                                                     and getattr(args, "no_load_rng", False)))
-
-
 RESPLIT_HINT = ("its optimizer state and RNG are per saved rank: resume with the layout it was saved with, or load "
                 "only its weights, re-split, with --no-load-optim --no-load-rng (iteration and data position kept) "
                 "or --finetune (from iteration 0)")
@@ -440,7 +449,7 @@ def load_for_part(ctx: Any, load: Callable[..., Any], load_dir: Any, args: Any, 
     iteration, release = loaded_iteration(load_dir, getattr(args, "ckpt_step", None))
     iter_dir = Path(str(load_dir)) / ("release" if release else f"iter_{iteration:07d}")
     folders = rank_folders(iter_dir)
-    module = PREFIX[ctx.part].rstrip(".")
+    module = module_of(ctx.part)
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     saved = saved_layouts(load_dir, getattr(args, "ckpt_step", None)).get(module)
@@ -448,13 +457,14 @@ def load_for_part(ctx: Any, load: Callable[..., Any], load_dir: Any, args: Any, 
     if saved == (tp, pp) or (saved is None and not coupled):  # a resume (or nothing to read: Megatron says so)
         loaded = load(load_dir, args, rank0, *more, **kwargs)
         if isinstance(loaded, tuple) and loaded and isinstance(loaded[0], dict):
-            complete_param_groups(loaded[0].get("optimizer"))  # saved before the keys were filled in at build
+            complete_saved_param_groups(loaded[0].get("optimizer"))  # saved before the keys were filled in
         return loaded
     what = (f"{load_dir} holds {module} at TP {saved[0]} PP {saved[1]} and this job runs it at TP {tp} PP {pp}"
             if saved else f"{load_dir} is a coupled checkpoint")
     if getattr(args, "ckpt_format", "torch") != "torch":
         raise CheckpointError(f"{what}: it loads into a flow job in --ckpt-format torch only")
-    if not weights_only(args):
+    if not weights_only(bool(getattr(args, "finetune", False)), bool(getattr(args, "no_load_optim", False)),
+                        bool(getattr(args, "no_load_rng", False))):
         hint = RESPLIT_HINT if saved else ("its optimizer state and RNG do not carry over to separate parts; load it "
                                            "with --finetune (or --no-load-optim --no-load-rng), or convert it with "
                                            "`mindspeed-flow convert-checkpoint --to decoupled`")

@@ -469,12 +469,13 @@ def check_resume_layout(argv: list[str], parts: FlowParts) -> None:
     if not load:
         return
     saved = checkpoint.saved_layouts(load, int(argv_value(argv, "--ckpt-step", "0") or 0) or None)
-    modules = {ENCODER: "image_encoder", BACKBONE: "text_decoder"}
-    moved = [f"{modules[p.name]} at TP {saved[modules[p.name]][0]} PP {saved[modules[p.name]][1]} (the recipe: TP "
-             f"{p.tp} PP {p.pp})" for p in parts.layouts
-             if modules.get(p.name) in saved and saved[modules[p.name]] != (p.tp, p.pp)]
-    weights_only = "--finetune" in argv or ("--no-load-optim" in argv and "--no-load-rng" in argv)
-    if moved and not weights_only:
+    moved = []
+    for p in parts.layouts:
+        module = checkpoint.module_of(p.name)
+        if module in saved and saved[module] != (p.tp, p.pp):
+            tp, pp = saved[module]
+            moved.append(f"{module} at TP {tp} PP {pp} (the recipe: TP {p.tp} PP {p.pp})")
+    if moved and not checkpoint.weights_only("--finetune" in argv, "--no-load-optim" in argv, "--no-load-rng" in argv):
         raise FlowRecipeError(f"--load {load}: saved with {', '.join(moved)}; {checkpoint.RESPLIT_HINT}")
 
 

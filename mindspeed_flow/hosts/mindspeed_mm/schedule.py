@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -577,13 +578,7 @@ def finalize_with_global_tokens(ctx: FlowContext, finalize: Callable[..., Any]) 
         # busy/wait seconds (the encoder leader's held peak too), every decoder rank's transfers.
         # float32: MindSpeed wraps torch.distributed.all_reduce so that a float64 tensor is reduced on a float32
         # copy whose result is dropped (HCCL has no float64); the original would silently stay unreduced.
-        mine = PartFigures()
-        if ctx.is_part_leader:
-            if ctx.is_encoder:
-                mine.encoder_busy_s, mine.encoder_wait_s = own.encoder_busy_s, own.encoder_wait_s
-                mine.encoder_held_groups, mine.encoder_held_bytes = own.encoder_held_groups, own.encoder_held_bytes
-            else:
-                mine.decoder_busy_s, mine.decoder_wait_s = own.decoder_busy_s, own.decoder_wait_s
+        mine = dataclasses.replace(own) if ctx.is_part_leader else PartFigures()  # `own` holds its part's only
         if not ctx.is_encoder:
             ctx.step_transfer(mine)
         stats = torch.tensor([0.0] + mine.as_list(), dtype=torch.float32).to(ctx.device)
