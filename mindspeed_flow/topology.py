@@ -117,13 +117,35 @@ class Layout:
                 return p
         raise KeyError(name)
 
-    def part_ranks(self, name: str) -> list[int]:
+    def offset(self, name: str) -> int:
+        """The part's first global rank (parts take contiguous blocks in list order)."""
         start = 0
         for p in self.parts:
             if p.name == name:
-                return list(range(start, start + p.size))
+                return start
             start += p.size
         raise KeyError(name)
+
+    def part_ranks(self, name: str) -> list[int]:
+        start = self.offset(name)
+        return list(range(start, start + self.part(name).size))
+
+    def part_of(self, rank: int) -> PartLayout:
+        """The part global rank `rank` belongs to."""
+        start = 0
+        for p in self.parts:
+            if start <= rank < start + p.size:
+                return p
+            start += p.size
+        raise LayoutError(f"global rank {rank} is outside the layout's {self.world_size} ranks ({self.describe()})")
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """(tp, cp, dp, pp) of global rank `rank` inside its part."""
+        p = self.part_of(rank)
+        return p.coords(rank - self.offset(p.name))
+
+    def global_rank(self, name: str, *, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        return self.offset(name) + self.part(name).local_rank_of(tp=tp, cp=cp, dp=dp, pp=pp)
 
     def validate(self, *, world_size: Optional[int] = None, limits: Optional[ModelLimits] = None,
                  global_batch_size: Optional[int] = None, expected_world: int = 0) -> None:

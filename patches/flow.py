@@ -122,7 +122,7 @@ def initialize_distributed_wrapper(initialize_distributed: Callable) -> Callable
 
         margs = get_args()
         part_world = margs.world_size
-        margs.world_size = ctx.parts.world_size
+        margs.world_size = ctx.parts.layout.world_size
         try:
             out = initialize_distributed(*args, **kwargs)
         finally:

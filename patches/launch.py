@@ -88,7 +88,7 @@ def setup_flow(recipe: str, script: str, script_argv: list[str]) -> None:
     context.install(context.FlowContext.for_this_process(parts))
     # MindSpeed makes its import-time feature decisions (MC2's class replacement among them) from the command line's
     # TP; the per-part TP is applied later, rank by rank. So the command line carries the largest part TP.
-    _set_flag(script_argv, "--tensor-model-parallel-size", str(max(p.tp for p in parts.layouts)))
+    _set_flag(script_argv, "--tensor-model-parallel-size", str(max(p.tp for p in parts.layout.parts)))
     if not parts.encoder_trainable and "--enable-dummy-optimizer" not in script_argv:
         # A frozen encoder part has no trainable parameter; MindSpeed-MM's dummy optimizer gives its ranks one
         # (its flag is read at import time, so it must be on the command line before MindSpeed is imported).

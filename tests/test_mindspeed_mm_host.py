@@ -2,13 +2,21 @@
 from __future__ import annotations
 
 import json
+import os
+import tarfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from mindspeed_flow.config.schema import PackingConfig
 from mindspeed_flow.hosts.mindspeed_mm import checkpoint as ck
+from mindspeed_flow.hosts.mindspeed_mm.host import model_spec, vit_frozen
 from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, even_split, parts_for_job
+from mindspeed_flow.model_presets.real import REAL_PRESETS
+from mindspeed_flow.packing import CostModel
+from mindspeed_flow.specs import VLMSpec
 
 
 def _model_json(tmp_path: Path, name: str = "model.json", top: dict | None = None, vit: dict | None = None,
@@ -37,9 +45,10 @@ def _argv(model: Path, gbs: int = 4) -> list[str]:
 def test_parts_take_contiguous_ranks_encoder_first(tmp_path) -> None:
     recipe = _recipe(tmp_path, "parallel:\n  encoder: {dp: 2}\n  backbone: {dp: 1, tp: 2, pp: 2}\n")
     parts = parts_for_job(recipe, _argv(_model_json(tmp_path)), 6)
-    assert parts.ranks("encoder") == [0, 1] and parts.ranks("backbone") == [2, 3, 4, 5]
+    assert parts.layout.part_ranks("encoder") == [0, 1] and parts.layout.part_ranks("backbone") == [2, 3, 4, 5]
     # Megatron's tp-cp-dp-pp order inside the decoder: TP neighbours adjacent, stage 1 after stage 0.
-    assert parts.global_rank("backbone", tp=1, pp=0) == 3 and parts.global_rank("backbone", tp=0, pp=1) == 4
+    assert parts.layout.global_rank("backbone", tp=1, pp=0) == 3
+    assert parts.layout.global_rank("backbone", tp=0, pp=1) == 4
     assert parts.decoder_layers == (1, 1) and parts.encoder_trainable
 
 
@@ -129,7 +138,7 @@ def test_every_mindspeed_mm_flow_recipe_builds_its_parts(recipe) -> None:
     job = load_flow_job(recipe)
     world = sum(p.dp * p.tp * p.pp * p.cp for p in (job.parallel.encoder, job.parallel.backbone))
     parts = parts_for_job(recipe, _argv(TINY_MODEL), world)
-    assert parts.world_size == world and parts.ranks("backbone")[-1] == world - 1
+    assert parts.layout.world_size == world and parts.layout.part_ranks("backbone")[-1] == world - 1
 
 
 # ------------------------------------------------------------------------------ refusals before any group exists
@@ -508,3 +517,35 @@ def test_resume_in_another_layout_is_refused_unless_weights_only(tmp_path) -> No
     assert "--no-load-optim --no-load-rng" in str(err.value)
     parts_for_job(recipe, argv + ["--ckpt-step", "4", "--no-load-optim", "--no-load-rng"], 3)
     parts_for_job(recipe, argv + ["--ckpt-step", "4", "--finetune"], 3)
+
+
+def _example_model_json(size: str) -> dict:
+    """MindSpeed-MM's examples/qwen2.5vl/model_<size>.json: from $MINDSPEED_MM_HOME, else from the pinned sources
+    archive beside the repository (../shared/third_party); skipped when neither is there."""
+    home = os.environ.get("MINDSPEED_MM_HOME")
+    if home and (Path(home) / f"examples/qwen2.5vl/model_{size}.json").is_file():
+        return json.loads((Path(home) / f"examples/qwen2.5vl/model_{size}.json").read_text())
+    archive = Path(__file__).resolve().parents[1].parent / "shared/third_party/mindspeed_mm_sources.tar.gz"
+    if not archive.is_file():
+        pytest.skip("MindSpeed-MM's example configs absent (MINDSPEED_MM_HOME or the pinned archive)")
+    with tarfile.open(archive) as tar:
+        return json.loads(tar.extractfile(f"MindSpeed-MM/examples/qwen2.5vl/model_{size}.json").read())
+
+
+@pytest.mark.parametrize("size", ["3b", "7b", "32b", "72b"])
+def test_cost_model_reads_the_same_architecture_as_the_planner(size: str) -> None:
+    """The flow job's packing costs come from model.json through the same spec (and `CostModel.from_spec`) the
+    planner prices from the published checkpoint's config.json: for MindSpeed-MM's own example configs the two
+    specs are equal, field for field."""
+    def attrs(node: dict) -> SimpleNamespace:  # MindSpeed-MM's ConfigReader: nested attribute access
+        return SimpleNamespace(**{k: attrs(v) if isinstance(v, dict) else v for k, v in node.items()})
+
+    cfg = attrs(_example_model_json(size))
+    spec, published = model_spec(cfg), VLMSpec.from_hf_config(REAL_PRESETS[("qwen2_5_vl", size)])
+    assert spec.llm == published.llm and spec.vision == published.vision
+    assert vit_frozen(cfg)  # the examples freeze the ViT: forward-only costs
+    frozen, trained = CostModel.from_spec(spec, True), CostModel.from_spec(spec, False)
+    assert frozen.enc_linear * 3 == pytest.approx(trained.enc_linear)
+    # profiled coefficients in the recipe's packing section win over the FLOP model, as on the torch host
+    profiled = CostModel.from_config(PackingConfig(linear_coeff=2.0, quadratic_coeff=0.5), spec, True)
+    assert (profiled.linear, profiled.quadratic) == (2.0, 0.5) and profiled.enc_linear == frozen.enc_linear

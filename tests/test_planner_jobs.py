@@ -52,7 +52,7 @@ def _mm_host_checks(recipe: Path, spec: VLMSpec) -> int:
                        spec.llm.num_layers, True)
     parts = build_parts(job, world_size=job.parallel.world_size, model=shape, global_batch_size=gbs,
                         micro_batch_size=1, recipe_name=recipe.name, recipe_global_batch_size=gbs)
-    return parts.world_size
+    return parts.layout.world_size
 
 
 def _torch_host_checks(name: str) -> int:

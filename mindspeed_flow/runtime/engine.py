@@ -33,7 +33,8 @@ from mindspeed_flow.step.held import HeldPeak, SavedBytes
 from mindspeed_flow.telemetry.metrics import StepRecord
 from mindspeed_flow.runtime.optim import PartOptimizer, lr_at
 from mindspeed_flow.step.plan import StepWork
-from mindspeed_flow.telemetry.trace import span, traced
+from mindspeed_flow.step.timer import Timer
+from mindspeed_flow.telemetry.trace import traced
 
 
 class NonFiniteLoss(RuntimeError):
@@ -56,21 +57,6 @@ class RankModels:
     frozen_encoder: bool = False
     # this rank's parameters under the layout-independent names `encoder.<name>` / `backbone.<name>`
     named_params: dict = field(default_factory=dict)
-
-
-@dataclass
-class Timer:
-    busy: float = 0.0
-    wait: float = 0.0
-
-    def timed(self, kind: str, fn: Callable[[], Any]) -> Any:
-        t0 = time.perf_counter()
-        try:
-            with span(kind):
-                return fn()
-        finally:
-            dt = time.perf_counter() - t0
-            setattr(self, kind, getattr(self, kind) + dt)
 
 
 @dataclass
@@ -213,7 +199,7 @@ class StepEngine:
     # leader's. Groups (flow.encoder_batch_tokens) never span two slots, for the same reason.
     @traced("encoder.produce")
     def _produce(self, work: StepWork, record: StepRecord) -> None:
-        timer, rank, trainable = Timer(), self.topo.rank, not self.m.frozen_encoder
+        timer, trainable = Timer(), not self.m.frozen_encoder
         # keep: hold each sample's autograd graph until its gradient returns (memory grows with the samples in
         # flight); recompute: forward without a graph now, forward again with one when the gradient arrives
         # (one extra ViT forward per sample; the ViT has no dropout, so the recomputed forward is identical).

@@ -180,7 +180,7 @@ def make_twin(text: str, name: str, plan: RecipeLaunch) -> Twin:
                             f"(e.g. {role.upper()}=...) so each node can set it")
         launch_var[role] = var
     original = _evaluate(script, {}, {})
-    nproc_var, nnodes_var = launch_var["nproc"], launch_var["nnodes"]
+    nproc_var = launch_var["nproc"]
     user_per_node = original.vars.get(nproc_var)
     per_node = plan.per_node or (int(user_per_node) if known(user_per_node) and user_per_node.isdigit() else None)
     world = plan.world

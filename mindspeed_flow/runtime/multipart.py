@@ -24,7 +24,8 @@ from mindspeed_flow.hosts.torch import build_vlm, dp_loss_scale
 from mindspeed_flow.hosts.torch.data_parallel import apply_ddp, grad_sync
 from mindspeed_flow.hosts.torch.omni import split_omni
 from mindspeed_flow.pool import EmbeddingPool
-from mindspeed_flow.runtime.engine import RankModels, StepEngine, Timer, encode_samples
+from mindspeed_flow.runtime.engine import RankModels, StepEngine, encode_samples
+from mindspeed_flow.step.timer import Timer
 from mindspeed_flow.telemetry.metrics import StepRecord
 from mindspeed_flow.runtime.optim import ParamShare, PartOptimizer, build_optimizer
 from mindspeed_flow.step.plan import StepWork

@@ -32,7 +32,8 @@ from mindspeed_flow.hosts.torch.split import BackbonePart, token_loss_sum
 
 if TYPE_CHECKING:
     from mindspeed_flow.data.sample import VLMSample
-    from mindspeed_flow.runtime.engine import EmbeddingSource, Timer
+    from mindspeed_flow.runtime.engine import EmbeddingSource
+    from mindspeed_flow.step.timer import Timer
     from mindspeed_flow.telemetry.metrics import StepRecord
 
 

@@ -118,7 +118,7 @@ class FlowContext:
     gradient_group: Any = None  # the same ranks, decoder -> encoder payloads (a communicator per direction)
     header_group: Any = None  # bridge ranks on gloo: the small headers that check each payload against the plan
     device: Any = None  # where the job's tensors live (the NPU; set once the device is chosen)
-    timer: Any = None  # the running step's PartTimer (busy/wait seconds)
+    timer: Any = None  # the running step's Timer (busy/wait seconds)
     stats: StepStats = field(default_factory=StepStats)
     # this decoder rank's transfers in the running step, added by finalize into `stats.own`
     step_transfer: Callable[[PartFigures], None] = lambda figures: None
@@ -137,11 +137,11 @@ class FlowContext:
 
     @property
     def part(self) -> str:
-        return self.parts.part_of(self.rank).name
+        return self.parts.layout.part_of(self.rank).name
 
     @property
     def layout(self):
-        return self.parts.part(self.part)
+        return self.parts.layout.part(self.part)
 
     @property
     def modules(self) -> list[str]:
@@ -149,7 +149,7 @@ class FlowContext:
 
     @property
     def coords(self) -> dict[str, int]:
-        return self.parts.coords(self.rank)
+        return self.parts.layout.coords(self.rank)
 
     @property
     def is_encoder(self) -> bool:
@@ -161,7 +161,7 @@ class FlowContext:
 
     @property
     def is_part_leader(self) -> bool:
-        return self.rank == self.parts.offset(self.part)
+        return self.rank == self.parts.layout.offset(self.part)
 
     def doing(self, activity: str) -> None:
         """What this rank does now, as the hang watchdog reports it if a peer finds this rank stuck."""
@@ -176,39 +176,40 @@ class FlowContext:
 
         if self.watchdog is not None or "MASTER_ADDR" not in os.environ:
             return
-        watchers = tuple(self.parts.offset(lay.name) for lay in self.parts.layouts) + (self.parts.world_size - 1,)
+        layout = self.parts.layout
+        watchers = tuple(layout.offset(lay.name) for lay in layout.parts) + (layout.world_size - 1,)
         side = self.describe(self.rank).split("(", 1)[1].rstrip(")")
-        self.watchdog = Watchdog(self.rank, self.parts.world_size, side, self.parts.timeout_s,
+        self.watchdog = Watchdog(self.rank, self.parts.layout.world_size, side, self.parts.timeout_s,
                                  attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                                  watchers=watchers).start()
 
     def describe(self, rank: int) -> str:
         """'rank 3 (decoder dp0 pp1 tp0)': how messages name a rank."""
-        part = self.parts.part_of(rank).name
-        c = self.parts.coords(rank)
-        lay = self.parts.part(part)
+        part = self.parts.layout.part_of(rank).name
+        c = self.parts.layout.coords(rank)
+        lay = self.parts.layout.part(part)
         where = f"dp{c['dp']}" + (f" pp{c['pp']}" if lay.pp > 1 else "") + (f" tp{c['tp']}" if lay.tp > 1 else "")
         return f"rank {rank} ({'encoder' if part == ENCODER else 'decoder'} {where})"
 
     def producers(self) -> list[int]:
         """Encoder bridge ranks: TP rank 0 of each encoder DP replica, in DP order."""
-        return [self.parts.global_rank(ENCODER, dp=d) for d in range(self.parts.part(ENCODER).dp)]
+        return [self.parts.layout.global_rank(ENCODER, dp=d) for d in range(self.parts.layout.part(ENCODER).dp)]
 
     def consumers(self) -> list[int]:
         """Decoder bridge ranks: TP rank 0 of each decoder DP replica's first pipeline stage, in DP order."""
-        return [self.parts.global_rank(BACKBONE, dp=d, pp=0) for d in range(self.parts.part(BACKBONE).dp)]
+        return [self.parts.layout.global_rank(BACKBONE, dp=d, pp=0) for d in range(self.parts.layout.part(BACKBONE).dp)]
 
     def replica_leader(self) -> int:
         """The bridge rank of this rank's replica (same part, same dp, tp 0, first stage)."""
         c = self.coords
-        return self.parts.global_rank(self.part, dp=c["dp"], cp=c["cp"], pp=c["pp"] if self.is_encoder else 0)
+        return self.parts.layout.global_rank(self.part, dp=c["dp"], cp=c["cp"], pp=c["pp"] if self.is_encoder else 0)
 
     # ---------------------------------------------------------------- Megatron args and groups
 
     def apply_part_args(self, args: Any) -> None:
         """Make this rank's Megatron args describe its own part (validate_args then derives the part's DP)."""
         lay = self.layout
-        args.flow_world_size = self.parts.world_size
+        args.flow_world_size = self.parts.layout.world_size
         args.world_size = lay.size
         args.tensor_model_parallel_size = lay.tp
         args.pipeline_model_parallel_size = lay.pp
@@ -237,15 +238,15 @@ class FlowContext:
         margs = get_args()
         pristine = _snapshot(ps)
         mine: Optional[dict[str, Any]] = None
-        for lay in self.parts.layouts:
+        for lay in self.parts.layout.parts:
             _restore(ps, pristine)
             call_args = (lay.tp, lay.pp) + tuple(args[2:])
             # Megatron's validate_args derives expert TP from the rank's own TP; each pass must use the part's, or
             # the expert groups (built on every rank) differ between ranks of different parts.
             call_kwargs = dict(kwargs, context_parallel_size=lay.cp, expert_tensor_parallel_size=lay.tp)
-            with part_world(ps, self.parts.offset(lay.name), lay.size), part_args(margs, lay):
+            with part_world(ps, self.parts.layout.offset(lay.name), lay.size), part_args(margs, lay):
                 initialize(*call_args, **call_kwargs)
-            if self.rank in self.parts.ranks(lay.name):
+            if self.rank in self.parts.layout.part_ranks(lay.name):
                 mine = _snapshot(ps)
         assert mine is not None, f"rank {self.rank} is in no part"
         _restore(ps, mine)
@@ -255,8 +256,9 @@ class FlowContext:
               + " ".join(f"{k}={v}" for k, v in groups.items()), flush=True)
 
     def _build_flow_groups(self) -> None:
-        trainable = [r for lay in self.parts.layouts
-                     if lay.name == BACKBONE or self.parts.encoder_trainable for r in self.parts.ranks(lay.name)]
+        trainable = [r for lay in self.parts.layout.parts
+                     if lay.name == BACKBONE or self.parts.encoder_trainable
+                     for r in self.parts.layout.part_ranks(lay.name)]
         self.reduce_group = dist.new_group(trainable)
         bridge = sorted(set(self.producers()) | set(self.consumers()))
         self.embedding_group = dist.new_group(bridge)

@@ -358,7 +358,7 @@ class FlowStepSource:
     def __init__(self, reads: Any, *, global_batch_size: int, micro_batch_size: int, bridge: Bridge,
                  token_budget: int, cost_model: CostModel, scheduler: str, min_microbatches: int,
                  oversize_policy: str, merge_size: int, first_step: int = 0, layout: str = LAYOUT_ROWS,
-                 pad_multiple: int = 1, encoder_flops_scale: float = 1.0) -> None:
+                 pad_multiple: int = 1, flops_model: Optional[CostModel] = None) -> None:
         if global_batch_size % (micro_batch_size * reads.replicas):
             raise FlowDataError(f"--global-batch-size {global_batch_size} is not a multiple of --micro-batch-size "
                                 f"{micro_batch_size} x {reads.replicas} decoder DP replicas")
@@ -376,8 +376,8 @@ class FlowStepSource:
         # What this rank has loaded (samples with any content, bytes of pixels): its exit line.
         self.samples_read = 0
         self.pixel_bytes_read = 0
-        # The cost model's encoder FLOPs are forward + backward; a frozen ViT runs forward only (x 1/3), for MFU.
-        self.encoder_flops_scale = encoder_flops_scale
+        # Model FLOPs for the metrics' MFU (the scheduler's `cost_model` may hold profiled seconds instead).
+        self.flops_model = flops_model or cost_model
         # The iteration this step is (after a resume: the checkpoint's), so step numbers on the wire and in
         # messages match an uninterrupted run.
         self.step = first_step
@@ -401,8 +401,7 @@ class FlowStepSource:
         # Model FLOPs actually trained this step (padding excluded, oversize samples skipped), for the metrics' MFU.
         skipped = {sid for sid, _ in plan.oversize}
         trained = [sh for sh in shapes if sh.sample_id not in skipped]
-        flops = sum(self.cost_model.sample_cost(sh.llm_tokens)
-                    + self.encoder_flops_scale * self.cost_model.encoder_cost(sh) for sh in trained)
+        flops = sum(self.flops_model.sample_cost(sh.llm_tokens) + self.flops_model.encoder_cost(sh) for sh in trained)
         step.counts = StepCounts(samples=len(trained), real_tokens=int(plan.real_tokens), padded_tokens=int(padded),
                                  microbatches=sum(len(row) for row in plan.microbatches),
                                  microbatches_per_rank=int(plan.num_slots), model_flops=float(flops))

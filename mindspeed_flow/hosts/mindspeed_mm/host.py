@@ -38,6 +38,7 @@ from mindspeed_flow.hosts.mindspeed_mm.schedule import (DecoderStep, EncoderStep
 from mindspeed_flow.packing import CostModel
 from mindspeed_flow.pool.planned import PlannedTransport
 from mindspeed_flow.skus import EMULATED_NPU_NAME
+from mindspeed_flow.specs import LLMSpec, VisionSpec, VLMSpec
 from mindspeed_flow.telemetry import trace
 from mindspeed_flow.telemetry.metrics import machine_peak_flops
 from mindspeed_flow.topology import Bridge
@@ -56,15 +57,33 @@ def _cfg(node: Any, key: str, default: Any = None) -> Any:
     return getattr(node, key, default) if node is not None else default
 
 
-def cost_model_from(model_cfg: Any) -> CostModel:
-    """FLOP coefficients from model.json: 6 x parameters per token, plus the attention terms (causal LLM, full ViT).
-
-    Profiled coefficients in the recipe's `packing` section win (the same rule as the torch host)."""
+def model_spec(model_cfg: Any) -> VLMSpec:
+    """model.json's dimensions as the spec the cost model reads (MindSpeed-MM's Qwen2/Qwen2.5-VL: its `qwen2vit`
+    ViT with the patch merger, windowed attention when `window_attn_size` is set, and a Qwen2 LLM)."""
     llm, vit = model_cfg.text_decoder, model_cfg.image_encoder.vision_encoder
-    h, f, n = llm.hidden_size, llm.ffn_hidden_size, llm.num_layers
-    hv, fv, nv = vit.hidden_size, vit.ffn_hidden_size, vit.num_layers
-    return CostModel(linear=6.0 * n * (4 * h * h + 3 * h * f), quadratic=6.0 * n * h,
-                     enc_linear=6.0 * nv * (4 * hv * hv + 3 * hv * fv), enc_quadratic=12.0 * nv * hv)
+    heads = int(llm.num_attention_heads)
+    windowed = bool(_cfg(vit, "window_attn_size", 0))
+    vision = VisionSpec(
+        kind="qwen2_5_vl" if windowed else "qwen2_vl", depth=int(vit.num_layers), hidden_size=int(vit.hidden_size),
+        intermediate_size=int(vit.ffn_hidden_size), num_heads=int(vit.num_attention_heads),
+        out_hidden_size=int(llm.hidden_size), patch_size=int(_cfg(vit, "patch_size", 14)),
+        temporal_patch_size=int(_cfg(vit, "temporal_patch_size", 2)), in_channels=int(_cfg(vit, "in_channels", 3)),
+        spatial_merge_size=int(_cfg(vit, "spatial_merge_size", 2)),
+        window_size=int(_cfg(vit, "window_attn_size", 0) or 0),
+        fullatt_block_indexes=tuple(_cfg(vit, "fullatt_block_indexes", None) or ()))
+    text = LLMSpec(
+        num_layers=int(llm.num_layers), hidden_size=int(llm.hidden_size), ffn_hidden_size=int(llm.ffn_hidden_size),
+        num_heads=heads,
+        num_kv_heads=int(_cfg(llm, "num_query_groups", None) or heads) if _cfg(llm, "group_query_attention") else heads,
+        vocab_size=int(llm.vocab_size),
+        tie_embeddings=not _cfg(llm, "untie_embeddings_and_output_weights", False),
+        qkv_bias=bool(_cfg(llm, "add_qkv_bias", False)))
+    return VLMSpec(name=str(_cfg(model_cfg, "model_id", "mindspeed_mm")), vision=vision, llm=text)
+
+
+def vit_frozen(model_cfg: Any) -> bool:
+    """MindSpeed-MM freezes the ViT unless model.json says otherwise; a frozen ViT runs forward only."""
+    return bool(_cfg(model_cfg.image_encoder.vision_encoder, "freeze", True))
 
 
 def side_needs(ctx: FlowContext) -> SideNeeds:
@@ -85,7 +104,7 @@ def build_reads(ctx: FlowContext, args: Any, data_cfg: Any, *, vision_start_id: 
 
     datasets = build_mm_dataset(data_cfg.dataset_param)
     train = datasets[0] if isinstance(datasets, (tuple, list)) else datasets
-    replicas = ctx.parts.part("backbone").dp
+    replicas = ctx.parts.layout.part("backbone").dp
     whole = os.environ.get("MSF_FLOW_DATA_READS", "") == "whole" or isinstance(train, torch.utils.data.IterableDataset)
     workers = args.num_workers
     loaders = []
@@ -207,7 +226,7 @@ class FlowHost:
     @property
     def is_writer(self) -> bool:
         """The global last rank: a decoder last-stage rank, where Megatron prints its iteration line."""
-        return self.ctx.rank == self.ctx.parts.world_size - 1
+        return self.ctx.rank == self.ctx.parts.layout.world_size - 1
 
     # ------------------------------------------------------------------------------ providers
 
@@ -249,12 +268,14 @@ class FlowHost:
             source = FlowStepSource(
                 reads, global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
                 bridge=Bridge.build(ctx.producers(), ctx.consumers()), token_budget=packing.token_budget,
-                cost_model=cost_model_from(model_cfg), scheduler=packing.scheduler,
-                min_microbatches=ctx.parts.part("backbone").pp, oversize_policy=packing.oversize_policy,
+                # the scheduler's costs: the recipe's profiled coefficients where it has them, else model FLOPs;
+                # MFU always counts model FLOPs
+                cost_model=CostModel.from_config(packing, model_spec(model_cfg), vit_frozen(model_cfg)),
+                flops_model=CostModel.from_spec(model_spec(model_cfg), vit_frozen(model_cfg)),
+                scheduler=packing.scheduler,
+                min_microbatches=ctx.parts.layout.part("backbone").pp, oversize_policy=packing.oversize_policy,
                 merge_size=ids["merge_size"], first_step=first_step, layout=decoder_layout(ctx, args),
-                pad_multiple=sequence_pad_multiple(ctx, args),
-                # MindSpeed-MM freezes the ViT unless model.json says otherwise: then it runs forward only
-                encoder_flops_scale=1.0 / 3.0 if _cfg(model_cfg.image_encoder.vision_encoder, "freeze", True) else 1.0)
+                pad_multiple=sequence_pad_multiple(ctx, args))
             atexit.register(report_reads, ctx, source)
             return source, None, None
 
@@ -342,7 +363,7 @@ class FlowHost:
             trace.install(trace.Tracer(ctx.rank, "encoder" if ctx.is_encoder else "backbone", run_dir / "trace"))
         name, host_cpu = _device_name(ctx.device)
         dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(args.params_dtype, "fp32")
-        peak, desc = machine_peak_flops(name, host_cpu, dtype, parts.world_size, group=ctx.metrics_group)
+        peak, desc = machine_peak_flops(name, host_cpu, dtype, parts.layout.world_size, group=ctx.metrics_group)
         if self.is_writer:
             self.metrics = FlowMetrics(run_dir, getattr(args, "tensorboard_dir", None), peak, desc,
                                        parts.encoder_trainable)
@@ -361,7 +382,7 @@ class FlowHost:
             self.metrics.close()
         parts = self.ctx.parts
         if parts.trace and parts.run_dir is not None:
-            path = trace.finish(Path(parts.run_dir), self.ctx.metrics_group, self.is_writer, parts.world_size)
+            path = trace.finish(Path(parts.run_dir), self.ctx.metrics_group, self.is_writer, parts.layout.world_size)
             if path is not None:
                 print(f"[mindspeed-flow] trace: {path} (open it in Perfetto; `mindspeed-flow report "
                       f"{parts.run_dir}` draws a step)", flush=True)

@@ -28,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mindspeed_flow.config.schema import FlowJobConfig, PackingConfig
 from mindspeed_flow.hosts.mindspeed_mm import checkpoint
-from mindspeed_flow.topology import BACKBONE, ENCODER, PartLayout
+from mindspeed_flow.topology import BACKBONE, ENCODER, Layout, PartLayout
 
 # The MindSpeed-MM modules each part builds (`model_provider(modules=...)`); an audio encoder would be a third part.
 PART_MODULES: dict[str, tuple[str, ...]] = {ENCODER: ("image_encoder",), BACKBONE: ("text_decoder",)}
@@ -99,9 +99,10 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class FlowParts:
-    """Every part's layout and global ranks, and this process's part."""
+    """The job's layout (every part's DP/TP/PP/CP and global ranks: the same `Layout` the torch host, the planner's
+    simulator and the launch-script writer use) and what the MindSpeed-MM host adds to it."""
 
-    layouts: tuple[PartLayout, ...]
+    layout: Layout
     packing: PackingConfig
     timeout_s: float
     encoder_trainable: bool
@@ -115,42 +116,10 @@ class FlowParts:
     run_dir: Optional[str] = None
     trace: bool = False
 
-    @property
-    def world_size(self) -> int:
-        return sum(p.size for p in self.layouts)
-
-    def part(self, name: str) -> PartLayout:
-        return next(p for p in self.layouts if p.name == name)
-
-    def offset(self, name: str) -> int:
-        start = 0
-        for p in self.layouts:
-            if p.name == name:
-                return start
-            start += p.size
-        raise KeyError(name)
-
-    def ranks(self, name: str) -> list[int]:
-        start = self.offset(name)
-        return list(range(start, start + self.part(name).size))
-
-    def part_of(self, rank: int) -> PartLayout:
-        for p in self.layouts:
-            if rank in self.ranks(p.name):
-                return p
-        raise FlowRecipeError(f"global rank {rank} is outside the layout's {self.world_size} ranks")
-
-    def global_rank(self, name: str, *, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
-        return self.offset(name) + self.part(name).local_rank_of(tp=tp, cp=cp, dp=dp, pp=pp)
-
-    def coords(self, rank: int) -> dict[str, int]:
-        p = self.part_of(rank)
-        return p.coords(rank - self.offset(p.name))
-
     def describe(self) -> str:
         rows = []
-        for p in self.layouts:
-            r = self.ranks(p.name)
+        for p in self.layout.parts:
+            r = self.layout.part_ranks(p.name)
             rows.append(f"{p.name} ({'+'.join(PART_MODULES[p.name])}): ranks {r[0]}-{r[-1]}, "
                         f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}")
         return "; ".join(rows)
@@ -335,7 +304,7 @@ def build_parts(job: FlowJobConfig, *, world_size: int, model: ModelShape, globa
         raise FlowRecipeError(f"{recipe_name}: packing.oversize_policy={job.packing.oversize_policy!r}: "
                               "'error' or 'skip'")
     split = decoder_split_for(job, model, recipe_name)
-    return FlowParts(layouts, job.packing, float(job.flow.timeout_s), model.encoder_trainable, split.layers,
+    return FlowParts(Layout(layouts), job.packing, float(job.flow.timeout_s), model.encoder_trainable, split.layers,
                      split.source,
                      encoder_inflight(job.flow.encoder_inflight, bb.pp, model.encoder_trainable, recipe_name))
 
@@ -470,7 +439,7 @@ def check_resume_layout(argv: list[str], parts: FlowParts) -> None:
         return
     saved = checkpoint.saved_layouts(load, int(argv_value(argv, "--ckpt-step", "0") or 0) or None)
     moved = []
-    for p in parts.layouts:
+    for p in parts.layout.parts:
         module = checkpoint.module_of(p.name)
         if module in saved and saved[module] != (p.tp, p.pp):
             tp, pp = saved[module]

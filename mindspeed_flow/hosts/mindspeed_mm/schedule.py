@@ -57,6 +57,7 @@ from mindspeed_flow.hosts.mindspeed_mm.packed import pack_samples, packed_forwar
 from mindspeed_flow.pool.planned import PlannedItem, PlannedTransport
 from mindspeed_flow.pool.wire import CHANNEL_EMBEDDING, CHANNEL_GRAD
 from mindspeed_flow.step.held import HeldPeak, SavedBytes
+from mindspeed_flow.step.timer import Timer
 from mindspeed_flow.telemetry import trace
 from mindspeed_flow.telemetry.trace import span
 
@@ -76,21 +77,6 @@ def _tp_broadcast(tensor: torch.Tensor) -> torch.Tensor:
         dist.broadcast(tensor, src=ps.get_tensor_model_parallel_src_rank(),
                        group=ps.get_tensor_model_parallel_group())
     return tensor
-
-
-class PartTimer:
-    """Busy and wait seconds of one part over one step (wait = blocked on a transfer from the other part)."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.wait = 0.0
-
-    def waited(self, since: float) -> None:
-        self.wait += time.perf_counter() - since
-
-    def result(self) -> tuple[float, float]:
-        total = time.perf_counter() - self.start
-        return max(total - self.wait, 0.0), self.wait
 
 
 # ------------------------------------------------------------------------------------------ plan orders
@@ -199,7 +185,7 @@ class EncoderStep:
         ctx = self.ctx
         ctx.doing("reading the next global batch")
         step: FlowStep = next(data_iterator)
-        timer = ctx.timer = PartTimer()
+        timer = ctx.timer = Timer()
         ctx.step_started_at = time.time()
         trace.set_step(step.step + 1)  # Megatron's iteration number, as in metrics.jsonl
         leader = ctx.replica_leader()
@@ -256,7 +242,7 @@ class EncoderStep:
         return [{}]
 
     def _retire(self, entry: HeldGroup, n_groups: int, peak: HeldPeak, is_leader: bool,
-                no_sync: Callable[[], Any], timer: PartTimer) -> None:
+                no_sync: Callable[[], Any], timer: Timer) -> None:
         """Free the oldest held group: its gradients, then its backward (trainable) or its sends' receipt."""
         ctx = self.ctx
         group, out, step_no = entry.sample_ids, entry.out, entry.step
@@ -365,7 +351,7 @@ class DecoderStep:
         self.loader_batches = loader_batches
         self.layout = layout
         self._positions: Optional[Callable[..., torch.Tensor]] = None
-        self.timer: Optional[PartTimer] = None
+        self.timer: Optional[Timer] = None
         self.num_microbatches = 1
         self.last_embedding_at = 0.0  # perf_counter() when this step's latest embedding was taken
 
@@ -388,7 +374,7 @@ class DecoderStep:
             items = [PlannedItem(step.work.producer_of[sid], step.step, sid, step.samples[sid].image_tokens)
                      for sid in embedding_order(step, ctx.producers()) if step.work.consumer_of.get(sid) == ctx.rank]
             self.transport.post_receives(CHANNEL_EMBEDDING, items, self.embed_dim)
-        self.timer = ctx.timer = PartTimer()
+        self.timer = ctx.timer = Timer()
         self.num_microbatches = len(microbatches)
         ctx.step_transfer = self._transfer_stats(self.timer)
         batches = iter([(step, ids) for ids in microbatches])
@@ -397,7 +383,7 @@ class DecoderStep:
         ctx.stats.counts = step.counts
         return losses
 
-    def _transfer_stats(self, timer: PartTimer) -> Callable[[PartFigures], None]:
+    def _transfer_stats(self, timer: Timer) -> Callable[[PartFigures], None]:
         """What finalize (inside Megatron's schedule, after the last backward) adds to the step's stats for this
         rank: gradient bytes sent, embedding bytes taken, the seconds it was blocked on embeddings (exposed) and
         the seconds from posting the step's receives to taking its last embedding (the streaming window: the
@@ -492,7 +478,7 @@ class DecoderStep:
             with per_token_losses(), forward_context, span("decoder.forward", "busy"):
                 output, original_loss = original(iter([batch]), model)
             weights = token_weights(loss_weights(samples, self.loss, self.loader_batches)) if samples else None
-            scale = float(self.num_microbatches * self.ctx.parts.part("backbone").dp)
+            scale = float(self.num_microbatches * self.ctx.parts.layout.part("backbone").dp)
             return output, lambda out: weighted_loss(out, weights, scale, original_loss)
 
         return flow_forward_step
@@ -567,7 +553,7 @@ def finalize_with_global_tokens(ctx: FlowContext, finalize: Callable[..., Any]) 
         finalize(model, None)
         own = ctx.stats.own
         if ctx.timer is not None:
-            busy_wait = ctx.timer.result()
+            busy_wait = ctx.timer.busy_and_wait()
             if ctx.is_encoder:
                 own.encoder_busy_s, own.encoder_wait_s = busy_wait
             else:
@@ -593,7 +579,7 @@ def finalize_with_global_tokens(ctx: FlowContext, finalize: Callable[..., Any]) 
             for chunk in model:
                 chunk.scale_gradients(scaling)
         elif ctx.is_encoder:
-            enc_dp, dec_dp = ctx.parts.part("encoder").dp, ctx.parts.part("backbone").dp
+            enc_dp, dec_dp = ctx.parts.layout.part("encoder").dp, ctx.parts.layout.part("backbone").dp
             if enc_dp != dec_dp:
                 for chunk in model:
                     chunk.scale_gradients(enc_dp / dec_dp)
