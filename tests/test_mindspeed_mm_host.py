@@ -13,7 +13,9 @@ import torch
 from mindspeed_flow.config.schema import PackingConfig
 from mindspeed_flow.hosts.mindspeed_mm import checkpoint as ck
 from mindspeed_flow.hosts.mindspeed_mm.host import model_spec, vit_frozen
-from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, even_split, parts_for_job
+from mindspeed_flow.hosts.mindspeed_mm.recipe import (MODEL_IDS, REFUSED_SCRIPTS, SUPPORTED_SCRIPTS, FlowRecipeError,
+                                                      check_job_flags, even_split, parts_for_job, support_table,
+                                                      unsupported_model)
 from mindspeed_flow.model_presets.real import REAL_PRESETS
 from mindspeed_flow.packing import CostModel
 from mindspeed_flow.specs import VLMSpec
@@ -145,7 +147,7 @@ def test_every_mindspeed_mm_flow_recipe_builds_its_parts(recipe) -> None:
 
 
 @pytest.mark.parametrize("case,want", [
-    ("script", "pretrain_transformers.py: a flow job runs MindSpeed-MM's Megatron VLM entry"),
+    ("script", "pretrain_transformers.py: MindSpeed-MM's FSDP2 path"),
     ("qwen3vit", "image_encoder.vision_encoder.model_id='qwen3vit': Qwen3-VL's ViT returns deepstack"),
     ("internvl", "image_encoder.vision_encoder.model_id='clip': InternVL's ViT takes no image_grid_thw"),
     ("audio", "audio_encoder: an audio encoder would be a third part"),
@@ -549,3 +551,34 @@ def test_cost_model_reads_the_same_architecture_as_the_planner(size: str) -> Non
     # profiled coefficients in the recipe's packing section win over the FLOP model, as on the torch host
     profiled = CostModel.from_config(PackingConfig(linear_coeff=2.0, quadratic_coeff=0.5), spec, True)
     assert (profiled.linear, profiled.quadratic) == (2.0, 0.5) and profiled.enc_linear == frozen.enc_linear
+
+
+def test_one_list_of_what_is_supported_is_what_the_launcher_checks() -> None:
+    """The README and docs/mindspeed_mm.md show `support_table()` verbatim, and every entry script and model id it
+    names as refused is refused by the launcher's checks with its reason (every supported one passes them)."""
+    root = Path(__file__).resolve().parents[1]
+    table = support_table()
+    for doc in ("README.md", "docs/mindspeed_mm.md"):
+        assert table in (root / doc).read_text(), f"{doc}: regenerate the table from support_table()"
+    for script in SUPPORTED_SCRIPTS:
+        check_job_flags([], f"/x/{script}")
+    for tail, why in REFUSED_SCRIPTS.items():
+        with pytest.raises(FlowRecipeError) as err:
+            check_job_flags([], f"/opt/MindSpeed-MM/{tail}")
+        assert str(err.value).startswith(Path(tail).name) and why in str(err.value)
+    good = {"model_id": "qwen2_5vl", "image_encoder": {"vision_encoder": {"model_id": "qwen2vit"},
+                                                       "vision_projector": {"model_id": "lnmlp"}},
+            "text_decoder": {"model_id": "qwen2_5_lm"}}
+    assert unsupported_model(good) == []
+    for field, (ok, refused) in MODEL_IDS.items():
+        for model_id in (*ok, *refused):
+            cfg = json.loads(json.dumps(good))
+            node = cfg
+            *path, last = field.split(".")
+            for key in path:
+                node = node[key]
+            node[last] = model_id
+            problems = unsupported_model(cfg)
+            assert (problems == []) == (model_id in ok), (field, model_id, problems)
+            if model_id in refused:
+                assert problems == [f"{field}={model_id!r}: {refused[model_id]} (supported: {', '.join(ok)})"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -38,25 +38,34 @@ class FlowRecipeError(ValueError):
     """A flow recipe (or its pairing with the job) that cannot run; the message names the field and the rule."""
 
 
-# The models the host trains decoupled (model.json `model_id`s), each part tested end to end against the unpatched
-# job. Anything else is refused before a process group exists, with the reason.
-SUPPORTED_MODEL_IDS = {
-    "model_id": ("qwen2_5vl",),
-    "image_encoder.vision_encoder.model_id": ("qwen2vit", "qwen2_5_vit"),
-    "image_encoder.vision_projector.model_id": ("lnmlp",),
-    "text_decoder.model_id": ("qwen2_5_lm",),
+# What the flow job takes, in one place: the launcher's checks read these tables and `support_table()` renders
+# them for the README and docs/mindspeed_mm.md (a test keeps both equal to it). Anything else is refused before a
+# process group exists, with the reason.
+#
+# model.json field -> (the ids the host trains decoupled, each part tested end to end against the unpatched job;
+# known ids it refuses, with why).
+MODEL_IDS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    "model_id": (("qwen2_5vl",), {}),
+    "image_encoder.vision_encoder.model_id": (("qwen2vit", "qwen2_5_vit"), {
+        "qwen3vit": "Qwen3-VL's ViT returns deepstack features beside the embeddings; the flow transport carries "
+                    "one embedding tensor per sample",
+        "clip": "InternVL's ViT takes no image_grid_thw; the flow planner needs each image's patch grid",
+        "glm4v_vit": "GLM-4V's ViT is not tested as a flow part",
+        "videoalign_vit": "the video-align ViT is not tested as a flow part",
+    }),
+    "image_encoder.vision_projector.model_id": (("lnmlp",), {}),
+    "text_decoder.model_id": (("qwen2_5_lm",), {
+        "qwen3_lm": "Qwen3 LLM decoders are not tested as a flow part",
+        "glm4v_lm": "GLM-4V's LLM is not tested as a flow part",
+    }),
 }
-# Why a known but unsupported family is refused (the ViT / LLM ids MindSpeed-MM ships that the host cannot take).
-_UNSUPPORTED_WHY = {
-    "qwen3vit": "Qwen3-VL's ViT returns deepstack features beside the embeddings; the flow transport carries one "
-                "embedding tensor per sample",
-    "clip": "InternVL's ViT takes no image_grid_thw; the flow planner needs each image's patch grid",
-    "glm4v_vit": "GLM-4V's ViT is not tested as a flow part",
-    "videoalign_vit": "the video-align ViT is not tested as a flow part",
-    "qwen3_lm": "Qwen3 LLM decoders are not tested as a flow part",
-    "glm4v_lm": "GLM-4V's LLM is not tested as a flow part",
-}
+# entry script (its path's tail) -> why it is refused
 SUPPORTED_SCRIPTS = ("pretrain_vlm.py",)
+REFUSED_SCRIPTS = {
+    "pretrain_transformers.py": "MindSpeed-MM's FSDP2 path (Qwen3-VL, InternVL3.5, GLM-4.5V) is not decoupled yet",
+    "mindspeed_mm/fsdp/train/trainer.py": "MindSpeed-MM's FSDP2 trainer is not decoupled yet",
+    "pretrain_omni.py": "Qwen2.5-Omni's audio encoder would be a third part; the torch host trains it decoupled",
+}
 SUPPORTED_SAMPLERS = ("BaseRandomBatchSampler",)
 
 
@@ -162,12 +171,12 @@ def _unsupported(job: FlowJobConfig) -> list[str]:
 def unsupported_model(cfg: dict) -> list[str]:
     """Why model.json describes a model the host cannot train decoupled (empty when it can)."""
     out = []
-    for dotted, allowed in SUPPORTED_MODEL_IDS.items():
+    for dotted, (allowed, refused) in MODEL_IDS.items():
         node: object = cfg
         for key in dotted.split("."):
             node = node.get(key) if isinstance(node, dict) else None
         if node not in allowed:
-            why = _UNSUPPORTED_WHY.get(str(node), "not a model the flow host supports")
+            why = refused.get(str(node), "not a model the flow host supports")
             out.append(f"{dotted}={node!r}: {why} (supported: {', '.join(allowed)})")
     if cfg.get("audio_encoder"):
         out.append("audio_encoder: an audio encoder would be a third part; the MindSpeed-MM flow host runs the image "
@@ -182,6 +191,27 @@ def unsupported_model(cfg: dict) -> list[str]:
         out.append("text_decoder.use_remove_padding=true: the flow decoder packs its own microbatches "
                    "(packing.layout) and hands the attention their sequence lengths itself; set it to false")
     return out
+
+
+def support_table() -> str:
+    """What the flow job takes and refuses, as a Markdown table (the README and docs/mindspeed_mm.md hold it)."""
+    def ids(values: Iterable[str]) -> str:
+        return ", ".join(f"`{v}`" for v in values)
+
+    names = {"model_id": "model (`model_id`)", "image_encoder.vision_encoder.model_id": "ViT",
+             "image_encoder.vision_projector.model_id": "projector", "text_decoder.model_id": "LLM"}
+    rows = [("entry script", f"{ids(SUPPORTED_SCRIPTS)} (MindSpeed-MM's Megatron VLM path)", ids(REFUSED_SCRIPTS))]
+    rows += [(names[field], ids(ok), ids(refused) or "anything else") for field, (ok, refused) in MODEL_IDS.items()]
+    rows += [
+        ("LLM kind", "dense", "MoE (`num_moe_experts`, `--expert-model-parallel-size`), `use_remove_padding: true`"),
+        ("other parts", "", "`audio_encoder` (Qwen2.5-Omni: a third part; the torch host trains it)"),
+        ("parallelism", "any DP/TP per part, decoder PP (uneven split), sequence parallel, MC2",
+         "CP > 1, VPP, encoder PP, `--use-torch-fsdp2`, `--hetero-parallel`, `--dist-train`"),
+        ("data", f"images, 0-n per sample, {ids(SUPPORTED_SAMPLERS)}", "video samples (`attr.videos`), other samplers"),
+        ("checkpoints", "`--ckpt-format torch`", "`torch_dist` (Megatron's default with `--save`/`--load`)"),
+    ]
+    lines = ["| | supported | refused |", "|---|---|---|"]
+    return "\n".join(lines + [f"| {a} | {b} | {c} |" for a, b, c in rows])
 
 
 @dataclass(frozen=True)
@@ -343,10 +373,13 @@ def argv_value(argv: list[str], flag: str, default: Optional[str] = None) -> Opt
 
 def check_job_flags(argv: list[str], script: Optional[str] = None) -> None:
     """The job's own entry script and flags the flow host cannot honour (each refused with the reason)."""
-    if script is not None and Path(script).name not in SUPPORTED_SCRIPTS:
-        raise FlowRecipeError(f"{Path(script).name}: a flow job runs MindSpeed-MM's Megatron VLM entry "
-                              f"({', '.join(SUPPORTED_SCRIPTS)}); other entry scripts (pretrain_transformers.py, "
-                              "pretrain_omni.py, the FSDP2 trainer, ...) are not supported yet")
+    name = Path(script).name if script is not None else None
+    if name is not None and name not in SUPPORTED_SCRIPTS:
+        path = Path(script).as_posix()
+        why = next((why for tail, why in REFUSED_SCRIPTS.items() if path.endswith(tail)),
+                   "not an entry script the flow host knows")
+        raise FlowRecipeError(f"{name}: {why}; a flow job runs MindSpeed-MM's Megatron VLM entry "
+                              f"({', '.join(SUPPORTED_SCRIPTS)})")
     cp = int(argv_value(argv, "--context-parallel-size", "1") or 1)
     if cp > 1:
         raise FlowRecipeError(f"--context-parallel-size {cp}: flow parts run without context parallelism; set 1 "
