@@ -21,6 +21,9 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from mindspeed_flow import __version__
+from mindspeed_flow.accelerator import Accelerator
+
 NOT_INSTALLED = "not installed"
 NOT_FOUND = "not found"
 CANN_DEFAULT = "/usr/local/Ascend/ascend-toolkit/latest"
@@ -111,14 +114,10 @@ def versions(env: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def _own_version() -> str:
-    from mindspeed_flow import __version__
-
     return __version__
 
 
 def devices() -> dict[str, object]:
-    from mindspeed_flow.accelerator import Accelerator
-
     acc = Accelerator.detect()
     info = acc.describe()
     info["device_count"] = acc.module.device_count() if acc.module is not None else os.cpu_count()

@@ -15,7 +15,12 @@ import argparse
 import tempfile
 from typing import Any, Sequence
 
+import torch
+
 from mindspeed_flow.bench import bench_main
+from mindspeed_flow.hosts.torch import hf_compat
+from mindspeed_flow.hosts.torch.build import build_vlm, part_parameters
+from mindspeed_flow.model_presets import hf_config_dict
 from mindspeed_flow.utils import rss
 
 BUILDS = {"whole": ("encoder", "backbone"), "encoder": ("encoder",), "backbone": ("backbone",)}
@@ -39,11 +44,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def checkpoint(family: str, text_intermediate: int, path: str) -> dict[str, int]:
     """Save the widened tiny model to `path`; returns the parameter bytes of each part."""
-    import torch
-
-    from mindspeed_flow.hosts.torch.build import build_vlm, part_parameters
-    from mindspeed_flow.model_presets import hf_config_dict
-
     cfg = hf_config_dict(family, "tiny", {"text_config": {"intermediate_size": text_intermediate}})
     model = build_vlm(family, cfg, seed=0, dtype=torch.float32)
     model.save_pretrained(path)
@@ -52,8 +52,6 @@ def checkpoint(family: str, text_intermediate: int, path: str) -> dict[str, int]
 
 
 def _build(family: str, path: str, parts: tuple[str, ...]) -> dict[str, float]:
-    from mindspeed_flow.hosts.torch.build import build_vlm
-
     baseline = rss.reset_peak()
     model = build_vlm(family, {}, seed=0, pretrained_path=path, parts=parts)
     real = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
@@ -72,8 +70,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _warm_then_build(family: str, path: str, parts: tuple[str, ...]) -> dict[str, float]:
-    from mindspeed_flow.hosts.torch import hf_compat
-
     hf_compat.family_classes(family)  # the library import and its lazy modules are not the build's memory
     return _build(family, path, parts)
 

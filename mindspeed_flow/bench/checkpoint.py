@@ -16,14 +16,14 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from mindspeed_flow.runtime import launch
+
 
 def _events(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "checkpoints.jsonl").read_text().splitlines() if x.strip()]
 
 
 def measure(overrides: list[str], steps: int, every: int, mode: str, tmp: Path) -> dict:
-    from mindspeed_flow.runtime import launch
-
     run_dir = tmp / mode
     common = [*overrides, f"run_dir={run_dir}", "trainer.progress=false", f"trainer.checkpoint_every={every}",
               f"trainer.async_checkpoint={'true' if mode == 'async' else 'false'}"]

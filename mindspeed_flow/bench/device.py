@@ -37,7 +37,26 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from mindspeed_flow.accelerator import detect_type
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import yaml
+
+from mindspeed_flow.accelerator import Accelerator, detect_type
+from mindspeed_flow.bench import attention as bench_attention
+from mindspeed_flow.bench import bench_main
+from mindspeed_flow.config import load as config_load
+from mindspeed_flow.hosts.torch.attention import Segments, varlen_attention
+from mindspeed_flow.hosts.torch.build import build_vlm, part_parameters
+from mindspeed_flow.hosts.torch.data_parallel import clip_grads_, global_grad_norm, grad_sq_sum
+from mindspeed_flow.hosts.torch.split import split_vlm
+from mindspeed_flow.planner import profile
+from mindspeed_flow.planner.hardware import recipes_dir
+from mindspeed_flow.planner.inputs import build_problem, parse_kv, resolve_model
+from mindspeed_flow.planner.simulate import simulate_job
+from mindspeed_flow.pool import EmbeddingPool
+from mindspeed_flow.skus import sku_of
+from mindspeed_flow.utils.multiproc import free_port, run_ranks
 
 SECTIONS = ("pool", "attention", "build", "norm", "job")
 
@@ -75,10 +94,6 @@ POOL_HOST_TIER_BYTES = 4096 * POOL_HIDDEN * 2 - 1  # the 4,096-token bf16 item i
 
 
 def _pool_rank(rank: int, world: int, device_type: str) -> dict[str, Any]:
-    import torch
-
-    from mindspeed_flow.pool import EmbeddingPool
-
     device = torch.device(device_type, 0) if device_type != "cpu" else torch.device("cpu")
 
     def emb(sid: int, tokens: int) -> torch.Tensor:
@@ -113,8 +128,6 @@ def _pool_rank(rank: int, world: int, device_type: str) -> dict[str, Any]:
 
 
 def section_pool(args: argparse.Namespace, device_type: str) -> dict[str, Any]:
-    from mindspeed_flow.utils.multiproc import run_ranks
-
     producer, consumer = run_ranks(_pool_rank, 2, device_type, timeout_s=180.0)
     ok = bool(producer.get("grads_ok") and consumer.get("values_ok"))
     return {"ok": ok, "device": device_type, "transport": "host-staged over gloo (one device)",
@@ -125,13 +138,6 @@ def section_pool(args: argparse.Namespace, device_type: str) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------- attention
 def section_attention(args: argparse.Namespace, device_type: str) -> dict[str, Any]:
-    import torch
-    import torch.nn.functional as F
-
-    from mindspeed_flow.accelerator import Accelerator
-    from mindspeed_flow.bench import attention as bench_attention
-    from mindspeed_flow.hosts.torch.attention import Segments, varlen_attention
-
     acc = Accelerator.for_type(device_type)
     dev = acc.device()
     dtype = torch.bfloat16 if device_type != "cpu" else torch.float32
@@ -168,13 +174,6 @@ def section_attention(args: argparse.Namespace, device_type: str) -> dict[str, A
 
 # ----------------------------------------------------------------------------------------------------- build
 def section_build(args: argparse.Namespace, device_type: str) -> dict[str, Any]:
-    import torch
-
-    from mindspeed_flow.accelerator import Accelerator
-    from mindspeed_flow.hosts.torch.build import build_vlm, part_parameters
-    from mindspeed_flow.hosts.torch.split import split_vlm
-    from mindspeed_flow.planner.inputs import resolve_model
-
     acc = Accelerator.for_type(device_type)
     ref = resolve_model(args.model)
     dtype = getattr(torch, ref.dtype)
@@ -209,13 +208,6 @@ def section_build(args: argparse.Namespace, device_type: str) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------------ norm
 def section_norm(args: argparse.Namespace, device_type: str) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-
-    from mindspeed_flow.accelerator import Accelerator
-    from mindspeed_flow.hosts.torch.data_parallel import clip_grads_, global_grad_norm, grad_sq_sum
-    from mindspeed_flow.utils.multiproc import free_port
-
     acc = Accelerator.for_type(device_type)
     dev = acc.device()
     torch.manual_seed(0)
@@ -253,11 +245,6 @@ def section_norm(args: argparse.Namespace, device_type: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------------- job
 def _cluster_for(device_name: str) -> str:
     """The cluster preset whose SKU is this device (one device of it); cpu when none matches."""
-    import yaml
-
-    from mindspeed_flow.planner.hardware import recipes_dir
-    from mindspeed_flow.skus import sku_of
-
     sku = sku_of(device_name)
     folder = Path(recipes_dir()) / "cluster"
     for path in sorted(folder.glob("*.yaml")):
@@ -267,12 +254,6 @@ def _cluster_for(device_name: str) -> str:
 
 
 def section_job(args: argparse.Namespace, device_type: str, out: Path) -> dict[str, Any]:
-    from mindspeed_flow.accelerator import Accelerator
-    from mindspeed_flow.config import load as config_load
-    from mindspeed_flow.planner import profile
-    from mindspeed_flow.planner.inputs import build_problem, parse_kv
-    from mindspeed_flow.planner.simulate import simulate_job
-
     acc = Accelerator.for_type(device_type)
     cluster = _cluster_for(acc.device_name) if device_type != "cpu" else "cpu"
     # 1. calibrate on this device
@@ -343,7 +324,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         print(f"[bench device] {name}: {'ok' if res.get('ok') else 'FAILED'} ({res['seconds']:.1f} s)",
               file=sys.stderr, flush=True)
         (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
-    from mindspeed_flow.accelerator import Accelerator
 
     report["device"] = Accelerator.for_type(device_type).device_name
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
@@ -400,6 +380,4 @@ def _table(report: dict[str, Any], args: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from mindspeed_flow.bench import bench_main
-
     return bench_main(argv, parse_args, measure, _table)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from mindspeed_flow.bench import bench_main
+from mindspeed_flow.hosts.mindspeed_mm.memory import MEMORY_ENV
 from mindspeed_flow.planner import memory
 
 # The MindSpeed-MM job: encoder 1 + decoder PP 2 ([1, 2] of the scaled model's 3 layers), the encoder's bound at
@@ -86,7 +87,6 @@ def run_torch(run_dir: Path, steps: int) -> tuple[str, list[memory.PartMemory]]:
 def run_mm(workdir: Path, steps: int) -> tuple[str, list[memory.PartMemory]]:
     from mindspeed_flow.emulation.jobs import emulate_job
     from mindspeed_flow.emulation.sources import find_sources
-    from mindspeed_flow.hosts.mindspeed_mm.memory import MEMORY_ENV
 
     job = mm_job(workdir, find_sources().mindspeed_mm.root, steps)
     os.environ[MEMORY_ENV] = "1"  # the job's ranks inherit it

@@ -44,9 +44,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from mindspeed_flow.data.shapes import LengthTableError, SampleShape, read_length_table
+from mindspeed_flow.model_presets import hf_config_dict
 from mindspeed_flow.packing import SCHEDULERS, CostModel, PackingError, StepPlan, best_fit_pack, check_budget, plan_step
 from mindspeed_flow.packing.schedulers import packed_seq_len, round_up
+from mindspeed_flow.packing.streaming import StreamingPacker
+from mindspeed_flow.packing.window import WindowPacker
 from mindspeed_flow.packing.workloads import FACTOR, infovqa_arrays, near_budget_shapes
+from mindspeed_flow.specs import VLMSpec
 
 METHODS = ("naive", "sorted", "first_fit", "flow")
 
@@ -89,9 +93,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def cost_model_for(model: str, frozen_encoder: bool) -> CostModel:
-    from mindspeed_flow.model_presets import hf_config_dict
-    from mindspeed_flow.specs import VLMSpec
-
     family, _, preset = model.partition(":")
     spec = VLMSpec.from_hf_config(hf_config_dict(family, preset or "7b"), name=model)
     return CostModel.from_spec(spec, frozen_encoder=frozen_encoder)
@@ -155,8 +156,6 @@ def run_streaming(shapes: list[SampleShape], args: argparse.Namespace, cost_mode
 
     Timed like the other methods, best of --repeats (here: whole passes over the stream, which has state).
     """
-    from mindspeed_flow.packing.streaming import StreamingPacker
-
     elapsed = float("inf")
     for _ in range(args.repeats):
         start = time.process_time()
@@ -182,8 +181,6 @@ def run_window(shapes: list[SampleShape], args: argparse.Namespace, cost_model: 
 
     Timed like `run_streaming` (best of --repeats whole passes); every step counts, the last one included.
     """
-    from mindspeed_flow.packing.window import WindowPacker
-
     elapsed = float("inf")
     for _ in range(args.repeats):
         start = time.process_time()

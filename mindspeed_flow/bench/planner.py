@@ -31,6 +31,7 @@ import time
 
 from mindspeed_flow.planner.inputs import build_problem, parse_kv
 from mindspeed_flow.planner.plan import make_plan
+from mindspeed_flow.planner.recommend import recommend
 from mindspeed_flow.planner.workload import DEFAULT_SAMPLES
 
 GOALS_S = {1024: 0.1, 16384: 1.0}
@@ -105,8 +106,6 @@ ENCODER_HEAVY: tuple[tuple[str, str], ...] = (("internvit6b_7b", "video"), ("int
 def encoder_heavy_rows(devices: int = 256, cluster: str = "atlas_900_a3_384",
                        samples: int = DEFAULT_SAMPLES) -> list[dict]:
     """Per encoder-heavy preset, what `plan --job mm` recommends, the decoupled plan and the strongest baseline."""
-    from mindspeed_flow.planner.recommend import recommend
-
     rows = []
     for model, data in ENCODER_HEAVY:
         problem, _ = build_problem(parse_kv([f"model={model}", f"data={data}", f"cluster={cluster}",

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing as mp
 import os
 import re
 import shutil
@@ -58,7 +59,37 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from mindspeed_flow.bench import bench_main
+from mindspeed_flow.config import load as config_load
+from mindspeed_flow.config.load import compose, model_hf_config, to_job_config
+from mindspeed_flow.data.build import build_dataset
+from mindspeed_flow.data.sampler import iter_global_batches
+from mindspeed_flow.data.tokens import token_spec_from_hf_config
+from mindspeed_flow.hosts.torch.build import build_vlm
+from mindspeed_flow.hosts.torch.split import split_vlm, token_loss_sum
+from mindspeed_flow.packing import CostModel
+from mindspeed_flow.planner.baselines import megatron_coupled
+from mindspeed_flow.planner.hardware import recipes_dir
+from mindspeed_flow.planner.inputs import build_problem, data_recipe_fields, parse_kv
+from mindspeed_flow.planner.plan import make_plan
+from mindspeed_flow.planner.profile import measure as profile_measure
+from mindspeed_flow.planner.profile import write_outputs
+from mindspeed_flow.planner.report import recipe_yaml
+from mindspeed_flow.planner.simulate import StepCosts, simulate_job, write_timeline
+from mindspeed_flow.planner.validate import _LAYOUT, parse_layout, plan_layout
+from mindspeed_flow.pool import EmbeddingPool
+from mindspeed_flow.runtime.engine import encode_samples
+from mindspeed_flow.runtime.optim import build_optimizer
+from mindspeed_flow.runtime.worker import plan_for_step
+from mindspeed_flow.specs import VLMSpec
+from mindspeed_flow.topology import BACKBONE, COUPLED, ENCODER, Layout, bridge_of
+from mindspeed_flow.utils.multiproc import run_ranks
 
 # The headline layouts: at most one rank per physical core of a 2-core host, as overrides on --experiment
 # (heavy_encoder_2rank: a 6-layer ViT on images of up to 1024 patches beside a 4-layer LLM, 1 + 1 ranks).
@@ -80,8 +111,6 @@ def _probe_loop(conn: Any, interval_s: float, burst_s: float, size: int) -> None
     """In a session of its own (with the kernel's autogroup, a scheduling group apart from the job's): every
     `interval_s`, fixed float32 matmuls (size x size, one thread) for `burst_s` of wall time, recording its wall
     and CPU seconds and the matmuls done; send [(time, wall, cpu, matmuls)] when told to stop."""
-    import torch
-
     os.setsid()
     torch.set_num_threads(1)
     a, b = torch.randn(size, size), torch.randn(size, size)
@@ -171,8 +200,6 @@ class HostProbe:
     wake-ups): see --probe-burst-ms."""
 
     def __init__(self, interval_s: float = 0.02, burst_s: float = 0.002, size: int = 192) -> None:
-        import multiprocessing as mp
-
         ctx = mp.get_context("fork")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_probe_loop, args=(child, interval_s, burst_s, size), daemon=True)
@@ -309,11 +336,6 @@ def host_capacity(share: float, world: int, cores: float, slowdown: float = 1.0)
 def _pool_cpu_rank(rank: int, world: int, items: int, nbytes: int, with_grads: bool, repeats: int) -> float:
     """Process CPU seconds per item of the pool on this side (pool and gloo threads included): the producer
     puts `items` embeddings (and waits for their gradients), the consumer gets them (and returns gradients)."""
-    import torch
-    import torch.distributed as dist
-
-    from mindspeed_flow.pool import EmbeddingPool
-
     pool = EmbeddingPool(rank=rank, group=None, capacity_bytes=max(64 * nbytes * items, 1 << 26), timeout_s=60.0,
                          device=torch.device("cpu"), return_grads=with_grads)
     tensor = torch.randn(max(nbytes // 4, 1))
@@ -343,8 +365,6 @@ def _pool_cpu_rank(rank: int, world: int, items: int, nbytes: int, with_grads: b
 
 def pool_cpu_per_item(nbytes: int, with_grads: bool, items: int = 24, repeats: int = 3) -> tuple[float, float]:
     """(producer, consumer) CPU seconds per embedding of `nbytes` through the pool between two gloo ranks."""
-    from mindspeed_flow.utils.multiproc import run_ranks
-
     prod, cons = run_ranks(_pool_cpu_rank, 2, items, int(nbytes), with_grads, repeats, timeout_s=120.0)
     return prod, cons
 
@@ -362,22 +382,11 @@ def _cpu_time(fn: Any, repeats: int) -> tuple[float, Any]:
 
 
 def _make_measured_costs() -> type:
-    from mindspeed_flow.planner.simulate import StepCosts
-
     class MeasuredCosts(StepCosts):
         """StepCosts whose per-call figures are measured on this machine at the exact call shapes (see the
         module docstring), on demand and cached: the simulator asks, the real model answers."""
 
         def __init__(self, job: Any, ctx: Any, link: dict[str, float], repeats: int = 3) -> None:
-            import torch
-
-            from mindspeed_flow.config.load import model_hf_config
-            from mindspeed_flow.data.build import build_dataset
-            from mindspeed_flow.data.tokens import token_spec_from_hf_config
-            from mindspeed_flow.hosts.torch.build import build_vlm
-            from mindspeed_flow.hosts.torch.split import split_vlm
-            from mindspeed_flow.specs import VLMSpec
-
             hf = model_hf_config(job)
             frozen = bool(job.model.freeze_encoder)
             super().__init__(VLMSpec.from_hf_config(hf), ctx, trainable_encoder=not frozen,
@@ -431,10 +440,6 @@ def _make_measured_costs() -> type:
 
         def _measure_encoder(self, sid: int) -> tuple[float, float, float]:
             """(pixel loading, forward, backward) CPU seconds of one sample, as the runtime's ranks run them."""
-            import torch
-
-            from mindspeed_flow.runtime.engine import encode_samples
-
             load, sample = _cpu_time(lambda: self.dataset.sample(sid, with_pixels=True), self.repeats)
             if not sample.image_token_counts:
                 return load, 0.0, 0.0
@@ -458,12 +463,6 @@ def _make_measured_costs() -> type:
             n copies running at once in forked processes, over its CPU seconds alone (n = 1..cores; [0] unused).
             CPU time, not wall: it reads what sharing the caches and memory of the host costs, not which share
             of a core other jobs leave (the runs wait for a quiet host for that)."""
-            import multiprocessing as mp
-
-            import torch
-
-            from mindspeed_flow.runtime.engine import encode_samples
-
             keys = sorted(k for k in self.by_patches if k)
             sid = self.by_patches[keys[len(keys) // 2]] if keys else next(iter(self.by_patches.values()))
             sample = self.dataset.sample(sid, with_pixels=True)
@@ -512,10 +511,6 @@ def _make_measured_costs() -> type:
             return fwd, bwd
 
         def _measure_backbone(self, budget: int, seq_lens: tuple[int, ...]) -> tuple[float, ...]:
-            import torch
-
-            from mindspeed_flow.hosts.torch.split import token_loss_sum
-
             pool = dict(self.by_tokens)
             ids = [pool[n] for n in seq_lens]
             with torch.no_grad():
@@ -553,10 +548,6 @@ def _make_measured_costs() -> type:
 
         def _measure_optimizer(self) -> float:
             """CPU seconds per parameter of the runtime's update: norm, clip, AdamW (foreach off), zero_grad."""
-            import torch
-
-            from mindspeed_flow.runtime.optim import build_optimizer
-
             params = [p for p in self.backbone.parameters() if p.requires_grad]
             opt = build_optimizer(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
 
@@ -586,17 +577,6 @@ def _make_measured_costs() -> type:
 
 def step_planning_seconds(job: Any, steps: Sequence[int], repeats: int = 3) -> float:
     """CPU seconds every rank spends between steps on the runtime's own step plan (median over `steps`)."""
-    from types import SimpleNamespace
-
-    from mindspeed_flow.config.load import model_hf_config
-    from mindspeed_flow.data.build import build_dataset
-    from mindspeed_flow.data.sampler import iter_global_batches
-    from mindspeed_flow.data.tokens import token_spec_from_hf_config
-    from mindspeed_flow.packing import CostModel
-    from mindspeed_flow.runtime.worker import plan_for_step
-    from mindspeed_flow.specs import VLMSpec
-    from mindspeed_flow.topology import Layout, bridge_of
-
     hf = model_hf_config(job)
     layout = Layout.from_config(job.parallel, job.flow.mode)
     topo = SimpleNamespace(layout=layout, bridge=bridge_of(layout), world_size=layout.world_size)
@@ -617,11 +597,6 @@ def step_planning_seconds(job: Any, steps: Sequence[int], repeats: int = 3) -> f
 
 def step_sample_ids(job: Any, steps: Sequence[int]) -> list[int]:
     """The sample ids of the given steps' global batches (the runtime's sampler, same seed)."""
-    from mindspeed_flow.config.load import model_hf_config
-    from mindspeed_flow.data.build import build_dataset
-    from mindspeed_flow.data.sampler import iter_global_batches
-    from mindspeed_flow.data.tokens import token_spec_from_hf_config
-
     dataset = build_dataset(job.data, token_spec_from_hf_config(model_hf_config(job)))
     batches = iter_global_batches(dataset, job.trainer.global_batch_size, seed=job.seed,
                                   max_bad=job.data.max_bad_samples)
@@ -694,11 +669,6 @@ def analytic_seconds(job: Any, model: str, data: str, profile: str) -> tuple[flo
     CostContext, the LLM layers per stage it priced). Decoupled: the planner pinned to the layout; coupled: the
     coupled baseline's own model (ViT on stage 0) pinned to it, its tuned (uneven, balanced around the ViT)
     split when the job sets one, else the even split."""
-    from mindspeed_flow.planner.baselines import megatron_coupled
-    from mindspeed_flow.planner.inputs import build_problem, parse_kv
-    from mindspeed_flow.planner.plan import make_plan
-    from mindspeed_flow.topology import COUPLED, ENCODER, BACKBONE, Layout
-
     layout = Layout.from_config(job.parallel, job.flow.mode)
     budget = job.packing.token_budget
     kv = [f"model={model}", f"data={data}", "cluster=cpu", f"devices={max(layout.world_size, 2)}",
@@ -721,10 +691,6 @@ def analytic_seconds(job: Any, model: str, data: str, profile: str) -> tuple[flo
 
 def layout_world(text: str, args: argparse.Namespace) -> int:
     """Ranks a layout runs (no planning, no profile: the oversubscription check comes first)."""
-    from mindspeed_flow.config.load import compose, to_job_config
-    from mindspeed_flow.planner.validate import _LAYOUT, parse_layout
-    from mindspeed_flow.topology import Layout
-
     if _LAYOUT.match(text):
         lay = parse_layout(text)
         return lay["enc_dp"] + lay["bb_dp"] * lay["bb_pp"]
@@ -735,11 +701,6 @@ def layout_world(text: str, args: argparse.Namespace) -> int:
 def prepare_layout(text: str, args: argparse.Namespace, recipes: Path, profile: str) -> dict[str, Any]:
     """What a layout trains with (overrides), and its analytic prediction. `eA-bB[pP][@T]` layouts (the
     oversubscribing set) go through the planner as `planner.validate` does and run its recipe."""
-    from mindspeed_flow.config.load import compose, to_job_config
-    from mindspeed_flow.planner.inputs import data_recipe_fields
-    from mindspeed_flow.planner.report import recipe_yaml
-    from mindspeed_flow.planner.validate import _LAYOUT, parse_layout, plan_layout
-
     if _LAYOUT.match(text):
         plan, ref = plan_layout(parse_layout(text), args.model, args.data, args.global_batch, profile)
         name = "simbench_" + re.sub(r"[^A-Za-z0-9]", "_", text)
@@ -750,7 +711,6 @@ def prepare_layout(text: str, args: argparse.Namespace, recipes: Path, profile: 
                 "analytic_s": plan.step_seconds, "ctx": plan.problem.ctx, "analytic_layers": None}
     overrides = layout_overrides(text, args)
     job = to_job_config(compose(overrides))
-    from mindspeed_flow.topology import Layout
 
     world = Layout.from_config(job.parallel, job.flow.mode).world_size
     seconds, ctx, layers = analytic_seconds(job, args.model, args.data, profile)
@@ -762,9 +722,6 @@ def simulate_layout_runs(prep: dict[str, Any], runs: list[tuple[list[dict], Step
                          args: argparse.Namespace, link: dict[str, float],
                          probe: Optional[HostProbe]) -> dict[str, Any]:
     """Calibrate the primitives of a layout's job, replay its measured steps, and make its table row."""
-    from mindspeed_flow.config import load as config_load
-    from mindspeed_flow.planner.simulate import simulate_job, write_timeline
-
     metrics0, watch0, run_dir0 = runs[0]
     measured_steps = list(range(max(1, min(args.warmup, len(metrics0) - 1)), len(metrics0)))
     job = config_load.load(run_dir0 / "config.yaml")
@@ -858,9 +815,6 @@ def _quiet_host(max_load: float, max_wait: float) -> float:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from mindspeed_flow.planner.hardware import recipes_dir
-    from mindspeed_flow.planner.profile import measure as profile_measure, write_outputs
-
     cores = physical_cores()
     for text in args.layouts.split(","):
         world = layout_world(text, args)
@@ -998,8 +952,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from mindspeed_flow.bench import bench_main
-
     return bench_main(sys.argv[1:] if argv is None else argv, parse_args, measure, table)
 
 

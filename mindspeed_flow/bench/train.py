@@ -46,8 +46,16 @@ import argparse
 import json
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
+
+from mindspeed_flow.config.load import compose, to_job_config
+from mindspeed_flow.planner.baselines import megatron_coupled
+from mindspeed_flow.planner.inputs import build_problem, parse_kv
+from mindspeed_flow.planner.measure import core_share
+from mindspeed_flow.planner.plan import make_plan
+from mindspeed_flow.runtime import launch
 
 # --ranking: row -> the overrides that make the layout from the 2-rank (1 encoder + 1 backbone) recipe
 RANKING_ROWS = {
@@ -95,8 +103,6 @@ def _parse_variants(ap: argparse.ArgumentParser, specs: list[str]) -> list[tuple
 
 
 def main(argv: list[str]) -> int:
-    from mindspeed_flow.runtime import launch
-
     ap = argparse.ArgumentParser(prog="mindspeed-flow bench train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20)
@@ -190,10 +196,6 @@ def predict_ranking(model: str, data: str, global_batch: int, token_budget: int,
     """The planner's samples/s for the three 2-rank layouts, each priced exactly as it runs: no recompute (the
     runtime keeps activations), the recipe's token budget, and for coupled PP2 the stage split the planner
     balances around the ViT (returned as `layers`, which the run then uses)."""
-    from mindspeed_flow.planner.baselines import megatron_coupled
-    from mindspeed_flow.planner.inputs import build_problem, parse_kv
-    from mindspeed_flow.planner.plan import make_plan
-
     kv = [f"model={model}", f"data={data}", "cluster=cpu", "devices=2", f"global_batch={global_batch}",
           "samples=512", "planner.recompute=[false]"] + ([f"planner.profile={profile}"] if profile else [])
     problem, _ = build_problem(parse_kv(kv + ["encoder.dp=1", "backbone.dp=1", "backbone.pp=1",
@@ -214,10 +216,6 @@ def predict_ranking(model: str, data: str, global_batch: int, token_budget: int,
 def _quiet_share(min_share: float, max_wait: float) -> float:
     """The core share 2 busy processes get now; with min_share > 0, polled until it reaches min_share or
     max_wait seconds have passed (then the last reading is returned and the round runs anyway)."""
-    import time
-
-    from mindspeed_flow.planner.measure import core_share
-
     deadline = time.monotonic() + max_wait
     share = core_share(2)
     while share < min_share and time.monotonic() < deadline:
@@ -232,9 +230,6 @@ def _order(values: dict[str, float]) -> list[str]:
 
 def ranking_main(args: argparse.Namespace, overrides: list[str]) -> int:
     """`bench train --ranking`: see the module docstring."""
-    from mindspeed_flow.config.load import compose, to_job_config
-    from mindspeed_flow.runtime import launch
-
     if not any(o.startswith("experiment=") for o in overrides):
         overrides = ["experiment=heavy_encoder_2rank", *overrides]
     if not any(o.startswith("model=") for o in overrides):

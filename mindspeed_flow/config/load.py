@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import MissingConfigException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from mindspeed_flow.config.schema import FlowJobConfig, register_configs
-from mindspeed_flow.specs import encoder_parts
-
-if TYPE_CHECKING:
-    from mindspeed_flow.specs import VLMSpec
-    from mindspeed_flow.topology import ModelLimits
+from mindspeed_flow.model_presets import hf_config_dict, load_config_json
+from mindspeed_flow.resources import data_path
+from mindspeed_flow.specs import VLMSpec, encoder_parts
+from mindspeed_flow.topology import ModelLimits
+from mindspeed_flow.utils.usage import nearest, unknown_key
 
 
 class RecipeError(ValueError):
@@ -26,8 +31,6 @@ class RecipeError(ValueError):
 def recipes_dir() -> Path:
     """The Hydra recipe tree: $MSF_RECIPES, else the package's (mindspeed_flow.resources: recipes/ at the
     repository root, or inside an installed wheel)."""
-    from mindspeed_flow.resources import data_path
-
     env = os.environ.get("MSF_RECIPES")
     if env:
         return Path(env).resolve()
@@ -35,10 +38,6 @@ def recipes_dir() -> Path:
 
 
 def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictConfig:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     register_configs()
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
@@ -64,11 +63,6 @@ def known_keys() -> list[str]:
 def explain_override_error(exc: Exception) -> str | None:
     """One line for an override Hydra / OmegaConf refused: an unknown key with the nearest valid one, a value of
     the wrong type with the field and the type, an unknown recipe with the nearest one; None for anything else."""
-    from hydra.errors import MissingConfigException
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
-
-    from mindspeed_flow.utils.usage import nearest, unknown_key
-
     if isinstance(exc, MissingConfigException) and exc.options and exc.missing_cfg_file:
         group, _, name = str(exc.missing_cfg_file).rpartition("/")
         guess = nearest(name, exc.options)
@@ -103,16 +97,12 @@ def load(path: str | os.PathLike) -> FlowJobConfig:
 
 def model_hf_config(job: FlowJobConfig) -> dict:
     """The HF config.json dict of the job's model: a local checkpoint's, else the preset's with overrides."""
-    from mindspeed_flow.model_presets import hf_config_dict, load_config_json
-
     if job.model.pretrained_path:
         return load_config_json(job.model.pretrained_path)
     return hf_config_dict(job.model.family, job.model.preset, dict(job.model.hf_overrides))
 
 
 def model_limits(spec: "VLMSpec") -> "ModelLimits":
-    from mindspeed_flow.topology import ModelLimits
-
     return ModelLimits(llm_layers=spec.llm.num_layers, llm_heads=spec.llm.num_heads,
                        llm_kv_heads=spec.llm.num_kv_heads, vit_heads=spec.vision.num_heads,
                        vit_layers=spec.vision.depth)

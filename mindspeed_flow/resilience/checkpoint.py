@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from mindspeed_flow.overlap import checkpoint_tensor
 
@@ -427,8 +428,6 @@ def _root_cause(exc: BaseException) -> str:
 
 def load_flat(path: Path) -> dict[str, torch.Tensor]:
     """A DCP checkpoint's model tensors on one process, no process group (for comparisons and export)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     tmp = Path(str(path).rstrip("/") + ".flat.pt")
     dcp_to_torch_save(str(path), str(tmp))
     try:

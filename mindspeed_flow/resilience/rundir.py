@@ -9,8 +9,10 @@ own run's checkpoints and a resume never loads another run's weights.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -114,9 +116,6 @@ class RunDirLock:
         self._file: Optional[Any] = None
 
     def acquire(self, run_dir: Path) -> None:
-        import fcntl
-        import socket
-
         run_dir = Path(run_dir)
         if run_dir.exists() and not run_dir.is_dir():
             raise RunDirInUse(f"run_dir={str(run_dir)!r} exists and is not a directory")

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import torch.distributed as dist
+
 EXIT_HANG = 3
 FAILURE_FILE = "failure.txt"
 WATCHERS = (0, 1)
@@ -67,8 +69,6 @@ class Watchdog:
             self._wake.set()
 
     def start(self) -> "Watchdog":
-        import torch.distributed as dist
-
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=datetime.timedelta(seconds=max(30.0, self.timeout_s)))
         self._beat(store)

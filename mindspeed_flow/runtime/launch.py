@@ -14,27 +14,36 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any, Optional
 
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from mindspeed_flow import torch_compat
-from mindspeed_flow.config.load import (RecipeError, check_rules, compose, load, model_hf_config, model_limits,
-                                        save, to_job_config)
+from mindspeed_flow.accelerator import detect_type
+from mindspeed_flow.config.load import (RecipeError, check_rules, compose, explain_override_error, load,
+                                        model_hf_config, model_limits, save, to_job_config)
 from mindspeed_flow.data.preflight import preflight
 from mindspeed_flow.data.records import DataError
-from mindspeed_flow.resilience.preempt import EXIT_SAVED_ON_SIGNAL
-from mindspeed_flow.resilience.restarts import (CAUSE_ENV, CLEAR_ERRORS, error_message as _message, error_type,
-                                                restart_count)
-from mindspeed_flow.resilience.resume import PENDING_CONFIG, ResumeRefused, check_resume
-from mindspeed_flow.resilience.diskspace import RunDirWriteError, check_room_for_save
 from mindspeed_flow.resilience.checkpoint import valid_steps
+from mindspeed_flow.resilience.diskspace import RunDirWriteError, check_room_for_save
+from mindspeed_flow.resilience.preempt import EXIT_SAVED_ON_SIGNAL
+from mindspeed_flow.resilience.restarts import CAUSE_ENV, CLEAR_ERRORS, RESTART_ENV
+from mindspeed_flow.resilience.restarts import error_message as _message
+from mindspeed_flow.resilience.restarts import error_type, is_deliberate, restart_count
+from mindspeed_flow.resilience.resume import PENDING_CONFIG, ResumeRefused, check_resume
 from mindspeed_flow.resilience.rundir import RunDirInUse, RunDirLock, claim, existing_state, read_run_id
 from mindspeed_flow.resilience.watchdog import FAILURE_FILE
+from mindspeed_flow.runtime.worker import run_worker_recorded
 from mindspeed_flow.specs import VLMSpec
 from mindspeed_flow.topology import Layout, LayoutError
 from mindspeed_flow.utils.multiproc import free_port
@@ -94,11 +103,6 @@ def launch_local(config_path: Path, nproc: int, max_restarts: int = 0, stop_grac
     `restarts` set on it. Each attempt is one elastic launch with no restarts of its own, and its log folder is a
     temporary one removed afterwards (the agent's default leaves a `torchelastic_*` folder per launch, and failed
     workers their error files)."""
-    import shutil
-    import tempfile
-
-    from mindspeed_flow.resilience.restarts import RESTART_ENV, is_deliberate
-
     saved_tempdir = tempfile.tempdir
     for attempt in range(max_restarts + 1):
         log_dir = tempfile.mkdtemp(prefix="mindspeed-flow-elastic-")
@@ -128,12 +132,6 @@ def launch_local(config_path: Path, nproc: int, max_restarts: int = 0, stop_grac
 
 
 def _launch_once(config_path: Path, nproc: int, log_dir: str, stop_grace_s: int = 30) -> None:
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from mindspeed_flow.accelerator import detect_type
-    from mindspeed_flow.runtime.worker import run_worker_recorded
-
     # Workers on CPU are forked (fast start). On a GPU/NPU they are spawned: a forked child cannot initialise
     # CUDA/NPU once anything in this process has (a library import may), and fresh interpreters are what torchrun
     # starts on a real cluster too.
@@ -226,11 +224,6 @@ def main(argv: list[str]) -> int:
 
 
 def _main(argv: list[str], lock: RunDirLock) -> int:
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from mindspeed_flow.config.load import explain_override_error
-
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE + "\n\n" + (__doc__ or "").strip())
         return 0

@@ -29,7 +29,11 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from mindspeed_flow.config.load import recipes_dir
+from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, _unsupported, load_flow_job
 from mindspeed_flow.resources import data_path
+from mindspeed_flow.runtime.flow_twin import RecipeLaunch, TwinError, make_twin
+from mindspeed_flow.topology import Layout, LayoutError
 
 SCRIPTS_DIR = data_path("scripts/ascend")
 # script, devices per node the runtime sees (A3: each 910C package is two devices, one per die; MindSpeed-MM's
@@ -146,8 +150,6 @@ def plan_from_recipe(recipe: str | Path, cluster: str | None = None, job: str = 
 
 def _mm_recipe(path: Path):
     """(the flow job config, its cluster preset or None) of a MindSpeed-MM flow recipe."""
-    from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, load_flow_job
-
     try:
         cfg = load_flow_job(path)
     except FlowRecipeError as err:
@@ -158,9 +160,6 @@ def _mm_recipe(path: Path):
 def _checked_layout(path: Path, cfg, job: str, global_batch: int | None = -1):
     """The recipe's layout, checked as the launcher checks it before any rank starts (and, for mm, what the
     MindSpeed-MM flow host supports)."""
-    from mindspeed_flow.hosts.mindspeed_mm.recipe import _unsupported
-    from mindspeed_flow.topology import Layout, LayoutError
-
     if job == "mm" and cfg.flow.mode == "coupled":
         # the unpatched MindSpeed-MM job: Megatron's own TP / CP / PP over every rank (no flow launcher)
         try:
@@ -189,8 +188,6 @@ def _checked_layout(path: Path, cfg, job: str, global_batch: int | None = -1):
 def twin_of_script(recipe: str | Path, user_script: str | Path, cluster: str | None = None,
                    npus_per_node: int | None = None):
     """The flow twin (`flow_twin.Twin`) of the user's MindSpeed-MM launch script for a flow recipe."""
-    from mindspeed_flow.runtime.flow_twin import RecipeLaunch, TwinError, make_twin
-
     path = Path(recipe).expanduser().resolve()
     cfg, preset = _mm_recipe(path)
     raw = OmegaConf.load(str(path))
@@ -211,8 +208,6 @@ def twin_of_script(recipe: str | Path, user_script: str | Path, cluster: str | N
 
 
 def _preset_devices_per_node(preset: str | None) -> int | None:
-    from mindspeed_flow.config.load import recipes_dir
-
     path = recipes_dir() / "cluster" / f"{preset}.yaml"
     if not preset or not path.is_file():
         return None

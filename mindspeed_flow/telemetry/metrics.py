@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_flow.resilience.diskspace import write_failed
+from mindspeed_flow.skus import SKUS, peak_flops, sku_of
 
 SLOTS = (
     "is_encoder", "is_backbone", "is_writer",
@@ -72,8 +73,6 @@ def machine_peak_flops(device_name: str, host_cpu: bool, dtype: str, devices: in
     thread each) and the rates are summed, so ranks sharing cores share the peak (3 ranks on 2 cores sum to about
     2 cores' worth) and MFU cannot exceed 1 because of oversubscription; then every rank of `group` must call this.
     """
-    from mindspeed_flow.skus import SKUS, peak_flops, sku_of
-
     if not host_cpu:
         sku = sku_of(device_name)
         per_device = peak_flops(device_name, dtype) if sku is not None else None

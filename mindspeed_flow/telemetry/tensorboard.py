@@ -10,6 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from torch.utils.tensorboard import SummaryWriter
+
+
 def to_mib(value: Optional[float]) -> Optional[float]:
     return None if value is None else value / 2**20
 
@@ -44,8 +47,6 @@ class TensorBoardSink:
     `prefix` (e.g. "flow/": beside another writer's curves in one folder)."""
 
     def __init__(self, log_dir: Path, start_step: int = 0, prefix: str = "", scalars: Optional[Scalars] = None) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
         self.writer = SummaryWriter(str(log_dir), purge_step=start_step if start_step > 0 else None)
         self.prefix, self.scalars = prefix, SCALARS if scalars is None else scalars
 

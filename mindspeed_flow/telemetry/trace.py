@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
+import torch.distributed as dist
+
 F = TypeVar("F", bound=Callable[..., Any])
 PART_PIDS = {"encoder": 1, "backbone": 2, "coupled": 3}
 _TRACER: Optional["Tracer"] = None
@@ -102,8 +104,6 @@ def merge(trace_dir: Path, out: Path, world_size: Optional[int] = None) -> Path:
 def finish(run_dir: Path, group: Any, merger: bool, world_size: int) -> Optional[Path]:
     """End of a run, on every rank of `group` (all ranks), traced or not: each rank saves its events, and once
     every rank has (a barrier over `group`) the `merger` rank writes RUN_DIR/trace.json. Returns its path there."""
-    import torch.distributed as dist
-
     if _TRACER is not None:
         _TRACER.save()
     dist.barrier(group=group)

@@ -9,9 +9,16 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import queue as queue_mod
 import socket
+import time
 import traceback
 from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from mindspeed_flow import torch_compat
 
 
 def free_port() -> int:
@@ -26,11 +33,6 @@ class RankFailure(RuntimeError):
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout_s: float,
                args: tuple, kwargs: dict, queue: "mp.Queue") -> None:
-    import torch
-    import torch.distributed as dist
-
-    from mindspeed_flow import torch_compat
-
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -59,7 +61,6 @@ def _wait_for_peers(store: "object", rank: int, world_size: int, timeout_s: floa
     deadline), so a fast rank never takes the store down under a slow one."""
     if store is None:
         return
-    import time
 
     try:
         store.add("msf_ranks_done", 1)
@@ -86,8 +87,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = timeout_s + 30.0
-    import queue as queue_mod
-    import time
 
     start = time.monotonic()
     while len(results) + len(errors) < world_size:

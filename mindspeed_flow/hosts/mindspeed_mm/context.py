@@ -31,7 +31,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch.distributed as dist
 
-from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowParts, PART_MODULES
+from mindspeed_flow.hosts.mindspeed_mm.recipe import PART_MODULES, FlowParts
+from mindspeed_flow.resilience.watchdog import Watchdog
 from mindspeed_flow.topology import BACKBONE, ENCODER
 
 # The one registry the patch mechanism needs: MindSpeed's patches are plain functions that find the rank's flow
@@ -172,8 +173,6 @@ class FlowContext:
         """Heartbeats in the job's TCPStore; part leaders and the last rank watch every rank's heartbeat, so a
         hung rank is named (with its part and what it was doing, and what the watcher waits for) within the
         flow timeout, wherever the others wait for it: a transfer, a collective of its part, the global norm."""
-        from mindspeed_flow.resilience.watchdog import Watchdog
-
         if self.watchdog is not None or "MASTER_ADDR" not in os.environ:
             return
         layout = self.parts.layout

@@ -20,6 +20,7 @@ import contextlib
 import functools
 import os
 import resource
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -33,8 +34,7 @@ from mindspeed_flow.hosts.mindspeed_mm.data import (LAYOUT_PACKED, LAYOUT_ROWS, 
                                                     ReplicaView, SideNeeds, WholeBatchReads, sample_meta)
 from mindspeed_flow.hosts.mindspeed_mm.index import index_folder, index_inputs, load_or_build
 from mindspeed_flow.hosts.mindspeed_mm.metrics import FlowMetrics, loss_value
-from mindspeed_flow.hosts.mindspeed_mm.schedule import (DecoderStep, EncoderStep, finalize_with_global_tokens,
-                                                        loss_mode)
+from mindspeed_flow.hosts.mindspeed_mm.schedule import DecoderStep, EncoderStep, finalize_with_global_tokens, loss_mode
 from mindspeed_flow.packing import CostModel
 from mindspeed_flow.pool.planned import PlannedTransport
 from mindspeed_flow.skus import EMULATED_NPU_NAME
@@ -176,8 +176,6 @@ def plain_linears_unless(use_mc2: bool) -> Iterator[None]:
     the launcher lets MindSpeed install the MC2 classes when any part can use them, and a part that cannot (TP 1,
     or no sequence parallel) constructs its model with the original classes put back for the duration.
     """
-    import sys
-
     from megatron.core.tensor_parallel import layers
 
     swaps = []

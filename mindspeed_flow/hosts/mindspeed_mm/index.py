@@ -36,6 +36,7 @@ rank builds the index in memory (and says so).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import hashlib
 import json
@@ -226,8 +227,6 @@ def build_index(describe: Callable[[int], SampleMeta], n: int, key: str, workers
 
 @contextlib.contextmanager
 def _exclusive(lock_path: Path) -> Iterator[None]:
-    import fcntl
-
     with open(lock_path, "a+") as fh:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
         try:
