@@ -286,6 +286,8 @@ def expert_tail_time(part: PartSpec, ctx: CostContext, L: Layouts,
     """Gradient sync and optimizer update of the routed experts a device holds on `layers` layers: over the
     expert-data-parallel group (0 for a dense part)."""
     experts = expert_params_per_device(part, L, layers)
+    if not part.expert_params:  # no second gradient sync (its latency would count) for a dense part
+        return np.zeros_like(experts), np.zeros_like(experts)
     edp = expert_data_parallel(L)
     sync = dp_sync_time(ctx, experts, edp, L.tp * L.cp * L.dp)
     return sync, optimizer_time(ctx, experts, edp, optimizer_shards(ctx, part.role, edp, 1))

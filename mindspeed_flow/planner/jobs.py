@@ -28,6 +28,10 @@ JOBS = ("mm", "torch")
 JOB_ALIASES = {"train": "torch", "any": ""}
 
 
+# Families the planner prices that neither host builds yet (plan them with --job any)
+NOT_BUILT = ("qwen3_vl", "qwen3_vl_moe", "internvl", "glm4v_moe")
+
+
 @dataclass(frozen=True)
 class JobRules:
     name: str  # "" (no host: every layout the cost model prices), "mm" or "torch"
@@ -75,7 +79,9 @@ RULES = {
     "torch": JobRules("torch", "the torch host (mindspeed-flow train)", cp=False, encoder_rc=(0, 1),
                       backbone_rc=(0,), shard_with_tp=False, shard_encoder=False, whole_nodes=True,
                       refused=(("qwen2_5_omni_thinker", "the planner plans one encoder part, the Omni thinker has "
-                                "audio and vision parts (write parallel.encoders by hand)"),),
+                                "audio and vision parts (write parallel.encoders by hand)"),
+                               *((f, "the torch host builds Qwen2-VL, Qwen2.5-VL, LLaVA and the Omni thinker only "
+                                  "(hosts/torch/hf_compat.py); price it with --job any") for f in NOT_BUILT)),
                       launch_job="train"),
 }
 
