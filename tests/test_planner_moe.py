@@ -54,7 +54,7 @@ def test_ep_traffic_only_with_ep_and_grows_across_nodes() -> None:
     ep = backbone_costs(bb, problem.ctx, L).time_parts["ep"]
     assert ep[0] == 0 and ep[1] > 0 and ep[2] > ep[1]
     # per byte sent off-rank, the 16-way group (two nodes) is slower than the 8-way one (one node's HCCS)
-    one = ep_alltoall_time(bb, problem.ctx, L, np.full(3, 1e4))
+    one = ep_alltoall_time(problem.ctx, L.ep, np.full(3, 1e4), bb.hidden, bb.top_k)
     assert one[2] / (15 / 16) > 2 * one[1] / (7 / 8)
     # the formula: tokens x hidden x top-k x bytes x (ep - 1) / ep over the link, plus (ep - 1) hops
     bw, lat = problem.cluster.link(np.array([8]))

@@ -304,13 +304,14 @@ def backbone_tail_time(part: PartSpec, ctx: CostContext, L: Layouts, params: np.
     return sync, optimizer_time(ctx, dense, L.dp, optimizer_shards(ctx, part.role, L.dp, L.tp, L.cp)) + e_opt
 
 
-def ep_alltoall_time(part: PartSpec, ctx: CostContext, L: Layouts, tokens: np.ndarray) -> np.ndarray:
+def ep_alltoall_time(ctx: CostContext, ep: np.ndarray, tokens: np.ndarray, hidden: int, top_k: int) -> np.ndarray:
     """One MoE all-to-all (dispatch or combine) of `tokens` tokens per device: each token's hidden state goes to
     its top-k experts, (ep - 1)/ep of them on other ranks of the ep group (ep consecutive ranks); 0 when ep = 1."""
-    bw, lat = _link(ctx, L.ep)
-    ep = L.ep.astype(np.float64)
-    nbytes = tokens * part.hidden * part.top_k * ctx.bytes.act
-    return np.where(L.ep > 1, nbytes * (ep - 1) / ep / bw + (ep - 1) * lat, 0.0)
+    ep = np.asarray(ep)
+    bw, lat = _link(ctx, ep)
+    n = ep.astype(np.float64)
+    nbytes = tokens * hidden * top_k * ctx.bytes.act
+    return np.where(ep > 1, nbytes * (n - 1) / n / bw + (n - 1) * lat, 0.0)
 
 
 # ------------------------------------------------------------------------------------------------ memory
@@ -513,8 +514,8 @@ def backbone_stage_mb_time(part: PartSpec, ctx: CostContext, L: Layouts, m: np.n
     layer_cp = np.where(L.cp > 1, 3.0 * ((L.cp - 1) * kv_bytes / bw_cp + (L.cp - 1) * lat_cp), 0.0) * (1 - ctx.overlap("cp"))
     # MoE: dispatch + combine, forward and backward (+ the recomputed forward's), in the MoE layers only
     moe_share = part.moe_layers / part.layers
-    layer_ep = (moe_share * np.where(L.rc > 0, 6.0, 4.0) * ep_alltoall_time(part, ctx, L, tokens / L.tp)
-                * (1 - ctx.overlap("ep")))
+    layer_ep = (moe_share * np.where(L.rc > 0, 6.0, 4.0) * ep_alltoall_time(ctx, L.ep, tokens / L.tp, part.hidden,
+                                                                           part.top_k) * (1 - ctx.overlap("ep")))
     unit = layer_compute + layer_tp + layer_cp + layer_ep
     ef, el = np.asarray(first_extra) / unit, head / unit
     split = stage_split(part.layers, L.pp, ef, el, ctx.cfg.uneven_pp)
