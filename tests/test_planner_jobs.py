@@ -71,8 +71,8 @@ def test_every_preset_plan_runs_on_its_job(cluster: str, job: str, tmp_path: Pat
     shutil.copytree(REPO / "recipes", recipes)
     monkeypatch.setenv("MSF_RECIPES", str(recipes))
     per_node = int(OmegaConf.load(str(recipes / "cluster" / f"{cluster}.yaml"))["devices_per_node"])
-    # the A3 SuperPoD's 768 dies times every model recipe overruns the test's time on 2 cores: 4 of its nodes here (the
-    # recommendation test below plans the whole pod)
+    # the A3 SuperPoD's 768 dies times every model recipe overruns the test's time on 2 cores: 4 of its nodes here
+    # (the recommendation test below plans the whole pod)
     size = ["devices=64"] if cluster == "atlas_900_a3_384" else []
     written = 0
     for model in MODELS:

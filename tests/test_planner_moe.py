@@ -79,7 +79,8 @@ def test_deepstack_features_travel_with_the_embeddings() -> None:
     problem = _problem("qwen3_vl_8b")
     enc = problem.parts[0]
     assert enc.embedding_tensors == 4
-    plain = VLMSpec.from_hf_config(hf_config_dict("qwen3_vl", "8b", {"vision_config": {"deepstack_visual_indexes": []}}))
+    no_deepstack = {"vision_config": {"deepstack_visual_indexes": []}}
+    plain = VLMSpec.from_hf_config(hf_config_dict("qwen3_vl", "8b", no_deepstack))
     flat = encoder_part(plain, problem.shapes)
     assert embedding_bytes(enc, problem.ctx, 100) == 4 * embedding_bytes(flat, problem.ctx, 100) == 4 * 100 * 4096 * 2
     assert backbone_part(plain, problem.shapes).total_params == problem.parts[-1].total_params

@@ -15,11 +15,12 @@ are searched (planner/jobs.py: no context parallelism, its recompute kinds, its 
 the cluster preset); one line says what was left out and why. The written recipe and --launch-script are for that
 job.
 
-Layout pins use train's names, parallel.PART.FIELD (PART: encoder or backbone; FIELD: dp, tp, pp, cp,
-token_budget (b), recompute (rc)); the short PART.FIELD is an alias. trainer.global_batch_size= and
-model.freeze_encoder= are aliases of global_batch= and freeze_encoder=. An unknown key or option, or a value of the
-wrong type, is a usage error (exit status 2) naming the nearest valid key. --out and --launch-script refuse an
-existing file unless --force is given (which replaces only those files, and says so).
+Layout pins use train's names, parallel.PART.FIELD (PART: encoder or backbone; FIELD: dp, tp, pp, cp, ep (a MoE
+backbone's expert parallelism), token_budget (b), recompute (rc)); the short PART.FIELD is an alias.
+trainer.global_batch_size= and model.freeze_encoder= are aliases of global_batch= and freeze_encoder=. An unknown
+key or option, or a value of the wrong type, is a usage error (exit status 2) naming the nearest valid key. --out
+and --launch-script refuse an existing file unless --force is given (which replaces only those files, and says
+so).
 
 --simulate 1 replays one step of the chosen decoupled plan and of each baseline in the discrete-event step
 simulator (`planner/simulate.py`), all on the same sample stream (one seeded draw of the global batch from the

@@ -56,8 +56,6 @@ def mm_coupled_settings(row: dict, vit_layers: int) -> list[str]:
     flags = [f"--tensor-model-parallel-size {row['tp']}", f"--pipeline-model-parallel-size {row['pp']}"]
     if row["cp"] > 1:
         flags += [f"--context-parallel-size {row['cp']}", "--context-parallel-algo ulysses_cp_algo"]
-    if int(row.get("ep") or 1) > 1:  # experts not tensor-split: the ep ranks come out of dp x tp
-        flags += [f"--expert-model-parallel-size {row['ep']}", "--expert-tensor-parallel-size 1"]
     if row.get("vit_tp", row["tp"]) != row["tp"]:  # the ViT on a TP of its own: MindSpeed-MM's hetero-parallel
         flags.append("--hetero-parallel")
     out = ["MindSpeed-MM flags: " + " ".join(flags + ["--use-distributed-optimizer"])]
