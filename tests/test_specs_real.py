@@ -18,6 +18,10 @@ _CLASSES = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",
     "qwen2_5_omni_thinker": "Qwen2_5OmniThinkerForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+    "internvl": "InternVLForConditionalGeneration",
+    "glm4v_moe": "Glm4vMoeForConditionalGeneration",
 }
 
 
@@ -35,7 +39,7 @@ def _vision_numel(model: torch.nn.Module, family: str) -> int:
     inner = model.model
     if family == "qwen2_5_omni_thinker" and not hasattr(inner, "visual"):  # transformers 4.57: on the thinker
         inner = model
-    if family == "llava":
+    if family in ("llava", "internvl"):
         return sum(p.numel() for p in inner.vision_tower.parameters()) + sum(
             p.numel() for p in inner.multi_modal_projector.parameters())
     return sum(p.numel() for p in inner.visual.parameters())
@@ -79,3 +83,45 @@ def test_load_config_json_round_trip(tmp_path) -> None:
     config = hf_config_dict("qwen2_5_vl", "7b")
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert VLMSpec.from_hf_config(load_config_json(str(tmp_path))).total_params == 8292166656
+
+
+# Published sizes of the checkpoints behind the new presets (total / active, billions). Sources: the Hugging Face
+# model pages' parameter counts (Qwen/Qwen3-VL-8B-Instruct 8.77 B; Qwen/Qwen3-VL-30B-A3B-Instruct 31.1 B, "A3B":
+# Qwen3-30B-A3B's 3.3 B activated; OpenGVLab/InternVL3_5-30B-A3B-Instruct 30.8 B total; zai-org/GLM-4.5V 108 B on
+# the page, 106 B total / 12 B active for its GLM-4.5-Air text model on the card; Qwen/Qwen2.5-Omni-7B thinker
+# 8.93 B). Active counts the vision encoder and embeddings too (a token passes them), except GLM's, whose card
+# counts the text model's layers without embedding and head.
+NEW_PRESETS = {("qwen3_vl", "8b"): (8.77, 8.77), ("qwen3_vl_moe", "30b_a3b"): (31.07, 3.89),
+               ("internvl", "internvl3_5_30b_a3b"): (30.85, 3.67), ("glm4v_moe", "glm4_5v"): (107.71, 14.28),
+               ("qwen2_5_omni_thinker", "7b"): (8.93, 8.29)}
+
+
+@pytest.mark.parametrize("key", sorted(NEW_PRESETS))
+def test_new_presets_have_published_sizes(key: tuple[str, str]) -> None:
+    spec = VLMSpec.from_hf_config(hf_config_dict(*key))
+    total, active = NEW_PRESETS[key]
+    assert abs(spec.total_params / 1e9 - total) < 0.01, (key, spec.total_params)
+    assert abs((spec.vision.params + spec.llm.active_params) / 1e9 - active) < 0.01, (key, spec.llm.active_params)
+
+
+def test_moe_text_models_match_their_cards() -> None:
+    # Qwen3-30B-A3B (huggingface.co/Qwen/Qwen3-30B-A3B: 30.5 B total, 3.3 B activated) is the text model of both
+    # A3B presets; GLM-4.5-Air (huggingface.co/zai-org/GLM-4.5-Air: 106 B total, 12 B active; the checkpoint's
+    # MTP layer left out) is GLM-4.5V's, its active count without embedding and head.
+    for key in (("qwen3_vl_moe", "30b_a3b"), ("internvl", "internvl3_5_30b_a3b")):
+        llm = VLMSpec.from_hf_config(hf_config_dict(*key)).llm
+        assert abs(llm.total_params / 1e9 - 30.5) < 0.1 and abs(llm.active_params / 1e9 - 3.3) < 0.1, key
+    glm = VLMSpec.from_hf_config(hf_config_dict("glm4v_moe", "glm4_5v")).llm
+    assert abs(glm.total_params / 1e9 - 106) < 1.5
+    assert abs((glm.active_params - glm.embedding_params - glm.head_params) / 1e9 - 12) < 0.3
+
+
+def test_moe_flops_follow_active_parameters() -> None:
+    # FLOPs per token of the MoE backbone are 6 x its active parameters (the head included, the embedding lookup
+    # not), far below 6 x total; a dense model's active and total parameters coincide.
+    llm = VLMSpec.from_hf_config(hf_config_dict("qwen3_vl_moe", "30b_a3b")).llm
+    active = llm.active_params - llm.embedding_params - llm.head_params + llm.vocab_size * llm.hidden_size
+    assert abs(llm.linear_flops_per_token() / (6 * active) - 1) < 0.03
+    assert llm.linear_flops_per_token() < 0.15 * 6 * llm.total_params
+    dense = VLMSpec.from_hf_config(hf_config_dict("qwen3_vl", "8b")).llm
+    assert dense.active_params == dense.total_params and dense.routed_expert_params == 0

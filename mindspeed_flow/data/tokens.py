@@ -25,8 +25,12 @@ Tokenizer = Callable[[str], list[int]]
 LLAVA_DEFAULT_VISION_START_ID = 381
 LLAVA_DEFAULT_VISION_END_ID = 382
 
-QWEN2_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni_thinker")  # the Omni thinker: Qwen2.5-VL images
-LLAVA_FAMILIES = ("llava",)
+# the Omni thinker: Qwen2.5-VL images; Qwen3-VL and GLM-4.5V: the same patch grid and 2 x 2 merge
+QWEN2_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni_thinker", "qwen3_vl", "qwen3_vl_moe", "glm4v_moe")
+# InternVL: fixed square tiles like LLaVA, its pixel shuffle merging 2 x 2 patches into one LLM token
+LLAVA_FAMILIES = ("llava", "internvl")
+# GLM-4.xV names its image delimiters image_start / image_end
+_VISION_DELIMITERS = {"glm4v_moe": ("image_start_token_id", "image_end_token_id")}
 
 
 def _first_id(value: Any, *, field: str) -> int:
@@ -52,13 +56,14 @@ def _lookup(cfg: Mapping[str, Any], key: str, *, family: str) -> Any:
 
 def _qwen2_token_spec(cfg: Mapping[str, Any], family: str) -> TokenSpec:
     vis = cfg.get("vision_config") or {}
-    missing = [k for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id") if k not in cfg]
+    start, end = _VISION_DELIMITERS.get(family, ("vision_start_token_id", "vision_end_token_id"))
+    missing = [k for k in ("image_token_id", start, end) if k not in cfg]
     if missing:
         raise ValueError(f"{family} config is missing {missing}: a Qwen2-VL config names its image special tokens")
     return TokenSpec(
         image_token_id=int(cfg["image_token_id"]),
-        vision_start_id=int(cfg["vision_start_token_id"]),
-        vision_end_id=int(cfg["vision_end_token_id"]),
+        vision_start_id=int(cfg[start]),
+        vision_end_id=int(cfg[end]),
         eos_id=_first_id(_lookup(cfg, "eos_token_id", family=family), field=f"{family} eos_token_id"),
         vocab_size=int(_lookup(cfg, "vocab_size", family=family)),
         image_format="qwen2",
@@ -70,7 +75,8 @@ def _qwen2_token_spec(cfg: Mapping[str, Any], family: str) -> TokenSpec:
 
 
 def _llava_token_spec(cfg: Mapping[str, Any]) -> TokenSpec:
-    vis = cfg.get("vision_config") or {}
+    vis = {k: v[0] if k in ("image_size", "patch_size") and isinstance(v, (list, tuple)) else v
+           for k, v in (cfg.get("vision_config") or {}).items()}  # InternVL gives sizes as [h, w]
     strategy = cfg.get("vision_feature_select_strategy", "default")
     if strategy != "default":
         # "full" keeps the CLS token: (S/p)^2 + 1 tokens, which no (t, h, w) grid describes.
@@ -92,13 +98,15 @@ def _llava_token_spec(cfg: Mapping[str, Any]) -> TokenSpec:
         image_format="llava",
         patch_size=patch_size,
         temporal_patch_size=1,
-        merge_size=1,  # one LLM token per ViT patch, so SampleShape's t*h*w/merge^2 is exact with merge 1
+        # LLaVA: one LLM token per ViT patch, so SampleShape's t*h*w/merge^2 is exact with merge 1; InternVL's
+        # pixel shuffle (downsample_ratio 0.5) merges 2 x 2
+        merge_size=int(round(1 / float(cfg.get("downsample_ratio", 1.0)))),
         image_size=image_size,
     )
 
 
 def token_spec_from_hf_config(cfg: Mapping[str, Any]) -> TokenSpec:
-    """Build the `TokenSpec` of a HF config.json dict (qwen2_vl, qwen2_5_vl or llava)."""
+    """Build the `TokenSpec` of a HF config.json dict (QWEN2_FAMILIES or LLAVA_FAMILIES)."""
     family = cfg.get("model_type")
     if family in QWEN2_FAMILIES:
         spec = _qwen2_token_spec(cfg, family)

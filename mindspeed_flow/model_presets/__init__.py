@@ -18,7 +18,8 @@ try:  # real-architecture presets (planner); optional so the tiny path never dep
 except ImportError:  # pragma: no cover
     REAL_PRESETS: dict[tuple[str, str], dict] = {}
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen2_5_omni_thinker")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen2_5_omni_thinker", "qwen3_vl", "qwen3_vl_moe", "internvl",
+            "glm4v_moe")
 
 
 def available_presets() -> list[tuple[str, str]]:

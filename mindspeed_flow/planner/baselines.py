@@ -49,7 +49,8 @@ import numpy as np
 from mindspeed_flow.planner.cost import (
     CostContext, Layouts, Loader, backbone_costs, backbone_memory, backbone_stage_mb_time, backbone_stage_params,
     dp_sync_time, encoder_activation_memory, encoder_costs, encoder_samples_time, encoder_static_params,
-    model_flops_per_step, optimizer_time, pipeline_time, stage_layer_list, stage_time, static_memory,
+    expert_params_per_device, expert_tail_time, model_flops_per_step, most_layers, optimizer_time, pipeline_time,
+    stage_layer_list, stage_params, stage_time, static_memory,
 )
 from mindspeed_flow.planner.jobs import allowed_total
 from mindspeed_flow.planner.parts import PartSpec
@@ -179,10 +180,14 @@ def megatron_coupled(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int,
             pipeline = pipeline_time(mb, m) * cctx.loader.imbalance(L.dp, L.pp)
             p_vit = encoder_static_params(enc, t_v)
             p_first, p_last = backbone_stage_params(bb, L, mb)
-            p_mid = mb["layers_mid"] * bb.layer_params / L.tp
+            p_mid = stage_params(bb, L, mb["layers_mid"])
             p_dev = np.maximum(np.maximum(p_first + p_vit, p_last), p_mid)
-            sync = dp_sync_time(ctx, p_dev, L.dp, L.devices)
-            opt = optimizer_time(ctx, p_dev, L.dp)
+            # MoE: the routed experts sync and update over their expert-data-parallel group
+            layers = most_layers(mb)
+            p_dense = p_dev - expert_params_per_device(bb, L, layers)
+            e_sync, e_opt = expert_tail_time(bb, ctx, L, layers)
+            sync = dp_sync_time(ctx, p_dense, L.dp, L.devices) + e_sync
+            opt = optimizer_time(ctx, p_dense, L.dp) + e_opt
             t = pipeline + sync + opt + ctx.cfg.step_overhead_s * ctx.contention
             inflight = np.where(L.pp > 1, np.minimum(m, L.pp), 1)
             stages = backbone_memory(bb, cctx, L, m, mb)["stages"]
@@ -335,7 +340,7 @@ def gain_split(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int, base:
                           base.samples_per_s, base.mfu, base.devices)]
     row = base.layout.get("coupled")
     if row is not None:
-        fixed = {k: int(row[k]) for k in ("dp", "tp", "pp", "cp", "rc")}
+        fixed = {k: int(row[k]) for k in ("dp", "tp", "pp", "cp", "ep", "rc")}
         packed = megatron_coupled(enc, bb, flow, budget, tuned=base.name != "coupled_uniform", fixed=fixed,
                                   node=node, vit_rc=(int(row.get("vit_rc", 0)),),
                                   vit_tps=(int(row.get("vit_tp", 0)),))

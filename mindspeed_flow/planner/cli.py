@@ -4,20 +4,23 @@
                         [global_batch=G] [freeze_encoder=true] [samples=2048] [planner.FIELD=VALUE]
                         [parallel.encoder.tp=2 parallel.backbone.pp=4 parallel.backbone.token_budget=32768
                          parallel.backbone.recompute=1]
-                        [--job mm|torch] [--out recipe.yaml [--force]] [--name NAME] [--json] [--exhaustive]
+                        [--job mm|torch|any] [--out recipe.yaml [--force]] [--name NAME] [--json] [--exhaustive]
                         [--plot PATH.png] [--no-baselines] [--simulate K] [--timeline PATH.png]
                         [--launch-script FILE.sh [--cluster a2|a3]]
 
 --job is the job that will run the plan: mm (default), the flow-patched MindSpeed-MM job, or torch (`train` is an
-alias), mindspeed-flow train. Only layouts that job runs are searched (planner/jobs.py: no context parallelism,
-its recompute kinds, its optimizer sharding, whole nodes of the cluster preset); one line says what was left out
-and why. The written recipe and --launch-script are for that job.
+alias), mindspeed-flow train, or any: every layout the cost model prices, for the models no host here trains
+decoupled (Qwen3-VL, InternVL3.5, GLM-4.5V, the Omni thinker; no recipe is written). Only layouts that job runs
+are searched (planner/jobs.py: no context parallelism, its recompute kinds, its optimizer sharding, whole nodes of
+the cluster preset); one line says what was left out and why. The written recipe and --launch-script are for that
+job.
 
-Layout pins use train's names, parallel.PART.FIELD (PART: encoder or backbone; FIELD: dp, tp, pp, cp,
-token_budget (b), recompute (rc)); the short PART.FIELD is an alias. trainer.global_batch_size= and
-model.freeze_encoder= are aliases of global_batch= and freeze_encoder=. An unknown key or option, or a value of the
-wrong type, is a usage error (exit status 2) naming the nearest valid key. --out and --launch-script refuse an
-existing file unless --force is given (which replaces only those files, and says so).
+Layout pins use train's names, parallel.PART.FIELD (PART: encoder or backbone; FIELD: dp, tp, pp, cp, ep (a MoE
+backbone's expert parallelism), token_budget (b), recompute (rc)); the short PART.FIELD is an alias.
+trainer.global_batch_size= and model.freeze_encoder= are aliases of global_batch= and freeze_encoder=. An unknown
+key or option, or a value of the wrong type, is a usage error (exit status 2) naming the nearest valid key. --out
+and --launch-script refuse an existing file unless --force is given (which replaces only those files, and says
+so).
 
 --simulate 1 replays one step of the chosen decoupled plan and of each baseline in the discrete-event step
 simulator (`planner/simulate.py`), all on the same sample stream (one seeded draw of the global batch from the
@@ -101,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("--launch-script needs --out RECIPE.yaml: the script launches that recipe")
         args = parse_kv(kv)
         rules = job_rules(str(flags.get("--job") or "mm"))
+        if flags.get("--out") and not rules.name:
+            raise UsageError("--out writes a recipe for the job that runs it: --job mm or --job torch, not any")
         args.planner.setdefault("job", rules.name)
         _check_outputs(flags)
         if flags.get("--out"):

@@ -11,6 +11,11 @@ Time of one optimizer step of a part (seconds), for the global batch G split ove
   layers per stage are split unevenly to balance that (`stage_split`); then the DP gradient sync
   (reduce-scatter + all-gather with the distributed optimizer, all-reduce without) and the optimizer update
   (memory bound). Causal attention FLOPs are counted per sample (varlen), linear FLOPs on padded tokens.
+- MoE backbone (expert parallelism ep, experts not tensor-split: Megatron's expert-tensor-parallel 1, so ep
+  divides dp x tp): linear FLOPs from the ACTIVE parameters (top-k + shared experts); per MoE layer and
+  microbatch 4 all-to-alls (dispatch + combine, forward and backward; 6 with recompute), each moving
+  tokens/(tp cp) x hidden x top-k x bytes x (ep - 1)/ep per device over the link the ep consecutive ranks span;
+  the routed experts' gradients sync over the expert-data-parallel group (dp x tp x cp / ep ranks).
 - encoder: its G/dp samples' images, TP all-reduces per layer, the embedding traffic to the backbone (and the
   gradient back when trainable), DP sync and optimizer when trainable, plus one sample's forward of pipeline fill
   (the backbone waits for the first embedding). A frozen encoder runs forward only (2x its parameters per patch).
@@ -21,6 +26,8 @@ Memory per device (bytes), the most loaded pipeline stage, as the planned job's 
 - weights / grads / optimizer states. MindSpeed-MM (Megatron, and the default): bf16 weights (2 B), fp32 main
   gradients (4 B: Megatron's gradient buffer accumulates in fp32 under --bf16), fp32 main weights + Adam m, v
   (12 B) sharded by the distributed optimizer over DP x CP (its data-parallel group includes the CP ranks);
+  MoE: the routed experts' share of a stage is divided by ep (not by tp), the rest by tp, and the experts'
+  optimizer states are sharded over the expert-data-parallel group (dp x tp x cp / ep);
   fp32 training: 4 + 4 + 8 B; unsharded without it. The torch host: gradients and AdamW's m, v in the
   parameters' own dtype (bf16: 2 + 2 + 4 B, fp32: 4 + 4 + 8 B; no fp32 master copy); FSDP2 (the backbone at
   tp 1, dp > 1) shards all three over DP; DDP (dp > 1 otherwise) keeps a second copy of the gradients in its
@@ -59,7 +66,7 @@ from mindspeed_flow.skus import normalize_dtype
 from mindspeed_flow.planner.jobs import job_rules
 from mindspeed_flow.planner.parts import PartSpec
 
-LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "b", "rc")
+LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "b", "rc")
 LOGITS_BYTES = 4 + 4  # fp32 logits and their gradient
 
 
@@ -169,6 +176,7 @@ class Layouts:
     tp: np.ndarray
     pp: np.ndarray
     cp: np.ndarray
+    ep: np.ndarray  # backbone expert parallelism (MoE; 1 otherwise): splits the routed experts over dp x tp ranks
     b: np.ndarray  # backbone microbatch token budget (0 for an encoder)
     rc: np.ndarray  # full activation recompute (encoder: 1 from the pixels per image, 2 also per layer)
 
@@ -188,7 +196,7 @@ class Layouts:
 
     @staticmethod
     def from_rows(rows: list[Mapping[str, int]]) -> "Layouts":
-        return Layouts(**{k: np.array([int(r.get(k, 1 if k in ("dp", "tp", "pp", "cp") else 0)) for r in rows],
+        return Layouts(**{k: np.array([int(r.get(k, 1 if k in ("dp", "tp", "pp", "cp", "ep") else 0)) for r in rows],
                                       dtype=np.int64) for k in LAYOUT_FIELDS})
 
 
@@ -260,6 +268,50 @@ def optimizer_time(ctx: CostContext, params_per_device: np.ndarray, dp: np.ndarr
     by = ctx.bytes
     shard = params_per_device / (shards if shards is not None else dp if ctx.cfg.distributed_optimizer else 1)
     return shard * 2.0 * (by.param + by.grad + by.optim) / ctx.cluster.hbm_bandwidth
+
+
+def expert_params_per_device(part: PartSpec, L: Layouts, layers: np.ndarray | float) -> np.ndarray:
+    """Routed-expert parameters a device of a stage holding `layers` layers keeps: that stage's share of the
+    experts (spread evenly over the layers) over ep; not split by tp (expert-tensor-parallel 1)."""
+    return np.asarray(layers, dtype=np.float64) * (part.expert_params / part.layers) / L.ep
+
+
+def expert_data_parallel(L: Layouts) -> np.ndarray:
+    """Ranks holding the same experts (Megatron's expert-data-parallel group): dp x tp x cp / ep."""
+    return L.dp * L.tp * L.cp // L.ep
+
+
+def expert_tail_time(part: PartSpec, ctx: CostContext, L: Layouts,
+                     layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Gradient sync and optimizer update of the routed experts a device holds on `layers` layers: over the
+    expert-data-parallel group (0 for a dense part)."""
+    experts = expert_params_per_device(part, L, layers)
+    if not part.expert_params:  # no second gradient sync (its latency would count) for a dense part
+        return np.zeros_like(experts), np.zeros_like(experts)
+    edp = expert_data_parallel(L)
+    sync = dp_sync_time(ctx, experts, edp, L.tp * L.cp * L.dp)
+    return sync, optimizer_time(ctx, experts, edp, optimizer_shards(ctx, part.role, edp, 1))
+
+
+def backbone_tail_time(part: PartSpec, ctx: CostContext, L: Layouts, params: np.ndarray,
+                       layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Gradient sync and optimizer update of a backbone device holding `params` parameters on `layers` layers:
+    the dense share over DP (the distributed optimizer's DP x CP shards), the routed experts over the
+    expert-data-parallel group (`expert_tail_time`)."""
+    dense = params - expert_params_per_device(part, L, layers)
+    e_sync, e_opt = expert_tail_time(part, ctx, L, layers)
+    sync = dp_sync_time(ctx, dense, L.dp, L.tp * L.cp * L.dp) + e_sync
+    return sync, optimizer_time(ctx, dense, L.dp, optimizer_shards(ctx, part.role, L.dp, L.tp, L.cp)) + e_opt
+
+
+def ep_alltoall_time(ctx: CostContext, ep: np.ndarray, tokens: np.ndarray, hidden: int, top_k: int) -> np.ndarray:
+    """One MoE all-to-all (dispatch or combine) of `tokens` tokens per device: each token's hidden state goes to
+    its top-k experts, (ep - 1)/ep of them on other ranks of the ep group (ep consecutive ranks); 0 when ep = 1."""
+    ep = np.asarray(ep)
+    bw, lat = _link(ctx, ep)
+    n = ep.astype(np.float64)
+    nbytes = tokens * hidden * top_k * ctx.bytes.act
+    return np.where(ep > 1, nbytes * (n - 1) / n / bw + (n - 1) * lat, 0.0)
 
 
 # ------------------------------------------------------------------------------------------------ memory
@@ -437,7 +489,7 @@ def backbone_stage_mb_time(part: PartSpec, ctx: CostContext, L: Layouts, m: np.n
 
     The embedding sits on the first stage (a lookup: no FLOPs counted) and the LM head on the last; with
     `first_extra` seconds of other work on stage 0 (a coupled ViT) the split moves layers off that stage.
-    Keys "compute", "tp", "cp", "pp", "overhead" add up to the slowest stage; "sum_stages" is the time of one
+    Keys "compute", "tp", "cp", "ep", "pp", "overhead" add up to the slowest stage; "sum_stages" is the time of one
     microbatch through all stages (what the pipeline fill costs); "layers_first/mid/last" is the split.
     """
     by = ctx.bytes
@@ -460,7 +512,11 @@ def backbone_stage_mb_time(part: PartSpec, ctx: CostContext, L: Layouts, m: np.n
     bw_cp, lat_cp = _link(ctx, L.tp * L.cp)
     kv_bytes = tokens * 2 * part.kv_dim * by.act / L.tp
     layer_cp = np.where(L.cp > 1, 3.0 * ((L.cp - 1) * kv_bytes / bw_cp + (L.cp - 1) * lat_cp), 0.0) * (1 - ctx.overlap("cp"))
-    unit = layer_compute + layer_tp + layer_cp
+    # MoE: dispatch + combine, forward and backward (+ the recomputed forward's), in the MoE layers only
+    moe_share = part.moe_layers / part.layers
+    layer_ep = (moe_share * np.where(L.rc > 0, 6.0, 4.0) * ep_alltoall_time(ctx, L.ep, tokens / L.tp, part.hidden,
+                                                                           part.top_k) * (1 - ctx.overlap("ep")))
+    unit = layer_compute + layer_tp + layer_cp + layer_ep
     ef, el = np.asarray(first_extra) / unit, head / unit
     split = stage_split(part.layers, L.pp, ef, el, ctx.cfg.uneven_pp)
     # the slowest stage's time by cause: its layers' compute and communication; its extra work is compute
@@ -476,6 +532,7 @@ def backbone_stage_mb_time(part: PartSpec, ctx: CostContext, L: Layouts, m: np.n
         "compute": (layers_slow * layer_compute + extra * unit),
         "tp": layers_slow * layer_tp,
         "cp": layers_slow * layer_cp,
+        "ep": layers_slow * layer_ep,
         "pp": p2p,
         "overhead": overhead,
         "sum_stages": split["sum"] * unit + L.pp * (p2p + overhead),
@@ -484,7 +541,7 @@ def backbone_stage_mb_time(part: PartSpec, ctx: CostContext, L: Layouts, m: np.n
     }
 
 
-STAGE_KEYS = ("compute", "tp", "cp", "pp", "overhead")
+STAGE_KEYS = ("compute", "tp", "cp", "ep", "pp", "overhead")
 
 
 def stage_time(mb: dict[str, np.ndarray]) -> np.ndarray:
@@ -513,9 +570,18 @@ def backbone_stage_params(part: PartSpec, L: Layouts, split: dict[str, np.ndarra
     n_first = np.ceil(part.layers / L.pp) if split is None else split["layers_first"]
     n_last = np.ceil(part.layers / L.pp) if split is None else split["layers_last"]
     single = L.pp == 1
-    first = np.where(single, part.total_params, n_first * part.layer_params + part.first_params) / L.tp
-    last = np.where(single, part.total_params, n_last * part.layer_params + part.last_params) / L.tp
-    return first, last
+    n_first = np.where(single, part.layers, n_first)
+    n_last = np.where(single, part.layers, n_last)
+    return (stage_params(part, L, n_first, part.first_params + np.where(single, part.last_params, 0)),
+            stage_params(part, L, n_last, part.last_params + np.where(single, part.first_params, 0)))
+
+
+def stage_params(part: PartSpec, L: Layouts, layers: np.ndarray, ends: np.ndarray | int = 0) -> np.ndarray:
+    """Parameters per device of a stage of `layers` layers plus `ends` (embedding / head) parameters: the dense
+    share over tp, the routed experts' over ep (`expert_params_per_device`)."""
+    experts = expert_params_per_device(part, L, layers)
+    whole = np.asarray(layers, dtype=np.float64) * part.layer_params + ends
+    return (whole - experts * L.ep) / L.tp + experts
 
 
 def backbone_activation_memory(part: PartSpec, ctx: CostContext, L: Layouts, inflight: np.ndarray,
@@ -554,19 +620,34 @@ def backbone_costs(part: PartSpec, ctx: CostContext, L: Layouts) -> Costs:
     t_mb = stage_time(mb)
     pipeline = pipeline_time(mb, m) * ctx.loader.imbalance(L.dp, L.pp)
     p_first, p_last = backbone_stage_params(part, L, mb)
-    p_mid = mb["layers_mid"] * part.layer_params / L.tp
+    p_mid = stage_params(part, L, mb["layers_mid"])
     p_dev = np.maximum(np.maximum(p_first, p_last), p_mid)
-    dp_t = dp_sync_time(ctx, p_dev, L.dp, L.tp * L.cp * L.dp)
-    opt_t = optimizer_time(ctx, p_dev, L.dp, optimizer_shards(ctx, part.role, L.dp, L.tp, L.cp))
+    dp_t, opt_t = backbone_tail_time(part, ctx, L, p_dev, most_layers(mb))
     time = pipeline + dp_t + opt_t + ctx.cfg.step_overhead_s * ctx.contention
     mem = backbone_memory(part, ctx, L, m, mb)
     comp = mb["compute"] * m
     return Costs(
         time=time, memory=mem["total"], memory_parts=mem["parts"], microbatches=m, stage_memory=mem["stages"],
         time_parts={"compute": comp, "bubble": pipeline - m * t_mb, "tp": mb["tp"] * m, "cp": mb["cp"] * m,
-                    "pp": mb["pp"] * m, "dp": dp_t, "optimizer": opt_t},
+                    "ep": mb["ep"] * m, "pp": mb["pp"] * m, "dp": dp_t, "optimizer": opt_t},
         stage_layers={**{k: mb[f"layers_{k}"] for k in ("first", "mid", "last")}, "mid_short": mb["mid_short"]},
     )
+
+
+def most_layers(mb: dict[str, np.ndarray]) -> np.ndarray:
+    """The most layers a pipeline stage holds (the stage split of `backbone_stage_mb_time`)."""
+    return np.maximum(np.maximum(mb["layers_first"], mb["layers_last"]), mb["layers_mid"])
+
+
+def backbone_static_memory(part: PartSpec, ctx: CostContext, L: Layouts, params: np.ndarray,
+                           layers: np.ndarray) -> dict[str, np.ndarray]:
+    """Weights, gradients and optimizer states of a backbone device holding `params` parameters on `layers`
+    layers: `part_static_memory` of the dense share, plus the routed experts' with their optimizer states sharded
+    over the expert-data-parallel group."""
+    experts = expert_params_per_device(part, L, layers)
+    dense = part_static_memory(ctx, part.role, params - experts, L.dp, L.tp, L.cp, True)
+    moe = part_static_memory(ctx, part.role, experts, expert_data_parallel(L), 1, 1, True)
+    return {k: dense[k] + moe[k] for k in dense}
 
 
 def backbone_memory(part: PartSpec, ctx: CostContext, L: Layouts, m: np.ndarray,
@@ -583,9 +664,9 @@ def backbone_memory(part: PartSpec, ctx: CostContext, L: Layouts, m: np.ndarray,
     recv = 2.0 * b / L.cp * part.hidden * by.act / L.tp  # embeddings of 2 microbatches from the pool
     logits = b / L.cp * part.vocab / L.tp * LOGITS_BYTES  # fp32 log-probs saved for the loss + their grad
     p_first, p_last = backbone_stage_params(part, L, mb)
-    p_mid = mb["layers_mid"] * part.layer_params / L.tp
-    s_first, s_mid, s_last = (part_static_memory(ctx, part.role, p, L.dp, L.tp, L.cp, True)
-                              for p in (p_first, p_mid, p_last))
+    p_mid = stage_params(part, L, mb["layers_mid"])
+    s_first, s_mid, s_last = (backbone_static_memory(part, ctx, L, p, n) for p, n in (
+        (p_first, mb["layers_first"]), (p_mid, mb["layers_mid"]), (p_last, mb["layers_last"])))
     single = L.pp == 1
     stages = {
         "first": sum(s_first.values()) + act_first + recv + np.where(single, logits, 0.0),
@@ -621,7 +702,7 @@ def encoder_samples_time(part: PartSpec, ctx: CostContext, samples: np.ndarray, 
     tp_comm = part.layers * n_coll * images * per_image
     bw_x, lat_x = bridge_link(ctx)
     directions = 2.0 if part.trainable else 1.0
-    embed = directions * (samples * part.out_tokens_per_sample * part.out_hidden * by.act / tp / bw_x
+    embed = directions * (samples * embedding_bytes(part, ctx, part.out_tokens_per_sample) / tp / bw_x
                           + samples * lat_x)
     return {
         "compute": compute,
@@ -691,8 +772,9 @@ def encoder_inflight_samples(part: PartSpec, ctx: CostContext, samples: np.ndarr
 
 
 def embedding_bytes(part: PartSpec, ctx: CostContext, tokens: float) -> float:
-    """Bytes of one sample's embeddings of `tokens` LLM tokens (what the pool carries and counts)."""
-    return float(tokens) * part.out_hidden * ctx.bytes.act
+    """Bytes of one sample's embeddings of `tokens` LLM tokens (what the pool carries and counts): the merger's
+    output and, for Qwen3-VL, one deepstack feature tensor per deepstack layer of the same size."""
+    return float(tokens) * part.out_hidden * part.embedding_tensors * ctx.bytes.act
 
 
 def samples_per_round(ctx: CostContext, enc_dp: int, microbatches: int) -> float:

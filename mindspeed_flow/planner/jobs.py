@@ -1,4 +1,4 @@
-"""What each job that runs a plan can run, as rules on the planner's search space (`plan --job mm|torch`).
+"""What each job that runs a plan can run, as rules on the planner's search space (`plan --job mm|torch|any`).
 
 A plan is only useful if the job it is written for starts it. Each rule below mirrors a check the host makes
 before any rank starts, so the planner never prices a layout that host refuses:
@@ -16,13 +16,20 @@ before any rank starts, so the planner never prices a layout that host refuses:
   without TP (with TP it runs DDP, so optimizer states are not sharded) and never shards the encoder.
 - both: the launch scripts start whole nodes, so a plan fills whole nodes of the cluster preset (or fewer than
   one node).
+- `any`: no host's rules, every layout the cost model prices: how the planner prices the models no host here
+  trains decoupled yet (Qwen3-VL, InternVL3.5, GLM-4.5V, the Qwen2.5-Omni thinker); no recipe is written for it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 JOBS = ("mm", "torch")
-JOB_ALIASES = {"train": "torch"}  # launch-script's name for the torch host's job
+# train: launch-script's name for the torch host's job; any: no host's rules (RULES[""])
+JOB_ALIASES = {"train": "torch", "any": ""}
+
+
+# Families the planner prices that neither host builds yet (plan them with --job any)
+NOT_BUILT = ("qwen3_vl", "qwen3_vl_moe", "internvl", "glm4v_moe")
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,9 @@ RULES = {
     "torch": JobRules("torch", "the torch host (mindspeed-flow train)", cp=False, encoder_rc=(0, 1),
                       backbone_rc=(0,), shard_with_tp=False, shard_encoder=False, whole_nodes=True,
                       refused=(("qwen2_5_omni_thinker", "the planner plans one encoder part, the Omni thinker has "
-                                "audio and vision parts (write parallel.encoders by hand)"),),
+                                "audio and vision parts (write parallel.encoders by hand)"),
+                               *((f, "the torch host builds Qwen2-VL, Qwen2.5-VL, LLaVA and the Omni thinker only "
+                                  "(hosts/torch/hf_compat.py); price it with --job any") for f in NOT_BUILT)),
                       launch_job="train"),
 }
 
@@ -88,8 +97,8 @@ def refusal(rules: JobRules, family: str | None) -> str:
 def job_rules(job: str) -> JobRules:
     key = JOB_ALIASES.get(job, job)
     if key not in RULES:
-        raise ValueError(f"--job {job!r}: must be one of {', '.join(JOBS)} (mm: the flow-patched MindSpeed-MM job; "
-                         "torch: mindspeed-flow train)")
+        raise ValueError(f"--job {job!r}: must be one of {', '.join(JOBS)} or any (mm: the flow-patched MindSpeed-MM "
+                         "job; torch: mindspeed-flow train; any: every layout the cost model prices)")
     return RULES[key]
 
 

@@ -55,6 +55,15 @@ class PartSpec:
     # the unit of MindSpeed-MM's in-flight bound, `cost.encoder_inflight_samples`); 0 = unknown.
     llm_tokens_per_sample: float = 0.0
     llm_max_tokens: int = 0
+    # Encoder: feature tensors per LLM token it hands over (Qwen3-VL: the merger's output + 3 deepstack layers)
+    embedding_tensors: int = 1
+    # Backbone MoE (0: dense): routed experts per MoE layer, experts a token visits, MoE layers, and the routed
+    # experts' parameters over all layers (what expert parallelism divides; layer_params and total_params
+    # include them)
+    experts: int = 0
+    top_k: int = 0
+    moe_layers: int = 0
+    expert_params: int = 0
     tp_sizes: tuple[int, ...] = (1, 2, 4, 8)
     pp_sizes: tuple[int, ...] = (1,)
     cp_sizes: tuple[int, ...] = (1,)
@@ -62,6 +71,11 @@ class PartSpec:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def ep_sizes(self) -> tuple[int, ...]:
+        """Expert-parallel sizes: the divisors of the expert count (1 only for a dense part)."""
+        return _divisors(self.experts) if self.experts else (1,)
 
     @property
     def kv_dim(self) -> int:
@@ -97,12 +111,14 @@ def backbone_part(spec: VLMSpec, shapes: Sequence[SampleShape], name: str = "bac
                   and (llm.num_kv_heads % t == 0 or t % llm.num_kv_heads == 0))
     return PartSpec(
         name=name, role="backbone", trainable=True, layers=llm.num_layers, hidden=llm.hidden_size,
-        ffn=llm.ffn_hidden_size, heads=llm.num_heads, kv_heads=llm.num_kv_heads, gated_mlp=True,
+        # a MoE token's MLP activations: its top-k experts' (and the shared expert's) widths
+        ffn=llm.active_ffn_hidden_size, heads=llm.num_heads, kv_heads=llm.num_kv_heads, gated_mlp=True,
         layer_params=llm.layer_params, first_params=first, last_params=last, total_params=llm.total_params,
         tokens_per_sample=float(tokens.mean()), sq_tokens_per_sample=float((tokens**2).mean()), items_per_sample=1.0,
         max_item_tokens=int(tokens.max()), linear_flops_per_token=llm.linear_flops_per_token(True),
         attn_flops_per_sample=float(attn.mean()), vocab=llm.vocab_size, tp_sizes=tp_ok,
-        pp_sizes=pp_candidates(llm.num_layers), cp_sizes=(1, 2, 4, 8),
+        pp_sizes=pp_candidates(llm.num_layers), cp_sizes=(1, 2, 4, 8), experts=llm.num_experts,
+        top_k=llm.experts_per_token, moe_layers=llm.moe_layers, expert_params=llm.routed_expert_params,
     )
 
 
@@ -118,44 +134,31 @@ def encoder_part(spec: VLMSpec, shapes: Sequence[SampleShape], trainable: bool =
                      for s in shapes], dtype=np.float64)
     out_tokens = np.array([s.image_tokens for s in shapes], dtype=np.float64)
     d = v.hidden_size
-    if v.kind == "clip":
-        n_patches = (v.image_size // v.patch_size) ** 2
-        first = v.in_channels * v.patch_size**2 * d + d + (n_patches + 1) * d + 2 * d
-        in_elems = v.in_channels * v.patch_size**2
-    else:
-        first = v.in_channels * v.temporal_patch_size * v.patch_size**2 * d
-        in_elems = v.in_channels * v.temporal_patch_size * v.patch_size**2
-    layer = _vision_layer_params(spec)
-    last = v.params - first - v.depth * layer
+    fixed_tiles = v.kind in ("clip", "internvl")  # 2-D patches of a fixed-size tile; the others: t x p x p
+    in_elems = v.in_channels * v.patch_size**2 * (1 if fixed_tiles else v.temporal_patch_size)
     tp_ok = tuple(t for t in (1, 2, 4, 8) if v.num_heads % t == 0)
     act_h, act_f = _VIT_ACTIVATIONS[v.kind]
-    head = 2.0 * v.out_hidden_size if v.kind == "clip" else 3.0 * d
+    head = 2.0 * v.out_hidden_size if fixed_tiles else 3.0 * d
     return PartSpec(
         name=name, role="encoder", trainable=trainable, layers=v.depth, hidden=d, ffn=v.intermediate_size,
-        heads=v.num_heads, kv_heads=v.num_heads, gated_mlp=v.kind == "qwen2_5_vl", layer_params=layer,
-        first_params=first, last_params=last, total_params=v.params,
+        heads=v.num_heads, kv_heads=v.num_heads, gated_mlp=v.kind in ("qwen2_5_vl", "glm4v"),
+        layer_params=v.layer_params, first_params=v.first_params, last_params=v.last_params, total_params=v.params,
         tokens_per_sample=float(patches.mean()), sq_tokens_per_sample=float(sq.mean()),
         items_per_sample=float(np.mean([s.num_images for s in shapes])),
         max_item_tokens=int(max(per_image) if per_image else 0), linear_flops_per_token=mult * v.params,
         attn_flops_per_sample=float(attn.mean()), out_tokens_per_sample=float(out_tokens.mean()),
         max_out_tokens=int(out_tokens.max()) if len(out_tokens) else 0, out_hidden=v.out_hidden_size, input_elems_per_token=in_elems, tp_sizes=tp_ok,
-        act_h=act_h, act_kv=0.0, act_f=act_f, act_head_per_token=head,
+        act_h=act_h, act_kv=0.0, act_f=act_f, act_head_per_token=head, embedding_tensors=v.embedding_tensors,
     )
 
 
 # Saved elements per patch per ViT layer (x hidden, x ffn), counted from transformers' modules on CPU:
-# Qwen2-VL (LayerNorm, quick-GELU MLP), Qwen2.5-VL (RMSNorm, SwiGLU MLP, window reordering), CLIP.
+# Qwen2-VL (LayerNorm, quick-GELU MLP), Qwen2.5-VL (RMSNorm, SwiGLU MLP, window reordering), CLIP. Not counted,
+# taken from the closest counted block: Qwen3-VL (LayerNorm, GELU MLP) from Qwen2-VL, GLM-4.5V (RMSNorm, SwiGLU)
+# from Qwen2.5-VL, InternViT (LayerNorm, GELU MLP, layer scale) from CLIP.
 _VIT_ACTIVATIONS: dict[str, tuple[float, float]] = {"qwen2_vl": (11.5, 3.0), "qwen2_5_vl": (14.0, 4.0),
-                                                    "clip": (8.5, 3.0)}
-
-
-def _vision_layer_params(spec: VLMSpec) -> int:
-    v = spec.vision
-    d, i = v.hidden_size, v.intermediate_size
-    attn = 4 * (d * d + d)
-    if v.kind == "qwen2_5_vl":
-        return attn + 2 * (d * i + i) + (i * d + d) + 2 * d
-    return attn + (d * i + i) + (i * d + d) + 4 * d
+                                                    "clip": (8.5, 3.0), "qwen3_vl": (11.5, 3.0),
+                                                    "glm4v": (14.0, 4.0), "internvl": (8.5, 3.0)}
 
 
 def vlm_parts(spec: VLMSpec, shapes: Sequence[SampleShape], freeze_encoder: bool = False) -> list[PartSpec]:

@@ -292,6 +292,8 @@ def _infeasible(problem: Problem, tables: list[OptionTable]) -> PlanError:
 
 def _fmt_layout(row: dict[str, int]) -> str:
     s = f"dp{row['dp']} tp{row['tp']} pp{row['pp']} cp{row['cp']}"
+    if int(row.get("ep") or 1) > 1:
+        s += f" ep{row['ep']}"
     if row.get("b"):
         s += f" budget{row['b']}"
     return s + {0: "", 1: " recompute", 2: " recompute per layer"}.get(int(row.get("rc") or 0), " recompute")

@@ -47,6 +47,8 @@ def links_lines(plan: Plan) -> list[str]:
 
 def _layout_str(layout: dict) -> str:
     s = f"dp={layout['dp']} tp={layout['tp']} pp={layout['pp']} cp={layout['cp']}"
+    if int(layout.get("ep") or 1) > 1:  # MoE backbone: routed experts split over ep ranks
+        s += f" ep={layout['ep']}"
     if layout.get("b"):
         s += f" token_budget={layout['b']}"
     s += {0: "", 1: " recompute", 2: " recompute=per-layer"}.get(int(layout.get("rc") or 0), " recompute")
@@ -120,7 +122,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "job": pr.cfg.job, "not_searched": job_rules(pr.cfg.job).skipped(),
         "global_batch_size": pr.global_batch, "dtype": pr.cfg.dtype,
         "parts": [{"name": p.name, "role": p.role, "devices": p.devices, "dp": p.layout["dp"], "tp": p.layout["tp"],
-                   "pp": p.layout["pp"], "cp": p.layout["cp"], "token_budget": p.layout["b"],
+                   "pp": p.layout["pp"], "cp": p.layout["cp"], "ep": p.layout["ep"], "token_budget": p.layout["b"],
                    "recompute": bool(p.layout["rc"]), "recompute_level": int(p.layout["rc"]),
                    "microbatches": p.microbatches, "stage_layers": p.stage_layers,
                    "step_seconds": p.step_seconds, "memory_gb": p.memory_gb, "time_parts": p.time_parts}
@@ -311,8 +313,9 @@ def recipe_yaml(plan: Plan, name: str, model_recipe: str | None, data_recipe: st
         if part is not None:
             lay = part.layout
             split = f", layer_split: {list(part.stage_layers)}" if part is bb and uneven else ""
+            ep = f", ep: {lay['ep']}" if lay["ep"] > 1 else ""
             lines.append(f"  {part.name}: {{dp: {lay['dp']}, tp: {lay['tp']}, pp: {lay['pp']}, "
-                         f"cp: {lay['cp']}{split}}}")
+                         f"cp: {lay['cp']}{ep}{split}}}")
     job = job_rules(pr.cfg.job).name
     # the MindSpeed-MM job shards optimizer states with its --use-distributed-optimizer; FSDP2 is the torch host's
     # and runs without TP there

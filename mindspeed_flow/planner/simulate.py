@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from mindspeed_flow.planner.cost import (
-    CostContext, _link, dp_sync_time, optimizer_time, precision_bytes, ring_allreduce_time,
+    CostContext, _link, dp_sync_time, ep_alltoall_time, optimizer_time, precision_bytes, ring_allreduce_time,
 )
 
 COMPUTE, COMM = "compute", "comm"
@@ -178,6 +178,7 @@ class StepCosts:
     enc_rc: int = -1  # encoder recompute level (0 keep, 1 from pixels, 2 per layer); -1: from keep_encoder_...
     bb_tp: int = 1
     bb_cp: int = 1
+    bb_ep: int = 1  # MoE backbone: expert-parallel size (its all-to-alls per MoE layer, as the cost model prices)
     bb_rc: int = 0
     # On a CPU host a collective's reduction and copies run on the ranks' cores: its time shares them too
     sync_kind: str = COMM
@@ -234,6 +235,10 @@ class StepCosts:
         tokens = budget / self.bb_cp
         tp = (self._allreduce_in_group(tokens * llm.hidden_size * act, self.bb_tp) * (1 - self.ctx.overlap("tp"))
               if self.bb_tp > 1 else 0.0)
+        # MoE: a dispatch and a combine per MoE layer each way (layers here are the mean layer, as the cost model)
+        a2a = float(ep_alltoall_time(self.ctx, np.array([self.bb_ep]), tokens / self.bb_tp, llm.hidden_size,
+                                     llm.experts_per_token)[0]) * 2 * llm.moe_layers / llm.num_layers \
+            * (1 - self.ctx.overlap("ep"))
         cp = 0.0
         if self.bb_cp > 1:
             bw, lat = _link(self.ctx, np.array([group]))
@@ -242,9 +247,9 @@ class StepCosts:
         rc = 1 if self.bb_rc else 0
         head = head_tok * budget * spf if last else 0.0
         mb = self.ctx.cfg.microbatch_overhead_s * self.ctx.contention
-        fwd = layers * (layer_fwd + 2 * tp + cp) + head / 3.0 + mb / 3.0
-        bwd = layers * (2 * layer_fwd + 2 * tp + 2 * cp + rc * (layer_fwd + 2 * tp + cp)) + head * 2.0 / 3.0 \
-            + mb * 2.0 / 3.0
+        fwd = layers * (layer_fwd + 2 * tp + cp + a2a) + head / 3.0 + mb / 3.0
+        bwd = layers * (2 * layer_fwd + 2 * tp + 2 * cp + a2a + rc * (layer_fwd + 2 * tp + cp + a2a)) \
+            + head * 2.0 / 3.0 + mb * 2.0 / 3.0
         return fwd, bwd
 
     def link(self, nbytes: float) -> float:
@@ -334,7 +339,8 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
     roles: dict[int, str] = {}
     start = {r: sim.add(r, "step start", step_overhead_s, tag="overhead") for r in range(off, layout.world_size)}
     takes: dict[int, list[tuple[int, float, int]]] = {r: [] for r in lane_of}  # rank -> [(sample, load s, take op)]
-    emb_bytes = lambda sid: by_id[sid].image_tokens * spec.vision.out_hidden_size * embedding_elem_bytes  # noqa: E731
+    emb_bytes = lambda sid: (by_id[sid].image_tokens * spec.vision.out_hidden_size  # noqa: E731
+                             * spec.vision.embedding_tensors * embedding_elem_bytes)
     if coupled and not pipelined_coupled:
         _coupled_program(sim, work, by_id, layout, costs, roles, start, takes)
     else:
@@ -639,7 +645,8 @@ def simulate_job(job: Any, ctx: CostContext, steps: Sequence[int], cores: float 
             continue
         shapes = [dataset.shape(i) for i in ids]
         work = plan_for_step(job, topo, step, shapes, cost_model)
-        emb = max((s.image_tokens for s in shapes), default=1) * spec.vision.out_hidden_size * 4.0
+        emb = (max((s.image_tokens for s in shapes), default=1) * spec.vision.out_hidden_size
+               * spec.vision.embedding_tensors * 4.0)
         capacity = max(1, int(job.flow.pool_capacity_mb * 2**20 // max(emb, 1.0)))
         spin = ctx.cluster.config.backend == "cpu" if spinning_waits is None else spinning_waits
         out[step] = simulate_step(work, shapes, layout, costs, pool_capacity=capacity,
@@ -678,9 +685,10 @@ def simulate_layout(problem: Any, enc_row: dict, bb_row: dict, cores: float = 0.
                                cost_model=cost_model, scheduler=scheduler, min_microbatches=int(bb_row["pp"]),
                                oversize_policy="error")
     costs = StepCosts(spec, ctx, trainable_encoder=not frozen, enc_tp=int(enc_row["tp"]), enc_rc=int(enc_row["rc"]),
-                      bb_tp=int(bb_row["tp"]), bb_cp=int(bb_row["cp"]), bb_rc=int(bb_row["rc"]))
+                      bb_tp=int(bb_row["tp"]), bb_cp=int(bb_row["cp"]), bb_ep=int(bb_row.get("ep", 1)),
+                      bb_rc=int(bb_row["rc"]))
     act = precision_bytes(ctx.cfg.dtype).act
-    emb = np.mean([s.image_tokens for s in shapes]) * spec.vision.out_hidden_size * act
+    emb = np.mean([s.image_tokens for s in shapes]) * spec.vision.out_hidden_size * spec.vision.embedding_tensors * act
     capacity = max(1, int((problem.cfg.pool_capacity_mb or 64.0) * 2**20 // max(emb, 1.0)))
     split = bb_row.get("layers") or None
     run = lambda cap: simulate_step(  # noqa: E731
@@ -782,7 +790,7 @@ def simulate_coupled_baseline(problem: Any, b: Any, stream: Sequence[Any], cores
     layout = Layout((PartLayout(COUPLED, dp=dp, pp=pp),), "coupled")
     costs = StepCosts(problem.spec, problem.baseline_ctx, trainable_encoder=not problem.cfg.freeze_encoder,
                       enc_tp=int(row.get("vit_tp", row["tp"])), bb_tp=int(row["tp"]), bb_cp=int(row["cp"]),
-                      bb_rc=int(row["rc"]))
+                      bb_ep=int(row.get("ep", 1)), bb_rc=int(row["rc"]))
     return simulate_step(work, stream, layout, costs, pool_capacity=len(stream), pp_schedule=problem.cfg.pp_schedule,
                          layer_split=row.get("layers") or None, cores=cores,
                          step_overhead_s=problem.cfg.step_overhead_s)

@@ -1,10 +1,13 @@
-"""The search space of one part: every structurally valid layout (dp, tp, pp, cp, token budget, recompute).
+"""The search space of one part: every structurally valid layout (dp, tp, pp, cp, ep, token budget, recompute).
 
 Structural rules (checked here, before any cost is computed) and the message each gives when a user pins a
 value that breaks it:
 - TP inside a node: tp <= devices_per_node and tp divides it (TP collectives run every layer);
 - TP sizes the runtime supports on this cluster (cluster.tp_sizes; CPU: 1) and CP sizes (cluster.cp_sizes);
 - heads divisible by tp (and KV heads divisible by tp, or tp by KV heads: replicated KV);
+- expert parallelism (MoE backbones; 1 otherwise): ep divides the routed experts and dp x tp (the experts are
+  not tensor-split, so the ep ranks come out of the dp x tp ranks of a stage, as Megatron's expert-tensor-parallel
+  size 1 requires);
 - at least one layer per pipeline stage (layers divisible by pp when planner.uneven_pp=false); encoders take
   pp = cp = 1;
 - global batch: each DP rank's share is whole (planner.batch_divisible) and at least one sample;
@@ -62,6 +65,7 @@ def candidate_values(part: PartSpec, ctx: CostContext, max_devices: int,
         "pp": [p for p in part.pp_sizes if p <= max_devices
                and p <= part.layers and (ctx.cfg.uneven_pp or part.layers % p == 0)],
         "cp": cp,
+        "ep": [e for e in part.ep_sizes if e <= max_devices],
         "b": [b for b in budgets if part.role == "encoder" or b >= part.max_item_tokens],
         "rc": rc_values(part, ctx),
     }
@@ -112,6 +116,9 @@ def _why_not(part: PartSpec, ctx: CostContext, key: str, val: int) -> str:
     if key == "dp":
         return (f"global batch {ctx.global_batch} must split evenly over dp (planner.batch_divisible) and "
                 f"dp <= devices")
+    if key == "ep":
+        return (f"ep must divide the {part.experts} routed experts (and dp x tp: checked per layout); valid: "
+                f"{list(part.ep_sizes)}" if part.experts else f"the {part.name} has no experts (ep must be 1)")
     if key == "b":
         return f"token budget must be >= the longest sample ({part.max_item_tokens} tokens)"
     return (f"recompute must be one of {rc_values(part, ctx)} for the {part.name} on "
@@ -125,5 +132,8 @@ def enumerate_layouts(part: PartSpec, ctx: CostContext, max_devices: int,
     vals = candidate_values(part, ctx, max_devices, fixed)
     grids = np.meshgrid(*[np.asarray(vals[k], dtype=np.int64) for k in LAYOUT_FIELDS], indexing="ij")
     L = Layouts(**{k: g.ravel() for k, g in zip(LAYOUT_FIELDS, grids)})
-    keep = L.devices <= max_devices
+    keep = (L.devices <= max_devices) & ((L.dp * L.tp) % L.ep == 0)
+    if fixed and "ep" in fixed and not keep.any() and (L.devices <= max_devices).any():
+        raise PlanError(f"{part.name}.ep={fixed['ep']}: ep must divide dp x tp (the experts are not tensor-split, "
+                        "so the expert-parallel ranks come out of a stage's dp x tp ranks)")
     return L.take(np.nonzero(keep)[0])
