@@ -48,7 +48,7 @@ import numpy as np
 
 from mindspeed_flow.planner.cost import (
     CostContext, Layouts, Loader, backbone_costs, backbone_memory, backbone_stage_mb_time, backbone_stage_params,
-    dp_sync_time, encoder_activation_memory, encoder_costs, encoder_samples_time, encoder_static_params,
+    dp_sync_time, encoder_activation_memory, encoder_samples_time, encoder_static_params,
     expert_params_per_device, expert_tail_time, model_flops_per_step, most_layers, optimizer_time, pipeline_time,
     stage_layer_list, stage_params, stage_time, static_memory,
 )

@@ -614,7 +614,6 @@ def backbone_activation_memory(part: PartSpec, ctx: CostContext, L: Layouts, inf
 
 
 def backbone_costs(part: PartSpec, ctx: CostContext, L: Layouts) -> Costs:
-    by = ctx.bytes
     m = microbatches(part, ctx, L.dp, L.b)
     mb = backbone_stage_mb_time(part, ctx, L, m)
     t_mb = stage_time(mb)

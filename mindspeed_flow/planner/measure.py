@@ -11,14 +11,15 @@ Imports torch lazily: the planner itself stays importable without it.
 """
 from __future__ import annotations
 
+import multiprocessing as mp
 import time
 from typing import Any, Callable, Iterable
+
+import torch
 
 
 def saved_activation_bytes(fn: Callable[[], Any], params: Iterable[Any]) -> tuple[int, Any]:
     """(bytes of distinct non-parameter storages saved for backward during fn(), fn's result)."""
-    import torch
-
     param_ptrs = {p.untyped_storage().data_ptr() for p in params}
     seen: dict[int, int] = {}
 
@@ -36,8 +37,6 @@ def saved_activation_bytes(fn: Callable[[], Any], params: Iterable[Any]) -> tupl
 
 def static_bytes_after_step(module: Any, lr: float = 1e-3) -> dict[str, int]:
     """Parameters, gradients and AdamW states (bytes) of `module` after one optimizer step on a dummy loss."""
-    import torch
-
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr)
     loss = sum((p.float() ** 2).sum() for p in params)
@@ -79,8 +78,6 @@ def _busy_share(seconds: float, queue: Any) -> None:
 def core_share(processes: int, seconds: float = 0.5) -> float:
     """Mean fraction of a core each of `processes` concurrent busy processes gets on this machine right now
     (1.0 on an idle machine with enough cores; less when they share cores with each other or other jobs)."""
-    import multiprocessing as mp
-
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     procs = [ctx.Process(target=_busy_share, args=(seconds, q)) for _ in range(processes)]
