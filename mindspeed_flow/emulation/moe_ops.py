@@ -1,0 +1,298 @@
+"""CPU references of the torch_npu MoE ops MindSpeed-MM's MoE models call, with the real ops' argument rules.
+
+The callers (pinned MindSpeed-MM 57069cd5): the Qwen3-VL MoE and GLM-4.5V experts
+(`mindspeed_mm/models/transformers/qwen3vl/modeling_qwen3_vl_moe.py`, `.../glm4v_moe/modeling_glm4v_moe.py`),
+the FSDP2 MoE ops (`mindspeed_mm/fsdp/ops/moe_ops/{permute,unpermute,gemm}.py`) and the shared grouped GEMM
+(`mindspeed_mm/models/common/gmm.py`). They route each token to its top-k experts with `npu_moe_token_permute`,
+run every expert on its contiguous rows with `npu_grouped_matmul`, and gather the weighted expert outputs back
+with `npu_moe_token_unpermute`.
+
+Each op checks its call against the documented signature before computing (dtype, rank, argument values the
+kernel refuses) and raises RuntimeError with the kernel's wording, as the real op does on any device: a call
+the device would refuse is refused here. The sources of each rule are named next to the op.
+
+The ops are compositions of differentiable torch ops (index_select, matmul, cat, stack), so autograd supplies
+a backward that matches the kernels' own gradients; MindSpeed-MM's `GmmFunction`, which calls
+`npu_grouped_matmul` again in its backward (group_type 0 for dx, group_type 2 for dw), works as well.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_MAX_TOPK = 512
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> 'bfloat16', the spelling the kernels' messages use."""
+    return str(dtype).replace("torch.", "")
+
+
+def _require(ok: bool, op: str, message: str) -> None:
+    """Raise the kernel's RuntimeError (TORCH_CHECK) for a refused call."""
+    if not ok:
+        raise RuntimeError(f"{op}: {message}")
+
+
+def _require_dtype(op: str, name: str, t: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:
+    """Refuse a tensor whose dtype the kernel does not take (message shaped like the kernel's TORCH_CHECK)."""
+    _require(t.dtype in allowed, op, f"Input tensor {name} dtype [{_dtype_name(t.dtype)}] is invalid, should be "
+                                     f"{' or '.join(_dtype_name(d) for d in allowed)}")
+
+
+def _require_dims(op: str, name: str, t: torch.Tensor, dims: Sequence[int]) -> None:
+    """Refuse a tensor of the wrong rank."""
+    _require(t.dim() in dims, op, f"The dims of input {name} should be {' or '.join(map(str, dims))} dimensional, "
+                                  f"but got {t.dim()}-dimensional.")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# npu_moe_token_permute / npu_moe_token_unpermute
+# ----------------------------------------------------------------------------------------------------------
+# Sources: torch_npu / CANN `aclnnMoeTokenPermute` (https://www.hiascend.com/document/detail/zh/CANNCommunityEdition/
+# 82RC1alpha001/API/aolapi/context/aclnnMoeTokenPermute.md): tokens 2-D float16/bfloat16/float32, indices 1-D or 2-D
+# int32/int64, sortedIndicesOut = argsort(argsort(flatten(indices))), permuted[sortedIndicesOut[i]] = tokens[i // topK];
+# numOutTokens 0 keeps every row, > 0 keeps the first min(n, numel), < 0 keeps numel + n; paddedMode true is not
+# supported. topK <= 512: mindspore.ops.moe_token_permute's doc (same kernel). The tie order among tokens routed to
+# one expert is token order, as MindSpeed-MM's own eager reference (`fsdp/ops/moe_ops/permute.py` eager_permute,
+# a stable argsort) and MindSpeed's kernel wrapper (`mindspeed/ops/csrc/cann/npu_moe_token_permute.cpp`) agree.
+def npu_moe_token_permute(tokens: torch.Tensor, indices: torch.Tensor, num_out_tokens: int | None = None,
+                          padded_mode: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy each token once per chosen expert, rows grouped by expert; returns (permuted_tokens, sorted_indices).
+
+    `sorted_indices` (int32, one entry per (token, k) pair in token-major order) is the row of `permuted_tokens`
+    that pair went to: the map `npu_moe_token_unpermute` reads back.
+    """
+    op = "npu_moe_token_permute"
+    _require(not padded_mode, op, "current version only support padded_mode is false")
+    _require_dtype(op, "tokens", tokens, _FLOATS)
+    _require_dtype(op, "indices", indices, _INDEX_DTYPES)
+    _require_dims(op, "tokens", tokens, (2,))
+    _require_dims(op, "indices", indices, (1, 2))
+    topk = 1 if indices.dim() == 1 else indices.shape[1]
+    _require(topk <= _MAX_TOPK, op, f"topK (indices.size(1)) is {topk}, at most {_MAX_TOPK} is supported")
+    _require(indices.shape[0] == tokens.shape[0], op, f"indices has {indices.shape[0]} rows but tokens has "
+                                                      f"{tokens.shape[0]}")
+    flat = indices.reshape(-1)
+    total = flat.numel()
+    wanted = int(num_out_tokens or 0)
+    kept = min(wanted, total) if wanted > 0 else max(total + wanted, 0)
+    order = torch.argsort(flat, stable=True)  # position j of the permuted rows holds pair order[j]
+    row_of_pair = torch.empty_like(order)
+    row_of_pair[order] = torch.arange(total, device=order.device)
+    permuted = tokens.index_select(0, order[:kept] // topk)
+    return permuted, row_of_pair.to(torch.int32)
+
+
+# Sources: torch_npu / CANN `aclnnMoeTokenUnpermute` (https://www.hiascend.com/document/detail/zh/CANNCommunityEdition/
+# 82RC1alpha002/API/aolapi/context/aclnnMoeTokenUnpermute.md): out[i] = sum_k permuted[S[i*topK + k]] * probs[i][k]
+# (topK = 1 and no weights when probs is None); sorted_indices int32 only and duplicate-free, probs [num_tokens, topK]
+# (mindspore.ops.moe_token_unpermute's doc, same kernel); padded_mode true is refused and restore_shape is only read
+# in padded mode. probs must have permuted_tokens' dtype: the pinned callers cast one to the other before calling
+# (MindSpeed-MM `fsdp/ops/moe_ops/unpermute.py` fused_unpermute, `models/transformers/glm4v_moe/modeling_glm4v_moe.py`).
+def npu_moe_token_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor,
+                            probs: torch.Tensor | None = None, padded_mode: bool = False,
+                            restore_shape: Sequence[int] | None = None) -> torch.Tensor:
+    """Gather each (token, k) pair's expert row back and sum over k, weighted by `probs`: [num_tokens, hidden].
+
+    Rows that `npu_moe_token_permute(num_out_tokens=...)` dropped (a pair whose row index lies past the end of
+    `permuted_tokens`) contribute zero. The sum accumulates in float32 and is cast back to the tokens' dtype.
+    """
+    op = "npu_moe_token_unpermute"
+    _require(not padded_mode, op, "current version only support padded_mode is false")
+    _require_dtype(op, "permuted_tokens", permuted_tokens, _FLOATS)
+    _require_dtype(op, "sorted_indices", sorted_indices, (torch.int32,))
+    _require_dims(op, "permuted_tokens", permuted_tokens, (2,))
+    _require_dims(op, "sorted_indices", sorted_indices, (1,))
+    total = sorted_indices.numel()
+    topk = 1
+    if probs is not None:
+        _require_dims(op, "probs", probs, (2,))
+        _require(probs.dtype == permuted_tokens.dtype, op, f"Input tensor probs dtype [{_dtype_name(probs.dtype)}] "
+                 f"must equal permuted_tokens dtype [{_dtype_name(permuted_tokens.dtype)}]")
+        _require(probs.numel() == total, op, f"probs {tuple(probs.shape)} has {probs.numel()} entries but "
+                                             f"sorted_indices has {total} (num_tokens * topK)")
+        topk = probs.shape[1]
+    rows = permuted_tokens.shape[0]
+    _require(rows <= total, op, f"permuted_tokens has {rows} rows, more than sorted_indices' {total}")
+    if total and int(sorted_indices.max()) >= total:
+        raise RuntimeError(f"{op}: sorted_indices holds {int(sorted_indices.max())}, past num_tokens * topK = {total}")
+    if rows < total:  # rows dropped by num_out_tokens read as zeros
+        pad = permuted_tokens.new_zeros(total - rows, permuted_tokens.shape[1])
+        permuted_tokens = torch.cat((permuted_tokens, pad))
+    acc = torch.promote_types(permuted_tokens.dtype, torch.float32)
+    gathered = permuted_tokens.index_select(0, sorted_indices.long()).to(acc)
+    gathered = gathered.view(total // topk, topk, -1)
+    if probs is not None:
+        gathered = gathered * probs.to(acc).unsqueeze(-1)
+    return gathered.sum(dim=1).to(permuted_tokens.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# npu_grouped_matmul
+# ----------------------------------------------------------------------------------------------------------
+# Source: torch_npu `npu_grouped_matmul` (https://www.hiascend.com/document/detail/zh/Pytorch/700/apiref/apilist/
+# ptaoplist_000524.html, PTA 7.0.0): npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None,
+# antiquant_scale=None, antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
+# activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=-1, group_list_type=0,
+# act_type=0, output_dtype=None) -> List[Tensor]. x and weight are lists; weight tensors 2-D or 3-D; float16,
+# bfloat16, float32 (int8/int4 are the quantized scenarios); group_list an int64 tensor or a list of ints, cumulative
+# (group_list_type 0) or per-group counts (1); group_type -1 no split, 0 splits x's rows (M), 2 splits the contracted
+# axis (K) and returns one [E, m, n] tensor; split_item 0/1 give one output per group, 2/3 one output. The group_type
+# 2 meta test in Ascend/pytorch PR 34653 fixes its output rank (3-D). MindSpeed-MM's calls (`models/common/gmm.py`
+# GmmFunction, `fsdp/ops/moe_ops/gemm.py`): forward ([x], [w3d], group_list=counts, split_item=2, group_type=0,
+# group_list_type=1); backward dx the same with w transposed, dw ([x.T], [grad], split_item=3, group_type=2).
+_QUANT_ARGS = ("scale", "offset", "antiquant_scale", "antiquant_offset", "per_token_scale", "activation_input",
+               "activation_quant_scale", "activation_quant_offset")
+
+
+def _group_bounds(op: str, group_list: Sequence[int] | torch.Tensor, group_list_type: int, groups: int,
+                  axis_size: int) -> list[tuple[int, int]]:
+    """[start, end) of each group along the split axis, after the checks the kernel makes on group_list."""
+    if isinstance(group_list, torch.Tensor):
+        _require_dtype(op, "group_list", group_list, (torch.int64,))
+        _require_dims(op, "group_list", group_list, (1,))
+        values = [int(v) for v in group_list.tolist()]
+    else:
+        values = [int(v) for v in group_list]
+    _require(len(values) == groups, op, f"group_list has {len(values)} entries but there are {groups} groups")
+    _require(group_list_type in (0, 1), op, f"group_list_type must be 0 (cumsum) or 1 (count), got {group_list_type}")
+    _require(all(v >= 0 for v in values), op, f"group_list entries must be non-negative, got {values}")
+    if group_list_type == 1:
+        ends = [sum(values[: i + 1]) for i in range(groups)]
+    else:
+        _require(all(a <= b for a, b in zip(values, values[1:])), op,
+                 f"group_list must be non-decreasing with group_list_type 0 (cumsum), got {values}")
+        ends = values
+    _require(not ends or ends[-1] <= axis_size, op, f"group_list covers {ends[-1] if ends else 0} rows but the split "
+                                                    f"axis has {axis_size}")
+    return list(zip([0] + ends[:-1], ends))
+
+
+def _expert_weights(op: str, weight: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One [K, N] matrix per group, from a single [E, K, N] tensor or a list of E 2-D tensors."""
+    if len(weight) == 1 and weight[0].dim() == 3:
+        return list(weight[0].unbind(0))
+    for i, w in enumerate(weight):
+        _require_dims(op, f"weight[{i}]", w, (2,))
+    return list(weight)
+
+
+def _check_tensor_lists(op: str, x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor]) -> None:
+    """x and weight are non-empty lists of same-dtype float tensors (the non-quantized scenario)."""
+    _require(isinstance(x, (list, tuple)) and isinstance(weight, (list, tuple)), op,
+             f"x and weight must be lists of tensors (TensorList), got {type(x).__name__} and {type(weight).__name__}")
+    _require(len(x) > 0 and len(weight) > 0, op, "x and weight must not be empty")
+    for name, seq in (("x", x), ("weight", weight)):
+        for i, t in enumerate(seq):
+            _require_dtype(op, f"{name}[{i}]", t, _FLOATS)
+    _require(len({t.dtype for t in (*x, *weight)}) == 1, op,
+             f"x and weight must share one dtype in the non-quantized scenario, got "
+             f"{sorted({_dtype_name(t.dtype) for t in (*x, *weight)})}")
+
+
+def npu_grouped_matmul(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor], *,
+                       bias: Sequence[torch.Tensor] | None = None, group_list: Sequence[int] | torch.Tensor | None = None,
+                       split_item: int = 0, group_type: int | None = -1, group_list_type: int = 0, act_type: int = 0,
+                       output_dtype: torch.dtype | None = None, **quant: Any) -> list[torch.Tensor]:
+    """Grouped matmul, non-quantized: y_g = x_g @ w_g (+ bias_g) for each group g.
+
+    group_type -1: x[i] @ weight[i]; 0: rows [start, end) of the single x go to expert g (rows past the last group
+    come out zero); 2: x[:, start:end] @ weight[start:end] per group, stacked to [E, m, n]. Quantization arguments,
+    act_type and a different output_dtype are not emulated.
+    """
+    op = "npu_grouped_matmul"
+    unknown = sorted(set(quant) - set(_QUANT_ARGS))
+    if unknown:
+        raise TypeError(f"{op}() got unexpected keyword arguments {unknown}")
+    used = [name for name in _QUANT_ARGS if quant.get(name) not in (None, [], ())]
+    if used:
+        raise NotImplementedError(f"{op}: the quantized scenarios ({', '.join(used)}) are not emulated")
+    if act_type != 0:
+        raise NotImplementedError(f"{op}: act_type={act_type} (a fused activation) is not emulated")
+    _check_tensor_lists(op, x, weight)
+    if output_dtype is not None and output_dtype != x[0].dtype:
+        raise NotImplementedError(f"{op}: output_dtype={output_dtype} differs from the inputs' dtype; only the "
+                                  "non-quantized scenario (output in the inputs' dtype) is emulated")
+    _require(split_item in (0, 1, 2, 3), op, f"split_item must be 0, 1, 2 or 3, got {split_item}")
+    group_type = -1 if group_type is None else group_type
+    if group_type == -1:
+        return _grouped_matmul_unsplit(op, x, weight, bias, group_list, split_item)
+    if group_type == 0:
+        return _grouped_matmul_split_m(op, x, weight, bias, group_list, split_item, group_list_type)
+    if group_type == 2:
+        return _grouped_matmul_split_k(op, x, weight, bias, group_list, split_item, group_list_type)
+    raise RuntimeError(f"{op}: group_type must be -1 (no split), 0 (split M) or 2 (split K), got {group_type}")
+
+
+def _add_bias(op: str, out: torch.Tensor, bias: Sequence[torch.Tensor] | None, g: int) -> torch.Tensor:
+    """out + bias[g] when a per-group 1-D bias list is given."""
+    if not bias:
+        return out
+    _require_dims(op, f"bias[{g}]", bias[g], (1,))
+    return out + bias[g].to(out.dtype)
+
+
+def _grouped_matmul_unsplit(op: str, x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor],
+                            bias: Sequence[torch.Tensor] | None, group_list: Any,
+                            split_item: int) -> list[torch.Tensor]:
+    """group_type -1: every group is its own (x[i], weight[i]) pair."""
+    _require(group_list is None, op, "group_list must be None when group_type is -1 (no split)")
+    _require(len(x) == len(weight), op, f"x has {len(x)} tensors but weight has {len(weight)}")
+    for g, w in enumerate(weight):
+        _require_dims(op, f"weight[{g}]", w, (2,))
+    outs = [_add_bias(op, xi @ wi, bias, g) for g, (xi, wi) in enumerate(zip(x, weight))]
+    return [torch.cat(outs)] if split_item in (2, 3) else outs
+
+
+def _grouped_matmul_split_m(op: str, x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor],
+                            bias: Sequence[torch.Tensor] | None, group_list: Any, split_item: int,
+                            group_list_type: int) -> list[torch.Tensor]:
+    """group_type 0: the rows of one x are split among the experts by group_list (MoE expert FFNs)."""
+    _require(group_list is not None, op, "group_type 0 (split M) needs group_list")
+    _require(len(x) == 1, op, f"group_type 0 with group_list takes one x tensor, got {len(x)}")
+    xs = x[0]
+    _require_dims(op, "x[0]", xs, (2,))
+    weights = _expert_weights(op, weight)
+    k = xs.shape[1]
+    for g, w in enumerate(weights):
+        _require(w.shape[0] == k, op, f"x[0] {tuple(xs.shape)} and expert {g}'s weight {tuple(w.shape)} do not "
+                                      "multiply (K differs)")
+    bounds = _group_bounds(op, group_list, group_list_type, len(weights), xs.shape[0])
+    outs = [_add_bias(op, xs[s:e] @ weights[g], bias, g) for g, (s, e) in enumerate(bounds)]
+    if split_item in (0, 1):
+        return outs
+    covered = bounds[-1][1] if bounds else 0
+    n = weights[0].shape[1]
+    if covered < xs.shape[0]:  # the kernel writes only the grouped rows of y; the emulator makes the rest zero
+        outs.append(xs.new_zeros(xs.shape[0] - covered, n))
+    return [torch.cat(outs)]
+
+
+def _grouped_matmul_split_k(op: str, x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor],
+                            bias: Sequence[torch.Tensor] | None, group_list: Any, split_item: int,
+                            group_list_type: int) -> list[torch.Tensor]:
+    """group_type 2: the contracted axis of one x [m, K] and one weight [K, n] is split (expert weight grads)."""
+    _require(group_list is not None, op, "group_type 2 (split K) needs group_list")
+    _require(len(x) == 1 and len(weight) == 1, op, f"group_type 2 takes one x and one weight tensor, got "
+                                                   f"{len(x)} and {len(weight)}")
+    _require(split_item in (2, 3), op, f"group_type 2 returns one [E, m, n] tensor: split_item must be 2 or 3, "
+                                       f"got {split_item}")
+    _require(not bias, op, "bias is not supported with group_type 2")
+    xs, w = x[0], weight[0]
+    _require_dims(op, "x[0]", xs, (2,))
+    _require_dims(op, "weight[0]", w, (2,))
+    _require(xs.shape[1] == w.shape[0], op, f"x[0] {tuple(xs.shape)} and weight[0] {tuple(w.shape)} do not multiply")
+    groups = group_list.numel() if isinstance(group_list, torch.Tensor) else len(group_list)
+    bounds = _group_bounds(op, group_list, group_list_type, groups, xs.shape[1])
+    return [torch.stack([xs[:, s:e] @ w[s:e] for s, e in bounds])]
+
+
+OPS: dict[str, Any] = {
+    "npu_moe_token_permute": npu_moe_token_permute,
+    "npu_moe_token_unpermute": npu_moe_token_unpermute,
+    "npu_grouped_matmul": npu_grouped_matmul,
+}

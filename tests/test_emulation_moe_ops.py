@@ -1,0 +1,290 @@
+"""The emulated torch_npu MoE ops (`mindspeed_flow.emulation.moe_ops`) against plain-torch loops over experts.
+
+Sizes are odd on purpose: 7 tokens over 4 experts, one expert that receives no token, top-k 1 and 2. Each op is
+checked forward and backward, then refused calls (what the real kernel refuses) are checked for a clear message,
+and one MoE layer called the way MindSpeed-MM's Qwen3-VL MoE experts call it (permute -> grouped matmul per
+expert -> swiglu -> grouped matmul -> unpermute) must equal the dense per-token reference, gradients included.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mindspeed_flow.emulation import moe_ops, ops
+
+TOKENS, HIDDEN, FFN, EXPERTS = 7, 5, 6, 4
+EMPTY_EXPERT = 2  # routed to by no token
+
+
+def _routing(topk: int, seed: int = 0) -> torch.Tensor:
+    """[TOKENS, topk] int32 expert ids, distinct per token, never EMPTY_EXPERT."""
+    g = torch.Generator().manual_seed(seed)
+    used = torch.tensor([e for e in range(EXPERTS) if e != EMPTY_EXPERT])
+    rows = [used[torch.randperm(len(used), generator=g)[:topk]] for _ in range(TOKENS)]
+    return torch.stack(rows).to(torch.int32)
+
+
+def _pairs_by_expert(indices: torch.Tensor) -> list[int]:
+    """Token-major (token, k) pair numbers in the order the permuted rows hold them: expert by expert."""
+    flat = indices.reshape(-1).tolist()
+    return [p for e in range(EXPERTS) for p in range(len(flat)) if flat[p] == e]
+
+
+def _counts(indices: torch.Tensor) -> torch.Tensor:
+    """Tokens per expert (int64, as group_list), EMPTY_EXPERT's being 0."""
+    return torch.bincount(indices.reshape(-1).long(), minlength=EXPERTS)
+
+
+def _leaf(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, requires_grad=True)
+
+
+def _grads(out: torch.Tensor, inputs: tuple[torch.Tensor, ...], grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return torch.autograd.grad(out, inputs, grad)
+
+
+def test_moe_ops_are_registered_for_the_fake_torch_npu() -> None:
+    for name in ("npu_moe_token_permute", "npu_moe_token_unpermute", "npu_grouped_matmul"):
+        assert ops.OPS[name] is moe_ops.OPS[name]
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_permute_groups_rows_by_expert_and_maps_each_pair(topk: int) -> None:
+    torch.manual_seed(0)
+    tokens = _leaf(TOKENS, HIDDEN)
+    indices = _routing(topk)
+    permuted, sorted_indices = moe_ops.npu_moe_token_permute(tokens, indices if topk > 1 else indices[:, 0])
+    order = _pairs_by_expert(indices)
+    ref = torch.stack([tokens[p // topk] for p in order])
+    torch.testing.assert_close(permuted, ref, rtol=0, atol=0)
+    assert sorted_indices.dtype == torch.int32 and sorted_indices.shape == (TOKENS * topk,)
+    for pair, row in enumerate(sorted_indices.tolist()):  # the map unpermute reads back
+        assert order[row] == pair
+    grad = torch.randn_like(ref)
+    torch.testing.assert_close(_grads(permuted, (tokens,), grad), _grads(ref, (tokens,), grad))
+
+
+@pytest.mark.parametrize("num_out_tokens, kept", [(5, 5), (-3, 2 * TOKENS - 3), (100, 2 * TOKENS), (0, 2 * TOKENS)])
+def test_permute_num_out_tokens_keeps_the_leading_rows(num_out_tokens: int, kept: int) -> None:
+    tokens, indices = torch.randn(TOKENS, HIDDEN), _routing(2)
+    full, map_full = moe_ops.npu_moe_token_permute(tokens, indices)
+    cut, map_cut = moe_ops.npu_moe_token_permute(tokens, indices, num_out_tokens=num_out_tokens)
+    assert torch.equal(cut, full[:kept]) and torch.equal(map_cut, map_full)
+
+
+@pytest.mark.parametrize("topk, weighted", [(1, False), (1, True), (2, True)])
+def test_unpermute_sums_each_tokens_expert_rows_weighted(topk: int, weighted: bool) -> None:
+    torch.manual_seed(1)
+    indices = _routing(topk)
+    _, sorted_indices = moe_ops.npu_moe_token_permute(torch.randn(TOKENS, HIDDEN), indices)
+    permuted = _leaf(TOKENS * topk, HIDDEN)
+    probs = torch.rand(TOKENS, topk, requires_grad=True) if weighted else None
+    out = moe_ops.npu_moe_token_unpermute(permuted, sorted_indices, probs)
+    order = _pairs_by_expert(indices)
+    ref = torch.stack([sum((probs[i, k] if weighted else 1.0) * permuted[order.index(i * topk + k)]
+                           for k in range(topk)) for i in range(TOKENS)])
+    torch.testing.assert_close(out, ref)
+    leaves = (permuted, probs) if weighted else (permuted,)
+    grad = torch.randn_like(ref)
+    torch.testing.assert_close(_grads(out, leaves, grad), _grads(ref, leaves, grad))
+
+
+def test_unpermute_reads_rows_dropped_by_num_out_tokens_as_zero() -> None:
+    tokens, indices, probs = torch.randn(TOKENS, HIDDEN), _routing(2), torch.rand(TOKENS, 2)
+    full, sorted_indices = moe_ops.npu_moe_token_permute(tokens, indices)
+    cut, _ = moe_ops.npu_moe_token_permute(tokens, indices, num_out_tokens=9)
+    padded = torch.cat((full[:9], torch.zeros(2 * TOKENS - 9, HIDDEN)))
+    torch.testing.assert_close(moe_ops.npu_moe_token_unpermute(cut, sorted_indices, probs),
+                               moe_ops.npu_moe_token_unpermute(padded, sorted_indices, probs))
+
+
+def _gmm_ref(x: torch.Tensor, weights: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
+    """Loop over experts on x's contiguous row groups; rows past the groups are zero."""
+    rows, start = [], 0
+    for w, c in zip(weights, counts):
+        rows.append(x[start:start + c] @ w)
+        start += c
+    rows.append(torch.zeros(x.shape[0] - start, weights[0].shape[1]))
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("group_list_type", [0, 1])
+@pytest.mark.parametrize("stacked", [True, False])
+def test_grouped_matmul_split_m_matches_expert_loop(group_list_type: int, stacked: bool) -> None:
+    torch.manual_seed(2)
+    counts = [3, 0, 4, 2]  # an expert with no rows; 9 rows grouped out of 10: the last row is ungrouped
+    x, w = _leaf(10, HIDDEN), _leaf(EXPERTS, HIDDEN, FFN)
+    group_list = torch.tensor(counts).cumsum(0) if group_list_type == 0 else torch.tensor(counts)
+    weight = [w] if stacked else list(w.unbind(0))
+    out = moe_ops.npu_grouped_matmul([x], weight, group_list=group_list, split_item=2, group_type=0,
+                                     group_list_type=group_list_type)
+    assert len(out) == 1
+    ref = _gmm_ref(x, list(w.unbind(0)), counts)
+    torch.testing.assert_close(out[0], ref)
+    grad = torch.randn_like(ref)
+    torch.testing.assert_close(_grads(out[0], (x, w), grad), _grads(ref, (x, w), grad))
+    per_group = moe_ops.npu_grouped_matmul([x], weight, group_list=counts, split_item=0, group_type=0,
+                                           group_list_type=1)
+    assert [t.shape[0] for t in per_group] == counts
+    torch.testing.assert_close(torch.cat(per_group), ref[:9])
+
+
+def test_grouped_matmul_split_k_is_the_per_expert_weight_gradient() -> None:
+    torch.manual_seed(3)
+    counts = [2, 0, 4, 1]
+    x, g = _leaf(7, HIDDEN), _leaf(7, FFN)
+    out = moe_ops.npu_grouped_matmul([x.T], [g], group_list=torch.tensor(counts), split_item=3, group_type=2,
+                                     group_list_type=1)[0]
+    bounds = torch.tensor([0, *counts]).cumsum(0).tolist()
+    ref = torch.stack([x[s:e].T @ g[s:e] for s, e in zip(bounds, bounds[1:])])
+    assert out.shape == (EXPERTS, HIDDEN, FFN) and torch.count_nonzero(out[1]) == 0
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn_like(ref)
+    torch.testing.assert_close(_grads(out, (x, g), grad), _grads(ref, (x, g), grad))
+
+
+def test_grouped_matmul_unsplit_pairs_lists_with_bias() -> None:
+    xs, ws, bs = [torch.randn(3, 4), torch.randn(1, 2)], [torch.randn(4, 5), torch.randn(2, 3)], [torch.randn(5),
+                                                                                                  torch.randn(3)]
+    out = moe_ops.npu_grouped_matmul(xs, ws, bias=bs)
+    for got, x, w, b in zip(out, xs, ws, bs):
+        torch.testing.assert_close(got, x @ w + b)
+
+
+class _CallerGmm(torch.autograd.Function):
+    """The grouped GEMM as MindSpeed-MM's GmmFunction calls the op (models/common/gmm.py): forward split M on
+    counts, backward dx by split M on the transposed weight and dw by split K."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, counts)
+        return moe_ops.npu_grouped_matmul([x], [weight], bias=None, group_list=counts, split_item=2, group_type=0,
+                                          group_list_type=1)[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        x, weight, counts = ctx.saved_tensors
+        dx = moe_ops.npu_grouped_matmul([grad], [weight.transpose(1, 2)], bias=None, group_list=counts,
+                                        split_item=2, group_type=0, group_list_type=1)[0]
+        dw = moe_ops.npu_grouped_matmul([x.T], [grad], bias=None, group_list=counts, split_item=3, group_type=2,
+                                        group_list_type=1)[0]
+        return dx, dw, None
+
+
+def _moe_layer(hidden: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor, gate_up: torch.Tensor,
+               down: torch.Tensor, gmm: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """Qwen3-VL MoE experts as MindSpeed-MM runs them on NPU (Qwen3VLNpuFusedMoETextExperts.forward)."""
+    permuted, row_map = moe_ops.npu_moe_token_permute(hidden, indices.to(torch.int32))
+    counts = _counts(indices)
+    act = ops.npu_swiglu(gmm(permuted, gate_up, counts), dim=-1)
+    return moe_ops.npu_moe_token_unpermute(gmm(act, down, counts), row_map, probs=probs)
+
+
+def _dense_moe(hidden: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor, gate_up: torch.Tensor,
+               down: torch.Tensor) -> torch.Tensor:
+    """Every token through its own top-k experts, one at a time."""
+    out = []
+    for i in range(hidden.shape[0]):
+        acc = torch.zeros(hidden.shape[1])
+        for k, e in enumerate(indices[i].tolist()):
+            a, b = (hidden[i] @ gate_up[e]).chunk(2)
+            acc = acc + probs[i, k] * ((F.silu(a) * b) @ down[e])
+        out.append(acc)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+@pytest.mark.parametrize("caller_backward", [False, True])
+def test_moe_layer_round_trip_equals_dense_reference(topk: int, caller_backward: bool) -> None:
+    torch.manual_seed(4)
+    hidden, gate_up, down = _leaf(TOKENS, HIDDEN), _leaf(EXPERTS, HIDDEN, 2 * FFN), _leaf(EXPERTS, FFN, HIDDEN)
+    probs = torch.softmax(torch.randn(TOKENS, topk), -1).requires_grad_()
+    indices = _routing(topk, seed=topk)
+
+    def plain(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return moe_ops.npu_grouped_matmul([x], [w], group_list=counts, split_item=2, group_type=0,
+                                          group_list_type=1)[0]
+
+    out = _moe_layer(hidden, probs, indices, gate_up, down, _CallerGmm.apply if caller_backward else plain)
+    ref = _dense_moe(hidden, probs, indices, gate_up, down)
+    torch.testing.assert_close(out, ref)
+    leaves = (hidden, probs, gate_up, down)
+    grads = _grads(out.square().sum(), leaves, torch.tensor(1.0))
+    want = _grads(ref.square().sum(), leaves, torch.tensor(1.0))
+    torch.testing.assert_close(grads, want)
+    assert torch.count_nonzero(grads[2][EMPTY_EXPERT]) == 0  # the idle expert gets no gradient
+
+
+def test_moe_layer_in_bfloat16_stays_close_to_float32() -> None:
+    torch.manual_seed(5)
+    hidden, gate_up, down = torch.randn(TOKENS, HIDDEN), torch.randn(EXPERTS, HIDDEN, 2 * FFN), torch.randn(
+        EXPERTS, FFN, HIDDEN)
+    probs, indices = torch.softmax(torch.randn(TOKENS, 2), -1), _routing(2)
+    bf = [t.to(torch.bfloat16) for t in (hidden, probs)]
+    out = _moe_layer(bf[0], bf[1], indices, gate_up.bfloat16(), down.bfloat16(), _CallerGmm.apply)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), _dense_moe(hidden, probs, indices, gate_up, down), rtol=0.05, atol=0.1)
+
+
+_X, _IDX = torch.randn(TOKENS, HIDDEN), _routing(2)
+_PERM, _MAP = moe_ops.npu_moe_token_permute(_X, _IDX)
+_W = torch.randn(EXPERTS, HIDDEN, FFN)
+_COUNTS = _counts(_IDX)
+
+
+def _gmm(**overrides: Any) -> Callable[[], Any]:
+    """A forward grouped-matmul call as MindSpeed-MM makes it, with some arguments replaced."""
+    call = dict(x=[_PERM], weight=[_W], group_list=_COUNTS, split_item=2, group_type=0, group_list_type=1)
+    call.update(overrides)
+    x, weight = call.pop("x"), call.pop("weight")
+    return lambda: moe_ops.npu_grouped_matmul(x, weight, **call)
+
+
+REFUSED = {
+    "permute float64 tokens": (lambda: moe_ops.npu_moe_token_permute(_X.double(), _IDX),
+                               r"tokens dtype \[float64\] is invalid, should be float16 or bfloat16 or float32"),
+    "permute float indices": (lambda: moe_ops.npu_moe_token_permute(_X, _IDX.float()),
+                              r"indices dtype \[float32\] is invalid, should be int32 or int64"),
+    "permute 3-D tokens": (lambda: moe_ops.npu_moe_token_permute(_X[None], _IDX),
+                           r"tokens should be 2 dimensional, but got 3-dimensional"),
+    "permute row mismatch": (lambda: moe_ops.npu_moe_token_permute(_X[:3], _IDX), r"indices has 7 rows but tokens"),
+    "permute padded mode": (lambda: moe_ops.npu_moe_token_permute(_X, _IDX, padded_mode=True),
+                            r"only support padded_mode is false"),
+    "unpermute int64 map": (lambda: moe_ops.npu_moe_token_unpermute(_PERM, _MAP.long()),
+                            r"sorted_indices dtype \[int64\] is invalid, should be int32"),
+    "unpermute probs dtype": (lambda: moe_ops.npu_moe_token_unpermute(_PERM, _MAP, torch.rand(TOKENS, 2).bfloat16()),
+                              r"probs dtype \[bfloat16\] must equal permuted_tokens dtype \[float32\]"),
+    "unpermute probs shape": (lambda: moe_ops.npu_moe_token_unpermute(_PERM, _MAP, torch.rand(TOKENS, 3)),
+                              r"probs \(7, 3\) has 21 entries but sorted_indices has 14"),
+    "gmm dtype mix": (_gmm(weight=[_W.bfloat16()]), r"x and weight must share one dtype"),
+    "gmm float64": (_gmm(x=[_PERM.double()], weight=[_W.double()]), r"x\[0\] dtype \[float64\] is invalid"),
+    "gmm tensor not list": (_gmm(x=_PERM), r"x and weight must be lists of tensors"),
+    "gmm group count": (_gmm(group_list=_COUNTS[:3]), r"group_list has 3 entries but there are 4 groups"),
+    "gmm int32 group_list": (_gmm(group_list=_COUNTS.int()), r"group_list dtype \[int32\] is invalid, should be int64"),
+    "gmm group_list past rows": (_gmm(group_list=_COUNTS + 1), r"group_list covers 18 rows but the split axis has 14"),
+    "gmm cumsum decreasing": (_gmm(group_list=torch.tensor([5, 3, 9, 14]), group_list_type=0),
+                              r"non-decreasing with group_list_type 0"),
+    "gmm K mismatch": (_gmm(weight=[_W.transpose(1, 2)]), r"do not multiply \(K differs\)"),
+    "gmm group_type 1": (_gmm(group_type=1), r"group_type must be -1 \(no split\), 0 \(split M\) or 2"),
+    "gmm split K one output": (_gmm(x=[_PERM.T], weight=[torch.randn(14, FFN)], split_item=0, group_type=2),
+                               r"split_item must be 2 or 3"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_wrong_calls_are_refused_with_the_kernels_reason(case: str) -> None:
+    call, message = REFUSED[case]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+def test_unemulated_grouped_matmul_scenarios_say_so() -> None:
+    with pytest.raises(NotImplementedError, match="quantized scenarios \\(scale\\)"):
+        _gmm(scale=[torch.ones(FFN, dtype=torch.int64)])()
+    with pytest.raises(NotImplementedError, match="act_type=1"):
+        _gmm(act_type=1)()
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        _gmm(groups=4)()
