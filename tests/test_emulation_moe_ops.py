@@ -288,3 +288,123 @@ def test_unemulated_grouped_matmul_scenarios_say_so() -> None:
         _gmm(act_type=1)()
     with pytest.raises(TypeError, match="unexpected keyword"):
         _gmm(groups=4)()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The routing-map family, as MindSpeed's MoePermuteMaskMap / MoeUnpermuteMaskMap call it (--moe-permute-fusion)
+# ----------------------------------------------------------------------------------------------------------
+def _routing_map(topk: int) -> torch.Tensor:
+    """[TOKENS, EXPERTS] bool mask with topk experts per token, none on EMPTY_EXPERT."""
+    mask = torch.zeros(TOKENS, EXPERTS, dtype=torch.bool)
+    mask.scatter_(1, _routing(topk).long(), True)
+    return mask
+
+
+class _CallerPermute(torch.autograd.Function):
+    """Forward and backward through the ops the way mindspeed/te/pytorch/permutation.py MoePermuteMaskMap does."""
+
+    @staticmethod
+    def forward(ctx: Any, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor | None,
+                num_out_tokens: int) -> tuple:
+        permuted, permuted_probs, sorted_indices = moe_ops.npu_moe_token_permute_with_routing_map(
+            tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, drop_and_pad=False)
+        ctx.shape, ctx.sorted_indices, ctx.routing_map = routing_map.shape, sorted_indices, routing_map
+        return permuted, permuted_probs, sorted_indices
+
+    @staticmethod
+    def backward(ctx: Any, permuted_grad: torch.Tensor, probs_grad: torch.Tensor | None, _: Any) -> tuple:
+        tokens_num, num_experts = ctx.shape
+        tokens_grad, probs_grad = moe_ops.npu_moe_token_permute_with_routing_map_grad(
+            permuted_grad, probs_grad, ctx.sorted_indices, ctx.routing_map, num_experts, tokens_num, False)
+        return tokens_grad, None, probs_grad, None
+
+
+class _CallerUnpermute(torch.autograd.Function):
+    """Forward and backward the way MoeUnpermuteMaskMap does (without drop_and_pad)."""
+
+    @staticmethod
+    def forward(ctx: Any, permuted: torch.Tensor, sorted_indices: torch.Tensor, restore_shape: torch.Size,
+                probs: torch.Tensor | None, routing_map: torch.Tensor) -> torch.Tensor:
+        out, _, _, _ = moe_ops._npu_moe_token_unpermute_with_routing_map(
+            permuted, sorted_indices, restore_shape, probs=probs, routing_map=routing_map, drop_and_pad=False)
+        ctx.save_for_backward(permuted, probs)
+        ctx.sorted_indices, ctx.routing_map, ctx.restore_shape = sorted_indices, routing_map, restore_shape
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        permuted, probs = ctx.saved_tensors
+        act_grad, probs_grad = moe_ops.npu_moe_token_unpermute_with_routing_map_grad(
+            grad, ctx.sorted_indices, ctx.sorted_indices, routing_map=ctx.routing_map,
+            permuted_tokens=permuted if probs is not None else None, probs=probs, drop_and_pad=False,
+            restore_shape=ctx.restore_shape)
+        return act_grad, None, None, probs_grad, None
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_permute_with_routing_map_equals_index_permute(topk: int) -> None:
+    mask = _routing_map(topk)
+    tokens, probs = torch.randn(TOKENS, HIDDEN), torch.rand(TOKENS, EXPERTS) * mask
+    permuted, permuted_probs, sorted_indices = moe_ops.npu_moe_token_permute_with_routing_map(
+        tokens, mask, probs=probs, num_out_tokens=TOKENS * topk)
+    experts_per_token = mask.nonzero()[:, 1].view(TOKENS, topk).to(torch.int32)  # ascending per token
+    want, want_map = moe_ops.npu_moe_token_permute(tokens, experts_per_token)
+    assert torch.equal(permuted, want) and torch.equal(sorted_indices, want_map)
+    rows_expert = torch.repeat_interleave(torch.arange(EXPERTS), mask.sum(0))
+    rows_token = experts_per_token.new_tensor(_pairs_by_expert(experts_per_token)) // topk
+    torch.testing.assert_close(permuted_probs, probs[rows_token.long(), rows_expert])
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+@pytest.mark.parametrize("probs_on_permute", [False, True])
+def test_routing_map_layer_round_trip_equals_dense_reference(topk: int, probs_on_permute: bool) -> None:
+    """permute -> grouped matmul per expert -> unpermute; probs applied at unpermute (Megatron's default) or to
+    the permuted rows (the permuted probs)."""
+    torch.manual_seed(6)
+    mask = _routing_map(topk)
+    tokens, w = _leaf(TOKENS, HIDDEN), _leaf(EXPERTS, HIDDEN, HIDDEN)
+    probs = (torch.rand(TOKENS, EXPERTS) * mask).requires_grad_()
+    permuted, permuted_probs, sorted_indices = _CallerPermute.apply(tokens, mask, probs, TOKENS * topk)
+    rows = moe_ops.npu_grouped_matmul([permuted], [w], group_list=mask.sum(0), split_item=2, group_type=0,
+                                      group_list_type=1)[0]
+    if probs_on_permute:
+        rows = rows * permuted_probs.unsqueeze(-1)
+    out = _CallerUnpermute.apply(rows, sorted_indices, tokens.shape, None if probs_on_permute else probs, mask)
+    ref = torch.einsum("te,th,ehk->tk", probs * mask, tokens, w)
+    torch.testing.assert_close(out, ref)
+    leaves = (tokens, probs, w)
+    grad = torch.randn_like(ref)
+    got, want = _grads(out, leaves, grad), _grads(ref, leaves, grad)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1] * mask, want[1] * mask)  # the kernels leave unrouted probs' grads at zero
+    assert torch.count_nonzero(got[1][~mask]) == 0
+    torch.testing.assert_close(got[2], want[2])
+
+
+_MASK = _routing_map(2)
+ROUTING_MAP_REFUSED = {
+    "float routing_map": (lambda: moe_ops.npu_moe_token_permute_with_routing_map(_X, _MASK.float()),
+                          r"routing_map dtype \[float32\] is invalid, should be int8 or bool"),
+    "uneven rows": (lambda: moe_ops.npu_moe_token_permute_with_routing_map(_X, _MASK, num_out_tokens=TOKENS),
+                    r"every routing_map row must select topK = num_out_tokens // tokens_num = 1 experts"),
+    "probs shape": (lambda: moe_ops.npu_moe_token_permute_with_routing_map(
+        _X, _MASK, probs=torch.rand(TOKENS, 3), num_out_tokens=2 * TOKENS), r"probs \(7, 3\) must have routing_map"),
+    "int64 sorted_indices": (lambda: moe_ops.npu_moe_token_unpermute_with_routing_map(
+        torch.randn(2 * TOKENS, HIDDEN), torch.arange(2 * TOKENS), (TOKENS, HIDDEN)),
+        r"sorted_indices dtype \[int64\] is invalid, should be int32"),
+    "restore_shape mismatch": (lambda: moe_ops.npu_moe_token_unpermute_with_routing_map(
+        torch.randn(2 * TOKENS, HIDDEN), torch.arange(2 * TOKENS, dtype=torch.int32), (TOKENS, HIDDEN + 1)),
+        r"must be \[14, 6\]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROUTING_MAP_REFUSED))
+def test_wrong_routing_map_calls_are_refused(case: str) -> None:
+    call, message = ROUTING_MAP_REFUSED[case]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+def test_drop_and_pad_is_not_emulated() -> None:
+    with pytest.raises(NotImplementedError, match="drop_and_pad=True"):
+        moe_ops.npu_moe_token_permute_with_routing_map(_X, _MASK, num_out_tokens=8, drop_and_pad=True)

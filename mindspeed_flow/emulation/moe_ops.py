@@ -132,6 +132,188 @@ def npu_moe_token_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch
 
 
 # ----------------------------------------------------------------------------------------------------------
+# The routing-map family: MindSpeed's fused permute for Megatron's MoE dispatchers (--moe-permute-fusion)
+# ----------------------------------------------------------------------------------------------------------
+# Caller (pinned MindSpeed 028de58c): `mindspeed/te/pytorch/permutation.py` MoePermuteMaskMap / MoeUnpermuteMaskMap,
+# patched over Megatron's moe_utils.permute / unpermute by `mindspeed/core/fusions/fused_moe_permute.py`; their
+# backward calls the two *_grad ops explicitly, so the emulator supplies those too. The feature is switched off
+# unless torch_npu has both npu_moe_token_permute_with_routing_map and npu_moe_token_unpermute_with_routing_map
+# (`mindspeed/features_manager/fusions/fused_moe_permute.py`).
+# Sources: CANN ops-transformer `moe/moe_token_permute_with_routing_map/README.md` and
+# `moe/moe_token_unpermute_with_routing_map/README.md` (https://gitcode.com/cann/ops-transformer): tokens / probs
+# float16, bfloat16, float32; routingMap int8 or bool; sortedIndices int32; without dropAndPad every routingMap row
+# selects the same number of experts topK = numOutTokens // tokens_num, at most 512; sortedIndicesOut =
+# argsort(the expert-major token ids), permuted probs = probs.T.masked_select(routingMap.T). Output shapes and
+# argument order: torch_npu op-plugin `op_plugin/ops/opapi/MoeTokenPermuteWithRoutingMapOpApi.cpp`,
+# `MoeTokenUnpermuteWithRoutingMapKernelOpApi.cpp` and the grad op's (https://gitcode.com/Ascend/op-plugin):
+# num_out_tokens defaults to tokens.size(0); the unpermute grad returns [out_index.size(0), H] and probs' shape.
+# dropAndPad (capacity-padded experts, Megatron --moe-pad-expert-input-to-capacity) is not emulated.
+def _check_routing_map(op: str, routing_map: torch.Tensor, tokens_num: int | None) -> torch.Tensor:
+    """routingMap.T as bool [E, T], after the dtype/shape checks."""
+    _require_dtype(op, "routing_map", routing_map, (torch.int8, torch.bool))
+    _require_dims(op, "routing_map", routing_map, (2,))
+    if tokens_num is not None:
+        _require(routing_map.shape[0] == tokens_num, op, f"routing_map has {routing_map.shape[0]} rows but there "
+                                                         f"are {tokens_num} tokens")
+    return routing_map.T.bool()
+
+
+def _check_probs(op: str, probs: torch.Tensor | None, routing_map: torch.Tensor | None) -> None:
+    """probs is float and shaped like routing_map ([tokens, experts])."""
+    if probs is None:
+        return
+    _require_dtype(op, "probs", probs, _FLOATS)
+    _require(routing_map is not None, op, "probs needs routing_map (the permuted probs are selected by it)")
+    _require(probs.shape == routing_map.shape, op, f"probs {tuple(probs.shape)} must have routing_map's shape "
+                                                   f"{tuple(routing_map.shape)}")
+
+
+def _no_drop_and_pad(op: str, drop_and_pad: bool) -> None:
+    """dropAndPad mode is outside what the emulator reproduces."""
+    if drop_and_pad:
+        raise NotImplementedError(f"{op}: drop_and_pad=True (capacity-padded experts) is not emulated")
+
+
+def npu_moe_token_permute_with_routing_map(tokens: torch.Tensor, routing_map: torch.Tensor, *,
+                                           probs: torch.Tensor | None = None, num_out_tokens: int | None = None,
+                                           drop_and_pad: bool = False
+                                           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Rows grouped by expert from a [tokens, experts] routing mask; returns (permuted, permuted_probs, sorted_indices).
+
+    sorted_indices (int32) maps token-major (token, expert) pair i to its permuted row, as npu_moe_token_permute's.
+    """
+    op = "npu_moe_token_permute_with_routing_map"
+    _no_drop_and_pad(op, drop_and_pad)
+    _require_dtype(op, "tokens", tokens, _FLOATS)
+    _require_dims(op, "tokens", tokens, (2,))
+    mask_t = _check_routing_map(op, routing_map, tokens.shape[0])
+    _check_probs(op, probs, routing_map)
+    tokens_num = tokens.shape[0]
+    topk = (tokens.shape[0] if num_out_tokens is None else int(num_out_tokens)) // max(tokens_num, 1)
+    per_token = mask_t.sum(dim=0)
+    _require(topk <= _MAX_TOPK, op, f"topK = num_out_tokens // tokens_num is {topk}, at most {_MAX_TOPK}")
+    _require(bool((per_token == topk).all()), op, f"without drop_and_pad every routing_map row must select topK = "
+                                                  f"num_out_tokens // tokens_num = {topk} experts; rows select "
+                                                  f"{sorted(set(per_token.tolist()))}")
+    token_of_row = torch.arange(tokens_num, device=tokens.device).expand(mask_t.shape).masked_select(mask_t)
+    row_of_pair = torch.argsort(token_of_row, stable=True)
+    permuted_probs = probs.T.masked_select(mask_t) if probs is not None else None
+    return tokens.index_select(0, token_of_row), permuted_probs, row_of_pair.to(torch.int32)
+
+
+def npu_moe_token_permute_with_routing_map_grad(permuted_tokens_grad: torch.Tensor,
+                                                permuted_probs_grad: torch.Tensor | None,
+                                                sorted_indices: torch.Tensor, routing_map: torch.Tensor,
+                                                num_experts: int, tokens_num: int,
+                                                drop_and_pad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Backward of the routing-map permute: (tokens_grad [T, H], probs_grad [T, E] or None)."""
+    op = "npu_moe_token_permute_with_routing_map_grad"
+    _no_drop_and_pad(op, drop_and_pad)
+    _require_dtype(op, "permuted_tokens_grad", permuted_tokens_grad, _FLOATS)
+    _require_dims(op, "permuted_tokens_grad", permuted_tokens_grad, (2,))
+    _require_dtype(op, "sorted_indices", sorted_indices, (torch.int32,))
+    mask_t = _check_routing_map(op, routing_map, tokens_num)
+    _require(mask_t.shape[0] == num_experts, op, f"routing_map has {mask_t.shape[0]} experts, num_experts is "
+                                                 f"{num_experts}")
+    topk = sorted_indices.numel() // max(tokens_num, 1)
+    acc = torch.promote_types(permuted_tokens_grad.dtype, torch.float32)
+    per_pair = permuted_tokens_grad.index_select(0, sorted_indices.long()).to(acc)
+    tokens_grad = per_pair.view(tokens_num, topk, -1).sum(dim=1).to(permuted_tokens_grad.dtype)
+    if permuted_probs_grad is None:
+        return tokens_grad, None
+    probs_grad_t = permuted_probs_grad.new_zeros(mask_t.shape).masked_scatter(mask_t, permuted_probs_grad)
+    return tokens_grad, probs_grad_t.T.contiguous()
+
+
+def _pair_probs(probs: torch.Tensor | None, routing_map: torch.Tensor | None,
+                sorted_indices: torch.Tensor) -> torch.Tensor | None:
+    """The prob of each token-major pair: the permuted probs (expert-major rows) read at each pair's row."""
+    if probs is None:
+        return None
+    row_probs = probs.T.masked_select(routing_map.T.bool())
+    return row_probs.index_select(0, sorted_indices.long())
+
+
+def _npu_moe_token_unpermute_with_routing_map(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor,
+                                              restore_shape: Sequence[int], *, probs: torch.Tensor | None = None,
+                                              routing_map: torch.Tensor | None = None, drop_and_pad: bool = False
+                                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         torch.Tensor | None]:
+    """out[t] = sum of token t's expert rows (weighted by probs[t, e]); returns (out, out_index, permuted_token_id,
+    permuted_probs). Without drop_and_pad the real kernel's out_index / permuted_token_id are not read by MindSpeed
+    (its backward passes sorted_indices for both), so the emulator returns sorted_indices in both places.
+    """
+    op = "_npu_moe_token_unpermute_with_routing_map"
+    _no_drop_and_pad(op, drop_and_pad)
+    _require_dtype(op, "permuted_tokens", permuted_tokens, _FLOATS)
+    _require_dims(op, "permuted_tokens", permuted_tokens, (2,))
+    _require_dtype(op, "sorted_indices", sorted_indices, (torch.int32,))
+    _require_dims(op, "sorted_indices", sorted_indices, (1,))
+    _require(len(restore_shape) == 2, op, f"restore_shape must be [tokens, hidden], got {tuple(restore_shape)}")
+    tokens_num, hidden = int(restore_shape[0]), int(restore_shape[1])
+    if routing_map is not None:
+        _check_routing_map(op, routing_map, tokens_num)
+    _check_probs(op, probs, routing_map)
+    total = sorted_indices.numel()
+    _require(total % max(tokens_num, 1) == 0, op, f"sorted_indices has {total} entries, not a multiple of "
+                                                  f"{tokens_num} tokens")
+    _require(permuted_tokens.shape == (total, hidden), op, f"permuted_tokens {tuple(permuted_tokens.shape)} must be "
+                                                           f"[{total}, {hidden}] (sorted_indices x restore_shape[1])")
+    acc = torch.promote_types(permuted_tokens.dtype, torch.float32)
+    per_pair = permuted_tokens.index_select(0, sorted_indices.long()).to(acc)
+    pair_probs = _pair_probs(probs, routing_map, sorted_indices)
+    if pair_probs is not None:
+        per_pair = per_pair * pair_probs.to(acc).unsqueeze(-1)
+    out = per_pair.view(tokens_num, total // max(tokens_num, 1), hidden).sum(dim=1).to(permuted_tokens.dtype)
+    permuted_probs = probs.T.masked_select(routing_map.T.bool()) if probs is not None else None
+    return out, sorted_indices.clone(), sorted_indices.clone(), permuted_probs
+
+
+def npu_moe_token_unpermute_with_routing_map(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor,
+                                             restore_shape: Sequence[int], *, probs: torch.Tensor | None = None,
+                                             routing_map: torch.Tensor | None = None,
+                                             drop_and_pad: bool = False) -> torch.Tensor:
+    """The unpermuted tokens alone (torch_npu's public wrapper of the op above)."""
+    return _npu_moe_token_unpermute_with_routing_map(permuted_tokens, sorted_indices, restore_shape, probs=probs,
+                                                     routing_map=routing_map, drop_and_pad=drop_and_pad)[0]
+
+
+def npu_moe_token_unpermute_with_routing_map_grad(unpermuted_tokens_grad: torch.Tensor, out_index: torch.Tensor,
+                                                  permuted_token_id: torch.Tensor,
+                                                  routing_map: torch.Tensor | None = None,
+                                                  permuted_tokens: torch.Tensor | None = None,
+                                                  probs: torch.Tensor | None = None, drop_and_pad: bool = False,
+                                                  restore_shape: Sequence[int] | None = None
+                                                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Backward of the routing-map unpermute: (permuted_tokens_grad [rows, H], probs_grad [T, E] or None)."""
+    op = "npu_moe_token_unpermute_with_routing_map_grad"
+    _no_drop_and_pad(op, drop_and_pad)
+    _require_dtype(op, "unpermuted_tokens_grad", unpermuted_tokens_grad, _FLOATS)
+    _require_dims(op, "unpermuted_tokens_grad", unpermuted_tokens_grad, (2,))
+    _require_dtype(op, "out_index", out_index, (torch.int32,))
+    tokens_num, hidden = unpermuted_tokens_grad.shape
+    if routing_map is not None:
+        _check_routing_map(op, routing_map, tokens_num)
+    _check_probs(op, probs, routing_map)
+    _require(probs is None or permuted_tokens is not None, op, "probs' gradient needs permuted_tokens")
+    rows = out_index.long()
+    topk = rows.numel() // max(tokens_num, 1)
+    acc = torch.promote_types(unpermuted_tokens_grad.dtype, torch.float32)
+    per_pair = unpermuted_tokens_grad.to(acc).repeat_interleave(topk, dim=0)
+    pair_probs = _pair_probs(probs, routing_map, out_index)
+    scaled = per_pair if pair_probs is None else per_pair * pair_probs.to(acc).unsqueeze(-1)
+    permuted_grad = scaled.new_zeros(rows.numel(), hidden).index_copy(0, rows, scaled)
+    permuted_grad = permuted_grad.to(unpermuted_tokens_grad.dtype)
+    if probs is None:
+        return permuted_grad, None
+    pair_dots = (per_pair * permuted_tokens.index_select(0, rows).to(acc)).sum(dim=-1)
+    row_dots = pair_dots.new_zeros(rows.numel()).index_copy(0, rows, pair_dots)
+    mask_t = routing_map.T.bool()
+    probs_grad_t = row_dots.new_zeros(mask_t.shape).masked_scatter(mask_t, row_dots)
+    return permuted_grad, probs_grad_t.T.to(unpermuted_tokens_grad.dtype).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------------
 # npu_grouped_matmul
 # ----------------------------------------------------------------------------------------------------------
 # Source: torch_npu `npu_grouped_matmul` (https://www.hiascend.com/document/detail/zh/Pytorch/700/apiref/apilist/
@@ -295,4 +477,9 @@ OPS: dict[str, Any] = {
     "npu_moe_token_permute": npu_moe_token_permute,
     "npu_moe_token_unpermute": npu_moe_token_unpermute,
     "npu_grouped_matmul": npu_grouped_matmul,
+    "npu_moe_token_permute_with_routing_map": npu_moe_token_permute_with_routing_map,
+    "npu_moe_token_permute_with_routing_map_grad": npu_moe_token_permute_with_routing_map_grad,
+    "_npu_moe_token_unpermute_with_routing_map": _npu_moe_token_unpermute_with_routing_map,
+    "npu_moe_token_unpermute_with_routing_map": npu_moe_token_unpermute_with_routing_map,
+    "npu_moe_token_unpermute_with_routing_map_grad": npu_moe_token_unpermute_with_routing_map_grad,
 }
