@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from mindspeed_flow.emulation import moe_ops, ops
+from mindspeed_flow.utils.multiproc import run_ranks
 
 TOKENS, HIDDEN, FFN, EXPERTS = 7, 5, 6, 4
 EMPTY_EXPERT = 2  # routed to by no token
@@ -281,6 +282,43 @@ def test_unemulated_grouped_matmul_scenarios_say_so() -> None:
         _gmm(act_type=1)()
     with pytest.raises(TypeError, match="unexpected keyword"):
         _gmm(groups=4)()
+
+
+def _moe_layer_on_the_npu_rank(rank: int, world_size: int, mode: str) -> str:
+    """The Qwen3-VL MoE layer through the fake torch_npu on npu tensors, against the same layer on the host."""
+    from mindspeed_flow import emulation
+
+    emulation.activate(mode=mode)
+    import torch_npu
+
+    torch.manual_seed(7)
+    host = [torch.randn(TOKENS, HIDDEN), torch.softmax(torch.randn(TOKENS, 2), -1), torch.randn(EXPERTS, HIDDEN, 2 * FFN),
+            torch.randn(EXPERTS, FFN, HIDDEN)]
+    indices = _routing(2)
+    leaves = [t.clone().requires_grad_() for t in host]
+    ref = _moe_layer(leaves[0], leaves[1], indices, leaves[2], leaves[3], _CallerGmm.apply)
+    want = _grads(ref.sum(), tuple(leaves), torch.tensor(1.0))
+
+    dev = [t.to("npu").requires_grad_() for t in host]
+    permuted, row_map = torch_npu.npu_moe_token_permute(dev[0], indices.to("npu"))
+    counts = _counts(indices).to("npu")
+
+    def gmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch_npu.npu_grouped_matmul([x], [w], bias=None, group_list=counts, split_item=2, group_type=0,
+                                            group_list_type=1)[0]
+
+    act = torch_npu.npu_swiglu(gmm(permuted, dev[2]), dim=-1)
+    out = torch_npu.npu_moe_token_unpermute(gmm(act, dev[3]), row_map, probs=dev[1])
+    got = _grads(out.sum(), tuple(dev), torch.tensor(1.0, device="npu"))
+    torch.testing.assert_close(out.cpu(), ref.detach())
+    torch.testing.assert_close(tuple(g.cpu() for g in got), want)
+    return f"{out.device.type} {row_map.device.type} {got[2].device.type}"
+
+
+@pytest.mark.parametrize("mode, device", [("strict", "npu"), ("lenient", "cpu")])
+def test_moe_layer_through_the_fake_torch_npu_on_the_npu(mode: str, device: str) -> None:
+    """Registered in torch_npu, and on npu tensors (strict: the device; lenient: host) outputs stay there."""
+    assert run_ranks(_moe_layer_on_the_npu_rank, 1, mode, timeout_s=300) == [f"{device} {device} {device}"]
 
 
 # ----------------------------------------------------------------------------------------------------------
