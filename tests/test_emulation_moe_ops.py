@@ -285,7 +285,8 @@ def test_unemulated_grouped_matmul_scenarios_say_so() -> None:
 
 
 def _moe_layer_on_the_npu_rank(rank: int, world_size: int, mode: str) -> str:
-    """The Qwen3-VL MoE layer through the fake torch_npu on npu tensors, against the same layer on the host."""
+    """The Qwen3-VL MoE layer through the fake torch_npu on npu tensors, against the same layer on the host,
+    with the tokens per expert counted by torch.histc as Qwen3VLNpuFusedMoETextExperts.forward counts them."""
     from mindspeed_flow import emulation
 
     emulation.activate(mode=mode)
@@ -301,7 +302,12 @@ def _moe_layer_on_the_npu_rank(rank: int, world_size: int, mode: str) -> str:
 
     dev = [t.to("npu").requires_grad_() for t in host]
     permuted, row_map = torch_npu.npu_moe_token_permute(dev[0], indices.to("npu"))
-    counts = _counts(indices).to("npu")
+    router_indices = indices.long().to("npu")  # int64, as the HF router's topk returns them
+    counts = torch.histc(router_indices, bins=EXPERTS, min=0, max=EXPERTS)  # the caller's count (an npu histc)
+    assert counts.dtype == torch.int64 and torch.equal(counts.cpu(), _counts(indices))
+    if mode == "strict":  # a host histc of integers stays refused, as by CPU torch
+        with pytest.raises(RuntimeError, match="not implemented for 'Long'"):
+            torch.histc(indices.long(), bins=EXPERTS, min=0, max=EXPERTS)
 
     def gmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch_npu.npu_grouped_matmul([x], [w], bias=None, group_list=counts, split_item=2, group_type=0,

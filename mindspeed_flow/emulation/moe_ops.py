@@ -473,6 +473,35 @@ def _grouped_matmul_split_k(op: str, x: Sequence[torch.Tensor], weight: Sequence
     return [torch.stack([xs[:, s:e] @ w[s:e] for s, e in bounds])]
 
 
+# ----------------------------------------------------------------------------------------------------------
+# torch.histc of integer expert ids
+# ----------------------------------------------------------------------------------------------------------
+def install_integer_histc(npu_only: bool) -> None:
+    """Let torch.histc / Tensor.histc count integer tensors, as the npu's histc does (idempotent).
+
+    MindSpeed-MM's NPU MoE experts count tokens per expert with `torch.histc(router_indices, bins=E, min=0, max=E)`
+    on int64 expert ids (`models/transformers/qwen3vl/modeling_qwen3_vl_moe.py`, `.../glm4v_moe/...`,
+    `fsdp/ops/npu_patch/npu_fused_operator.py`) and hand the result to npu_grouped_matmul as group_list: the npu
+    kernel takes integer input, torch's CPU kernel refuses it ("histogram_cpu" not implemented for 'Long'). The
+    count runs on a float copy on the same device and comes back in the input's dtype (histc's output dtype).
+    `npu_only` (strict mode) keeps host tensors under torch's own refusal, as on a real machine.
+    """
+    if getattr(torch.histc, "_msf_integer_histc", False):
+        return
+    for owner in (torch, torch.Tensor):
+        original = owner.histc
+
+        def histc(input: torch.Tensor, *args: Any, _original: Any = original, **kwargs: Any) -> torch.Tensor:  # noqa: A002
+            """histc that also counts integer tensors (on the npu when npu_only)."""
+            counts_here = not (input.is_floating_point() or (npu_only and input.device.type != "npu"))
+            if counts_here:
+                return _original(input.float(), *args, **kwargs).to(input.dtype)
+            return _original(input, *args, **kwargs)
+
+        histc._msf_integer_histc = True  # type: ignore[attr-defined]
+        owner.histc = histc
+
+
 OPS: dict[str, Any] = {
     "npu_moe_token_permute": npu_moe_token_permute,
     "npu_moe_token_unpermute": npu_moe_token_unpermute,

@@ -34,6 +34,7 @@ if EMULATION_MODE == _modes.STRICT:
 else:
     _patching.install_npu_device(npu)
 _tv_compat.install()
+_ops.moe_ops.install_integer_histc(npu_only=EMULATION_MODE == _modes.STRICT)
 
 # The real package imports these at top level; code reaches them as attributes (torch_npu._C._distributed_c10d...).
 from torch_npu import _C, contrib, profiler, utils  # noqa: E402,F401
