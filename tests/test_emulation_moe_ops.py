@@ -445,3 +445,69 @@ def test_wrong_calls_are_refused_with_the_kernels_reason(case: str) -> None:
 def test_drop_and_pad_is_not_emulated() -> None:
     with pytest.raises(NotImplementedError, match="drop_and_pad=True"):
         moe_ops.npu_moe_token_permute_with_routing_map(_X, _MASK, num_out_tokens=8, drop_and_pad=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# mindspeed.ops.gmm: MindSpeed's JIT-built grouped matmul, answered through its op builder
+# ----------------------------------------------------------------------------------------------------------
+# A stand-in for MindSpeed's op_builder package with the shape the interception relies on (pinned MindSpeed
+# 028de58c): builder.py imports torch_npu before defining MindSpeedOpBuilder, whose load() needs CANN.
+_STANDIN = {
+    "mindspeed/__init__.py": "",
+    "mindspeed/op_builder/__init__.py": "from .gmm_builder import GMMOpBuilder, GMMV2OpBuilder\n"
+                                        "from .other_builder import OtherOpBuilder\n",
+    "mindspeed/op_builder/builder.py": (
+        "import torch_npu\n\n\nclass MindSpeedOpBuilder:\n    def __init__(self, name):\n        self.name = name\n\n"
+        "    def load(self, verbose=True):\n        raise RuntimeError('JIT build of ' + self.name + ' needs CANN')\n"),
+    "mindspeed/op_builder/gmm_builder.py": (
+        "from mindspeed.op_builder.builder import MindSpeedOpBuilder\n\n\n"
+        "class GMMOpBuilder(MindSpeedOpBuilder):\n    def __init__(self):\n        super().__init__('grouped_matmul')\n\n\n"
+        "class GMMV2OpBuilder(MindSpeedOpBuilder):\n    def __init__(self):\n"
+        "        super().__init__('grouped_matmul_v2')\n"),
+    "mindspeed/op_builder/other_builder.py": (
+        "from mindspeed.op_builder.builder import MindSpeedOpBuilder\n\n\n"
+        "class OtherOpBuilder(MindSpeedOpBuilder):\n    def __init__(self):\n        super().__init__('other')\n"),
+}
+
+
+def _gmm_builder_rank(rank: int, world_size: int, root: str, activate_first: bool) -> str:
+    """Load the grouped-matmul builders as mindspeed.ops.gmm.GMMFunction does and run forward and backward."""
+    import os
+    import sys
+
+    from mindspeed_flow import emulation
+
+    if activate_first:
+        emulation.activate(mode="strict")
+    else:  # builder.py is the first importer of torch_npu, as in a job whose first MindSpeed import is an op
+        os.environ["MSF_EMULATION_MODE"] = "strict"
+        sys.path.insert(0, emulation.site_dir())
+    sys.path.insert(0, root)
+    from mindspeed.op_builder import GMMOpBuilder, GMMV2OpBuilder, OtherOpBuilder
+
+    with pytest.raises(RuntimeError, match="JIT build of other needs CANN"):
+        OtherOpBuilder().load()
+    gmm, gmm_v2 = GMMOpBuilder().load(), GMMV2OpBuilder().load()
+    counts = [3, 0, 4, 2]
+    x, w = torch.randn(9, HIDDEN, device="npu"), torch.randn(EXPERTS, HIDDEN, FFN, device="npu")
+    grad = torch.randn(9, FFN, device="npu")
+    ref = _gmm_ref(x.cpu(), list(w.cpu().unbind(0)), counts)
+    cumsum = torch.tensor(counts).cumsum(0).to("npu")
+    torch.testing.assert_close(gmm.npu_gmm([x], [w], [], cumsum, 0, 0)[0].cpu(), ref)
+    torch.testing.assert_close(gmm_v2.npu_gmm([x], [w], [], torch.tensor(counts, device="npu"), 0, 1)[0].cpu(), ref)
+    dx, dw, dbias = gmm.npu_gmm_backward([grad], [x], [w], cumsum, 0)
+    leaves = (x.cpu().requires_grad_(), w.cpu().requires_grad_())
+    want = _grads(_gmm_ref(leaves[0], list(leaves[1].unbind(0)), counts), leaves, grad.cpu())
+    torch.testing.assert_close((dx[0].cpu(), dw[0].cpu()), want)
+    assert dbias == [] and dw[0].shape == w.shape
+    with pytest.raises(NotImplementedError, match="gemm_fusion"):
+        gmm.npu_gmm_backward_fusion([grad], [w], cumsum, 0)
+    return dx[0].device.type
+
+
+@pytest.mark.parametrize("activate_first", [True, False])
+def test_mindspeed_gmm_builders_load_the_emulated_grouped_matmul(tmp_path: Any, activate_first: bool) -> None:
+    for rel, text in _STANDIN.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert run_ranks(_gmm_builder_rank, 1, str(tmp_path), activate_first, timeout_s=300) == ["npu"]
