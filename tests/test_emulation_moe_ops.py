@@ -288,6 +288,7 @@ def _moe_layer_on_the_npu_rank(rank: int, world_size: int, mode: str) -> str:
     """The Qwen3-VL MoE layer through the fake torch_npu on npu tensors, against the same layer on the host,
     with the tokens per expert counted by torch.histc as Qwen3VLNpuFusedMoETextExperts.forward counts them."""
     from mindspeed_flow import emulation
+    from mindspeed_flow.emulation import npu_ext
 
     emulation.activate(mode=mode)
     import torch_npu
@@ -301,21 +302,30 @@ def _moe_layer_on_the_npu_rank(rank: int, world_size: int, mode: str) -> str:
     want = _grads(ref.sum(), tuple(leaves), torch.tensor(1.0))
 
     dev = [t.to("npu").requires_grad_() for t in host]
-    permuted, row_map = torch_npu.npu_moe_token_permute(dev[0], indices.to("npu"))
     router_indices = indices.long().to("npu")  # int64, as the HF router's topk returns them
     counts = torch.histc(router_indices, bins=EXPERTS, min=0, max=EXPERTS)  # the caller's count (an npu histc)
     assert counts.dtype == torch.int64 and torch.equal(counts.cpu(), _counts(indices))
     if mode == "strict":  # a host histc of integers stays refused, as by CPU torch
         with pytest.raises(RuntimeError, match="not implemented for 'Long'"):
             torch.histc(indices.long(), bins=EXPERTS, min=0, max=EXPERTS)
+    mask = _routing_map(2).to("npu")
+    probs_rm = (torch.rand(TOKENS, EXPERTS) * mask.cpu()).to("npu").requires_grad_()
+    one = torch.tensor(1.0, device="npu")
 
     def gmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch_npu.npu_grouped_matmul([x], [w], bias=None, group_list=counts, split_item=2, group_type=0,
                                             group_list_type=1)[0]
 
+    syncs_before = npu_ext.host_syncs() if mode == "strict" else {}
+    permuted, row_map = torch_npu.npu_moe_token_permute(dev[0], router_indices.to(torch.int32))
     act = torch_npu.npu_swiglu(gmm(permuted, dev[2]), dim=-1)
     out = torch_npu.npu_moe_token_unpermute(gmm(act, dev[3]), row_map, probs=dev[1])
-    got = _grads(out.sum(), tuple(dev), torch.tensor(1.0, device="npu"))
+    got = _grads(out.sum(), tuple(dev), one)
+    rows, row_probs, sorted_indices = _CallerPermute.apply(dev[0], mask, probs_rm, 2 * TOKENS)
+    back = _CallerUnpermute.apply(rows * row_probs.unsqueeze(-1), sorted_indices, dev[0].shape, probs_rm, mask)
+    _grads(back.sum(), (dev[0], probs_rm), one)
+    # The kernels read their index inputs on the device: the emulated ops add no host synchronisation.
+    assert (npu_ext.host_syncs() if mode == "strict" else {}) == syncs_before
     torch.testing.assert_close(out.cpu(), ref.detach())
     torch.testing.assert_close(tuple(g.cpu() for g in got), want)
     return f"{out.device.type} {row_map.device.type} {got[2].device.type}"
@@ -323,7 +333,8 @@ def _moe_layer_on_the_npu_rank(rank: int, world_size: int, mode: str) -> str:
 
 @pytest.mark.parametrize("mode, device", [("strict", "npu"), ("lenient", "cpu")])
 def test_moe_layer_through_the_fake_torch_npu_on_the_npu(mode: str, device: str) -> None:
-    """Registered in torch_npu, and on npu tensors (strict: the device; lenient: host) outputs stay there."""
+    """Registered in torch_npu, and on npu tensors (strict: the device; lenient: host) outputs stay there,
+    with no host synchronisation counted for the ops (strict)."""
     assert run_ranks(_moe_layer_on_the_npu_rank, 1, mode, timeout_s=300) == [f"{device} {device} {device}"]
 
 

@@ -21,6 +21,8 @@ from typing import Any, Sequence
 
 import torch
 
+from mindspeed_flow.emulation import npu_ext
+
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_TOPK = 512
@@ -47,6 +49,16 @@ def _require_dims(op: str, name: str, t: torch.Tensor, dims: Sequence[int]) -> N
     """Refuse a tensor of the wrong rank."""
     _require(t.dim() in dims, op, f"The dims of input {name} should be {' or '.join(map(str, dims))} dimensional, "
                                   f"but got {t.dim()}-dimensional.")
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values on the host without a counted host sync.
+
+    The kernels read their index inputs (group_list, routing maps, sorted indices) on the device; the emulator
+    reads them on the host to slice and check, which must not show up in the process's host-sync counts
+    (README, "Host synchronisations, counted"). Lenient npu tensors already are host tensors.
+    """
+    return npu_ext.host_alias(t) if t.device.type == "npu" else t
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -118,8 +130,8 @@ def npu_moe_token_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch
         topk = probs.shape[1]
     rows = permuted_tokens.shape[0]
     _require(rows <= total, op, f"permuted_tokens has {rows} rows, more than sorted_indices' {total}")
-    if total and int(sorted_indices.max()) >= total:
-        raise RuntimeError(f"{op}: sorted_indices holds {int(sorted_indices.max())}, past num_tokens * topK = {total}")
+    largest = int(_host(sorted_indices).max()) if total else -1
+    _require(largest < total, op, f"sorted_indices holds {largest}, past num_tokens * topK = {total}")
     if rows < total:  # rows dropped by num_out_tokens read as zeros
         pad = permuted_tokens.new_zeros(total - rows, permuted_tokens.shape[1])
         permuted_tokens = torch.cat((permuted_tokens, pad))
@@ -158,6 +170,18 @@ def _check_routing_map(op: str, routing_map: torch.Tensor, tokens_num: int | Non
     return routing_map.T.bool()
 
 
+def _routed_positions(routing_map: torch.Tensor) -> torch.Tensor:
+    """For each permuted row (expert-major: expert by expert, tokens in order), its position e * T + t in the
+    flattened routingMap.T, on routing_map's device; found on the host, where the sizes are known."""
+    positions = _host(routing_map).T.reshape(-1).nonzero().squeeze(1)
+    return positions.to(routing_map.device)
+
+
+def _row_probs(probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+    """probs.T.masked_select(routingMap.T): the prob of each permuted row (differentiable in probs)."""
+    return probs.T.reshape(-1).index_select(0, _routed_positions(routing_map))
+
+
 def _check_probs(op: str, probs: torch.Tensor | None, routing_map: torch.Tensor | None) -> None:
     """probs is float and shaped like routing_map ([tokens, experts])."""
     if probs is None:
@@ -186,18 +210,17 @@ def npu_moe_token_permute_with_routing_map(tokens: torch.Tensor, routing_map: to
     _no_drop_and_pad(op, drop_and_pad)
     _require_dtype(op, "tokens", tokens, _FLOATS)
     _require_dims(op, "tokens", tokens, (2,))
-    mask_t = _check_routing_map(op, routing_map, tokens.shape[0])
+    _check_routing_map(op, routing_map, tokens.shape[0])
     _check_probs(op, probs, routing_map)
     tokens_num = tokens.shape[0]
     topk = (tokens.shape[0] if num_out_tokens is None else int(num_out_tokens)) // max(tokens_num, 1)
-    per_token = mask_t.sum(dim=0)
+    per_token = sorted(set(_host(routing_map).bool().sum(dim=1).tolist()))
     _require(topk <= _MAX_TOPK, op, f"topK = num_out_tokens // tokens_num is {topk}, at most {_MAX_TOPK}")
-    _require(bool((per_token == topk).all()), op, f"without drop_and_pad every routing_map row must select topK = "
-                                                  f"num_out_tokens // tokens_num = {topk} experts; rows select "
-                                                  f"{sorted(set(per_token.tolist()))}")
-    token_of_row = torch.arange(tokens_num, device=tokens.device).expand(mask_t.shape).masked_select(mask_t)
+    _require(per_token in ([topk], []), op, f"without drop_and_pad every routing_map row must select topK = "
+                                           f"num_out_tokens // tokens_num = {topk} experts; rows select {per_token}")
+    token_of_row = _routed_positions(routing_map) % max(tokens_num, 1)
     row_of_pair = torch.argsort(token_of_row, stable=True)
-    permuted_probs = probs.T.masked_select(mask_t) if probs is not None else None
+    permuted_probs = _row_probs(probs, routing_map) if probs is not None else None
     return tokens.index_select(0, token_of_row), permuted_probs, row_of_pair.to(torch.int32)
 
 
@@ -230,8 +253,7 @@ def _pair_probs(probs: torch.Tensor | None, routing_map: torch.Tensor | None,
     """The prob of each token-major pair: the permuted probs (expert-major rows) read at each pair's row."""
     if probs is None:
         return None
-    row_probs = probs.T.masked_select(routing_map.T.bool())
-    return row_probs.index_select(0, sorted_indices.long())
+    return _row_probs(probs, routing_map).index_select(0, sorted_indices.long())
 
 
 def _npu_moe_token_unpermute_with_routing_map(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor,
@@ -265,7 +287,7 @@ def _npu_moe_token_unpermute_with_routing_map(permuted_tokens: torch.Tensor, sor
     if pair_probs is not None:
         per_pair = per_pair * pair_probs.to(acc).unsqueeze(-1)
     out = per_pair.view(tokens_num, total // max(tokens_num, 1), hidden).sum(dim=1).to(permuted_tokens.dtype)
-    permuted_probs = probs.T.masked_select(routing_map.T.bool()) if probs is not None else None
+    permuted_probs = _row_probs(probs, routing_map) if probs is not None else None
     return out, sorted_indices.clone(), sorted_indices.clone(), permuted_probs
 
 
@@ -337,7 +359,7 @@ def _group_bounds(op: str, group_list: Sequence[int] | torch.Tensor, group_list_
     if isinstance(group_list, torch.Tensor):
         _require_dtype(op, "group_list", group_list, (torch.int64,))
         _require_dims(op, "group_list", group_list, (1,))
-        values = [int(v) for v in group_list.tolist()]
+        values = [int(v) for v in _host(group_list).tolist()]
     else:
         values = [int(v) for v in group_list]
     _require(len(values) == groups, op, f"group_list has {len(values)} entries but there are {groups} groups")
