@@ -412,7 +412,8 @@ def npu_grouped_matmul(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor]
     unknown = sorted(set(quant) - set(_QUANT_ARGS))
     if unknown:
         raise TypeError(f"{op}() got unexpected keyword arguments {unknown}")
-    used = [name for name in _QUANT_ARGS if quant.get(name) not in (None, [], ())]
+    used = [name for name, value in quant.items()
+            if value is not None and not (isinstance(value, (list, tuple)) and not value)]
     if used:
         raise NotImplementedError(f"{op}: the quantized scenarios ({', '.join(used)}) are not emulated")
     if act_type != 0:
