@@ -294,8 +294,8 @@ def _moe_layer_on_the_npu_rank(rank: int, world_size: int, mode: str) -> str:
     import torch_npu
 
     torch.manual_seed(7)
-    host = [torch.randn(TOKENS, HIDDEN), torch.softmax(torch.randn(TOKENS, 2), -1), torch.randn(EXPERTS, HIDDEN, 2 * FFN),
-            torch.randn(EXPERTS, FFN, HIDDEN)]
+    host = [torch.randn(TOKENS, HIDDEN), torch.softmax(torch.randn(TOKENS, 2), -1),
+            torch.randn(EXPERTS, HIDDEN, 2 * FFN), torch.randn(EXPERTS, FFN, HIDDEN)]
     indices = _routing(2)
     leaves = [t.clone().requires_grad_() for t in host]
     ref = _moe_layer(leaves[0], leaves[1], indices, leaves[2], leaves[3], _CallerGmm.apply)
@@ -472,7 +472,8 @@ _STANDIN = {
         "    def load(self, verbose=True):\n        raise RuntimeError('JIT build of ' + self.name + ' needs CANN')\n"),
     "mindspeed/op_builder/gmm_builder.py": (
         "from mindspeed.op_builder.builder import MindSpeedOpBuilder\n\n\n"
-        "class GMMOpBuilder(MindSpeedOpBuilder):\n    def __init__(self):\n        super().__init__('grouped_matmul')\n\n\n"
+        "class GMMOpBuilder(MindSpeedOpBuilder):\n    def __init__(self):\n"
+        "        super().__init__('grouped_matmul')\n\n\n"
         "class GMMV2OpBuilder(MindSpeedOpBuilder):\n    def __init__(self):\n"
         "        super().__init__('grouped_matmul_v2')\n"),
     "mindspeed/op_builder/other_builder.py": (

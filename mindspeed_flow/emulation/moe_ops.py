@@ -399,7 +399,8 @@ def _check_tensor_lists(op: str, x: Sequence[torch.Tensor], weight: Sequence[tor
 
 
 def npu_grouped_matmul(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor], *,
-                       bias: Sequence[torch.Tensor] | None = None, group_list: Sequence[int] | torch.Tensor | None = None,
+                       bias: Sequence[torch.Tensor] | None = None,
+                       group_list: Sequence[int] | torch.Tensor | None = None,
                        split_item: int = 0, group_type: int | None = -1, group_list_type: int = 0, act_type: int = 0,
                        output_dtype: torch.dtype | None = None, **quant: Any) -> list[torch.Tensor]:
     """Grouped matmul, non-quantized: y_g = x_g @ w_g (+ bias_g) for each group g.
@@ -514,12 +515,12 @@ def install_integer_histc(npu_only: bool) -> None:
     for owner in (torch, torch.Tensor):
         original = owner.histc
 
-        def histc(input: torch.Tensor, *args: Any, _original: Any = original, **kwargs: Any) -> torch.Tensor:  # noqa: A002
+        def histc(input: torch.Tensor, *args: Any,  # noqa: A002 (torch's own argument name, for keyword callers)
+                  _original: Any = original, **kwargs: Any) -> torch.Tensor:
             """histc that also counts integer tensors (on the npu when npu_only)."""
-            counts_here = not (input.is_floating_point() or (npu_only and input.device.type != "npu"))
-            if counts_here:
-                return _original(input.float(), *args, **kwargs).to(input.dtype)
-            return _original(input, *args, **kwargs)
+            if input.is_floating_point() or (npu_only and input.device.type != "npu"):
+                return _original(input, *args, **kwargs)
+            return _original(input.float(), *args, **kwargs).to(input.dtype)
 
         histc._msf_integer_histc = True  # type: ignore[attr-defined]
         owner.histc = histc
