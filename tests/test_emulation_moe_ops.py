@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from mindspeed_flow.emulation import moe_ops, ops
@@ -523,3 +524,131 @@ def test_mindspeed_gmm_builders_load_the_emulated_grouped_matmul(tmp_path: Any, 
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     assert run_ranks(_gmm_builder_rank, 1, str(tmp_path), activate_first, timeout_s=300) == ["npu"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# MC2 MoE: npu_alltoallv_gmm / npu_gmm_alltoallv on 8 ranks (the smallest documented ep_world_size)
+# ----------------------------------------------------------------------------------------------------------
+EP, LOCAL = 8, 2  # 16 global experts
+
+
+def _ep_data(dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Every rank's view of the whole job (same seed everywhere): counts [src rank, global expert] with zeros,
+    each rank's expert-sorted tokens, and the two expert weights [EP * LOCAL, ...]."""
+    g = torch.Generator().manual_seed(11)
+    counts = torch.randint(0, 3, (EP, EP * LOCAL), generator=g)
+    counts[:, 5] = 0  # global expert 5 receives no token
+    tokens = [torch.randn(int(counts[s].sum()), HIDDEN, generator=g).to(dtype) for s in range(EP)]
+    w1 = torch.randn(EP * LOCAL, HIDDEN, FFN, generator=g).to(dtype)
+    w2 = torch.randn(EP * LOCAL, FFN, HIDDEN, generator=g).to(dtype)
+    return counts, tokens, w1, w2
+
+
+def _dense_ep_reference(counts: torch.Tensor, tokens: list[torch.Tensor], w1: torch.Tensor,
+                        w2: torch.Tensor) -> list[torch.Tensor]:
+    """Each rank's tokens through their global expert, block by block: x @ w1[g] @ w2[g]."""
+    return [torch.cat([x @ w1[g] @ w2[g] for g, x in enumerate(t.split(counts[s].tolist()))])
+            for s, t in enumerate(tokens)]
+
+
+class _CallerMc2Gmm(torch.autograd.Function):
+    """MindSpeed-MM's AllToAllGroupedMatmul (dispatch) and GroupedMatmulAllToAll (combine) of
+    fsdp/ops/moe_ops/gemm_mc2.py: each op's backward is the other op on the transposed weights, and the weight
+    gradient a split-K grouped matmul."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, hcom: str, send: list[int], recv: list[int],
+                dispatch: bool) -> Any:
+        npu = torch_npu_ops()
+        if dispatch:
+            out, _, rows = npu.npu_alltoallv_gmm(x, w, hcom, EP, send, recv, permute_out_flag=True)
+        else:
+            (out, _), rows = npu.npu_gmm_alltoallv(x, w, hcom, EP, send, recv), x
+        ctx.save_for_backward(w, rows)
+        ctx.hcom, ctx.send, ctx.recv, ctx.dispatch = hcom, send, recv, dispatch
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        w, rows = ctx.saved_tensors
+        npu = torch_npu_ops()
+        if ctx.dispatch:
+            (dx, _), grad_rows = npu.npu_gmm_alltoallv(grad, w, ctx.hcom, EP, ctx.recv, ctx.send,
+                                                       trans_gmm_weight=True), grad
+        else:
+            dx, _, grad_rows = npu.npu_alltoallv_gmm(grad, w, ctx.hcom, EP, ctx.recv, ctx.send,
+                                                     permute_out_flag=True, trans_gmm_weight=True)
+        per_expert = torch.tensor(ctx.recv if ctx.dispatch else ctx.send).reshape(EP, -1).sum(0).to(grad.device)
+        dw = npu.npu_grouped_matmul([rows.T], [grad_rows], group_list=per_expert, split_item=3, group_type=2,
+                                    group_list_type=1)[0]
+        return dx, dw, None, None, None, None
+
+
+def torch_npu_ops() -> Any:
+    """The fake torch_npu of an activated rank (the ops as MindSpeed-MM reaches them)."""
+    import torch_npu
+
+    return torch_npu
+
+
+def _mc2_moe_rank(rank: int, world_size: int, mode: str) -> str:
+    """An expert-parallel MoE layer (dispatch gmm, second gmm + combine) on EP ranks against the dense reference."""
+    from mindspeed_flow import emulation
+
+    emulation.activate(mode=mode)
+    counts, tokens, w1, w2 = _ep_data(torch.bfloat16)
+    # float32 leaves for the reference; the ops take bfloat16 (float16 / bfloat16 only).
+    ref_leaves = ([t.float().requires_grad_() for t in tokens], w1.float().requires_grad_(),
+                  w2.float().requires_grad_())
+    refs = _dense_ep_reference(counts, *ref_leaves)
+    grads_out = [torch.randn(r.shape, generator=torch.Generator().manual_seed(s)) for s, r in enumerate(refs)]
+    sum(torch.sum(r * g) for r, g in zip(refs, grads_out)).backward()
+
+    group = dist.new_group(list(range(world_size)), backend="hccl")
+    hcom = group._get_backend(torch.device("npu")).get_hccl_comm_name(dist.get_global_rank(group, rank))
+    send = counts[rank].tolist()
+    recv = counts[:, rank * LOCAL:(rank + 1) * LOCAL].reshape(-1).tolist()
+    local = slice(rank * LOCAL, (rank + 1) * LOCAL)
+    x = tokens[rank].to("npu").requires_grad_()
+    lw1, lw2 = w1[local].to("npu").requires_grad_(), w2[local].to("npu").requires_grad_()
+    hidden = _CallerMc2Gmm.apply(x, lw1, hcom, send, recv, True)
+    out = _CallerMc2Gmm.apply(hidden, lw2, hcom, recv, send, False)
+    out.backward(grads_out[rank].to(torch.bfloat16).to("npu"))
+    loose = {"rtol": 0.05, "atol": 0.1}  # bfloat16 operands
+    torch.testing.assert_close(out.float().cpu(), refs[rank].detach(), **loose)
+    torch.testing.assert_close(x.grad.float().cpu(), ref_leaves[0][rank].grad, **loose)
+    torch.testing.assert_close(lw1.grad.float().cpu(), ref_leaves[1].grad[local], **loose)
+    torch.testing.assert_close(lw2.grad.float().cpu(), ref_leaves[2].grad[local], **loose)
+    mm_x, mm_w = torch.randn(3, HIDDEN).bfloat16().to("npu"), torch.randn(4, HIDDEN).bfloat16().to("npu")
+    _, shared, permuted = torch_npu_ops().npu_alltoallv_gmm(x.detach(), lw1.detach(), hcom, EP, send, recv,
+                                                             mm_x=mm_x, mm_weight=mm_w, trans_mm_weight=True)
+    assert permuted is None
+    torch.testing.assert_close(shared, mm_x @ mm_w.T)
+    return out.device.type
+
+
+@pytest.mark.parametrize("mode, device", [("strict", "npu"), ("lenient", "cpu")])
+def test_mc2_moe_layer_on_eight_ranks_equals_dense_reference(mode: str, device: str) -> None:
+    assert run_ranks(_mc2_moe_rank, EP, mode, timeout_s=300) == [device] * EP
+
+
+MC2_REFUSED = {
+    "ep_world_size 2": (dict(ep_world_size=2), r"ep_world_size must be one of \(8, 16, 32, 64\), got 2"),
+    "float32": (dict(dtype=torch.float32), r"gmm_x dtype \[float32\] is invalid, should be float16 or bfloat16"),
+    "short counts": (dict(send_counts=[1] * 3), r"send_counts has 3 entries, not e \* ep_world_size = 16"),
+    "counts tensor": (dict(send_counts_tensor=torch.ones(16, dtype=torch.int64)), r"are not supported in this"),
+    "shared half": (dict(mm_x=torch.randn(3, HIDDEN).bfloat16()), r"mm_x and mm_weight go together"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MC2_REFUSED))
+@pytest.mark.parametrize("op", ["npu_alltoallv_gmm", "npu_gmm_alltoallv"])
+def test_wrong_mc2_moe_calls_are_refused(op: str, case: str) -> None:
+    """Refused before any communication, so no group is needed."""
+    overrides, message = MC2_REFUSED[case]
+    call: dict[str, Any] = dict(ep_world_size=EP, send_counts=[1] * (EP * LOCAL), recv_counts=[1] * (EP * LOCAL))
+    call.update(overrides)
+    dtype = call.pop("dtype", torch.bfloat16)
+    x, w = torch.randn(EP * LOCAL, HIDDEN).to(dtype), torch.randn(LOCAL, HIDDEN, FFN).to(dtype)
+    with pytest.raises(RuntimeError, match=message):
+        getattr(moe_ops, op)(x, w, "no_such_comm", **call)

@@ -20,8 +20,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 
-from mindspeed_flow.emulation import npu_ext
+from mindspeed_flow.emulation import hccl, npu_ext
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -498,6 +499,123 @@ def _grouped_matmul_split_k(op: str, x: Sequence[torch.Tensor], weight: Sequence
 
 
 # ----------------------------------------------------------------------------------------------------------
+# MC2 MoE: all-to-all-v fused with the grouped matmul (expert parallelism)
+# ----------------------------------------------------------------------------------------------------------
+# Sources: torch_npu `npu_alltoallv_gmm` and `npu_gmm_alltoallv` API pages (op-plugin `docs/context/
+# torch_npu-npu_alltoallv_gmm.md`, `torch_npu-npu_gmm_alltoallv.md`, https://gitcode.com/Ascend/op-plugin, 7.3.0):
+# gmm_x 2-D and gmm_weight 3-D [e, H1, N1] in float16 / bfloat16 (one dtype), ep_world_size 8, 16, 32 or 64,
+# send_counts / recv_counts lists of e * ep_world_size ints (at most 256, e <= 32), send/recv_counts_tensor "not
+# supported in this version", mm_x / mm_weight 2-D, given together, the shared expert's matmul. Layout (from the
+# callers, MindSpeed-MM `fsdp/ops/moe_ops/gemm_mc2.py` and MindSpeed `ops/grouped_matmul_mc2.py`): counts are
+# indexed [rank * e + local expert]; the all-to-all-v exchanges each rank's block of e counts; Permute turns the
+# received (source rank, local expert) blocks into local-expert-major order, the grouped matmul's row groups
+# (recv_counts.reshape(ep, e).sum(0)), and npu_gmm_alltoallv undoes it. The doc's 2 MB - 100 MB per-card traffic
+# range is a performance envelope and not checked. The kernels have no autograd: their callers pair each with the
+# other in their own backward.
+_MC2_EP_SIZES = (8, 16, 32, 64)
+
+
+def _check_mc2_gmm(op: str, gmm_x: torch.Tensor, gmm_weight: torch.Tensor, hcom: str, ep_world_size: int,
+                   send_counts: Sequence[int], recv_counts: Sequence[int], counts_tensors: tuple,
+                   mm_x: torch.Tensor | None, mm_weight: torch.Tensor | None) -> tuple[int, dist.ProcessGroup]:
+    """The documented rules of the two MC2 grouped matmuls; returns (e, the experts per rank; the EP group)."""
+    for name, t in (("gmm_x", gmm_x), ("gmm_weight", gmm_weight)):
+        _require_dtype(op, name, t, (torch.float16, torch.bfloat16))
+    _require(gmm_weight.dtype == gmm_x.dtype, op, "gmm_weight must have gmm_x's dtype")
+    _require_dims(op, "gmm_x", gmm_x, (2,))
+    _require_dims(op, "gmm_weight", gmm_weight, (3,))
+    _require(ep_world_size in _MC2_EP_SIZES, op, f"ep_world_size must be one of {_MC2_EP_SIZES}, got {ep_world_size}")
+    experts = gmm_weight.shape[0]
+    _require(experts <= 32 and experts * ep_world_size <= 256, op, f"e = {experts} experts per rank times "
+             f"ep_world_size {ep_world_size}: e must be <= 32 and e * ep_world_size <= 256")
+    for name, counts in (("send_counts", send_counts), ("recv_counts", recv_counts)):
+        _require(len(counts) == experts * ep_world_size, op, f"{name} has {len(counts)} entries, not e * "
+                                                             f"ep_world_size = {experts * ep_world_size}")
+    _require(all(t is None for t in counts_tensors), op, "send_counts_tensor / recv_counts_tensor are not supported "
+                                                         "in this version (pass None)")
+    _require((mm_x is None) == (mm_weight is None), op, "mm_x and mm_weight go together (the shared expert)")
+    if mm_x is not None:
+        for name, t in (("mm_x", mm_x), ("mm_weight", mm_weight)):
+            _require_dtype(op, name, t, (torch.float16, torch.bfloat16))
+            _require_dims(op, name, t, (2,))
+    _require(sum(send_counts) == gmm_x.shape[0], op, f"send_counts sum to {sum(send_counts)} but gmm_x has "
+                                                     f"{gmm_x.shape[0]} rows")
+    group = hccl.group_from_comm_name(hcom)
+    _require(dist.get_world_size(group) == ep_world_size, op, f"ep_world_size={ep_world_size} but the "
+                                                              f"communicator's group has {dist.get_world_size(group)}")
+    return experts, group
+
+
+def _all_to_all_v(x: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], experts: int,
+                  ep_world_size: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Rows to each rank in blocks of `experts` counts; rows from each rank back in rank order."""
+    per_rank = [sum(counts[r * experts:(r + 1) * experts]) for counts in (send_counts, recv_counts)
+                for r in range(ep_world_size)]
+    send_splits, recv_splits = per_rank[:ep_world_size], per_rank[ep_world_size:]
+    out = x.new_empty(sum(recv_splits), x.shape[1])
+    dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+    return out
+
+
+def _regroup(x: torch.Tensor, counts: Sequence[int], outer: int, inner: int) -> torch.Tensor:
+    """Blocks of rows indexed [o * inner + i] (sizes `counts`) reordered to [i * outer + o]."""
+    blocks = x.split(list(counts))
+    return torch.cat([blocks[o * inner + i] for i in range(inner) for o in range(outer)])
+
+
+def _local_expert_gmm(x: torch.Tensor, weight: torch.Tensor, transpose: bool, counts: Sequence[int],
+                      experts: int, ep_world_size: int) -> torch.Tensor:
+    """The grouped matmul of local-expert-major rows; `counts` are indexed [rank * e + local expert]."""
+    rows = [sum(counts[r * experts + j] for r in range(ep_world_size)) for j in range(experts)]
+    return npu_grouped_matmul([x], [weight.transpose(1, 2) if transpose else weight], group_list=rows,
+                              split_item=3, group_type=0, group_list_type=1)[0]
+
+
+def _mm(x: torch.Tensor | None, weight: torch.Tensor | None, transpose: bool) -> torch.Tensor | None:
+    """The shared expert's matmul, when given."""
+    if x is None:
+        return None
+    return x @ (weight.T if transpose else weight)
+
+
+def npu_alltoallv_gmm(gmm_x: torch.Tensor, gmm_weight: torch.Tensor, hcom: str, ep_world_size: int,
+                      send_counts: Sequence[int], recv_counts: Sequence[int], *,
+                      send_counts_tensor: torch.Tensor | None = None, recv_counts_tensor: torch.Tensor | None = None,
+                      mm_x: torch.Tensor | None = None, mm_weight: torch.Tensor | None = None,
+                      trans_gmm_weight: bool = False, trans_mm_weight: bool = False,
+                      permute_out_flag: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """All-to-all-v of the expert-sorted rows, Permute to local-expert-major order, grouped matmul per local expert;
+    returns (gmm_y, mm_y, permute_out), the last two None unless asked for."""
+    experts, group = _check_mc2_gmm("npu_alltoallv_gmm", gmm_x, gmm_weight, hcom, ep_world_size, send_counts,
+                                    recv_counts, (send_counts_tensor, recv_counts_tensor), mm_x, mm_weight)
+    with torch.no_grad():
+        received = _all_to_all_v(gmm_x, send_counts, recv_counts, experts, ep_world_size, group)
+        permute_out = _regroup(received, recv_counts, ep_world_size, experts)
+        gmm_y = _local_expert_gmm(permute_out, gmm_weight, trans_gmm_weight, recv_counts, experts, ep_world_size)
+        mm_y = _mm(mm_x, mm_weight, trans_mm_weight)
+    return gmm_y, mm_y, permute_out if permute_out_flag else None
+
+
+def npu_gmm_alltoallv(gmm_x: torch.Tensor, gmm_weight: torch.Tensor, hcom: str, ep_world_size: int,
+                      send_counts: Sequence[int], recv_counts: Sequence[int], *,
+                      send_counts_tensor: torch.Tensor | None = None, recv_counts_tensor: torch.Tensor | None = None,
+                      mm_x: torch.Tensor | None = None, mm_weight: torch.Tensor | None = None,
+                      trans_gmm_weight: bool = False,
+                      trans_mm_weight: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Grouped matmul per local expert on local-expert-major rows, Unpermute to (rank, expert) blocks, all-to-all-v
+    back to the ranks the rows came from; returns (y, mm_y)."""
+    experts, group = _check_mc2_gmm("npu_gmm_alltoallv", gmm_x, gmm_weight, hcom, ep_world_size, send_counts,
+                                    recv_counts, (send_counts_tensor, recv_counts_tensor), mm_x, mm_weight)
+    with torch.no_grad():
+        gmm_y = _local_expert_gmm(gmm_x, gmm_weight, trans_gmm_weight, send_counts, experts, ep_world_size)
+        expert_major = [send_counts[r * experts + j] for j in range(experts) for r in range(ep_world_size)]
+        unpermute_out = _regroup(gmm_y, expert_major, experts, ep_world_size)
+        y = _all_to_all_v(unpermute_out, send_counts, recv_counts, experts, ep_world_size, group)
+        mm_y = _mm(mm_x, mm_weight, trans_mm_weight)
+    return y, mm_y
+
+
+# ----------------------------------------------------------------------------------------------------------
 # torch.histc of integer expert ids
 # ----------------------------------------------------------------------------------------------------------
 def install_integer_histc(npu_only: bool) -> None:
@@ -535,4 +653,6 @@ OPS: dict[str, Any] = {
     "_npu_moe_token_unpermute_with_routing_map": _npu_moe_token_unpermute_with_routing_map,
     "npu_moe_token_unpermute_with_routing_map": npu_moe_token_unpermute_with_routing_map,
     "npu_moe_token_unpermute_with_routing_map_grad": npu_moe_token_unpermute_with_routing_map_grad,
+    "npu_alltoallv_gmm": npu_alltoallv_gmm,
+    "npu_gmm_alltoallv": npu_gmm_alltoallv,
 }
