@@ -6,7 +6,9 @@ eager (non-NPU) references, forward and backward.
   `fsdp/ops/npu_patch/npu_fused_operator.py`) against the same functions with fused=False;
 - MindSpeed's `te/pytorch/permutation.py` MoePermuteMaskMap / MoeUnpermuteMaskMap (--moe-permute-fusion) against
   Megatron's `moe_utils.permute` / `unpermute`;
-- MindSpeed's `core/transformer/moe/grouped_gemm_util.py` Ops.gmm (--moe-grouped-gemm) against a loop over experts.
+- MindSpeed's `core/transformer/moe/grouped_gemm_util.py` Ops.gmm (--moe-grouped-gemm) against a loop over experts;
+- MindSpeed-MM's MC2 expert-parallel grouped matmuls (`fsdp/ops/moe_ops/gemm_mc2.py` all2all_grouped_matmul and
+  grouped_matmul_all2all, on 8 ranks) against every token through its expert on one rank.
 
 Each runs on a forked rank that activates the emulation; skipped unless the three source trees are found.
 """
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from mindspeed_flow.emulation.sources import Sources
@@ -44,14 +47,18 @@ def _routing() -> torch.Tensor:
     return torch.stack([used[torch.randperm(len(used), generator=g)[:K]] for _ in range(T)])
 
 
-def _fsdp_moe_ops_rank(rank: int, world_size: int, mode: str, paths: list[str], mm_root: str) -> str:
-    _setup(mode, paths)
-    # Import the op modules without running the packages' __init__, which apply process-wide FSDP and attention
-    # patches tied to one torch build.
+def _skip_package_inits(mm_root: str) -> None:
+    """Import MindSpeed-MM's op modules without running the packages' __init__, which apply process-wide FSDP and
+    attention patches tied to one torch build."""
     for name in ("mindspeed_mm", "mindspeed_mm.fsdp", "mindspeed_mm.fsdp.ops"):
         package = types.ModuleType(name)
         package.__path__ = [str(Path(mm_root, *name.split(".")))]
         sys.modules[name] = package
+
+
+def _fsdp_moe_ops_rank(rank: int, world_size: int, mode: str, paths: list[str], mm_root: str) -> str:
+    _setup(mode, paths)
+    _skip_package_inits(mm_root)
     import torch_npu
     from mindspeed_mm.fsdp.ops.moe_ops.gemm import grouped_matmul
     from mindspeed_mm.fsdp.ops.moe_ops.permute import permute
@@ -126,6 +133,40 @@ def _grouped_gemm_rank(rank: int, world_size: int, paths: list[str]) -> str:
     return got.device.type
 
 
+EP, LOCAL = 8, 2  # the smallest documented MC2 ep_world_size
+
+
+def _mc2_ep_rank(rank: int, world_size: int, paths: list[str], mm_root: str) -> str:
+    _setup("strict", paths)
+    _skip_package_inits(mm_root)
+    from mindspeed_mm.fsdp.ops.moe_ops.gemm_mc2 import all2all_grouped_matmul, grouped_matmul_all2all
+
+    g = torch.Generator().manual_seed(5)
+    counts = torch.randint(0, 3, (EP, EP * LOCAL), generator=g)  # [source rank, global expert], zeros included
+    tokens = [torch.randn(int(counts[s].sum()), H, generator=g).bfloat16() for s in range(EP)]
+    w1 = torch.randn(EP * LOCAL, H, I, generator=g).bfloat16()
+    w2 = torch.randn(EP * LOCAL, I, H, generator=g).bfloat16()
+    ref_x, ref_w1, ref_w2 = tokens[rank].float().requires_grad_(), w1.float().requires_grad_(), w2.float()
+    ref = torch.cat([x @ ref_w1[e] @ ref_w2[e] for e, x in enumerate(ref_x.split(counts[rank].tolist()))])
+    ref.sum().backward()
+    group = dist.new_group(list(range(world_size)), backend="hccl")
+    local = slice(rank * LOCAL, (rank + 1) * LOCAL)
+    x = tokens[rank].to("npu").requires_grad_()
+    lw1, lw2 = w1[local].to("npu").requires_grad_(), w2[local].to("npu")
+    send = counts[rank].to("npu")  # as ep_dispatcher.py hands them: tensors on the device
+    recv = counts[:, local].reshape(-1).to("npu")
+    hidden = all2all_grouped_matmul(x, lw1, group, send, recv)
+    out = grouped_matmul_all2all(hidden, lw2, group, recv, send)
+    out.sum().backward()
+    full_dw1 = ref_w1.grad.to("npu")  # a rank's expert weights get every rank's tokens' gradient: sum them
+    dist.all_reduce(full_dw1, group=group)
+    loose = {"rtol": 0.05, "atol": 0.1}  # bfloat16 operands
+    torch.testing.assert_close(out.float().cpu(), ref.detach(), **loose)
+    torch.testing.assert_close(x.grad.float().cpu(), ref_x.grad, **loose)
+    torch.testing.assert_close(lw1.grad.float().cpu(), full_dw1[local].cpu(), **loose)
+    return out.device.type
+
+
 @pytest.mark.parametrize("mode, device", [("strict", "npu"), ("lenient", "cpu")])
 def test_mindspeed_mm_fsdp_moe_ops_fused_equal_eager(mm_sources: Sources, mode: str, device: str) -> None:
     assert run_ranks(_fsdp_moe_ops_rank, 1, mode, mm_sources.pythonpath(), str(mm_sources.mindspeed_mm.root),
@@ -138,3 +179,8 @@ def test_mindspeed_routing_map_permute_equals_megatron(mm_sources: Sources) -> N
 
 def test_mindspeed_grouped_gemm_equals_expert_loop(mm_sources: Sources) -> None:
     assert run_ranks(_grouped_gemm_rank, 1, mm_sources.pythonpath(), timeout_s=300) == ["npu"]
+
+
+def test_mindspeed_mm_mc2_expert_parallel_equals_one_rank(mm_sources: Sources) -> None:
+    assert run_ranks(_mc2_ep_rank, EP, mm_sources.pythonpath(), str(mm_sources.mindspeed_mm.root),
+                     timeout_s=300) == ["npu"] * EP
