@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mindspeed_flow.emulation import hccl
+from mindspeed_flow.emulation import hccl, moe_ops
 
 _LAYOUTS = ("BNSD", "BSND", "SBH", "BSH", "TND")
 _NO_LIMIT = 2147483647
@@ -340,4 +340,5 @@ OPS: dict[str, Any] = {
     "npu_all_gather_base_mm": npu_all_gather_base_mm,
     "npu_mm_reduce_scatter_base": npu_mm_reduce_scatter_base,
     "npu_mm_all_reduce_base": npu_mm_all_reduce_base,
+    **moe_ops.OPS,
 }

@@ -13,6 +13,7 @@ import sys as _sys
 import torch as _torch
 
 from mindspeed_flow.emulation import log as _log
+from mindspeed_flow.emulation import mindspeed_ops as _mindspeed_ops
 from mindspeed_flow.emulation import modes as _modes
 from mindspeed_flow.emulation import ops as _ops
 from mindspeed_flow.emulation import patching as _patching
@@ -34,6 +35,8 @@ if EMULATION_MODE == _modes.STRICT:
 else:
     _patching.install_npu_device(npu)
 _tv_compat.install()
+_ops.moe_ops.install_integer_histc(npu_only=EMULATION_MODE == _modes.STRICT)
+_mindspeed_ops.install()  # MindSpeed's JIT-built grouped matmul (mindspeed.ops.gmm) answered by the emulator
 
 # The real package imports these at top level; code reaches them as attributes (torch_npu._C._distributed_c10d...).
 from torch_npu import _C, contrib, profiler, utils  # noqa: E402,F401
