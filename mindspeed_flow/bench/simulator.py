@@ -595,11 +595,11 @@ def step_planning_seconds(job: Any, steps: Sequence[int], repeats: int = 3) -> f
     from mindspeed_flow.packing import CostModel
     from mindspeed_flow.runtime.worker import plan_for_step
     from mindspeed_flow.specs import VLMSpec
-    from mindspeed_flow.topology import Layout, bridge_of
+    from mindspeed_flow.topology import Layout, bridges_of
 
     hf = model_hf_config(job)
     layout = Layout.from_config(job.parallel, job.flow.mode)
-    topo = SimpleNamespace(layout=layout, bridge=bridge_of(layout), world_size=layout.world_size)
+    topo = SimpleNamespace(layout=layout, bridges=bridges_of(layout), world_size=layout.world_size)
     dataset = build_dataset(job.data, token_spec_from_hf_config(hf))
     cost_model = CostModel.from_config(job.packing, VLMSpec.from_hf_config(hf),
                                        frozen_encoder=bool(job.model.freeze_encoder))
