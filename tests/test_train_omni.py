@@ -158,6 +158,40 @@ def test_three_part_omni_matches_coupled(tmp_path: Path, capfd, layout: str) -> 
     assert dec[-1]["loss"] < dec[0]["loss"]
 
 
+# What the N-part runtime runs besides data parallelism, each against coupled training of the same thinker:
+# (recipe overrides, the decoupled layout as the writer prints it). Three steps, at most 5 ranks.
+FEATURES = {
+    "backbone_tp2": (["parallel.backbone.tp=2"], "audio[dp1 tp1 pp1] + vision[dp1 tp1 pp1] + backbone[dp1 tp2 pp1]"),
+    # 5 coupled DP ranks: 10 samples a step, each gets the same share
+    "encoders_tp2": (["parallel.encoders.audio.tp=2", "parallel.encoders.vision.tp=2", "trainer.global_batch_size=10"],
+                     "audio[dp1 tp2 pp1] + vision[dp1 tp2 pp1] + backbone[dp1 tp1 pp1]"),
+    "backbone_pp2": (["parallel.backbone.pp=2"], "audio[dp1 tp1 pp1] + vision[dp1 tp1 pp1] + backbone[dp1 tp1 pp2]"),
+    "frozen": (["model.freeze_encoder=true"], "audio[dp1 tp1 pp1] + vision[dp1 tp1 pp1] + backbone[dp1 tp1 pp1]"),
+    # ViT patches (<= 64 an image here) for the vision part, mel frames (40..300 a clip) for the audio part
+    "batching": (["flow.encoder_batch_tokens=600"], "audio[dp1 tp1 pp1] + vision[dp1 tp1 pp1] + backbone[dp1 tp1 pp1]"),
+}
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_three_part_feature_matches_coupled(tmp_path: Path, capfd, feature: str) -> None:
+    """Tensor parallel encoders or backbone, a pipelined backbone (its first stage takes both parts' embeddings),
+    frozen encoders, encoder batching: each trains as coupled training of the same thinker does."""
+    extra, described = FEATURES[feature]
+    dec, cou = _matches_coupled(tmp_path, capfd, 3, extra, described)
+    if feature == "frozen":  # neither encoder part moved from its initial weights (the recipe's seed 0)
+        from mindspeed_flow.hosts.torch import build_vlm
+        from mindspeed_flow.hosts.torch.omni import split_omni
+
+        cfg, _ = _dataset()
+        parts = split_omni(build_vlm(OMNI, cfg, seed=0))
+        final = load_flat(tmp_path / "decoupled" / "checkpoints" / "step-2")
+        for part in ("audio", "vision"):
+            for name, p in parts[part].named_parameters():
+                assert torch.equal(final[f"{part}.{name}"], p.detach()), f"{part}.{name} moved"
+    if feature == "batching":  # several samples went through one encoder forward
+        assert all(a["encoder_forwards"] < a["encoder_samples"] for a in dec), dec
+
+
 @pytest.mark.parametrize(
     "overrides, match",
     [
