@@ -80,8 +80,9 @@ def plan_for_step(job: FlowJobConfig, topo: Topology, step: int, shapes: list, c
                   oversize_policy=p.oversize_policy, pad_multiple=p.pad_multiple, plan=plan)
     if topo.layout.mode == "decoupled":
         # each encoder part's samples balanced over its own producers, priced in its own unit (only the Omni
-        # dataset has audio)
-        costs = encoder_costs(topo.bridges, dataset.shape, cost_model, getattr(dataset, "audio_cost", None))
+        # dataset has audio; the planner's simulator replays plans without a dataset)
+        costs = encoder_costs(topo.bridges, {s.sample_id: s for s in shapes}.__getitem__, cost_model,
+                              getattr(dataset, "audio_cost", None))
         return plan_decoupled_step(step, shapes, bridges=topo.bridges, part_costs=costs,
                                    min_microbatches=topo.layout.part("backbone").pp, **common)
     coupled = topo.layout.part("coupled")
