@@ -386,7 +386,8 @@ class DecoderStep:
                 self.transport = self._transport_factory()
             # Every embedding of this step, posted at once in the step's global embedding order: each lands as
             # soon as it is encoded, while the decoder works on earlier microbatches.
-            items = [PlannedItem(step.work.producers["encoder"][sid], step.step, sid, step.samples[sid].image_tokens)
+            producer_of = step.work.producers["encoder"]
+            items = [PlannedItem(producer_of[sid], step.step, sid, step.samples[sid].image_tokens)
                      for sid in embedding_order(step, ctx.producers()) if step.work.consumer_of.get(sid) == ctx.rank]
             self.transport.post_receives(CHANNEL_EMBEDDING, items, self.embed_dim)
         self.timer = ctx.timer = PartTimer()
