@@ -269,6 +269,7 @@ class AudioSpec:
     layers: int
     ffn: int
     output_dim: int
+    heads: int = 0  # attention heads per layer (what tensor parallelism splits)
 
     @property
     def params(self) -> int:
@@ -381,6 +382,6 @@ class VLMSpec:
         a = cfg.get("audio_config")
         audio = None if not a else AudioSpec(
             num_mel_bins=int(a["num_mel_bins"]), d_model=int(a["d_model"]), layers=int(a["encoder_layers"]),
-            ffn=int(a["encoder_ffn_dim"]), output_dim=int(a["output_dim"]))
+            ffn=int(a["encoder_ffn_dim"]), output_dim=int(a["output_dim"]), heads=int(a["encoder_attention_heads"]))
         return VLMSpec(name=name or model_type, vision=vision, llm=llm,
                        image_token_id=cfg.get("image_token_id", cfg.get("image_token_index")), audio=audio)

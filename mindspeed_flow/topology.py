@@ -1,5 +1,5 @@
-"""The world split into part groups: encoder and backbone, each with its own DP/TP/PP (CP accepted, must be 1
-on the torch host), plus the bridge between encoder ranks and the backbone's first-stage ranks.
+"""The world split into part groups: the encoder part(s) and the backbone, each with its own DP/TP/PP (CP accepted,
+must be 1 on the torch host), plus each encoder part's bridge to the backbone's first-stage ranks.
 
 One explicit object (`Topology`) holds every process group a rank uses; nothing lives in module globals
 (nanotron's ParallelContext, Megatron MIMO's per-module grids). Layouts are validated *before* any group is
@@ -17,6 +17,7 @@ from typing import Iterable, Optional, Sequence
 import torch.distributed as dist
 
 ENCODER = "encoder"
+AUDIO = "audio"  # the Qwen2.5-Omni thinker's audio encoder part
 BACKBONE = "backbone"
 COUPLED = "coupled"
 
@@ -60,6 +61,7 @@ class ModelLimits:
     llm_kv_heads: int
     vit_heads: int
     vit_layers: int
+    audio_heads: int = 0  # the audio encoder part's attention heads (0: the model has no audio part)
 
 
 @dataclass(frozen=True)
@@ -105,11 +107,6 @@ class Layout:
     def encoder_parts(self) -> list[str]:
         """The encoder parts' names, in rank order (["encoder"] for a VLM; e.g. ["audio", "vision"])."""
         return [p.name for p in self.parts if p.name not in (BACKBONE, COUPLED)]
-
-    @property
-    def multipart(self) -> bool:
-        """Several encoder parts (parallel.encoders) feed the backbone."""
-        return self.encoder_parts not in ([ENCODER], [])
 
     def part(self, name: str) -> PartLayout:
         for p in self.parts:
@@ -165,7 +162,9 @@ class Layout:
                 raise LayoutError(f"parallel.coupled.tp={p.tp}: the torch host's coupled mode runs DP x PP only (tp must "
                                   "be 1); a coupled MindSpeed-MM recipe runs with `launch-script --job mm`")
             if limits is not None:
-                heads = limits.vit_heads if is_encoder else limits.llm_heads
+                # an audio part (the Omni thinker's) has its own head count; every other encoder part is a ViT
+                heads = (limits.audio_heads if p.name == AUDIO else limits.vit_heads) if is_encoder else \
+                    limits.llm_heads
                 if heads % p.tp:
                     raise LayoutError(f"{f}.tp={p.tp}: the attention heads ({heads}) must be divisible by tp")
                 if not is_encoder and limits.llm_kv_heads % p.tp and p.tp % limits.llm_kv_heads:
@@ -176,10 +175,6 @@ class Layout:
                     raise LayoutError(f"{f}.pp={p.pp}: more pipeline stages than layers ({layers})")
             if is_encoder and p.pp != 1:
                 raise LayoutError(f"{f}.pp={p.pp}: the encoder part runs data/tensor parallel only (pp must be 1)")
-            if self.multipart and (p.tp != 1 or p.pp != 1):
-                # the N-part step has no TP broadcast of several parts' rows nor a pipeline source for them yet
-                raise LayoutError(f"{f}.tp={p.tp}, pp={p.pp}: with several encoder parts (parallel.encoders) "
-                                  "every part runs data parallel only (tp and pp must be 1)")
             if p.layer_split is not None:
                 where = "parallel.coupled" if p.name == COUPLED else f
                 split = list(p.layer_split)

@@ -362,7 +362,7 @@ def _step(dp_rows: list[list[list[int]]], producers: dict[int, list[int]], token
     for p, ids in producers.items():
         work.encode_order[p] = ids
         for sid in ids:
-            work.producer_of[sid] = p
+            work.producers.setdefault("encoder", {})[sid] = p
     samples = {sid: FlowSample(sid, torch.zeros(5), torch.zeros(5), None, None, n) for sid, n in tokens.items()}
     return FlowStep(0, samples, work), consumers
 

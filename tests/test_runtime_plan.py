@@ -19,30 +19,33 @@ COST = CostModel.from_spec(VLMSpec.from_hf_config(hf_config_dict("qwen2_vl", "ti
 def test_decoupled_plan_respects_bridge_and_order(producers: list[int], consumers: list[int]) -> None:
     shapes = infovqa_shapes(48, seed=5, max_pixels=64 * 28 * 28)
     bridge = Bridge.build(producers, consumers)
-    work = plan_decoupled_step(0, shapes, bridge=bridge, token_budget=2048, cost_model=COST, scheduler="flow",
-                               min_microbatches=2, oversize_policy="error")
-    again = plan_decoupled_step(0, shapes, bridge=bridge, token_budget=2048, cost_model=COST, scheduler="flow",
-                                min_microbatches=2, oversize_policy="error")
-    assert work.encode_order == again.encode_order and work.producer_of == again.producer_of
+    work = plan_decoupled_step(0, shapes, bridges={"encoder": bridge}, token_budget=2048, cost_model=COST,
+                               scheduler="flow", min_microbatches=2, oversize_policy="error")
+    again = plan_decoupled_step(0, shapes, bridges={"encoder": bridge}, token_budget=2048, cost_model=COST,
+                                scheduler="flow", min_microbatches=2, oversize_policy="error")
+    assert list(work.producers) == ["encoder"]  # one encoder part: the one mapping is keyed "encoder"
+    producer_of = work.producers["encoder"]
+    assert work.encode_order == again.encode_order and producer_of == again.producers["encoder"]
     assert sorted(work.consumer_of) == sorted(s.sample_id for s in shapes)
     with_images = {s.sample_id for s in shapes if s.num_images}
-    assert set(work.producer_of) == with_images
+    assert set(producer_of) == with_images
     slot_of = {sid: k for row in work.plan.microbatches for k, mb in enumerate(row) for sid in mb.sample_ids}
     for p, sids in work.encode_order.items():
         # slot by slot: everything the backbone needs for slot k is encoded before anything of slot k + 1
         assert [slot_of[s] for s in sids] == sorted(slot_of[s] for s in sids)
         for sid in sids:
-            assert work.producer_of[sid] == p
+            assert producer_of[sid] == p
             group_producers, group_consumers = bridge.group_of_consumer(work.consumer_of[sid])
             assert p in group_producers and work.consumer_of[sid] in group_consumers
-    loads = [v for v in work.encoder_cost.values()]
+    assert list(work.encoder_cost) == ["encoder"]
+    loads = [v for v in work.encoder_cost["encoder"].values()]
     assert max(loads) / (sum(loads) / len(loads)) < 1.25
     # each consumer takes a producer's items in the order that producer puts them (no pool-credit deadlock)
     for consumer in consumers:
         taken = [sid for row, c in zip(work.plan.microbatches, bridge.consumers) if c == consumer
-                 for mb in row for sid in work.in_put_order([s for s in mb.sample_ids if s in work.producer_of])]
+                 for mb in row for sid in work.in_put_order([s for s in mb.sample_ids if s in producer_of])]
         for p, sids in work.encode_order.items():
-            mine = [sid for sid in taken if work.producer_of[sid] == p]
+            mine = [sid for sid in taken if producer_of[sid] == p]
             assert mine == [sid for sid in sids if work.consumer_of[sid] == consumer]
 
 
@@ -50,7 +53,8 @@ def test_coupled_plan_encodes_where_it_consumes() -> None:
     shapes = infovqa_shapes(24, seed=1, max_pixels=64 * 28 * 28)
     work = plan_coupled_step(0, shapes, dp=3, token_budget=2048, cost_model=COST, scheduler="flow",
                              oversize_policy="error")
-    assert all(work.producer_of[s] == work.consumer_of[s] for s in work.producer_of)
+    producer_of = work.producers["encoder"]
+    assert all(producer_of[s] == work.consumer_of[s] for s in producer_of)
     assert len(work.plan.microbatches) == 3
 
 

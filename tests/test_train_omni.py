@@ -115,48 +115,92 @@ LAYOUTS = {"a1_v1_bb1": ([], 3),
                          5)}
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_three_part_omni_matches_coupled(tmp_path: Path, capfd, layout: str) -> None:
-    """Same seed and recipe: the loss and the global gradient norm of every step (rel <= 1e-5 / 1e-4) and the final
-    parameters of all three parts equal those of coupled training (every rank runs the whole thinker)."""
-    extra, world = LAYOUTS[layout]
+def _matches_coupled(tmp_path: Path, capfd, steps: int, extra: list[str], described: str
+                     ) -> tuple[list[dict], list[dict]]:
+    """Decoupled and coupled training of the same seed and recipe: the decoupled layout is `described`, the loss
+    and the global gradient norm of every step agree (rel <= 1e-5 / 1e-4), and so do the final parameters of all
+    three parts (rtol 1e-4, atol 1e-6). Returns both runs' metrics."""
     runs = {}
     for mode in ("decoupled", "coupled"):
-        runs[mode] = _train(tmp_path / mode, "experiment=omni_3part", "trainer.steps=6", f"flow.mode={mode}",
+        runs[mode] = _train(tmp_path / mode, "experiment=omni_3part", f"trainer.steps={steps}", f"flow.mode={mode}",
                             "trainer.save_final=true", *extra)
         if mode == "decoupled":  # three groups really ran, with the layout's sizes
-            dp = {"audio": 2 if world == 5 else 1, "backbone": 2 if world == 5 else 1}
-            described = (f"audio[dp{dp['audio']} tp1 pp1] + vision[dp1 tp1 pp1] + backbone[dp{dp['backbone']} "
-                         f"tp1 pp1] on {world} x")
             assert described in capfd.readouterr().out
     dec, cou = runs["decoupled"], runs["coupled"]
-    assert [x["step"] for x in dec] == list(range(6)) == [x["step"] for x in cou]
+    assert [x["step"] for x in dec] == list(range(steps)) == [x["step"] for x in cou]
     for a, b in zip(dec, cou):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"], (a["step"], a["grad_norm"],
                                                                                 b["grad_norm"])
         # both encoder groups worked: samples with audio AND an image were encoded twice, once per part
         assert a["encoder_samples"] > a["samples"], a
-        # balance is judged within each part (audio frames never against ViT costs): one producer each is 1.0
-        assert a["encoder_imbalance"] == 1.0 if world == 3 else a["encoder_imbalance"] >= 1.0, a
-    pa = load_flat(tmp_path / "decoupled" / "checkpoints" / "step-5")
-    pb = load_flat(tmp_path / "coupled" / "checkpoints" / "step-5")
+    pa = load_flat(tmp_path / "decoupled" / "checkpoints" / f"step-{steps - 1}")
+    pb = load_flat(tmp_path / "coupled" / "checkpoints" / f"step-{steps - 1}")
     assert sorted(pa) == sorted(pb)
     assert {k.split(".")[0] for k in pa} == {"audio", "vision", "backbone"}
     for k in pa:
         torch.testing.assert_close(pa[k], pb[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    return dec, cou
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_three_part_omni_matches_coupled(tmp_path: Path, capfd, layout: str) -> None:
+    """Same seed and recipe: the loss and the global gradient norm of every step (rel <= 1e-5 / 1e-4) and the final
+    parameters of all three parts equal those of coupled training (every rank runs the whole thinker)."""
+    extra, world = LAYOUTS[layout]
+    dp = {"audio": 2 if world == 5 else 1, "backbone": 2 if world == 5 else 1}
+    described = (f"audio[dp{dp['audio']} tp1 pp1] + vision[dp1 tp1 pp1] + backbone[dp{dp['backbone']} "
+                 f"tp1 pp1] on {world} x")
+    dec, _ = _matches_coupled(tmp_path, capfd, 6, extra, described)
+    for a in dec:
+        # balance is judged within each part (audio frames never against ViT costs): one producer each is 1.0
+        assert a["encoder_imbalance"] == 1.0 if world == 3 else a["encoder_imbalance"] >= 1.0, a
     assert dec[-1]["loss"] < dec[0]["loss"]
+
+
+# What the N-part runtime runs besides data parallelism, each against coupled training of the same thinker:
+# (recipe overrides, the decoupled layout as the writer prints it). Three steps, at most 5 ranks.
+FEATURES = {
+    "backbone_tp2": (["parallel.backbone.tp=2"], "audio[dp1 tp1 pp1] + vision[dp1 tp1 pp1] + backbone[dp1 tp2 pp1]"),
+    # 5 coupled DP ranks: 10 samples a step, each gets the same share
+    "encoders_tp2": (["parallel.encoders.audio.tp=2", "parallel.encoders.vision.tp=2", "trainer.global_batch_size=10"],
+                     "audio[dp1 tp2 pp1] + vision[dp1 tp2 pp1] + backbone[dp1 tp1 pp1]"),
+    "backbone_pp2": (["parallel.backbone.pp=2"], "audio[dp1 tp1 pp1] + vision[dp1 tp1 pp1] + backbone[dp1 tp1 pp2]"),
+    "frozen": (["model.freeze_encoder=true"], "audio[dp1 tp1 pp1] + vision[dp1 tp1 pp1] + backbone[dp1 tp1 pp1]"),
+    # ViT patches (<= 64 an image here) for the vision part, mel frames (40..300 a clip) for the audio part
+    "batching": (["flow.encoder_batch_tokens=600"], "audio[dp1 tp1 pp1] + vision[dp1 tp1 pp1] + backbone[dp1 tp1 pp1]"),
+}
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_three_part_feature_matches_coupled(tmp_path: Path, capfd, feature: str) -> None:
+    """Tensor parallel encoders or backbone, a pipelined backbone (its first stage takes both parts' embeddings),
+    frozen encoders, encoder batching: each trains as coupled training of the same thinker does."""
+    extra, described = FEATURES[feature]
+    dec, cou = _matches_coupled(tmp_path, capfd, 3, extra, described)
+    if feature == "frozen":  # neither encoder part moved from its initial weights (the recipe's seed 0)
+        from mindspeed_flow.hosts.torch import build_vlm
+        from mindspeed_flow.hosts.torch.omni import split_omni
+
+        cfg, _ = _dataset()
+        parts = split_omni(build_vlm(OMNI, cfg, seed=0))
+        final = load_flat(tmp_path / "decoupled" / "checkpoints" / "step-2")
+        for part in ("audio", "vision"):
+            for name, p in parts[part].named_parameters():
+                assert torch.equal(final[f"{part}.{name}"], p.detach()), f"{part}.{name} moved"
+    if feature == "batching":  # several samples went through one encoder forward
+        assert all(a["encoder_forwards"] < a["encoder_samples"] for a in dec), dec
 
 
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (["parallel.encoders.audio.tp=2"], r"parallel.encoders.audio.tp=2, pp=1: with several encoder parts"),
-        (["parallel.backbone.pp=2"], r"parallel.backbone.tp=1, pp=2: with several encoder parts"),
+        (["parallel.encoders.audio.tp=3"], r"parallel.encoders.audio.tp=3: the attention heads \(2\) must be "
+                                           r"divisible by tp"),
+        (["flow.mode=coupled", "parallel.coupled.pp=3"], r"parallel.coupled.pp=3 with several encoder parts"),
         (["~parallel.encoders.vision"], r"parallel.encoders=\['audio'\]: model.family='qwen2_5_omni_thinker' has "
                                         r"the encoder parts \['audio', 'vision'\]"),
         (["+parallel.encoders.audio.bogus=1"], r"parallel.encoders.audio: unknown keys \['bogus'\]"),
-        (["model.freeze_encoder=true"], r"model.freeze_encoder=true with several encoder parts"),
         (["parallel.encoders.audio.dp=5"], r"global_batch_size=12 is not divisible by parallel.encoders.audio.dp=5"),
     ],
 )
@@ -184,7 +228,7 @@ def test_layout_and_bridges_of_three_parts() -> None:
                           backbone=SimpleNamespace(dp=2, tp=1, pp=1, cp=1))
     layout = Layout.from_config(cfg, "decoupled")
     layout.validate(world_size=5, global_batch_size=4)
-    assert layout.encoder_parts == ["audio", "vision"] and layout.multipart
+    assert layout.encoder_parts == ["audio", "vision"]
     assert [layout.part_ranks(n) for n in ("audio", "vision", "backbone")] == [[0, 1], [2], [3, 4]]
     bridges = bridges_of(layout)
     assert bridges["audio"].producers == [0, 1] and bridges["vision"].producers == [2]

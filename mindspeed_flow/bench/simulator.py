@@ -88,7 +88,7 @@ from mindspeed_flow.runtime.engine import encode_samples
 from mindspeed_flow.runtime.optim import build_optimizer
 from mindspeed_flow.runtime.worker import plan_for_step
 from mindspeed_flow.specs import VLMSpec
-from mindspeed_flow.topology import BACKBONE, COUPLED, ENCODER, Layout, bridge_of
+from mindspeed_flow.topology import BACKBONE, COUPLED, ENCODER, Layout, bridges_of
 from mindspeed_flow.utils.multiproc import run_ranks
 
 # The headline layouts: at most one rank per physical core of a 2-core host, as overrides on --experiment
@@ -579,7 +579,7 @@ def step_planning_seconds(job: Any, steps: Sequence[int], repeats: int = 3) -> f
     """CPU seconds every rank spends between steps on the runtime's own step plan (median over `steps`)."""
     hf = model_hf_config(job)
     layout = Layout.from_config(job.parallel, job.flow.mode)
-    topo = SimpleNamespace(layout=layout, bridge=bridge_of(layout), world_size=layout.world_size)
+    topo = SimpleNamespace(layout=layout, bridges=bridges_of(layout), world_size=layout.world_size)
     dataset = build_dataset(job.data, token_spec_from_hf_config(hf))
     cost_model = CostModel.from_config(job.packing, VLMSpec.from_hf_config(hf),
                                        frozen_encoder=bool(job.model.freeze_encoder))

@@ -105,7 +105,7 @@ def model_hf_config(job: FlowJobConfig) -> dict:
 def model_limits(spec: "VLMSpec") -> "ModelLimits":
     return ModelLimits(llm_layers=spec.llm.num_layers, llm_heads=spec.llm.num_heads,
                        llm_kv_heads=spec.llm.num_kv_heads, vit_heads=spec.vision.num_heads,
-                       vit_layers=spec.vision.depth)
+                       vit_layers=spec.vision.depth, audio_heads=spec.audio.heads if spec.audio else 0)
 
 
 def encoder_inflight_error(job: FlowJobConfig) -> str:
@@ -227,9 +227,7 @@ def check_encoder_parts(job: FlowJobConfig) -> None:
         if sorted(got) != sorted(want):
             raise RecipeError(f"parallel.encoders={got}: model.family={job.model.family!r} has the encoder parts "
                              f"{list(want)}; give each one a layout (e.g. {{{want[0]}: {{dp: 1}}, ...}})")
-        if job.model.freeze_encoder:
-            raise RecipeError("model.freeze_encoder=true with several encoder parts (parallel.encoders) is not "
-                             "supported yet: every encoder part trains")
-        if job.flow.encoder_batch_tokens:
-            raise RecipeError(f"flow.encoder_batch_tokens={job.flow.encoder_batch_tokens} with several encoder "
-                             "parts: batching counts ViT patches, which an audio part has not; use 0")
+        if job.flow.mode == "coupled" and job.parallel.coupled.pp > 1:
+            # the coupled pipeline's stage 0 runs one encoder (the ViT) inside the stage module
+            raise RecipeError(f"parallel.coupled.pp={job.parallel.coupled.pp} with several encoder parts "
+                             "(parallel.encoders): the torch host's coupled pipeline holds one encoder; use pp 1")

@@ -624,12 +624,12 @@ def simulate_job(job: Any, ctx: CostContext, steps: Sequence[int], cores: float 
     from mindspeed_flow.packing import CostModel
     from mindspeed_flow.runtime.worker import plan_for_step
     from mindspeed_flow.specs import VLMSpec
-    from mindspeed_flow.topology import Layout, bridge_of
+    from mindspeed_flow.topology import Layout, bridges_of
 
     hf = model_hf_config(job)
     spec = VLMSpec.from_hf_config(hf)
     layout = Layout.from_config(job.parallel, job.flow.mode)
-    topo = SimpleNamespace(layout=layout, bridge=bridge_of(layout), world_size=layout.world_size)
+    topo = SimpleNamespace(layout=layout, bridges=bridges_of(layout), world_size=layout.world_size)
     dataset = build_dataset(job.data, token_spec_from_hf_config(hf))
     frozen = bool(job.model.freeze_encoder)
     cost_model = CostModel.from_config(job.packing, spec, frozen_encoder=frozen)
@@ -669,7 +669,7 @@ def simulate_layout(problem: Any, enc_row: dict, bb_row: dict, cores: float = 0.
     from mindspeed_flow.config.packing import PackingConfig
     from mindspeed_flow.packing import CostModel
     from mindspeed_flow.step.plan import plan_decoupled_step
-    from mindspeed_flow.topology import BACKBONE, ENCODER, Layout, PartLayout, bridge_of
+    from mindspeed_flow.topology import BACKBONE, ENCODER, Layout, PartLayout, bridges_of
 
     if problem.spec is None or not problem.shapes:
         raise ValueError("the problem carries no model spec / workload shapes (build it with inputs.build_problem)")
@@ -681,7 +681,7 @@ def simulate_layout(problem: Any, enc_row: dict, bb_row: dict, cores: float = 0.
                      PartLayout(BACKBONE, dp=int(bb_row["dp"]), pp=int(bb_row["pp"]))), "decoupled")
     frozen = bool(problem.cfg.freeze_encoder)
     cost_model = CostModel.from_config(PackingConfig(), spec, frozen_encoder=frozen)
-    work = plan_decoupled_step(0, shapes, bridge=bridge_of(layout), token_budget=int(bb_row["b"]),
+    work = plan_decoupled_step(0, shapes, bridges=bridges_of(layout), token_budget=int(bb_row["b"]),
                                cost_model=cost_model, scheduler=scheduler, min_microbatches=int(bb_row["pp"]),
                                oversize_policy="error")
     costs = StepCosts(spec, ctx, trainable_encoder=not frozen, enc_tp=int(enc_row["tp"]), enc_rc=int(enc_row["rc"]),

@@ -1,9 +1,10 @@
 """Build what one rank runs, by small ordered steps (torchtitan style): model -> split -> freeze -> tensor
 parallel -> place -> parallelize (DDP / FSDP2 / pipeline) -> optimizer -> pool.
 
-Each rank materialises only the part it runs (the other part's parameters stay on the meta device: an encoder
-rank never allocates the LLM). A part's weights depend only on the seed and the part (or come from the same
-local checkpoint), so all layouts and both modes start from identical parameters.
+Each rank materialises only the part it runs (the other parts' parameters stay on the meta device: an encoder
+rank never allocates the LLM, an audio rank never the ViT); a coupled rank runs them all. A part's weights depend
+only on the seed and the part (or come from the same local checkpoint), so all layouts and both modes start from
+identical parameters.
 """
 from __future__ import annotations
 
@@ -13,26 +14,17 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_flow.config.schema import FlowJobConfig
-from mindspeed_flow.hosts.torch import build_vlm, dp_loss_scale, split_vlm
+from mindspeed_flow.hosts.torch import apply_ddp, apply_fsdp, build_vlm, dp_loss_scale, split_vlm
+from mindspeed_flow.hosts.torch.omni import split_omni
 from mindspeed_flow.hosts.torch.tensor_parallel import apply_tensor_parallel, is_tp_sharded
 from mindspeed_flow.pool import EmbeddingPool
 from mindspeed_flow.runtime.engine import CoupledModel, RankModels
 from mindspeed_flow.runtime.optim import ParamShare, PartOptimizer, build_optimizer
-from mindspeed_flow.topology import Topology
+from mindspeed_flow.runtime.pipeline import BackbonePipeline
+from mindspeed_flow.specs import encoder_parts
+from mindspeed_flow.topology import BACKBONE, ENCODER, Topology
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def apply_ddp(module: torch.nn.Module, group: Optional[dist.ProcessGroup]) -> torch.nn.Module:
-    from mindspeed_flow.hosts.torch.data_parallel import apply_ddp as host_apply_ddp
-
-    return host_apply_ddp(module, group)
-
-
-def apply_fsdp(module: torch.nn.Module, group: Optional[dist.ProcessGroup]) -> torch.nn.Module:
-    from mindspeed_flow.hosts.torch.data_parallel import apply_fsdp as host_apply_fsdp
-
-    return host_apply_fsdp(module, group)
 
 
 def freeze_(module: torch.nn.Module) -> None:
@@ -60,31 +52,39 @@ def apply_tp(part: torch.nn.Module, job: FlowJobConfig, topo: Topology) -> None:
                               announce=announce if topo.rank == topo.tp_leader and topo.dp_rank == 0 else None)
 
 
+def split_parts(model: torch.nn.Module, family: str) -> dict[str, torch.nn.Module]:
+    """The model's parts by name: every encoder part (one, "encoder", for a VLM; "audio" and "vision" for the
+    Omni thinker) and "backbone"."""
+    if len(encoder_parts(family)) > 1:
+        return split_omni(model)
+    encoder, backbone = split_vlm(model)
+    return {ENCODER: encoder, BACKBONE: backbone}
+
+
 def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.device
                ) -> tuple[RankModels, PartOptimizer, Optional[Any], Optional[dist.ProcessGroup]]:
     dtype = DTYPES[job.model.dtype]
     t = job.trainer
     opt_kwargs = dict(lr=t.lr, betas=(float(t.betas[0]), float(t.betas[1])), weight_decay=t.weight_decay, eps=t.adam_eps)
-    from mindspeed_flow.runtime.multipart import build_multipart_rank, is_multipart
-
-    if is_multipart(job):  # several encoder parts (e.g. audio + vision): runtime/multipart.py
-        return build_multipart_rank(job, topo, hf_cfg, device, dtype, opt_kwargs)
-    parts = ("encoder", "backbone") if topo.is_coupled else ("encoder",) if topo.is_encoder else ("backbone",)
-    model = build_vlm(job.model.family, hf_cfg, seed=job.seed, dtype=dtype,
-                      pretrained_path=job.model.pretrained_path, parts=parts)
-    encoder, backbone = split_vlm(model)
-    frozen = job.model.freeze_encoder
+    names = encoder_parts(job.model.family)
+    model = build_vlm(job.model.family, hf_cfg, seed=job.seed, dtype=dtype, pretrained_path=job.model.pretrained_path,
+                      parts=(*names, BACKBONE) if topo.is_coupled else (topo.part,))
+    parts = split_parts(model, job.model.family)
+    frozen = job.model.freeze_encoder  # one switch for every encoder part
     if frozen:
-        freeze_(encoder)
+        for name in names:
+            freeze_(parts[name])
     models = RankModels(frozen_encoder=frozen)
     optim = PartOptimizer()
-    pool = None
 
     if topo.is_coupled and topo.part_layout.pp > 1:
-        return _build_coupled_pipeline(job, topo, encoder, backbone, device, models, optim, opt_kwargs)
+        return _build_coupled_pipeline(job, topo, parts[ENCODER], parts[BACKBONE], device, models, optim, opt_kwargs)
     if topo.is_coupled:
-        coupled = CoupledModel(encoder.to(device), backbone.to(device), frozen)
-        models.coupled_dp = apply_ddp(coupled, topo.dp_group) if topo.world_size > 1 else coupled
+        coupled = CoupledModel({n: parts[n].to(device) for n in names}, parts[BACKBONE].to(device), frozen)
+        # several encoder parts: a rank's samples may hold no audio (or no image) in a step, that encoder is then
+        # unused there
+        models.coupled_dp = apply_ddp(coupled, topo.dp_group, find_unused_parameters=len(names) > 1) \
+            if topo.world_size > 1 else coupled
         models.dp_loss_scale = dp_loss_scale(topo.dp_group) if topo.world_size > 1 else 1.0
         optim.shares = [ParamShare([p for p in coupled.parameters() if p.requires_grad], replicas=topo.world_size)]
         optim.optimizer = build_optimizer(optim.shares[0].params, **opt_kwargs)
@@ -96,22 +96,20 @@ def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.d
                          device=device, return_grads=not frozen, receive_ahead=job.flow.prefetch_embeddings)
     tp = topo.part_layout.tp
     if topo.is_encoder:
-        del backbone
+        encoder = parts[topo.part]
         apply_tp(encoder, job, topo)
         models.encoder = encoder.to(device)
         params = [p for p in encoder.parameters() if p.requires_grad]
         optim.shares = param_shares(params, topo.part_layout.dp, tp)
         optim.optimizer = build_optimizer(params, **opt_kwargs)
-        models.named_params = {f"encoder.{n}": p for n, p in encoder.named_parameters()}
+        models.named_params = {f"{topo.part}.{n}": p for n, p in encoder.named_parameters()}
     else:
-        del encoder
+        backbone = parts[BACKBONE]
         apply_tp(backbone, job, topo)
         backbone = backbone.to(device)
         models.backbone_part = backbone
         bb = topo.part_layout
         if bb.pp > 1:
-            from mindspeed_flow.runtime.pipeline import BackbonePipeline
-
             models.pipeline = BackbonePipeline.build(job, topo, backbone, device)
             stage_params = models.pipeline.parameters()
             # the stage module holds the FSDP units (if any): their measured reduction sets the scale
@@ -140,8 +138,6 @@ def _build_coupled_pipeline(job: FlowJobConfig, topo: Topology, encoder: torch.n
                             ) -> tuple[RankModels, PartOptimizer, None, None]:
     """Coupled pipeline: stage 0 holds the ViT (+ merger) and its LLM layers, the last stage the LM head; the same
     torch.distributed.pipelining path as a decoupled backbone, DDP over each stage's DP group."""
-    from mindspeed_flow.runtime.pipeline import BackbonePipeline
-
     backbone = backbone.to(device)
     first = topo.pp_rank == 0
     models.encoder = encoder.to(device) if first else None

@@ -8,6 +8,11 @@ modes never changes the loss or the gradients (up to float summation order).
 DP wrappers (DDP / FSDP2) average gradients over their group, so the backward loss is multiplied by the group
 size and the embedding gradients returned to encoders are divided by it again.
 
+Encoder parts: a VLM has one ("encoder"); the Qwen2.5-Omni thinker has two ("audio", "vision"). Every encoder rank
+runs one part's producer loop; a backbone rank (a pipeline's first stage) takes, for each microbatch, every part's
+embeddings from that part's producers (the pool keys items by producer, so two parts' embeddings of one sample never
+collide) and returns each embedding's gradient to the rank that produced it.
+
 Tensor parallelism: only TP rank 0 of a part (the leader) talks to the pool. Its TP peers compute the same
 thing on replicated activations: a backbone peer receives the leader's embeddings by broadcast, an encoder peer
 encodes the leader's samples and receives the returned gradients by broadcast; only the leader returns gradients
@@ -20,7 +25,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,6 +40,10 @@ from mindspeed_flow.runtime.optim import PartOptimizer, lr_at
 from mindspeed_flow.step.plan import StepWork
 from mindspeed_flow.step.timer import Timer
 from mindspeed_flow.telemetry.trace import traced
+from mindspeed_flow.topology import AUDIO, ENCODER
+
+# encoder part -> sample id -> that part's embedding of the sample (samples the part encodes something for)
+PartEmbeds = Mapping[str, Mapping[int, torch.Tensor]]
 
 
 class NonFiniteLoss(RuntimeError):
@@ -43,10 +52,10 @@ class NonFiniteLoss(RuntimeError):
 
 @dataclass
 class RankModels:
-    """What one rank runs. Decoupled encoder: encoder; decoupled backbone: backbone (+ pipeline);
-    coupled: both, wrapped together in one DP module (`coupled_dp`)."""
+    """What one rank runs. Decoupled encoder: its encoder part; decoupled backbone: backbone (+ pipeline);
+    coupled: every part, wrapped together in one DP module (`coupled_dp`)."""
 
-    encoder: Optional[torch.nn.Module] = None
+    encoder: Optional[torch.nn.Module] = None  # this rank's encoder part (a coupled pipeline's stage 0: the ViT)
     backbone: Optional[torch.nn.Module] = None  # the (possibly DDP/FSDP-wrapped) backbone part, pp == 1
     backbone_part: Optional[Any] = None  # unwrapped BackbonePart (pack/embed helpers)
     coupled_dp: Optional[torch.nn.Module] = None
@@ -54,20 +63,38 @@ class RankModels:
     # the loss multiplier that makes the DP wrapper's reduction a SUM of gradients: the DP size where it averages,
     # 1 where it sums (FSDP2 on gloo in torch 2.7.1); returned embedding gradients are divided by it again
     dp_loss_scale: float = 1.0
-    frozen_encoder: bool = False
-    # this rank's parameters under the layout-independent names `encoder.<name>` / `backbone.<name>`
+    frozen_encoder: bool = False  # model.freeze_encoder: every encoder part
+    # this rank's parameters under the layout-independent names `<part>.<name>` (`encoder.*` / `audio.*`,
+    # `vision.*`, and `backbone.*`)
     named_params: dict = field(default_factory=dict)
 
 
 @dataclass
 class EmbeddingSource:
     """What a pipeline's first stage needs from the step, and nothing more: `fetch(k, timer)` gives microbatch
-    k's embeddings by sample id (blocking on the pool), `return_grad(sample_id, grad)` sends
-    d(loss)/d(embedding) back to the sample's producer."""
+    k's embeddings of every encoder part by sample id (blocking on the pool), `return_grad(part, sample_id, grad)`
+    sends d(loss)/d(embedding) back to the producer of that part's embedding of the sample."""
 
-    fetch: Callable[[int, "Timer"], dict[int, torch.Tensor]]
+    fetch: Callable[[int, "Timer"], PartEmbeds]
     # None: the embeddings are computed on this rank (coupled pipeline) and their gradients stay in the graph
-    return_grad: Optional[Callable[[int, torch.Tensor], None]]
+    return_grad: Optional[Callable[[str, int, torch.Tensor], None]]
+
+
+def model_embeds(per_part: PartEmbeds, samples: Sequence[VLMSample]) -> Any:
+    """A microbatch's embeddings as a backbone part takes them: one tensor (or None) per sample, as a list for a
+    VLM's one part, as a part -> list mapping for several (the Omni backbone scatters each at its own token)."""
+    embeds = {part: [got.get(s.sample_id) for s in samples] for part, got in per_part.items()}
+    if set(embeds) <= {ENCODER}:
+        return embeds.get(ENCODER, [None] * len(samples))
+    return embeds
+
+
+def has_input(part: str, sample: VLMSample) -> bool:
+    """Whether encoder part `part` has something to encode for `sample` (audio clips for an audio part, images
+    otherwise)."""
+    if part == AUDIO:
+        return bool(getattr(sample, "audio_token_counts", None))
+    return bool(sample.image_token_counts)
 
 
 @traced("encoder.forward")
@@ -79,8 +106,9 @@ def encode_samples(encoder: Any, samples: list[VLMSample], trainable: bool) -> l
 
 def encode_groups(sample_ids: list[int], patches: list[int], budget: int,
                   slots: Optional[list[int]] = None) -> list[list[int]]:
-    """Consecutive runs of `sample_ids` of at most `budget` ViT patches each (order kept; a sample over the
-    budget alone); budget 0: one sample per group. `slots` (each sample's consumer microbatch slot): a group
+    """Consecutive runs of `sample_ids` of at most `budget` encoder input positions each (`patches`: ViT patches,
+    or mel frames for an audio part; order kept; a sample over the budget alone); budget 0: one sample per group.
+    `slots` (each sample's consumer microbatch slot): a group
     never spans two slots, so a slot's embeddings never wait for a later slot's encoding and the encoder's bound
     (`flow.encoder_inflight`, in slots) can free a group with its slot."""
     groups: list[list[int]] = []
@@ -210,7 +238,7 @@ class StepEngine:
         # Several samples per forward (flow.encoder_batch_tokens), in encode order and within one consumer
         # microbatch slot: each group's embeddings go to the pool as soon as the group is encoded, and its
         # backward runs once all its gradients are back.
-        patches = [self.dataset.shape(sid).vit_patches if self.encoder_batch_tokens else 0 for sid in order]
+        patches = [self._input_positions(sid) if self.encoder_batch_tokens else 0 for sid in order]
         groups = encode_groups(order, patches, self.encoder_batch_tokens, slots=[slot_of[sid] for sid in order])
         held: deque[_HeldGroup] = deque()
         peak = HeldPeak()
@@ -256,6 +284,13 @@ class StepEngine:
         record["encoder_held_bytes_peak"] = peak.peak_bytes
         self._pool_stats(record)
 
+    def _input_positions(self, sid: int) -> int:
+        """What flow.encoder_batch_tokens counts of one sample: the encoder's input length, ViT patches for an
+        image part, mel frames for an audio part (the Omni dataset's audio cost)."""
+        if self.topo.part == AUDIO:
+            return int(self.dataset.audio_cost(sid))
+        return self.dataset.shape(sid).vit_patches
+
     def _retire(self, work: StepWork, entry: "_HeldGroup", peak: HeldPeak, timer: Timer) -> None:
         """The held group's gradients (the leader from the pool, TP peers by broadcast from it), then its
         backward; its graph is freed with it."""
@@ -290,7 +325,7 @@ class StepEngine:
             source = None
             if self.topo.is_first_stage:
                 source = EmbeddingSource(fetch=lambda k, t: self.fetch_embeds(work, row[k].sample_ids, t),
-                                         return_grad=lambda sid, g: self.return_grad(work, sid, g))
+                                         return_grad=lambda part, sid, g: self.return_grad(work, part, sid, g))
             loss_sum = self.m.pipeline.run(samples, work.plan.seq_len or self.token_budget,
                                            self.m.dp_loss_scale / max(n_labels, 1), source, timer, record)
             if source is not None and self.is_tp_leader:
@@ -312,38 +347,42 @@ class StepEngine:
             if items:
                 self.pool.expect(producer=producer, items=items)
 
-    def fetch_embeds(self, work: StepWork, sample_ids: list[int], timer: Timer) -> dict[int, torch.Tensor]:
-        """Blocking gets from the pool (TP peers: the leader's, by broadcast), as leaves that collect
-        d(loss)/d(embedding)."""
-        ids = work.in_put_order([sid for sid in sample_ids if sid in work.producer_of])
-        got: Optional[list[torch.Tensor]] = None
-        if self.is_tp_leader:
-            got = timer.timed("wait", lambda: self.pool.get_many([(sid, work.step, work.producer_of[sid])
-                                                                  for sid in ids]))
-        if self.tp > 1:
-            part = self.m.backbone_part
-            weight = part.embed_tokens.weight
-            got = timer.timed("wait", lambda: broadcast_rows(got, len(ids), self.topo.tp_group,
-                                                             width=part.hidden_size, dtype=weight.dtype,
-                                                             device=weight.device))
-        leaves = {sid: emb.detach().requires_grad_(not self.m.frozen_encoder) for sid, emb in zip(ids, got or [])}
-        return {sid: leaves[sid] for sid in sample_ids if sid in leaves}  # the microbatch's own order, as before
+    def fetch_embeds(self, work: StepWork, sample_ids: list[int], timer: Timer) -> dict[str, dict[int, torch.Tensor]]:
+        """Every encoder part's embeddings of these samples, part by part: blocking gets from the pool (TP peers:
+        the leader's, by broadcast), as leaves that collect d(loss)/d(embedding)."""
+        out: dict[str, dict[int, torch.Tensor]] = {}
+        for part_name, producer_of in work.producers.items():
+            ids = work.in_put_order([sid for sid in sample_ids if sid in producer_of])
+            got: Optional[list[torch.Tensor]] = None
+            if self.is_tp_leader:
+                got = timer.timed("wait", lambda: self.pool.get_many([(sid, work.step, producer_of[sid])
+                                                                      for sid in ids]))
+            if self.tp > 1:
+                part = self.m.backbone_part
+                weight = part.embed_tokens.weight
+                got = timer.timed("wait", lambda: broadcast_rows(got, len(ids), self.topo.tp_group,
+                                                                 width=part.hidden_size, dtype=weight.dtype,
+                                                                 device=weight.device))
+            leaves = {sid: emb.detach().requires_grad_(not self.m.frozen_encoder) for sid, emb in zip(ids, got or [])}
+            out[part_name] = {sid: leaves[sid] for sid in sample_ids if sid in leaves}  # the microbatch's order
+        return out
 
-    def return_grads(self, work: StepWork, leaves: dict[int, torch.Tensor], timer: Timer) -> None:
+    def return_grads(self, work: StepWork, leaves: PartEmbeds, timer: Timer) -> None:
         if self.m.frozen_encoder or not self.is_tp_leader:  # TP peers hold the same gradients
             return
-        for sid, leaf in leaves.items():
-            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            timer.timed("wait", lambda: self.return_grad(work, sid, grad))
+        for part, got in leaves.items():
+            for sid, leaf in got.items():
+                grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                timer.timed("wait", lambda: self.return_grad(work, part, sid, grad))
 
-    def return_grad(self, work: StepWork, sid: int, grad: torch.Tensor) -> None:
-        """Send d(loss)/d(embedding) of one sample to its producer (the DP loss-scale compensation undone); TP
-        peers of the leader hold the same gradient and send nothing."""
+    def return_grad(self, work: StepWork, part: str, sid: int, grad: torch.Tensor) -> None:
+        """Send d(loss)/d(embedding) of one sample's `part` embedding to its producer (the DP loss-scale
+        compensation undone); TP peers of the leader hold the same gradient and send nothing."""
         if not self.is_tp_leader:
             return
         if self.m.dp_loss_scale != 1.0:
             grad = grad / self.m.dp_loss_scale
-        self.pool.return_grad(grad.detach(), sample_id=sid, step=work.step, producer=work.producer_of[sid])
+        self.pool.return_grad(grad.detach(), sample_id=sid, step=work.step, producer=work.producers[part][sid])
 
     def load_samples(self, sample_ids: list[int], with_pixels: bool) -> list[VLMSample]:
         if not with_pixels:
@@ -362,7 +401,7 @@ class StepEngine:
             samples = timer.timed("busy", lambda: self.load_samples(mb.sample_ids, with_pixels=False))
             with grad_sync(model, enabled=k == len(row) - 1):
                 def fwd_bwd() -> float:
-                    embeds = [leaves.get(s.sample_id) for s in samples]
+                    embeds = model_embeds(leaves, samples)
                     packed = part.pack(samples, embeds, seq_len)
                     loss_sum, _ = model(packed, embeds)
                     (loss_sum * scale).backward()
@@ -412,11 +451,11 @@ class StepEngine:
         if self.topo.is_first_stage:
             trainable = not self.m.frozen_encoder
 
-            def fetch(k: int, _: Timer) -> dict[int, torch.Tensor]:
+            def fetch(k: int, _: Timer) -> PartEmbeds:
                 pixels = self.load_samples(row[k].sample_ids, with_pixels=True)
                 # one forward per sample, as the coupled DP path (the same float summation order)
-                return {s.sample_id: encode_samples(self.m.encoder, [s], trainable)[0]
-                        for s in pixels if s.image_token_counts}
+                return {ENCODER: {s.sample_id: encode_samples(self.m.encoder, [s], trainable)[0]
+                                  for s in pixels if s.image_token_counts}}
 
             source = EmbeddingSource(fetch=fetch, return_grad=None)
         loss_sum = self.m.pipeline.run(samples, work.plan.seq_len or self.token_budget,
@@ -471,15 +510,21 @@ class StepEngine:
 
 
 class CoupledModel(torch.nn.Module):
-    """Encoder + backbone on one rank (the coupled baseline), one module so one DP wrapper covers both."""
+    """Every encoder part + the backbone on one rank (the coupled baseline), one module so one DP wrapper covers
+    them all. Parameter names are `<part>.<name>`, as the decoupled ranks name theirs."""
 
-    def __init__(self, encoder: torch.nn.Module, backbone: Any, frozen_encoder: bool) -> None:
+    def __init__(self, encoders: dict[str, torch.nn.Module], backbone: Any, frozen_encoder: bool) -> None:
         torch.nn.Module.__init__(self)
-        self.encoder, self.backbone = encoder, backbone
+        self.encoder_names = list(encoders)
+        for name, module in encoders.items():
+            self.add_module(name, module)
+        self.backbone = backbone
         self.frozen_encoder = frozen_encoder
 
     def forward(self, samples: list[VLMSample], token_budget: int) -> tuple[torch.Tensor, int]:
-        embeds = [encode_samples(self.encoder, [s], not self.frozen_encoder)[0] if s.image_token_counts else None
-                  for s in samples]
+        # one forward per sample and part, as the decoupled encoders without batching
+        per_part = {name: {s.sample_id: encode_samples(getattr(self, name), [s], not self.frozen_encoder)[0]
+                           for s in samples if has_input(name, s)} for name in self.encoder_names}
+        embeds = model_embeds(per_part, samples)
         packed = self.backbone.pack(samples, embeds, token_budget)
         return self.backbone(packed, embeds)

@@ -29,11 +29,9 @@ from mindspeed_flow.topology import Topology
 def step_geometry(topo: Topology) -> tuple[int, int, int]:
     """(backbone DP size, encoder ranks a plan balances over, pipeline size) as `worker.plan_for_step` uses them."""
     layout = topo.layout
-    if layout.multipart:
+    if layout.mode == "decoupled":  # the first encoder part's producers, as plan_decoupled_step counts them
         bridge = next(iter(topo.bridges.values()))
         return len(bridge.consumers), len(bridge.producers), layout.part("backbone").pp
-    if layout.mode == "decoupled":
-        return len(topo.bridge.consumers), len(topo.bridge.producers), layout.part("backbone").pp
     coupled = layout.part("coupled")
     return coupled.dp, coupled.dp, coupled.pp
 

@@ -1,6 +1,7 @@
 """The backbone as a pipeline (pp > 1) inside the step engine: torch.distributed.pipelining stages built by the
-torch host, fed on stage 0 through a narrow `EmbeddingSource` (fetch microbatch k's embeddings, return their
-gradients; the engine backs it with the pool), with the same loss normalisation as the flat path.
+torch host, fed on stage 0 through a narrow `EmbeddingSource` (fetch microbatch k's embeddings of every encoder
+part, return their gradients; the engine backs it with the pool), with the same loss normalisation as the flat
+path.
 
 Every rank of one pipeline knows the step plan, so each builds the same packed microbatches itself (position
 ids, segment ids, labels) and only activations travel between stages.
@@ -29,11 +30,11 @@ import torch
 from mindspeed_flow.hosts.torch.data_parallel import apply_ddp, apply_fsdp
 from mindspeed_flow.hosts.torch.pipeline import BackboneStage, build_backbone_stage, make_schedule, pipeline_step
 from mindspeed_flow.hosts.torch.split import BackbonePart, token_loss_sum
+from mindspeed_flow.runtime.engine import EmbeddingSource, PartEmbeds, model_embeds
+from mindspeed_flow.step.timer import Timer
 
 if TYPE_CHECKING:
     from mindspeed_flow.data.sample import VLMSample
-    from mindspeed_flow.runtime.engine import EmbeddingSource
-    from mindspeed_flow.step.timer import Timer
     from mindspeed_flow.telemetry.metrics import StepRecord
 
 
@@ -86,7 +87,7 @@ class BackbonePipeline:
         return self._schedules[key]
 
     def run(self, samples: list[list["VLMSample"]], seq_len: int, loss_scale: float,
-            source: Optional["EmbeddingSource"], timer: "Timer", record: "StepRecord") -> float:
+            source: Optional[EmbeddingSource], timer: Timer, record: "StepRecord") -> float:
         """One step over this rank's microbatches (`samples`, without pixels), padded to `seq_len`; returns the
         summed token loss on the last stage (nan elsewhere). `source` (stage 0 only) gives microbatch k's
         embeddings and takes their gradients back; the loss is multiplied by `loss_scale` at loss time."""
@@ -98,7 +99,7 @@ class BackbonePipeline:
         if first:
             if source is None:
                 raise ValueError("pipeline stage 0 needs an EmbeddingSource")
-            fetched: dict[int, dict[int, torch.Tensor]] = {}
+            fetched: dict[int, PartEmbeds] = {}
             self.stage_module.feed = lambda k: self._feed(k, samples, packs, source, feed_timer, record, fetched)
         else:
             record["backbone_first_mb_start_t"] = time.time()
@@ -113,16 +114,18 @@ class BackbonePipeline:
             return float("nan")
         return float(sum(float(x.detach()) for x in total)) / loss_scale
 
-    def _feed(self, k: int, samples: list, packs: list, source: "EmbeddingSource", timer: "Timer",
-              record: "StepRecord", fetched: dict[int, dict[int, torch.Tensor]]) -> torch.Tensor:
+    def _feed(self, k: int, samples: list, packs: list, source: EmbeddingSource, timer: Timer,
+              record: "StepRecord", fetched: dict[int, PartEmbeds]) -> torch.Tensor:
         leaves = fetched.get(k)
         if leaves is None:  # first request for microbatch k: take it from the source (a repeat reuses it)
             leaves = fetched[k] = source.fetch(k, timer)
             if k == 0:
                 record["backbone_first_mb_start_t"] = time.time()
-            for sid, leaf in leaves.items():
-                if leaf.requires_grad and source.return_grad is not None:
-                    # d(loss)/d(embedding) goes back the moment the schedule's backward computes it
-                    # (a copy: autograd may reuse the hook's tensor)
-                    leaf.register_hook(lambda grad, sid=sid: source.return_grad(sid, grad.clone()))
-        return self.backbone.image_dense(packs[k], [leaves.get(s.sample_id) for s in samples[k]])
+            for part, got in leaves.items():
+                for sid, leaf in got.items():
+                    if leaf.requires_grad and source.return_grad is not None:
+                        # d(loss)/d(embedding) goes back the moment the schedule's backward computes it
+                        # (a copy: autograd may reuse the hook's tensor)
+                        leaf.register_hook(lambda grad, part=part, sid=sid: source.return_grad(part, sid,
+                                                                                             grad.clone()))
+        return self.backbone.image_dense(packs[k], model_embeds(leaves, samples[k]))

@@ -36,7 +36,7 @@ from mindspeed_flow.runtime import build
 from mindspeed_flow.telemetry import trace
 from mindspeed_flow.runtime.engine import StepEngine
 from mindspeed_flow.telemetry.metrics import MFU_FORMULA, MetricsGatherer, StepRecord, StepStatic, machine_peak_flops
-from mindspeed_flow.step.plan import StepWork, plan_coupled_step, plan_decoupled_step
+from mindspeed_flow.step.plan import StepWork, encoder_costs, plan_coupled_step, plan_decoupled_step
 from mindspeed_flow.telemetry.tensor_bytes import LiveTensorBytes
 from mindspeed_flow.telemetry.tensorboard import open_sink
 from mindspeed_flow.specs import VLMSpec
@@ -78,15 +78,12 @@ def plan_for_step(job: FlowJobConfig, topo: Topology, step: int, shapes: list, c
     p = job.packing
     common = dict(token_budget=p.token_budget, cost_model=cost_model, scheduler=p.scheduler,
                   oversize_policy=p.oversize_policy, pad_multiple=p.pad_multiple, plan=plan)
-    if topo.layout.multipart:  # several encoder parts: each balanced over its own producers
-        from mindspeed_flow.runtime.multipart import part_costs
-        from mindspeed_flow.step.plan import plan_multipart_step
-
-        costs = part_costs(dataset, cost_model)
-        return plan_multipart_step(step, shapes, bridges=topo.bridges, part_costs={n: costs[n] for n in topo.bridges},
-                                   min_microbatches=topo.layout.part("backbone").pp, **common)
     if topo.layout.mode == "decoupled":
-        return plan_decoupled_step(step, shapes, bridge=topo.bridge,
+        # each encoder part's samples balanced over its own producers, priced in its own unit (only the Omni
+        # dataset has audio; the planner's simulator replays plans without a dataset)
+        costs = encoder_costs(topo.bridges, {s.sample_id: s for s in shapes}.__getitem__, cost_model,
+                              getattr(dataset, "audio_cost", None))
+        return plan_decoupled_step(step, shapes, bridges=topo.bridges, part_costs=costs,
                                    min_microbatches=topo.layout.part("backbone").pp, **common)
     coupled = topo.layout.part("coupled")
     return plan_coupled_step(step, shapes, dp=coupled.dp, min_microbatches=coupled.pp, **common)
@@ -104,7 +101,7 @@ def step_static(work: StepWork, spec: VLMSpec, shapes: list, frozen: bool, bad_s
 def plan_stats(work: StepWork) -> dict[str, float]:
     plan = work.plan
     # each encoder part's producers against each other (an audio part's frames never compare with ViT costs)
-    by_part = [[work.encoder_cost[r] for r in ranks] for ranks in work.producer_ranks().values()]
+    by_part = [list(loads.values()) for loads in work.encoder_cost.values()]
     enc_imb = max((max(x) / (sum(x) / len(x)) for x in by_part if x and sum(x) > 0), default=1.0)
     n_mb = sum(len(r) for r in plan.microbatches)
     return dict(microbatches=n_mb, real_tokens=plan.real_tokens, padded_tokens=plan.padded_tokens,
@@ -150,10 +147,7 @@ def run_worker(config_path: str) -> None:
         if compat:
             print(compat, flush=True)
 
-    from mindspeed_flow.runtime.multipart import MultiPartEngine, is_multipart
-
-    engine_cls = MultiPartEngine if is_multipart(job) else StepEngine
-    engine = engine_cls(topo=topo, models=rank_models, pool=pool, dataset=dataset,
+    engine = StepEngine(topo=topo, models=rank_models, pool=pool, dataset=dataset,
                         token_budget=job.packing.token_budget, optim=optim,
                         norm_group=norm_group, grad_clip=job.trainer.grad_clip, base_lr=job.trainer.lr,
                         warmup_steps=job.trainer.warmup_steps,

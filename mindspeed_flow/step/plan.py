@@ -3,20 +3,22 @@
 Every rank runs this on the same inputs and gets the same answer, so no rank asks another what to do:
   1. the packing scheduler assigns samples (or, with `packing.step_mode: packs`, the streaming packer already has:
      its plan comes in as `plan`) to (backbone DP rank, microbatch slot) by LLM cost;
-  2. within each bridge group, samples with images go to encoder ranks by ViT cost, slot by slot (the packing
-     scheduler's `encoder_schedule`), so each encoder rank encodes in the order the backbone consumes: microbatch 0
-     of every DP rank is encoded first and the backbone starts while later images are still being encoded.
+  2. for each encoder part (one, "encoder", for a VLM; e.g. "audio" and "vision" for the Omni thinker), within
+     each group of that part's bridge, the samples the part has something to encode for go to its encoder ranks by
+     encoder cost, slot by slot (the packing scheduler's `encoder_schedule`), so each encoder rank encodes in the
+     order the backbone consumes: microbatch 0 of every DP rank is encoded first and the backbone starts while
+     later inputs are still being encoded.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
 from mindspeed_flow.data.shapes import SampleShape
 from mindspeed_flow.packing import CostModel, StepPlan, encoder_schedule, plan_step
-from mindspeed_flow.topology import Bridge
+from mindspeed_flow.topology import AUDIO, Bridge
 
 
 @dataclass
@@ -24,22 +26,16 @@ class StepWork:
     step: int
     sample_ids: list[int]
     plan: StepPlan
-    # sample id -> global rank of the encoder that produces its embedding (samples with images only)
-    producer_of: dict[int, int] = field(default_factory=dict)
+    # encoder part -> sample id -> global rank of the encoder that produces that part's embedding of the sample
+    # (samples with something for the part to encode only); one part, "encoder", for a VLM
+    producers: dict[str, dict[int, int]] = field(default_factory=dict)
     # sample id -> global rank of the backbone first-stage rank that consumes it
     consumer_of: dict[int, int] = field(default_factory=dict)
     # encoder global rank -> sample ids in encode (= consumption) order
     encode_order: dict[int, list[int]] = field(default_factory=dict)
-    # encoder global rank -> total ViT cost this step (for the balance metric)
-    encoder_cost: dict[int, float] = field(default_factory=dict)
-    # several encoder parts: part -> sample id -> producer rank (producer_of stays empty then), and part -> the
-    # part's producer ranks
-    producers: dict[str, dict[int, int]] = field(default_factory=dict)
-    part_producers: dict[str, list[int]] = field(default_factory=dict)
-
-    def producer_ranks(self) -> dict[str, list[int]]:
-        """Encoder part -> its producer ranks (one part, "encoder", unless several were planned)."""
-        return dict(self.part_producers) if self.part_producers else {"encoder": list(self.encoder_cost)}
+    # encoder part -> its producer ranks -> total encoder cost this step (the balance metric compares a part's
+    # producers with each other only: an audio part's mel frames never weigh against ViT costs)
+    encoder_cost: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def in_put_order(self, sample_ids: Sequence[int]) -> list[int]:
         """`sample_ids` in the order their producers put them (each producer's encode order): a consumer that
@@ -62,29 +58,48 @@ class StepWork:
         return slots
 
 
-def plan_decoupled_step(step: int, shapes: Sequence[SampleShape], *, bridge: Bridge, token_budget: int,
+def encoder_costs(parts: Iterable[str], shape_of: Callable[[int], SampleShape], cost_model: CostModel,
+                  audio_cost: Optional[Callable[[int], float]] = None) -> dict[str, Callable[[int], float]]:
+    """Per encoder part, sample id -> that part's encoder work (0: nothing to encode): `audio_cost` (mel frames,
+    the Omni dataset's) for an audio part, the ViT cost of the sample's images for an image part."""
+    def vit(sid: int) -> float:
+        shape = shape_of(sid)
+        return cost_model.encoder_cost(shape) if shape.num_images else 0.0
+
+    return {part: audio_cost if part == AUDIO else vit for part in parts}
+
+
+def plan_decoupled_step(step: int, shapes: Sequence[SampleShape], *, bridges: Mapping[str, Bridge], token_budget: int,
                         cost_model: CostModel, scheduler: str, min_microbatches: int, oversize_policy: str,
-                        pad_multiple: int = 0, plan: StepPlan | None = None) -> StepWork:
-    dp = len(bridge.consumers)
+                        pad_multiple: int = 0, plan: StepPlan | None = None,
+                        part_costs: Mapping[str, Callable[[int], float]] | None = None) -> StepWork:
+    """The backbone plan (every part's bridge has the same consumers), then each encoder part's samples (those
+    whose part cost is > 0) balanced over that part's producers, in the order the backbone consumes them.
+    `part_costs` (see `encoder_costs`): None prices every part by the ViT cost of the shapes' images."""
+    consumers = next(iter(bridges.values())).consumers
     if plan is None:
-        plan = plan_step(list(shapes), dp=dp, num_encoders=len(bridge.producers), token_budget=token_budget,
-                         cost_model=cost_model, scheduler=scheduler, min_microbatches=min_microbatches,
-                         oversize_policy=oversize_policy, pad_multiple=pad_multiple)
+        # the packing scheduler's encoder count: the first part's producers (a VLM's only part)
+        plan = plan_step(list(shapes), dp=len(consumers), num_encoders=len(next(iter(bridges.values())).producers),
+                         token_budget=token_budget, cost_model=cost_model, scheduler=scheduler,
+                         min_microbatches=min_microbatches, oversize_policy=oversize_policy, pad_multiple=pad_multiple)
     work = StepWork(step, [s.sample_id for s in shapes], plan)
-    by_id = {s.sample_id: s for s in shapes}
     for d, row in enumerate(plan.microbatches):
         for mb in row:
             for sid in mb.sample_ids:
-                work.consumer_of[sid] = bridge.consumers[d]
-    _assign_producers(work, bridge, lambda sid: cost_model.encoder_cost(by_id[sid]),
-                      lambda sid: by_id[sid].num_images > 0, work.producer_of)
+                work.consumer_of[sid] = consumers[d]
+    if part_costs is None:
+        part_costs = encoder_costs(bridges, {s.sample_id: s for s in shapes}.__getitem__, cost_model)
+    for part, bridge in bridges.items():
+        _assign_producers(work, part, bridge, part_costs[part])
     return work
 
 
-def _assign_producers(work: StepWork, bridge: Bridge, cost: Callable[[int], float], has: Callable[[int], bool],
-                      producer_of: dict[int, int]) -> None:
-    """Give each sample that `has` something to encode a producer of `bridge`, in consumption order."""
+def _assign_producers(work: StepWork, part: str, bridge: Bridge, cost: Callable[[int], float]) -> None:
+    """Give each sample with something for `part` to encode (cost > 0) a producer of `bridge`, in consumption
+    order."""
     plan = work.plan
+    producer_of = work.producers.setdefault(part, {})
+    loads_of = work.encoder_cost.setdefault(part, {})
     for producers, consumers in bridge.groups:
         # The group's samples slot by slot (what its consumers run together), balanced over its producers by the
         # packing scheduler's encoder-side rule: within a slot heaviest first onto the least-loaded producer.
@@ -96,38 +111,12 @@ def _assign_producers(work: StepWork, bridge: Bridge, cost: Callable[[int], floa
             slots.append(list(range(len(ids), len(ids) + len(slot))))
             ids.extend(slot)
         costs = np.array([cost(sid) for sid in ids], dtype=np.float64)
-        has_input = np.array([has(sid) for sid in ids], dtype=bool)
-        order, loads = encoder_schedule(slots, costs, ids, len(producers), has_input)
+        order, loads = encoder_schedule(slots, costs, ids, len(producers), costs > 0)
         for p, sids, load in zip(producers, order, loads):
             work.encode_order[p] = sids
-            work.encoder_cost[p] = load
+            loads_of[p] = load
             for sid in sids:
                 producer_of[sid] = p
-
-
-def plan_multipart_step(step: int, shapes: Sequence[SampleShape], *, bridges: dict[str, Bridge],
-                        part_costs: dict[str, Callable[[int], float]], token_budget: int, cost_model: CostModel,
-                        scheduler: str, min_microbatches: int, oversize_policy: str, pad_multiple: int = 0,
-                        plan: StepPlan | None = None) -> StepWork:
-    """Several encoder parts feeding one backbone: the backbone plan as for one part, then each part's samples
-    (those whose cost is > 0: the part has something to encode) balanced over that part's producers, in the
-    order the backbone consumes them. `work.producers[part][sid]` names each embedding's producer."""
-    any_bridge = next(iter(bridges.values()))
-    if plan is None:
-        plan = plan_step(list(shapes), dp=len(any_bridge.consumers), num_encoders=len(any_bridge.producers),
-                         token_budget=token_budget, cost_model=cost_model, scheduler=scheduler,
-                         min_microbatches=min_microbatches, oversize_policy=oversize_policy, pad_multiple=pad_multiple)
-    work = StepWork(step, [s.sample_id for s in shapes], plan)
-    for d, row in enumerate(plan.microbatches):
-        for mb in row:
-            for sid in mb.sample_ids:
-                work.consumer_of[sid] = any_bridge.consumers[d]  # every bridge has the same consumers
-    for part, bridge in bridges.items():
-        cost = part_costs[part]
-        _assign_producers(work, bridge, cost, lambda sid, cost=cost: cost(sid) > 0,
-                          work.producers.setdefault(part, {}))
-        work.part_producers[part] = list(bridge.producers)
-    return work
 
 
 def plan_coupled_step(step: int, shapes: Sequence[SampleShape], *, dp: int, token_budget: int,
@@ -144,5 +133,5 @@ def plan_coupled_step(step: int, shapes: Sequence[SampleShape], *, dp: int, toke
         for mb in row:
             for sid in mb.sample_ids:
                 work.consumer_of[sid] = d
-                work.producer_of[sid] = d
+                work.producers.setdefault("encoder", {})[sid] = d
     return work

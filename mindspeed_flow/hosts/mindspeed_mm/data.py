@@ -388,7 +388,7 @@ class FlowStepSource:
     def __next__(self) -> FlowStep:
         samples = self.reads.global_batch(self.batches_per_replica)
         shapes = [s.shape(self.merge_size) for s in samples]
-        work = plan_decoupled_step(self.step, shapes, bridge=self.bridge, token_budget=self.token_budget,
+        work = plan_decoupled_step(self.step, shapes, bridges={"encoder": self.bridge}, token_budget=self.token_budget,
                                    cost_model=self.cost_model, scheduler=self.scheduler,
                                    min_microbatches=self.min_microbatches, oversize_policy=self.oversize_policy)
         step = FlowStep(self.step, {s.sample_id: s for s in samples}, work)

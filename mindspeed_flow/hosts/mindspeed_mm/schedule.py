@@ -198,7 +198,8 @@ class EncoderStep:
         if trainable and is_leader:
             # Every gradient this replica will get, posted now in the step's global gradient order.
             items = [PlannedItem(step.work.consumer_of[sid], step.step, sid, step.samples[sid].image_tokens)
-                     for sid in gradient_order(step, ctx.consumers()) if step.work.producer_of.get(sid) == leader]
+                     for sid in gradient_order(step, ctx.consumers())
+                     if step.work.producers["encoder"].get(sid) == leader]
             self.transport.post_receives(CHANNEL_GRAD, items, self.hidden)
         no_sync = _no_sync_context(config)
         # Oldest first: graphs of this step (trainable), or sent groups of this and earlier steps (frozen).
@@ -371,7 +372,8 @@ class DecoderStep:
                 self.transport = self._transport_factory()
             # Every embedding of this step, posted at once in the step's global embedding order: each lands as
             # soon as it is encoded, while the decoder works on earlier microbatches.
-            items = [PlannedItem(step.work.producer_of[sid], step.step, sid, step.samples[sid].image_tokens)
+            producer_of = step.work.producers["encoder"]
+            items = [PlannedItem(producer_of[sid], step.step, sid, step.samples[sid].image_tokens)
                      for sid in embedding_order(step, ctx.producers()) if step.work.consumer_of.get(sid) == ctx.rank]
             self.transport.post_receives(CHANNEL_EMBEDDING, items, self.embed_dim)
         self.timer = ctx.timer = Timer()
@@ -409,7 +411,7 @@ class DecoderStep:
         if not with_images:
             return None
         sizes = [step.samples[sid].image_tokens for sid in with_images]
-        producers = [step.work.producer_of[sid] for sid in with_images]
+        producers = [step.work.producers["encoder"][sid] for sid in with_images]
         if self.transport is not None:
             since = time.perf_counter()
             parts = []

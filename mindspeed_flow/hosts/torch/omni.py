@@ -111,9 +111,22 @@ class OmniBackbonePart(BackbonePart):
             start += n
         return pos
 
+    def image_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Where any encoder part's rows go (image and audio placeholders): a pipeline's stage 0 takes those
+        positions from the dense input (`image_dense`), the others from the token embeddings."""
+        return ((input_ids == self.image_token_id) | (input_ids == self.audio_token_id)).unsqueeze(-1)
+
     def embed(self, packed: PackedBatch, image_embeds: Optional[Any]) -> torch.Tensor:
         """Token embeddings with every part's rows scattered at its placeholder id, in packing order."""
-        hidden = self.embed_tokens(packed.input_ids)
+        return self._scatter(self.embed_tokens(packed.input_ids), packed, image_embeds)
+
+    def image_dense(self, packed: PackedBatch, image_embeds: Optional[Any]) -> torch.Tensor:
+        """[1, T, H] zeros with every part's rows at its placeholders (pipeline stage-0 input)."""
+        weight = self.embed_tokens.weight
+        zeros = torch.zeros(1, packed.token_budget, self.hidden_size, dtype=weight.dtype, device=weight.device)
+        return self._scatter(zeros, packed, image_embeds)
+
+    def _scatter(self, hidden: torch.Tensor, packed: PackedBatch, image_embeds: Optional[Any]) -> torch.Tensor:
         for part, per_sample in (image_embeds or {}).items():
             rows = [e for e in per_sample if e is not None and e.shape[0]]
             mask = (packed.input_ids == self.token_of[part]).unsqueeze(-1)

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mindspeed_flow.hosts.torch import hf_compat
+from mindspeed_flow.hosts.torch.omni import AudioEncoderPart
+from mindspeed_flow.hosts.torch.split import BackbonePart, EncoderPart
 from mindspeed_flow.overlap import TP_DIM_ATTR, ColumnParallelLinear, OverlapContext, RowParallelLinear
 
 log = logging.getLogger(__name__)
@@ -78,9 +80,14 @@ def parallelize_language_model(layers: Iterable[nn.Module], text_config: object,
 
 
 def _qwen_vision_block(block: nn.Module, ctx: OverlapContext) -> None:
-    """Qwen2-VL / Qwen2.5-VL ViT block: fused qkv + proj; fc1/fc2 (Qwen2-VL) or gate/up/down (Qwen2.5-VL)."""
+    """Qwen2-VL / Qwen2.5-VL ViT block: fused qkv (separate q/k/v in the Qwen2.5-Omni thinker's ViT) + proj;
+    fc1/fc2 (Qwen2-VL) or gate/up/down (Qwen2.5-VL, Omni)."""
     attn, mlp = block.attn, block.mlp
-    _swap(attn, "qkv", ColumnParallelLinear, ctx, fused=3)
+    if hasattr(attn, "qkv"):
+        _swap(attn, "qkv", ColumnParallelLinear, ctx, fused=3)
+    else:
+        for name in ("q", "k", "v"):
+            _swap(attn, name, ColumnParallelLinear, ctx)
     _swap(attn, "proj", RowParallelLinear, ctx)
     _set_local_head_counts(attn, ctx.world, ("num_heads",))
     if hasattr(mlp, "fc1"):
@@ -123,6 +130,18 @@ def _clip_layer(layer: nn.Module, ctx: OverlapContext) -> None:
     _swap(mlp, "fc2", RowParallelLinear, ctx)
 
 
+def _audio_layer(layer: nn.Module, ctx: OverlapContext) -> None:
+    """Qwen2.5-Omni audio tower layer (Whisper style): q/k/v column-parallel, out_proj row-parallel (its
+    attention reshapes by `num_heads` and the output by -1, so the local heads suffice); fc1/fc2."""
+    attn = layer.self_attn
+    for name in ("q_proj", "k_proj", "v_proj"):
+        _swap(attn, name, ColumnParallelLinear, ctx)
+    _swap(attn, "out_proj", RowParallelLinear, ctx)
+    _set_local_head_counts(attn, ctx.world, ("num_heads",))
+    _swap(layer, "fc1", ColumnParallelLinear, ctx)
+    _swap(layer, "fc2", RowParallelLinear, ctx)
+
+
 def parallelize_encoder_modules(modules: dict[str, nn.Module], family: str, ctx: OverlapContext) -> None:
     """The encoder part's modules as `hf_compat.vision_modules` names them."""
     if family in hf_compat.MROPE_FAMILIES:
@@ -141,9 +160,9 @@ def parallelize_encoder_modules(modules: dict[str, nn.Module], family: str, ctx:
 def apply_tensor_parallel(part: nn.Module, group: Optional[dist.ProcessGroup], *, impl: str = "auto",
                           chunks: int = 2, announce: Optional[Callable[[str], None]] = None
                           ) -> Optional[OverlapContext]:
-    """Split an EncoderPart or BackbonePart over `group` in place; returns the part's overlap context (None when
-    the group has one rank: nothing to split). `announce` receives the overlap choices, once each."""
-    from mindspeed_flow.hosts.torch.split import BackbonePart, EncoderPart
+    """Split an EncoderPart, AudioEncoderPart or BackbonePart over `group` in place; returns the part's overlap
+    context (None when the group has one rank: nothing to split). `announce` receives the overlap choices, once
+    each."""
 
     if group is None or dist.get_world_size(group) == 1:
         return None
@@ -154,8 +173,12 @@ def apply_tensor_parallel(part: nn.Module, group: Optional[dist.ProcessGroup], *
     elif isinstance(part, EncoderPart):
         modules = dict(part.named_children())
         parallelize_encoder_modules(modules, part.family, ctx)
+    elif isinstance(part, AudioEncoderPart):
+        for layer in part.audio_tower.layers:
+            _audio_layer(layer, ctx)
     else:
-        raise TensorParallelError(f"tensor parallelism applies to EncoderPart / BackbonePart, not {type(part)}")
+        raise TensorParallelError(f"tensor parallelism applies to EncoderPart / AudioEncoderPart / BackbonePart, "
+                                  f"not {type(part)}")
     n_sharded = sum(1 for p in part.parameters() if hasattr(p, TP_DIM_ATTR))
     log.info("tensor parallel %s over %d ranks: %d sharded parameters, overlap impl=%s chunks=%d",
              type(part).__name__, ctx.world, n_sharded, impl, chunks)
