@@ -14,7 +14,7 @@ import pytest
 from mindspeed_flow.config.load import recipes_dir
 from mindspeed_flow.hosts.mindspeed_mm.recipe import load_flow_job
 from mindspeed_flow.runtime import launch_script
-from mindspeed_flow.topology import Layout
+from mindspeed_flow.step.layout import Layout
 
 REPO = Path(__file__).resolve().parents[1]
 # mm-compatible plans (no CP, no FSDP, ViT activations kept): what a flow-patched MindSpeed-MM job runs.

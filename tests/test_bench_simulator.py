@@ -121,7 +121,7 @@ def test_bench_arguments_and_layouts() -> None:
     assert sb.layout_world("coupled-dp1", args) == 1 and sb.layout_world("decoupled-1+1", args) == 2
     # every headline layout fits a 2-core host: one rank per core at most
     from mindspeed_flow.config.load import compose, to_job_config
-    from mindspeed_flow.topology import Layout
+    from mindspeed_flow.step.layout import Layout
 
     for name in sb.HEADLINE_LAYOUTS:
         job = to_job_config(compose(sb.layout_overrides(name, args)))

@@ -14,7 +14,7 @@ from mindspeed_flow.hosts.mindspeed_mm.data import (FlowDataError, FlowStepSourc
                                                     WholeBatchReads, sample_meta)
 from mindspeed_flow.hosts.mindspeed_mm.index import index_inputs, load_or_build
 from mindspeed_flow.packing import CostModel
-from mindspeed_flow.topology import Bridge
+from mindspeed_flow.step.layout import Bridge
 
 VSTART, IMG, MERGE, CHANNELS = 1, 2, 2, 3
 

@@ -14,11 +14,11 @@ from omegaconf import OmegaConf
 
 from mindspeed_flow.bench.planner import ENCODER_HEAVY, encoder_heavy_rows
 from mindspeed_flow.cli import main
-from mindspeed_flow.config.load import check_rules, compose, model_hf_config, model_limits, to_job_config
+from mindspeed_flow.config.load import check_rules, compose, model_hf_config, to_job_config
 from mindspeed_flow.hosts.mindspeed_mm.recipe import ModelShape, build_parts, load_flow_job
 from mindspeed_flow.runtime.launch_script import PRESET_CLUSTERS
 from mindspeed_flow.specs import VLMSpec
-from mindspeed_flow.topology import Layout
+from mindspeed_flow.step.layout import Layout, ModelLimits
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTERS = sorted(p.stem for p in (REPO / "recipes" / "cluster").glob("*.yaml"))
@@ -59,7 +59,7 @@ def _torch_host_checks(name: str) -> int:
     job = to_job_config(compose([f"experiment={name}"]))
     check_rules(job)
     layout = Layout.from_config(job.parallel, job.flow.mode)
-    layout.validate(limits=model_limits(VLMSpec.from_hf_config(model_hf_config(job))),
+    layout.validate(limits=ModelLimits.of(VLMSpec.from_hf_config(model_hf_config(job))),
                     expected_world=job.parallel.world_size, global_batch_size=job.trainer.global_batch_size)
     return layout.world_size
 

@@ -773,7 +773,8 @@ def _pool_on_emulated_hccl(rank: int, world: int) -> dict:
     """Topology's pool groups on an 'hccl' job: headers and credits on gloo, payloads on two HCCL groups."""
     from mindspeed_flow import emulation
     from mindspeed_flow.config.schema import ParallelConfig, PartParallelConfig
-    from mindspeed_flow.topology import Layout, Topology
+    from mindspeed_flow.topology import Topology
+    from mindspeed_flow.step.layout import Layout
 
     emulation.activate()  # fake NPU: npu tensors live in host memory, 'hccl' groups run on gloo underneath
     layout = Layout.from_config(ParallelConfig(encoder=PartParallelConfig(dp=1), backbone=PartParallelConfig(dp=1)),

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mindspeed_flow.config.load import check_rules, compose, model_hf_config, model_limits, recipes_dir, to_job_config
+from mindspeed_flow.config.load import check_rules, compose, model_hf_config, recipes_dir, to_job_config
 from mindspeed_flow.data import build_dataset, token_spec_from_hf_config
 from mindspeed_flow.packing import CostModel, plan_step
 from mindspeed_flow.specs import VLMSpec, encoder_parts
-from mindspeed_flow.topology import Layout
+from mindspeed_flow.step.layout import Layout, ModelLimits
 
 ROOT = recipes_dir()
 
@@ -35,7 +35,7 @@ def test_experiment_composes_and_validates(experiment: str) -> None:
     check_rules(job)
     spec = VLMSpec.from_hf_config(model_hf_config(job))
     for mode in ("decoupled", "coupled"):
-        Layout.from_config(job.parallel, mode).validate(limits=model_limits(spec),
+        Layout.from_config(job.parallel, mode).validate(limits=ModelLimits.of(spec),
                                                         global_batch_size=job.trainer.global_batch_size)
 
 
@@ -97,7 +97,7 @@ def test_parallel_recipe_validates(name: str) -> None:
     job = to_job_config(compose([f"parallel={name}"]))
     spec = VLMSpec.from_hf_config(model_hf_config(job))
     layout = Layout.from_config(job.parallel, "decoupled")
-    layout.validate(limits=model_limits(spec), global_batch_size=job.trainer.global_batch_size)
+    layout.validate(limits=ModelLimits.of(spec), global_batch_size=job.trainer.global_batch_size)
     assert layout.world_size >= 2
 
 

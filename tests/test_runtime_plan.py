@@ -9,7 +9,7 @@ from mindspeed_flow.packing.workloads import infovqa_shapes
 from mindspeed_flow.step.plan import plan_coupled_step, plan_decoupled_step
 from mindspeed_flow.specs import VLMSpec
 from mindspeed_flow.model_presets import hf_config_dict
-from mindspeed_flow.topology import Bridge
+from mindspeed_flow.step.layout import Bridge
 
 COST = CostModel.from_spec(VLMSpec.from_hf_config(hf_config_dict("qwen2_vl", "tiny")))
 

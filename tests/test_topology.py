@@ -2,7 +2,8 @@
 import pytest
 
 from mindspeed_flow.config.schema import CoupledParallelConfig, ParallelConfig, PartParallelConfig
-from mindspeed_flow.topology import Bridge, Layout, LayoutError, ModelLimits, PartLayout, Topology
+from mindspeed_flow.topology import Topology
+from mindspeed_flow.step.layout import Bridge, Layout, LayoutError, ModelLimits, PartLayout
 from mindspeed_flow.utils.multiproc import run_ranks
 
 LIMITS = ModelLimits(llm_layers=4, llm_heads=4, llm_kv_heads=2, vit_heads=2, vit_layers=2)

@@ -221,7 +221,7 @@ def test_layout_and_bridges_of_three_parts() -> None:
     backbone consumers; coupled mode spans every rank."""
     from types import SimpleNamespace
 
-    from mindspeed_flow.topology import Layout, bridges_of
+    from mindspeed_flow.step.layout import Layout, bridges_of
 
     enc = {"audio": {"dp": 2}, "vision": {"dp": 1}}
     cfg = SimpleNamespace(encoder=SimpleNamespace(dp=1, tp=1, pp=1, cp=1), encoders=enc,

@@ -59,7 +59,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -86,9 +85,9 @@ from mindspeed_flow.planner.validate import _LAYOUT, parse_layout, plan_layout
 from mindspeed_flow.pool import EmbeddingPool
 from mindspeed_flow.runtime.engine import encode_samples
 from mindspeed_flow.runtime.optim import build_optimizer
-from mindspeed_flow.runtime.worker import plan_for_step
 from mindspeed_flow.specs import VLMSpec
-from mindspeed_flow.topology import BACKBONE, COUPLED, ENCODER, Layout, bridges_of
+from mindspeed_flow.step.layout import BACKBONE, COUPLED, ENCODER, Layout, bridges_of
+from mindspeed_flow.step.plan import plan_job_step
 from mindspeed_flow.utils.multiproc import run_ranks
 
 # The headline layouts: at most one rank per physical core of a 2-core host, as overrides on --experiment
@@ -579,7 +578,7 @@ def step_planning_seconds(job: Any, steps: Sequence[int], repeats: int = 3) -> f
     """CPU seconds every rank spends between steps on the runtime's own step plan (median over `steps`)."""
     hf = model_hf_config(job)
     layout = Layout.from_config(job.parallel, job.flow.mode)
-    topo = SimpleNamespace(layout=layout, bridges=bridges_of(layout), world_size=layout.world_size)
+    bridges = bridges_of(layout)
     dataset = build_dataset(job.data, token_spec_from_hf_config(hf))
     cost_model = CostModel.from_config(job.packing, VLMSpec.from_hf_config(hf),
                                        frozen_encoder=bool(job.model.freeze_encoder))
@@ -589,7 +588,7 @@ def step_planning_seconds(job: Any, steps: Sequence[int], repeats: int = 3) -> f
     for step in range(max(steps) + 1):
         ids = next(batches)
         if step in steps:
-            t, _ = _cpu_time(lambda: plan_for_step(job, topo, step, [dataset.shape(i) for i in ids], cost_model),
+            t, _ = _cpu_time(lambda: plan_job_step(job, layout, bridges, step, [dataset.shape(i) for i in ids], cost_model),
                              repeats)
             out.append(t)
     return statistics.median(out)

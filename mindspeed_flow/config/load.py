@@ -19,8 +19,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationErr
 from mindspeed_flow.config.schema import FlowJobConfig, register_configs
 from mindspeed_flow.model_presets import hf_config_dict, load_config_json
 from mindspeed_flow.resources import data_path
-from mindspeed_flow.specs import VLMSpec, encoder_parts
-from mindspeed_flow.topology import ModelLimits
+from mindspeed_flow.specs import encoder_parts
 from mindspeed_flow.utils.usage import nearest, unknown_key
 
 
@@ -102,12 +101,6 @@ def model_hf_config(job: FlowJobConfig) -> dict:
     return hf_config_dict(job.model.family, job.model.preset, dict(job.model.hf_overrides))
 
 
-def model_limits(spec: "VLMSpec") -> "ModelLimits":
-    return ModelLimits(llm_layers=spec.llm.num_layers, llm_heads=spec.llm.num_heads,
-                       llm_kv_heads=spec.llm.num_kv_heads, vit_heads=spec.vision.num_heads,
-                       vit_layers=spec.vision.depth, audio_heads=spec.audio.heads if spec.audio else 0)
-
-
 def encoder_inflight_error(job: FlowJobConfig) -> str:
     """Why the torch host cannot run `flow.encoder_inflight` with this job ('' when it can).
 
@@ -138,7 +131,7 @@ def encoder_inflight_error(job: FlowJobConfig) -> str:
 
 
 def check_rules(job: FlowJobConfig) -> None:
-    """Cross-field rules of the training recipe (layout rules live in topology.Layout.validate)."""
+    """Cross-field rules of the training recipe (layout rules live in step.layout.Layout.validate)."""
     t, p, f, d = job.trainer, job.packing, job.flow, job.data
     rules = [
         (t.steps >= 1, f"trainer.steps={t.steps}: must be >= 1"),

@@ -10,7 +10,7 @@ before any rank starts, so the planner never prices a layout that host refuses:
   the encoder recomputes per layer (level 2) or not at all, never from the pixels (the host keeps ViT
   activations: flow.keep_encoder_activations must stay true); the optimizer is sharded by the job's
   --use-distributed-optimizer (the recipe says `backbone_dp_impl: ddp`); only Qwen2.5-VL models.
-- `torch`, the torch host (`mindspeed-flow train`, `topology.Layout.validate` and `config.load.check_rules`): no
+- `torch`, the torch host (`mindspeed-flow train`, `step.layout.Layout.validate` and `config.load.check_rules`): no
   context parallelism; the encoder is not pipelined; the encoder recomputes only from the pixels
   (flow.keep_encoder_activations=false, level 1); the backbone never recomputes; FSDP2 shards the backbone only
   without TP (with TP it runs DDP, so optimizer states are not sharded) and never shards the encoder.

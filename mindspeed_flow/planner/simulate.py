@@ -24,15 +24,21 @@ each rank's busy/idle time, pipeline bubbles, stage imbalance, pool waits, and a
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from mindspeed_flow.planner.cost import (
-    CostContext, _link, dp_sync_time, ep_alltoall_time, optimizer_time, precision_bytes, ring_allreduce_time,
-)
+from mindspeed_flow.config.load import model_hf_config
+from mindspeed_flow.data.build import build_dataset
+from mindspeed_flow.data.sampler import iter_global_batches
+from mindspeed_flow.data.tokens import token_spec_from_hf_config
+from mindspeed_flow.packing import CostModel
+from mindspeed_flow.planner.cost import (CostContext, _link, dp_sync_time, ep_alltoall_time, optimizer_time,
+                                         precision_bytes, ring_allreduce_time)
+from mindspeed_flow.specs import VLMSpec
+from mindspeed_flow.step.layout import Layout, bridges_of
+from mindspeed_flow.step.plan import plan_job_step
 
 COMPUTE, COMM = "compute", "comm"
 
@@ -315,7 +321,7 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
     `prefetch_depth` > 0: the ranks that load pixels in a background thread (encoder ranks, coupled DP ranks)
     get a loader lane beside them, `costs.sample_load` per sample, at most this many samples ahead; its compute
     shares the host's cores with the ranks'. A coupled pipeline's first stage loads inline, in its forward."""
-    from mindspeed_flow.topology import BACKBONE, COUPLED, ENCODER
+    from mindspeed_flow.step.layout import BACKBONE, COUPLED, ENCODER
 
     by_id = {s.sample_id: s for s in shapes}
     coupled = layout.mode == "coupled"
@@ -608,28 +614,17 @@ def simulate_job(job: Any, ctx: CostContext, steps: Sequence[int], cores: float 
                  vit_on_stage0: bool = False, costs: Optional[StepCosts] = None,
                  host_share: Optional[dict[int, Sequence[float]]] = None) -> dict[int, StepResult]:
     """Simulate the given steps of a training job (a FlowJobConfig) with the planner's rates in `ctx`: the same
-    global batches (sampler, seed), step plans (`runtime.worker.plan_for_step`) and layout the runtime uses.
+    global batches (sampler, seed), step plans (`step.plan.plan_job_step`) and layout the runtime uses.
 
     `spinning_waits` (default: on for CPU clusters): a waiting rank keeps its share of the host cores, as the
     CPU runtime's ranks do (gloo waits, the pool's receiving threads, the pixel prefetcher); measured on 6 CPU
     layouts this predicted the step better than counting only computing ranks (see docs/planner.md).
     `costs`: per-call costs to charge instead of the planner's FLOP rates (e.g. `bench.simulator`'s measured
     ones); `host_share`: per step, the cores the job got with n ranks computing (`Simulator`'s capacity)."""
-    from types import SimpleNamespace
-
-    from mindspeed_flow.config.load import model_hf_config
-    from mindspeed_flow.data.build import build_dataset
-    from mindspeed_flow.data.sampler import iter_global_batches
-    from mindspeed_flow.data.tokens import token_spec_from_hf_config
-    from mindspeed_flow.packing import CostModel
-    from mindspeed_flow.runtime.worker import plan_for_step
-    from mindspeed_flow.specs import VLMSpec
-    from mindspeed_flow.topology import Layout, bridges_of
-
     hf = model_hf_config(job)
     spec = VLMSpec.from_hf_config(hf)
     layout = Layout.from_config(job.parallel, job.flow.mode)
-    topo = SimpleNamespace(layout=layout, bridges=bridges_of(layout), world_size=layout.world_size)
+    bridges = bridges_of(layout)
     dataset = build_dataset(job.data, token_spec_from_hf_config(hf))
     frozen = bool(job.model.freeze_encoder)
     cost_model = CostModel.from_config(job.packing, spec, frozen_encoder=frozen)
@@ -644,7 +639,7 @@ def simulate_job(job: Any, ctx: CostContext, steps: Sequence[int], cores: float 
         if step not in steps:
             continue
         shapes = [dataset.shape(i) for i in ids]
-        work = plan_for_step(job, topo, step, shapes, cost_model)
+        work = plan_job_step(job, layout, bridges, step, shapes, cost_model)
         emb = (max((s.image_tokens for s in shapes), default=1) * spec.vision.out_hidden_size
                * spec.vision.embedding_tensors * 4.0)
         capacity = max(1, int(job.flow.pool_capacity_mb * 2**20 // max(emb, 1.0)))
@@ -668,8 +663,8 @@ def simulate_layout(problem: Any, enc_row: dict, bb_row: dict, cores: float = 0.
 
     from mindspeed_flow.config.packing import PackingConfig
     from mindspeed_flow.packing import CostModel
+    from mindspeed_flow.step.layout import BACKBONE, ENCODER, Layout, PartLayout, bridges_of
     from mindspeed_flow.step.plan import plan_decoupled_step
-    from mindspeed_flow.topology import BACKBONE, ENCODER, Layout, PartLayout, bridges_of
 
     if problem.spec is None or not problem.shapes:
         raise ValueError("the problem carries no model spec / workload shapes (build it with inputs.build_problem)")
@@ -776,7 +771,7 @@ def simulate_coupled_baseline(problem: Any, b: Any, stream: Sequence[Any], cores
     from types import SimpleNamespace
 
     from mindspeed_flow.planner.baselines import with_loader
-    from mindspeed_flow.topology import COUPLED, Layout, PartLayout
+    from mindspeed_flow.step.layout import COUPLED, Layout, PartLayout
 
     row = b.layout["coupled"]
     dp, pp = int(row["dp"]), int(row["pp"])

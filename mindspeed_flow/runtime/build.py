@@ -22,7 +22,8 @@ from mindspeed_flow.runtime.engine import CoupledModel, RankModels
 from mindspeed_flow.runtime.optim import ParamShare, PartOptimizer, build_optimizer
 from mindspeed_flow.runtime.pipeline import BackbonePipeline
 from mindspeed_flow.specs import encoder_parts
-from mindspeed_flow.topology import BACKBONE, ENCODER, Topology
+from mindspeed_flow.step.layout import BACKBONE, ENCODER
+from mindspeed_flow.topology import Topology
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -34,13 +34,13 @@ from mindspeed_flow.data.prefetch import prefetch_samples
 from mindspeed_flow.data.sample import VLMSample
 from mindspeed_flow.hosts.torch.data_parallel import allreduce_grads_, grad_sync
 from mindspeed_flow.hosts.torch.tensor_parallel import broadcast_like, broadcast_rows
-from mindspeed_flow.step.held import HeldPeak, SavedBytes
-from mindspeed_flow.telemetry.metrics import StepRecord
 from mindspeed_flow.runtime.optim import PartOptimizer, lr_at
+from mindspeed_flow.step.held import HeldPeak, SavedBytes
+from mindspeed_flow.step.layout import AUDIO, ENCODER
 from mindspeed_flow.step.plan import StepWork
 from mindspeed_flow.step.timer import Timer
+from mindspeed_flow.telemetry.metrics import StepRecord
 from mindspeed_flow.telemetry.trace import traced
-from mindspeed_flow.topology import AUDIO, ENCODER
 
 # encoder part -> sample id -> that part's embedding of the sample (samples the part encodes something for)
 PartEmbeds = Mapping[str, Mapping[int, torch.Tensor]]

@@ -31,7 +31,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from mindspeed_flow import torch_compat
 from mindspeed_flow.accelerator import detect_type
 from mindspeed_flow.config.load import (RecipeError, check_rules, compose, explain_override_error, load,
-                                        model_hf_config, model_limits, save, to_job_config)
+                                        model_hf_config, save, to_job_config)
 from mindspeed_flow.data.preflight import preflight
 from mindspeed_flow.data.records import DataError
 from mindspeed_flow.resilience.checkpoint import valid_steps
@@ -45,7 +45,7 @@ from mindspeed_flow.resilience.rundir import RunDirInUse, RunDirLock, claim, exi
 from mindspeed_flow.resilience.watchdog import FAILURE_FILE
 from mindspeed_flow.runtime.worker import run_worker_recorded
 from mindspeed_flow.specs import VLMSpec
-from mindspeed_flow.topology import Layout, LayoutError
+from mindspeed_flow.step.layout import Layout, LayoutError, ModelLimits
 from mindspeed_flow.utils.multiproc import free_port
 
 
@@ -66,7 +66,7 @@ def prepare(overrides: list[str], *, owner: bool = True, lock: Optional[RunDirLo
     check_rules(job)
     layout = Layout.from_config(job.parallel, job.flow.mode)
     spec = VLMSpec.from_hf_config(model_hf_config(job))
-    layout.validate(limits=model_limits(spec), global_batch_size=job.trainer.global_batch_size,
+    layout.validate(limits=ModelLimits.of(spec), global_batch_size=job.trainer.global_batch_size,
                     expected_world=job.parallel.world_size)
     if not owner:
         import tempfile

@@ -33,7 +33,7 @@ from mindspeed_flow.config.load import recipes_dir
 from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, _unsupported, load_flow_job
 from mindspeed_flow.resources import data_path
 from mindspeed_flow.runtime.flow_twin import RecipeLaunch, TwinError, make_twin
-from mindspeed_flow.topology import Layout, LayoutError
+from mindspeed_flow.step.layout import Layout, LayoutError
 
 SCRIPTS_DIR = data_path("scripts/ascend")
 # script, devices per node the runtime sees (A3: each 910C package is two devices, one per die; MindSpeed-MM's

@@ -27,7 +27,7 @@ from mindspeed_flow.topology import Topology
 
 
 def step_geometry(topo: Topology) -> tuple[int, int, int]:
-    """(backbone DP size, encoder ranks a plan balances over, pipeline size) as `worker.plan_for_step` uses them."""
+    """(backbone DP size, encoder ranks a plan balances over, pipeline size) as `step.plan.plan_job_step` uses them."""
     layout = topo.layout
     if layout.mode == "decoupled":  # the first encoder part's producers, as plan_decoupled_step counts them
         bridge = next(iter(topo.bridges.values()))

@@ -19,29 +19,29 @@ import torch.distributed as dist
 from mindspeed_flow import torch_compat
 from mindspeed_flow.accelerator import Accelerator
 from mindspeed_flow.config import load as config_load
-from mindspeed_flow.config.load import model_hf_config, model_limits
+from mindspeed_flow.config.load import model_hf_config
 from mindspeed_flow.config.schema import FlowJobConfig
 from mindspeed_flow.data import build_dataset, iter_global_batches, token_spec_from_hf_config
 from mindspeed_flow.data.guard import SampleGuard
+from mindspeed_flow.data.sampler import resume_mismatch
 from mindspeed_flow.packing import CostModel
 from mindspeed_flow.resilience.checkpoint import Checkpointer, CheckpointSaveError
 from mindspeed_flow.resilience.faults import FaultDrills
 from mindspeed_flow.resilience.preempt import EXIT_SAVED_ON_SIGNAL, LAG, StopRequests, stop_bound_s
 from mindspeed_flow.resilience.restarts import record_cause, restart_count, tell_launcher
-from mindspeed_flow.data.sampler import resume_mismatch
 from mindspeed_flow.resilience.resume import accept_config, has_previous_run, mismatch, no_checkpoint, sampler_state
 from mindspeed_flow.resilience.rundir import new_run_id, read_run_id, write_run_id
 from mindspeed_flow.resilience.watchdog import FAILURE_FILE, Watchdog
 from mindspeed_flow.runtime import build
-from mindspeed_flow.telemetry import trace
 from mindspeed_flow.runtime.engine import StepEngine
+from mindspeed_flow.specs import VLMSpec
+from mindspeed_flow.step.layout import Layout, ModelLimits
+from mindspeed_flow.step.plan import StepWork, plan_job_step
+from mindspeed_flow.telemetry import trace
 from mindspeed_flow.telemetry.metrics import MFU_FORMULA, MetricsGatherer, StepRecord, StepStatic, machine_peak_flops
-from mindspeed_flow.step.plan import StepWork, encoder_costs, plan_coupled_step, plan_decoupled_step
 from mindspeed_flow.telemetry.tensor_bytes import LiveTensorBytes
 from mindspeed_flow.telemetry.tensorboard import open_sink
-from mindspeed_flow.specs import VLMSpec
-from mindspeed_flow.topology import Layout, Topology
-
+from mindspeed_flow.topology import Topology
 
 
 def init_distributed(acc: Accelerator, timeout_s: float) -> tuple[int, int]:
@@ -69,24 +69,6 @@ def step_model_flops(spec: VLMSpec, shapes: list, trained: set[int], frozen_enco
         total += spec.llm.sample_flops(s.llm_tokens)
         total += sum(spec.vision.image_flops(p, trainable=not frozen_encoder) for p in s.vit_patches_per_image)
     return total
-
-
-def plan_for_step(job: FlowJobConfig, topo: Topology, step: int, shapes: list, cost_model: CostModel,
-                  dataset: Any = None, plan: Any = None) -> StepWork:
-    """The step plan, identical on every rank (see step/plan.py); `plan` is the streaming packer's plan of this
-    step (packing.step_mode=packs), used instead of packing `shapes`."""
-    p = job.packing
-    common = dict(token_budget=p.token_budget, cost_model=cost_model, scheduler=p.scheduler,
-                  oversize_policy=p.oversize_policy, pad_multiple=p.pad_multiple, plan=plan)
-    if topo.layout.mode == "decoupled":
-        # each encoder part's samples balanced over its own producers, priced in its own unit (only the Omni
-        # dataset has audio; the planner's simulator replays plans without a dataset)
-        costs = encoder_costs(topo.bridges, {s.sample_id: s for s in shapes}.__getitem__, cost_model,
-                              getattr(dataset, "audio_cost", None))
-        return plan_decoupled_step(step, shapes, bridges=topo.bridges, part_costs=costs,
-                                   min_microbatches=topo.layout.part("backbone").pp, **common)
-    coupled = topo.layout.part("coupled")
-    return plan_coupled_step(step, shapes, dp=coupled.dp, min_microbatches=coupled.pp, **common)
 
 
 def step_static(work: StepWork, spec: VLMSpec, shapes: list, frozen: bool, bad_samples: int,
@@ -123,7 +105,7 @@ def run_worker(config_path: str) -> None:
     hf_cfg = model_hf_config(job)
     spec = VLMSpec.from_hf_config(hf_cfg)
     layout = Layout.from_config(job.parallel, job.flow.mode)
-    layout.validate(world_size=world, limits=model_limits(spec), global_batch_size=job.trainer.global_batch_size,
+    layout.validate(world_size=world, limits=ModelLimits.of(spec), global_batch_size=job.trainer.global_batch_size,
                     expected_world=job.parallel.world_size)
     topo = Topology.build(layout)
     token_spec = token_spec_from_hf_config(hf_cfg)
@@ -204,7 +186,8 @@ def run_worker(config_path: str) -> None:
         drills.loader_error(step)
         sample_ids = next(batches)
         shapes = [dataset.shape(i) for i in sample_ids]
-        work = plan_for_step(job, topo, step, shapes, cost_model, dataset, getattr(batches, "plan", None))
+        work = plan_job_step(job, layout, topo.bridges, step, shapes, cost_model,
+                             audio_cost=getattr(dataset, "audio_cost", None), plan=getattr(batches, "plan", None))
         record = StepRecord()
         trace.set_step(step)
         record["is_encoder"], record["is_backbone"] = float(topo.is_encoder), float(not topo.is_encoder)

@@ -12,13 +12,13 @@ Every rank runs this on the same inputs and gets the same answer, so no rank ask
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
 from mindspeed_flow.data.shapes import SampleShape
 from mindspeed_flow.packing import CostModel, StepPlan, encoder_schedule, plan_step
-from mindspeed_flow.topology import AUDIO, Bridge
+from mindspeed_flow.step.layout import AUDIO, Bridge, Layout
 
 
 @dataclass
@@ -135,3 +135,23 @@ def plan_coupled_step(step: int, shapes: Sequence[SampleShape], *, dp: int, toke
                 work.consumer_of[sid] = d
                 work.producers.setdefault("encoder", {})[sid] = d
     return work
+
+
+def plan_job_step(job: Any, layout: Layout, bridges: Mapping[str, Bridge], step: int,
+                  shapes: Sequence[SampleShape], cost_model: CostModel, *,
+                  audio_cost: Optional[Callable[[int], float]] = None, plan: Optional[StepPlan] = None) -> StepWork:
+    """A torch-host job's step plan from its recipe (`job`: a FlowJobConfig, of which `packing` is read; the step
+    core does not import the recipe schema, which imports it), identical on every rank and in the planner's simulator
+    (which replays it without a dataset or a process group). `plan`: the streaming packer's plan of this step
+    (packing.step_mode=packs/window), used instead of packing `shapes`; `audio_cost`: the data set's audio cost
+    per sample (only the Omni data set has audio)."""
+    p = job.packing
+    common = dict(token_budget=p.token_budget, cost_model=cost_model, scheduler=p.scheduler,
+                  oversize_policy=p.oversize_policy, pad_multiple=p.pad_multiple, plan=plan)
+    if layout.mode == "decoupled":
+        # each encoder part's samples balanced over its own producers, priced in its own unit
+        costs = encoder_costs(bridges, {s.sample_id: s for s in shapes}.__getitem__, cost_model, audio_cost)
+        return plan_decoupled_step(step, shapes, bridges=bridges, part_costs=costs,
+                                   min_microbatches=layout.part("backbone").pp, **common)
+    coupled = layout.part("coupled")
+    return plan_coupled_step(step, shapes, dp=coupled.dp, min_microbatches=coupled.pp, **common)

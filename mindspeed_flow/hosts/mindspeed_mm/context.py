@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from mindspeed_flow.hosts.mindspeed_mm.recipe import PART_MODULES, FlowParts
 from mindspeed_flow.resilience.watchdog import Watchdog
-from mindspeed_flow.topology import BACKBONE, ENCODER
+from mindspeed_flow.step.layout import BACKBONE, ENCODER
 
 # The one registry the patch mechanism needs: MindSpeed's patches are plain functions that find the rank's flow
 # state here. Everything else a flow rank holds lives on its FlowContext.

@@ -30,7 +30,7 @@ import torch
 from mindspeed_flow.hosts.mindspeed_mm import checkpoint as ck
 from mindspeed_flow.hosts.mindspeed_mm.recipe import (FlowRecipeError, ModelShape, decoder_split, decoder_split_for,
                                                       load_flow_job)
-from mindspeed_flow.topology import PartLayout
+from mindspeed_flow.step.layout import PartLayout
 
 
 def _namespace(obj: Any) -> Any:

@@ -55,8 +55,8 @@ from mindspeed_flow.hosts.mindspeed_mm.context import StepCounts
 from mindspeed_flow.hosts.mindspeed_mm.index import MetadataIndex, SampleMeta
 from mindspeed_flow.hosts.mindspeed_mm.packed import padded_length
 from mindspeed_flow.packing import CostModel
+from mindspeed_flow.step.layout import Bridge
 from mindspeed_flow.step.plan import StepWork, plan_decoupled_step
-from mindspeed_flow.topology import Bridge
 
 IGNORE_INDEX = -100
 # Batch keys of the video path (MindSpeed-MM's get_batch renames them to pixel_values / image_grid_thw).

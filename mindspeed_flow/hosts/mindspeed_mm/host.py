@@ -39,9 +39,9 @@ from mindspeed_flow.packing import CostModel
 from mindspeed_flow.pool.planned import PlannedTransport
 from mindspeed_flow.skus import EMULATED_NPU_NAME
 from mindspeed_flow.specs import LLMSpec, VisionSpec, VLMSpec
+from mindspeed_flow.step.layout import Bridge
 from mindspeed_flow.telemetry import trace
 from mindspeed_flow.telemetry.metrics import machine_peak_flops
-from mindspeed_flow.topology import Bridge
 
 
 def active() -> "FlowHost":

@@ -28,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mindspeed_flow.config.schema import FlowJobConfig, PackingConfig
 from mindspeed_flow.hosts.mindspeed_mm import checkpoint
-from mindspeed_flow.topology import BACKBONE, ENCODER, Layout, PartLayout
+from mindspeed_flow.step.layout import BACKBONE, ENCODER, Layout, PartLayout
 
 # The MindSpeed-MM modules each part builds (`model_provider(modules=...)`); an audio encoder would be a third part.
 PART_MODULES: dict[str, tuple[str, ...]] = {ENCODER: ("image_encoder",), BACKBONE: ("text_decoder",)}
