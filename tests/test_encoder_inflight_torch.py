@@ -18,7 +18,7 @@ from mindspeed_flow.config.load import RecipeError, check_rules
 from mindspeed_flow.config.schema import FlowJobConfig
 from mindspeed_flow.resilience.checkpoint import load_flat
 from mindspeed_flow.runtime import launch
-from mindspeed_flow.runtime.engine import encode_groups
+from mindspeed_flow.hosts.torch.engine import encode_groups
 
 STEPS = 3
 

@@ -15,7 +15,7 @@ from mindspeed_flow.model_presets import hf_config_dict
 from mindspeed_flow.packing import CostModel, PackingError
 from mindspeed_flow.packing.streaming import StreamingPacker
 from mindspeed_flow.packing.workloads import infovqa_shapes, near_budget_lengths, near_budget_shapes
-from mindspeed_flow.runtime.packed_steps import PackedSteps
+from mindspeed_flow.hosts.torch.packed_steps import PackedSteps
 from mindspeed_flow.specs import VLMSpec
 
 COST = CostModel.from_spec(VLMSpec.from_hf_config(hf_config_dict("qwen2_vl", "7b")))

@@ -13,7 +13,7 @@ from mindspeed_flow.data.shapes import SampleShape
 from mindspeed_flow.packing import PackingError
 from mindspeed_flow.packing.window import WindowPacker, select_packs
 from mindspeed_flow.packing.workloads import infovqa_shapes, near_budget_shapes
-from mindspeed_flow.runtime.packed_steps import PackedSteps
+from mindspeed_flow.hosts.torch.packed_steps import PackedSteps
 from tests.test_packing_stream_steps import COST, Counting, LengthsDataset, resumed_after
 
 GEOMETRY = dict(dp=4, num_encoders=2, min_microbatches=2)

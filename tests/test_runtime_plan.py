@@ -59,7 +59,7 @@ def test_coupled_plan_encodes_where_it_consumes() -> None:
 
 
 def test_encode_groups_keep_order_within_the_patch_budget() -> None:
-    from mindspeed_flow.runtime.engine import encode_groups
+    from mindspeed_flow.hosts.torch.engine import encode_groups
 
     ids, patches = [7, 3, 9, 1, 4], [100, 200, 900, 50, 60]
     assert encode_groups(ids, patches, 0) == [[7], [3], [9], [1], [4]]

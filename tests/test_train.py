@@ -251,7 +251,7 @@ def test_corrupt_samples_are_skipped_and_counted_then_stop_the_job(tmp_path: Pat
 
 
 def _worker_with_wrong_world(rank: int, world: int, config_path: str) -> None:
-    from mindspeed_flow.runtime.worker import run_worker
+    from mindspeed_flow.hosts.torch.trainer import run_worker
 
     run_worker(config_path)
 

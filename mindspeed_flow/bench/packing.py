@@ -13,7 +13,7 @@ little as possible). `--emit` writes the flow assignment for `scripts/check_pack
 
 `--stream` adds `flow_stream`: the bounded look-ahead streaming packer over the same samples, in steps of a fixed
 number of full-budget packs (dp x the flow plan's microbatches per rank) instead of a fixed number of samples: what
-the runtime runs with `packing.step_mode=packs` (runtime/packed_steps.py). `flow` is `step_mode=samples`.
+the runtime runs with `packing.step_mode=packs` (hosts/torch/packed_steps.py). `flow` is `step_mode=samples`.
 It also adds `flow_window`: steps of exactly G samples chosen from a pool of G + min(--lookahead, G) samples of
 packs (packing/window.py; `step_mode=window`), timed the same way (whole passes, choice + packing + plan).
 

@@ -71,6 +71,8 @@ from mindspeed_flow.data.build import build_dataset
 from mindspeed_flow.data.sampler import iter_global_batches
 from mindspeed_flow.data.tokens import token_spec_from_hf_config
 from mindspeed_flow.hosts.torch.build import build_vlm
+from mindspeed_flow.hosts.torch.engine import encode_samples
+from mindspeed_flow.hosts.torch.optim import build_optimizer
 from mindspeed_flow.hosts.torch.split import split_vlm, token_loss_sum
 from mindspeed_flow.packing import CostModel
 from mindspeed_flow.planner.baselines import megatron_coupled
@@ -83,8 +85,6 @@ from mindspeed_flow.planner.report import recipe_yaml
 from mindspeed_flow.planner.simulate import StepCosts, simulate_job, write_timeline
 from mindspeed_flow.planner.validate import _LAYOUT, parse_layout, plan_layout
 from mindspeed_flow.pool import EmbeddingPool
-from mindspeed_flow.runtime.engine import encode_samples
-from mindspeed_flow.runtime.optim import build_optimizer
 from mindspeed_flow.specs import VLMSpec
 from mindspeed_flow.step.layout import BACKBONE, COUPLED, ENCODER, Layout, bridges_of
 from mindspeed_flow.step.plan import plan_job_step

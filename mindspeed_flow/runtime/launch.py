@@ -34,6 +34,7 @@ from mindspeed_flow.config.load import (RecipeError, check_rules, compose, expla
                                         model_hf_config, save, to_job_config)
 from mindspeed_flow.data.preflight import preflight
 from mindspeed_flow.data.records import DataError
+from mindspeed_flow.hosts.torch.trainer import run_worker_recorded
 from mindspeed_flow.resilience.checkpoint import valid_steps
 from mindspeed_flow.resilience.diskspace import RunDirWriteError, check_room_for_save
 from mindspeed_flow.resilience.preempt import EXIT_SAVED_ON_SIGNAL
@@ -43,7 +44,6 @@ from mindspeed_flow.resilience.restarts import error_type, is_deliberate, restar
 from mindspeed_flow.resilience.resume import PENDING_CONFIG, ResumeRefused, check_resume
 from mindspeed_flow.resilience.rundir import RunDirInUse, RunDirLock, claim, existing_state, read_run_id
 from mindspeed_flow.resilience.watchdog import FAILURE_FILE
-from mindspeed_flow.runtime.worker import run_worker_recorded
 from mindspeed_flow.specs import VLMSpec
 from mindspeed_flow.step.layout import Layout, LayoutError, ModelLimits
 from mindspeed_flow.utils.multiproc import free_port
@@ -245,7 +245,7 @@ def _main(argv: list[str], lock: RunDirLock) -> int:
         print(f"mindspeed-flow train: invalid recipe: {explain_override_error(e) or e}", file=sys.stderr)
         return 2
     if inside:
-        from mindspeed_flow.runtime.worker import run_worker
+        from mindspeed_flow.hosts.torch.trainer import run_worker
 
         run_worker(str(config_path))
         return 0

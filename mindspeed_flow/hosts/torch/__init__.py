@@ -2,7 +2,7 @@
 microbatches, with backbone pipeline parallelism (torch.distributed.pipelining) and data parallelism (DDP or
 FSDP2).
 
-Public API (what the runtime calls):
+Public API of the models (what the trainer, trainer.py, calls):
     build_vlm(family, hf_config, *, seed, dtype, pretrained_path, attn_implementation, parts) -> HF model with
         only `parts` ("encoder", "backbone") materialised, the rest on meta                      (build.py)
     split_vlm(model) -> (EncoderPart, BackbonePart)

@@ -22,7 +22,7 @@ Inputs per microbatch, all with the microbatch as dim 0 so that `schedule.step` 
 
 A PipelineStage fixes its activation shapes on its first step (its receive buffers), so all microbatches of one
 schedule share one length; a caller that changes the length builds a new PipelineStage over the same stage
-module (`runtime.pipeline.BackbonePipeline` keeps one per (length, microbatch count)).
+module (`hosts.torch.backbone_pipeline.BackbonePipeline` keeps one per (length, microbatch count)).
 """
 from __future__ import annotations
 

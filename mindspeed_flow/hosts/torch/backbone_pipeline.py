@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from mindspeed_flow.hosts.torch.data_parallel import apply_ddp, apply_fsdp
+from mindspeed_flow.hosts.torch.engine import EmbeddingSource, PartEmbeds, model_embeds
 from mindspeed_flow.hosts.torch.pipeline import BackboneStage, build_backbone_stage, make_schedule, pipeline_step
 from mindspeed_flow.hosts.torch.split import BackbonePart, token_loss_sum
-from mindspeed_flow.runtime.engine import EmbeddingSource, PartEmbeds, model_embeds
 from mindspeed_flow.step.timer import Timer
 
 if TYPE_CHECKING:

@@ -8,19 +8,20 @@ identical parameters.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from mindspeed_flow.config.schema import FlowJobConfig
 from mindspeed_flow.hosts.torch import apply_ddp, apply_fsdp, build_vlm, dp_loss_scale, split_vlm
+from mindspeed_flow.hosts.torch.backbone_pipeline import BackbonePipeline
+from mindspeed_flow.hosts.torch.engine import CoupledModel, RankModels
 from mindspeed_flow.hosts.torch.omni import split_omni
+from mindspeed_flow.hosts.torch.optim import ParamShare, PartOptimizer, build_optimizer
 from mindspeed_flow.hosts.torch.tensor_parallel import apply_tensor_parallel, is_tp_sharded
 from mindspeed_flow.pool import EmbeddingPool
-from mindspeed_flow.runtime.engine import CoupledModel, RankModels
-from mindspeed_flow.runtime.optim import ParamShare, PartOptimizer, build_optimizer
-from mindspeed_flow.runtime.pipeline import BackbonePipeline
 from mindspeed_flow.specs import encoder_parts
 from mindspeed_flow.step.layout import BACKBONE, ENCODER
 from mindspeed_flow.topology import Topology
@@ -62,8 +63,18 @@ def split_parts(model: torch.nn.Module, family: str) -> dict[str, torch.nn.Modul
     return {ENCODER: encoder, BACKBONE: backbone}
 
 
-def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.device
-               ) -> tuple[RankModels, PartOptimizer, Optional[Any], Optional[dist.ProcessGroup]]:
+@dataclass
+class RankParts:
+    """What `build_rank` gives a rank: its models, its optimizer over its parameter shares, the pool (decoupled
+    ranks), and the group its gradient norm spans (None: the world, every rank trains)."""
+
+    models: RankModels
+    optim: PartOptimizer
+    pool: Optional[EmbeddingPool] = None
+    norm_group: Optional[dist.ProcessGroup] = None
+
+
+def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.device) -> RankParts:
     dtype = DTYPES[job.model.dtype]
     t = job.trainer
     opt_kwargs = dict(lr=t.lr, betas=(float(t.betas[0]), float(t.betas[1])), weight_decay=t.weight_decay, eps=t.adam_eps)
@@ -90,7 +101,7 @@ def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.d
         optim.shares = [ParamShare([p for p in coupled.parameters() if p.requires_grad], replicas=topo.world_size)]
         optim.optimizer = build_optimizer(optim.shares[0].params, **opt_kwargs)
         models.named_params = dict(coupled.named_parameters())
-        return models, optim, None, None  # default (world) group for the norm
+        return RankParts(models, optim)  # default (world) group for the norm
 
     pool = EmbeddingPool(rank=topo.rank, group=topo.pool_group, data_groups=topo.pool_data_groups,
                          capacity_bytes=int(job.flow.pool_capacity_mb * 2**20), timeout_s=job.flow.timeout_s,
@@ -131,12 +142,12 @@ def build_rank(job: FlowJobConfig, topo: Topology, hf_cfg: dict, device: torch.d
     # A frozen encoder has no gradients: the norm is the backbone's alone, reduced over the backbone ranks, and
     # the encoder never joins that collective (so it can run ahead).
     norm_group = topo.part_group if frozen else None
-    return models, optim, pool, norm_group
+    return RankParts(models, optim, pool, norm_group)
 
 
 def _build_coupled_pipeline(job: FlowJobConfig, topo: Topology, encoder: torch.nn.Module, backbone: torch.nn.Module,
                             device: torch.device, models: RankModels, optim: PartOptimizer, opt_kwargs: dict
-                            ) -> tuple[RankModels, PartOptimizer, None, None]:
+                            ) -> RankParts:
     """Coupled pipeline: stage 0 holds the ViT (+ merger) and its LLM layers, the last stage the LM head; the same
     torch.distributed.pipelining path as a decoupled backbone, DDP over each stage's DP group."""
     backbone = backbone.to(device)
@@ -154,4 +165,4 @@ def _build_coupled_pipeline(job: FlowJobConfig, topo: Topology, encoder: torch.n
     models.named_params = {f"backbone.{n}": p for n, p in backbone.named_parameters() if id(p) in held}
     if models.encoder is not None:
         models.named_params.update({f"encoder.{n}": p for n, p in models.encoder.named_parameters()})
-    return models, optim, None, None  # default (world) group for the norm
+    return RankParts(models, optim)  # default (world) group for the norm

@@ -30,17 +30,21 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from mindspeed_flow.config.schema import FlowJobConfig
+from mindspeed_flow.data.base import VLMDataset
 from mindspeed_flow.data.prefetch import prefetch_samples
 from mindspeed_flow.data.sample import VLMSample
 from mindspeed_flow.hosts.torch.data_parallel import allreduce_grads_, grad_sync
+from mindspeed_flow.hosts.torch.optim import PartOptimizer, lr_at
 from mindspeed_flow.hosts.torch.tensor_parallel import broadcast_like, broadcast_rows
-from mindspeed_flow.runtime.optim import PartOptimizer, lr_at
+from mindspeed_flow.pool import EmbeddingPool
 from mindspeed_flow.step.held import HeldPeak, SavedBytes
 from mindspeed_flow.step.layout import AUDIO, ENCODER
 from mindspeed_flow.step.plan import StepWork
 from mindspeed_flow.step.timer import Timer
 from mindspeed_flow.telemetry.metrics import StepRecord
 from mindspeed_flow.telemetry.trace import traced
+from mindspeed_flow.topology import Topology
 
 # encoder part -> sample id -> that part's embedding of the sample (samples the part encodes something for)
 PartEmbeds = Mapping[str, Mapping[int, torch.Tensor]]
@@ -59,7 +63,7 @@ class RankModels:
     backbone: Optional[torch.nn.Module] = None  # the (possibly DDP/FSDP-wrapped) backbone part, pp == 1
     backbone_part: Optional[Any] = None  # unwrapped BackbonePart (pack/embed helpers)
     coupled_dp: Optional[torch.nn.Module] = None
-    pipeline: Optional[Any] = None  # runtime.pipeline.BackbonePipeline when pp > 1
+    pipeline: Optional[Any] = None  # hosts.torch.backbone_pipeline.BackbonePipeline when pp > 1
     # the loss multiplier that makes the DP wrapper's reduction a SUM of gradients: the DP size where it averages,
     # 1 where it sums (FSDP2 on gloo in torch 2.7.1); returned embedding gradients are divided by it again
     dp_loss_scale: float = 1.0
@@ -135,27 +139,45 @@ class _HeldGroup:
     nbytes: int  # saved-activation bytes of its graph (0 when recomputing)
 
 
+@dataclass(frozen=True)
+class EngineSettings:
+    """The step engine's knobs, from the recipe (`EngineSettings.from_job`)."""
+
+    token_budget: int  # packing.token_budget: tokens per packed backbone microbatch
+    grad_clip: float  # trainer.grad_clip: the global gradient norm's bound (0: none)
+    base_lr: float
+    warmup_steps: int
+    prefetch_depth: int = 2  # data.prefetch_depth: steps of pixels read ahead
+    # flow.keep_encoder_activations: hold each sample's encoder graph until its gradient returns (else recompute)
+    keep_encoder_activations: bool = True
+    encoder_batch_tokens: int = 0  # flow.encoder_batch_tokens: samples encoded together up to this many patches
+    # flow.encoder_inflight: consumer microbatch slots whose encoder graphs this rank holds at once (0: the whole
+    # step); see StepEngine._produce for why the unit is a slot and which bound cannot deadlock.
+    encoder_inflight: int = 0
+    # trainer.nan_policy: "stop" raises at the first non-finite gradient norm; "skip" drops that step's update and
+    # raises only after more than `max_nonfinite_steps` such steps in a row.
+    nan_policy: str = "stop"
+    max_nonfinite_steps: int = 0
+
+    @staticmethod
+    def from_job(job: FlowJobConfig) -> "EngineSettings":
+        t = job.trainer
+        return EngineSettings(token_budget=job.packing.token_budget, grad_clip=t.grad_clip, base_lr=t.lr,
+                              warmup_steps=t.warmup_steps, prefetch_depth=job.data.prefetch_depth,
+                              keep_encoder_activations=job.flow.keep_encoder_activations,
+                              encoder_batch_tokens=job.flow.encoder_batch_tokens,
+                              encoder_inflight=job.flow.encoder_inflight, nan_policy=t.nan_policy,
+                              max_nonfinite_steps=t.max_nonfinite_steps)
+
+
 class StepEngine:
     """Runs one step on this rank: the producer, consumer or coupled path, then the optimizer step."""
 
-    def __init__(self, *, topo: Any, models: RankModels, pool: Any, dataset: Any, token_budget: int,
-                 optim: PartOptimizer, norm_group: Optional[dist.ProcessGroup], grad_clip: float, base_lr: float,
-                 warmup_steps: int, prefetch_depth: int = 2,
-                 keep_encoder_activations: bool = True, encoder_batch_tokens: int = 0, nan_policy: str = "stop",
-                 max_nonfinite_steps: int = 0, encoder_inflight: int = 0) -> None:
+    def __init__(self, *, topo: Topology, models: RankModels, pool: Optional[EmbeddingPool], dataset: VLMDataset,
+                 optim: PartOptimizer, norm_group: Optional[dist.ProcessGroup], settings: EngineSettings) -> None:
         self.topo, self.m, self.pool, self.dataset = topo, models, pool, dataset
-        self.token_budget = token_budget
         self.optim, self.norm_group = optim, norm_group
-        self.grad_clip, self.base_lr, self.warmup_steps = grad_clip, base_lr, warmup_steps
-        self.prefetch_depth = prefetch_depth
-        self.keep_encoder_activations = keep_encoder_activations
-        self.encoder_batch_tokens = encoder_batch_tokens
-        # flow.encoder_inflight: consumer microbatch slots whose encoder graphs this rank holds at once (0: the
-        # whole step); see _produce for why the unit is a slot and which bound cannot deadlock.
-        self.encoder_inflight = encoder_inflight
-        # trainer.nan_policy: "stop" raises at the first non-finite gradient norm; "skip" drops that step's update
-        # and raises only after more than `max_nonfinite_steps` such steps in a row.
-        self.nan_policy, self.max_nonfinite_steps = nan_policy, max_nonfinite_steps
+        self.settings = settings
         self.nonfinite_in_a_row = 0
         self.skipped_nonfinite = False
         self._texts: dict[int, VLMSample] = {}
@@ -231,21 +253,21 @@ class StepEngine:
         # keep: hold each sample's autograd graph until its gradient returns (memory grows with the samples in
         # flight); recompute: forward without a graph now, forward again with one when the gradient arrives
         # (one extra ViT forward per sample; the ViT has no dropout, so the recomputed forward is identical).
-        keep = trainable and self.keep_encoder_activations
+        keep = trainable and self.settings.keep_encoder_activations
         leader = self.is_tp_leader
         order = work.encode_order.get(self.topo.tp_leader, [])  # TP peers encode their leader's samples
         slot_of = work.slot_of()
         # Several samples per forward (flow.encoder_batch_tokens), in encode order and within one consumer
         # microbatch slot: each group's embeddings go to the pool as soon as the group is encoded, and its
         # backward runs once all its gradients are back.
-        patches = [self._input_positions(sid) if self.encoder_batch_tokens else 0 for sid in order]
-        groups = encode_groups(order, patches, self.encoder_batch_tokens, slots=[slot_of[sid] for sid in order])
+        patches = [self._input_positions(sid) if self.settings.encoder_batch_tokens else 0 for sid in order]
+        groups = encode_groups(order, patches, self.settings.encoder_batch_tokens, slots=[slot_of[sid] for sid in order])
         held: deque[_HeldGroup] = deque()
         peak = HeldPeak()
         peak_slots = 0
-        bound = self.encoder_inflight if trainable else 0
+        bound = self.settings.encoder_inflight if trainable else 0
         # Pixels are decoded/generated in a background thread while the encoder computes.
-        loader = iter(prefetch_samples(self.dataset, order, with_pixels=True, depth=self.prefetch_depth))
+        loader = iter(prefetch_samples(self.dataset, order, with_pixels=True, depth=self.settings.prefetch_depth))
         for group in groups:
             slot = slot_of[group[0]]
             while bound and held and slot - held[0].slot >= bound:
@@ -302,7 +324,7 @@ class StepEngine:
         if self.tp > 1:  # TP peers run the same backward with the leader's gradients
             grads = [timer.timed("wait", lambda: broadcast_like(g, like, self.topo.tp_group))
                      for g, like in zip(grads, entry.likes)]
-        keep = self.keep_encoder_activations
+        keep = self.settings.keep_encoder_activations
 
         def backward() -> None:
             embs = entry.kept if keep else encode_samples(self.m.encoder, entry.kept, True)
@@ -326,7 +348,7 @@ class StepEngine:
             if self.topo.is_first_stage:
                 source = EmbeddingSource(fetch=lambda k, t: self.fetch_embeds(work, row[k].sample_ids, t),
                                          return_grad=lambda part, sid, g: self.return_grad(work, part, sid, g))
-            loss_sum = self.m.pipeline.run(samples, work.plan.seq_len or self.token_budget,
+            loss_sum = self.m.pipeline.run(samples, work.plan.seq_len or self.settings.token_budget,
                                            self.m.dp_loss_scale / max(n_labels, 1), source, timer, record)
             if source is not None and self.is_tp_leader:
                 timer.timed("wait", self.pool.flush)
@@ -391,7 +413,7 @@ class StepEngine:
 
     def _consume_flat(self, work: StepWork, row, n_labels: int, timer: Timer, record: StepRecord) -> float:
         part, model = self.m.backbone_part, self.m.backbone
-        seq_len = work.plan.seq_len or self.token_budget
+        seq_len = work.plan.seq_len or self.settings.token_budget
         scale = self.m.dp_loss_scale / max(n_labels, 1)
         total = 0.0
         for k, mb in enumerate(row):
@@ -425,14 +447,14 @@ class StepEngine:
         # Pixels are prepared in a background thread a microbatch ahead, as a tuned coupled job's data loader does
         # (the decoupled encoder prefetches too): the baseline is not charged for loading on its critical path.
         order = [sid for mb in row for sid in mb.sample_ids]
-        depth = max(self.prefetch_depth, max((len(mb.sample_ids) for mb in row), default=1))
+        depth = max(self.settings.prefetch_depth, max((len(mb.sample_ids) for mb in row), default=1))
         with prefetch_samples(self.dataset, order, with_pixels=True, depth=depth) as prefetched:
             loader = iter(prefetched)
             for k, mb in enumerate(row):
                 samples = [timer.timed("wait", lambda: next(loader)) for _ in mb.sample_ids]
                 with grad_sync(model, enabled=k == len(row) - 1):
                     def fwd_bwd() -> float:
-                        loss_sum, _ = model(samples, work.plan.seq_len or self.token_budget)
+                        loss_sum, _ = model(samples, work.plan.seq_len or self.settings.token_budget)
                         (loss_sum * scale).backward()
                         return float(loss_sum.detach())
                     total += timer.timed("busy", fwd_bwd)
@@ -458,7 +480,7 @@ class StepEngine:
                                   for s in pixels if s.image_token_counts}}
 
             source = EmbeddingSource(fetch=fetch, return_grad=None)
-        loss_sum = self.m.pipeline.run(samples, work.plan.seq_len or self.token_budget,
+        loss_sum = self.m.pipeline.run(samples, work.plan.seq_len or self.settings.token_budget,
                                        self.m.dp_loss_scale / max(n_labels, 1), source, timer, record)
         record["encoder_last_sample_done_t"] = time.time()
         record["loss_sum"], record["label_tokens"] = loss_sum, n_labels
@@ -482,16 +504,16 @@ class StepEngine:
         record["update_skipped"] = float(self.skipped_nonfinite)
         if self.skipped_nonfinite:
             self.nonfinite_in_a_row += 1
-            if self.nan_policy != "skip" or self.nonfinite_in_a_row > self.max_nonfinite_steps:
+            if self.settings.nan_policy != "skip" or self.nonfinite_in_a_row > self.settings.max_nonfinite_steps:
                 raise NonFiniteLoss(f"step {step}: the global gradient norm is {value} ({self.nonfinite_in_a_row} "
-                                    f"such step(s) in a row, trainer.nan_policy={self.nan_policy}, "
-                                    f"trainer.max_nonfinite_steps={self.max_nonfinite_steps}); refusing the "
+                                    f"such step(s) in a row, trainer.nan_policy={self.settings.nan_policy}, "
+                                    f"trainer.max_nonfinite_steps={self.settings.max_nonfinite_steps}); refusing the "
                                     "optimizer step")
             opt.zero_grad(set_to_none=True)
             return
         self.nonfinite_in_a_row = 0
-        self.optim.clip(norm, self.grad_clip)
-        lr = lr_at(step, self.base_lr, self.warmup_steps)
+        self.optim.clip(norm, self.settings.grad_clip)
+        lr = lr_at(step, self.settings.base_lr, self.settings.warmup_steps)
         for g in opt.param_groups:
             g["lr"] = lr
         opt.step()
