@@ -90,9 +90,6 @@ class Accelerator:
         if self.module is not None:
             self.module.synchronize()
 
-    def new_stream(self) -> Optional[Any]:
-        return self.module.Stream() if self.capabilities.get("streams") else None
-
     @contextlib.contextmanager
     def stream(self, stream: Optional[Any]) -> Iterator[None]:
         if stream is None or self.module is None:

@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 
 IMPLS = ("mc2", "chunked", "plain")
 KINDS = ("column", "row", "column_allreduce", "row_allreduce")
-SP_KINDS = ("column", "row")
 MC2_DTYPES = mc2_api.DTYPES
 MC2_K_RANGE = mc2_api.K_RANGE  # k in [256, 65535): op-plugin docs for AllGatherMatmul / MatmulReduceScatter
 MC2_WORLDS_A2 = (2, 4, 8)  # A2: HCCS full mesh inside one server

@@ -48,7 +48,7 @@ import numpy as np
 
 from mindspeed_flow.planner.cost import (
     CostContext, Layouts, Loader, backbone_costs, backbone_memory, backbone_stage_mb_time, backbone_stage_params,
-    dp_sync_time, encoder_activation_memory, encoder_costs, encoder_samples_time, encoder_static_params,
+    dp_sync_time, encoder_activation_memory, encoder_samples_time, encoder_static_params,
     expert_params_per_device, expert_tail_time, model_flops_per_step, most_layers, optimizer_time, pipeline_time,
     stage_layer_list, stage_params, stage_time, static_memory,
 )
@@ -59,8 +59,6 @@ from mindspeed_flow.planner.space import PlanError, enumerate_layouts, rc_values
 # model families (HF model_type) whose encoder + LLM pair MindSpeed's dist-train runs (InternVL2: a LLaVA-style
 # InternViT + LLM); see the module docstring
 DIST_TRAIN_FAMILIES = ("llava", "internvl", "internvl_chat")
-
-BASELINES = ("coupled_uniform", "megatron_coupled", "mindspeed_mm_hetero", "mindspeed_dist_train")
 
 # which loader each baseline's system runs (module docstring), and how the report names it
 LOADERS = {"coupled_uniform": "pad", "megatron_coupled": "sample", "mindspeed_mm_hetero": "sample",

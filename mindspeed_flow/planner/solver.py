@@ -48,9 +48,6 @@ class Selection:
     solve_seconds: float
     method: str
 
-    def objective(self) -> tuple[float, float, int]:
-        return (self.max_time, self.gap, self.devices)
-
 
 def _scale(times: Sequence[np.ndarray]) -> float:
     lo = min(float(np.min(t)) for t in times if len(t))

@@ -51,14 +51,6 @@ class Workload:
     name: str
     shapes: tuple[SampleShape, ...]
 
-    @property
-    def max_llm_tokens(self) -> int:
-        return max(s.llm_tokens for s in self.shapes)
-
-    @property
-    def mean_llm_tokens(self) -> float:
-        return sum(s.llm_tokens for s in self.shapes) / len(self.shapes)
-
 
 def _data_config(data: str) -> DataConfig:
     if data in BUILTIN_DATA:

@@ -70,9 +70,6 @@ class LiveTensorBytes:
                 entry[1] += 1
             weakref.finalize(t, self._free, key)
 
-    def mark(self, name: str) -> None:
-        self.marks[name] = self.live
-
     def __enter__(self) -> "LiveTensorBytes":
         self._mode.__enter__()
         return self
