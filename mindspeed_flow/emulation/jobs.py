@@ -129,7 +129,7 @@ def emulate_job(name: str, argv: list[str], *, log_dir: Path, nproc: int = 2, pa
 
 def rank_processes(root_pid: int) -> dict[int, "psutil.Process"]:  # noqa: F821 - psutil imported lazily
     """{global rank: process} of the workers under a launcher process (read from each worker's RANK)."""
-    import psutil
+    import psutil  # optional: psutil
 
     def rank_of(proc: "psutil.Process") -> int | None:  # noqa: F821
         try:

@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from mindspeed_flow.overlap import mc2_api
@@ -75,8 +76,6 @@ class OverlapContext:
 
     def mesh(self, device_type: str) -> Any:
         """A one-dimensional DeviceMesh over the TP group (for DTensor views of the shards, e.g. checkpoints)."""
-        from torch.distributed.device_mesh import DeviceMesh
-
         if getattr(self, "_mesh", None) is None:
             self._mesh = DeviceMesh.from_group(default_group(self.group), device_type)
         return self._mesh

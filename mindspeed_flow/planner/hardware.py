@@ -10,8 +10,10 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+from omegaconf import OmegaConf
 
 from mindspeed_flow.config.planner import ClusterConfig
+from mindspeed_flow.resources import data_path
 from mindspeed_flow.skus import SKUS, normalize_dtype
 
 # Link figures of a cluster preset, each of which needs a `link_sources` entry (a source, or assumed: true).
@@ -164,15 +166,11 @@ def validate_cluster(cfg: ClusterConfig) -> None:
 
 def recipes_dir() -> str:
     """The package's recipes/ folder (mindspeed_flow.resources: the repository's, or an installed wheel's)."""
-    from mindspeed_flow.resources import data_path
-
     return str(data_path("recipes"))
 
 
 def load_cluster(name_or_path: str) -> Cluster:
     """A cluster preset by name (recipes/cluster/NAME.yaml) or a YAML path, validated."""
-    from omegaconf import OmegaConf
-
     path = name_or_path
     if not os.path.exists(path):
         path = os.path.join(recipes_dir(), "cluster", f"{name_or_path}.yaml")

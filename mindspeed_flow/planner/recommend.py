@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from mindspeed_flow.planner.baselines import BaselineResult
 from mindspeed_flow.planner.jobs import job_rules
 from mindspeed_flow.planner.plan import Plan
+from mindspeed_flow.planner.report import recipe_head
 
 COUPLED = ("megatron_coupled", "coupled_uniform", "mindspeed_mm_hetero")
 
@@ -129,8 +130,6 @@ def to_json(plan: Plan, rec: Recommendation) -> dict:
 def coupled_recipe(plan: Plan, rec: Recommendation, name: str, model_recipe: str | None, data_recipe: str | None,
                    model_inline: dict | None = None, data_inline: dict | None = None) -> str:
     """The experiment recipe of a recommended coupled baseline (flow.mode: coupled, the layout in parallel.coupled)."""
-    from mindspeed_flow.planner.report import recipe_head
-
     pr = plan.problem
     row = rec.coupled or {}
     job = job_rules(pr.cfg.job).name

@@ -35,6 +35,8 @@ from typing import Sequence
 import numpy as np
 from ortools.sat.python import cp_model  # imported here so solve timings exclude the import
 
+from mindspeed_flow.planner.jobs import node_sizes
+
 TIME_RESOLUTION = 1e7  # the fastest option maps to this many integer units
 REL_TIE = 1e-9  # exhaustive: times this close (relative) are ties
 
@@ -88,8 +90,6 @@ def _per_residue(devices: np.ndarray, idx: np.ndarray, node: int, front) -> np.n
 
 def _whole_nodes(m: "cp_model.CpModel", total, budget: int, node: int) -> None:
     """total devices in {1..node} or a multiple of node (see `jobs.node_sizes`)."""
-    from mindspeed_flow.planner.jobs import node_sizes
-
     if node > 1:
         m.add_linear_expression_in_domain(total, cp_model.Domain.from_intervals(
             [list(iv) for iv in node_sizes(budget, node)]))
@@ -278,8 +278,6 @@ def solve_exhaustive(devices: list[np.ndarray], times: list[np.ndarray], budget:
     dev = sum(d[i] for d, i in zip(devices, idx))
     ok = dev <= budget
     if node > 1:
-        from mindspeed_flow.planner.jobs import node_sizes
-
         ok &= np.any([(dev >= lo) & (dev <= hi) for lo, hi in node_sizes(budget, node)], axis=0)
     if not ok.any():
         return None

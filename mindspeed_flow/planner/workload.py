@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
+from omegaconf import OmegaConf
 
 from mindspeed_flow.config.schema import DataConfig
 from mindspeed_flow.data.shapes import SampleShape, read_length_table
@@ -60,8 +61,6 @@ def _data_config(data: str) -> DataConfig:
         known = sorted(BUILTIN_DATA) + list(PLAN_ONLY_DATA) + sorted(
             f[:-5] for f in os.listdir(os.path.join(recipes_dir(), "data")) if f.endswith(".yaml"))
         raise ValueError(f"data={data!r}: not a built-in workload, data recipe, YAML or CSV path; known: {known}")
-    from omegaconf import OmegaConf
-
     raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     fields = {f.name for f in dataclasses.fields(DataConfig)}
     unknown = sorted(set(raw) - fields)
@@ -72,8 +71,8 @@ def _data_config(data: str) -> DataConfig:
 
 def synthetic_shapes(cfg: DataConfig, hf_config: Mapping[str, Any], num_samples: int) -> list[SampleShape]:
     """Shapes of the first `num_samples` samples the training generator would produce (no pixels drawn)."""
-    from mindspeed_flow.data.synthetic import SyntheticInfoVQA, SyntheticParams
-    from mindspeed_flow.data.tokens import token_spec_from_hf_config
+    from mindspeed_flow.data.synthetic import SyntheticInfoVQA, SyntheticParams  # lazy: torch
+    from mindspeed_flow.data.tokens import token_spec_from_hf_config  # lazy: torch
 
     n = min(num_samples, cfg.num_samples)
     params = SyntheticParams(num_samples=n, seed=cfg.seed, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
@@ -121,8 +120,8 @@ def video_shapes(hf_config: Mapping[str, Any], num_samples: int, merge: int, see
 
 def tiled_infovqa_shapes(hf_config: Mapping[str, Any], num_samples: int, merge: int) -> list[SampleShape]:
     """`infovqa_tiles`: the `infovqa` samples' text and original image sizes, each image cut into 448 px tiles."""
-    from mindspeed_flow.data.synthetic import SyntheticInfoVQA, SyntheticParams
-    from mindspeed_flow.data.tokens import token_spec_from_hf_config
+    from mindspeed_flow.data.synthetic import SyntheticInfoVQA, SyntheticParams  # lazy: torch
+    from mindspeed_flow.data.tokens import token_spec_from_hf_config  # lazy: torch
 
     cfg = DataConfig(**BUILTIN_DATA["infovqa"])
     n = min(num_samples, cfg.num_samples)
