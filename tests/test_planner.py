@@ -51,7 +51,7 @@ def test_cluster_presets_load(name: str) -> None:
 def test_a3_preset_is_dies_as_the_runtime_schedules_them() -> None:
     """A3: 384 910C packages of two dies; each die is a device of 64 GB / 376 TFLOPS bf16, 16 per node."""
     c = load_cluster("atlas_900_a3_384")
-    assert (c.devices, c.packages, c.devices_per_node) == (768, 384, 16)
+    assert (c.devices, c.devices // c.config.devices_per_package, c.devices_per_node) == (768, 384, 16)
     assert c.config.hbm_gb == 64.0 and c.peak("bf16") == 376e12
     assert c.bandwidth(False) == 196e9  # UB: ~392 GB/s per package, one die's share
 

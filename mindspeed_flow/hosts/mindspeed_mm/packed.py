@@ -16,10 +16,10 @@ causal mask, and its Qwen2.5-VL LLM attention squeezes q/k/v to [t, heads, dim] 
 cos/sin stay [t, 1, 1, dim] (the product broadcasts to [t, t, heads, dim]). The three wrappers below (registered in
 `patches/flow.py`) close those gaps while a packed forward is active (the rank's flow context holds its
 `PackedSeqParams`: `packed_forward`), and are inert otherwise:
-- `positions_and_mask`: the packed microbatch brings its position ids, and no dense mask is built (MindSpeed's
+- `positions_and_mask_wrapper`: the packed microbatch brings its position ids, and no dense mask is built (MindSpeed's
   flash attention takes its 2048 x 2048 compressed causal mask with sparse_mode 2: causal within each sequence);
-- `decoder_forward`: the text decoder gets the microbatch's `PackedSeqParams`;
-- `multimodal_rope`: mrope is applied on [t, 1, heads, dim] and squeezed afterwards.
+- `decoder_forward_wrapper`: the text decoder gets the microbatch's `PackedSeqParams`;
+- `multimodal_rope_wrapper`: mrope is applied on [t, 1, heads, dim] and squeezed afterwards.
 """
 from __future__ import annotations
 
