@@ -75,8 +75,8 @@ def _set_flag(argv: list[str], flag: str, value: str) -> None:
 
 def setup_flow(recipe: str, script: str, script_argv: list[str]) -> None:
     """Validate the recipe and install this rank's flow context (before any process group exists)."""
-    from mindspeed_flow.hosts.mindspeed_mm import context  # lazy: after the patches
-    from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, parts_for_job  # lazy: after the patches
+    from mindspeed_flow.hosts.mindspeed_mm import context  # lazy: flow jobs only
+    from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, parts_for_job  # lazy: flow jobs only
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:

@@ -22,6 +22,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.utils._device
+from torch.nn.parameter import UninitializedTensorMixin
+from torch.utils.checkpoint import DefaultDeviceType
 
 from mindspeed_flow.emulation import device as npu_device
 from mindspeed_flow.emulation import hccl, log, npu_ext
@@ -102,8 +104,6 @@ def install_npu_device(module: types.ModuleType) -> None:
     """What `import torch_npu` sets up (torch_npu/__init__.py): the device, its methods, HCCL (idempotent)."""
     if _STATE.get("npu"):
         return
-    from torch.utils.checkpoint import DefaultDeviceType  # lazy: after the rename
-
     torch.utils.rename_privateuse1_backend("npu")
     torch._register_device_module("npu", module)
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True,
@@ -273,8 +273,6 @@ def install_transfer_to_npu() -> None:
     torch.jit.script_method = lambda fn: fn
     torch._utils._get_available_device_type = lambda: "npu"
     # Uninitialized parameters allow the original Tensor.to; they must allow the rewritten one.
-    from torch.nn.parameter import UninitializedTensorMixin  # lazy: after the rename
-
     allowed = UninitializedTensorMixin._allowed_methods
     for i, method in enumerate(allowed):
         if getattr(method, "__name__", "") == "to":
