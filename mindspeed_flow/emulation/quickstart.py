@@ -23,7 +23,6 @@ from omegaconf import OmegaConf
 
 from mindspeed_flow.emulation import tiny
 from mindspeed_flow.emulation.jobs import TinyJob
-
 from mindspeed_flow.emulation.sources import (ENV_VARS, TESTED_COMMITS, SourceError, check_commits, fetch_tree,
                                               find_sources, unpack_archive, MARKERS)
 

@@ -77,7 +77,6 @@ def measure(model_name: str, data: str, cluster: str, budgets: list[int], repeat
     import torch  # lazy: torch
 
     from mindspeed_flow.accelerator import Accelerator  # lazy: torch
-
     from mindspeed_flow.data.synthetic import SyntheticInfoVQA, SyntheticParams  # lazy: torch
     from mindspeed_flow.data.tokens import token_spec_from_hf_config  # lazy: torch
     from mindspeed_flow.hosts.torch.build import build_vlm  # lazy: torch
