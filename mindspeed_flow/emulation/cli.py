@@ -123,8 +123,9 @@ def job_command(nproc: int, script_argv: list[str], patches: bool, master_port: 
     return cmd + script_argv
 
 
-def resolve_caller_paths(script_argv: list[str], mm_root: Path, cwd: Path | None = None) -> list[str]:
-    """The job's arguments with the caller's relative paths made absolute (the job itself runs in `mm_root`)."""
+def resolve_caller_paths(script_argv: list[str], cwd: Path | None = None) -> list[str]:
+    """The job's arguments with the caller's relative paths made absolute (the job itself runs in MindSpeed-MM's
+    root)."""
     cwd = Path.cwd() if cwd is None else cwd
     out = list(script_argv)
 
@@ -250,7 +251,7 @@ def main(argv: list[str]) -> int:
     except SourceError as err:
         print(f"mindspeed-flow emulate: {err}", file=sys.stderr)
         return 2
-    script = resolve_caller_paths(script, sources.mindspeed_mm.root)
+    script = resolve_caller_paths(script)
     if not (sources.mindspeed_mm.root / script[0]).is_file():  # an absolute script[0] replaces the root
         print(f"mindspeed-flow emulate: script {script[0]!r} not found in {Path.cwd()} nor in "
               f"{sources.mindspeed_mm.root}", file=sys.stderr)
