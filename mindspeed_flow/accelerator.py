@@ -20,6 +20,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from mindspeed_flow.skus import peak_flops
+
 # Ascend's PyTorch adapter: optional, imported only where the device is an NPU (see the module docstring).
 NPU_MODULE = "torch_npu"
 
@@ -90,9 +92,6 @@ class Accelerator:
         if self.module is not None:
             self.module.synchronize()
 
-    def new_stream(self) -> Optional[Any]:
-        return self.module.Stream() if self.capabilities.get("streams") else None
-
     @contextlib.contextmanager
     def stream(self, stream: Optional[Any]) -> Iterator[None]:
         if stream is None or self.module is None:
@@ -111,7 +110,7 @@ class Accelerator:
             return {"allocated_bytes": float(self.module.memory_allocated()),
                     "peak_bytes": float(self.module.max_memory_allocated())}
         try:
-            import resource
+            import resource  # optional: POSIX
 
             peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             return {"allocated_bytes": float("nan"), "peak_bytes": float(peak_kb) * 1024.0}
@@ -126,8 +125,6 @@ class Accelerator:
     def peak_flops(self, dtype: str) -> Optional[float]:
         """Nominal dense peak of one device (the planner's per-SKU table: 910B SKUs differ, so the name decides).
         On CPU the runtime measures a matmul instead, since the table's CPU entry is only nominal."""
-        from mindspeed_flow.skus import peak_flops
-
         return peak_flops("cpu" if self.device_type == "cpu" else self.device_name, dtype)
 
     # --- kernels --------------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     if argv[0] in ("-V", "--version"):
-        from mindspeed_flow import __version__
+        from mindspeed_flow import __version__  # startup
 
         print(f"mindspeed-flow {__version__}")
         return 0
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     elif cmd in SUBCOMMANDS:
         module = SUBCOMMANDS[cmd]
     else:
-        from mindspeed_flow.utils.usage import unknown_key
+        from mindspeed_flow.utils.usage import unknown_key  # startup
 
         print(f"mindspeed-flow: {unknown_key(cmd, [*SUBCOMMANDS, 'bench'], 'command')}\n\n{_usage()}", file=sys.stderr)
         return 2

@@ -79,7 +79,7 @@ def cann_version(env: dict[str, str] | None = None) -> str:
 
 def source_version(module: str, env_var: str, dists: tuple[str, ...], env: dict[str, str] | None = None) -> str:
     """Installed version and commit of an importable package, else the commit of $env_var's checkout."""
-    from mindspeed_flow.emulation.sources import SourceError, read_commit
+    from mindspeed_flow.emulation.sources import SourceError, read_commit  # lazy: emulation
 
     def commit(root: Path) -> str:
         try:

@@ -28,6 +28,8 @@ the trainer prints them at start-up in one line (`startup_line()`): never a sile
 """
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import inspect
 import logging
@@ -37,6 +39,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +101,6 @@ def dist_fn(*names: str) -> Callable[..., Any]:
 
 def device_mesh_for(group: Optional[dist.ProcessGroup], device_type: str):
     """A 1-D DeviceMesh over `group` (DeviceMesh.from_group; init_device_mesh for the world group as fallback)."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
     group = group if group is not None else dist.group.WORLD
     if hasattr(DeviceMesh, "from_group"):
         return DeviceMesh.from_group(group, device_type=device_type)
@@ -159,7 +160,7 @@ def ensure_pipeline_p2p_waits_all() -> bool:
     replaced, process-wide, by one returning a handle that waits on all (the same contract, nothing else changes).
     """
     try:
-        from torch.distributed.pipelining import schedules
+        from torch.distributed.pipelining import schedules  # optional: pipelining
     except ImportError:  # pragma: no cover - torch without pipelining
         return False
     current = getattr(schedules, "_batch_p2p", None)
@@ -179,7 +180,7 @@ def prepare_pipelining() -> None:
     """Check (and record) everything the pipeline takes from the installed torch before its first step, so the
     start-up line names it: the p2p waits and the step keywords."""
     ensure_pipeline_p2p_waits_all()
-    from torch.distributed.pipelining import Schedule1F1B
+    from torch.distributed.pipelining import Schedule1F1B  # optional: pipelining
 
     step_kwargs(Schedule1F1B)
 
@@ -365,13 +366,11 @@ def shutdown_grace(seconds: int) -> dict[str, Any]:
     """LaunchConfig keywords that give the workers `seconds` between the agent's SIGTERM and its SIGKILL. Newer
     torch takes `shutdown_timeout`; older releases (2.7) close the workers with `PContext.close`'s default of 30 s,
     so that default is set to `seconds` here instead (the launcher process only)."""
-    import dataclasses
-
-    from torch.distributed.launcher.api import LaunchConfig
+    from torch.distributed.launcher.api import LaunchConfig  # lazy: launcher only
 
     if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:
         return {"shutdown_timeout": int(seconds)}
-    from torch.distributed.elastic.multiprocessing.api import PContext
+    from torch.distributed.elastic.multiprocessing.api import PContext  # lazy: launcher only
 
     sig = inspect.signature(PContext.close)
     if "timeout" in sig.parameters and seconds != sig.parameters["timeout"].default:

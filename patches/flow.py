@@ -14,6 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
+
 from mindspeed_flow.hosts.mindspeed_mm import context as flow_context
 from mindspeed_flow.hosts.mindspeed_mm import host, packed
 from mindspeed_flow.hosts.mindspeed_mm.checkpoint import (complete_param_groups, is_flow_iteration, load_for_part,
@@ -118,7 +121,7 @@ def initialize_distributed_wrapper(initialize_distributed: Callable) -> Callable
         ctx = flow_context.current()
         if ctx is None:
             return initialize_distributed(*args, **kwargs)
-        from megatron.training import get_args
+        from megatron.training import get_args  # optional: megatron
 
         margs = get_args()
         part_world = margs.world_size
@@ -195,9 +198,6 @@ def check_for_nan_wrapper(check: Callable) -> Callable:
         ctx = flow_context.current()
         if ctx is None or not ctx.part_trainable:
             return found_inf
-        import torch
-        import torch.distributed as dist
-
         # On the device: the reduce group runs on the job's backend (HCCL takes device tensors only).
         flag = torch.tensor([1.0 if found_inf else 0.0], dtype=torch.float32).to(ctx.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.reduce_group)

@@ -37,8 +37,8 @@ def _is_rank0() -> bool:
 
 def apply_flow_patches(flow: bool = False) -> list[str]:
     """Import the targets, register every patch, apply them; returns the applied patch module names."""
-    import mindspeed.megatron_adaptor  # noqa: F401  (step 2)
-    from mindspeed.patch_utils import MindSpeedPatchesManager
+    import mindspeed.megatron_adaptor  # optional: mindspeed  # noqa: F401  (step 2)
+    from mindspeed.patch_utils import MindSpeedPatchesManager  # optional: mindspeed
 
     importlib.import_module("mindspeed_mm")
     modules: list[ModuleType] = [importlib.import_module(n) for n in FIX_MODULES + (FLOW_MODULES if flow else ())]
@@ -75,8 +75,8 @@ def _set_flag(argv: list[str], flag: str, value: str) -> None:
 
 def setup_flow(recipe: str, script: str, script_argv: list[str]) -> None:
     """Validate the recipe and install this rank's flow context (before any process group exists)."""
-    from mindspeed_flow.hosts.mindspeed_mm import context
-    from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, parts_for_job
+    from mindspeed_flow.hosts.mindspeed_mm import context  # lazy: flow jobs only
+    from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, parts_for_job  # lazy: flow jobs only
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:

@@ -8,6 +8,7 @@ torch_npu first (never in the pytest process), and must agree with "chunked" in 
 from __future__ import annotations
 
 import logging
+from typing import Any, Mapping, Sequence
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from mindspeed_flow.overlap import (ColumnParallelLinear, ColumnParallelLinearSP
                                     RowParallelLinearSP, all_gather_rows, column_parallel_linear,
                                     column_parallel_linear_sp, reduce_scatter_rows, row_parallel_linear,
                                     row_parallel_linear_sp)
+from mindspeed_flow.overlap import mc2_api
 from mindspeed_flow.utils.multiproc import run_ranks
 
 M_LOCAL, IN, OUT = 7, 12, 8  # 7 rows per rank: 2 and 4 chunks split unevenly (4+3, 2+2+2+1)
@@ -195,7 +197,8 @@ def _record_mc2_calls(torch_npu, calls: list) -> None:
             return _fn(*args, **kwargs)
 
         setattr(torch_npu, op, wrapped)
-    backend_cls = hccl.backend_class()
+    # what `group._get_backend(torch.device("npu"))` returns (strict: the npu extension's HcclBackend)
+    backend_cls = hccl._STRICT_BACKEND[0] if hccl._STRICT_BACKEND else hccl.FakeHcclBackend
     original = backend_cls.get_hccl_comm_name
 
     def name(self, *args, **kwargs):
@@ -203,6 +206,19 @@ def _record_mc2_calls(torch_npu, calls: list) -> None:
         return original(self, *args, **kwargs)
 
     backend_cls.get_hccl_comm_name = name
+
+
+def _check_comm_name_call(args: Sequence[Any], kwargs: Mapping[str, Any], group_ranks: Sequence[int],
+                          my_global_rank: int) -> list[str]:
+    """`get_hccl_comm_name(rankid, init_comm=True)` takes this process's *global* rank, a member of the group."""
+    bound, errors = mc2_api._bind_all("get_hccl_comm_name", args, kwargs)
+    if not bound:
+        return errors
+    rankid = bound[0]["rankid"]
+    if rankid != my_global_rank:
+        errors.append(f"get_hccl_comm_name: rankid={rankid} but this process's global rank is {my_global_rank}"
+                      f" (group ranks {list(group_ranks)}): pass dist.get_global_rank(group, group_rank)")
+    return errors
 
 
 def _mc2_rank(rank: int, world: int) -> dict[str, object]:
@@ -251,7 +267,7 @@ def _mc2_rank(rank: int, world: int) -> dict[str, object]:
     for op, args, kwargs in calls:
         ops.append(op)
         if op == "get_hccl_comm_name":
-            violations += mc2_api.check_comm_name_call(args, kwargs, dist.get_process_group_ranks(group), rank)
+            violations += _check_comm_name_call(args, kwargs, dist.get_process_group_ranks(group), rank)
         else:
             violations += mc2_api.check_call(op, args, kwargs, ctx.domain, tp)
     # The checker is not vacuous: the slips it exists for are caught.
@@ -265,7 +281,7 @@ def _mc2_rank(rank: int, world: int) -> dict[str, object]:
                                                    {}, ctx.domain, 2),
         "gather_index 1": mc2_api.check_call("npu_all_gather_base_mm", (x, w.t(), ctx.domain, 2),
                                              {"gather_index": 1}, ctx.domain, 2),
-        "group-local rank": mc2_api.check_comm_name_call((tp_rank,), {}, [0, 1], rank) if rank >= 2 else ["n/a"],
+        "group-local rank": _check_comm_name_call((tp_rank,), {}, [0, 1], rank) if rank >= 2 else ["n/a"],
     }
     try:
         mc2_api.checked("npu_all_gather_base_mm", lambda *a, **k: None, ctx.domain, 2)(x, w.t(), ctx.domain, 3)

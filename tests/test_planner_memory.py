@@ -3,7 +3,7 @@
 - static memory (weights + grads + AdamW states) predicted from the spec counts vs the bytes of the real
   tensors after one AdamW step: within 1% (it is exact up to AdamW's scalar `step` tensors, excluded);
 - activation memory predicted vs the bytes autograd saves for backward (distinct non-parameter storages,
-  `planner.measure.saved_activation_bytes`): goal within 20%, for each family's encoder (one image) and
+  `saved_activation_bytes` below): goal within 20%, for each family's encoder (one image) and
   backbone (packed microbatches at three token budgets);
 - one model per host: Megatron's distributed optimizer shards over DP x CP; the torch host keeps gradients and
   AdamW states in the parameters' dtype, DDP doubles the gradients, FSDP2 shards all three; a MindSpeed-MM
@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import pytest
@@ -33,7 +34,6 @@ from mindspeed_flow.planner.cost import (
 )
 from mindspeed_flow.planner.hardware import load_cluster
 from mindspeed_flow.planner.inputs import build_problem, parse_kv
-from mindspeed_flow.planner.measure import saved_activation_bytes, static_bytes_after_step
 from mindspeed_flow.planner.parts import vlm_parts
 from mindspeed_flow.specs import VLMSpec
 
@@ -41,6 +41,38 @@ FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava")
 CPU_CFG = PlannerConfig(dtype="fp32", flash_attention=False, distributed_optimizer=False)
 # Packed backbone microbatches attend with the varlen kernel (per-sequence causal SDPA, no score matrix kept).
 CPU_CFG_VARLEN = dataclasses.replace(CPU_CFG, flash_attention=True)
+
+
+def saved_activation_bytes(fn: Callable[[], Any], params: Iterable[Any]) -> tuple[int, Any]:
+    """(bytes of distinct non-parameter storages saved for backward during fn(), fn's result)."""
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in param_ptrs and ptr not in seen:
+            seen[ptr] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def static_bytes_after_step(module: Any, lr: float = 1e-3) -> dict[str, int]:
+    """Parameters, gradients and AdamW states (bytes) of `module` after one optimizer step on a dummy loss."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr)
+    loss = sum((p.float() ** 2).sum() for p in params)
+    loss.backward()
+    opt.step()
+    states = [v for s in opt.state.values() for k, v in s.items() if torch.is_tensor(v) and k != "step"]
+    return {
+        "weights": sum(p.numel() * p.element_size() for p in params),
+        "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+        "optim": sum(t.numel() * t.element_size() for t in states),
+    }
 
 
 def _setup(family: str):

@@ -6,6 +6,7 @@ import signal
 import threading
 import time
 import warnings
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ def _settle_and_close(pool: EmbeddingPool) -> dict:
     pool.flush()
     dist.barrier()
     _wait_all_credited(pool)
-    stats = pool.stats().as_dict()
+    stats = asdict(pool.stats())
     pool.close()
     return stats
 
@@ -127,7 +128,7 @@ def _round_trip(rank: int, world: int) -> dict:
     closing = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     if rank == 0:
         assert closing and "still waiting for messages from rank(s) [1]" in closing[0], closing
-    return stats.as_dict()
+    return asdict(stats)
 
 
 def test_round_trip_dtypes_shapes_and_gradients():
@@ -457,7 +458,7 @@ def _put_many_round_trip(rank: int, world: int, planned: bool) -> dict:
     pool.flush()
     dist.barrier()
     _wait_all_credited(pool)
-    out.update(pool.stats().as_dict())
+    out.update(asdict(pool.stats()))
     pool.close()
     return out
 
@@ -589,7 +590,7 @@ def _backpressure(rank: int, world: int) -> dict:
     pool.flush()
     dist.barrier()
     _wait_all_credited(pool)
-    stats = pool.stats().as_dict()
+    stats = asdict(pool.stats())
     pool.close()
     return {**stats, "over_capacity_seen": over_capacity_seen}
 
@@ -625,7 +626,7 @@ def _host_tier(rank: int, world: int) -> dict:
             assert torch.equal(pool.get(sample_id=sid, step=0, producer=0), _embedding(sid, 0, tokens))
     pool.flush()
     dist.barrier()
-    return pool.stats().as_dict()
+    return asdict(pool.stats())
 
 
 def test_host_tier_takes_large_items_and_counts_them():

@@ -1,6 +1,8 @@
 """Pool counters: peaks follow occupancy, and a step reset keeps levels but restarts everything per-step."""
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from mindspeed_flow.pool.stats import PoolCounters
 
 
@@ -20,4 +22,4 @@ def test_peaks_track_both_sides_and_reset_keeps_levels():
     assert (r.puts, r.put_wait_s, r.bytes_sent) == (0, 0.0, 0)
     assert (r.occupancy_bytes, r.occupancy_peak_bytes, r.inflight_peak_bytes) == (80, 80, 0)
     assert (r.device_bytes, r.host_bytes, r.buffered_items, r.capacity_bytes) == (30, 50, 2, 100)
-    assert set(r.as_dict()) == set(s.as_dict())
+    assert set(asdict(r)) == set(asdict(s))

@@ -47,9 +47,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def mm_job(workdir: Path, mindspeed_mm_root: Path, steps: int) -> dict[str, Any]:
     """The MindSpeed-MM job's files and command line: {"argv", "recipe", "model_json", "nproc"}."""
-    from mindspeed_flow.emulation import tiny
-    from mindspeed_flow.emulation.jobs import TinyJob
-    from mindspeed_flow.emulation.scaled import scaled_model_json, write_user_like_data_json
+    from mindspeed_flow.emulation import tiny  # lazy: emulation
+    from mindspeed_flow.emulation.jobs import TinyJob  # lazy: emulation
+    from mindspeed_flow.emulation.scaled import scaled_model_json, write_user_like_data_json  # lazy: emulation
 
     tiny.prepare_workdir(workdir)
     data = write_user_like_data_json(workdir)
@@ -85,8 +85,8 @@ def run_torch(run_dir: Path, steps: int) -> tuple[str, list[memory.PartMemory]]:
 
 
 def run_mm(workdir: Path, steps: int) -> tuple[str, list[memory.PartMemory]]:
-    from mindspeed_flow.emulation.jobs import emulate_job
-    from mindspeed_flow.emulation.sources import find_sources
+    from mindspeed_flow.emulation.jobs import emulate_job  # lazy: emulation
+    from mindspeed_flow.emulation.sources import find_sources  # lazy: emulation
 
     job = mm_job(workdir, find_sources().mindspeed_mm.root, steps)
     os.environ[MEMORY_ENV] = "1"  # the job's ranks inherit it

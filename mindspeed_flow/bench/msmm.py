@@ -80,10 +80,10 @@ def _summary(output: str, times_ms: list[float]) -> dict[str, Any]:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from mindspeed_flow.emulation import tiny
-    from mindspeed_flow.emulation.jobs import TinyJob, emulate_job
-    from mindspeed_flow.emulation.scaled import scaled_model_json, write_user_like_data_json
-    from mindspeed_flow.emulation.sources import find_sources
+    from mindspeed_flow.emulation import tiny  # lazy: emulation
+    from mindspeed_flow.emulation.jobs import TinyJob, emulate_job  # lazy: emulation
+    from mindspeed_flow.emulation.scaled import scaled_model_json, write_user_like_data_json  # lazy: emulation
+    from mindspeed_flow.emulation.sources import find_sources  # lazy: emulation
 
     sources = find_sources()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="msf-bench-msmm-")).resolve()

@@ -218,7 +218,7 @@ def trl_compare(lengths: np.ndarray, budget: int) -> dict[str, Any]:
     out["flow_best_fit"] = {"seconds": time.process_time() - start, "bins": len(ours.bins),
                             "fill": float(lengths.sum()) / (len(ours.bins) * budget)}
     try:
-        from trl import __version__ as trl_version
+        from trl import __version__ as trl_version  # optional: trl
     except ImportError as exc:
         out["trl"] = f"not installed ({exc}); pip install -c scripts/constraints.txt trl"
         return out
@@ -230,7 +230,7 @@ def trl_compare(lengths: np.ndarray, budget: int) -> dict[str, Any]:
                                "fill": float(sum(packed_lengths)) / (len(packed_lengths) * budget),
                                "tokens_kept": int(sum(packed_lengths))}
     try:  # TRL's core (private name; may move between versions): the same algorithm without datasets overhead
-        from trl.data_utils import _pack_bfd
+        from trl.data_utils import _pack_bfd  # optional: trl
 
         start = time.process_time()
         core = _pack_bfd(table, budget)
@@ -242,12 +242,12 @@ def trl_compare(lengths: np.ndarray, budget: int) -> dict[str, Any]:
 
 def trl_pack_loads(lengths: np.ndarray, budget: int) -> tuple[list[int], Any]:
     """Token load of every pack TRL's `pack_dataset(strategy="bfd")` makes of these lengths (and its input table)."""
-    import pyarrow as pa
-    from datasets import Dataset
-    from trl.data_utils import pack_dataset
+    import pyarrow as pa  # optional: trl
+    from datasets import Dataset  # optional: trl
+    from trl.data_utils import pack_dataset  # optional: trl
 
     try:
-        from datasets import disable_progress_bars
+        from datasets import disable_progress_bars  # optional: trl
 
         disable_progress_bars()
     except ImportError:  # pragma: no cover - older datasets

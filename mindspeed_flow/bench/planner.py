@@ -32,6 +32,7 @@ import time
 from mindspeed_flow.planner.inputs import build_problem, parse_kv
 from mindspeed_flow.planner.plan import make_plan
 from mindspeed_flow.planner.recommend import recommend
+from mindspeed_flow.planner.simulate import two_rank_ranking
 from mindspeed_flow.planner.workload import DEFAULT_SAMPLES
 
 GOALS_S = {1024: 0.1, 16384: 1.0}
@@ -136,8 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="", help="profile table for --two-rank")
     args = ap.parse_args(argv)
     if args.two_rank:
-        from mindspeed_flow.planner.simulate import two_rank_ranking
-
         kv = ["model=tiny_qwen2_vl", "data=infovqa_tiny", "cluster=cpu", "devices=2", "samples=64"]
         problem, _ = build_problem(parse_kv(kv + ([f"planner.profile={args.profile}"] if args.profile else [])))
         print("simulated mean step seconds, steps 1-3 of experiment=default on 2 ranks (fastest first):")

@@ -29,7 +29,7 @@ _EXPORTS = {
     "ShareGPTDataset": "sharegpt",
     "SyntheticOmni": "omni", "OmniSample": "omni",
     "LengthTableDataset": "length_table", "export_length_table": "length_table",
-    "BadSample": "guard", "TooManyBadSamples": "guard", "SampleGuard": "guard", "BadSampleTracker": "guard",
+    "BadSample": "guard", "TooManyBadSamples": "guard", "SampleGuard": "guard",
     "GlobalBatchSampler": "sampler", "iter_global_batches": "sampler",
     "Prefetcher": "prefetch", "prefetch_samples": "prefetch",
     "hf_tokenizer_fn": "tokens", "load_local_tokenizer": "tokens",

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Optional
 
 from mindspeed_flow.data.base import VLMDataset
 from mindspeed_flow.data.length_table import LengthTableDataset
+from mindspeed_flow.data.omni import AudioSpec, SyntheticOmni
 from mindspeed_flow.data.sample import TokenSpec
 from mindspeed_flow.data.sharegpt import ShareGPTDataset
 from mindspeed_flow.data.synthetic import SyntheticInfoVQA, SyntheticParams
@@ -73,8 +74,6 @@ def build_dataset(data_cfg: Any, token_spec: TokenSpec, tokenizer: Optional[Toke
                                   question_tokens=_pair(data_cfg, "question_tokens"),
                                   answer_tokens=_pair(data_cfg, "answer_tokens"))
     if source == "synthetic_omni":
-        from mindspeed_flow.data.omni import AudioSpec, SyntheticOmni
-
         if hf_config is None:
             raise ValueError("data.source='synthetic_omni' needs the model's HF config (a Qwen2.5-Omni thinker)")
         return SyntheticOmni(synthetic_params(data_cfg), token_spec, AudioSpec.from_hf_config(hf_config),

@@ -142,7 +142,3 @@ def _where(dataset: Any, index: int) -> str:
     if isinstance(path, str):
         parts.append(path)
     return ", ".join(parts)
-
-
-# The brief's other name for the same object.
-BadSampleTracker = SampleGuard

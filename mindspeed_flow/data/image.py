@@ -111,7 +111,7 @@ def _pil_to_unit_tensor(img: "PILImage") -> torch.Tensor:
 def process_pil_qwen2(img: "PILImage", spec: TokenSpec, min_pixels: int,
                       max_pixels: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """A decoded PIL image -> Qwen2-VL (pixel_values, grid): smart resize, rescale, normalize, patchify."""
-    from PIL import Image
+    from PIL import Image  # optional: PIL
 
     rgb = img.convert("RGB")
     factor = spec.patch_size * spec.merge_size
@@ -123,7 +123,7 @@ def process_pil_qwen2(img: "PILImage", spec: TokenSpec, min_pixels: int,
 
 def process_pil_llava(img: "PILImage", spec: TokenSpec) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """A decoded PIL image -> LLaVA ([3, S, S] normalized, grid (1, S/p, S/p))."""
-    from PIL import Image
+    from PIL import Image  # optional: PIL
 
     rgb = img.convert("RGB")
     side = spec.image_size

@@ -34,7 +34,7 @@ HOP = 160  # Whisper features: one frame per 10 ms
 def audio_output_lengths(frames: Sequence[int]) -> list[int]:
     """LLM tokens of audio clips of `frames` mel frames each, by the HF audio tower's own length rule."""
     # transformers is imported here, not at the top: reading the data set needs it only for audio
-    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoder
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoder  # optional: transformers
 
     if not frames:
         return []
@@ -162,7 +162,7 @@ class SyntheticOmni(VLMDataset):
     def _mel(self, rng: np.random.Generator, klass: int, frames: int) -> torch.Tensor:
         """[num_mel_bins, frames] log-mel features of a class-pitched tone with noise."""
         if self._extractor is None:
-            from transformers import WhisperFeatureExtractor
+            from transformers import WhisperFeatureExtractor  # optional: transformers
 
             self._extractor = WhisperFeatureExtractor(feature_size=self.audio.num_mel_bins, sampling_rate=SAMPLE_RATE,
                                                       hop_length=HOP)

@@ -13,6 +13,7 @@ from typing import Any
 
 from mindspeed_flow.data.guard import BadSample
 from mindspeed_flow.data.records import DataError, load_entries, read_text
+from mindspeed_flow.data.shapes import LengthTableError, read_length_table
 
 FIRST_RECORDS = 8  # records checked at preflight; all of them bad means the format, not a record, is wrong
 
@@ -41,8 +42,6 @@ def preflight(data_cfg: Any, global_batch_size: int) -> None:
         raise DataError(f"data.path is not set; data.source={source} reads {what}: add data.path=/path/to/file")
     path = str(data_cfg.path)
     if source == "length_table":
-        from mindspeed_flow.data.shapes import LengthTableError, read_length_table
-
         read_text(path, "data.path")
         try:
             rows = read_length_table(path)

@@ -190,7 +190,7 @@ class ShareGPTDataset(VLMDataset):
     # ---- images ----------------------------------------------------------------------------------------------
     def _open(self, i: int, rel: str, *, decode: bool) -> "PILImage":
         """Open image `rel` of sample i (header only unless `decode`); any failure is that sample's BadSample."""
-        from PIL import Image
+        from PIL import Image  # optional: PIL
 
         full = self.image_path(rel)
         if not os.path.exists(full):

@@ -162,7 +162,7 @@ def hf_tokenizer_fn(tokenizer: Any) -> Tokenizer:
 
 def load_local_tokenizer(path: str) -> Tokenizer:
     """The tokenizer saved in a local checkpoint directory (never the hub), as a `str -> ids` callable."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # optional: transformers
 
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)

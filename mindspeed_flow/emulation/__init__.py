@@ -21,6 +21,8 @@ import os
 import sys
 from pathlib import Path
 
+from mindspeed_flow.emulation import modes
+
 SITE_DIR = Path(__file__).resolve().parent / "site"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,8 +44,6 @@ def activate(transfer: bool = True, mode: str | None = None) -> str:
     so child processes match. Returns the mode. Raises if a real torch_npu is already imported (mixing the two
     would silently run half the job on CPU) or if the emulation is already active in the other mode.
     """
-    from mindspeed_flow.emulation import modes
-
     if _real_torch_npu_loaded():
         raise RuntimeError("mindspeed_flow.emulation.activate(): a real torch_npu is already imported in this "
                            "process; emulation is for machines without Ascend devices")
@@ -54,10 +54,10 @@ def activate(transfer: bool = True, mode: str | None = None) -> str:
     os.environ[modes.ENV_VAR] = chosen
     if site_dir() not in sys.path:
         sys.path.insert(0, site_dir())
-    import torch_npu  # noqa: F401
+    import torch_npu  # lazy: after sys.path  # noqa: F401
 
     if transfer:
-        from torch_npu.contrib import transfer_to_npu  # noqa: F401
+        from torch_npu.contrib import transfer_to_npu  # lazy: after sys.path  # noqa: F401
     return chosen
 
 
@@ -73,8 +73,6 @@ def site_env(base: dict[str, str] | None = None, mode: str | None = None) -> dic
     With `mode`, the child runs that emulation mode; without, it runs the mode `base` names in
     MSF_EMULATION_MODE, else strict (the fake torch_npu's default).
     """
-    from mindspeed_flow.emulation import modes
-
     env = dict(os.environ if base is None else base)
     parts = [site_dir(), str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))

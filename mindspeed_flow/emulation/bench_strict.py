@@ -22,6 +22,12 @@ import sys
 import time
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
+
+from mindspeed_flow import emulation
+from mindspeed_flow.utils.multiproc import run_ranks
+
 MODES = ("cpu", "lenient", "strict")
 
 
@@ -29,8 +35,6 @@ def _activate(mode: str) -> str:
     """The device the mode's tensors live on ("cpu" for plain CPU, "npu" for both emulations)."""
     if mode == "cpu":
         return "cpu"
-    from mindspeed_flow import emulation
-
     emulation.activate(mode=mode)
     return "npu"
 
@@ -46,8 +50,6 @@ def _median_us(fn: Callable[[], Any], calls: int, repeats: int) -> float:
 
 
 def _ops(device: str, repeats: int) -> dict[str, float]:
-    import torch
-
     a, b = torch.randn(64, 64).to(device), torch.randn(64, 64).to(device)
     m, n = torch.randn(256, 256).to(device), torch.randn(256, 256).to(device)
     for _ in range(20):  # warm-up: first calls allocate, fault pages in, fill dispatch caches
@@ -58,8 +60,6 @@ def _ops(device: str, repeats: int) -> dict[str, float]:
 
 
 def _mlp(device: str, repeats: int) -> dict[str, float]:
-    import torch
-
     torch.manual_seed(0)
     layers = []
     for _ in range(4):
@@ -76,11 +76,8 @@ def _mlp(device: str, repeats: int) -> dict[str, float]:
 
 
 def _mc2_rank(rank: int, world: int, mode: str, repeats: int) -> float:
-    import torch
-    import torch.distributed as dist
-
     device = _activate(mode)
-    from mindspeed_flow.emulation import hccl, ops
+    from mindspeed_flow.emulation import hccl, ops  # lazy: after activate
 
     group = dist.new_group(list(range(world)), backend="gloo" if mode == "cpu" else "hccl")
     name = hccl.comm_name(group) if mode == "cpu" else \
@@ -106,10 +103,6 @@ def _mc2_rank(rank: int, world: int, mode: str, repeats: int) -> float:
 
 
 def worker(mode: str, repeats: int) -> dict[str, float]:
-    import torch
-
-    from mindspeed_flow.utils.multiproc import run_ranks
-
     torch.set_num_threads(1)
     # The MC2 ranks fork first, before this process activates anything or runs a backward pass.
     mc2 = max(run_ranks(_mc2_rank, 2, mode, repeats, timeout_s=600))
@@ -121,8 +114,6 @@ def worker(mode: str, repeats: int) -> dict[str, float]:
 
 
 def _table(results: dict[str, dict[str, float]]) -> str:
-    import torch
-
     rows = [f"torch {torch.__version__}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}",
             f"| measure | {' | '.join(MODES)} | lenient/cpu | strict/cpu | strict/lenient |",
             "|---|" + "---:|" * (len(MODES) + 3)]

@@ -28,12 +28,16 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
 from mindspeed_flow.emulation import log as emu_log
-from mindspeed_flow.emulation import modes, site_env
+from mindspeed_flow.emulation import modes, nodes, site_env
+from mindspeed_flow.emulation.quickstart import print_command, run_setup
 from mindspeed_flow.emulation.sources import SourceError, Sources, check_commits, find_sources
+from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, parts_for_job
+from mindspeed_flow.utils.multiproc import free_port
 
 PATCH_LAUNCHER = "mindspeed_flow_patches.launch"
 # Megatron / MindSpeed-MM flags whose value is a path the job reads (resolved against the caller's folder when it
@@ -119,8 +123,9 @@ def job_command(nproc: int, script_argv: list[str], patches: bool, master_port: 
     return cmd + script_argv
 
 
-def resolve_caller_paths(script_argv: list[str], mm_root: Path, cwd: Path | None = None) -> list[str]:
-    """The job's arguments with the caller's relative paths made absolute (the job itself runs in `mm_root`)."""
+def resolve_caller_paths(script_argv: list[str], cwd: Path | None = None) -> list[str]:
+    """The job's arguments with the caller's relative paths made absolute (the job itself runs in MindSpeed-MM's
+    root)."""
     cwd = Path.cwd() if cwd is None else cwd
     out = list(script_argv)
 
@@ -171,11 +176,6 @@ def _run_shell(args: argparse.Namespace) -> int:
 
 def _run_nodes(args: argparse.Namespace, shell: Path, sources: Sources, env: dict[str, str]) -> int:
     """The launch script as --nodes nodes on this machine (see `mindspeed_flow.emulation.nodes`)."""
-    import tempfile
-
-    from mindspeed_flow.emulation import nodes
-    from mindspeed_flow.utils.multiproc import free_port
-
     try:
         per_node = nodes.ranks_per_node(shell, args.nodes, args.nproc)
     except nodes.NodesError as err:
@@ -230,12 +230,8 @@ def main(argv: list[str]) -> int:
             print(f"would prepare {args.setup}: the pinned sources, the tiny assets and env.sh (--dry-run: nothing "
                   "written)")
             return 0
-        from mindspeed_flow.emulation.quickstart import run_setup
-
         return run_setup(args.setup, archive=args.sources_archive, fetch=args.fetch)
     if args.print_command:
-        from mindspeed_flow.emulation.quickstart import print_command
-
         return print_command(args.tiny, args.layout, args.flow_recipe)
     if args.shell:
         return _run_shell(args)
@@ -255,7 +251,7 @@ def main(argv: list[str]) -> int:
     except SourceError as err:
         print(f"mindspeed-flow emulate: {err}", file=sys.stderr)
         return 2
-    script = resolve_caller_paths(script, sources.mindspeed_mm.root)
+    script = resolve_caller_paths(script)
     if not (sources.mindspeed_mm.root / script[0]).is_file():  # an absolute script[0] replaces the root
         print(f"mindspeed-flow emulate: script {script[0]!r} not found in {Path.cwd()} nor in "
               f"{sources.mindspeed_mm.root}", file=sys.stderr)
@@ -263,8 +259,6 @@ def main(argv: list[str]) -> int:
     if args.flow_recipe:
         # The same check every rank repeats at start-up, once here so a wrong recipe is one message, not one per
         # rank plus the launcher's traceback.
-        from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, parts_for_job
-
         try:
             with _in_dir(sources.mindspeed_mm.root):
                 parts_for_job(args.flow_recipe, script[1:], args.nproc, script=script[0])

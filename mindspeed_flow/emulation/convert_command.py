@@ -16,7 +16,7 @@ from mindspeed_flow.hosts.mindspeed_mm import convert
 
 def ensure_megatron_importable() -> None:
     try:
-        import megatron  # noqa: F401  (only: is it importable?)
+        import megatron  # optional: megatron  # noqa: F401  (only: is it importable?)
         return
     except ImportError:
         pass

@@ -83,12 +83,6 @@ def install_backend_lookup() -> None:
     pg_cls._get_backend = _get_backend
 
 
-def backend_class() -> type:
-    """The class of what `group._get_backend(torch.device("npu"))` returns in this process (strict: the npu
-    extension's HcclBackend; lenient: FakeHcclBackend), e.g. to observe its `get_hccl_comm_name` calls."""
-    return _STRICT_BACKEND[0] if _STRICT_BACKEND else FakeHcclBackend
-
-
 # ---------------------------------------------------------------- strict mode: a real backend for npu tensors
 def _group_named(name: str) -> dist.ProcessGroup:
     for group, group_name in dist.distributed_c10d._world.pg_names.items():

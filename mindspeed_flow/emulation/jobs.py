@@ -125,23 +125,3 @@ def emulate_job(name: str, argv: list[str], *, log_dir: Path, nproc: int = 2, pa
     cmd = emulate_command(argv, log_path=log_path, nproc=nproc, patches=patches, flow_recipe=flow_recipe)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     return job_result(proc.returncode, proc.stdout + proc.stderr, log_path)
-
-
-def rank_processes(root_pid: int) -> dict[int, "psutil.Process"]:  # noqa: F821 - psutil imported lazily
-    """{global rank: process} of the workers under a launcher process (read from each worker's RANK)."""
-    import psutil
-
-    def rank_of(proc: "psutil.Process") -> int | None:  # noqa: F821
-        try:
-            env = proc.environ()
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-            return None
-        return int(env["RANK"]) if "RANK" in env and "TORCHELASTIC_RUN_ID" in env else None
-
-    out = {}
-    for child in psutil.Process(root_pid).children(recursive=True):
-        rank = rank_of(child)
-        # A worker's own children (a compiler, a data-loader worker) inherit RANK: keep the topmost process.
-        if rank is not None and rank_of(child.parent()) is None:
-            out[rank] = child
-    return out

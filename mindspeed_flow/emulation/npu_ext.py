@@ -78,7 +78,7 @@ def _import_built(name: str, library: Path) -> types.ModuleType:
 
 
 def _build(name: str, folder: Path) -> types.ModuleType:
-    from torch.utils import cpp_extension
+    from torch.utils import cpp_extension  # optional: setuptools
 
     folder.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()

@@ -16,8 +16,13 @@ import os
 import re
 import shlex
 import sys
+from importlib import metadata
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+from mindspeed_flow.emulation import tiny
+from mindspeed_flow.emulation.jobs import TinyJob
 from mindspeed_flow.emulation.sources import (ENV_VARS, TESTED_COMMITS, SourceError, check_commits, fetch_tree,
                                               find_sources, unpack_archive, MARKERS)
 
@@ -31,8 +36,6 @@ FLOW_JOB_FLAGS = ["--calculate-per-token-loss", "--variable-seq-lengths", "--seq
 
 def dependency_problem() -> str | None:
     """Why this interpreter cannot run MindSpeed-MM's training path (None when it can)."""
-    from importlib import metadata
-
     try:
         version = metadata.version("transformers")
     except metadata.PackageNotFoundError:
@@ -105,8 +108,6 @@ def run_setup(workdir: str, archive: str | None = None, fetch: bool = False) -> 
     except SourceError as err:
         print(f"mindspeed-flow emulate --setup: {err}", file=sys.stderr)
         return 2
-    from mindspeed_flow.emulation import tiny
-
     _say(f"building the tiny Qwen2.5-VL assets in {root / 'tiny'}")
     tiny.prepare_workdir(root / "tiny")
     tiny.write_configs(root / "tiny", [2, 0], [1, 1], name="model_pp2.json")
@@ -137,8 +138,6 @@ def parse_layout(layout: str) -> tuple[int, int, int, bool]:
 
 def tiny_command(tiny_dir: Path, layout: str, flow_recipe: str | None = None) -> list[str]:
     """`mindspeed-flow emulate ...` argv of a tiny job: coupled in `layout`, or the flow job of `flow_recipe`."""
-    from mindspeed_flow.emulation.jobs import TinyJob
-
     model = tiny_dir / "model.json"
     data = tiny_dir / "data.json"
     if not model.is_file() or not data.is_file():
@@ -146,8 +145,6 @@ def tiny_command(tiny_dir: Path, layout: str, flow_recipe: str | None = None) ->
                                 f"first (then source DIR/env.sh, or pass --tiny DIR/tiny)")
     cmd = ["mindspeed-flow", "emulate"]
     if flow_recipe:
-        from omegaconf import OmegaConf
-
         recipe = Path(flow_recipe).expanduser().resolve()
         parts = OmegaConf.to_container(OmegaConf.load(str(recipe)).get("parallel", {}))
         nproc = sum(int(p.get("dp", 1)) * int(p.get("tp", 1)) * int(p.get("pp", 1)) * int(p.get("cp", 1))

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mindspeed_flow.model_presets.tiny import IMAGE_TOKEN_ID, TINY_VOCAB, VISION_START_ID
+from mindspeed_flow.emulation.sources import find_sources
 
 EXAMPLES = ("3b", "7b", "32b", "72b")
 # Per-head width of the scaled models: mrope's sections must sum to half of it; MindSpeed-MM's [16, 24, 24] (of
@@ -107,7 +108,7 @@ _QUESTIONS = ("What is in the picture?", "Where was this taken?", "How many thin
 
 
 def _draw(rng: random.Random, size: tuple[int, int]) -> Any:
-    from PIL import Image, ImageDraw
+    from PIL import Image, ImageDraw  # optional: PIL
 
     img = Image.new("RGB", size, tuple(rng.randrange(256) for _ in range(3)))
     draw = ImageDraw.Draw(img)
@@ -189,8 +190,6 @@ def write_user_like_data_json(workdir: Path, n_samples: int = 30, *, max_pixels:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mindspeed_flow.emulation.sources import find_sources
-
     parser = argparse.ArgumentParser(prog="python -m mindspeed_flow.emulation.scaled", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workdir", type=Path)

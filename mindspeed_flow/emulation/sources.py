@@ -7,9 +7,12 @@ an error unless explicitly allowed, because the patches and the emulation target
 """
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
+import sys
+import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,8 +176,6 @@ def fetch_tree(name: str, dest: Path) -> SourceTree:
 
 def unpack_archive(archive: Path, dest: Path) -> None:
     """Unpack a tar(.gz) holding MindSpeed-MM/, MindSpeed/ and Megatron-LM/ into `dest`, refusing to overwrite."""
-    import tarfile
-
     with tarfile.open(archive) as tar:
         members = tar.getmembers()
         tops = {m.name.split("/", 1)[0] for m in members}
@@ -203,8 +204,6 @@ def stamp_commits(root: Path) -> None:
 
 def make_archive(root: Path, out: Path) -> Path:
     """tar.gz of the three trees under `root` (without .git), each carrying its `.source_commit`."""
-    import tarfile
-
     stamp_commits(root)
     for name in TESTED_COMMITS:
         if read_commit(root / name) is None:
@@ -219,9 +218,6 @@ def make_archive(root: Path, out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m mindspeed_flow.emulation.sources fetch DEST [--archive OUT.tar.gz]` (what CI runs)."""
-    import argparse
-    import sys
-
     p = argparse.ArgumentParser(prog="python -m mindspeed_flow.emulation.sources",
                                 description="git-fetch MindSpeed-MM, MindSpeed and Megatron-LM at the tested commits "
                                             "into DEST/<name>, each with its .source_commit; optionally archive them")

@@ -22,6 +22,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.utils._device
+from torch.nn.parameter import UninitializedTensorMixin
+from torch.utils.checkpoint import DefaultDeviceType
 
 from mindspeed_flow.emulation import device as npu_device
 from mindspeed_flow.emulation import hccl, log, npu_ext
@@ -102,8 +104,6 @@ def install_npu_device(module: types.ModuleType) -> None:
     """What `import torch_npu` sets up (torch_npu/__init__.py): the device, its methods, HCCL (idempotent)."""
     if _STATE.get("npu"):
         return
-    from torch.utils.checkpoint import DefaultDeviceType
-
     torch.utils.rename_privateuse1_backend("npu")
     torch._register_device_module("npu", module)
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True,
@@ -219,15 +219,15 @@ def _patch_distributed() -> None:
     dist.ProcessGroup._get_backend = _wrap_cuda(dist.ProcessGroup._get_backend)
     # A default group made without a backend gets gloo for cpu and hccl for npu, no nccl for cuda.
     dist.Backend.default_device_backend_map.pop("cuda", None)
-    import torch.distributed.device_mesh as device_mesh
-    import torch.distributed.fsdp.fully_sharded_data_parallel as fsdp
+    import torch.distributed.device_mesh as device_mesh  # lazy: after the rename
+    import torch.distributed.fsdp.fully_sharded_data_parallel as fsdp  # lazy: after the rename
 
     device_mesh.init_device_mesh = _wrap_cuda(device_mesh.init_device_mesh)
     device_mesh.DeviceMesh.__init__ = _wrap_cuda(device_mesh.DeviceMesh.__init__)
     fsdp.FullyShardedDataParallel.__init__ = _wrap_cuda(fsdp.FullyShardedDataParallel.__init__)
     torch.nn.parallel.DistributedDataParallel.__init__ = _wrap_cuda(torch.nn.parallel.DistributedDataParallel.__init__)
     try:
-        import torch.distributed.pipelining.stage as stage
+        import torch.distributed.pipelining.stage as stage  # optional: pipelining
     except ImportError:  # pragma: no cover - a torch without pipelining
         return
     stage.PipelineStage.__init__ = _wrap_cuda(stage.PipelineStage.__init__)
@@ -273,8 +273,6 @@ def install_transfer_to_npu() -> None:
     torch.jit.script_method = lambda fn: fn
     torch._utils._get_available_device_type = lambda: "npu"
     # Uninitialized parameters allow the original Tensor.to; they must allow the rewritten one.
-    from torch.nn.parameter import UninitializedTensorMixin
-
     allowed = UninitializedTensorMixin._allowed_methods
     for i, method in enumerate(allowed):
         if getattr(method, "__name__", "") == "to":

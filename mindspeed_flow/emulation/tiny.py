@@ -37,8 +37,8 @@ def _corpus() -> list[str]:
 
 def build_tokenizer(out_dir: Path) -> None:
     """Train a byte-level BPE (padded to TINY_VOCAB-8 ids) and append the 8 special tokens at fixed ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # optional: tokenizers
+    from transformers import PreTrainedTokenizerFast  # optional: transformers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -69,17 +69,17 @@ def build_tokenizer(out_dir: Path) -> None:
 
 def build_processor(out_dir: Path) -> None:
     """Qwen2.5-VL processor (Qwen2-VL image processor: patch 14, merge 2) around the saved tokenizer."""
-    from mindspeed_flow.utils import torchvision_compat
+    from mindspeed_flow.utils import torchvision_compat  # lazy: torch
 
     torchvision_compat.install()  # transformers' vision modules import torchvision (CUDA wheel next to CPU torch)
-    from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLImageProcessor
+    from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLImageProcessor  # lazy: after torchvision_compat
 
     tokenizer = AutoTokenizer.from_pretrained(str(out_dir), local_files_only=True)
     image_processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14,
                                             temporal_patch_size=2, merge_size=2)
     kwargs: dict[str, Any] = {"image_processor": image_processor, "tokenizer": tokenizer}
     try:
-        from transformers import Qwen2VLVideoProcessor
+        from transformers import Qwen2VLVideoProcessor  # lazy: after torchvision_compat
 
         kwargs["video_processor"] = Qwen2VLVideoProcessor(min_pixels=56 * 56, max_pixels=112 * 112)
     except (ImportError, AttributeError):  # transformers 5 without torchvision: images only
@@ -93,7 +93,7 @@ def build_processor(out_dir: Path) -> None:
 
 
 def _draw(color: str, shape: str, background: str, size: tuple[int, int]) -> Any:
-    from PIL import Image, ImageDraw
+    from PIL import Image, ImageDraw  # optional: PIL
 
     w, h = size
     img = Image.new("RGB", size, COLORS[background])

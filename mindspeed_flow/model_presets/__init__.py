@@ -22,10 +22,6 @@ FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen2_5_omni_thinker", "qwen3_vl
             "glm4v_moe")
 
 
-def available_presets() -> list[tuple[str, str]]:
-    return sorted({**TINY_PRESETS, **REAL_PRESETS})
-
-
 def deep_merge(base: dict, overrides: Mapping[str, Any]) -> dict:
     out = copy.deepcopy(base)
     for k, v in overrides.items():

@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from mindspeed_flow.overlap import mc2_api
@@ -42,7 +43,6 @@ log = logging.getLogger(__name__)
 
 IMPLS = ("mc2", "chunked", "plain")
 KINDS = ("column", "row", "column_allreduce", "row_allreduce")
-SP_KINDS = ("column", "row")
 MC2_DTYPES = mc2_api.DTYPES
 MC2_K_RANGE = mc2_api.K_RANGE  # k in [256, 65535): op-plugin docs for AllGatherMatmul / MatmulReduceScatter
 MC2_WORLDS_A2 = (2, 4, 8)  # A2: HCCS full mesh inside one server
@@ -76,8 +76,6 @@ class OverlapContext:
 
     def mesh(self, device_type: str) -> Any:
         """A one-dimensional DeviceMesh over the TP group (for DTensor views of the shards, e.g. checkpoints)."""
-        from torch.distributed.device_mesh import DeviceMesh
-
         if getattr(self, "_mesh", None) is None:
             self._mesh = DeviceMesh.from_group(default_group(self.group), device_type)
         return self._mesh

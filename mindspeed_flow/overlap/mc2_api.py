@@ -4,8 +4,9 @@ The mc2 path cannot run here (no Ascend), and the CPU emulation of torch_npu is 
 with the emulation proves little about the real ops. This module holds the op prototypes as Ascend documents them and
 the rules its constraint tables state, and `check_call` binds a call's arguments to every documented release of the
 prototype and checks those rules. The overlap layer runs it before each fused call (cheap: one signature bind), so a
-convention slip (a transposed first input, a bias handed to the op, a group-local rank given to
-`get_hccl_comm_name`) is an error at the call site, on CPU under emulation and on NPU alike.
+convention slip (a transposed first input, a bias handed to the op, gather_index 1) is an error at the call site, on
+CPU under emulation and on NPU alike. The `get_hccl_comm_name` prototype is bound by tests/test_overlap.py, which
+checks that the layer passes the global rank.
 
 Sources (torch_npu API reference, "torch_npu.npu_all_gather_base_mm" / "torch_npu.npu_mm_reduce_scatter_base" /
 "get_hccl_comm_name"): https://www.hiascend.com/document/detail/zh/Pytorch/60RC2/apiref/apilist/ (6.0.RC2 form, the
@@ -135,19 +136,6 @@ def check_call(op: str, args: Sequence[Any], kwargs: Mapping[str, Any],
     if op == "npu_mm_reduce_scatter_base":
         if m is not None and isinstance(world, int) and world > 0 and m % world:
             errors.append(f"{op}: m={m} is not divisible by world_size={world}")
-    return errors
-
-
-def check_comm_name_call(args: Sequence[Any], kwargs: Mapping[str, Any], group_ranks: Sequence[int],
-                         my_global_rank: int) -> list[str]:
-    """`get_hccl_comm_name(rankid, init_comm=True)` takes this process's *global* rank, a member of the group."""
-    bound, errors = _bind_all("get_hccl_comm_name", args, kwargs)
-    if not bound:
-        return errors
-    rankid = bound[0]["rankid"]
-    if rankid != my_global_rank:
-        errors.append(f"get_hccl_comm_name: rankid={rankid} but this process's global rank is {my_global_rank}"
-                      f" (group ranks {list(group_ranks)}): pass dist.get_global_rank(group, group_rank)")
     return errors
 
 

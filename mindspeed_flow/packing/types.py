@@ -142,10 +142,6 @@ class StepInputs:
     def __len__(self) -> int:
         return len(self.ids)
 
-    def microbatch(self, indices: Sequence[int], padded_tokens: int) -> Microbatch:
-        """A microbatch of the samples at these positions (positions, not sample ids)."""
-        return self.microbatches([indices], [padded_tokens])[0]
-
     def microbatches(self, groups: Sequence[Sequence[int]], padded_tokens: Sequence[int]) -> list[Microbatch]:
         """One microbatch per group of positions; token and cost sums in one vectorized pass."""
         tokens, costs = self.sums(groups)

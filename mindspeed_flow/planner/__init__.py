@@ -2,7 +2,7 @@
 parallelized, so the producer keeps the consumer busy at the highest throughput (pure computation: numpy and
 OR-Tools, no process groups; importable in a notebook).
 
-    hardware.py   per-SKU peak table (`peak_flops`), cluster presets (recipes/cluster/*.yaml)
+    hardware.py   cluster presets (recipes/cluster/*.yaml) over the per-SKU peak table of mindspeed_flow/skus.py
     workload.py   the sample shapes a plan is made for (data recipe, InfoVQA-like generator, length table)
     parts.py      PartSpec: one entry per part (encoder, backbone, a second encoder ...), workload-averaged
     cost.py       analytic step time and memory per layout, vectorized over layouts
@@ -14,7 +14,7 @@ OR-Tools, no process groups; importable in a notebook).
     inputs.py     cluster= / model= / data= / overrides -> Problem
     cli.py        `mindspeed-flow plan`
     profile.py    `mindspeed-flow profile`: timings on the devices at hand -> calibration table
-    measure.py    saved-activation bytes, static memory, live tensor bytes, timing helpers (torch lazily)
+    measure.py    timing helpers: a call's wall and CPU seconds, the core share of concurrent processes
     memory.py     predicted vs measured peak memory per part of each host's tiny job (`bench memory`)
     validate.py   predicted vs measured step time through `mindspeed-flow train`
 """

@@ -60,8 +60,6 @@ from mindspeed_flow.planner.space import PlanError, enumerate_layouts, rc_values
 # InternViT + LLM); see the module docstring
 DIST_TRAIN_FAMILIES = ("llava", "internvl", "internvl_chat")
 
-BASELINES = ("coupled_uniform", "megatron_coupled", "mindspeed_mm_hetero", "mindspeed_dist_train")
-
 # which loader each baseline's system runs (module docstring), and how the report names it
 LOADERS = {"coupled_uniform": "pad", "megatron_coupled": "sample", "mindspeed_mm_hetero": "sample",
            "mindspeed_dist_train": "sample"}

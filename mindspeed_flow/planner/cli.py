@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(out, "w") as f:
             f.write(text)
         if flags.get("--launch-script"):
-            from mindspeed_flow.runtime.launch_script import LaunchScriptError, plan_from_recipe, write_script
+            from mindspeed_flow.runtime.launch_script import (  # lazy: torch
+                LaunchScriptError, plan_from_recipe, write_script)
 
             try:
                 launch = plan_from_recipe(out, flags.get("--cluster"), job_rules(problem.cfg.job).launch_job or "mm")

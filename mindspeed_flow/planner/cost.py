@@ -209,7 +209,6 @@ class Costs:
     memory_parts: dict[str, np.ndarray] = field(default_factory=dict)  # weights, grads, optim, act, buffers
     time_parts: dict[str, np.ndarray] = field(default_factory=dict)  # compute, bubble, tp, cp, pp, dp, ...
     microbatches: np.ndarray | None = None
-    stage_memory: dict[str, np.ndarray] = field(default_factory=dict)  # backbone: "first", "mid", "last" bytes
     stage_layers: dict[str, np.ndarray] = field(default_factory=dict)  # backbone: layers on first/mid/last stage
 
 
@@ -626,7 +625,7 @@ def backbone_costs(part: PartSpec, ctx: CostContext, L: Layouts) -> Costs:
     mem = backbone_memory(part, ctx, L, m, mb)
     comp = mb["compute"] * m
     return Costs(
-        time=time, memory=mem["total"], memory_parts=mem["parts"], microbatches=m, stage_memory=mem["stages"],
+        time=time, memory=mem["total"], memory_parts=mem["parts"], microbatches=m,
         time_parts={"compute": comp, "bubble": pipeline - m * t_mb, "tp": mb["tp"] * m, "cp": mb["cp"] * m,
                     "ep": mb["ep"] * m, "pp": mb["pp"] * m, "dp": dp_t, "optimizer": opt_t},
         stage_layers={**{k: mb[f"layers_{k}"] for k in ("first", "mid", "last")}, "mid_short": mb["mid_short"]},

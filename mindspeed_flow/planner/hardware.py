@@ -62,11 +62,6 @@ class Cluster:
             raise ValueError(f"cluster {self.name!r}: peak_tflops has no entry for dtype {d!r} (has {sorted(table)})")
         return table[d] * 1e12
 
-    @property
-    def packages(self) -> int:
-        """Physical packages (an A3 910C holds two dies, each one device)."""
-        return self.devices // int(self.config.devices_per_package)
-
     def bandwidth(self, intra: bool) -> float:
         return (self.config.intra_node_gbps if intra else self.config.inter_node_gbps) * 1e9
 

@@ -34,14 +34,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mindspeed_flow.config import load as config_load
-from mindspeed_flow.config.load import model_hf_config
 from mindspeed_flow.config.planner import PlannerConfig
-from mindspeed_flow.data import build_dataset, iter_global_batches, token_spec_from_hf_config
-from mindspeed_flow.planner.cost import (LOGITS_BYTES, CostContext, Layouts, backbone_activation_memory, backbone_costs,
-                                         encoder_activation_memory, encoder_costs, part_static_memory)
+from mindspeed_flow.planner.cost import (
+    LOGITS_BYTES, CostContext, Layouts, backbone_activation_memory, backbone_costs, encoder_activation_memory,
+    encoder_costs, part_static_memory,
+)
 from mindspeed_flow.planner.hardware import load_cluster
-from mindspeed_flow.planner.parts import PartSpec, vlm_parts
+from mindspeed_flow.planner.parts import PartSpec
+from mindspeed_flow.planner.parts import vlm_parts
 from mindspeed_flow.specs import VLMSpec
 
 # Goal of the check: every part's predicted peak within this fraction of its measured peak.
@@ -225,6 +225,10 @@ def compare_torch(output: str, run_dir: Path) -> list[PartMemory]:
     """Predicted vs measured peak per rank of a decoupled torch-host run (its config.yaml and the steps it ran):
     the planner's own part costs (`encoder_costs`, `backbone_costs`) of the run's layout; the encoder at the
     step whose samples need the most, the backbone at its token budget."""
+    from mindspeed_flow.config import load as config_load  # lazy: torch
+    from mindspeed_flow.config.load import model_hf_config  # lazy: torch
+    from mindspeed_flow.data import build_dataset, iter_global_batches, token_spec_from_hf_config  # lazy: torch
+
     job = config_load.load(Path(run_dir) / "config.yaml")
     hf_cfg = model_hf_config(job)
     dataset = build_dataset(job.data, token_spec_from_hf_config(hf_cfg), hf_config=hf_cfg)

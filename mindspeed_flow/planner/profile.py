@@ -29,20 +29,12 @@ import time
 from typing import Any
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
-from mindspeed_flow.accelerator import Accelerator
-from mindspeed_flow.data.synthetic import SyntheticInfoVQA, SyntheticParams
-from mindspeed_flow.data.tokens import token_spec_from_hf_config
-from mindspeed_flow.hosts.torch.build import build_vlm
-from mindspeed_flow.hosts.torch.split import split_vlm
 from mindspeed_flow.planner.inputs import build_problem, parse_kv, resolve_model
 from mindspeed_flow.planner.measure import time_call
 from mindspeed_flow.planner.parts import PartSpec
 from mindspeed_flow.planner.workload import _data_config
 from mindspeed_flow.specs import VLMSpec
-from mindspeed_flow.utils.multiproc import run_ranks
 
 
 def _fit(flops: list[float], seconds: list[float]) -> tuple[float, float]:
@@ -82,6 +74,14 @@ def measure(model_name: str, data: str, cluster: str, budgets: list[int], repeat
     """The profile table. `device` (cpu | cuda | npu | auto): where the model runs. On the CPU each call is
     charged its thread CPU time; on an accelerator its wall time between two device synchronisations (the
     device is this process's alone, and host CPU time says nothing of the kernels)."""
+    import torch  # lazy: torch
+
+    from mindspeed_flow.accelerator import Accelerator  # lazy: torch
+    from mindspeed_flow.data.synthetic import SyntheticInfoVQA, SyntheticParams  # lazy: torch
+    from mindspeed_flow.data.tokens import token_spec_from_hf_config  # lazy: torch
+    from mindspeed_flow.hosts.torch.build import build_vlm  # lazy: torch
+    from mindspeed_flow.hosts.torch.split import split_vlm  # lazy: torch
+
     torch.set_num_threads(int(os.environ.get("MSF_THREADS_PER_RANK", "1")))
     ref = resolve_model(model_name)
     problem, _ = build_problem(parse_kv([f"model={model_name}", f"data={data}", f"cluster={cluster}",
@@ -169,6 +169,9 @@ def _spread(rows: list[dict[str, Any]], overhead: float, rate: float, x: str = "
 
 
 def _allreduce_times(rank: int, world: int, sizes: list[int], repeats: int) -> list[float]:
+    import torch  # lazy: torch
+    import torch.distributed as dist  # lazy: torch
+
     out = []
     for n in sizes:
         x = torch.ones(n // 4, dtype=torch.float32)
@@ -186,6 +189,8 @@ def _allreduce_times(rank: int, world: int, sizes: list[int], repeats: int) -> l
 def measure_links(sizes: tuple[int, ...] = (1 << 12, 1 << 18, 1 << 21, 1 << 23), repeats: int = 5
                   ) -> list[dict[str, Any]]:
     """All-reduce times between two local ranks (the fastest of `repeats` per size, the slower rank's)."""
+    from mindspeed_flow.utils.multiproc import run_ranks  # lazy: torch
+
     times = run_ranks(_allreduce_times, 2, list(sizes), repeats, timeout_s=120.0)
     return [{"part": "link", "size": n, "flops": 0.0, "seconds": max(t[i] for t in times),
              "wall_seconds": max(t[i] for t in times)} for i, n in enumerate(sizes)]

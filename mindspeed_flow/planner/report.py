@@ -362,10 +362,10 @@ def throughput_vs_encoder_share(problem: Problem) -> tuple[np.ndarray, np.ndarra
 
 def write_plot(plan: Plan, path: str) -> None:
     """PNG: predicted samples/s vs the encoder's share of the devices, with the plan and the baselines."""
-    import matplotlib
+    import matplotlib  # optional: matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: matplotlib
 
     xs, ys = throughput_vs_encoder_share(plan.problem)
     fig, ax = plt.subplots(figsize=(7, 4.2))

@@ -30,9 +30,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from mindspeed_flow.config.load import model_hf_config
-from mindspeed_flow.data.build import build_dataset
 from mindspeed_flow.data.sampler import iter_global_batches
-from mindspeed_flow.data.tokens import token_spec_from_hf_config
 from mindspeed_flow.packing import CostModel
 from mindspeed_flow.planner.cost import (CostContext, _link, dp_sync_time, ep_alltoall_time, optimizer_time,
                                          precision_bytes, ring_allreduce_time)
@@ -621,6 +619,9 @@ def simulate_job(job: Any, ctx: CostContext, steps: Sequence[int], cores: float 
     layouts this predicted the step better than counting only computing ranks (see docs/planner.md).
     `costs`: per-call costs to charge instead of the planner's FLOP rates (e.g. `bench.simulator`'s measured
     ones); `host_share`: per step, the cores the job got with n ranks computing (`Simulator`'s capacity)."""
+    from mindspeed_flow.data.build import build_dataset  # lazy: torch
+    from mindspeed_flow.data.tokens import token_spec_from_hf_config  # lazy: torch
+
     hf = model_hf_config(job)
     spec = VLMSpec.from_hf_config(hf)
     layout = Layout.from_config(job.parallel, job.flow.mode)

@@ -50,9 +50,6 @@ class Selection:
     solve_seconds: float
     method: str
 
-    def objective(self) -> tuple[float, float, int]:
-        return (self.max_time, self.gap, self.devices)
-
 
 def _scale(times: Sequence[np.ndarray]) -> float:
     lo = min(float(np.min(t)) for t in times if len(t))
@@ -281,8 +278,6 @@ def solve_exhaustive(devices: list[np.ndarray], times: list[np.ndarray], budget:
     dev = sum(d[i] for d, i in zip(devices, idx))
     ok = dev <= budget
     if node > 1:
-        from mindspeed_flow.planner.jobs import node_sizes
-
         ok &= np.any([(dev >= lo) & (dev <= hi) for lo, hi in node_sizes(budget, node)], axis=0)
     if not ok.any():
         return None

@@ -25,8 +25,6 @@ from omegaconf import OmegaConf
 
 from mindspeed_flow.config.schema import DataConfig
 from mindspeed_flow.data.shapes import SampleShape, read_length_table
-from mindspeed_flow.data.synthetic import SyntheticInfoVQA, SyntheticParams
-from mindspeed_flow.data.tokens import token_spec_from_hf_config
 from mindspeed_flow.planner.hardware import recipes_dir
 
 # Qwen2-VL's preprocessor defaults (preprocessor_config.json): the full-resolution InfoVQA workload.
@@ -54,14 +52,6 @@ class Workload:
     name: str
     shapes: tuple[SampleShape, ...]
 
-    @property
-    def max_llm_tokens(self) -> int:
-        return max(s.llm_tokens for s in self.shapes)
-
-    @property
-    def mean_llm_tokens(self) -> float:
-        return sum(s.llm_tokens for s in self.shapes) / len(self.shapes)
-
 
 def _data_config(data: str) -> DataConfig:
     if data in BUILTIN_DATA:
@@ -71,7 +61,6 @@ def _data_config(data: str) -> DataConfig:
         known = sorted(BUILTIN_DATA) + list(PLAN_ONLY_DATA) + sorted(
             f[:-5] for f in os.listdir(os.path.join(recipes_dir(), "data")) if f.endswith(".yaml"))
         raise ValueError(f"data={data!r}: not a built-in workload, data recipe, YAML or CSV path; known: {known}")
-
     raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     fields = {f.name for f in dataclasses.fields(DataConfig)}
     unknown = sorted(set(raw) - fields)
@@ -82,6 +71,9 @@ def _data_config(data: str) -> DataConfig:
 
 def synthetic_shapes(cfg: DataConfig, hf_config: Mapping[str, Any], num_samples: int) -> list[SampleShape]:
     """Shapes of the first `num_samples` samples the training generator would produce (no pixels drawn)."""
+    from mindspeed_flow.data.synthetic import SyntheticInfoVQA, SyntheticParams  # lazy: torch
+    from mindspeed_flow.data.tokens import token_spec_from_hf_config  # lazy: torch
+
     n = min(num_samples, cfg.num_samples)
     params = SyntheticParams(num_samples=n, seed=cfg.seed, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
                              qa_turns_mean=cfg.qa_turns_mean, question_tokens=tuple(cfg.question_tokens),
@@ -128,6 +120,9 @@ def video_shapes(hf_config: Mapping[str, Any], num_samples: int, merge: int, see
 
 def tiled_infovqa_shapes(hf_config: Mapping[str, Any], num_samples: int, merge: int) -> list[SampleShape]:
     """`infovqa_tiles`: the `infovqa` samples' text and original image sizes, each image cut into 448 px tiles."""
+    from mindspeed_flow.data.synthetic import SyntheticInfoVQA, SyntheticParams  # lazy: torch
+    from mindspeed_flow.data.tokens import token_spec_from_hf_config  # lazy: torch
+
     cfg = DataConfig(**BUILTIN_DATA["infovqa"])
     n = min(num_samples, cfg.num_samples)
     dataset = SyntheticInfoVQA(SyntheticParams(num_samples=n, seed=cfg.seed, min_pixels=cfg.min_pixels,

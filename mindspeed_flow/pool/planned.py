@@ -194,9 +194,6 @@ class PlannedTransport:
         ids = set(sample_ids)
         self._reap(block=True, only=lambda s: s.channel == channel and s.item.step == step and s.item.sample_id in ids)
 
-    def pending_receives(self) -> int:
-        return len(self._recv)
-
     # ------------------------------------------------------------------ internals
 
     def _reap(self, block: bool, only: Callable[[_Pending], bool] = lambda s: True) -> None:

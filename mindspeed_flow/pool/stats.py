@@ -6,7 +6,7 @@ bytes, waits) and restarts the peaks from the current occupancy, which is what a
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,6 @@ class PoolStats:
     oversize_puts: int
     host_tier_items: int
     host_to_device_bytes: int
-
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self)
 
 
 @dataclass

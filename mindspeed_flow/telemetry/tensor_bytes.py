@@ -22,8 +22,8 @@ class LiveTensorBytes:
     tensors made by other threads (the pool's transfer threads: the embedding buffers in flight) and storages
     resized in place (FSDP2 frees its gathered parameters that way, so measure FSDP2 layouts elsewhere).
 
-    Use as a context manager around the whole job (parameters included); `mark(name)` records the live bytes at
-    a point (e.g. each step's start) and `marks` keeps the last value of each name.
+    Use as a context manager around the whole job (parameters included); `marks` holds the live bytes a caller
+    records under a name (the torch host's worker keeps the peak between steps there).
     """
 
     def __init__(self) -> None:
@@ -69,9 +69,6 @@ class LiveTensorBytes:
                     self.peak = max(self.peak, self.live)
                 entry[1] += 1
             weakref.finalize(t, self._free, key)
-
-    def mark(self, name: str) -> None:
-        self.marks[name] = self.live
 
     def __enter__(self) -> "LiveTensorBytes":
         self._mode.__enter__()

@@ -5,8 +5,6 @@ from __future__ import annotations
 import difflib
 from typing import Iterable
 
-EXIT_USAGE = 2
-
 
 class UsageError(ValueError):
     """A command line that cannot mean anything: an unknown key or option, or a value of the wrong type."""

@@ -16,11 +16,12 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from flow_helpers import nranks, write_recipe
 
-from mindspeed_flow.emulation.jobs import TinyJob, emulate_command, emulate_job, rank_processes
+from mindspeed_flow.emulation.jobs import TinyJob, emulate_command, emulate_job
 from mindspeed_flow.emulation.scaled import write_user_like_data_json
 
 pytestmark = [pytest.mark.mindspeed_mm, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -30,6 +31,25 @@ LAYOUTS = {
     "dec_dp2": ({"dp": 1, "tp": 1}, {"dp": 2, "tp": 1, "pp": 1}),
     "dec_pp2": ({"dp": 1, "tp": 1}, {"dp": 1, "tp": 1, "pp": 2}),
 }
+
+
+def rank_processes(root_pid: int) -> dict[int, "psutil.Process"]:
+    """{global rank: process} of the workers under a launcher process (read from each worker's RANK)."""
+
+    def rank_of(proc: "psutil.Process") -> int | None:
+        try:
+            env = proc.environ()
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            return None
+        return int(env["RANK"]) if "RANK" in env and "TORCHELASTIC_RUN_ID" in env else None
+
+    out = {}
+    for child in psutil.Process(root_pid).children(recursive=True):
+        rank = rank_of(child)
+        # A worker's own children (a compiler, a data-loader worker) inherit RANK: keep the topmost process.
+        if rank is not None and rank_of(child.parent()) is None:
+            out[rank] = child
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -443,8 +443,8 @@ def load_for_part(ctx: Any, load: Callable[..., Any], load_dir: Any, args: Any, 
     tracker = Path(str(load_dir)) / TRACKER
     if rank0 or not tracker.is_file():
         return load(load_dir, args, rank0, *more, **kwargs)
-    from megatron.core import parallel_state as ps
-    from megatron.training.checkpointing import read_metadata
+    from megatron.core import parallel_state as ps  # optional: megatron
+    from megatron.training.checkpointing import read_metadata  # optional: megatron
 
     iteration, release = loaded_iteration(load_dir, getattr(args, "ckpt_step", None))
     iter_dir = Path(str(load_dir)) / ("release" if release else f"iter_{iteration:07d}")
@@ -484,7 +484,7 @@ def load_for_part(ctx: Any, load: Callable[..., Any], load_dir: Any, args: Any, 
         # What this rank hands Megatron is in its own layout now, which Megatron's argument check compares.
         saved_args = copy.copy(saved_args)
         saved_args.tensor_model_parallel_size, saved_args.pipeline_model_parallel_size = tp, pp
-    from megatron.training.checkpointing import CheckpointType
+    from megatron.training.checkpointing import CheckpointType  # optional: megatron
 
     if ctx.is_part_leader:
         source = (f"{iter_dir} (saved at TP {saved[0]} PP {saved[1]}, re-split)" if saved

@@ -231,8 +231,8 @@ class FlowContext:
         During a part's pass every rank's Megatron args describe that part too: code in the wrapped chain that
         reads `get_args()` (MindSpeed's does) must build the same groups on every rank, or the ranks' group
         counters drift apart and the next collective `new_group` never completes."""
-        from megatron.core import parallel_state as ps
-        from megatron.training import get_args
+        from megatron.core import parallel_state as ps  # optional: megatron
+        from megatron.training import get_args  # optional: megatron
 
         margs = get_args()
         pristine = _snapshot(ps)
@@ -267,7 +267,7 @@ class FlowContext:
 
     def check_groups(self) -> dict[str, list[int]]:
         """The global ranks of this rank's Megatron groups (for tests and the start-up report)."""
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # optional: megatron
 
         groups = {
             "tp": ps.get_tensor_model_parallel_group(), "pp": ps.get_pipeline_model_parallel_group(),

@@ -90,7 +90,7 @@ def side_needs(ctx: FlowContext) -> SideNeeds:
     """What this rank's side uses of each step (Megatron's parallel state is the part's own here)."""
     if ctx.is_encoder:
         return SideNeeds(encoder_leader=ctx.replica_leader())
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # optional: megatron
 
     return SideNeeds(decoder_dp=ps.get_data_parallel_rank(), labels=ps.is_pipeline_last_stage(ignore_virtual=True))
 
@@ -100,7 +100,7 @@ def build_reads(ctx: FlowContext, args: Any, data_cfg: Any, *, vision_start_id: 
     """MindSpeed-MM's data set and one loader per decoder DP replica (`ReplicaView`), read per side from the
     metadata index (`data.IndexedReads`), or whole through the loaders where the data set is streamed or
     MSF_FLOW_DATA_READS=whole (`data.WholeBatchReads`)."""
-    from mindspeed_mm.data import build_mm_dataloader, build_mm_dataset
+    from mindspeed_mm.data import build_mm_dataloader, build_mm_dataset  # optional: mindspeed_mm
 
     datasets = build_mm_dataset(data_cfg.dataset_param)
     train = datasets[0] if isinstance(datasets, (tuple, list)) else datasets
@@ -176,7 +176,7 @@ def plain_linears_unless(use_mc2: bool) -> Iterator[None]:
     the launcher lets MindSpeed install the MC2 classes when any part can use them, and a part that cannot (TP 1,
     or no sequence parallel) constructs its model with the original classes put back for the duration.
     """
-    from megatron.core.tensor_parallel import layers
+    from megatron.core.tensor_parallel import layers  # optional: megatron
 
     swaps = []
     if not use_mc2:
@@ -201,7 +201,7 @@ def report_decoder_stage(model: Any, split: tuple[int, ...], source: str) -> Non
     """One line per decoder pipeline stage (its first TP and DP rank) with the layers the built model holds.
 
     Counted from the module itself, not from the config, so a split that did not reach the model shows here."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # optional: megatron
 
     if ps.get_tensor_model_parallel_rank() != 0 or ps.get_data_parallel_rank() != 0:
         return
@@ -232,7 +232,7 @@ class FlowHost:
         ctx = self.ctx
 
         def flow_model_provider(pre_process: bool = True, post_process: bool = True, modules: Any = None) -> Any:
-            from megatron.training import get_args
+            from megatron.training import get_args  # optional: megatron
 
             model_cfg = get_args().mm.model
             if ctx.is_encoder:
@@ -252,7 +252,7 @@ class FlowHost:
         ctx = self.ctx
 
         def flow_dataset_provider(train_val_test_num_samples: Any) -> tuple[Any, None, None]:
-            from megatron.training import get_args
+            from megatron.training import get_args  # optional: megatron
 
             args = get_args()
             data_cfg, model_cfg = args.mm.data, args.mm.model
@@ -305,7 +305,7 @@ class FlowHost:
 
     def forward_backward_func(self, megatron_fbf: Callable[..., Any]) -> Callable[..., Any]:
         if self._step is None:
-            from megatron.training import get_args
+            from megatron.training import get_args  # optional: megatron
 
             args = get_args()
             # Where the job's tensors live: the current NPU (transfer_to_npu maps .cuda() to it), chosen by
@@ -326,7 +326,7 @@ class FlowHost:
         step = self._step  # Megatron's schedule function is fixed by the pipeline size: the one given first
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            from megatron.core.utils import get_model_config
+            from megatron.core.utils import get_model_config  # optional: megatron
 
             config = get_model_config(kwargs["model"][0])
             if not self._finalize_wrapped:

@@ -191,7 +191,7 @@ def index_folder(dataset_param: Any) -> Path:
     cache = basic.get("cache_dir") if isinstance(basic, dict) else None
     if not cache:
         try:
-            from datasets import config
+            from datasets import config  # optional: datasets
 
             cache = str(config.HF_DATASETS_CACHE)
         except ImportError:

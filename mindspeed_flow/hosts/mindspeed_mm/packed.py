@@ -16,10 +16,10 @@ causal mask, and its Qwen2.5-VL LLM attention squeezes q/k/v to [t, heads, dim] 
 cos/sin stay [t, 1, 1, dim] (the product broadcasts to [t, t, heads, dim]). The three wrappers below (registered in
 `patches/flow.py`) close those gaps while a packed forward is active (the rank's flow context holds its
 `PackedSeqParams`: `packed_forward`), and are inert otherwise:
-- `positions_and_mask`: the packed microbatch brings its position ids, and no dense mask is built (MindSpeed's
+- `positions_and_mask_wrapper`: the packed microbatch brings its position ids, and no dense mask is built (MindSpeed's
   flash attention takes its 2048 x 2048 compressed causal mask with sparse_mode 2: causal within each sequence);
-- `decoder_forward`: the text decoder gets the microbatch's `PackedSeqParams`;
-- `multimodal_rope`: mrope is applied on [t, 1, heads, dim] and squeezed afterwards.
+- `decoder_forward_wrapper`: the text decoder gets the microbatch's `PackedSeqParams`;
+- `multimodal_rope_wrapper`: mrope is applied on [t, 1, heads, dim] and squeezed afterwards.
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ class PackedRow:
         return out
 
     def packed_seq_params(self) -> Any:
-        from megatron.core.packed_seq_params import PackedSeqParams
+        from megatron.core.packed_seq_params import PackedSeqParams  # optional: megatron
 
         ends = self.cu_seqlens
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=ends, cu_seqlens_kv=ends,
@@ -119,7 +119,7 @@ def rope_positions_fn(model_cfg: Any) -> Callable[[Any, torch.Tensor, Optional[t
     """The job's own position-id function for one sample: MindSpeed-MM's rope index of its text decoder
     (`attention_mask_list[text_decoder.model_id]`'s `pos_func`), on the host. Returns (config, ids [len],
     grid [images, 3] or None) -> [3, len]."""
-    from mindspeed_mm.models.vision import vlm_attentionmask_for_llm as masks
+    from mindspeed_mm.models.vision import vlm_attentionmask_for_llm as masks  # optional: mindspeed_mm
 
     model_id = getattr(model_cfg.text_decoder, "model_id", None)
     builder = masks.attention_mask_list.get(model_id)
@@ -152,7 +152,8 @@ def positions_and_mask_wrapper(fn: Callable, packed_of: Callable[[], Optional[An
         # No mask: MindSpeed's flash attention then takes its compressed causal mask with sparse_mode 2 (causal
         # within each TND sequence). It builds that mask once from the config it is given, and the LLM layers'
         # config (read from model.json) lacks the flash-attention fields, so it is built here from the job's.
-        from mindspeed.core.transformer.flash_attention.generate_mask.generate_mask import get_attention_mask
+        from mindspeed.core.transformer.flash_attention.generate_mask.generate_mask import (  # optional: mindspeed
+            get_attention_mask)
 
         get_attention_mask(kwargs.get("config", args[0] if args else None))
         return None, position_ids
