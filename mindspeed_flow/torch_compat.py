@@ -44,12 +44,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 log = logging.getLogger(__name__)
 
 try:  # public from torch 2.5; 2.7 has both names
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor, Replicate  # version: torch
 except ImportError:  # pragma: no cover - older torch
     from torch.distributed._tensor import DTensor, Replicate  # type: ignore[no-redef]
 
 try:  # FSDP2: public in torch.distributed.fsdp from 2.6, under _composable.fsdp before
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard  # version: torch
 except ImportError:  # pragma: no cover - torch < 2.6
     from torch.distributed._composable.fsdp import FSDPModule, fully_shard  # type: ignore[no-redef]
 

@@ -278,7 +278,7 @@ class StepWatch(threading.Thread):
 
     def _job_cpu_seconds(self) -> float:
         try:
-            import psutil
+            import psutil  # optional: psutil
         except ImportError:  # a check only (no prediction reads it): without psutil the column reads nan
             return float("nan")
         try:

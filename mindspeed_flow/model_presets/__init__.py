@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from mindspeed_flow.model_presets.tiny import TINY_PRESETS
 
 try:  # real-architecture presets (planner); optional so the tiny path never depends on them
-    from mindspeed_flow.model_presets.real import REAL_PRESETS
+    from mindspeed_flow.model_presets.real import REAL_PRESETS  # optional: real presets
 except ImportError:  # pragma: no cover
     REAL_PRESETS: dict[tuple[str, str], dict] = {}
 

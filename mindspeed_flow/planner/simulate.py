@@ -24,19 +24,25 @@ each rank's busy/idle time, pipeline bubbles, stage imbalance, pool waits, and a
 """
 from __future__ import annotations
 
+import dataclasses as dc
+import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from mindspeed_flow.config.load import model_hf_config
+from mindspeed_flow.config.load import compose, model_hf_config, to_job_config
+from mindspeed_flow.config.packing import PackingConfig
 from mindspeed_flow.data.sampler import iter_global_batches
 from mindspeed_flow.packing import CostModel
+from mindspeed_flow.planner.baselines import with_loader
 from mindspeed_flow.planner.cost import (CostContext, _link, dp_sync_time, ep_alltoall_time, optimizer_time,
-                                         precision_bytes, ring_allreduce_time)
+                                         precision_bytes, ring_allreduce_time, stage_layer_list)
+from mindspeed_flow.planner.plan import option_table
 from mindspeed_flow.specs import VLMSpec
-from mindspeed_flow.step.layout import Layout, bridges_of
-from mindspeed_flow.step.plan import plan_job_step
+from mindspeed_flow.step.layout import BACKBONE, COUPLED, ENCODER, Layout, PartLayout, bridges_of
+from mindspeed_flow.step.plan import plan_decoupled_step, plan_job_step
 
 COMPUTE, COMM = "compute", "comm"
 
@@ -319,8 +325,6 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
     `prefetch_depth` > 0: the ranks that load pixels in a background thread (encoder ranks, coupled DP ranks)
     get a loader lane beside them, `costs.sample_load` per sample, at most this many samples ahead; its compute
     shares the host's cores with the ranks'. A coupled pipeline's first stage loads inline, in its forward."""
-    from mindspeed_flow.step.layout import BACKBONE, COUPLED, ENCODER
-
     by_id = {s.sample_id: s for s in shapes}
     coupled = layout.mode == "coupled"
     pipelined_coupled = coupled and layout.part(COUPLED).pp > 1
@@ -355,7 +359,7 @@ def simulate_step(work: Any, shapes: Sequence[Any], layout: Any, costs: StepCost
         n_layers = spec.llm.num_layers
         split = layer_split if layer_split is not None else getattr(bb, "layer_split", None)
         if split is None:
-            from mindspeed_flow.hosts.torch.pipeline import split_layers
+            from mindspeed_flow.hosts.torch.pipeline import split_layers  # lazy: torch
 
             stage_layers = [b - a for a, b in split_layers(n_layers, bb.pp)]
         else:
@@ -578,13 +582,11 @@ _COLORS = {"enc_fwd": "#4c72b0", "enc_bwd": "#8172b2", "fwd": "#55a868", "bwd": 
 
 def write_timeline(result: StepResult, path: str, title: str = "") -> None:
     """PNG: one row per rank, one bar per op, coloured by kind."""
-    import os
-
-    import matplotlib
+    import matplotlib  # optional: plots
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
+    import matplotlib.pyplot as plt  # optional: plots
+    from matplotlib.patches import Patch  # optional: plots
 
     ranks = sorted(result.roles)
     fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * len(ranks)))
@@ -660,13 +662,6 @@ def simulate_layout(problem: Any, enc_row: dict, bb_row: dict, cores: float = 0.
     `stream`, the step's samples), packed by the runtime's step planner; each simulated rank is one tp x cp
     group. `pool_capacity_mb` > 0: the pool counts bytes with that capacity (else planner.pool_capacity_mb in
     samples of the mean embedding, the older replay)."""
-    import dataclasses as dc
-
-    from mindspeed_flow.config.packing import PackingConfig
-    from mindspeed_flow.packing import CostModel
-    from mindspeed_flow.step.layout import BACKBONE, ENCODER, Layout, PartLayout, bridges_of
-    from mindspeed_flow.step.plan import plan_decoupled_step
-
     if problem.spec is None or not problem.shapes:
         raise ValueError("the problem carries no model spec / workload shapes (build it with inputs.build_problem)")
     spec, ctx = problem.spec, problem.ctx
@@ -704,9 +699,6 @@ def simulate_layout(problem: Any, enc_row: dict, bb_row: dict, cores: float = 0.
 def top_k_layouts(problem: Any, k: int) -> list[dict]:
     """The k best (encoder, backbone) pairs by the analytic model: the k fastest distinct backbone layouts that
     leave room for an encoder, each with the fewest-device encoder that keeps pace (else the fastest that fits)."""
-    from mindspeed_flow.planner.cost import stage_layer_list
-    from mindspeed_flow.planner.plan import option_table
-
     enc_p = next(p for p in problem.parts if p.role == "encoder")
     bb_p = next(p for p in problem.parts if p.role == "backbone")
     te, tb = option_table(enc_p, problem, problem.budget), option_table(bb_p, problem, problem.budget)
@@ -747,8 +739,6 @@ def two_rank_ranking(ctx: CostContext, overrides: Sequence[str] = (), steps: Seq
                      cores: float = 2.0) -> dict[str, float]:
     """Simulated mean step seconds of the three 2-rank layouts of one recipe: coupled DP2, coupled PP2 with the
     ViT on stage 0 (MindSpeed-MM's pipeline layout), decoupled 1 encoder + 1 backbone; fastest first."""
-    from mindspeed_flow.config.load import compose, to_job_config
-
     jobs = {
         "coupled_dp2": (["parallel=enc1_bb_dp2", "parallel.backbone.dp=1", "flow.mode=coupled"], False),
         # the runtime's coupled pipeline on the same 2 ranks (its own step plan; the ViT on stage 0)
@@ -769,11 +759,6 @@ def simulate_coupled_baseline(problem: Any, b: Any, stream: Sequence[Any], cores
     """Replay a coupled baseline (`baselines.LOADERS`: one sample per microbatch; padded to the sequence length
     for `pad`) on the step's stream: DP rank d takes the d-th contiguous slice of the global batch, stage 0
     encodes each microbatch's images inside its forward, 1F1B over the baseline's stage split."""
-    from types import SimpleNamespace
-
-    from mindspeed_flow.planner.baselines import with_loader
-    from mindspeed_flow.step.layout import COUPLED, Layout, PartLayout
-
     row = b.layout["coupled"]
     dp, pp = int(row["dp"]), int(row["pp"])
     bb = next(p for p in problem.parts if p.role == "backbone")

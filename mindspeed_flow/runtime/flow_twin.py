@@ -23,8 +23,9 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mindspeed_flow.runtime.shell_words import (ENV_DEFAULT, NAME, Expander, Statement, known,
-                                                split_words, statements, strip_comment)
+from mindspeed_flow.hosts.mindspeed_mm.recipe import SUPPORTED_SCRIPTS
+from mindspeed_flow.runtime.shell_words import (ENV_DEFAULT, NAME, Expander, Statement, known, split_words, statements,
+                                                strip_comment)
 
 HEADER_END = "# <<< mindspeed-flow header"
 BLOCK_START = "# >>> mindspeed-flow: launch checks"
@@ -134,7 +135,6 @@ def _parse(text: str, name: str) -> _Script:
     entry = [w for w in split_words(launch.text) if w.endswith(".py")]
     if not entry:
         raise TwinError(f"{name}: its torchrun line runs no .py entry script")
-    from mindspeed_flow.hosts.mindspeed_mm.recipe import SUPPORTED_SCRIPTS
 
     if Path(entry[0]).name not in SUPPORTED_SCRIPTS:
         raise TwinError(f"{name}: entry {entry[0]}: a flow job runs MindSpeed-MM's {', '.join(SUPPORTED_SCRIPTS)}")

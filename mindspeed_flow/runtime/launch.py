@@ -34,7 +34,7 @@ from mindspeed_flow.config.load import (RecipeError, check_rules, compose, expla
                                         model_hf_config, save, to_job_config)
 from mindspeed_flow.data.preflight import preflight
 from mindspeed_flow.data.records import DataError
-from mindspeed_flow.hosts.torch.trainer import run_worker_recorded
+from mindspeed_flow.hosts.torch.trainer import run_worker, run_worker_recorded
 from mindspeed_flow.resilience.checkpoint import valid_steps
 from mindspeed_flow.resilience.diskspace import RunDirWriteError, check_room_for_save
 from mindspeed_flow.resilience.preempt import EXIT_SAVED_ON_SIGNAL
@@ -69,8 +69,6 @@ def prepare(overrides: list[str], *, owner: bool = True, lock: Optional[RunDirLo
     layout.validate(limits=ModelLimits.of(spec), global_batch_size=job.trainer.global_batch_size,
                     expected_world=job.parallel.world_size)
     if not owner:
-        import tempfile
-
         fd, name = tempfile.mkstemp(prefix="msf-config-", suffix=".yaml")
         os.close(fd)
         save(cfg, name)
@@ -245,8 +243,6 @@ def _main(argv: list[str], lock: RunDirLock) -> int:
         print(f"mindspeed-flow train: invalid recipe: {explain_override_error(e) or e}", file=sys.stderr)
         return 2
     if inside:
-        from mindspeed_flow.hosts.torch.trainer import run_worker
-
         run_worker(str(config_path))
         return 0
     failure = config_path.parent / FAILURE_FILE

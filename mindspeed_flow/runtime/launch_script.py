@@ -29,7 +29,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from mindspeed_flow.config.load import recipes_dir
+from mindspeed_flow.config.load import RecipeError, check_rules, compose, recipes_dir, to_job_config
 from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, _unsupported, load_flow_job
 from mindspeed_flow.resources import data_path
 from mindspeed_flow.runtime.flow_twin import RecipeLaunch, TwinError, make_twin
@@ -97,13 +97,9 @@ def plan_from_recipe(recipe: str | Path, cluster: str | None = None, job: str = 
         raise LaunchScriptError(f"--job {job!r}: must be mm (flow-patched MindSpeed-MM) or train (mindspeed-flow)")
     if job == "train":
         # what `train experiment=NAME` composes (its defaults list may choose the parallel group, the cluster...)
-        from mindspeed_flow.config.load import compose, recipes_dir, to_job_config
-
         if path.parent != recipes_dir() / "experiment":
             raise LaunchScriptError(f"--job train runs `mindspeed-flow train experiment=NAME`: put the recipe in "
                                     f"{recipes_dir() / 'experiment'} (plan --out there), not {path.parent}")
-        from mindspeed_flow.config.load import RecipeError, check_rules
-
         cfg = to_job_config(compose([f"experiment={path.stem}"]))
         try:
             check_rules(cfg)  # the torch host's own cross-field rules, as `train` checks them

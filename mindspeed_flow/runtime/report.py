@@ -80,11 +80,11 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def plot_curves(lines: list[dict[str, Any]], out: Path, title: str) -> Path:
-    import matplotlib
+    import matplotlib  # optional: plots
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    import matplotlib.pyplot as plt  # optional: plots
+    from matplotlib.ticker import MaxNLocator  # optional: plots
 
     fig, axes = plt.subplots(3, 3, figsize=(15, 11), constrained_layout=True)
     for ax, (name, ylabel, series) in zip(axes.flat, PANELS):
@@ -124,11 +124,11 @@ def _style_key(event: dict[str, Any]) -> str:
 
 
 def plot_timeline(trace_path: Path, out: Path, step: Optional[int]) -> Path:
-    import matplotlib
+    import matplotlib  # optional: plots
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
+    import matplotlib.pyplot as plt  # optional: plots
+    from matplotlib.patches import Patch  # optional: plots
 
     chosen, events, names = step_events(json.loads(trace_path.read_text()), step)
     t0 = min(e["ts"] for e in events)

@@ -71,7 +71,7 @@ def _unwrap(model: Any) -> Any:
 
 
 def _tp_broadcast(tensor: torch.Tensor) -> torch.Tensor:
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # optional: megatron
 
     if ps.get_tensor_model_parallel_world_size() > 1:
         dist.broadcast(tensor, src=ps.get_tensor_model_parallel_src_rank(),
@@ -180,7 +180,7 @@ class EncoderStep:
 
     def __call__(self, *, forward_step_func: Any = None, data_iterator: Any, model: list, num_microbatches: int,
                  forward_only: bool = False, **_: Any) -> list[dict]:
-        from megatron.core.utils import get_model_config
+        from megatron.core.utils import get_model_config  # optional: megatron
 
         ctx = self.ctx
         ctx.doing("reading the next global batch")
@@ -358,7 +358,7 @@ class DecoderStep:
 
     def __call__(self, *, forward_step_func: Any, data_iterator: Any, model: list, num_microbatches: int,
                  **kwargs: Any) -> list[dict]:
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # optional: megatron
 
         ctx = self.ctx
         ctx.doing("reading the next global batch")
@@ -449,7 +449,7 @@ class DecoderStep:
             return (batch, lambda w: torch.tensor(w, dtype=torch.float32).reshape(-1, 1),
                     contextlib.nullcontext())
         if self._positions is None:
-            from megatron.training import get_args
+            from megatron.training import get_args  # optional: megatron
 
             self._positions = rope_positions_fn(get_args().mm.model)
         for s in samples:  # each sample's own rope positions, once (every pipeline stage needs them)
@@ -489,7 +489,7 @@ class DecoderStep:
 @contextlib.contextmanager
 def per_token_losses() -> Iterator[None]:
     """Inside: MindSpeed-MM's model returns per-token losses (its `--calculate-per-token-loss` branch)."""
-    from megatron.training import get_args
+    from megatron.training import get_args  # optional: megatron
 
     args = get_args()
     saved = (args.calculate_per_token_loss, getattr(args, "calculate_per_sample_loss", False))
@@ -509,8 +509,8 @@ def weighted_loss(output: dict, weights: Optional[torch.Tensor], scale: float,
     sum(weight x token loss). `weights` (host) has one row per microbatch row: [rows, 1] (a weight per sample
     row) or [1, tokens - 1] (packed: a weight per token position); None for an empty microbatch. The reported value is the same quantity averaged over DP, which MindSpeed-MM's
     train_step then averages over microbatches: the unpatched job's reported loss."""
-    from megatron.core import parallel_state as ps
-    from megatron.training import get_args
+    from megatron.core import parallel_state as ps  # optional: megatron
+    from megatron.training import get_args  # optional: megatron
 
     loss_dict = output["loss_dict"]
     mask = loss_dict["loss_mask"]
@@ -548,7 +548,7 @@ def finalize_with_global_tokens(ctx: FlowContext, finalize: Callable[..., Any]) 
     device: no host synchronisation is added to the step (the busy/wait seconds for the log line ride along and
     are read when Megatron's log line reads its own values).
     """
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # optional: megatron
 
     def flow_finalize(model: list, num_tokens: Optional[torch.Tensor] = None) -> None:
         ctx.doing("gradient reduction over the part's data-parallel group")

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mindspeed_flow.accelerator import varlen_attention_kernel
+
 PREFIX = "msf_varlen_"
 BASE_IMPLEMENTATIONS = ("sdpa", "eager")
 _NPU_CAUSAL_SIZE = 2048  # torch_npu's compressed mask for sparse_mode 2/3 is always 2048 x 2048
@@ -125,8 +127,6 @@ KERNELS: dict[str, Callable[..., torch.Tensor]] = {
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments,
                      scale: Optional[float] = None, dropout: float = 0.0) -> torch.Tensor:
     """Causal attention within each segment: q [1, N, T, D], k/v [1, N_kv, T, D] -> [1, T, N, D]."""
-    from mindspeed_flow.accelerator import varlen_attention_kernel
-
     if q.shape[0] != 1 or q.shape[2] != segments.total:
         raise ValueError(f"varlen attention: query of shape {tuple(q.shape)} does not match one packed "
                          f"microbatch of {segments.total} tokens (batch 1)")
@@ -140,7 +140,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments
 def _base_function(module: nn.Module, base: str) -> Callable[..., Any]:
     if base == "eager":  # each modeling file defines its own eager function
         return getattr(sys.modules[type(module).__module__], "eager_attention_forward")
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # optional: transformers
 
     return ALL_ATTENTION_FUNCTIONS[base]
 
@@ -169,8 +169,9 @@ def install(text_config: Any) -> str:
     Idempotent (a config already pointing at it keeps it). Only "sdpa" and "eager" bases are supported: the
     others (flash_attention_2, flex_attention) would need their own mask conventions.
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers import AttentionInterface  # optional: transformers
+    from transformers.masking_utils import (  # optional: transformers
+        ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface)
 
     current = text_config._attn_implementation or "eager"
     base = current[len(PREFIX):] if current.startswith(PREFIX) else current

@@ -130,7 +130,7 @@ def _materialize(model: nn.Module, wanted: set[int]) -> tuple[list[nn.Module], s
 def _init_part(model: nn.Module, modules: list[nn.Module]) -> None:
     """HF's composite-model initialisation (children first, each module by its nearest PreTrainedModel's
     `_init_weights`), restricted to the part's modules."""
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel  # optional: transformers
 
     keep = {id(m) for m in modules}
 
@@ -169,7 +169,7 @@ def checkpoint_files(path: str) -> dict[str, str]:
     if not os.path.exists(single):
         raise FileNotFoundError(f"model.pretrained_path={path!r} has neither model.safetensors.index.json nor "
                                 f"model.safetensors")
-    from safetensors import safe_open
+    from safetensors import safe_open  # optional: safetensors
 
     with safe_open(single, framework="pt") as f:
         return {k: single for k in f.keys()}
@@ -177,7 +177,7 @@ def checkpoint_files(path: str) -> dict[str, str]:
 
 def _load_part(model: nn.Module, wanted: set[int], path: str) -> None:
     """Copy the wanted parameters' tensors (and only those) out of the checkpoint's safetensors files."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # optional: safetensors
 
     files = checkpoint_files(path)
     names = hf_compat.model_names_of_checkpoint(model, list(files))

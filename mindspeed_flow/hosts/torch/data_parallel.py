@@ -28,6 +28,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mindspeed_flow import torch_compat
 from mindspeed_flow.torch_compat import DTensor, FSDPModule, Replicate, device_mesh_for, fully_shard
@@ -47,8 +48,6 @@ def apply_ddp(module: nn.Module, dp_group: Optional[dist.ProcessGroup], *,
 
     Set `find_unused_parameters` for modules with parameters the forward may skip (e.g. CLIP's post_layernorm).
     """
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     dev = next(module.parameters()).device
     device_ids = None if dev.type == "cpu" else [dev.index if dev.index is not None else 0]
     return DDP(module, device_ids=device_ids, process_group=dp_group, broadcast_buffers=False,

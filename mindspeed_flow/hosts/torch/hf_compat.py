@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from typing import Any, Callable, Optional
 
 import torch
@@ -47,7 +48,7 @@ def encoder_modules(model: nn.Module, family: str) -> dict[str, dict[str, nn.Mod
 
 
 def _transformers_attr(name: str) -> Any:
-    import transformers
+    import transformers  # optional: transformers
 
     try:
         return getattr(transformers, name)
@@ -77,7 +78,7 @@ def family_of(model: nn.Module) -> str:
 def dtype_kwarg(dtype: torch.dtype, version: Optional[str] = None) -> dict[str, torch.dtype]:
     """`from_pretrained` takes `dtype=` in 5.x and `torch_dtype=` in 4.57 (5.x still accepts it, with a warning)."""
     if version is None:
-        import transformers
+        import transformers  # optional: transformers
 
         version = transformers.__version__
     major = int(version.split(".")[0])
@@ -234,11 +235,10 @@ def model_names_of_checkpoint(model: nn.Module, keys: list[str]) -> dict[str, st
     5.x through `core_model_loading.rename_source_key` over the model's conversion mapping, 4.57 through the
     regexes of `_checkpoint_conversion_mapping` (first matching pattern wins, as its loader does).
     """
-    import re
-
     try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+        from transformers.conversion_mapping import get_model_conversion_mapping  # optional: transformers
+        from transformers.core_model_loading import (  # optional: transformers 5
+            WeightConverter, WeightRenaming, rename_source_key)
     except ImportError:  # 4.57
         mapping = getattr(model, "_checkpoint_conversion_mapping", None) or {}
 

@@ -117,7 +117,7 @@ def build_backbone_stage(backbone: BackbonePart, pp_rank: int, pp_size: int, pp_
     `encoder` (stage 0 of a coupled pipeline): the ViT (+ merger) becomes a submodule of the stage, so the DP
     wrapper reduces its gradients and `parameters()` lists them; `feed` runs it inside the stage's forward.
     """
-    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import PipelineStage  # lazy: pipelining
 
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"pp_rank={pp_rank} is outside 0..{pp_size - 1}")
@@ -140,7 +140,7 @@ def make_schedule(stage: "PipelineStage", n_microbatches: int,
                   kind: str = "1f1b"):
     """A "gpipe" or "1f1b" schedule over one stage per rank, bound to `n_microbatches` (a schedule object
     serves one microbatch count)."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe  # lazy: pipelining
 
     if kind not in SCHEDULE_KINDS:
         raise ValueError(f"parallel.backbone.pp_schedule={kind!r} is not supported; choose one of {SCHEDULE_KINDS}")

@@ -426,7 +426,7 @@ class _progress:
     def __init__(self, job: FlowJobConfig, enabled: bool, start_step: int = 0) -> None:
         self.bar = None
         if enabled and job.trainer.progress:
-            from tqdm import tqdm
+            from tqdm import tqdm  # optional: tqdm
 
             self.bar = tqdm(total=job.trainer.steps, initial=start_step, desc=f"train {job.experiment_name}",
                             unit="step", dynamic_ncols=True, file=sys.stdout)
@@ -443,7 +443,7 @@ class _progress:
 
 
 def _recorded() -> "Any":
-    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.elastic.multiprocessing.errors import record  # lazy: launcher only
 
     return record(run_worker)
 
