@@ -2,16 +2,14 @@
 
 Two local gloo ranks (forked, as in the tests): rank 0 produces `--items` embeddings of `--tokens` x `--hidden`
 fp32 per size, rank 1 consumes them. Four ways to move the same bytes, each timed from the producer starting to
-send (after a barrier) to the consumer holding the last item, on the host's monotonic clock that both ranks share:
+send (after a barrier) to the consumer holding the last item, on the host's monotonic clock that both ranks share
+(the pool's planned mode, `pool/planned.py`, is measured on the flow job itself: docs/measurements.md):
 
 - "pool": the runtime's way: the step's items are per-image views of one contiguous [items x tokens, hidden]
   tensor, as an encoder's batched forward yields them, and the producer sends them with `put_many` (one header
   for up to `--max-batch-items` items and one payload transfer of their region, no copy); the consumer expects
   them without specs (header path: a message's payload receive is posted once its header lands) and gets them
   one by one, credits going back;
-- "plan": the same `put_many` with `planned=True`, the consumer knowing the group from the plan: it posted each
-  message's receives at `expect(specs=..., groups=...)` and checks each header against the plan at get() (the
-  runtime's consumer does not plan groups yet);
 - "hdr": the same pool item by item (`put` per item, the general header path): items queued behind a send
   share one header and one payload transfer (copied into one buffer);
 - "raw": what a skilled user writes by hand with the same sizes agreed in advance: one isend/irecv per item,
@@ -43,7 +41,7 @@ from mindspeed_flow.pool import EmbeddingPool
 from mindspeed_flow.pool.wire import MAX_BATCH
 from mindspeed_flow.utils.multiproc import run_ranks
 
-VARIANTS = ("pool", "plan", "hdr", "raw", "raw1")
+VARIANTS = ("pool", "hdr", "raw", "raw1")
 _RAW_TAG = 7
 
 
@@ -53,19 +51,16 @@ _RAW_TAG = 7
 Span = tuple[float, float]
 
 
-def _pool_step(pool: EmbeddingPool, rank: int, items: list[torch.Tensor], step: int, many: bool,
-               planned: bool) -> Span:
+def _pool_step(pool: EmbeddingPool, rank: int, items: list[torch.Tensor], step: int, many: bool) -> Span:
     """One step through `pool`: the consumer expects the step's items before the barrier; `many`: the producer
-    sends them with one `put_many`, else one `put` per item; `planned`: both sides know the group (its shapes)."""
+    sends them with one `put_many`, else one `put` per item."""
     if rank == 1:
-        specs = [(t.shape, t.dtype) for t in items] if planned else None
-        pool.expect(producer=0, items=[(i, step) for i in range(len(items))], specs=specs,
-                    groups=[len(items)] if planned else None)
+        pool.expect(producer=0, items=[(i, step) for i in range(len(items))])
     dist.barrier()
     start = time.perf_counter()
     if rank == 0:
         if many:
-            pool.put_many(items, sample_ids=range(len(items)), step=step, consumer=1, planned=planned)
+            pool.put_many(items, sample_ids=range(len(items)), step=step, consumer=1)
         else:
             for i, tensor in enumerate(items):
                 pool.put(tensor, sample_id=i, step=step, consumer=1)
@@ -101,7 +96,7 @@ def _bench_rank(rank: int, world: int, sizes: list[int], n_items: int, hidden: i
                 capacity_bytes: int, max_batch_items: int) -> list[dict]:
     # The runtime's pool and raw share the world group (the same group, as the comparison requires); the other pools
     # get groups of their own, so no two pools' tags can meet.
-    groups = {"pool": None, "plan": dist.new_group(backend="gloo"), "hdr": dist.new_group(backend="gloo")}
+    groups = {"pool": None, "hdr": dist.new_group(backend="gloo")}
     pools = {name: EmbeddingPool(rank=rank, group=group, capacity_bytes=capacity_bytes, timeout_s=120.0,
                                  device=torch.device("cpu"), return_grads=False, max_batch_items=max_batch_items)
              for name, group in groups.items()}
@@ -109,9 +104,8 @@ def _bench_rank(rank: int, world: int, sizes: list[int], n_items: int, hidden: i
     batch = torch.empty(0)
     items: list[torch.Tensor] = []
     run: dict[str, Callable[[], Span]] = {
-        "pool": lambda: _pool_step(pools["pool"], rank, items, next(steps), many=True, planned=False),
-        "plan": lambda: _pool_step(pools["plan"], rank, items, next(steps), many=True, planned=True),
-        "hdr": lambda: _pool_step(pools["hdr"], rank, items, next(steps), many=False, planned=False),
+        "pool": lambda: _pool_step(pools["pool"], rank, items, next(steps), many=True),
+        "hdr": lambda: _pool_step(pools["hdr"], rank, items, next(steps), many=False),
         "raw": lambda: _raw_step(rank, items, group=None),
         "raw1": lambda: _raw_step(rank, [batch], group=None),
     }
@@ -178,19 +172,19 @@ def main(argv: list[str]) -> int:
     producer_rows, rows = run_ranks(_bench_rank, 2, args.sizes, args.items, args.hidden, args.repeats, capacity,
                                     args.max_batch_items, timeout_s=1800)
     print(f"embedding pool vs raw isend/irecv: 2 gloo ranks on this host, fp32, hidden {args.hidden}, "
-          f"{args.items} items per step, capacity {args.capacity_mb:g} MiB, pool: put_many (the runtime's way), plan: put_many planned, hdr: put per item, up to "
+          f"{args.items} items per step, capacity {args.capacity_mb:g} MiB, pool: put_many (the runtime's way), hdr: put per item, up to "
           f"{args.max_batch_items} items per message; raw: isend/irecv per item, raw1: one per step; medians of "
           f"{args.repeats} interleaved repeats")
-    print(f"{'tokens':>7} {'item MiB':>9} {'pool GB/s':>10} {'msgs':>5} {'plan GB/s':>10} {'hdr GB/s':>9} "
-          f"{'msgs':>5} {'raw GB/s':>9} {'raw1 GB/s':>10} {'pool/raw':>9} {'plan/raw':>9} {'hdr/raw':>8} "
+    print(f"{'tokens':>7} {'item MiB':>9} {'pool GB/s':>10} {'msgs':>5} {'hdr GB/s':>9} "
+          f"{'msgs':>5} {'raw GB/s':>9} {'raw1 GB/s':>10} {'pool/raw':>9} {'hdr/raw':>8} "
           f"{'pool/raw1':>10}")
     for r, p in zip(rows, producer_rows):  # messages: the producer's counters
         # the producer's start to the consumer's end, on the clock both ranks share
         times = {k: [end - start for (start, _), (_, end) in zip(p["spans"][k], r["spans"][k])] for k in VARIANTS}
         gbs = {k: r["bytes"] / statistics.median(times[k]) / 1e9 for k in VARIANTS}
         print(f"{r['tokens']:>7} {r['item_bytes'] / 2**20:>9.3f} {gbs['pool']:>10.2f} {p['pool_messages']:>5.1f} "
-              f"{gbs['plan']:>10.2f} {gbs['hdr']:>9.2f} {p['hdr_messages']:>5.1f} {gbs['raw']:>9.2f} "
+              f"{gbs['hdr']:>9.2f} {p['hdr_messages']:>5.1f} {gbs['raw']:>9.2f} "
               f"{gbs['raw1']:>10.2f} {_paired_ratio(times, 'pool', 'raw'):>9.2f} "
-              f"{_paired_ratio(times, 'plan', 'raw'):>9.2f} {_paired_ratio(times, 'hdr', 'raw'):>8.2f} "
+              f"{_paired_ratio(times, 'hdr', 'raw'):>8.2f} "
               f"{_paired_ratio(times, 'pool', 'raw1'):>10.2f}")
     return 0

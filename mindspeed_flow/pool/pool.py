@@ -31,19 +31,6 @@ and get() hands out views of that buffer. `expect(..., specs=...)` names each it
 header is checked against them as it lands, before any item is handed out, and a mismatch raises
 `PoolProtocolError` naming the item (the ranks disagree on the step plan).
 
-Planned batches. Where both sides derive the groups too (which items one `put_many` sends, their shapes and
-dtypes), the consumer calls `expect(..., specs=..., groups=...)` and the producer `put_many(..., planned=True)`:
-the consumer splits each group into messages by the same rule as the producer (`max_batch_items`,
-MAX_PLANNED_BATCH_BYTES, capacity) and posts each message's header and payload receives at once, into a buffer of
-the planned size; the producer posts its sends the moment it puts, on tags of their own. No header thread, no round
-trip, no allocation after the header lands. get() waits for a producer's planned messages itself, in send order,
-and checks each header against the plan before handing any of its items out; a planned message is credited as one
-once all its items are taken (a consumer that takes a later message's items first must leave the producer the
-capacity to send it). The sizes must really agree: gloo aborts the process on a message larger than the receive
-posted for it, so the plan, not the tensors, must be the source of both sides' specs and groups. With `data_groups`
-(device backends match messages by order, not tag) both calls fall back to the header path, still checked against
-the specs.
-
 Groups. Headers and credits always travel on `group`, a gloo group (tags keep channels apart; `Topology` builds
 it). Payloads travel on `data_groups` when given: two groups of the job's device backend (NCCL/HCCL), one per
 direction (embeddings producer->consumer, gradients consumer->producer), because device backends match
@@ -63,7 +50,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -73,11 +60,11 @@ from mindspeed_flow.pool.buffers import ReceiveBuffers
 from mindspeed_flow.pool.errors import PoolError, PoolPeerError, PoolProtocolError, PoolShapeError, PoolTimeout
 from mindspeed_flow.pool.handle import EmbeddingHandle, Tier
 from mindspeed_flow.pool.stats import PoolCounters, PoolStats
-from mindspeed_flow.pool.transport import InboundStream, LandedItem, Outbox, wait_work
+from mindspeed_flow.pool.transport import InboundStream, LandedItem, Outbox
 from mindspeed_flow.pool.wire import (CHANNEL_CREDIT, CHANNEL_EMBEDDING, CHANNEL_GRAD, CHANNEL_NAMES, DTYPE_CODES,
-                                      HEADER_LEN, MAX_BATCH, MAX_NDIM, STAGED_MAX_BYTES, TAGS, WireHeader, check_sendable, credit_header,
-                                      decode_header, dense_payload, encode_header, from_bytes, item_header, pack_payloads,
-                                      payload_layout, slice_payloads, tensor_nbytes)
+                                      HEADER_LEN, MAX_BATCH, MAX_NDIM, STAGED_MAX_BYTES, TAGS, WireHeader, check_sendable,
+                                      credit_header, decode_header, dense_payload, from_bytes, item_header, pack_payloads,
+                                      slice_payloads)
 from mindspeed_flow.telemetry.trace import traced
 
 # (peer rank, sample_id, step): the pool's key for an item on one side of one producer/consumer pair.
@@ -94,32 +81,7 @@ class _Held:
 
     handle: EmbeddingHandle
     tensor: torch.Tensor | None = None  # None while the payload is still arriving
-    batch: "_PlannedBatch | None" = None  # its planned message: credited as one once all its items are taken
     landing_t: float = 0.0  # time.monotonic() when its header landed (the payload transfer starts)
-
-
-@dataclass
-class _PlannedBatch:
-    """Consumer side: one planned message of a producer, its receives posted at expect(), waited by get()."""
-
-    headers: list[WireHeader]  # what the plan says the message holds (built from the specs)
-    header: torch.Tensor
-    header_work: dist.Work
-    buffer: torch.Tensor | None  # None: no item has bytes
-    work: dist.Work | None
-    posted_t: float  # time.monotonic() when its receives were posted
-    waiting: bool = False  # a get() waits for its works (each is waited exactly once)
-    credits: list[WireHeader] = field(default_factory=list)  # its items taken so far, credited together
-
-
-@dataclass
-class _PlannedSend:
-    """Producer side: a planned message's sends and the tensors they read, waited once: at the first credit of
-    one of its items (the consumer has the message) or by flush()."""
-
-    works: list[dist.Work]
-    keep: list[torch.Tensor]
-    taken: bool = False
 
 
 # Items queued behind a send, and a put_many's items, share a message up to this much payload; a larger item goes
@@ -127,11 +89,6 @@ class _PlannedSend:
 # raw isend/irecv, 16 MiB (one) 0.70-0.92, as every message costs a header round and thread hand-offs; the staged
 # receives (wire.staged_bytes) follow the payload size up to 32 MiB, so such messages still land pre-posted.
 MAX_BATCH_BYTES = 16 << 20
-
-# Planned messages: their receives are posted ahead, so no round trip asks for small ones; up to this much payload
-# each. Measured with `bench pool` on gloo: one 16 MiB message beat four of 4 MiB, one of 64 MiB lost to sixteen of
-# 4 MiB (a buffer over glibc's largest mmap threshold, 32 MiB, is freshly mapped and page-faulted every step).
-MAX_PLANNED_BATCH_BYTES = 16 << 20
 
 # Outbound channels: (header tag, payload tag) and whether items carry a payload.
 _OUT_TAGS = {CHANNEL_EMBEDDING: (TAGS.embedding_header, TAGS.embedding_payload),
@@ -219,17 +176,11 @@ class EmbeddingPool:
         self._grad_streams: dict[int, InboundStream] = {}
         # consumer side
         self._plans: dict[int, deque[tuple[int, int]]] = {}  # producer -> (sample, step) still to arrive, in order
-        self._planned: set[ItemKey] = set()               # (producer, sample, step) expected, not yet arrived
+        self._awaited: set[ItemKey] = set()               # (producer, sample, step) expected, not yet arrived
         self._held: dict[ItemKey, _Held] = {}             # arrived or landing, not yet taken by get()
         self._early: dict[int, deque[tuple[int, int]]] = {}  # producer -> arrived in a batch before expected
         self._embedding_streams: dict[int, InboundStream] = {}
         self._specs: dict[ItemKey, Spec] = {}  # planned (shape, dtype) of expected items, checked as their headers land
-        # Planned batches (see the module doc) only where payloads are matched by tag (gloo).
-        self._planned_route = data_groups is None
-        self._planned_batches: dict[int, deque[_PlannedBatch]] = {}  # producer -> posted, not yet arrived, in order
-        self._batch_of: dict[ItemKey, _PlannedBatch] = {}
-        self._planned_failed: dict[int, BaseException] = {}  # producer -> why waiting for its planned batches failed
-        self._planned_sends: dict[ItemKey, _PlannedSend] = {}  # producer side: (consumer, sample, step) -> its send
         # both sides: one coalescing sender per (peer, channel)
         self._outboxes: dict[tuple[int, int], Outbox] = {}
 
@@ -253,7 +204,7 @@ class EmbeddingPool:
 
     @traced("pool.put")  # the timeline's put span, one per batch
     def put_many(self, tensors: Sequence[torch.Tensor], *, sample_ids: Sequence[int], step: int,
-                 consumer: int, planned: bool = False) -> list[EmbeddingHandle]:
+                 consumer: int) -> list[EmbeddingHandle]:
         """Send several items to `consumer` as few messages: one header for all their records and one payload
         transfer per batch; block while over capacity. Returns one handle per item, in order.
 
@@ -263,8 +214,7 @@ class EmbeddingPool:
         the consumer has taken every item), otherwise they are concatenated into one staging buffer (mixed dtypes:
         copied at aligned offsets). A group is split into several batches only where it exceeds `max_batch_items`,
         `max_batch_bytes` or the capacity (an item larger than those goes alone); each batch takes the pool's lock
-        once and waits for credits once. `planned`: the consumer expects this group with `expect(..., specs=...,
-        groups=...)`, so each message's sends are posted now, into the receives posted from its plan.
+        once and waits for credits once.
         """
         tensors, sample_ids = list(tensors), [int(s) for s in sample_ids]
         self._check_peer(consumer, "consumer")
@@ -281,22 +231,18 @@ class EmbeddingPool:
         payloads = [t.detach() if t.device == self._payload_device else t.detach().to(self._payload_device)
                     for t in tensors]
         handles: list[EmbeddingHandle] = []
-        for lo, hi in self._batches(headers, planned=planned and self._planned_route):
+        for lo, hi in self._batches(headers):
             items, chunk = headers[lo:hi], payloads[lo:hi]
             payload = dense_payload(chunk) if dense else pack_payloads(items, chunk)
-            if planned and self._planned_route:
-                send = lambda items=items, payload=payload: self._send_planned(consumer, items, payload)  # noqa: E731
-            else:
-                send = lambda items=items, payload=payload: self._outbox(  # noqa: E731
-                    consumer, CHANNEL_EMBEDDING).push_batch(items, payload)
+            send = lambda items=items, payload=payload: self._outbox(  # noqa: E731
+                consumer, CHANNEL_EMBEDDING).push_batch(items, payload)
             handles += self._enqueue(consumer, items, [t.device for t in tensors[lo:hi]], send)
         return handles
 
-    def _batches(self, headers: list[WireHeader], planned: bool = False) -> list[tuple[int, int]]:
+    def _batches(self, headers: list[WireHeader]) -> list[tuple[int, int]]:
         """`put_many`'s messages: consecutive runs of at most `max_batch_items` items and min(`max_batch_bytes`,
-        capacity) payload bytes (`planned`: MAX_PLANNED_BATCH_BYTES instead of `max_batch_bytes`; an item over
-        the limit goes alone). Both sides of a planned group split it with this rule."""
-        limit = min(MAX_PLANNED_BATCH_BYTES if planned else self.max_batch_bytes, self.capacity_bytes)
+        capacity) payload bytes (an item over the limit goes alone)."""
+        limit = min(self.max_batch_bytes, self.capacity_bytes)
         runs: list[tuple[int, int]] = []
         lo, size = 0, 0
         for i, h in enumerate(headers):
@@ -353,20 +299,6 @@ class EmbeddingPool:
                 self._stream(self._grad_streams, consumer, "grad").request(len(items))
         return handles
 
-    def _send_planned(self, consumer: int, items: list[WireHeader], payload: torch.Tensor | None) -> None:
-        """Post a planned message's header and payload sends now, into the receives the consumer posted from its
-        plan (lock held: posts keep send order)."""
-        if self._closed:
-            raise PoolError(f"rank {self.rank}: the pool is closed")
-        header = encode_header(items).to(self._wire_device)
-        works = [dist.isend(header, consumer, group=self.group, tag=TAGS.embedding_planned_header)]
-        if payload is not None:
-            works.append(dist.isend(payload, consumer, group=self.group, tag=TAGS.embedding_planned))
-        sent = _PlannedSend(works, [header] if payload is None else [header, payload])
-        for h in items:
-            self._planned_sends[(consumer, *h.key)] = sent
-        self._counters.embedding_messages += 1
-
     @traced("pool.wait_grad")
     def wait_grad(self, *, sample_id: int, step: int, consumer: int) -> torch.Tensor:
         """Block until `consumer` returns d(loss)/d(embedding) of the item; the gradient is on `device`."""
@@ -391,30 +323,15 @@ class EmbeddingPool:
     # ------------------------------------------------------------------ consumer side
 
     def expect(self, *, producer: int, items: Iterable[tuple[int, int]],
-               specs: Sequence[tuple[Sequence[int], torch.dtype]] | None = None,
-               groups: Sequence[int] | None = None) -> None:
+               specs: Sequence[tuple[Sequence[int], torch.dtype]] | None = None) -> None:
         """Announce the (sample_id, step) items `producer` will send, in its send order; receiving starts now.
 
         `specs`: one (shape, dtype) per item, from the step plan: each item's header is checked against its spec
-        as it lands, before get() hands any item of its message out. `groups` (with `specs`): the sizes of the
-        producer's `put_many(..., planned=True)` calls over these items, in order: their receives are posted now
-        (see "Planned batches" in the module doc)."""
+        as it lands, before get() hands any item of its message out."""
         self._check_peer(producer, "producer")
         items = [(int(s), int(t)) for s, t in items]
         checked = self._check_specs(items, specs)
-        sizes = self._check_groups(items, checked, groups)
         with self._cond:
-            if sizes is not None and checked is not None and self._planned_route:
-                for item in items:
-                    key = (producer, *item)
-                    if key in self._batch_of or key in self._held or key in self._planned:
-                        raise ValueError(f"rank {self.rank}: sample {item[0]} (step {item[1]}) from producer rank "
-                                         f"{producer} is already expected")
-                at = 0
-                for n in sizes:
-                    self._post_group(producer, items[at:at + n], checked[at:at + n])
-                    at += n
-                return
             stream = self._stream(self._embedding_streams, producer, "embedding")
             plan = self._plans.setdefault(producer, deque())
             for i, item in enumerate(items):
@@ -422,10 +339,10 @@ class EmbeddingPool:
                 if self._take_early(producer, item):
                     stream.request(1)  # already arrived: counted, not planned
                     continue
-                if key in self._planned or key in self._held or key in self._batch_of:
+                if key in self._awaited or key in self._held:
                     raise ValueError(f"rank {self.rank}: sample {item[0]} (step {item[1]}) from producer rank "
                                      f"{producer} is already expected")
-                self._planned.add(key)
+                self._awaited.add(key)
                 plan.append(item)
                 if checked is not None:
                     self._specs[key] = checked[i]
@@ -433,125 +350,6 @@ class EmbeddingPool:
                     stream.request(1)
                 else:
                     self._unrequested.setdefault(producer, deque()).append(item)
-
-    def _check_groups(self, items: list[tuple[int, int]], specs: list[Spec] | None,
-                      groups: Sequence[int] | None) -> list[int] | None:
-        """`expect`'s groups as sizes; bad input names the field and the rule."""
-        if groups is None:
-            return None
-        sizes = [int(n) for n in groups]
-        if specs is None:
-            raise ValueError("expect: groups needs specs (the planned shapes and dtypes size the posted receives)")
-        if not self.receive_ahead:
-            raise ValueError("expect(groups=...) posts the groups' receives ahead, but this pool was built with "
-                             "receive_ahead=False")
-        if min(sizes, default=1) < 1 or sum(sizes) != len(items):
-            raise ValueError(f"expect: groups {sizes} must be sizes >= 1 adding up to the {len(items)} items")
-        return sizes
-
-    def _post_group(self, producer: int, keys: list[tuple[int, int]], specs: list[Spec]) -> None:
-        """Post the receives of one planned group, split into messages as `put_many` splits it (lock held)."""
-        dense = len({dtype for _, dtype in specs}) == 1  # as put_many decides it
-        headers = [WireHeader(CHANNEL_EMBEDDING, sid, step, dtype, shape, tensor_nbytes(shape, dtype), dense)
-                   for (sid, step), (shape, dtype) in zip(keys, specs)]
-        for lo, hi in self._batches(headers, planned=True):
-            batch = headers[lo:hi]
-            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._wire_device)
-            header_work = dist.irecv(header, src=producer, group=self.group, tag=TAGS.embedding_planned_header)
-            total = payload_layout(batch)[1]
-            buffer = torch.empty(total, dtype=torch.uint8, device=self._payload_device) if total else None
-            work = (dist.irecv(buffer, src=producer, group=self.group, tag=TAGS.embedding_planned)
-                    if buffer is not None else None)
-            planned = _PlannedBatch(batch, header, header_work, buffer, work, time.monotonic())
-            self._planned_batches.setdefault(producer, deque()).append(planned)
-            for h in batch:
-                self._batch_of[(producer, *h.key)] = planned
-
-    def _await_planned(self, key: ItemKey, deadline: float) -> None:
-        """If `key` is in a planned message not yet here: wait on this thread for its producer's planned messages
-        in send order, up to that one (each work exactly once), check each header against the plan and hold its
-        items. The waiting thread is the caller's: no receiving thread between the bytes landing and get()."""
-        producer = key[0]
-        while True:
-            with self._cond:
-                if producer in self._planned_failed:
-                    raise self._planned_failed[producer]
-                if key not in self._batch_of:
-                    return
-                head = self._planned_batches[producer][0]
-                if head.waiting:  # another thread waits for it: let that one finish
-                    if not self._wait(deadline):
-                        raise PoolTimeout(self._get_timeout_message(f"the embedding of sample {key[1]} (step "
-                                                                    f"{key[2]})", producer))
-                    continue
-                head.waiting = True
-                self._get_blocked_since = time.monotonic()
-            try:
-                first = head.headers[0]
-                what = (f"the planned message of {len(head.headers)} item(s) from sample {first.sample_id} (step "
-                        f"{first.step})")
-                for work, check in ((head.header_work, True), (head.work, False)):
-                    if work is None:
-                        continue
-                    wait_work(work, deadline,
-                              on_timeout=lambda: PoolTimeout(self._get_timeout_message(what, producer)),
-                              on_failure=lambda exc: PoolPeerError(
-                                  f"rank {self.rank} was waiting for {what} from rank {producer}, but receiving "
-                                  f"from rank {producer} failed ({type(exc).__name__}: {exc}); rank {producer} "
-                                  f"probably died, check its log"))
-                    if check:
-                        self._check_planned(producer, head)  # before anyone sees the bytes
-            except BaseException as exc:
-                with self._cond:  # its works were waited once: every later wait on this producer fails alike
-                    self._planned_failed[producer] = exc
-                    head.waiting = False
-                    self._get_blocked_since = None
-                    self._cond.notify_all()
-                raise
-            with self._cond:
-                head.waiting = False
-                self._get_blocked_since = None
-                self._hold_planned(producer, head)
-
-    def _check_planned(self, producer: int, batch: _PlannedBatch) -> None:
-        """A planned message's header must name the items its receives were posted for, with their specs."""
-        got = decode_header(batch.header, expected_channel=CHANNEL_EMBEDDING, peer=producer)
-        for i, want in enumerate(batch.headers):
-            what = (f"rank {self.rank}: planned sample {want.sample_id} (step {want.step}) from producer rank "
-                    f"{producer}")
-            have = got[i] if i < len(got) else None
-            if have is None or have.key != want.key or have.dense != want.dense:
-                instead = ("nothing" if have is None else f"sample {have.sample_id} (step {have.step})")
-                raise PoolProtocolError(f"{what}: the producer sent {instead} in its place; put_many(planned=True) "
-                                        f"and expect(groups=...) must name the same items in the same groups")
-            if (have.shape, have.dtype) != (want.shape, want.dtype):
-                raise PoolProtocolError(f"{what} was planned as {list(want.shape)} {want.dtype} but the producer "
-                                        f"sent {list(have.shape)} {have.dtype}; the ranks disagree on the step plan")
-        if len(got) > len(batch.headers):
-            extra = got[len(batch.headers)]
-            raise PoolProtocolError(f"rank {self.rank}: producer rank {producer} sent sample {extra.sample_id} (step "
-                                    f"{extra.step}) in a planned message that was planned without it")
-
-    def _hold_planned(self, producer: int, batch: _PlannedBatch) -> None:
-        """A planned message is in: hold its items for get(), views of its buffer (lock held)."""
-        self._planned_batches[producer].popleft()
-        offsets, _ = payload_layout(batch.headers)
-        c = self._counters
-        for h, off in zip(batch.headers, offsets):
-            key = (producer, *h.key)
-            del self._batch_of[key]
-            tier = self._choose_tier(h.nbytes)
-            c.add_held(tier, h.nbytes, +1)
-            c.host_tier_items += int(tier == "host")
-            c.bytes_received += h.nbytes
-            assert off is None or batch.buffer is not None
-            tensor = self._unpack(h, None if off is None else batch.buffer[off:off + h.nbytes])
-            if tier == "device" and tensor.device != self.device:
-                tensor = tensor.to(self.device)
-            self._held[key] = _Held(EmbeddingHandle(h.sample_id, h.step, producer, self.rank, h.shape, h.dtype,
-                                                    h.nbytes, tier), tensor, batch)
-        self._account_transfer(producer, batch.posted_t)
-        self._cond.notify_all()
 
     def _check_specs(self, items: list[tuple[int, int]],
                      specs: Sequence[tuple[Sequence[int], torch.dtype]] | None) -> list[Spec] | None:
@@ -609,10 +407,9 @@ class EmbeddingPool:
 
     def _ready(self, key: ItemKey) -> bool:
         """Whether get() of `key` can take it at once, with no bookkeeping on the way (lock held): it has arrived,
-        was expected (not held early) and is not part of a planned message."""
+        was expected (not held early)."""
         held = self._held.get(key)
-        return (held is not None and held.tensor is not None and held.batch is None
-                and key[1:] not in self._early.get(key[0], ()))
+        return held is not None and held.tensor is not None and key[1:] not in self._early.get(key[0], ())
 
     def _send_deferred_credits(self, deferred: dict[int, list[WireHeader]]) -> None:
         """Send the credits `get_many` held back, one message per producer and MAX_BATCH items (lock held)."""
@@ -631,13 +428,12 @@ class EmbeddingPool:
         what = f"the embedding of sample {sample_id} (step {step})"
         start = time.monotonic()
         deadline = start + self.timeout_s
-        self._await_planned(key, deadline)
         with self._cond:
             if (sample_id, step) in self._early.get(producer, ()):
                 self._take_early(producer, (sample_id, step))
                 self._stream(self._embedding_streams, producer, "embedding").request(1)
-            elif key not in self._planned and key not in self._held:
-                self._planned.add(key)
+            elif key not in self._awaited and key not in self._held:
+                self._awaited.add(key)
                 self._plans.setdefault(producer, deque()).append((sample_id, step))
                 self._stream(self._embedding_streams, producer, "embedding").request(1)
             elif (sample_id, step) in self._unrequested.get(producer, ()):
@@ -696,14 +492,10 @@ class EmbeddingPool:
         c.get_wait_s += time.monotonic() - start
         if h.tier == "host":
             c.host_to_device_bytes += h.nbytes
-        if held.batch is None and deferred is not None:
+        if deferred is not None:
             deferred.setdefault(producer, []).append(credit_header(h.sample_id, h.step, h.nbytes))
-        elif held.batch is None:
+        else:
             self._send_credit(h)
-        else:  # one credit message per planned message (its buffer is freed only with its last item anyway)
-            held.batch.credits.append(credit_header(h.sample_id, h.step, h.nbytes))
-            if len(held.batch.credits) == len(held.batch.headers):
-                self._outbox(producer, CHANNEL_CREDIT).push_batch(held.batch.credits, None)
         assert held.tensor is not None
         return held.tensor
 
@@ -733,23 +525,6 @@ class EmbeddingPool:
         """
         start = time.monotonic()
         deadline = start + self.timeout_s
-        with self._cond:  # planned sends not yet credited: waited here (taken, so a late credit skips them)
-            planned = []
-            for key, sent in self._planned_sends.items():  # one entry per item: each message taken once
-                if not sent.taken:
-                    sent.taken = True
-                    planned.append((key, sent))
-            self._planned_sends.clear()
-        for (consumer, sample_id, step), sent in planned:
-            what = f"the planned message with sample {sample_id} (step {step})"
-            for work in sent.works:
-                wait_work(work, deadline,
-                          on_timeout=lambda: PoolTimeout(f"rank {self.rank} waited {self.timeout_s:.1f} s in flush() "
-                                                         f"for {what} to be received by rank {consumer} (did it "
-                                                         f"expect it with groups?)"),
-                          on_failure=lambda exc: PoolPeerError(f"rank {self.rank}: sending {what} to rank {consumer} "
-                                                               f"failed ({type(exc).__name__}: {exc}); rank "
-                                                               f"{consumer} probably died, check its log"))
         with self._cond:
             for box in self._outboxes.values():
                 while not box.idle:
@@ -794,11 +569,7 @@ class EmbeddingPool:
                                                      *self._embedding_streams.values(), *self._outboxes.values()]
             while any(not s.idle and s.error is None for s in streams) and self._wait(deadline):
                 pass
-            # Planned receives are waited by get() alone: one posted and never taken stays posted (a deadline here
-            # would close the transport to that peer), so it is reported like a busy stream.
-            busy = sorted({s.peer for s in streams if not s.idle}
-                          | {p for p, pending in self._planned_batches.items() if pending}
-                          | {c for (c, _, _), sent in self._planned_sends.items() if not sent.taken})
+            busy = sorted({s.peer for s in streams if not s.idle})
             for s in streams:
                 s.close()
         for s in streams:
@@ -828,7 +599,7 @@ class EmbeddingPool:
                     if plan[0] != key:
                         raise PoolProtocolError(self._order_message(producer, plan[0], key))
                     plan.popleft()
-                    self._planned.discard((producer, *key))
+                    self._awaited.discard((producer, *key))
                 else:  # batched with expected items before this rank expected it: held until expect() names it
                     self._early.setdefault(producer, deque()).append(key)
                 if self._specs:
@@ -886,13 +657,8 @@ class EmbeddingPool:
         return [(h, None) for h in decode_header(raw, expected_channel=CHANNEL_CREDIT, peer=consumer)], None
 
     def _deliver_credits(self, consumer: int, credits: list[LandedItem]) -> None:
-        works: list[dist.Work] = []
         with self._cond:
             for credit, _ in credits:
-                planned = self._planned_sends.pop((consumer, *credit.key), None)
-                if planned is not None and not planned.taken:
-                    planned.taken = True
-                    works += planned.works
                 sent = self._sent.pop((consumer, *credit.key), None)
                 if sent is None or sent.nbytes != credit.nbytes:
                     raise PoolProtocolError(f"rank {consumer} returned a credit for sample {credit.sample_id} (step "
@@ -900,8 +666,6 @@ class EmbeddingPool:
                                             f"to it")
                 self._counters.add_inflight(-credit.nbytes, -1)
             self._cond.notify_all()
-        for work in works:
-            work.wait()  # the consumer took an item of the message: its sends are complete (waited exactly once)
 
     def _land_grad(self, consumer: int, raw: torch.Tensor, staged: torch.Tensor | None) -> _Landed:
         headers = decode_header(raw, expected_channel=CHANNEL_GRAD, peer=consumer)
@@ -1087,6 +851,6 @@ class EmbeddingPool:
 
     def _get_timeout_message(self, what: str, producer: int) -> str:
         arrived = sum(1 for (p, _, _) in self._held if p == producer)
-        still = len(self._plans.get(producer, ())) + sum(1 for (p, _, _) in self._batch_of if p == producer)
+        still = len(self._plans.get(producer, ()))
         return (f"rank {self.rank} waited {self.timeout_s:.1f} s for {what} from producer rank {producer} "
                 f"({arrived} items from it are buffered, {still} expected items have not arrived)")

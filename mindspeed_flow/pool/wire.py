@@ -15,8 +15,7 @@ Credits travel as payload-less batches on their own channel (an item record whos
 
 Dense batches (wire version 5, `EmbeddingPool.put_many`): the items of one encoder forward, one dtype, travel
 with their bytes back to back instead of at aligned offsets, so the encoder's output region can be sent as it is.
-Planned batches (`put_many(planned=True)`) travel on tags of their own, into receives the consumer posted from its
-plan, in the same header layout.
+The planned mode (`planned.py`) sends one item per header in the same layout, on tags of its own.
 
 Each channel has its own tags (a header tag and a payload tag): messages with the same (peer, tag) are
 delivered in order, so a prefetched header can never be matched by a payload, and embeddings, gradients and
@@ -90,8 +89,7 @@ class PoolTags:
     grad_header: int = 0x4D50_0003
     grad_payload: int = 0x4D50_0004
     credit: int = 0x4D50_0005
-    # Planned batches (put_many(planned=True) against expect(groups=...)): receives posted from the plan at expect();
-    # also the embedding headers and payloads of planned mode (planned.py)
+    # Planned mode (planned.py): embedding headers and payloads, posted in the plan's global embedding order
     embedding_planned_header: int = 0x4D50_0006
     embedding_planned: int = 0x4D50_0007
     # Staged payloads (gloo): into a receive the consumer posted with the header's receive (see `staged_bytes`)
