@@ -206,7 +206,7 @@ class Trainer:
         step = self.start_step
         for step in range(self.start_step, self.job.trainer.steps):
             stopped_on, step_saved = self.run_step(step)
-            saved = saved and step_saved
+            saved = saved if step_saved is None else step_saved  # the newest save decides
             if stopped_on:
                 break
             if self.is_writer and not grace_warned and self.checkpointer.last_save_s is not None \
@@ -215,9 +215,9 @@ class Trainer:
                                                             self.checkpointer.last_save_s)
         self.finish(step, stopped_on, saved)
 
-    def run_step(self, step: int) -> tuple[int, bool]:
+    def run_step(self, step: int) -> tuple[int, Optional[bool]]:
         """One step: plan it, run it, record it, save when due. Returns (the signal a stop was agreed on, 0 for
-        none; whether a save this step, if any, succeeded)."""
+        none; whether this step's save succeeded, None when it saved nothing)."""
         self.watchdog.activity = f"step {step} ({DOING[self.side]})"
         if self.memory is not None and step > self.start_step:  # after the first update: optimizer states exist
             self.memory.marks["between steps"] = max(self.memory.marks.get("between steps", 0), self.memory.live)
@@ -239,7 +239,7 @@ class Trainer:
         for line in self.metrics.drain(block=self.is_writer):
             self.progress.update(line)
         stopped_on = self.stops.agreed()
-        saved = True
+        saved = None
         if stopped_on or self._save_due(step):
             saved = self.save(step)
         self.hooks.after_step(step)
