@@ -182,8 +182,10 @@ class Trainer:
         metrics = MetricsGatherer(metrics_group, world, is_writer, Path(job.run_dir), 1, peak_total, peak_desc,
                                   append=start_step > 0, resume_step=start_step,
                                   on_write_error=job.trainer.on_save_error)
-        if is_writer and job.trainer.tensorboard:
-            metrics.sinks.append(open_sink(Path(job.run_dir) / "tensorboard", start_step))
+        sink = open_sink(Path(job.run_dir) / "tensorboard", start_step) \
+            if is_writer and job.trainer.tensorboard else None
+        if sink is not None:  # None: tensorboard is not installed (said once by open_sink)
+            metrics.sinks.append(sink)
         if job.trainer.trace:
             trace.install(trace.Tracer(rank, topo.part, Path(job.run_dir) / "trace"))
         side = "coupled" if layout.mode != "decoupled" else "encoder" if topo.is_encoder else "backbone"
