@@ -122,6 +122,9 @@ _QWEN3_A3B_MOE = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediat
                   "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
 
 
+_QWEN3_MROPE = {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True}
+
+
 def _qwen3_vl(text: dict, moe: bool) -> dict:
     """Qwen3-VL: a 27-layer SigLIP2-style ViT (patch 16, learned 48 x 48 position table interpolated to the grid,
     LayerNorm, GELU-tanh MLP) with a 2 x 2 merger, and DeepStack: the features of ViT layers 8, 16 and 24, each
@@ -132,8 +135,11 @@ def _qwen3_vl(text: dict, moe: bool) -> dict:
         "model_type": "qwen3_vl_moe" if moe else "qwen3_vl",
         **_QWEN_TOKENS,
         "tie_word_embeddings": False,
-        "text_config": {**text, "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0,
-                                                    "mrope_section": [24, 20, 20], "mrope_interleaved": True}},
+        # the rope in the three spellings transformers reads (5.x: rope_parameters; 4.57, MindSpeed-MM's pin:
+        # rope_scaling without rope_theta, plus a top-level rope_theta), as model_presets/tiny.py explains
+        "text_config": {**text, "rope_theta": 5000000.0,
+                        "rope_parameters": {**_QWEN3_MROPE, "rope_theta": 5000000.0},
+                        "rope_scaling": dict(_QWEN3_MROPE)},
         "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
                           "hidden_act": "gelu_pytorch_tanh", "out_hidden_size": text["hidden_size"],
                           "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
