@@ -183,3 +183,18 @@ def test_corrupt_checkpoints_are_moved_aside_and_never_count_for_keep_last(tmp_p
     for rel, content in before.items():  # moved, never deleted nor changed
         assert (tmp_path / f"{rel.parts[0]}.corrupt" / rel.name).read_bytes() == content
     assert not (tmp_path / "step-1").exists() and not (tmp_path / "step-2").exists()
+
+
+def _short_write_message(rank: int, world: int, root: str) -> str:
+    ck = Checkpointer(Path(root), run_id="r")
+    # what torch's zip writer (torch.save inside DCP) raises when the disk fills mid-file, instead of ENOSPC
+    exc = RuntimeError("[enforce fail at inline_container.cc:659] . unexpected pos 704 vs 598")
+    return str(ck._save_error(1, Path(root) / "step-1", exc))
+
+
+def test_a_short_write_is_named_as_a_full_disk(tmp_path: Path) -> None:
+    """A full disk that torch reports as a short write still reaches the user as one: the failed save's message
+    says "No space left on device" (the launcher's one line and the recipe's advice key on it)."""
+    [message] = run_ranks(_short_write_message, 1, str(tmp_path), timeout_s=60)
+    assert "unexpected pos 704 vs 598 (No space left on device, a short write" in message
+    assert "there is no earlier checkpoint" in message

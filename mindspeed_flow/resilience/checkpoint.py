@@ -290,6 +290,14 @@ class Checkpointer:
     def _save_error(self, step: int, path: Path, exc: BaseException) -> CheckpointSaveError:
         prev = valid_steps(self.root, self.run_id)
         cause = _root_cause(exc)
+        # A full disk does not always surface as ENOSPC: torch's zip writer (torch.save inside DCP) reports the
+        # short write as "unexpected pos A vs B". That, or a file system left with next to nothing free (measured
+        # before the partial folder goes; another rank may already have removed it), names the cause.
+        free = shutil.disk_usage(self.root).free if self.root.exists() else None
+        short_write = "unexpected pos" in cause
+        if "No space left on device" not in cause and (short_write or (free is not None and free < FULL_DISK_BYTES)):
+            cause += (f" (No space left on device{', a short write' if short_write else ''}: the file system holding "
+                      f"{self.root} has {free} bytes free now)")
         removed = ""
         # The failed save's partial files never counted (no manifest); left behind they would keep a full disk full
         # and fail the next metrics line or save. DCP reports a failure once every rank has stopped writing.
@@ -411,6 +419,10 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, (str, int, float, bool)) or obj is None:
         return obj
     return repr(obj)
+
+
+# Free bytes under which a failed save's file system counts as full (one checkpoint shard is far larger).
+FULL_DISK_BYTES = 1 << 20
 
 
 def _root_cause(exc: BaseException) -> str:
