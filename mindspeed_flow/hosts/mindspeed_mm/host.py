@@ -260,6 +260,7 @@ class FlowHost:
                        image_token_id=int(model_cfg.img_context_token_id),
                        merge_size=int(_cfg(model_cfg.image_encoder.vision_encoder, "spatial_merge_size", 2)))
             reads = build_reads(ctx, args, data_cfg, **ids)
+            spec, frozen = model_spec(model_cfg), vit_frozen(model_cfg)
             # After a resume Megatron has set args.iteration (and the sampler starts at consumed_train_samples).
             first_step = int(getattr(args, "iteration", 0) or 0)
             packing = ctx.parts.packing
@@ -268,8 +269,8 @@ class FlowHost:
                 bridge=Bridge.build(ctx.producers(), ctx.consumers()), token_budget=packing.token_budget,
                 # the scheduler's costs: the recipe's profiled coefficients where it has them, else model FLOPs;
                 # MFU always counts model FLOPs
-                cost_model=CostModel.from_config(packing, model_spec(model_cfg), vit_frozen(model_cfg)),
-                flops_model=CostModel.from_spec(model_spec(model_cfg), vit_frozen(model_cfg)),
+                cost_model=CostModel.from_config(packing, spec, frozen),
+                flops_model=CostModel.from_spec(spec, frozen),
                 scheduler=packing.scheduler,
                 min_microbatches=ctx.parts.layout.part("backbone").pp, oversize_policy=packing.oversize_policy,
                 merge_size=ids["merge_size"], first_step=first_step, layout=decoder_layout(ctx, args),
