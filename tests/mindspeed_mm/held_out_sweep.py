@@ -37,6 +37,8 @@ CASES = {
                                      ["--overlap-grad-reduce", "--micro-batch-size", "2"], 30, 140, 4),
     "32b_per_sample_pp2_45_samples": ("32b", {}, {"dp": 2, "tp": 1}, {"dp": 1, "tp": 1, "pp": 2},
                                       ["--calculate-per-sample-loss", "--use-distributed-optimizer"], 45, 224, 6),
+    "7b_frozen_default_loss_enc_dp2_dec_dp2": ("7b", {}, {"dp": 2, "tp": 1}, {"dp": 2, "tp": 1, "pp": 1},
+                                               ["--use-distributed-optimizer"], 30, 168, 4),
 }
 
 
