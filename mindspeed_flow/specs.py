@@ -20,6 +20,10 @@ from typing import Any, Mapping
 ENCODER_PARTS: dict[str, tuple[str, ...]] = {"qwen2_5_omni_thinker": ("audio", "vision")}
 
 
+# families whose ViT also hands deepstack maps (features of some ViT layers) to the first LLM layers (Qwen3-VL)
+DEEPSTACK_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
+
+
 def encoder_parts(family: str) -> tuple[str, ...]:
     """The names of a family's encoder parts: ("encoder",) for a VLM, ("audio", "vision") for the Omni thinker."""
     return ENCODER_PARTS.get(family, ("encoder",))

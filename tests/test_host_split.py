@@ -15,7 +15,7 @@ from mindspeed_flow.hosts.torch.split import token_loss_sum
 from mindspeed_flow.hosts.torch.testing import make_samples
 from mindspeed_flow.model_presets import hf_config_dict
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "qwen3_vl", "qwen3_vl_moe"]
 
 
 def _model(family: str, attn: str = "sdpa", seed: int = 0):
@@ -54,6 +54,8 @@ def test_split_partitions_parameters_without_copies(family):
     assert enc and bb and not (enc & bb) and (enc | bb) == everything
     vision_names = {n for n, p in model.named_parameters() if id(p) in enc}
     assert all(("visual" in n) or ("vision_tower" in n) or ("multi_modal_projector" in n) for n in vision_names)
+    if family.startswith("qwen3_vl"):  # the deepstack mergers belong to the encoder part
+        assert any("deepstack_merger_list" in n for n in vision_names)
     # shared tensors: an in-place change through the part is seen by the whole model
     with torch.no_grad():
         backbone.norm.weight.add_(1.0)
@@ -263,10 +265,9 @@ def test_encoder_batch_equals_one_image_per_forward(family):
     encoder, _ = split_vlm(model)
     samples = [s for s in make_samples(family, 6, seed=5) if s.pixel_values is not None]
     assert len(samples) >= 3 and any(len(s.image_token_counts) == 2 for s in samples)
-    grads_out = [torch.randn(sum(s.image_token_counts), model.config.text_config.hidden_size
-                             if hasattr(model.config, "text_config") else model.config.hidden_size,
-                             generator=torch.Generator().manual_seed(i)) for i, s in enumerate(samples)]
     one = [encoder(s.pixel_values, s.image_grid_thw) for s in samples]
+    # rows are H wide, H * (1 + D) with Qwen3-VL's deepstack maps
+    grads_out = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i)) for i, o in enumerate(one)]
     torch.autograd.backward(one, grads_out)
     ref = {n: p.grad.clone() for n, p in encoder.named_parameters() if p.grad is not None}
     encoder.zero_grad(set_to_none=True)
@@ -278,3 +279,34 @@ def test_encoder_batch_equals_one_image_per_forward(family):
     for n, p in encoder.named_parameters():
         if n in ref:
             torch.testing.assert_close(p.grad, ref[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
+def test_deepstack_maps_travel_in_the_image_rows_and_reach_the_decoder(family):
+    """Qwen3-VL: each image row the encoder part sends holds the merged embedding and the D deepstack maps side by
+    side ([n, H * (1 + D)]); the backbone adds map i after layer i. Changing only a deepstack map of the received
+    rows changes the loss, and the loss's gradient reaches every map (so it flows back to the ViT's mergers)."""
+    model = _model(family)
+    encoder, backbone = split_vlm(model)
+    d, h = hf_compat.deepstack_layers(model.config), backbone.hidden_size
+    assert d == 2 and backbone.embed_width == 3 * h
+    samples = make_samples(family, 3, seed=4)
+    budget = sum(s.llm_tokens for s in samples) + 4
+    embeds = _encode(encoder, samples)
+    assert all(e is None or e.shape[-1] == 3 * h for e in embeds)
+    leaves = [e.detach().requires_grad_() if e is not None else None for e in embeds]
+    packed = backbone.pack(samples, leaves, budget)
+    loss, _ = backbone(packed, leaves)
+    loss.backward()
+    for leaf in leaves:
+        if leaf is not None:
+            for i in range(1 + d):  # the embedding and each map get a gradient
+                assert leaf.grad[:, i * h:(i + 1) * h].abs().sum() > 0, i
+    for i in range(1, 1 + d):
+        changed = [e.detach().clone() if e is not None else None for e in embeds]
+        changed[0][:, i * h:(i + 1) * h] += 5.0
+        with torch.no_grad():
+            after, _ = backbone(backbone.pack(samples, changed, budget), changed)
+        assert abs(after.item() - loss.item()) > 1e-5 * abs(loss.item()), (i, after.item(), loss.item())
+    with pytest.raises(ValueError, match=rf"need \[\d+, {3 * h}\]"):  # rows without their maps are refused
+        backbone.pack(samples, [e[:, :h] if e is not None else None for e in embeds], budget)

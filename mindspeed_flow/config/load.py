@@ -19,7 +19,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationErr
 from mindspeed_flow.config.schema import FlowJobConfig, register_configs
 from mindspeed_flow.model_presets import hf_config_dict, load_config_json
 from mindspeed_flow.resources import data_path
-from mindspeed_flow.specs import encoder_parts
+from mindspeed_flow.specs import DEEPSTACK_FAMILIES, encoder_parts
 from mindspeed_flow.utils.usage import nearest, unknown_key
 
 
@@ -203,10 +203,27 @@ def check_rules(job: FlowJobConfig) -> None:
     for ok, msg in rules:
         if not ok:
             raise RecipeError(msg)
+    deepstack = deepstack_layout_error(job)
+    if deepstack:
+        raise RecipeError(deepstack)
     inflight = encoder_inflight_error(job)
     if inflight:
         raise RecipeError(inflight)
     check_encoder_parts(job)
+
+
+def deepstack_layout_error(job: FlowJobConfig) -> str:
+    """Qwen3-VL's deepstack maps are added after the first LLM layers and its ViT and MoE blocks have no TP plan
+    here: the torch host trains it with DP/FSDP in every part, no TP, no pipeline ('' when the layout fits)."""
+    if job.model.family not in DEEPSTACK_FAMILIES:
+        return ""
+    p = job.parallel
+    for field, value in (("parallel.encoder.tp", p.encoder.tp), ("parallel.backbone.tp", p.backbone.tp),
+                         ("parallel.backbone.pp", p.backbone.pp), ("parallel.coupled.pp", p.coupled.pp)):
+        if value > 1:
+            return (f"{field}={value} with model.family={job.model.family!r}: the torch host trains Qwen3-VL "
+                    "(deepstack) with data parallel parts only (DDP or FSDP2); use 1")
+    return ""
 
 
 def check_encoder_parts(job: FlowJobConfig) -> None:

@@ -37,6 +37,15 @@ _TINY_MROPE = {"rope_type": "default", "mrope_section": [2, 3, 3]}
 _TINY_QWEN_TEXT = {**_TINY_TEXT, "rope_theta": 10000.0, "rope_parameters": {**_TINY_MROPE, "rope_theta": 10000.0},
                    "rope_scaling": dict(_TINY_MROPE)}
 
+# Qwen3-VL's text model: head_dim is explicit; interleaved mrope over [t, h, w] = [2, 3, 3] frequency pairs.
+_TINY_QWEN3_MROPE = {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+_TINY_QWEN3_TEXT = {**_TINY_TEXT, "head_dim": 16, "rope_theta": 10000.0,
+                    "rope_parameters": {**_TINY_QWEN3_MROPE, "rope_theta": 10000.0},
+                    "rope_scaling": dict(_TINY_QWEN3_MROPE)}
+_TINY_QWEN3_VIT = {"depth": 3, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                   "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                   "num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1]}
+
 TINY_PRESETS: dict[tuple[str, str], dict] = {
     ("qwen2_vl", "tiny"): {
         "model_type": "qwen2_vl",
@@ -73,6 +82,31 @@ TINY_PRESETS: dict[tuple[str, str], dict] = {
         "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
                           "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 56, "patch_size": 14,
                           "projection_dim": 32},
+    },
+    # Qwen3-VL: ViT with learned position embeddings and deepstack mergers (features of ViT layers 0 and 1 are
+    # added to the LLM's hidden states after its layers 0 and 1, at the image positions); interleaved mrope.
+    ("qwen3_vl", "tiny"): {
+        "model_type": "qwen3_vl",
+        "image_token_id": IMAGE_TOKEN_ID,
+        "video_token_id": IMAGE_TOKEN_ID - 1,
+        "vision_start_token_id": VISION_START_ID,
+        "vision_end_token_id": VISION_END_ID,
+        "tie_word_embeddings": False,
+        "text_config": {**_TINY_QWEN3_TEXT},
+        "vision_config": dict(_TINY_QWEN3_VIT),
+    },
+    # Qwen3-VL-MoE: the same ViT; every LLM layer a sparse MoE block (4 experts, top 2).
+    ("qwen3_vl_moe", "tiny"): {
+        "model_type": "qwen3_vl_moe",
+        "image_token_id": IMAGE_TOKEN_ID,
+        "video_token_id": IMAGE_TOKEN_ID - 1,
+        "vision_start_token_id": VISION_START_ID,
+        "vision_end_token_id": VISION_END_ID,
+        "tie_word_embeddings": False,
+        "text_config": {**_TINY_QWEN3_TEXT, "moe_intermediate_size": 32, "num_experts": 4,
+                        "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                        "norm_topk_prob": True},
+        "vision_config": dict(_TINY_QWEN3_VIT),
     },
     # Qwen2.5-Omni thinker: audio encoder (Whisper-style, 16 mel bins), Qwen2.5-VL vision encoder, mrope LLM.
     ("qwen2_5_omni_thinker", "tiny"): {

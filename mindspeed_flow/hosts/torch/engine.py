@@ -383,7 +383,7 @@ class StepEngine:
                 part = self.m.backbone_part
                 weight = part.embed_tokens.weight
                 got = timer.timed("wait", lambda: broadcast_rows(got, len(ids), self.topo.tp_group,
-                                                                 width=part.hidden_size, dtype=weight.dtype,
+                                                                 width=part.embed_width, dtype=weight.dtype,
                                                                  device=weight.device))
             leaves = {sid: emb.detach().requires_grad_(not self.m.frozen_encoder) for sid, emb in zip(ids, got or [])}
             out[part_name] = {sid: leaves[sid] for sid in sample_ids if sid in leaves}  # the microbatch's order

@@ -26,7 +26,7 @@ from mindspeed_flow.hosts.torch.split import EncoderPart, split_vlm, token_loss_
 from mindspeed_flow.hosts.torch.testing import make_samples
 from mindspeed_flow.model_presets import hf_config_dict
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen3_vl", "qwen3_vl_moe")
 
 
 def tiny_model(family: str, attn: str = "sdpa", seed: int = 0) -> nn.Module:

@@ -27,6 +27,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from mindspeed_flow.specs import DEEPSTACK_FAMILIES
+
 FAMILY_CLASSES: dict[str, tuple[str, str]] = {
     # family: (model class, config class), both importable from the top-level `transformers` package
     "qwen2_vl": ("Qwen2VLForConditionalGeneration", "Qwen2VLConfig"),
@@ -34,8 +36,11 @@ FAMILY_CLASSES: dict[str, tuple[str, str]] = {
     "llava": ("LlavaForConditionalGeneration", "LlavaConfig"),
     # several encoders (audio + vision) feeding one LLM; its parts are in hosts/torch/omni.py
     "qwen2_5_omni_thinker": ("Qwen2_5OmniThinkerForConditionalGeneration", "Qwen2_5OmniThinkerConfig"),
+    # deepstack: the ViT also hands features of some of its layers to the first LLM layers
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", "Qwen3VLConfig"),
+    "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeConfig"),
 }
-MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni_thinker")
+MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni_thinker", "qwen3_vl", "qwen3_vl_moe")
 
 
 def encoder_modules(model: nn.Module, family: str) -> dict[str, dict[str, nn.Module]]:
@@ -164,9 +169,32 @@ def _as_token_rows(features: Any) -> torch.Tensor:
     return features.reshape(-1, features.shape[-1])
 
 
+def deepstack_layers(config: Any) -> int:
+    """How many deepstack feature maps the ViT hands to the LLM (0 for families without deepstack): the LLM adds
+    map i to its hidden states at the image positions after its decoder layer i."""
+    vision = getattr(config, "vision_config", None)
+    return len(getattr(vision, "deepstack_visual_indexes", None) or ())
+
+
+def _with_deepstack(features: Any) -> torch.Tensor:
+    """Qwen3-VL's `get_image_features` -> [n_tokens_total, H * (1 + D)]: the merged embeddings, then the D
+    deepstack maps side by side, so one sample's transfer is one tensor (one header, one shape check, one
+    gradient back). 5.x returns a ModelOutput (`pooler_output` and `deepstack_features` split per image); 4.57
+    returns (per-image embeddings, D unsplit maps)."""
+    if hasattr(features, "deepstack_features"):
+        main, deep = features.pooler_output, features.deepstack_features
+    else:
+        main, deep = features
+    rows = [_as_token_rows(main)] + [_as_token_rows(d) for d in deep]
+    return torch.cat(rows, dim=-1)
+
+
 def image_features(owner: nn.Module, family: str, pixel_values: torch.Tensor,
                    image_grid_thw: Optional[torch.Tensor]) -> torch.Tensor:
-    """Image embeddings exactly as the whole model computes them before scattering: [n_tokens_total, H_llm]."""
+    """Image embeddings exactly as the whole model computes them before scattering: [n_tokens_total, H_llm]
+    ([n_tokens_total, H_llm * (1 + D)] with D deepstack maps, see `_with_deepstack`)."""
+    if family in DEEPSTACK_FAMILIES:
+        return _with_deepstack(owner.get_image_features(pixel_values, image_grid_thw))
     if family in MROPE_FAMILIES:
         out = owner.get_image_features(pixel_values, image_grid_thw)
     else:

@@ -84,6 +84,9 @@ class BackbonePart(nn.Module):
         self.attn_implementation = attention.install(lm.config)
         self.vocab_size = int(self.lm_head.out_features)
         self.hidden_size = int(self.embed_tokens.embedding_dim)
+        # Qwen3-VL: D deepstack maps ride in each image row after the merged embedding (see hf_compat)
+        self.deepstack = hf_compat.deepstack_layers(model.config)
+        self.embed_width = self.hidden_size * (1 + self.deepstack)
         self.pad_token_id = self._pick_pad_id(lm.config)
         vision_config = getattr(model.config, "vision_config", None)
         self.merge_size = int(getattr(vision_config, "spatial_merge_size", 1) or 1)
@@ -147,10 +150,10 @@ class BackbonePart(nn.Module):
             raise ValueError(f"pack: {len(image_embeds)} image embedding entries for {len(counts)} samples")
         for sid, n, emb in zip(sample_ids, counts, image_embeds):
             rows = 0 if emb is None else int(emb.shape[0])
-            if rows != n or (emb is not None and emb.shape[-1] != self.hidden_size):
+            if rows != n or (emb is not None and emb.shape[-1] != self.embed_width):
                 shape = None if emb is None else tuple(emb.shape)
                 raise ValueError(f"sample {sid}: {n} image placeholder tokens but image embeddings of shape {shape} "
-                                 f"(need [{n}, {self.hidden_size}])")
+                                 f"(need [{n}, {self.embed_width}])")
 
     def _position_ids(self, samples: Sequence[VLMSample], segment_ids: torch.Tensor) -> torch.Tensor:
         flat = restart_positions(segment_ids)  # text-only samples and the padding tail: plain arange
@@ -180,7 +183,19 @@ class BackbonePart(nn.Module):
         rows = _image_rows(packed, image_embeds, text)
         if rows is None:
             return text
+        rows = rows[:, :self.hidden_size]  # the deepstack maps after it join later (`deepstack_rows`)
         return text.masked_scatter(self.image_mask(packed.input_ids), rows.to(text.dtype))
+
+    def deepstack_rows(self, packed: PackedBatch,
+                       image_embeds: Optional[Sequence[Optional[torch.Tensor]]]) -> Optional[torch.Tensor]:
+        """[D, n_image_tokens, H]: the deepstack maps of the microbatch's image rows, in placeholder order (None
+        without deepstack or images). Slices of the received rows, so their gradients reach the producer."""
+        if not self.deepstack:
+            return None
+        rows = _image_rows(packed, image_embeds, self.embed_tokens.weight)
+        if rows is None:
+            return None
+        return rows[:, self.hidden_size:].reshape(rows.shape[0], self.deepstack, self.hidden_size).transpose(0, 1)
 
     def image_dense(self, packed: PackedBatch,
                     image_embeds: Optional[Sequence[Optional[torch.Tensor]]]) -> torch.Tensor:
@@ -190,6 +205,8 @@ class BackbonePart(nn.Module):
         rows = _image_rows(packed, image_embeds, zeros)
         if rows is None:
             return zeros
+        if self.deepstack:  # a stage boundary would have to carry the maps to layers 0..D-1
+            raise ValueError("a pipelined backbone with deepstack image rows (Qwen3-VL) is not supported")
         return zeros.masked_scatter(self.image_mask(packed.input_ids), rows.to(zeros.dtype))
 
     def embed_dense(self, input_ids: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
@@ -198,11 +215,18 @@ class BackbonePart(nn.Module):
 
     # ---- decoder -------------------------------------------------------------------------------------------
     def run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, segments: Segments,
-                   layers: Sequence[nn.Module]) -> torch.Tensor:
-        """`layers` over one packed microbatch; attention stays within each of `segments` (varlen kernel)."""
+                   layers: Sequence[nn.Module], deepstack: Optional[torch.Tensor] = None,
+                   image_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`layers` over one packed microbatch; attention stays within each of `segments` (varlen kernel).
+
+        `deepstack` [D, n_image_tokens, H] (with `image_mask` [1, T]): map i is added at the image positions after
+        layer i, as Qwen3-VL's text model does (`layers` must then start at layer 0)."""
         position_embeddings = self.rotary_emb(hidden, position_ids)
-        for layer in layers:
+        for i, layer in enumerate(layers):
             hidden = hf_compat.call_decoder_layer(layer, hidden, None, position_embeddings, segments=segments)
+            if deepstack is not None and i < deepstack.shape[0]:
+                hidden = hidden.clone()  # autograd needs the layer's output intact
+                hidden[image_mask] = hidden[image_mask] + deepstack[i].to(hidden.dtype)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -212,7 +236,11 @@ class BackbonePart(nn.Module):
                 inputs_embeds: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, int]:
         """(loss_sum, n_label_tokens): summed token cross entropy of one packed microbatch."""
         hidden = inputs_embeds if inputs_embeds is not None else self.embed(packed, image_embeds)
-        hidden = self.run_layers(hidden, packed.position_ids, packed.segments, self.layers)
+        deepstack = self.deepstack_rows(packed, image_embeds)
+        if deepstack is not None and inputs_embeds is not None:
+            raise ValueError("a deepstack model takes its image rows, not ready inputs_embeds")
+        mask = self.image_mask(packed.input_ids)[..., 0] if deepstack is not None else None
+        hidden = self.run_layers(hidden, packed.position_ids, packed.segments, self.layers, deepstack, mask)
         return token_loss_sum(self.logits(hidden), packed.labels), packed.n_label_tokens
 
 

@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 
 from mindspeed_flow.data.sample import IGNORE_INDEX, VLMSample
-from mindspeed_flow.model_presets.tiny import EOS_ID, IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID
+from mindspeed_flow.model_presets.tiny import EOS_ID, IMAGE_TOKEN_ID, TINY_PRESETS, VISION_END_ID, VISION_START_ID
 
 
 def qwen_pixels(grid: Sequence[int], gen: torch.Generator, patch: int = 14, temporal: int = 2) -> torch.Tensor:
@@ -45,7 +45,8 @@ def make_sample(family: str, sample_id: int, grids: Sequence[Sequence[int]], tur
             side = llava_image_size // llava_patch
             grid_thw = torch.tensor([[1, side, side]] * len(grids))
         else:
-            pixel_values = torch.cat([qwen_pixels(g, gen) for g in grids])
+            patch = TINY_PRESETS[(family, "tiny")]["vision_config"]["patch_size"]  # Qwen3-VL: 16, before: 14
+            pixel_values = torch.cat([qwen_pixels(g, gen, patch) for g in grids])
             grid_thw = torch.tensor([list(g) for g in grids])
     return VLMSample(sample_id=sample_id, input_ids=torch.cat(ids), labels=torch.cat(labels),
                      pixel_values=pixel_values, image_grid_thw=grid_thw, image_token_counts=counts)
