@@ -22,6 +22,7 @@ from mindspeed_flow.config.schema import ModelConfig
 from mindspeed_flow.model_presets import hf_config_dict, load_config_json
 from mindspeed_flow.planner.cost import LAYOUT_FIELDS
 from mindspeed_flow.planner.hardware import Cluster, load_cluster, recipes_dir
+from mindspeed_flow.planner.jobs import job_rules
 from mindspeed_flow.planner.parts import vlm_parts
 from mindspeed_flow.planner.plan import Problem
 from mindspeed_flow.planner.space import PlanError
@@ -213,11 +214,14 @@ def build_problem(args: PlanArgs) -> tuple[Problem, ModelRef]:
     workload = load_workload(args.data, model.hf_config, args.samples)
     spec = VLMSpec.from_hf_config(model.hf_config, name=model.name)
     parts = vlm_parts(spec, workload.shapes, freeze_encoder=cfg.freeze_encoder)
+    family = str(model.hf_config.get("model_type") or "")
+    if family in job_rules(cfg.job).dp_only:  # the job's host trains this family with data parallel parts only
+        parts = [dataclasses.replace(p, tp_sizes=(1,), pp_sizes=(1,)) for p in parts]
     budget = args.devices if args.devices is not None else cluster.devices
     if budget > cluster.devices:  # devices= beyond the preset: a bigger cluster of the same kind
         cluster = cluster.with_devices(budget)
     problem = Problem(parts=parts, cluster=cluster, cfg=cfg, budget=budget, fixed=args.pins,
                       model_name=model.name, data_name=workload.name, spec=spec,
-                      family=str(model.hf_config.get("model_type") or ""),
+                      family=family,
                       shapes=tuple(workload.shapes))
     return problem, model

@@ -13,15 +13,19 @@ before any rank starts, so the planner never prices a layout that host refuses:
 - `torch`, the torch host (`mindspeed-flow train`, `step.layout.Layout.validate` and `config.load.check_rules`): no
   context parallelism; the encoder is not pipelined; the encoder recomputes only from the pixels
   (flow.keep_encoder_activations=false, level 1); the backbone never recomputes; FSDP2 shards the backbone only
-  without TP (with TP it runs DDP, so optimizer states are not sharded) and never shards the encoder.
+  without TP (with TP it runs DDP, so optimizer states are not sharded) and never shards the encoder; no expert
+  parallelism (a MoE LLM's experts stay whole on each backbone rank); Qwen3-VL (deepstack) with data parallel parts
+  only (no TP, no pipeline).
 - both: the launch scripts start whole nodes, so a plan fills whole nodes of the cluster preset (or fewer than
   one node).
 - `any`: no host's rules, every layout the cost model prices: how the planner prices the models no host here
-  trains decoupled yet (Qwen3-VL, InternVL3.5, GLM-4.5V, the Qwen2.5-Omni thinker); no recipe is written for it.
+  trains decoupled yet (InternVL3.5, GLM-4.5V, the Qwen2.5-Omni thinker); no recipe is written for it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from mindspeed_flow.specs import DEEPSTACK_FAMILIES
 
 JOBS = ("mm", "torch")
 # train: launch-script's name for the torch host's job; any: no host's rules (RULES[""])
@@ -29,7 +33,7 @@ JOB_ALIASES = {"train": "torch", "any": ""}
 
 
 # Families the planner prices that neither host builds yet (plan them with --job any)
-NOT_BUILT = ("qwen3_vl", "qwen3_vl_moe", "internvl", "glm4v_moe")
+NOT_BUILT = ("internvl", "glm4v_moe")
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ class JobRules:
     shard_encoder: bool  # the encoder's optimizer states shard over DP
     whole_nodes: bool
     replicated_kv: bool = True  # backbone tp may exceed the KV heads (each TP rank keeps a copy of a KV head)
+    expert_parallel: bool = True  # a MoE backbone may divide its experts over ep ranks
+    dp_only: tuple[str, ...] = ()  # model families the job trains with data parallel parts only (tp = pp = 1)
     families: tuple[str, ...] = ()  # model families the job trains decoupled (empty: any)
     # model families the planner cannot plan for this job, and why
     refused: tuple[tuple[str, str], ...] = ()
@@ -65,6 +71,11 @@ class JobRules:
             out.append("optimizer sharding with TP (FSDP2 runs without TP; tp > 1 layouts are priced with DDP)")
         if not self.replicated_kv:
             out.append("backbone TP beyond the KV heads (the host needs num_query_groups divisible by tp)")
+        if not self.expert_parallel:
+            out.append("expert parallelism (the torch host keeps a MoE LLM's experts whole on every backbone rank)")
+        if self.dp_only:
+            out.append(f"TP and pipelines for {', '.join(self.dp_only)} (deepstack: the torch host trains it with "
+                       "data parallel parts only)")
         if self.whole_nodes:
             out.append("partial nodes (the launch scripts start whole nodes)")
         return [s for s in out if s]
@@ -78,9 +89,11 @@ RULES = {
                    launch_job="mm"),
     "torch": JobRules("torch", "the torch host (mindspeed-flow train)", cp=False, encoder_rc=(0, 1),
                       backbone_rc=(0,), shard_with_tp=False, shard_encoder=False, whole_nodes=True,
+                      expert_parallel=False, dp_only=DEEPSTACK_FAMILIES,
                       refused=(("qwen2_5_omni_thinker", "the planner plans one encoder part, the Omni thinker has "
                                 "audio and vision parts (write parallel.encoders by hand)"),
-                               *((f, "the torch host builds Qwen2-VL, Qwen2.5-VL, LLaVA and the Omni thinker only "
+                               *((f, "the torch host builds Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense and MoE), LLaVA "
+                                  "and the Omni thinker only "
                                   "(hosts/torch/hf_compat.py); price it with --job any") for f in NOT_BUILT)),
                       launch_job="train"),
 }

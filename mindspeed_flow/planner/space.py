@@ -65,7 +65,7 @@ def candidate_values(part: PartSpec, ctx: CostContext, max_devices: int,
         "pp": [p for p in part.pp_sizes if p <= max_devices
                and p <= part.layers and (ctx.cfg.uneven_pp or part.layers % p == 0)],
         "cp": cp,
-        "ep": [e for e in part.ep_sizes if e <= max_devices],
+        "ep": [e for e in part.ep_sizes if e <= max_devices and (e == 1 or rules.expert_parallel)],
         "b": [b for b in budgets if part.role == "encoder" or b >= part.max_item_tokens],
         "rc": rc_values(part, ctx),
     }
