@@ -151,10 +151,20 @@ def test_three_part_omni_matches_coupled(tmp_path: Path, capfd, layout: str) -> 
     dp = {"audio": 2 if world == 5 else 1, "backbone": 2 if world == 5 else 1}
     described = (f"audio[dp{dp['audio']} tp1 pp1] + vision[dp1 tp1 pp1] + backbone[dp{dp['backbone']} "
                  f"tp1 pp1] on {world} x")
-    dec, _ = _matches_coupled(tmp_path, capfd, 6, extra, described)
+    dec, cou = _matches_coupled(tmp_path, capfd, 6, extra, described)
     for a in dec:
         # balance is judged within each part (audio frames never against ViT costs): one producer each is 1.0
         assert a["encoder_imbalance"] == 1.0 if world == 3 else a["encoder_imbalance"] >= 1.0, a
+        # pool traffic per part: each encoder part got back as many gradient bytes as it sent embedding bytes
+        # (fp32 both ways), and the backbone received and returned exactly the two parts' sums
+        parts = a["pool_bytes_by_part"]
+        assert sorted(parts) == ["audio", "backbone", "vision"], parts
+        for enc in ("audio", "vision"):
+            assert parts[enc]["embedding_bytes_sent"] == parts[enc]["gradient_bytes_received"] > 0, parts
+        sent = parts["audio"]["embedding_bytes_sent"] + parts["vision"]["embedding_bytes_sent"]
+        assert parts["backbone"]["embedding_bytes_received"] == parts["backbone"]["gradient_bytes_sent"] == sent
+        assert sent == a["pool_bytes_sent"], (parts, a["pool_bytes_sent"])
+    assert all(c["pool_bytes_by_part"] is None for c in cou)  # coupled: nothing crosses a pool
     assert dec[-1]["loss"] < dec[0]["loss"]
 
 

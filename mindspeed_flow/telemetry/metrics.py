@@ -12,7 +12,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,8 @@ SLOTS = (
     "loss_sum", "label_tokens", "pool_peak_bytes", "pool_bytes_sent", "grad_norm", "peak_rss_bytes",
     "pool_transfer_s", "pool_transfer_exposed_s", "update_skipped",
     "encoder_held_peak", "encoder_held_slots_peak", "encoder_held_bytes_peak",
+    # the rank's part (its index in the layout's parts) and its pool traffic in both directions
+    "part_index", "pool_bytes_received", "pool_grad_bytes_sent", "pool_grad_bytes_received",
 )
 INDEX = {name: i for i, name in enumerate(SLOTS)}
 
@@ -189,8 +191,11 @@ class MetricsGatherer:
 
     def __init__(self, group: Optional[dist.ProcessGroup], world_size: int, writer: bool, run_dir: Path,
                  devices: int, peak_flops: float, peak_desc: str, append: bool = False,
-                 resume_step: Optional[int] = None, on_write_error: str = "stop") -> None:
+                 resume_step: Optional[int] = None, on_write_error: str = "stop",
+                 part_names: Sequence[str] = ()) -> None:
         self.group, self.world_size, self.writer = group, world_size, writer
+        # decoupled: the layout's parts in order (a rank's record carries its index), for per-part pool traffic
+        self.part_names = tuple(part_names)
         self.devices, self.peak_flops, self.peak_desc = devices, peak_flops, peak_desc
         self.pending: list[tuple[StepStatic, list[torch.Tensor], Any]] = []
         self.last_end: Optional[float] = None
@@ -294,4 +299,20 @@ class MetricsGatherer:
             "backbone_first_mb_start_s": first_mb - start if first_mb else None,
             "encoder_last_sample_done_s": last_enc - start if last_enc else None,
             "peak_rss_mb": agg("peak_rss_bytes", everyone) / 2**20,
+            "pool_bytes_by_part": self._bytes_by_part(col, agg),
         }
+
+    def _bytes_by_part(self, col: dict[str, torch.Tensor], agg: Callable[..., float]) -> Optional[dict[str, Any]]:
+        """Pool traffic of each part this step, summed over its ranks: embeddings an encoder part sent and the
+        gradients it got back; what the backbone received and returned (None when nothing is decoupled)."""
+        if not self.part_names:
+            return None
+        out: dict[str, Any] = {}
+        for i, name in enumerate(self.part_names):
+            ranks = col["part_index"] == i
+            if bool(ranks.any()):
+                out[name] = {"embedding_bytes_sent": int(agg("pool_bytes_sent", ranks, "sum")),
+                             "embedding_bytes_received": int(agg("pool_bytes_received", ranks, "sum")),
+                             "gradient_bytes_sent": int(agg("pool_grad_bytes_sent", ranks, "sum")),
+                             "gradient_bytes_received": int(agg("pool_grad_bytes_received", ranks, "sum"))}
+        return out

@@ -525,6 +525,9 @@ class StepEngine:
         stats = self.pool.stats()
         record["pool_peak_bytes"] = stats.occupancy_peak_bytes
         record["pool_bytes_sent"] = stats.bytes_sent
+        record["pool_bytes_received"] = stats.bytes_received
+        record["pool_grad_bytes_sent"] = stats.grad_bytes_sent
+        record["pool_grad_bytes_received"] = stats.grad_bytes_received
         record["pool_transfer_s"] = stats.transfer_s
         record["pool_transfer_exposed_s"] = stats.transfer_exposed_s
         if hasattr(self.pool, "reset_step_stats"):

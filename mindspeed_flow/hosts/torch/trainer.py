@@ -133,6 +133,12 @@ class Trainer:
     is_writer: bool
     side: str
 
+    @property
+    def part_index(self) -> int:
+        """This rank's part as its index in the layout's parts (-1 for a coupled rank)."""
+        names = [p.name for p in self.layout.parts]
+        return names.index(self.topo.part) if self.topo.part in names else -1
+
     @staticmethod
     def build(config_path: str) -> "Trainer":
         """Join the world and build everything the run uses, in the order the ranks must agree on."""
@@ -181,7 +187,8 @@ class Trainer:
         # A resumed run continues metrics.jsonl without the lines of steps it is about to redo.
         metrics = MetricsGatherer(metrics_group, world, is_writer, Path(job.run_dir), 1, peak_total, peak_desc,
                                   append=start_step > 0, resume_step=start_step,
-                                  on_write_error=job.trainer.on_save_error)
+                                  on_write_error=job.trainer.on_save_error,
+                                  part_names=[p.name for p in layout.parts] if layout.mode == "decoupled" else ())
         sink = open_sink(Path(job.run_dir) / "tensorboard", start_step) \
             if is_writer and job.trainer.tensorboard else None
         if sink is not None:  # None: tensorboard is not installed (said once by open_sink)
@@ -252,6 +259,7 @@ class Trainer:
         trace.set_step(step)
         record["is_encoder"], record["is_backbone"] = float(self.topo.is_encoder), float(not self.topo.is_encoder)
         record["is_writer"] = float(self.is_writer)
+        record["part_index"] = float(self.part_index)
         return record
 
     def _save_due(self, step: int) -> bool:
