@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import types
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -111,12 +112,42 @@ def install_npu_device(module: types.ModuleType) -> None:
     torch.Tensor.type = _wrap_type(torch.Tensor.type)
     DefaultDeviceType.set_device_type("npu")
     hccl.register_backend(npu_ext.loaded())
+    _register_shallow_copy_compat()
     _ensure_autograd_reaches_npu()
     log.add_summary_line(lambda: f"npu (strict): npu:{npu_device.current_device()} peak "
                                  f"{npu_device.max_memory_allocated()} bytes, "
                                  f"{npu_device.memory_allocated()} still allocated")
     log.add_summary_line(lambda: "host syncs: " + ", ".join(f"{k} {v}" for k, v in npu_ext.host_syncs().items()))
     _STATE["npu"] = True
+
+
+_LIBS: list[torch.library.Library] = []  # registrations live as long as their Library object
+
+
+def _has_compatible_shallow_copy_type(self: torch.Tensor, other: torch.Tensor) -> bool:
+    """torch_npu's rule: equal key sets, or both dense on CPU / the npu (PrivateUse1)."""
+    dense = ("CPU", "PrivateUse1")
+    a, b = torch._C._dispatch_keys(self), torch._C._dispatch_keys(other)
+    return a == b or (any(a.has(getattr(torch._C.DispatchKey, k)) for k in dense)
+                      and any(b.has(getattr(torch._C.DispatchKey, k)) for k in dense))
+
+
+def _register_shallow_copy_compat() -> None:
+    """`variable.data = npu_tensor` on a host variable (and the reverse) works, as with torch_npu.
+
+    torch's own `_has_compatible_shallow_copy_type` counts only CPU, CUDA, MPS, HIP, XPU and HPU as dense backends,
+    so `set_data` refuses to swap a host tensor's data for an npu one ("incompatible tensor type"). FSDP2's
+    `fully_shard` does exactly that for every parameter and buffer not on the mesh's device
+    (`_fsdp_init._move_states_to_device`: `tensor.data = tensor.to(device)`). torch_npu registers its own kernel
+    for the op (torch_npu/csrc/aten/ops/HasCompatibleShallowCopyType.cpp, v2.7.1-7.3.0: key sets equal, or both
+    holding the CPU or PrivateUse1 key); this is the same rule, registered from Python.
+    """
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # "Overriding a previously registered kernel": replacing it is the point
+        warnings.simplefilter("ignore", UserWarning)
+        lib.impl("_has_compatible_shallow_copy_type", _has_compatible_shallow_copy_type,
+                 "CompositeImplicitAutograd")
+    _LIBS.append(lib)
 
 
 def _ensure_autograd_reaches_npu() -> None:
@@ -209,10 +240,52 @@ class _EventProxy(torch.Event):
         return super().__new__(cls, *args, **kwargs)
 
 
+def _split_group_by_new_groups(original: Callable) -> Callable:
+    """DeviceMesh's `split_group` for a parent whose backend cannot split: one `new_group` per split.
+
+    torch 2.7's `DeviceMesh._init_process_groups` takes the communicator-split path whenever the default group has
+    a bound device (`init_process_group(device_id=...)`, as MindSpeed-MM's FSDP2 trainer calls it) and
+    `torch.cuda.is_available()` (True once transfer_to_npu has copied torch_npu.npu's names onto torch.cuda).
+    `split_group` then refuses every backend but ProcessGroupNCCL with "No backend for the parent process group or
+    its backend does not support splitting". The emulated HCCL is gloo underneath and does not split (nor does
+    torch_npu v2.7.1-7.3.0's ProcessGroupHCCL as read: it never overrides `Backend::supportsSplitting`), so the
+    groups are made the way DeviceMesh makes them without a bound device: a `new_group` per rank list, called on
+    every rank in the same order, returning this rank's group (or None, as `split_group` does for a non-member).
+    PyTorch PR 187891 proposes the same fallback upstream for XCCL. This is a deviation from what the pinned
+    adapter is read to do, so each use is logged (`--log`) as `torch.distributed.split_group (new_group fallback)`.
+    """
+
+    @functools.wraps(original)
+    def wrapper(parent_pg: Any = None, split_ranks: list | None = None, timeout: Any = None,
+                pg_options: Any = None, group_desc: str | None = None, **kwargs: Any) -> Any:
+        default = dist.distributed_c10d._get_default_group()
+        device = getattr(default, "bound_device_id", None)
+        parent = parent_pg if parent_pg is not None else default
+        backend = parent._get_backend(device) if device is not None else None
+        if parent is not default or backend is None or backend.supports_splitting or not split_ranks:
+            return original(parent_pg=parent_pg, split_ranks=split_ranks, timeout=timeout, pg_options=pg_options,
+                            group_desc=group_desc, **kwargs)
+        log.record_call("torch.distributed.split_group (new_group fallback)")
+        me = default.rank()
+        mine = None
+        for ranks in split_ranks:
+            group = dist.new_group(ranks=sorted(ranks), timeout=timeout, pg_options=pg_options,
+                                   group_desc=group_desc)
+            if me in ranks:
+                mine = group
+        return mine
+
+    wrapper._msf_emulated = True  # type: ignore[attr-defined]
+    return wrapper
+
+
 def _patch_distributed() -> None:
-    # init_process_group, and every new_group (through _new_group_with_tag): nccl -> hccl. device_id stays as
-    # given: the real transfer leaves it alone.
-    dist.init_process_group = _wrap_hccl(dist.init_process_group)
+    # init_process_group, and every new_group (through _new_group_with_tag): nccl -> hccl. init_process_group's
+    # device_id also goes cuda -> npu, as in torch_npu v2.7.1-7.3.0 (`_compose_wrappers(_wrapper_cuda,
+    # _wrapper_hccl)`; 7.2.0 left it alone), the adapter MindSpeed-MM's FSDP2 examples name: its trainer asks for
+    # `device_id=cuda:<rank>` (mindspeed_mm/fsdp/utils/device.py picks "cuda" once transfer_to_npu answers
+    # torch.cuda.is_available()), and a default group bound to a cuda device sends every barrier to CUDA.
+    dist.init_process_group = _wrap_cuda(_wrap_hccl(dist.init_process_group))
     c10d = dist.distributed_c10d
     c10d._new_group_with_tag = _wrap_hccl(c10d._new_group_with_tag)
     dist.is_nccl_available = dist.is_hccl_available
@@ -224,6 +297,8 @@ def _patch_distributed() -> None:
 
     device_mesh.init_device_mesh = _wrap_cuda(device_mesh.init_device_mesh)
     device_mesh.DeviceMesh.__init__ = _wrap_cuda(device_mesh.DeviceMesh.__init__)
+    if hasattr(device_mesh, "split_group"):  # torch >= 2.6 imports it into the module DeviceMesh calls it from
+        device_mesh.split_group = _split_group_by_new_groups(device_mesh.split_group)
     fsdp.FullyShardedDataParallel.__init__ = _wrap_cuda(fsdp.FullyShardedDataParallel.__init__)
     torch.nn.parallel.DistributedDataParallel.__init__ = _wrap_cuda(torch.nn.parallel.DistributedDataParallel.__init__)
     try:
