@@ -240,45 +240,6 @@ class _EventProxy(torch.Event):
         return super().__new__(cls, *args, **kwargs)
 
 
-def _split_group_by_new_groups(original: Callable) -> Callable:
-    """DeviceMesh's `split_group` for a parent whose backend cannot split: one `new_group` per split.
-
-    torch 2.7's `DeviceMesh._init_process_groups` takes the communicator-split path whenever the default group has
-    a bound device (`init_process_group(device_id=...)`, as MindSpeed-MM's FSDP2 trainer calls it) and
-    `torch.cuda.is_available()` (True once transfer_to_npu has copied torch_npu.npu's names onto torch.cuda).
-    `split_group` then refuses every backend but ProcessGroupNCCL with "No backend for the parent process group or
-    its backend does not support splitting". The emulated HCCL is gloo underneath and does not split (nor does
-    torch_npu v2.7.1-7.3.0's ProcessGroupHCCL as read: it never overrides `Backend::supportsSplitting`), so the
-    groups are made the way DeviceMesh makes them without a bound device: a `new_group` per rank list, called on
-    every rank in the same order, returning this rank's group (or None, as `split_group` does for a non-member).
-    PyTorch PR 187891 proposes the same fallback upstream for XCCL. This is a deviation from what the pinned
-    adapter is read to do, so each use is logged (`--log`) as `torch.distributed.split_group (new_group fallback)`.
-    """
-
-    @functools.wraps(original)
-    def wrapper(parent_pg: Any = None, split_ranks: list | None = None, timeout: Any = None,
-                pg_options: Any = None, group_desc: str | None = None, **kwargs: Any) -> Any:
-        default = dist.distributed_c10d._get_default_group()
-        device = getattr(default, "bound_device_id", None)
-        parent = parent_pg if parent_pg is not None else default
-        backend = parent._get_backend(device) if device is not None else None
-        if parent is not default or backend is None or backend.supports_splitting or not split_ranks:
-            return original(parent_pg=parent_pg, split_ranks=split_ranks, timeout=timeout, pg_options=pg_options,
-                            group_desc=group_desc, **kwargs)
-        log.record_call("torch.distributed.split_group (new_group fallback)")
-        me = default.rank()
-        mine = None
-        for ranks in split_ranks:
-            group = dist.new_group(ranks=sorted(ranks), timeout=timeout, pg_options=pg_options,
-                                   group_desc=group_desc)
-            if me in ranks:
-                mine = group
-        return mine
-
-    wrapper._msf_emulated = True  # type: ignore[attr-defined]
-    return wrapper
-
-
 def _patch_distributed() -> None:
     # init_process_group, and every new_group (through _new_group_with_tag): nccl -> hccl. init_process_group's
     # device_id also goes cuda -> npu, as in torch_npu v2.7.1-7.3.0 (`_compose_wrappers(_wrapper_cuda,
@@ -297,8 +258,6 @@ def _patch_distributed() -> None:
 
     device_mesh.init_device_mesh = _wrap_cuda(device_mesh.init_device_mesh)
     device_mesh.DeviceMesh.__init__ = _wrap_cuda(device_mesh.DeviceMesh.__init__)
-    if hasattr(device_mesh, "split_group"):  # torch >= 2.6 imports it into the module DeviceMesh calls it from
-        device_mesh.split_group = _split_group_by_new_groups(device_mesh.split_group)
     fsdp.FullyShardedDataParallel.__init__ = _wrap_cuda(fsdp.FullyShardedDataParallel.__init__)
     torch.nn.parallel.DistributedDataParallel.__init__ = _wrap_cuda(torch.nn.parallel.DistributedDataParallel.__init__)
     try:
