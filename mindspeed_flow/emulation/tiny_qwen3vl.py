@@ -122,8 +122,8 @@ def config_text(example: str, edits: YamlEdits) -> str:
         ("dataset_dir", f"{edits.data_dir}/", 1),
         ("dataset", str(edits.data_dir / "samples.json"), 1),
         ("cache_dir", f"{edits.cache_dir}/", 1),
-        # Two CPU cores: no worker processes for preprocessing or loading.
         ("max_samples", str(edits.max_samples), 1),
+        # A laptop's few cores: no worker processes for preprocessing or loading.
         ("preprocessing_num_workers", "1", 1),
         ("num_workers", "0", 1),
         # Pinned host memory only helps copies to an accelerator; the emulated NPU's memory is host memory.
