@@ -92,9 +92,10 @@ class YamlEdits:
     # fp32 so that the later decoupled run can be compared with this one at fp32 tolerances (bf16 on CPU is also
     # several times slower). Not a CPU limitation.
     param_dtype: str = "fp32"
-    # The CPU has no flash attention: transformers' flash_attention_2 needs the flash-attn CUDA package (or, on a
-    # real NPU, torch_npu's fused kernel through transformers' NPU integration). eager is the plain path.
-    attn_implementation: str = "eager"
+    # None keeps the example's flash_attention_2: with NON_MEGATRON=true MindSpeed-MM registers its own
+    # flash_attention_2 (fsdp/ops/flash_attn/flash_attn.py) on torch_npu.npu_fusion_attention, which the emulator
+    # has; "eager" or "sdpa" take transformers' plain paths (same losses on the tiny job).
+    attn_implementation: str | None = None
     # MindSpeed-MM selects range(max_samples) (qwen2vl_dataset.py), which fails on a dataset smaller than that.
     max_samples: int = 32
 
@@ -128,10 +129,11 @@ def config_text(example: str, edits: YamlEdits) -> str:
         ("num_workers", "0", 1),
         # Pinned host memory only helps copies to an accelerator; the emulated NPU's memory is host memory.
         ("pin_memory", "false", 1),
-        ("attn_implementation", edits.attn_implementation, 1),
         ("train_iters", str(edits.train_iters), 1),
         ("lr", f"{edits.lr:.1e}", 1),
     ]
+    if edits.attn_implementation is not None:
+        subs.append(("attn_implementation", edits.attn_implementation, 1))
     for key, value, count in subs:
         example = _substitute(example, key, value, count)
     return example
