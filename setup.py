@@ -70,6 +70,9 @@ setup(
             "psutil", "protobuf", "pydantic", "jsonargparse[all]", "orjson", "beartype", "ftfy", "imageio",
             "imageio-ffmpeg", "bs4", "portalocker", "SQLAlchemy", "scikit-learn", "gpytorch", "numba", "pybind11",
             "ninja", "pillow",
+            # MindSpeed-MM's FSDP2 trainer: its data loader imports torchdata.stateful_dataloader (MindSpeed-MM's
+            # pyproject lists it).
+            "torchdata",
         ],
     },
     entry_points={"console_scripts": ["mindspeed-flow=mindspeed_flow.cli:main"]},

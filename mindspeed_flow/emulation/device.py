@@ -84,6 +84,12 @@ def is_initialized() -> bool:
     return True
 
 
+# torch_npu/npu/__init__.py keeps this flag (False until `_lazy_init` ran, v2.7.1-7.3.0); the emulated device is
+# initialised from the start, as `is_initialized()` says. MindSpeed-MM's FSDP2 job asks for it (a MISSING line of
+# the emulation log before it was here).
+_initialized = True
+
+
 def _lazy_call(fn: Callable[[], Any], **_: Any) -> None:
     """The real one defers `fn` until the device is initialised; the emulated device always is."""
     fn()
@@ -215,10 +221,34 @@ memory = types.SimpleNamespace(
 # draw from it, and each rank uses one device.
 default_generators = (torch.default_generator,)
 
+# The npu's RNG state as torch_npu hands it out: 16 bytes, a uint64 seed then an int64 Philox offset
+# (torch_npu/csrc/aten/NPUGeneratorImpl.cpp, v2.7.1-7.3.0, get_state / set_state; set_state also takes the seed
+# alone, 8 bytes). Callers read that layout: DTensor's OffsetBasedRNGTracker (torch/distributed/tensor/_random.py)
+# reads the offset at byte 8 and writes its own, and FSDP2 model initialisation on a mesh runs through it. The
+# numbers still come from the CPU generator: a (seed, offset) state seeds it with `_mix(seed, offset)` (the seed
+# itself at offset 0, so `torch.manual_seed(s)` draws what CPU torch draws). Philox advances its offset with each
+# draw; here `get_rng_state` notices draws (the CPU generator moved since the last seeding), moves the offset on by
+# `_OFFSET_STRIDE` and reseeds, so that restoring the state it returned replays what follows, as on the device.
+_SEED_BYTES = 8
+_OFFSET_STRIDE = 1 << 40  # far above the offsets DTensor sets (element counts of one tensor)
+_rng: dict[str, Any] = {"seed": None, "offset": 0, "cpu_state": None}
+
+
+def _mix(seed: int, offset: int) -> int:
+    """A 64-bit CPU seed for one (seed, offset) pair; distinct offsets give unrelated streams."""
+    if offset == 0:
+        return seed
+    return (seed ^ ((offset * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF) ^ 0x5851F42D4C957F2D) & 0xFFFFFFFFFFFFFFFF
+
+
+def _seed_cpu(seed: int, offset: int) -> None:
+    torch.default_generator.manual_seed(_mix(seed, offset))
+    _rng.update(seed=seed, offset=offset, cpu_state=torch.default_generator.get_state())
+
 
 def manual_seed(seed: int) -> None:
     # torch.manual_seed itself calls the device seeding hooks; seeding the CPU generator directly avoids recursion.
-    torch.default_generator.manual_seed(int(seed))
+    _seed_cpu(int(seed) & 0xFFFFFFFFFFFFFFFF, 0)
 
 
 manual_seed_all = manual_seed
@@ -226,21 +256,37 @@ manual_seed_all = manual_seed
 
 def seed() -> None:
     torch.default_generator.seed()
+    _seed_cpu(torch.default_generator.initial_seed(), 0)
 
 
 seed_all = seed
 
 
 def initial_seed() -> int:
-    return torch.default_generator.initial_seed()
+    return _rng["seed"] if _rng["seed"] is not None else torch.default_generator.initial_seed()
 
 
 def get_rng_state(device: Any = None) -> torch.Tensor:
-    return torch.default_generator.get_state()
+    """The (seed, offset) state, 16 CPU bytes; a state taken after draws stands for what follows them."""
+    if _rng["seed"] is None:
+        _seed_cpu(torch.default_generator.initial_seed(), _OFFSET_STRIDE)
+    elif not torch.equal(torch.default_generator.get_state(), _rng["cpu_state"]):
+        _seed_cpu(_rng["seed"], _rng["offset"] + _OFFSET_STRIDE)
+    # int64 words (the uint64 seed as its two's complement), viewed as the 16 bytes the device hands out.
+    signed = [w - (1 << 64) if w >= (1 << 63) else w for w in (_rng["seed"], _rng["offset"])]
+    return torch.tensor(signed, dtype=torch.int64).view(torch.uint8).clone()
 
 
 def set_rng_state(new_state: torch.Tensor, device: Any = None) -> None:
-    torch.default_generator.set_state(new_state)
+    """Take a state `get_rng_state` gave (or the seed alone, 8 bytes), refusing other sizes as torch_npu does."""
+    if new_state.dtype != torch.uint8 or new_state.device.type != "cpu":
+        raise RuntimeError("RNG state must be a torch.ByteTensor")
+    if new_state.numel() not in (_SEED_BYTES, 2 * _SEED_BYTES):
+        raise RuntimeError("RNG state is wrong size")
+    words = new_state.contiguous().view(torch.int64).tolist()
+    seed_ = words[0] & 0xFFFFFFFFFFFFFFFF
+    offset = words[1] if len(words) > 1 else 0
+    _seed_cpu(seed_, offset)
 
 
 def get_rng_state_all() -> list[torch.Tensor]:
@@ -392,7 +438,7 @@ class _StrictStream(torch.Stream):
         pass
 
     def record_event(self, event: Any = None) -> Any:
-        event = event if event is not None else Event()
+        event = event if event is not None else _StrictEvent()
         event.record(self)
         return event
 
@@ -404,6 +450,24 @@ class _StrictStream(torch.Stream):
 
 
 _STREAM_IDS = itertools.count(1)  # 0 is each device's default stream
+
+
+class _StrictEvent(torch.Event):
+    """An event of the emulated npu: a real `torch.Event` on the npu (the extension's device guard records it with a
+    timestamp; it is complete once recorded). It has to be one: torch code mixes `torch.npu.Event` with the
+    generic `torch.Stream` of `torch.accelerator.current_stream()`, e.g. FSDP2's `finalize_backward`
+    (`torch.accelerator.current_stream().wait_event(all_gather_event)`, the event from `Stream.record_event`),
+    and `torch.Stream.wait_event` reads a `torch.Event`'s C++ state (a Python look-alike fails with "Unknown
+    device"). torch_npu's Event signature: `Event(enable_timing=False, blocking=False, interprocess=False)`
+    (torch_npu/npu/streams.py, v2.7.1-7.3.0)."""
+
+    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
+                **_: Any) -> "_StrictEvent":
+        return super().__new__(cls, device=torch.device("npu", current_device()), enable_timing=enable_timing,
+                               blocking=blocking, interprocess=interprocess)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
 
 
 class _LegacyNpuType(type):
@@ -431,9 +495,10 @@ def _strict_current_stream(device: Any = None) -> _StrictStream:
 def use_extension(ext: Any) -> None:
     """Strict mode: answer from the npu extension (`npu_ext.load()`). Must run before the fake `torch_npu.npu`
     copies this module's names, which it does (the fake torch_npu calls it first)."""
-    global _EXT, Stream, SyncLaunchStream, current_stream, default_stream, default_generators
+    global _EXT, Stream, SyncLaunchStream, Event, current_stream, default_stream, default_generators
     _EXT = ext
     default_generators = (torch.default_generator,) * ext.device_count()
     Stream = SyncLaunchStream = _StrictStream
+    Event = _StrictEvent
     current_stream = default_stream = _strict_current_stream
     globals().update(_strict_legacy_types())

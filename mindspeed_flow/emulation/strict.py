@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import types
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -111,12 +112,42 @@ def install_npu_device(module: types.ModuleType) -> None:
     torch.Tensor.type = _wrap_type(torch.Tensor.type)
     DefaultDeviceType.set_device_type("npu")
     hccl.register_backend(npu_ext.loaded())
+    _register_shallow_copy_compat()
     _ensure_autograd_reaches_npu()
     log.add_summary_line(lambda: f"npu (strict): npu:{npu_device.current_device()} peak "
                                  f"{npu_device.max_memory_allocated()} bytes, "
                                  f"{npu_device.memory_allocated()} still allocated")
     log.add_summary_line(lambda: "host syncs: " + ", ".join(f"{k} {v}" for k, v in npu_ext.host_syncs().items()))
     _STATE["npu"] = True
+
+
+_LIBS: list[torch.library.Library] = []  # registrations live as long as their Library object
+
+
+def _has_compatible_shallow_copy_type(self: torch.Tensor, other: torch.Tensor) -> bool:
+    """torch_npu's rule: equal key sets, or both dense on CPU / the npu (PrivateUse1)."""
+    dense = ("CPU", "PrivateUse1")
+    a, b = torch._C._dispatch_keys(self), torch._C._dispatch_keys(other)
+    return a == b or (any(a.has(getattr(torch._C.DispatchKey, k)) for k in dense)
+                      and any(b.has(getattr(torch._C.DispatchKey, k)) for k in dense))
+
+
+def _register_shallow_copy_compat() -> None:
+    """`variable.data = npu_tensor` on a host variable (and the reverse) works, as with torch_npu.
+
+    torch's own `_has_compatible_shallow_copy_type` counts only CPU, CUDA, MPS, HIP, XPU and HPU as dense backends,
+    so `set_data` refuses to swap a host tensor's data for an npu one ("incompatible tensor type"). FSDP2's
+    `fully_shard` does exactly that for every parameter and buffer not on the mesh's device
+    (`_fsdp_init._move_states_to_device`: `tensor.data = tensor.to(device)`). torch_npu registers its own kernel
+    for the op (torch_npu/csrc/aten/ops/HasCompatibleShallowCopyType.cpp, v2.7.1-7.3.0: key sets equal, or both
+    holding the CPU or PrivateUse1 key); this is the same rule, registered from Python.
+    """
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # "Overriding a previously registered kernel": replacing it is the point
+        warnings.simplefilter("ignore", UserWarning)
+        lib.impl("_has_compatible_shallow_copy_type", _has_compatible_shallow_copy_type,
+                 "CompositeImplicitAutograd")
+    _LIBS.append(lib)
 
 
 def _ensure_autograd_reaches_npu() -> None:
@@ -210,9 +241,12 @@ class _EventProxy(torch.Event):
 
 
 def _patch_distributed() -> None:
-    # init_process_group, and every new_group (through _new_group_with_tag): nccl -> hccl. device_id stays as
-    # given: the real transfer leaves it alone.
-    dist.init_process_group = _wrap_hccl(dist.init_process_group)
+    # init_process_group, and every new_group (through _new_group_with_tag): nccl -> hccl. init_process_group's
+    # device_id also goes cuda -> npu, as in torch_npu v2.7.1-7.3.0 (`_compose_wrappers(_wrapper_cuda,
+    # _wrapper_hccl)`; 7.2.0 left it alone), the adapter MindSpeed-MM's FSDP2 examples name: its trainer asks for
+    # `device_id=cuda:<rank>` (mindspeed_mm/fsdp/utils/device.py picks "cuda" once transfer_to_npu answers
+    # torch.cuda.is_available()), and a default group bound to a cuda device sends every barrier to CUDA.
+    dist.init_process_group = _wrap_cuda(_wrap_hccl(dist.init_process_group))
     c10d = dist.distributed_c10d
     c10d._new_group_with_tag = _wrap_hccl(c10d._new_group_with_tag)
     dist.is_nccl_available = dist.is_hccl_available

@@ -258,10 +258,25 @@ c10::intrusive_ptr<c10d::Work> HcclBackend::allgather(std::vector<std::vector<at
                    });
 }
 
+// HCCL's single-tensor all-gather and reduce-scatter check dtypes and element counts only (torch_npu
+// ProcessGroupHCCL::_allgather_base / _reduce_scatter_base, v2.7.1-7.3.0: "output tensor size must be equal to
+// world_size times input tensor size", "input tensor must be the same size as output size times world size"), so
+// callers pass any shapes with those counts: MindSpeed-MM's expert-parallel dispatcher gathers a [experts] vector
+// into an [ep, experts] tensor (fsdp/distributed/expert_parallel/ep_dispatcher.py, dispatch_preprocess). Gloo
+// compares shapes, so it gets flat views of the same memory.
+namespace {
+at::Tensor flat(const at::Tensor& t) {
+  return t.is_contiguous() ? t.view({-1}) : t;
+}
+}  // namespace
+
 c10::intrusive_ptr<c10d::Work> HcclBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                             const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK(input.dtype() == output.dtype(), "output tensor must have the same type as input tensor");
+  TORCH_CHECK(input.numel() * gloo_->getSize() == output.numel(),
+              "output tensor size must be equal to world_size times input tensor size");
   return on_stream("group", c10d::OpType::_ALLGATHER_BASE, {output},
-                   [G = gloo_, out = host_of(output), in = host_of(input), opts]() mutable {
+                   [G = gloo_, out = flat(host_of(output)), in = flat(host_of(input)), opts]() mutable {
                      return G->_allgather_base(out, in, opts);
                    });
 }
@@ -314,8 +329,11 @@ c10::intrusive_ptr<c10d::Work> HcclBackend::reduce_scatter(std::vector<at::Tenso
 
 c10::intrusive_ptr<c10d::Work> HcclBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                  const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK(input.dtype() == output.dtype(), "input tensor must be the same type as the output tensor.");
+  TORCH_CHECK(input.numel() == output.numel() * gloo_->getSize(),
+              "input tensor must be the same size as output size times world size");
   return on_stream("group", c10d::OpType::_REDUCE_SCATTER_BASE, {output},
-                   [G = gloo_, out = host_of(output), in = host_of(input), opts]() mutable {
+                   [G = gloo_, out = flat(host_of(output)), in = flat(host_of(input)), opts]() mutable {
                      return G->_reduce_scatter_base(out, in, opts);
                    });
 }

@@ -4,7 +4,7 @@ import sys as _sys
 from mindspeed_flow.emulation import log as _log
 from mindspeed_flow.emulation.device import *  # noqa: F401,F403
 from mindspeed_flow.emulation.device import (  # noqa: F401  (underscore names are skipped by *)
-    _get_device_index, _is_in_bad_fork, _lazy_call, _lazy_init, _utils,
+    _get_device_index, _initialized, _is_in_bad_fork, _lazy_call, _lazy_init, _utils,
 )
 
 

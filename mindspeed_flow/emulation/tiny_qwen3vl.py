@@ -1,0 +1,184 @@
+"""Tiny Qwen3-VL / Qwen3-VL-MoE assets for MindSpeed-MM's FSDP2 trainer under emulation.
+
+`mindspeed_mm/fsdp/train/trainer.py CONFIG.yaml` loads a HuggingFace model directory (tokenizer, processor,
+config.json; no weights: `init_model_with_meta_device` initialises them) and a sharegpt-style dataset. This module
+writes both, sized to train in seconds per iteration on CPU, and a CONFIG.yaml made from MindSpeed-MM's own example
+(`examples/qwen3vl/qwen3vl_30B_config_v1.yaml`, read from the source tree at run time) by substituting values in
+place, so its keys, anchors and comments stay MindSpeed-MM's.
+
+    python -m mindspeed_flow.emulation.tiny_qwen3vl WORKDIR [--dense] [--ep 2] [--iters 10]
+
+Needs transformers 4.57 (MindSpeed-MM's pin, with the Qwen3-VL classes) and the `emulate` extra.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mindspeed_flow.emulation import tiny
+from mindspeed_flow.model_presets.tiny import IMAGE_TOKEN_ID, TINY_VOCAB, VISION_END_ID, VISION_START_ID
+
+EXAMPLE_YAML = "examples/qwen3vl/qwen3vl_30B_config_v1.yaml"
+
+# Text: 4 layers of hidden 64; head_dim 16 gives mrope sections [2, 3, 3] (t, h, w pairs = head_dim / 2).
+_TEXT: dict[str, Any] = {
+    "vocab_size": TINY_VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096,
+    "rope_theta": 10000.0, "tie_word_embeddings": False,
+    # transformers 4.57 reads rope_scaling; without mrope_section it falls back to the 235B split [24, 20, 20].
+    "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+}
+# MoE: 4 experts, top-2, every layer sparse (decoder_sparse_step 1), so expert parallelism over 2 ranks puts two
+# experts on each.
+_MOE_TEXT: dict[str, Any] = {**_TEXT, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                             "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
+# Vision: 3 blocks; deepstack taps after blocks 0 and 1 (the 30B model taps three of 27), patch 16 as Qwen3-VL.
+_VISION: dict[str, Any] = {
+    "depth": 3, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+    "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 64,
+    "deepstack_visual_indexes": [0, 1],
+}
+
+
+def build_hf_dir(out_dir: Path, moe: bool = True) -> Path:
+    """Tokenizer, Qwen3VLProcessor and config.json of a tiny Qwen3-VL(-MoE) in `out_dir` (no weights)."""
+    from mindspeed_flow.utils import torchvision_compat  # lazy: torch
+
+    torchvision_compat.install()  # transformers' Qwen3-VL processors import torchvision (a CUDA wheel)
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorFast, Qwen3VLProcessor  # lazy: after the fix
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tiny.build_tokenizer(out_dir)
+    tok = AutoTokenizer.from_pretrained(str(out_dir), local_files_only=True)
+    # Images of 56-112 px: a few 16-px patches each, merged 2x2 into one or two LLM tokens per row.
+    image = Qwen2VLImageProcessorFast(min_pixels=64 * 64, max_pixels=128 * 128, patch_size=16,
+                                      temporal_patch_size=2, merge_size=2)
+    video = Qwen3VLVideoProcessor(patch_size=16, temporal_patch_size=2, merge_size=2)
+    Qwen3VLProcessor(image_processor=image, tokenizer=tok, video_processor=video).save_pretrained(str(out_dir))
+    common = {"image_token_id": IMAGE_TOKEN_ID, "video_token_id": IMAGE_TOKEN_ID - 1,
+              "vision_start_token_id": VISION_START_ID, "vision_end_token_id": VISION_END_ID,
+              "tie_word_embeddings": False, "vision_config": dict(_VISION)}
+    if moe:
+        from transformers import Qwen3VLMoeConfig  # lazy: transformers 4.57
+
+        config = Qwen3VLMoeConfig(text_config=dict(_MOE_TEXT), **common)
+        config.architectures = ["Qwen3VLMoeForConditionalGeneration"]
+    else:
+        from transformers import Qwen3VLConfig  # lazy: transformers 4.57
+
+        config = Qwen3VLConfig(text_config=dict(_TEXT), **common)
+        config.architectures = ["Qwen3VLForConditionalGeneration"]
+    config.save_pretrained(str(out_dir))
+    return out_dir
+
+
+@dataclass
+class YamlEdits:
+    """What `write_config` changes in MindSpeed-MM's example, and why (each is what a user on CPU would do)."""
+
+    hf_dir: Path
+    data_dir: Path
+    cache_dir: Path
+    train_iters: int = 10
+    expert_parallel_size: int = 1
+    # The example's 1e-5 is a fine-tuning rate for trained weights; randomly initialised tiny weights need more for
+    # the loss to fall visibly within 10 iterations.
+    lr: float = 1e-3
+    # fp32 so that the later decoupled run can be compared with this one at fp32 tolerances (bf16 on CPU is also
+    # several times slower). Not a CPU limitation.
+    param_dtype: str = "fp32"
+    # None keeps the example's flash_attention_2: with NON_MEGATRON=true MindSpeed-MM registers its own
+    # flash_attention_2 (fsdp/ops/flash_attn/flash_attn.py) on torch_npu.npu_fusion_attention, which the emulator
+    # has; "eager" or "sdpa" take transformers' plain paths (same losses on the tiny job).
+    attn_implementation: str | None = None
+    # MindSpeed-MM selects range(max_samples) (qwen2vl_dataset.py), which fails on a dataset smaller than that.
+    max_samples: int = 32
+
+
+def _substitute(text: str, key: str, value: str, count: int = 1) -> str:
+    """Replace the value of `key:` (keeping indentation, a YAML anchor and a trailing comment) `count` times.
+
+    Lines whose value is an alias (`*NAME`) are left alone: they follow their anchor."""
+    pattern = re.compile(rf"^(?P<lead>[ \t]*{re.escape(key)}:(?![ \t]*\*)[ \t]*)"
+                         rf"(?P<anchor>&\S+[ \t]+)?(?P<value>[^#\n]*?)"
+                         rf"(?P<trail>[ \t]*(?:#.*)?)$", re.MULTILINE)
+    found = len(pattern.findall(text))
+    if found != count:
+        # MindSpeed-MM changed its example: fail loudly rather than train another configuration.
+        raise ValueError(f"{EXAMPLE_YAML}: expected {count} line(s) '{key}:', found {found}")
+    return pattern.sub(lambda m: f"{m['lead']}{m['anchor'] or ''}{value}{m['trail']}", text)
+
+
+def config_text(example: str, edits: YamlEdits) -> str:
+    """MindSpeed-MM's example YAML text with the tiny job's values substituted (keys and layout unchanged)."""
+    subs: list[tuple[str, str, int]] = [
+        ("param_dtype", edits.param_dtype, 1),
+        ("expert_parallel_size", str(edits.expert_parallel_size), 1),
+        ("model_name_or_path", str(edits.hf_dir), 1),  # the data side's anchor; the model side aliases it
+        ("dataset_dir", f"{edits.data_dir}/", 1),
+        ("dataset", str(edits.data_dir / "samples.json"), 1),
+        ("cache_dir", f"{edits.cache_dir}/", 1),
+        ("max_samples", str(edits.max_samples), 1),
+        # A laptop's few cores: no worker processes for preprocessing or loading.
+        ("preprocessing_num_workers", "1", 1),
+        ("num_workers", "0", 1),
+        # Pinned host memory only helps copies to an accelerator; the emulated NPU's memory is host memory.
+        ("pin_memory", "false", 1),
+        ("train_iters", str(edits.train_iters), 1),
+        ("lr", f"{edits.lr:.1e}", 1),
+    ]
+    if edits.attn_implementation is not None:
+        subs.append(("attn_implementation", edits.attn_implementation, 1))
+    for key, value, count in subs:
+        example = _substitute(example, key, value, count)
+    return example
+
+
+def write_config(mm_root: Path, out: Path, edits: YamlEdits) -> Path:
+    """Write the FSDP2 trainer's CONFIG.yaml for the tiny job, from MindSpeed-MM's example under `mm_root`."""
+    example = (mm_root / EXAMPLE_YAML).read_text(encoding="utf-8")
+    out.write_text(config_text(example, edits), encoding="utf-8")
+    return out
+
+
+def prepare_workdir(workdir: str | Path, mm_root: Path, *, moe: bool = True, n_samples: int = 32,
+                    **edit_kwargs: Any) -> dict[str, Path]:
+    """Build (once) the HF dir and the samples under `workdir`; write a fresh config.yaml there."""
+    workdir = Path(workdir).resolve()
+    hf_dir = workdir / ("hf_moe" if moe else "hf")
+    if not (hf_dir / "config.json").exists():
+        build_hf_dir(hf_dir, moe=moe)
+    samples = workdir / "data" / "samples.json"
+    if not samples.exists() or len(json.loads(samples.read_text())) != n_samples:
+        tiny.write_samples(workdir / "data", n_samples)
+    edits = YamlEdits(hf_dir=hf_dir, data_dir=workdir / "data", cache_dir=workdir / "cache", max_samples=n_samples,
+                      **edit_kwargs)
+    config = write_config(mm_root, workdir / "config.yaml", edits)
+    return {"workdir": workdir, "hf_dir": hf_dir, "samples": samples, "config": config}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mindspeed_flow.emulation.sources import find_sources
+
+    parser = argparse.ArgumentParser(prog="python -m mindspeed_flow.emulation.tiny_qwen3vl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("workdir")
+    parser.add_argument("--dense", action="store_true", help="Qwen3-VL instead of Qwen3-VL-MoE")
+    parser.add_argument("--ep", type=int, default=1, help="expert_parallel_size")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--samples", type=int, default=32)
+    args = parser.parse_args(argv)
+    paths = prepare_workdir(args.workdir, find_sources().mindspeed_mm.root, moe=not args.dense,
+                            n_samples=args.samples, expert_parallel_size=args.ep, train_iters=args.iters)
+    for key, value in paths.items():
+        print(f"{key}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
