@@ -15,33 +15,21 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mindspeed_flow.emulation import tiny
-from mindspeed_flow.model_presets.tiny import IMAGE_TOKEN_ID, TINY_VOCAB, VISION_END_ID, VISION_START_ID
+from mindspeed_flow.model_presets import hf_config_dict
 
 EXAMPLE_YAML = "examples/qwen3vl/qwen3vl_30B_config_v1.yaml"
 
-# Text: 4 layers of hidden 64; head_dim 16 gives mrope sections [2, 3, 3] (t, h, w pairs = head_dim / 2).
-_TEXT: dict[str, Any] = {
-    "vocab_size": TINY_VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096,
-    "rope_theta": 10000.0, "tie_word_embeddings": False,
-    # transformers 4.57 reads rope_scaling; without mrope_section it falls back to the 235B split [24, 20, 20].
-    "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
-}
-# MoE: 4 experts, top-2, every layer sparse (decoder_sparse_step 1), so expert parallelism over 2 ranks puts two
-# experts on each.
-_MOE_TEXT: dict[str, Any] = {**_TEXT, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
-                             "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
-# Vision: 3 blocks; deepstack taps after blocks 0 and 1 (the 30B model taps three of 27), patch 16 as Qwen3-VL.
-_VISION: dict[str, Any] = {
-    "depth": 3, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-    "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 64,
-    "deepstack_visual_indexes": [0, 1],
-}
+# The model is the torch host's tiny preset (`mindspeed_flow.model_presets.tiny`): a 3-block ViT (patch 16) whose
+# blocks 0 and 1 feed deepstack maps, a 4-layer interleaved-mrope LLM (hidden 64, head_dim 16); MoE: 4 experts,
+# top 2, every layer sparse, so expert parallelism over 2 ranks puts two experts on each.
+_FAMILY = {True: ("qwen3_vl_moe", "Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
+           False: ("qwen3_vl", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration")}
 
 
 def build_hf_dir(out_dir: Path, moe: bool = True) -> Path:
@@ -60,19 +48,11 @@ def build_hf_dir(out_dir: Path, moe: bool = True) -> Path:
                                       temporal_patch_size=2, merge_size=2)
     video = Qwen3VLVideoProcessor(patch_size=16, temporal_patch_size=2, merge_size=2)
     Qwen3VLProcessor(image_processor=image, tokenizer=tok, video_processor=video).save_pretrained(str(out_dir))
-    common = {"image_token_id": IMAGE_TOKEN_ID, "video_token_id": IMAGE_TOKEN_ID - 1,
-              "vision_start_token_id": VISION_START_ID, "vision_end_token_id": VISION_END_ID,
-              "tie_word_embeddings": False, "vision_config": dict(_VISION)}
-    if moe:
-        from transformers import Qwen3VLMoeConfig  # lazy: transformers 4.57
+    family, config_class, architecture = _FAMILY[moe]
+    import transformers  # lazy: transformers 4.57
 
-        config = Qwen3VLMoeConfig(text_config=dict(_MOE_TEXT), **common)
-        config.architectures = ["Qwen3VLMoeForConditionalGeneration"]
-    else:
-        from transformers import Qwen3VLConfig  # lazy: transformers 4.57
-
-        config = Qwen3VLConfig(text_config=dict(_TEXT), **common)
-        config.architectures = ["Qwen3VLForConditionalGeneration"]
+    config = getattr(transformers, config_class).from_dict(hf_config_dict(family, "tiny"))
+    config.architectures = [architecture]
     config.save_pretrained(str(out_dir))
     return out_dir
 
@@ -163,7 +143,7 @@ def prepare_workdir(workdir: str | Path, mm_root: Path, *, moe: bool = True, n_s
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mindspeed_flow.emulation.sources import find_sources
+    from mindspeed_flow.emulation.sources import SourceError, find_sources  # lazy: startup
 
     parser = argparse.ArgumentParser(prog="python -m mindspeed_flow.emulation.tiny_qwen3vl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -173,7 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--samples", type=int, default=32)
     args = parser.parse_args(argv)
-    paths = prepare_workdir(args.workdir, find_sources().mindspeed_mm.root, moe=not args.dense,
+    try:  # the example YAML is read from the MindSpeed-MM checkout
+        sources = find_sources()
+    except SourceError as err:
+        print(f"tiny_qwen3vl: {err}", file=sys.stderr)
+        return 2
+    paths = prepare_workdir(args.workdir, sources.mindspeed_mm.root, moe=not args.dense,
                             n_samples=args.samples, expert_parallel_size=args.ep, train_iters=args.iters)
     for key, value in paths.items():
         print(f"{key}: {value}")
