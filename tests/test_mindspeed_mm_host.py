@@ -155,7 +155,8 @@ def test_every_mindspeed_mm_flow_recipe_builds_its_parts(recipe) -> None:
     ("ep", "--expert-model-parallel-size 2: expert parallelism"),
     ("cp", "--context-parallel-size 2: flow parts run without context parallelism"),
     ("fsdp2", "--use-torch-fsdp2: Megatron's FSDP wrapper is not supported per flow part yet"),
-    ("video", "dataset_param.attr.videos='videos': video samples (pixel_values_videos, video_grid_thw)"),
+    ("video", "dataset_param.attr images='images' and videos='videos': MindSpeed-MM's pretrain_vlm.py cannot "
+              "train images and videos in one data set"),
     ("sampler", "dataloader_param.sampler_type='LengthGroupedSampler'"),
     ("ckpt", "--ckpt-format torch_dist (Megatron default): a flow job saves and loads Megatron's torch format"),
     ("packed", "packing.layout=packed needs the job's --use-flash-attn"),
@@ -170,7 +171,7 @@ def test_what_the_host_cannot_take_is_refused_by_name(tmp_path, case, want) -> N
     argv = _argv(model)
     script = "pretrain_transformers.py" if case == "script" else "pretrain_vlm.py"
     if case in ("video", "sampler"):
-        data = {"dataset_param": {"attr": {"videos": "videos" if case == "video" else None}},
+        data = {"dataset_param": {"attr": {"images": "images", "videos": "videos" if case == "video" else None}},
                 "dataloader_param": {"sampler_type": "LengthGroupedSampler" if case == "sampler"
                                      else "BaseRandomBatchSampler"}}
         (tmp_path / "data.json").write_text(json.dumps(data))

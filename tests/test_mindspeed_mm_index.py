@@ -219,3 +219,57 @@ def test_a_changed_image_stops_the_encoder_naming_the_sample(tmp_path) -> None:
                          SideNeeds(encoder_leader=0), VSTART, IMG, MERGE)
     with pytest.raises(FlowDataError, match=r"data set sample \d+: its image_grid_thw .* differs from the metadata"):
         next(_source(reads, gbs=4))
+
+
+def _video_batch(n_videos: int, with_images: bool = False) -> dict:
+    """A collated batch of one sample with `n_videos` videos as MindSpeed-MM's collator gives it: grids of 2
+    temporal patches, one second per grid step each, vision tokens at IMG (model.json's img_context_token_id set
+    to the video pad id)."""
+    ids = torch.tensor([[10] + [VSTART, IMG, IMG] * n_videos + [20, 21]])
+    labels = torch.full_like(ids, -100)
+    labels[0, -2:] = ids[0, -2:]
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids),
+             "video_grid_thw": torch.tensor([[2, 2, 2]] * n_videos),
+             "pixel_values_videos": torch.arange(8 * n_videos * CHANNELS, dtype=torch.float32).reshape(-1, CHANNELS),
+             "second_per_grid_ts": [0.5 + v for v in range(n_videos)]}
+    if with_images:
+        batch["image_grid_thw"], batch["pixel_values"] = torch.tensor([[1, 2, 2]]), torch.zeros((4, CHANNELS))
+    return batch
+
+
+def test_video_samples_are_split_as_mindspeed_mm_renames_them() -> None:
+    from mindspeed_flow.hosts.mindspeed_mm.data import collate_rows, split_batch
+
+    batch = _video_batch(2)
+    (s,) = split_batch(batch, 0, VSTART, IMG, MERGE)
+    assert torch.equal(s.image_grid_thw, batch["video_grid_thw"])  # the grid the ViT gets, as in get_batch
+    assert torch.equal(s.pixel_values, batch["pixel_values_videos"])
+    assert s.image_tokens == 4 and s.second_per_grid_ts.tolist() == [0.5, 1.5]
+    rows = collate_rows([s])
+    assert rows["second_per_grid_ts"] == [0.5, 1.5] and torch.equal(rows["image_grid_thw"], s.image_grid_thw)
+
+
+def test_video_tokens_elsewhere_than_img_context_token_id_are_named() -> None:
+    from mindspeed_flow.hosts.mindspeed_mm.data import split_batch
+
+    with pytest.raises(ValueError, match="img_context_token_id set to the <\\|video_pad\\|> id"):
+        split_batch(_video_batch(1), 0, VSTART, IMG + 1, MERGE)
+
+
+def test_images_and_videos_in_one_batch_are_refused() -> None:
+    from mindspeed_flow.hosts.mindspeed_mm.data import split_batch
+
+    with pytest.raises(FlowDataError, match="carry both images and videos"):
+        split_batch(_video_batch(1, with_images=True), 0, VSTART, IMG, MERGE)
+
+
+def test_index_keeps_video_grids_and_seconds() -> None:
+    from mindspeed_flow.hosts.mindspeed_mm.index import MetadataIndex, SampleMeta
+
+    metas = [SampleMeta(5, 1, 2, False, torch.tensor([[1, 2, 2]])),
+             SampleMeta(9, 4, 2, True, torch.tensor([[2, 2, 2], [2, 2, 2]]), torch.tensor([0.5, 1.5])),
+             SampleMeta(3, 0, 2, False, None)]
+    index = MetadataIndex.from_metas(metas)
+    got = index.meta(1)
+    assert got.has_video and got.grid.tolist() == [[2, 2, 2], [2, 2, 2]] and got.seconds.tolist() == [0.5, 1.5]
+    assert index.meta(0).seconds is None and index.meta(2).grid is None

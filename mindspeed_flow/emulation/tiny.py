@@ -165,6 +165,64 @@ def prepare_workdir(workdir: str | Path, n_samples: int = 64, vision_pp: list[in
             "data_json": data_path}
 
 
+# The tiny tokenizer's <|video_pad|> (SPECIAL_TOKENS order: one below the image pad).
+VIDEO_TOKEN_ID = IMAGE_TOKEN_ID - 1
+VIDEO_SIZE, VIDEO_FRAMES, VIDEO_FPS = (56, 56), 4, 2
+
+
+def write_video_samples(data_dir: Path, n_samples: int, seed: int = 0) -> Path:
+    """`n_samples` captioning samples with one tiny MPEG-4 video each (a square sliding over a background, 4 frames
+    at 2 fps, read by MindSpeed-MM's PyAV path); returns samples.json. Needs PyAV (`av`)."""
+    import av  # optional: PyAV, MindSpeed-MM's video reader
+    import numpy as np  # lazy: with av
+
+    rng = random.Random(seed)
+    (data_dir / "videos").mkdir(parents=True, exist_ok=True)
+    samples = []
+    for i in range(n_samples):
+        color, background = rng.sample(sorted(COLORS), 2)
+        direction = rng.choice(("left", "right"))
+        path = data_dir / "videos" / f"{i:04d}.mp4"
+        frame = np.array(_draw(color, "square", background, VIDEO_SIZE))
+        with av.open(str(path), "w") as container:
+            stream = container.add_stream("mpeg4", rate=VIDEO_FPS)
+            stream.width, stream.height, stream.pix_fmt = VIDEO_SIZE[0], VIDEO_SIZE[1], "yuv420p"
+            for f in range(VIDEO_FRAMES):
+                shifted = np.roll(frame, (6 if direction == "right" else -6) * f, axis=1)
+                for packet in stream.encode(av.VideoFrame.from_ndarray(shifted, format="rgb24")):
+                    container.mux(packet)
+            for packet in stream.encode():  # flush
+                container.mux(packet)
+        samples.append({"messages": [{"role": "user", "content": "<video>Describe the video."},
+                                     {"role": "assistant", "content": f"a {color} square moving {direction} on a "
+                                                                      f"{background} background"}],
+                        "videos": [str(path)]})
+    out = data_dir / "samples.json"
+    out.write_text(json.dumps(samples, indent=1))
+    return out
+
+
+def prepare_video_workdir(workdir: str | Path, n_samples: int = 16) -> dict[str, Path]:
+    """A video data set as MindSpeed-MM's Qwen2.5-VL README sets one up: data.json's `attr.videos` (no images)
+    and model.json's `img_context_token_id` at the video pad, where MindSpeed-MM scatters the ViT's rows."""
+    workdir = Path(workdir).resolve()
+    processor_dir = workdir / "processor"
+    if not (processor_dir / "preprocessor_config.json").exists():
+        processor_dir.mkdir(parents=True, exist_ok=True)
+        build_tokenizer(processor_dir)
+        build_processor(processor_dir)
+    samples = write_video_samples(workdir / "data", n_samples)
+    model_path, data_path = write_configs(workdir)
+    model = json.loads(model_path.read_text())
+    model["img_context_token_id"] = VIDEO_TOKEN_ID
+    model_path.write_text(json.dumps(model, indent=2))
+    data = json.loads(data_path.read_text())
+    data["dataset_param"]["attr"].update(images=None, videos="videos")
+    data_path.write_text(json.dumps(data, indent=2))
+    return {"workdir": workdir, "processor": processor_dir, "samples": samples, "model_json": model_path,
+            "data_json": data_path}
+
+
 def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 

@@ -39,6 +39,14 @@ what its side uses, through MindSpeed-MM's own code:
   every TP rank and pipeline stage (the embedding on the first stage, MindSpeed-MM's mrope positions on every
   stage, in both layouts, need them), labels only on the last stage (the loss), grids from the index, no pixels.
 
+Video samples are decoupled as MindSpeed-MM's Megatron path trains them: its `get_batch` renames a batch's
+`pixel_values_videos` / `video_grid_thw` to `pixel_values` / `image_grid_thw`, so the ViT encodes a video as an image
+of several temporal patches, and its model scatters the embeddings only at model.json's `img_context_token_id`,
+which a video data set therefore sets to the `<|video_pad|>` id (MindSpeed-MM's Qwen2.5-VL README). The flow job
+renames the same way (`as_vision_batch`), counts vision tokens at that id, and carries each video's
+`second_per_grid_ts`, which MindSpeed-MM's mrope reads for video tokens. A batch with both images and videos is
+refused: MindSpeed-MM's rename replaces the images' pixels with the videos', so the unpatched job cannot train it.
+
 A streaming (iterable) data set has no indices to plan from: it is read as before (`WholeBatchReads`: every rank
 reads the whole global batch, pixels included, through the loaders), and the launch says so.
 `MSF_FLOW_DATA_READS=whole` forces that path for comparison (`mindspeed-flow bench msmm`).
@@ -61,6 +69,9 @@ from mindspeed_flow.step.plan import StepWork, plan_decoupled_step
 IGNORE_INDEX = -100
 # Batch keys of the video path (MindSpeed-MM's get_batch renames them to pixel_values / image_grid_thw).
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw")
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")
+# Per video of a batch: seconds per temporal grid step, read by MindSpeed-MM's Qwen2.5-VL mrope for video tokens.
+SECONDS_KEY = "second_per_grid_ts"
 
 
 class FlowDataError(ValueError):
@@ -90,8 +101,8 @@ class FlowSample:
     input_ids: Optional[torch.Tensor]  # [len]
     labels: Optional[torch.Tensor]  # [len]
     pixel_values: Optional[torch.Tensor]  # [patches, C] or None
-    image_grid_thw: Optional[torch.Tensor]  # [images, 3] or None
-    image_tokens: int
+    image_grid_thw: Optional[torch.Tensor]  # [images or videos, 3] or None
+    image_tokens: int  # tokens at model.json's img_context_token_id (a video's, in a video data set)
     loss_tokens: int = 0  # tokens whose (shifted) label counts in the loss
     batch_index: int = 0  # the loader batch (the unpatched job's microbatch) this sample came in
     batch_loss_tokens: int = 0  # loss tokens of that whole loader batch
@@ -99,6 +110,7 @@ class FlowSample:
     position_ids: Optional[torch.Tensor] = None  # [3, len]: its own rope positions (packed layout; set once)
     length: int = -1  # tokens (from input_ids when not given)
     dataset_index: int = -1  # its index in MindSpeed-MM's data set (index reads)
+    second_per_grid_ts: Optional[torch.Tensor] = None  # [videos] float64: a video sample's, else None
 
     def __post_init__(self) -> None:
         if self.length < 0 and self.input_ids is not None:
@@ -129,17 +141,32 @@ class FlowStep:
         return [mb.sample_ids for mb in self.work.plan.microbatches[dp_rank]]
 
 
-def video_error(which: str, keys: Iterable[str]) -> FlowDataError:
-    return FlowDataError(f"{which} carry video ({', '.join(keys)}): a flow job decouples images only; train video "
-                         "samples with the unpatched job (drop --flow-recipe) or remove them from the data set")
+def mixed_error(which: str) -> FlowDataError:
+    return FlowDataError(f"{which} carry both images and videos: MindSpeed-MM's get_batch (pretrain_vlm.py) replaces "
+                         "pixel_values with pixel_values_videos and scatters at one img_context_token_id, so the "
+                         "unpatched job cannot train them; keep images and videos in separate data sets")
+
+
+def as_vision_batch(batch: dict[str, Any], which: str) -> tuple[dict[str, Any], bool]:
+    """(the batch with its video keys renamed to the image keys as MindSpeed-MM's get_batch renames them, whether
+    it carried video). Refuses a batch with both (see `mixed_error`)."""
+    if not any(batch.get(k) is not None for k in VIDEO_KEYS):
+        return batch, False
+    if any(batch.get(k) is not None for k in IMAGE_KEYS):
+        raise mixed_error(which)
+    renamed = {k: v for k, v in batch.items() if k not in VIDEO_KEYS}
+    renamed["pixel_values"], renamed["image_grid_thw"] = batch["pixel_values_videos"], batch["video_grid_thw"]
+    return renamed, True
 
 
 def split_batch(batch: dict[str, Any], first_id: int, vision_start_id: int, image_token_id: int,
                 merge_size: int, batch_index: int = 0) -> list[FlowSample]:
     """Cut a collated MindSpeed-MM batch ([b, s], right padding) back into its samples."""
-    videos = [k for k in VIDEO_KEYS if batch.get(k) is not None]
-    if videos:
-        raise video_error(f"samples {first_id}-{first_id + int(batch['input_ids'].shape[0]) - 1}", videos)
+    which = f"samples {first_id}-{first_id + int(batch['input_ids'].shape[0]) - 1}"
+    batch, video = as_vision_batch(batch, which)
+    seconds = batch.get(SECONDS_KEY) if video else None
+    if video and seconds is not None:
+        seconds = torch.as_tensor(seconds, dtype=torch.float64).reshape(-1)
     ids, labels, mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
     pixels, grids = batch.get("pixel_values"), batch.get("image_grid_thw")
     out, img_ptr, pix_ptr = [], 0, 0
@@ -147,19 +174,27 @@ def split_batch(batch: dict[str, Any], first_id: int, vision_start_id: int, imag
         keep = mask[b].bool()
         sample_ids, sample_labels = ids[b][keep].clone(), labels[b][keep].clone()
         n_images = int((sample_ids == vision_start_id).sum())
-        grid = pix = None
+        grid = pix = secs = None
         if n_images and grids is not None:
             grid = grids[img_ptr:img_ptr + n_images].clone()
             patches = int(grid.prod(dim=1).sum())
             pix = pixels[pix_ptr:pix_ptr + patches].clone()
+            if seconds is not None:
+                secs = seconds[img_ptr:img_ptr + n_images].clone()
             img_ptr, pix_ptr = img_ptr + n_images, pix_ptr + patches
         image_tokens = int((sample_ids == image_token_id).sum())
         if grid is not None and image_tokens != int(grid.prod(dim=1).sum()) // (merge_size * merge_size):
-            raise ValueError(f"sample {first_id + b}: {image_tokens} image tokens but image_grid_thw "
-                             f"{grid.tolist()} gives {int(grid.prod(dim=1).sum()) // merge_size ** 2}")
+            # MindSpeed-MM scatters the ViT's rows at img_context_token_id alone (vlm_model.py), so a video data
+            # set must name the video token there; the unpatched job fails on this sample with a shape mismatch.
+            hint = (f" at img_context_token_id {image_token_id}: a video data set needs model.json's "
+                    "img_context_token_id set to the <|video_pad|> id (MindSpeed-MM scatters video embeddings "
+                    "there only)") if video else ""
+            raise ValueError(f"sample {first_id + b}: {image_tokens} {'vision' if video else 'image'} tokens{hint} "
+                             f"but {'video' if video else 'image'}_grid_thw {grid.tolist()} gives "
+                             f"{int(grid.prod(dim=1).sum()) // merge_size ** 2}")
         loss_tokens = int((sample_labels[1:] != IGNORE_INDEX).sum())
         out.append(FlowSample(first_id + b, sample_ids, sample_labels, pix, grid, image_tokens, loss_tokens,
-                              batch_index))
+                              batch_index, second_per_grid_ts=secs))
     batch_tokens = sum(s.loss_tokens for s in out)
     for s in out:
         s.batch_loss_tokens, s.batch_samples = batch_tokens, len(out)
@@ -197,7 +232,17 @@ def collate_rows(samples: list[FlowSample], pad_id: int = 0, pad_multiple: int =
     grids = [s.image_grid_thw for s in samples if s.image_grid_thw is not None]
     if grids:
         batch["image_grid_thw"] = torch.cat(grids, dim=0)
+    seconds = microbatch_seconds(samples)
+    if seconds is not None:
+        batch[SECONDS_KEY] = seconds
     return batch
+
+
+def microbatch_seconds(samples: list[FlowSample]) -> Optional[list[float]]:
+    """The microbatch's second_per_grid_ts as MindSpeed-MM's collator passes it (a list, one per video, in
+    sample order), or None without videos. A microbatch never mixes images and videos (`as_vision_batch`)."""
+    seconds = [float(t) for s in samples if s.second_per_grid_ts is not None for t in s.second_per_grid_ts]
+    return seconds or None
 
 
 def cycle_passes(loader: Iterable[Any]) -> Iterator[Any]:
@@ -244,14 +289,13 @@ def sample_meta(dataset: Any, collate: Callable[[list], dict], vision_start_id: 
     ids = torch.as_tensor(item["input_ids"], dtype=torch.long)
     labels = torch.as_tensor(item["labels"], dtype=torch.long)
     batch = collate([item])
-    if any(batch.get(k) is not None for k in VIDEO_KEYS):
-        return SampleMeta(int(ids.numel()), 0, 0, True, None)
+    video = any(batch.get(k) is not None for k in VIDEO_KEYS)
     s = split_batch(batch, i, vision_start_id, image_token_id, merge_size)[0]
     if not (torch.equal(s.input_ids, ids) and torch.equal(s.labels, labels)):
         raise FlowDataError(f"data set sample {i}: MindSpeed-MM's collator changes its token ids or labels, so decoder "
                             "ranks cannot take them from the data set's item; read whole batches with "
                             "MSF_FLOW_DATA_READS=whole")
-    return SampleMeta(s.length, s.image_tokens, s.loss_tokens, False, s.image_grid_thw)
+    return SampleMeta(s.length, s.image_tokens, s.loss_tokens, video, s.image_grid_thw, s.second_per_grid_ts)
 
 
 class _ReplicaBatches:
@@ -303,13 +347,13 @@ class IndexedReads(_ReplicaBatches):
 
     def _samples(self, indices: list[int], first_id: int, batch_index: int) -> list[FlowSample]:
         batch = []
-        for di in indices:
-            m = self.index.meta(int(di))
-            if m.has_video:
-                raise video_error(f"data set sample {di} (sample {first_id + len(batch)} of the global batch)",
-                                  VIDEO_KEYS)
+        metas = [self.index.meta(int(di)) for di in indices]
+        if any(m.has_video for m in metas) and any(not m.has_video and m.grid is not None for m in metas):
+            # The unpatched job's microbatch would hold both, and its rename drops the images' pixels.
+            raise mixed_error(f"data set samples {[int(di) for di in indices]} (one micro-batch)")
+        for di, m in zip(indices, metas):
             batch.append(FlowSample(first_id + len(batch), None, None, None, m.grid, m.image_tokens, m.loss_tokens,
-                                    batch_index, length=m.length, dataset_index=int(di)))
+                                    batch_index, length=m.length, dataset_index=int(di), second_per_grid_ts=m.seconds))
         tokens = sum(s.loss_tokens for s in batch)
         for s in batch:
             s.batch_loss_tokens, s.batch_samples = tokens, len(batch)

@@ -1,7 +1,9 @@
 """The metadata index of a MindSpeed-MM data set: what the flow job plans with, per sample, without any pixels.
 
-Per sample (the data set's own index): its token count, image tokens, loss tokens (labels other than -100 after
-the shift), whether it carries video, and its images' `image_grid_thw`. Every rank plans each global batch from
+Per sample (the data set's own index): its token count, vision tokens (those at model.json's
+`img_context_token_id`), loss tokens (labels other than -100 after the shift), whether it carries video, its
+images' or videos' `image_grid_thw` (a video's grid as MindSpeed-MM's `get_batch` renames `video_grid_thw`), and per
+grid row the video's `second_per_grid_ts` (0 for an image), which MindSpeed-MM's mrope reads for video tokens. Every rank plans each global batch from
 this alone; a rank then loads only the content its side uses (`data.IndexedReads`).
 
 Built once per data set by running MindSpeed-MM's own path on each sample once: the data set's item (its tokenized
@@ -48,10 +50,11 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-FORMAT = 1
+# 2: video samples are indexed (grids and their second_per_grid_ts) instead of only flagged.
+FORMAT = 2
 MAX_HASHED_FILE = 64 * 2 ** 20
 INDEX_FOLDER = "mindspeed_flow_index"
-_FIELDS = ("lengths", "image_tokens", "loss_tokens", "has_video", "grid_offsets", "grids")
+_FIELDS = ("lengths", "image_tokens", "loss_tokens", "has_video", "grid_offsets", "grids", "grid_seconds")
 
 
 @dataclass
@@ -60,7 +63,8 @@ class SampleMeta:
     image_tokens: int
     loss_tokens: int
     has_video: bool
-    grid: Optional[torch.Tensor]  # [images, 3] int64, or None
+    grid: Optional[torch.Tensor]  # [images or videos, 3] int64, or None
+    seconds: Optional[torch.Tensor] = None  # [videos] float64: a video sample's second_per_grid_ts, else None
 
 
 @dataclass
@@ -74,6 +78,7 @@ class MetadataIndex:
     has_video: torch.Tensor
     grid_offsets: torch.Tensor
     grids: torch.Tensor
+    grid_seconds: torch.Tensor  # per grid row: its video's second_per_grid_ts (float64), 0 for an image
     key: str = ""
     path: Optional[Path] = None
 
@@ -82,22 +87,28 @@ class MetadataIndex:
 
     def meta(self, i: int) -> SampleMeta:
         lo, hi = int(self.grid_offsets[i]), int(self.grid_offsets[i + 1])
-        return SampleMeta(int(self.lengths[i]), int(self.image_tokens[i]), int(self.loss_tokens[i]),
-                          bool(self.has_video[i]), self.grids[lo:hi].clone() if hi > lo else None)
+        video = bool(self.has_video[i])
+        return SampleMeta(int(self.lengths[i]), int(self.image_tokens[i]), int(self.loss_tokens[i]), video,
+                          self.grids[lo:hi].clone() if hi > lo else None,
+                          self.grid_seconds[lo:hi].clone() if video and hi > lo else None)
 
     @staticmethod
     def from_metas(metas: list[SampleMeta], key: str = "") -> "MetadataIndex":
-        offsets, grids = [0], []
+        offsets, grids, seconds = [0], [], []
         for m in metas:
             if m.grid is not None:
                 grids.append(m.grid.to(torch.long).reshape(-1, 3))
+                n = int(grids[-1].shape[0])
+                seconds.append(m.seconds.to(torch.float64).reshape(n) if m.seconds is not None
+                               else torch.zeros(n, dtype=torch.float64))
             offsets.append(offsets[-1] + (int(m.grid.shape[0]) if m.grid is not None else 0))
         return MetadataIndex(torch.tensor([m.length for m in metas], dtype=torch.long),
                              torch.tensor([m.image_tokens for m in metas], dtype=torch.long),
                              torch.tensor([m.loss_tokens for m in metas], dtype=torch.long),
                              torch.tensor([m.has_video for m in metas], dtype=torch.bool),
                              torch.tensor(offsets, dtype=torch.long),
-                             torch.cat(grids) if grids else torch.zeros((0, 3), dtype=torch.long), key)
+                             torch.cat(grids) if grids else torch.zeros((0, 3), dtype=torch.long),
+                             torch.cat(seconds) if seconds else torch.zeros(0, dtype=torch.float64), key)
 
     def save(self, path: Path) -> None:
         """Atomically: a reader sees the whole file or none."""

@@ -115,10 +115,11 @@ def pack_samples(ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], po
     return PackedRow(batch, lengths + ([pad] if pad else []), len(lengths))
 
 
-def rope_positions_fn(model_cfg: Any) -> Callable[[Any, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]:
+def rope_positions_fn(model_cfg: Any) -> Callable[..., torch.Tensor]:
     """The job's own position-id function for one sample: MindSpeed-MM's rope index of its text decoder
     (`attention_mask_list[text_decoder.model_id]`'s `pos_func`), on the host. Returns (config, ids [len],
-    grid [images, 3] or None) -> [3, len]."""
+    grid [images or videos, 3] or None, seconds [videos] or None) -> [3, len]; `seconds` is the sample's
+    second_per_grid_ts, which the unpatched job's batch passes on to the rope index for video tokens."""
     from mindspeed_mm.models.vision import vlm_attentionmask_for_llm as masks  # optional: mindspeed_mm
 
     model_id = getattr(model_cfg.text_decoder, "model_id", None)
@@ -128,8 +129,10 @@ def rope_positions_fn(model_cfg: Any) -> Callable[[Any, torch.Tensor, Optional[t
         raise ValueError(f"text_decoder.model_id={model_id!r}: MindSpeed-MM has no rope-index function for it, so "
                          "a packed microbatch cannot restart positions per sample; use packing.layout: rows")
 
-    def positions(config: Any, ids: torch.Tensor, grid: Optional[torch.Tensor]) -> torch.Tensor:
-        pos, _ = pos_func(config, ids.reshape(1, -1), image_grid_thw=grid)
+    def positions(config: Any, ids: torch.Tensor, grid: Optional[torch.Tensor],
+                  seconds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        extra = {} if seconds is None else {"second_per_grid_ts": [float(t) for t in seconds]}
+        pos, _ = pos_func(config, ids.reshape(1, -1), image_grid_thw=grid, **extra)
         return pos[:, 0, :]
 
     return positions

@@ -207,7 +207,9 @@ def support_table() -> str:
         ("other parts", "", "`audio_encoder` (Qwen2.5-Omni: a third part; the torch host trains it)"),
         ("parallelism", "any DP/TP per part, decoder PP (uneven split), sequence parallel, MC2",
          "CP > 1, VPP, encoder PP, `--use-torch-fsdp2`, `--hetero-parallel`, `--dist-train`"),
-        ("data", f"images, 0-n per sample, {ids(SUPPORTED_SAMPLERS)}", "video samples (`attr.videos`), other samplers"),
+        ("data", f"images, 0-n per sample, or videos (`attr.videos`, model.json's `img_context_token_id` the video "
+                 f"pad id, as MindSpeed-MM trains them), {ids(SUPPORTED_SAMPLERS)}",
+         "images and videos in one data set (`attr.images` and `attr.videos`), other samplers"),
         ("checkpoints", "`--ckpt-format torch`", "`torch_dist` (Megatron's default with `--save`/`--load`)"),
     ]
     lines = ["| | supported | refused |", "|---|---|---|"]
@@ -402,16 +404,20 @@ def check_job_flags(argv: list[str], script: Optional[str] = None) -> None:
 
 
 def check_data_json(path: str | Path) -> None:
-    """Data the flow host cannot train as the unpatched job does: video samples, untested samplers."""
+    """Data the flow host cannot train as the unpatched job does: images and videos together, untested samplers."""
     try:
         cfg = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
         raise FlowRecipeError(f"--mm-data {path}: cannot read it ({err})")
     attr = ((cfg.get("dataset_param") or {}).get("attr") or {})
-    if attr.get("videos"):
-        raise FlowRecipeError(f"--mm-data {path}: dataset_param.attr.videos={attr['videos']!r}: video samples "
-                              "(pixel_values_videos, video_grid_thw) are not decoupled yet; train them with the "
-                              "unpatched job or drop the videos column")
+    if attr.get("videos") and attr.get("images"):
+        # Refused because the unpatched job cannot train it either: MindSpeed-MM scatters vision embeddings at one
+        # token id (model.json's img_context_token_id) and its get_batch overwrites an image batch's pixels with
+        # the videos'; a flow job reproduces the unpatched job, so it has nothing to match here.
+        raise FlowRecipeError(f"--mm-data {path}: dataset_param.attr images={attr['images']!r} and "
+                              f"videos={attr['videos']!r}: MindSpeed-MM's pretrain_vlm.py cannot train images and "
+                              "videos in one data set (it scatters vision embeddings only at model.json's "
+                              "img_context_token_id, one token id); train them as separate data sets")
     loader = cfg.get("dataloader_param") or {}
     sampler = loader.get("sampler_type")
     if sampler not in SUPPORTED_SAMPLERS:

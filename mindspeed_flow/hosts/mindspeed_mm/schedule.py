@@ -52,7 +52,8 @@ import torch.distributed as dist
 
 from mindspeed_flow.hosts.mindspeed_mm import memory as flow_memory
 from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext, PartFigures
-from mindspeed_flow.hosts.mindspeed_mm.data import LAYOUT_PACKED, FlowSample, FlowStep, collate_rows
+from mindspeed_flow.hosts.mindspeed_mm.data import (LAYOUT_PACKED, SECONDS_KEY, FlowSample, FlowStep, collate_rows,
+                                                    microbatch_seconds)
 from mindspeed_flow.hosts.mindspeed_mm.packed import pack_samples, packed_forward, rope_positions_fn
 from mindspeed_flow.pool.planned import PlannedItem, PlannedTransport
 from mindspeed_flow.pool.wire import CHANNEL_EMBEDDING, CHANNEL_GRAD
@@ -454,13 +455,16 @@ class DecoderStep:
             self._positions = rope_positions_fn(get_args().mm.model)
         for s in samples:  # each sample's own rope positions, once (every pipeline stage needs them)
             if s.position_ids is None:
-                s.position_ids = self._positions(vlm.config, s.input_ids, s.image_grid_thw)
+                s.position_ids = self._positions(vlm.config, s.input_ids, s.image_grid_thw, s.second_per_grid_ts)
         row = pack_samples([s.input_ids for s in samples], [s.labels_or_ignored() for s in samples],
                            [s.position_ids for s in samples], pad_multiple=self.pad_multiple)
         flow_memory.record(self.ctx.shapes, "segments", list(row.segments))
         grids = [s.image_grid_thw for s in samples if s.image_grid_thw is not None]
         if grids:
             row.batch["image_grid_thw"] = torch.cat(grids, dim=0)
+        seconds = microbatch_seconds(samples)
+        if seconds is not None:
+            row.batch[SECONDS_KEY] = seconds
         return row.batch, row.token_weights, packed_forward(self.ctx, row.packed_seq_params())
 
     def forward_step(self, original: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
