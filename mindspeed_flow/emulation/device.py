@@ -229,8 +229,14 @@ default_generators = (torch.default_generator,)
 # itself at offset 0, so `torch.manual_seed(s)` draws what CPU torch draws). Philox advances its offset with each
 # draw; here `get_rng_state` notices draws (the CPU generator moved since the last seeding), moves the offset on by
 # `_OFFSET_STRIDE` and reseeds, so that restoring the state it returned replays what follows, as on the device.
+#
+# Only for jobs without Megatron (MindSpeed-MM's FSDP2 path, which its launch scripts start with NON_MEGATRON=true):
+# Megatron and MindSpeed save and restore the device RNG through `default_generators[i].set_state(...)`, and those
+# are the CPU generator here, which takes only its own full state; so a Megatron-path job keeps that state in both
+# directions (the one knowing departure from torch_npu's layout, listed in the emulation README).
 _SEED_BYTES = 8
 _OFFSET_STRIDE = 1 << 40  # far above the offsets DTensor sets (element counts of one tensor)
+_DEVICE_LAYOUT = os.environ.get("NON_MEGATRON", "").strip().lower() in ("1", "true", "yes")
 _rng: dict[str, Any] = {"seed": None, "offset": 0, "cpu_state": None}
 
 
@@ -267,7 +273,10 @@ def initial_seed() -> int:
 
 
 def get_rng_state(device: Any = None) -> torch.Tensor:
-    """The (seed, offset) state, 16 CPU bytes; a state taken after draws stands for what follows them."""
+    """The (seed, offset) state, 16 CPU bytes; a state taken after draws stands for what follows them (the CPU
+    generator's own state on the Megatron path, see `_DEVICE_LAYOUT`)."""
+    if not _DEVICE_LAYOUT:
+        return torch.default_generator.get_state()
     if _rng["seed"] is None:
         _seed_cpu(torch.default_generator.initial_seed(), _OFFSET_STRIDE)
     elif not torch.equal(torch.default_generator.get_state(), _rng["cpu_state"]):
@@ -279,6 +288,9 @@ def get_rng_state(device: Any = None) -> torch.Tensor:
 
 def set_rng_state(new_state: torch.Tensor, device: Any = None) -> None:
     """Take a state `get_rng_state` gave (or the seed alone, 8 bytes), refusing other sizes as torch_npu does."""
+    if not _DEVICE_LAYOUT:
+        torch.default_generator.set_state(new_state)
+        return
     if new_state.dtype != torch.uint8 or new_state.device.type != "cpu":
         raise RuntimeError("RNG state must be a torch.ByteTensor")
     if new_state.numel() not in (_SEED_BYTES, 2 * _SEED_BYTES):
