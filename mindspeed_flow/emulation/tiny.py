@@ -148,15 +148,21 @@ def write_configs(workdir: Path, vision_pp: list[int] | None = None, text_pp: li
     return model_path, data_path
 
 
-def prepare_workdir(workdir: str | Path, n_samples: int = 64, vision_pp: list[int] | None = None,
-                    text_pp: list[int] | None = None) -> dict[str, Path]:
-    """Build (once) the processor and samples under `workdir`, and write fresh model/data configs."""
-    workdir = Path(workdir).resolve()
+def ensure_processor(workdir: Path) -> Path:
+    """WORKDIR/processor: the tiny tokenizer and processor, built once."""
     processor_dir = workdir / "processor"
     if not (processor_dir / "preprocessor_config.json").exists():
         processor_dir.mkdir(parents=True, exist_ok=True)
         build_tokenizer(processor_dir)
         build_processor(processor_dir)
+    return processor_dir
+
+
+def prepare_workdir(workdir: str | Path, n_samples: int = 64, vision_pp: list[int] | None = None,
+                    text_pp: list[int] | None = None) -> dict[str, Path]:
+    """Build (once) the processor and samples under `workdir`, and write fresh model/data configs."""
+    workdir = Path(workdir).resolve()
+    processor_dir = ensure_processor(workdir)
     samples = workdir / "data" / "samples.json"
     if not samples.exists() or len(json.loads(samples.read_text())) != n_samples:
         write_samples(workdir / "data", n_samples)
@@ -206,11 +212,7 @@ def prepare_video_workdir(workdir: str | Path, n_samples: int = 16) -> dict[str,
     """A video data set as MindSpeed-MM's Qwen2.5-VL README sets one up: data.json's `attr.videos` (no images)
     and model.json's `img_context_token_id` at the video pad, where MindSpeed-MM scatters the ViT's rows."""
     workdir = Path(workdir).resolve()
-    processor_dir = workdir / "processor"
-    if not (processor_dir / "preprocessor_config.json").exists():
-        processor_dir.mkdir(parents=True, exist_ok=True)
-        build_tokenizer(processor_dir)
-        build_processor(processor_dir)
+    processor_dir = ensure_processor(workdir)
     samples = write_video_samples(workdir / "data", n_samples)
     model_path, data_path = write_configs(workdir)
     model = json.loads(model_path.read_text())
