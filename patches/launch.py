@@ -1,6 +1,12 @@
 """Run a MindSpeed-MM entry script with the mindspeed-flow patch set applied.
 
     torchrun <launcher args> -m mindspeed_flow_patches.launch [--flow-recipe FLOW.yaml] pretrain_vlm.py <args...>
+    torchrun <launcher args> -m mindspeed_flow_patches.launch --flow-recipe FLOW.yaml \
+        mindspeed_mm/fsdp/train/trainer.py CONFIG.yaml [key=value ...]
+
+The second form is MindSpeed-MM's FSDP2 trainer (`mindspeed_flow.hosts.mindspeed_mm.fsdp2`, patches in
+`mindspeed_flow_patches.fsdp2_flow`): it runs without Megatron, so nothing below about MindSpeed's adaptor applies
+to it; its patches are installed before the script runs.
 
 Without `--flow-recipe` only the fixes (MC2 2-D input) are applied and the job behaves exactly as before. With it,
 the job trains decoupled: the image encoder and the text decoder on their own ranks, each with the layout of
@@ -101,6 +107,35 @@ def setup_flow(recipe: str, script: str, script_argv: list[str]) -> None:
               f"packing {parts.packing.scheduler} (token budget {parts.packing.token_budget})", flush=True)
 
 
+def is_fsdp2_trainer(script: str) -> bool:
+    from mindspeed_flow.hosts.mindspeed_mm.fsdp2 import TRAINER_SCRIPT  # lazy: startup
+
+    return os.path.abspath(script).replace(os.sep, "/").endswith("/" + TRAINER_SCRIPT)
+
+
+def setup_fsdp2_flow(recipe: str, script_argv: list[str]) -> list[str]:
+    """Validate FLOW.yaml against CONFIG.yaml, install this rank's context, add its part's overrides; returns the
+    patched targets."""
+    from mindspeed_flow.hosts.mindspeed_mm import fsdp2  # lazy: flow jobs only
+    from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError  # lazy: flow jobs only
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        parts = fsdp2.fsdp2_parts_for_job(recipe, script_argv, world)
+    except FlowRecipeError as err:
+        if _is_rank0():
+            print(f"mindspeed-flow: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    ctx = fsdp2.for_this_process(parts)
+    fsdp2.install(ctx)
+    os.environ[RECIPE_ENV] = os.path.abspath(recipe)
+    if _is_rank0():
+        print(f"[mindspeed-flow] decoupled FSDP2 layout from {recipe}: {parts.describe()}", flush=True)
+    from mindspeed_flow_patches import fsdp2_flow  # lazy: imports MindSpeed-MM
+
+    return fsdp2_flow.apply()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     recipe, argv = _split_recipe(argv)
@@ -113,6 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mindspeed_flow_patches.launch: script {argv[0]!r} not found (cwd {os.getcwd()})", file=sys.stderr)
         return 2
     script_argv = argv[1:]
+    if is_fsdp2_trainer(script):
+        names = setup_fsdp2_flow(recipe, script_argv) if recipe else []
+        sys.argv = [script] + script_argv
+        sys.path.insert(0, os.path.dirname(script))
+        if _is_rank0() and names:
+            print(f"[mindspeed_flow_patches] applied {len(names)} FSDP2 flow patches", flush=True)
+        runpy.run_path(script, run_name="__main__")
+        return 0
     if recipe:
         setup_flow(recipe, script, script_argv)
     sys.argv = [script] + script_argv  # step 1

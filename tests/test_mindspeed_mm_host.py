@@ -147,7 +147,7 @@ def test_every_mindspeed_mm_flow_recipe_builds_its_parts(recipe) -> None:
 
 
 @pytest.mark.parametrize("case,want", [
-    ("script", "pretrain_transformers.py: MindSpeed-MM's FSDP2 path"),
+    ("script", "pretrain_transformers.py: MindSpeed-MM's pretrain_transformers FSDP2 path"),
     ("qwen3vit", "image_encoder.vision_encoder.model_id='qwen3vit': Qwen3-VL's ViT returns deepstack"),
     ("internvl", "image_encoder.vision_encoder.model_id='clip': InternVL's ViT takes no image_grid_thw"),
     ("audio", "audio_encoder: an audio encoder would be a third part"),

@@ -24,7 +24,9 @@ def _registry():
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
-    return mod.REGISTRY
+    from mindspeed_flow_patches import fsdp2_flow  # the FSDP2 trainer's patch set
+
+    return mod.REGISTRY + fsdp2_flow.REGISTRY
 
 
 REGISTRY = _registry()
@@ -56,6 +58,25 @@ def _params_from_source(roots: list[Path], target: str) -> list[str] | None:
                             break
                     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                         return [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs]
+                    if node is None and split == len(parts) - 1:
+                        # A module-level name the module imports (the wrapper replaces the module's binding):
+                        # the signature of where it comes from, or [] when that is outside the sources (torch).
+                        source = _imported_from(path, parts[-1])
+                        if source is not None:
+                            return (_params_from_source(roots, source) if source else None) or []
+    return None
+
+
+def _imported_from(path: Path, name: str) -> str | None:
+    """`package.module.original_name` of `name` when the module at `path` binds it with `from ... import`."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                if (alias.asname or alias.name) == name:
+                    return f"{node.module}.{alias.name}"
+        if isinstance(node, ast.Import):  # `import package.module as name`: a module, no signature
+            if any(alias.asname == name for alias in node.names):
+                return ""
     return None
 
 

@@ -259,9 +259,14 @@ def main(argv: list[str]) -> int:
     if args.flow_recipe:
         # The same check every rank repeats at start-up, once here so a wrong recipe is one message, not one per
         # rank plus the launcher's traceback.
+        from mindspeed_flow.hosts.mindspeed_mm import fsdp2  # lazy: torch
+
         try:
             with _in_dir(sources.mindspeed_mm.root):
-                parts_for_job(args.flow_recipe, script[1:], args.nproc, script=script[0])
+                if script[0].replace(os.sep, "/").endswith(fsdp2.TRAINER_SCRIPT):
+                    fsdp2.fsdp2_parts_for_job(args.flow_recipe, script[1:], args.nproc)
+                else:
+                    parts_for_job(args.flow_recipe, script[1:], args.nproc, script=script[0])
         except FlowRecipeError as err:
             print(f"mindspeed-flow emulate: {err}", file=sys.stderr)
             return 2

@@ -162,6 +162,11 @@ def _fusion_attention_tnd(query: torch.Tensor, key: torch.Tensor, value: torch.T
         raise ValueError(f"npu_fusion_attention: {len(q_bounds)} query sequences vs {len(kv_bounds)} key sequences")
     outs, maxes, sums = [], [], []
     for (qs, qe), (ks, ke) in zip(q_bounds, kv_bounds):
+        if qe == qs:
+            # A zero-length sequence attends to nothing and yields no rows. MindSpeed-MM's FSDP2 flash attention
+            # passes cu_seqlens with their leading 0 (ops/flash_attn/flash_attn.py), i.e. a first sequence of
+            # length 0, whenever a ViT forward holds several images.
+            continue
         q = query[qs:qe].transpose(0, 1).unsqueeze(0)  # [1, N, s, D]
         k = _expand_kv(key[ks:ke].transpose(0, 1).unsqueeze(0), q.shape[1])
         v = _expand_kv(value[ks:ke].transpose(0, 1).unsqueeze(0), q.shape[1])

@@ -57,6 +57,20 @@ def build_hf_dir(out_dir: Path, moe: bool = True) -> Path:
     return out_dir
 
 
+def write_weights(hf_dir: Path, moe: bool = True, seed: int = 1234) -> Path:
+    """model.safetensors of the tiny model in `hf_dir`, initialised by transformers from `seed`: what a user
+    fine-tunes from (`training.load`), so that jobs on different layouts start from the same weights."""
+    import torch  # lazy: torch
+    import transformers  # lazy: transformers 4.57
+
+    _, config_class, architecture = _FAMILY[moe]
+    config = getattr(transformers, config_class).from_pretrained(str(hf_dir))
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config)
+    model.save_pretrained(str(hf_dir), safe_serialization=True)
+    return hf_dir / "model.safetensors"
+
+
 @dataclass
 class YamlEdits:
     """What `write_config` changes in MindSpeed-MM's example, and why (each is what a user on CPU would do)."""
@@ -78,6 +92,16 @@ class YamlEdits:
     attn_implementation: str | None = None
     # MindSpeed-MM selects range(max_samples) (qwen2vl_dataset.py), which fails on a dataset smaller than that.
     max_samples: int = 32
+    # The example freezes the vision tower (`model.freeze: [model.visual]`, fine-tuning the LLM only); False trains
+    # it too, so that a decoupled run's gradients also cross back to the encoder ranks.
+    freeze_vision: bool = True
+    # Start from the HF weights in hf_dir (`training.load`, HF format: weights only) instead of a random init.
+    load_weights: bool = False
+    # Checkpoints (DCP): `training.save` every `save_interval` iterations; `resume_from` loads a saved run
+    # (`training.load` at its save directory, with optimizer and RNG state: how MindSpeed-MM resumes).
+    save_dir: Path | None = None
+    save_interval: int = 10000
+    resume_from: Path | None = None
 
 
 def _substitute(text: str, key: str, value: str, count: int = 1) -> str:
@@ -92,6 +116,14 @@ def _substitute(text: str, key: str, value: str, count: int = 1) -> str:
         # MindSpeed-MM changed its example: fail loudly rather than train another configuration.
         raise ValueError(f"{EXAMPLE_YAML}: expected {count} line(s) '{key}:', found {found}")
     return pattern.sub(lambda m: f"{m['lead']}{m['anchor'] or ''}{value}{m['trail']}", text)
+
+
+def _uncomment(text: str, key: str, *lines: str) -> str:
+    """Replace the example's commented `# KEY: KEY_path` line by `lines` (same indentation)."""
+    commented = re.compile(rf"^(?P<lead>[ \t]*)# {key}: {key}_path[ \t]*$", re.MULTILINE)
+    if len(commented.findall(text)) != 1:
+        raise ValueError(f"{EXAMPLE_YAML}: expected one '# {key}: {key}_path' line")
+    return commented.sub(lambda m: "\n".join(m["lead"] + line for line in lines), text)
 
 
 def config_text(example: str, edits: YamlEdits) -> str:
@@ -116,6 +148,18 @@ def config_text(example: str, edits: YamlEdits) -> str:
         subs.append(("attn_implementation", edits.attn_implementation, 1))
     for key, value, count in subs:
         example = _substitute(example, key, value, count)
+    example = _substitute(example, "save_interval", str(edits.save_interval))
+    if edits.resume_from is not None:
+        example = _uncomment(example, "load", f"load: {edits.resume_from}")
+    elif edits.load_weights:
+        example = _uncomment(example, "load", f"load: {edits.hf_dir}", "no_load_optim: true", "no_load_rng: true")
+    if edits.save_dir is not None:
+        example = _uncomment(example, "save", f"save: {edits.save_dir}")
+    if not edits.freeze_vision:
+        frozen = re.compile(r"^(?P<lead>[ \t]*)freeze:[ \t]*\n[ \t]*- model\.visual[ \t]*\n", re.MULTILINE)
+        if len(frozen.findall(example)) != 1:
+            raise ValueError(f"{EXAMPLE_YAML}: expected one 'freeze:' list holding model.visual")
+        example = frozen.sub(lambda m: f"{m['lead']}freeze: []\n", example)
     return example
 
 
@@ -127,18 +171,20 @@ def write_config(mm_root: Path, out: Path, edits: YamlEdits) -> Path:
 
 
 def prepare_workdir(workdir: str | Path, mm_root: Path, *, moe: bool = True, n_samples: int = 32,
-                    **edit_kwargs: Any) -> dict[str, Path]:
-    """Build (once) the HF dir and the samples under `workdir`; write a fresh config.yaml there."""
+                    config_name: str = "config.yaml", **edit_kwargs: Any) -> dict[str, Path]:
+    """Build (once) the HF dir and the samples under `workdir`; write a fresh `config_name` there."""
     workdir = Path(workdir).resolve()
     hf_dir = workdir / ("hf_moe" if moe else "hf")
     if not (hf_dir / "config.json").exists():
         build_hf_dir(hf_dir, moe=moe)
+    if edit_kwargs.get("load_weights") and not (hf_dir / "model.safetensors").exists():
+        write_weights(hf_dir, moe=moe)
     samples = workdir / "data" / "samples.json"
     if not samples.exists() or len(json.loads(samples.read_text())) != n_samples:
         tiny.write_samples(workdir / "data", n_samples)
     edits = YamlEdits(hf_dir=hf_dir, data_dir=workdir / "data", cache_dir=workdir / "cache", max_samples=n_samples,
                       **edit_kwargs)
-    config = write_config(mm_root, workdir / "config.yaml", edits)
+    config = write_config(mm_root, workdir / config_name, edits)
     return {"workdir": workdir, "hf_dir": hf_dir, "samples": samples, "config": config}
 
 

@@ -55,13 +55,14 @@ import torch.distributed as dist
 
 from mindspeed_flow.pool.errors import PoolPeerError, PoolProtocolError, PoolTimeout
 from mindspeed_flow.pool.transport import wait_work
-from mindspeed_flow.pool.wire import (CHANNEL_EMBEDDING, CHANNEL_GRAD, CHANNEL_NAMES, TAGS, WireHeader, decode_header,
-                                      encode_header, header_len, item_header)
+from mindspeed_flow.pool.wire import (CHANNEL_EMBEDDING, CHANNEL_GRAD, CHANNEL_NAMES, CHANNEL_PIXELS, TAGS, WireHeader,
+                                      decode_header, encode_header, header_len, item_header)
 
 PLANNED_HEADER_LEN = header_len(1)  # one item per message: 18 int64 (a discovered-mode header holds 16 items)
 # (header tag, payload tag) per channel: payload tags matter on gloo only (device backends match by order)
 _TAGS = {CHANNEL_EMBEDDING: (TAGS.embedding_planned_header, TAGS.embedding_planned),
-         CHANNEL_GRAD: (TAGS.grad_planned_header, TAGS.grad_planned)}
+         CHANNEL_GRAD: (TAGS.grad_planned_header, TAGS.grad_planned),
+         CHANNEL_PIXELS: (TAGS.pixels_planned_header, TAGS.pixels_planned)}
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,8 @@ class PlannedTransport:
                  device: torch.device, timeout_s: float, dtype: torch.dtype = torch.bfloat16,
                  describe: Callable[[int], str] = lambda r: f"rank {r}") -> None:
         self.rank = rank
-        self.groups = {CHANNEL_EMBEDDING: embedding_group, CHANNEL_GRAD: gradient_group}
+        # Pixels (the FSDP2 flow job) travel the gradients' direction, so they share its communicator and order.
+        self.groups = {CHANNEL_EMBEDDING: embedding_group, CHANNEL_GRAD: gradient_group, CHANNEL_PIXELS: gradient_group}
         self.header_group = header_group
         self.device = device
         self.timeout_s = timeout_s
@@ -100,8 +102,9 @@ class PlannedTransport:
         self.describe = describe
         self._recv: dict[tuple[int, int, int, int], _Pending] = {}  # (peer, channel, step, sample) -> posted receive
         self._sends: list[_Pending] = []
-        self.bytes_sent = {CHANNEL_EMBEDDING: 0, CHANNEL_GRAD: 0}
-        self.bytes_received = {CHANNEL_EMBEDDING: 0, CHANNEL_GRAD: 0}  # payloads taken by receive() (for the metrics)
+        self.bytes_sent = {CHANNEL_EMBEDDING: 0, CHANNEL_GRAD: 0, CHANNEL_PIXELS: 0}
+        # payloads taken by receive() (for the metrics)
+        self.bytes_received = {CHANNEL_EMBEDDING: 0, CHANNEL_GRAD: 0, CHANNEL_PIXELS: 0}
 
     def _what(self, channel: int, item: PlannedItem, direction: str) -> str:
         return (f"the {CHANNEL_NAMES[channel]} of sample {item.sample_id} (iteration {item.step + 1}) {direction} "

@@ -98,6 +98,10 @@ class PoolTags:
     # Planned mode (planned.py): gradient headers and payloads, posted in the plan's global gradient order
     grad_planned_header: int = 0x4D50_000A
     grad_planned: int = 0x4D50_000B
+    # Planned mode (planned.py): an image's patch rows from the rank that loaded it to the encoder rank that encodes
+    # it (the FSDP2 flow job); they travel the gradients' direction, consumer -> producer, in that global order
+    pixels_planned_header: int = 0x4D50_000C
+    pixels_planned: int = 0x4D50_000D
 
 
 TAGS = PoolTags()
@@ -105,7 +109,9 @@ TAGS = PoolTags()
 CHANNEL_EMBEDDING = 1
 CHANNEL_GRAD = 2
 CHANNEL_CREDIT = 3
-CHANNEL_NAMES = {CHANNEL_EMBEDDING: "embedding", CHANNEL_GRAD: "gradient", CHANNEL_CREDIT: "credit"}
+CHANNEL_PIXELS = 4
+CHANNEL_NAMES = {CHANNEL_EMBEDDING: "embedding", CHANNEL_GRAD: "gradient", CHANNEL_CREDIT: "credit",
+                 CHANNEL_PIXELS: "pixels"}
 
 # Stable codes (never reorder: both ends of a run must agree, and a checkpointed plan may outlive a version).
 DTYPE_CODES: dict[torch.dtype, int] = {

@@ -62,8 +62,9 @@ MODEL_IDS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
 # entry script (its path's tail) -> why it is refused
 SUPPORTED_SCRIPTS = ("pretrain_vlm.py",)
 REFUSED_SCRIPTS = {
-    "pretrain_transformers.py": "MindSpeed-MM's FSDP2 path (Qwen3-VL, InternVL3.5, GLM-4.5V) is not decoupled yet",
-    "mindspeed_mm/fsdp/train/trainer.py": "MindSpeed-MM's FSDP2 trainer is not decoupled yet",
+    "pretrain_transformers.py": "MindSpeed-MM's pretrain_transformers FSDP2 path (Qwen3-VL dense, InternVL3.5, "
+                                "GLM-4.5V) is not decoupled yet; the FSDP2 trainer (mindspeed_mm/fsdp/train/trainer.py) "
+                                "is",
     "pretrain_omni.py": "Qwen2.5-Omni's audio encoder would be a third part; the torch host trains it decoupled",
 }
 SUPPORTED_SAMPLERS = ("BaseRandomBatchSampler",)
@@ -200,7 +201,10 @@ def support_table() -> str:
 
     names = {"model_id": "model (`model_id`)", "image_encoder.vision_encoder.model_id": "ViT",
              "image_encoder.vision_projector.model_id": "projector", "text_decoder.model_id": "LLM"}
-    rows = [("entry script", f"{ids(SUPPORTED_SCRIPTS)} (MindSpeed-MM's Megatron VLM path)", ids(REFUSED_SCRIPTS))]
+    rows = [("entry script", f"{ids(SUPPORTED_SCRIPTS)} (MindSpeed-MM's Megatron VLM path); "
+                             "`mindspeed_mm/fsdp/train/trainer.py` (its FSDP2 trainer: `model_id: qwen3_vl_moe`, "
+                             "FSDP per part, expert parallel inside the LLM's part, HF weights in)",
+             ids(REFUSED_SCRIPTS))]
     rows += [(names[field], ids(ok), ids(refused) or "anything else") for field, (ok, refused) in MODEL_IDS.items()]
     rows += [
         ("LLM kind", "dense", "MoE (`num_moe_experts`, `--expert-model-parallel-size`), `use_remove_padding: true`"),
