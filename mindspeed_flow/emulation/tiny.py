@@ -13,7 +13,7 @@ import argparse
 import json
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from mindspeed_flow.model_presets.tiny import EOS_ID, IMAGE_TOKEN_ID, TINY_VOCAB, VISION_END_ID, VISION_START_ID
 
@@ -108,20 +108,25 @@ def _draw(color: str, shape: str, background: str, size: tuple[int, int]) -> Any
     return img
 
 
-def write_samples(data_dir: Path, n_samples: int, seed: int = 0) -> Path:
-    """`n_samples` sharegpt-style captioning samples with one synthetic PNG each; returns samples.json."""
+def write_samples(data_dir: Path, n_samples: int, seed: int = 0, images_per_sample: Sequence[int] = (1,)) -> Path:
+    """`n_samples` sharegpt-style captioning samples with synthetic PNGs, sample i holding
+    `images_per_sample[i % len]` of them (the caption describes the first); returns samples.json."""
     rng = random.Random(seed)
     (data_dir / "images").mkdir(parents=True, exist_ok=True)
     samples = []
     for i in range(n_samples):
         color, background = rng.sample(sorted(COLORS), 2)
-        shape, size = rng.choice(SHAPES), IMAGE_SIZES[i % len(IMAGE_SIZES)]
-        path = data_dir / "images" / f"{i:04d}.png"
-        _draw(color, shape, background, size).save(path)
-        samples.append({"messages": [{"role": "user", "content": "<image>Describe the image."},
+        shape = rng.choice(SHAPES)
+        paths = []
+        for k in range(images_per_sample[i % len(images_per_sample)]):
+            path = data_dir / "images" / (f"{i:04d}.png" if k == 0 else f"{i:04d}_{k}.png")
+            size = IMAGE_SIZES[(i + k) % len(IMAGE_SIZES)]
+            _draw(color, shape, background, size).save(path)
+            paths.append(str(path))
+        samples.append({"messages": [{"role": "user", "content": "<image>" * len(paths) + "Describe the image."},
                                      {"role": "assistant", "content": f"a {color} {shape} on a {background} "
                                                                       "background"}],
-                        "images": [str(path)]})
+                        "images": paths})
     out = data_dir / "samples.json"
     out.write_text(json.dumps(samples, indent=1))
     return out

@@ -171,18 +171,23 @@ def write_config(mm_root: Path, out: Path, edits: YamlEdits) -> Path:
 
 
 def prepare_workdir(workdir: str | Path, mm_root: Path, *, moe: bool = True, n_samples: int = 32,
-                    config_name: str = "config.yaml", **edit_kwargs: Any) -> dict[str, Path]:
-    """Build (once) the HF dir and the samples under `workdir`; write a fresh `config_name` there."""
+                    config_name: str = "config.yaml", images_per_sample: tuple[int, ...] = (1,),
+                    **edit_kwargs: Any) -> dict[str, Path]:
+    """Build (once) the HF dir and the samples under `workdir`; write a fresh `config_name` there. Samples hold
+    `images_per_sample[i % len]` images each (one data folder per pattern)."""
     workdir = Path(workdir).resolve()
     hf_dir = workdir / ("hf_moe" if moe else "hf")
     if not (hf_dir / "config.json").exists():
         build_hf_dir(hf_dir, moe=moe)
     if edit_kwargs.get("load_weights") and not (hf_dir / "model.safetensors").exists():
         write_weights(hf_dir, moe=moe)
-    samples = workdir / "data" / "samples.json"
+    data_dir = workdir / ("data" if images_per_sample == (1,) else "data_" + "".join(map(str, images_per_sample)))
+    samples = data_dir / "samples.json"
     if not samples.exists() or len(json.loads(samples.read_text())) != n_samples:
-        tiny.write_samples(workdir / "data", n_samples)
-    edits = YamlEdits(hf_dir=hf_dir, data_dir=workdir / "data", cache_dir=workdir / "cache", max_samples=n_samples,
+        tiny.write_samples(data_dir, n_samples, images_per_sample=images_per_sample)
+    # MindSpeed-MM caches the tokenized data set in cache_dir: one per data folder.
+    cache_dir = workdir / data_dir.name.replace("data", "cache", 1)
+    edits = YamlEdits(hf_dir=hf_dir, data_dir=data_dir, cache_dir=cache_dir, max_samples=n_samples,
                       **edit_kwargs)
     config = write_config(mm_root, workdir / config_name, edits)
     return {"workdir": workdir, "hf_dir": hf_dir, "samples": samples, "config": config}

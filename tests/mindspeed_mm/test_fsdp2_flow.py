@@ -39,6 +39,9 @@ from mindspeed_flow.emulation.sources import Sources
 
 TRAINER = "mindspeed_mm/fsdp/train/trainer.py"
 ITERS = 10
+# Images per sample, cycling: one, two, one, three; a micro-step's images are spread over the encoder ranks, and
+# with 2 encoder ranks a one-image micro-step leaves one of them without images (it encodes a blank one).
+IMAGES = (1, 2, 1, 3)
 JOB_TIMEOUT_S = 900
 _GRAD_NORM = re.compile(r"iteration\s+\d+/\s*\d+ \|.*? grad norm: ([0-9.]+) \|")
 _FLOW_RECIPE = """\
@@ -76,23 +79,25 @@ def fsdp2_job(mm_sources: Sources, tmp_path_factory: pytest.TempPathFactory):
         pytest.skip("torchdata is not installed: MindSpeed-MM's FSDP2 data loader imports "
                     "torchdata.stateful_dataloader (a MindSpeed-MM dependency, in the `emulate` extra)")
     root = tmp_path_factory.mktemp("fsdp2")
-    configs = {ep: tiny_qwen3vl.prepare_workdir(root / "tiny", mm_sources.mindspeed_mm.root, moe=True, n_samples=32,
-                                                train_iters=ITERS, expert_parallel_size=ep, freeze_vision=False,
-                                                load_weights=True, config_name=f"ep{ep}.yaml")["config"]
-               for ep in (1, 2)}
-    # The flow run of the LLM-on-more-ranks layout also saves (every 5 iterations, MindSpeed-MM's DCP format, one
-    # folder per part); the resume run points training.load at that directory, as MindSpeed-MM resumes.
     save = root / "checkpoints"
-    configs["ep2_save"] = tiny_qwen3vl.prepare_workdir(
-        root / "tiny", mm_sources.mindspeed_mm.root, moe=True, n_samples=32, train_iters=ITERS, expert_parallel_size=2,
-        freeze_vision=False, load_weights=True, save_dir=save, save_interval=5, config_name="ep2_save.yaml")["config"]
-    configs["resume"] = tiny_qwen3vl.prepare_workdir(
-        root / "tiny", mm_sources.mindspeed_mm.root, moe=True, n_samples=32, train_iters=ITERS, expert_parallel_size=2,
-        freeze_vision=False, resume_from=save, save_dir=save, save_interval=5, config_name="resume.yaml")["config"]
-    # The example as MindSpeed-MM ships it: the vision tower frozen (`model.freeze: [model.visual]`).
-    configs["frozen"] = tiny_qwen3vl.prepare_workdir(root / "tiny", mm_sources.mindspeed_mm.root, moe=True,
-                                                     n_samples=32, train_iters=ITERS, expert_parallel_size=2,
-                                                     load_weights=True, config_name="frozen.yaml")["config"]
+
+    def config(name: str, **edits: object) -> Path:
+        return tiny_qwen3vl.prepare_workdir(root / "tiny", mm_sources.mindspeed_mm.root, moe=True, n_samples=32,
+                                            images_per_sample=IMAGES, train_iters=ITERS, config_name=f"{name}.yaml",
+                                            **edits)["config"]
+
+    trained = dict(freeze_vision=False, load_weights=True)
+    configs = {
+        1: config("ep1", expert_parallel_size=1, **trained),
+        2: config("ep2", expert_parallel_size=2, **trained),
+        # The flow run of the LLM-on-more-ranks layout also saves (every 5 iterations, MindSpeed-MM's DCP format,
+        # one folder per part); the resume run points training.load at that directory, as MindSpeed-MM resumes.
+        "ep2_save": config("ep2_save", expert_parallel_size=2, save_dir=save, save_interval=5, **trained),
+        "resume": config("resume", expert_parallel_size=2, freeze_vision=False, resume_from=save, save_dir=save,
+                         save_interval=5),
+        # The example as MindSpeed-MM ships it: the vision tower frozen (`model.freeze: [model.visual]`).
+        "frozen": config("frozen", expert_parallel_size=2, load_weights=True),
+    }
     results: dict[str, JobResult] = {}
 
     def run(name: str, config: Path, nproc: int, flow: tuple[int, int] | None = None) -> JobResult:
