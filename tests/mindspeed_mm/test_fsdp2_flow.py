@@ -4,8 +4,8 @@ unpatched, and as a flow job with the vision tower and the LLM on separate ranks
 CONFIG.yaml is made at run time from MindSpeed-MM's own `examples/qwen3vl/qwen3vl_30B_config_v1.yaml`
 (`mindspeed_flow.emulation.tiny_qwen3vl`: keys, anchors and comments kept; values substituted) over a tiny
 Qwen3-VL-MoE (3-block ViT with two deepstack mergers, 4 MoE layers of 4 experts, top 2), trained from the same HF
-weights (`training.load`) with the vision tower trainable, so the gradients also cross back to the encoder ranks.
-The jobs run with `NON_MEGATRON=true`, as the example's launch script exports it.
+weights (`training.load`) with the vision tower trainable, so the gradients also cross back to the encoder ranks,
+on samples of 1, 2, 1, 3 images in turn. The jobs run with `NON_MEGATRON=true`, as the example's launch script exports it.
 
 - the unpatched job: 2 ranks, FSDP 2 with expert parallelism 2 (the baseline);
 - flow, encoder 1 rank + LLM 2 ranks (FSDP 2, expert parallel 2 inside the LLM's part): the LLM sharded over more
@@ -17,6 +17,8 @@ The jobs run with `NON_MEGATRON=true`, as the example's launch script exports it
   so the same per-token losses. (Its gradient norm is that of the unpatched job on one rank with 2 accumulation
   steps, which MindSpeed-MM reports at half the 2-rank job's: measured 3.002 vs 6.004 at iteration 1, both
   unpatched; Adam makes the updates, hence the losses, equal.)
+- resume: the encoder 1 + LLM 2 run saves per-part checkpoints at iterations 5 and 10; with only iteration 5 kept
+  (as if it died after 7) the same command trains 6-10 with the uninterrupted run's losses and norms.
 
 Needs torch 2.7.x (MindSpeed-MM's pin: its fully_shard patch imports torch-private FSDP2 internals and refuses
 other releases) and torchdata (the FSDP2 data loader's StatefulDataLoader).
