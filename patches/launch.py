@@ -108,9 +108,9 @@ def setup_flow(recipe: str, script: str, script_argv: list[str]) -> None:
 
 
 def is_fsdp2_trainer(script: str) -> bool:
-    from mindspeed_flow.hosts.mindspeed_mm.fsdp2 import TRAINER_SCRIPT  # lazy: startup
+    from mindspeed_flow.hosts.mindspeed_mm import FSDP2_TRAINER_SCRIPT  # no torch at start-up
 
-    return os.path.abspath(script).replace(os.sep, "/").endswith("/" + TRAINER_SCRIPT)
+    return os.path.abspath(script).replace(os.sep, "/").endswith("/" + FSDP2_TRAINER_SCRIPT)
 
 
 def setup_fsdp2_flow(recipe: str, script_argv: list[str]) -> list[str]:

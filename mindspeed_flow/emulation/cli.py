@@ -36,6 +36,7 @@ from mindspeed_flow.emulation import log as emu_log
 from mindspeed_flow.emulation import modes, nodes, site_env
 from mindspeed_flow.emulation.quickstart import print_command, run_setup
 from mindspeed_flow.emulation.sources import SourceError, Sources, check_commits, find_sources
+from mindspeed_flow.hosts.mindspeed_mm import FSDP2_TRAINER_SCRIPT
 from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, parts_for_job
 from mindspeed_flow.utils.multiproc import free_port
 
@@ -259,11 +260,11 @@ def main(argv: list[str]) -> int:
     if args.flow_recipe:
         # The same check every rank repeats at start-up, once here so a wrong recipe is one message, not one per
         # rank plus the launcher's traceback.
-        from mindspeed_flow.hosts.mindspeed_mm import fsdp2  # lazy: torch
-
         try:
             with _in_dir(sources.mindspeed_mm.root):
-                if script[0].replace(os.sep, "/").endswith(fsdp2.TRAINER_SCRIPT):
+                if script[0].replace(os.sep, "/").endswith(FSDP2_TRAINER_SCRIPT):
+                    from mindspeed_flow.hosts.mindspeed_mm import fsdp2  # lazy: torch
+
                     fsdp2.fsdp2_parts_for_job(args.flow_recipe, script[1:], args.nproc)
                 else:
                     parts_for_job(args.flow_recipe, script[1:], args.nproc, script=script[0])

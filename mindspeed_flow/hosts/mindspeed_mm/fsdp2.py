@@ -39,10 +39,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from mindspeed_flow.hosts.mindspeed_mm import FSDP2_TRAINER_SCRIPT
 from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, load_flow_job
 from mindspeed_flow.step.layout import BACKBONE, ENCODER, Layout, PartLayout
 
-TRAINER_SCRIPT = "mindspeed_mm/fsdp/train/trainer.py"
+TRAINER_SCRIPT = FSDP2_TRAINER_SCRIPT
 # CONFIG.yaml model ids the FSDP2 flow job splits, with the module path of the vision tower (trained on the encoder
 # part) inside the model MindSpeed-MM builds; everything else is the backbone's.
 VISION_MODULES: dict[str, str] = {"qwen3_vl_moe": "model.visual"}
