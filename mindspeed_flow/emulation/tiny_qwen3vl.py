@@ -102,6 +102,11 @@ class YamlEdits:
     save_dir: Path | None = None
     save_interval: int = 10000
     resume_from: Path | None = None
+    # None keeps the example's values (no clipping, no router auxiliary loss); a job that sets them checks that
+    # clipping uses the one gradient norm over all ranks and that the auxiliary loss is counted once.
+    clip_grad: float | None = None
+    router_aux_loss_coef: float | None = None
+    gradient_accumulation_steps: int = 1
 
 
 def _substitute(text: str, key: str, value: str, count: int = 1) -> str:
@@ -143,9 +148,14 @@ def config_text(example: str, edits: YamlEdits) -> str:
         ("pin_memory", "false", 1),
         ("train_iters", str(edits.train_iters), 1),
         ("lr", f"{edits.lr:.1e}", 1),
+        ("gradient_accumulation_steps", str(edits.gradient_accumulation_steps), 1),
     ]
     if edits.attn_implementation is not None:
         subs.append(("attn_implementation", edits.attn_implementation, 1))
+    if edits.clip_grad is not None:
+        subs.append(("clip_grad", str(edits.clip_grad), 1))
+    if edits.router_aux_loss_coef is not None:
+        subs.append(("router_aux_loss_coef", str(edits.router_aux_loss_coef), 1))
     for key, value, count in subs:
         example = _substitute(example, key, value, count)
     example = _substitute(example, "save_interval", str(edits.save_interval))

@@ -5,7 +5,9 @@ CONFIG.yaml is made at run time from MindSpeed-MM's own `examples/qwen3vl/qwen3v
 (`mindspeed_flow.emulation.tiny_qwen3vl`: keys, anchors and comments kept; values substituted) over a tiny
 Qwen3-VL-MoE (3-block ViT with two deepstack mergers, 4 MoE layers of 4 experts, top 2), trained from the same HF
 weights (`training.load`) with the vision tower trainable, so the gradients also cross back to the encoder ranks,
-on samples of 1, 2, 1, 3 images in turn. The jobs run with `NON_MEGATRON=true`, as the example's launch script exports it.
+on 14 samples of 1, 2, 1, 3 images in turn (the 10 iterations cross an epoch), with gradient clipping at 1.0 and a
+router auxiliary loss (0.01), which the example leaves off. The jobs run with `NON_MEGATRON=true`, as the example's
+launch script exports it.
 
 - the unpatched job: 2 ranks, FSDP 2 with expert parallelism 2 (the baseline);
 - flow, encoder 1 rank + LLM 2 ranks (FSDP 2, expert parallel 2 inside the LLM's part): the LLM sharded over more
@@ -17,6 +19,9 @@ on samples of 1, 2, 1, 3 images in turn. The jobs run with `NON_MEGATRON=true`, 
   so the same per-token losses. (Its gradient norm is that of the unpatched job on one rank with 2 accumulation
   steps, which MindSpeed-MM reports at half the 2-rank job's: measured 3.002 vs 6.004 at iteration 1, both
   unpatched; Adam makes the updates, hence the losses, equal.)
+- flow, encoder 2 + LLM 2 ranks (EP 2) with 2 accumulation steps, against the unpatched 2-rank job with 2: both
+  parts data parallel, 3 steps an epoch;
+- deepstack: zeroing the deepstack maps in flight (a probe on the LLM ranks) moves the first loss;
 - resume: the encoder 1 + LLM 2 run saves per-part checkpoints at iterations 5 and 10; with only iteration 5 kept
   (as if it died after 7) the same command trains 6-10 with the uninterrupted run's losses and norms.
 
@@ -44,6 +49,14 @@ ITERS = 10
 # Images per sample, cycling: one, two, one, three; a micro-step's images are spread over the encoder ranks, and
 # with 2 encoder ranks a one-image micro-step leaves one of them without images (it encodes a blank one).
 IMAGES = (1, 2, 1, 3)
+# 14 samples at global batch 2: 7 steps an epoch, so the 10 iterations (and the resumed 6-10) cross an epoch.
+SAMPLES = 14
+# Unlike the example (no clipping, no router auxiliary loss): the gradient norms here are well above 1, so every
+# step clips with the one norm over both parts; the auxiliary loss (in the LLM's loss) must be counted once.
+CLIP_GRAD = 1.0
+ROUTER_AUX_LOSS_COEF = 0.01
+# Jobs at global batch 4 (2 accumulation steps on the 2 ranks of the LLM or of the unpatched job).
+FOUR_RANK_JOBS = ("flow_enc2_llm2_ga2",)
 JOB_TIMEOUT_S = 900
 _GRAD_NORM = re.compile(r"iteration\s+\d+/\s*\d+ \|.*? grad norm: ([0-9.]+) \|")
 _FLOW_RECIPE = """\
@@ -52,7 +65,7 @@ parallel:
   encoder: {{dp: {enc}, tp: 1, pp: 1, cp: 1}}
   backbone: {{dp: {bb}, tp: 1, pp: 1, cp: 1}}
 trainer:
-  global_batch_size: 2
+  global_batch_size: {gbs}
 flow:
   timeout_s: 300
 """
@@ -83,10 +96,11 @@ def fsdp2_job(mm_sources: Sources, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("fsdp2")
     save = root / "checkpoints"
 
-    def config(name: str, **edits: object) -> Path:
-        return tiny_qwen3vl.prepare_workdir(root / "tiny", mm_sources.mindspeed_mm.root, moe=True, n_samples=32,
-                                            images_per_sample=IMAGES, train_iters=ITERS, config_name=f"{name}.yaml",
-                                            **edits)["config"]
+    def config(name: str, iters: int = ITERS, **edits: object) -> Path:
+        return tiny_qwen3vl.prepare_workdir(root / "tiny", mm_sources.mindspeed_mm.root, moe=True,
+                                            n_samples=SAMPLES, images_per_sample=IMAGES, train_iters=iters,
+                                            config_name=f"{name}.yaml", clip_grad=CLIP_GRAD,
+                                            router_aux_loss_coef=ROUTER_AUX_LOSS_COEF, **edits)["config"]
 
     trained = dict(freeze_vision=False, load_weights=True)
     configs = {
@@ -99,20 +113,25 @@ def fsdp2_job(mm_sources: Sources, tmp_path_factory: pytest.TempPathFactory):
                          save_interval=5),
         # The example as MindSpeed-MM ships it: the vision tower frozen (`model.freeze: [model.visual]`).
         "frozen": config("frozen", expert_parallel_size=2, load_weights=True),
+        "probe": config("probe", expert_parallel_size=2, **trained),
+        # Global batch 4 over 2 LLM ranks: 2 accumulation steps (3 steps an epoch).
+        "ga2": config("ga2", expert_parallel_size=2, gradient_accumulation_steps=2, **trained),
     }
     results: dict[str, JobResult] = {}
 
-    def run(name: str, config: Path, nproc: int, flow: tuple[int, int] | None = None) -> JobResult:
+    def run(name: str, config: Path, nproc: int, flow: tuple[int, int] | None = None,
+            env: dict[str, str] | None = None) -> JobResult:
         if name in results:
             return results[name]
         recipe = None
         if flow is not None:
             recipe = root / f"{name}.yaml"
-            recipe.write_text(_FLOW_RECIPE.format(world=nproc, enc=flow[0], bb=flow[1]))
+            gbs = 2 * (2 if name in FOUR_RANK_JOBS else 1)
+            recipe.write_text(_FLOW_RECIPE.format(world=nproc, enc=flow[0], bb=flow[1], gbs=gbs))
         log_path = root / f"{name}.emulation.log"
         cmd = emulate_command([TRAINER, str(config)], log_path=log_path, nproc=nproc, flow_recipe=recipe)
-        env = {**os.environ, "NON_MEGATRON": "true", "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT_S, env=env, cwd=root)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT_S, cwd=root,
+                              env={**os.environ, "NON_MEGATRON": "true", "OMP_NUM_THREADS": "1", **(env or {})})
         results[name] = job_result(proc.returncode, proc.stdout + proc.stderr, log_path)
         return results[name]
 
@@ -219,3 +238,39 @@ def test_fsdp2_flow_resumes_with_the_same_losses(fsdp2_job) -> None:
     assert resumed.iterations == list(range(6, ITERS + 1)), resumed.iterations
     assert resumed.losses == full.losses[5:], (resumed.losses, full.losses)
     assert _grad_norms(resumed) == _grad_norms(full)[5:]
+
+
+@pytest.mark.mindspeed_mm
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S + 120)
+def test_fsdp2_flow_deepstack_maps_reach_the_decoder(fsdp2_job) -> None:
+    """The deepstack maps travel beside the embeddings in each row; zeroed in flight on the LLM ranks
+    (MSF_FLOW_ZERO_DEEPSTACK=1), the losses move: at iteration 1 (the maps are added to the decoder's first layers'
+    states at the image tokens), and more once the updates differ (the deepstack mergers get no gradient back)."""
+    base, full = _baseline(fsdp2_job), _saving_flow_run(fsdp2_job)
+    probe = fsdp2_job("flow_zero_deepstack", fsdp2_job.configs["probe"], 3, flow=(1, 2),
+                      env={"MSF_FLOW_ZERO_DEEPSTACK": "1"})
+    probe.assert_trained(ITERS)
+    # The unprobed flow run's first loss is the unpatched job's to the last digit (fp32, same reduction order), so
+    # any difference at iteration 1 is the probe's. Measured on torch 2.7.1: 5.941684 -> 5.941821 (2.3e-5; it
+    # depends on how many image tokens the first batch holds), and 5.1e-3 at most over the 10 iterations.
+    assert full.losses[0] == base.losses[0], (full.losses[0], base.losses[0])
+    moved = [abs(p - f) / abs(f) for p, f in zip(probe.losses, full.losses)]
+    assert moved[0] > 0 and max(moved) > 1e-3, (probe.losses, full.losses)
+    print(f"deepstack probe: first loss {full.losses[0]:.6f} -> {probe.losses[0]:.6f} zeroed in flight "
+          f"(rel {moved[0]:.1e}); largest over {ITERS} iterations {max(moved):.1e}")
+
+
+@pytest.mark.mindspeed_mm
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S + 120)
+def test_fsdp2_flow_both_parts_data_parallel_with_accumulation_matches_unpatched(fsdp2_job) -> None:
+    """4 ranks: encoder 2 + LLM 2 (EP 2), 2 accumulation steps per step, against the unpatched 2-rank job with the
+    same accumulation: the same losses and, the LLM's data-parallel layout being the baseline's, the same norms."""
+    base = fsdp2_job("unpatched_fsdp2_ep2_ga2", fsdp2_job.configs["ga2"], 2)
+    base.assert_trained(ITERS)
+    flow = fsdp2_job("flow_enc2_llm2_ga2", fsdp2_job.configs["ga2"], 4, flow=(2, 2))
+    rel = _assert_losses_match(flow, base)
+    norms, base_norms = _grad_norms(flow), _grad_norms(base)
+    norm_rel = [abs(a - b) / b for a, b in zip(norms, base_norms)]
+    assert len(norms) == ITERS and max(norm_rel) < 2e-2, (norms, base_norms)
+    print(f"flow enc2 + llm2 (EP 2, 2 accumulation steps) vs unpatched: loss rel first {rel[0]:.1e} "
+          f"max {max(rel):.1e}; grad norm rel max {max(norm_rel):.1e}")

@@ -373,6 +373,9 @@ class FlowFsdp2:
         rows, h = self.stash["rows"], self.text_hidden
         embeds = torch.split(rows[:, :h], self.stash["sizes"])
         deepstack = [rows[:, h * (i + 1):h * (i + 2)] for i in range(self.deepstack_count)]
+        if os.environ.get("MSF_FLOW_ZERO_DEEPSTACK", "") == "1":
+            # A probe for tests: the deepstack maps arrive zeroed, and the loss must move (they reach the decoder).
+            deepstack = [torch.zeros_like(d) for d in deepstack]
         return embeds, deepstack
 
     # ------------------------------------------------------------------ the encoder side
