@@ -261,7 +261,7 @@ def _wrap_get_image_features(original: Callable) -> Callable:
         ctx = fsdp2.current()
         if ctx is None or ctx.is_encoder:
             return original(self, pixel_values, image_grid_thw)
-        return ctx.image_features()
+        return ctx.image_features(image_grid_thw)
 
     return get_image_features
 

@@ -108,9 +108,11 @@ def _draw(color: str, shape: str, background: str, size: tuple[int, int]) -> Any
     return img
 
 
-def write_samples(data_dir: Path, n_samples: int, seed: int = 0, images_per_sample: Sequence[int] = (1,)) -> Path:
+def write_samples(data_dir: Path, n_samples: int, seed: int = 0, images_per_sample: Sequence[int] = (1,),
+                  videos_per_sample: Sequence[int] = (0,)) -> Path:
     """`n_samples` sharegpt-style captioning samples with synthetic PNGs, sample i holding
-    `images_per_sample[i % len]` of them (the caption describes the first); returns samples.json."""
+    `images_per_sample[i % len]` of them (the caption describes the first) and `videos_per_sample[i % len]` tiny
+    videos (a sliding square, as `write_video_samples`; needs PyAV); returns samples.json."""
     rng = random.Random(seed)
     (data_dir / "images").mkdir(parents=True, exist_ok=True)
     samples = []
@@ -123,10 +125,18 @@ def write_samples(data_dir: Path, n_samples: int, seed: int = 0, images_per_samp
             size = IMAGE_SIZES[(i + k) % len(IMAGE_SIZES)]
             _draw(color, shape, background, size).save(path)
             paths.append(str(path))
-        samples.append({"messages": [{"role": "user", "content": "<image>" * len(paths) + "Describe the image."},
-                                     {"role": "assistant", "content": f"a {color} {shape} on a {background} "
-                                                                      "background"}],
-                        "images": paths})
+        videos = []
+        for k in range(videos_per_sample[i % len(videos_per_sample)]):
+            path = data_dir / "videos" / f"{i:04d}_{k}.mp4"
+            _write_video(path, color, background, "right" if (i + k) % 2 else "left")
+            videos.append(str(path))
+        sample = {"messages": [{"role": "user",
+                                "content": "<image>" * len(paths) + "<video>" * len(videos) + "Describe the image."},
+                               {"role": "assistant", "content": f"a {color} {shape} on a {background} background"}],
+                  "images": paths}
+        if videos:
+            sample["videos"] = videos
+        samples.append(sample)
     out = data_dir / "samples.json"
     out.write_text(json.dumps(samples, indent=1))
     return out
@@ -181,29 +191,34 @@ VIDEO_TOKEN_ID = IMAGE_TOKEN_ID - 1
 VIDEO_SIZE, VIDEO_FRAMES, VIDEO_FPS = (56, 56), 4, 2
 
 
-def write_video_samples(data_dir: Path, n_samples: int, seed: int = 0) -> Path:
-    """`n_samples` captioning samples with one tiny MPEG-4 video each (a square sliding over a background, 4 frames
-    at 2 fps, read by MindSpeed-MM's PyAV path); returns samples.json. Needs PyAV (`av`)."""
+def _write_video(path: Path, color: str, background: str, direction: str) -> None:
+    """One tiny MPEG-4 video: a square sliding `direction` over a background, 4 frames at 2 fps."""
     import av  # optional: PyAV, MindSpeed-MM's video reader
     import numpy as np  # lazy: with av
 
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame = np.array(_draw(color, "square", background, VIDEO_SIZE))
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=VIDEO_FPS)
+        stream.width, stream.height, stream.pix_fmt = VIDEO_SIZE[0], VIDEO_SIZE[1], "yuv420p"
+        for f in range(VIDEO_FRAMES):
+            shifted = np.roll(frame, (6 if direction == "right" else -6) * f, axis=1)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(shifted, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():  # flush
+            container.mux(packet)
+
+
+def write_video_samples(data_dir: Path, n_samples: int, seed: int = 0) -> Path:
+    """`n_samples` captioning samples with one tiny MPEG-4 video each (a square sliding over a background, 4 frames
+    at 2 fps, read by MindSpeed-MM's PyAV path); returns samples.json. Needs PyAV (`av`)."""
     rng = random.Random(seed)
-    (data_dir / "videos").mkdir(parents=True, exist_ok=True)
     samples = []
     for i in range(n_samples):
         color, background = rng.sample(sorted(COLORS), 2)
         direction = rng.choice(("left", "right"))
         path = data_dir / "videos" / f"{i:04d}.mp4"
-        frame = np.array(_draw(color, "square", background, VIDEO_SIZE))
-        with av.open(str(path), "w") as container:
-            stream = container.add_stream("mpeg4", rate=VIDEO_FPS)
-            stream.width, stream.height, stream.pix_fmt = VIDEO_SIZE[0], VIDEO_SIZE[1], "yuv420p"
-            for f in range(VIDEO_FRAMES):
-                shifted = np.roll(frame, (6 if direction == "right" else -6) * f, axis=1)
-                for packet in stream.encode(av.VideoFrame.from_ndarray(shifted, format="rgb24")):
-                    container.mux(packet)
-            for packet in stream.encode():  # flush
-                container.mux(packet)
+        _write_video(path, color, background, direction)
         samples.append({"messages": [{"role": "user", "content": "<video>Describe the video."},
                                      {"role": "assistant", "content": f"a {color} square moving {direction} on a "
                                                                       f"{background} background"}],

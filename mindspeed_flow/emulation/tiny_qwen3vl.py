@@ -107,6 +107,8 @@ class YamlEdits:
     clip_grad: float | None = None
     router_aux_loss_coef: float | None = None
     gradient_accumulation_steps: int = 1
+    # The data set's samples hold videos too: the example's commented `# videos: null` becomes `videos: videos`.
+    videos: bool = False
 
 
 def _substitute(text: str, key: str, value: str, count: int = 1) -> str:
@@ -165,6 +167,11 @@ def config_text(example: str, edits: YamlEdits) -> str:
         example = _uncomment(example, "load", f"load: {edits.hf_dir}", "no_load_optim: true", "no_load_rng: true")
     if edits.save_dir is not None:
         example = _uncomment(example, "save", f"save: {edits.save_dir}")
+    if edits.videos:
+        commented = re.compile(r"^(?P<lead>[ \t]*)# videos: null[ \t]*$", re.MULTILINE)
+        if len(commented.findall(example)) != 1:
+            raise ValueError(f"{EXAMPLE_YAML}: expected one '# videos: null' line")
+        example = commented.sub(lambda m: f"{m['lead']}videos: videos", example)
     if not edits.freeze_vision:
         frozen = re.compile(r"^(?P<lead>[ \t]*)freeze:[ \t]*\n[ \t]*- model\.visual[ \t]*\n", re.MULTILINE)
         if len(frozen.findall(example)) != 1:
@@ -182,23 +189,28 @@ def write_config(mm_root: Path, out: Path, edits: YamlEdits) -> Path:
 
 def prepare_workdir(workdir: str | Path, mm_root: Path, *, moe: bool = True, n_samples: int = 32,
                     config_name: str = "config.yaml", images_per_sample: tuple[int, ...] = (1,),
-                    **edit_kwargs: Any) -> dict[str, Path]:
+                    videos_per_sample: tuple[int, ...] = (0,), **edit_kwargs: Any) -> dict[str, Path]:
     """Build (once) the HF dir and the samples under `workdir`; write a fresh `config_name` there. Samples hold
-    `images_per_sample[i % len]` images each (one data folder per pattern)."""
+    `images_per_sample[i % len]` images and `videos_per_sample[i % len]` videos each (one data folder per
+    pattern)."""
     workdir = Path(workdir).resolve()
     hf_dir = workdir / ("hf_moe" if moe else "hf")
     if not (hf_dir / "config.json").exists():
         build_hf_dir(hf_dir, moe=moe)
     if edit_kwargs.get("load_weights") and not (hf_dir / "model.safetensors").exists():
         write_weights(hf_dir, moe=moe)
-    data_dir = workdir / ("data" if images_per_sample == (1,) else "data_" + "".join(map(str, images_per_sample)))
+    pattern = "" if images_per_sample == (1,) else "_" + "".join(map(str, images_per_sample))
+    if any(videos_per_sample):
+        pattern += "_v" + "".join(map(str, videos_per_sample))
+    data_dir = workdir / ("data" + pattern)
     samples = data_dir / "samples.json"
     if not samples.exists() or len(json.loads(samples.read_text())) != n_samples:
-        tiny.write_samples(data_dir, n_samples, images_per_sample=images_per_sample)
+        tiny.write_samples(data_dir, n_samples, images_per_sample=images_per_sample,
+                           videos_per_sample=videos_per_sample)
     # MindSpeed-MM caches the tokenized data set in cache_dir: one per data folder.
     cache_dir = workdir / data_dir.name.replace("data", "cache", 1)
     edits = YamlEdits(hf_dir=hf_dir, data_dir=data_dir, cache_dir=cache_dir, max_samples=n_samples,
-                      **edit_kwargs)
+                      videos=any(videos_per_sample), **edit_kwargs)
     config = write_config(mm_root, workdir / config_name, edits)
     return {"workdir": workdir, "hf_dir": hf_dir, "samples": samples, "config": config}
 

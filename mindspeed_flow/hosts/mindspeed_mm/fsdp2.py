@@ -11,11 +11,13 @@ rank. What the flow job adds, per micro-step of a step:
 1. the backbone ranks load the data exactly as the unpatched job's ranks do (MindSpeed-MM's sampler over the
    backbone's data-parallel group), so every backbone rank sees the unpatched job's batches;
 2. every rank learns every backbone rank's image grids (two small gloo all-gathers) and so the same plan: which
-   encoder rank encodes which image (`assign_images`: heaviest first onto the least-loaded encoder rank);
+   encoder rank encodes which image (`assign_images`: heaviest first onto the least-loaded encoder rank); a video
+   is one more item (its grid has t > 1), after the micro-batch's images;
 3. the planned transport (`mindspeed_flow.pool.planned`) moves the images' patch rows to their encoder ranks, the
    encoder rows back (per image `[tokens, H x (1 + D)]`: the merged embedding and the D deepstack maps side by side,
    one item per encoder/backbone pair), and, after the backbone's backward, their gradients;
-4. on the backbone, `get_image_features` answers from the received rows, so the model's own forward (scatter into
+4. on the backbone, `get_image_features` answers from the received rows (for the images, then, through
+   `get_video_features`, for the videos), so the model's own forward (scatter into
    the text embeddings, deepstack added after the first D layers, loss, router auxiliary loss) runs unchanged;
 5. the gradient norm is one norm over both parts (each part's sum of squares, added across parts), so clipping
    scales both parts by the same factor, as in the unpatched job.
@@ -23,7 +25,10 @@ rank. What the flow job adds, per micro-step of a step:
 A step therefore has the unpatched job's batches, loss and gradients (`tests/mindspeed_mm/test_fsdp2_flow.py`
 compares per-iteration losses). Checkpoints: MindSpeed-MM's DCP checkpointer, per part (SAVE/encoder/,
 SAVE/backbone/, each with MindSpeed-MM's iter_* folders and tracker file, written over the part's ranks); the job
-resumes when training.load points at SAVE, as MindSpeed-MM resumes. Not yet: videos, asynchronous saves, loading an
+resumes when training.load points at SAVE, as MindSpeed-MM resumes. Each encoder rank runs the vision tower once
+per micro-step whatever its images and videos (a blank image when it has none), so the flow job trains mixes of
+image-only, video-only and mixed samples, which MindSpeed-MM's own FSDP2 job on several ranks cannot (a rank with
+no image skips the collectives of the tower's FSDP forward). Not yet: asynchronous saves, loading an
 unpatched job's DCP checkpoint, and per-side data loading (the encoder ranks get pixels over the wire instead of
 loading them).
 """
@@ -319,15 +324,19 @@ class FlowFsdp2:
     # ------------------------------------------------------------------ the backbone side
 
     def backbone_exchange(self, batch: dict[str, Any], merge: int, trainable: bool) -> None:
-        """Send this micro-batch's images to their encoder ranks, take back their rows (kept for
+        """Send this micro-batch's images and videos to their encoder ranks, take back their rows (kept for
         `get_image_features`); their gradients go back from a hook during the backward."""
         from mindspeed_flow.pool.wire import CHANNEL_EMBEDDING, CHANNEL_GRAD, CHANNEL_PIXELS
 
-        if batch.get("pixel_values_videos") is not None:
-            raise RuntimeError("mindspeed-flow: a video batch reached the FSDP2 flow job; it moves images only")
         step, self.micro_step = self.micro_step, self.micro_step + 1
-        pixels, grids = batch.get("pixel_values"), batch.get("image_grid_thw")
-        plan = self.exchange_plan(grids if pixels is not None else None, merge)
+        # Images, then videos (a video is one more item whose grid has t > 1): one list, one plan, one ViT call per
+        # encoder rank; `image_features` hands each kind back when the model asks for it.
+        kinds = [(kind, batch[key], batch[grid_key]) for kind, key, grid_key in
+                 (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw"))
+                 if batch.get(key) is not None]
+        pixels = torch.cat([p for _, p, _ in kinds]) if kinds else None
+        grids = torch.cat([g for _, _, g in kinds]) if kinds else None
+        plan = self.exchange_plan(grids, merge)
         self.stash = None
         if not plan.any_images or pixels is None:
             return
@@ -363,15 +372,28 @@ class FlowFsdp2:
                                         torch.cat([parts[j] for j in imgs]))
 
             rows.register_hook(send_grads)
-        self.stash = {"rows": rows, "sizes": sizes}
+        segments, first = [], 0
+        for kind, _, grid in kinds:
+            segments.append((kind, grid.detach().to("cpu", torch.int64), first, first + grid.shape[0]))
+            first += grid.shape[0]
+        self.stash = {"rows": rows, "sizes": sizes, "segments": segments}
 
-    def image_features(self) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]:
-        """What `get_image_features` returns on a backbone rank: per-image embeddings and the deepstack maps."""
-        if self.stash is None:
+    def image_features(self, grid_thw: Optional[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]:
+        """What `get_image_features` returns on a backbone rank for `grid_thw` (the micro-batch's images, or its
+        videos: Qwen3-VL's `get_video_features` calls `get_image_features`): per-item embeddings and the deepstack
+        maps, cut from the received rows."""
+        if self.stash is None or not self.stash["segments"]:
             raise RuntimeError("mindspeed-flow: the model asked for image features of a micro-batch whose images "
                                "were not exchanged (get_image_features outside the training step?)")
-        rows, h = self.stash["rows"], self.text_hidden
-        embeds = torch.split(rows[:, :h], self.stash["sizes"])
+        kind, grid, start, stop = self.stash["segments"].pop(0)  # the model asks for images first, then videos
+        if grid_thw is None or not torch.equal(grid_thw.detach().to("cpu", torch.int64), grid):
+            raise RuntimeError(f"mindspeed-flow: the model asked for visual features of grids "
+                               f"{None if grid_thw is None else grid_thw.tolist()}, but the next exchanged items are "
+                               f"the micro-batch's {kind}s with grids {grid.tolist()}")
+        sizes = self.stash["sizes"]
+        lo, hi = sum(sizes[:start]), sum(sizes[:stop])
+        rows, h = self.stash["rows"][lo:hi], self.text_hidden
+        embeds = torch.split(rows[:, :h], sizes[start:stop])
         deepstack = [rows[:, h * (i + 1):h * (i + 2)] for i in range(self.deepstack_count)]
         if os.environ.get("MSF_FLOW_ZERO_DEEPSTACK", "") == "1":
             # A probe for tests: the deepstack maps arrive zeroed, and the loss must move (they reach the decoder).
