@@ -39,8 +39,9 @@ REGISTRY: tuple[PatchTarget, ...] = (
                 "expert gradients divided by the part's size (MindSpeed-MM's default is the world size)",
                 ("self", "model")),
     PatchTarget("mindspeed_mm.fsdp.models.modelhub.ModelHub.build",
-                "each part trains its own modules: the other part's parameters are frozen here (before the "
-                "optimizer is built)", ("model_args", "feature_args", "training_args")),
+                "each part builds and trains its own modules: the other part's weights are dropped here (before "
+                "they are sharded, initialised or loaded) and what remains of it frozen",
+                ("model_args", "feature_args", "training_args")),
     PatchTarget("mindspeed_mm.fsdp.optimizer.optimizer.build_optimizer",
                 "a part with nothing to train (the example's frozen vision tower, `model.freeze: [model.visual]`) "
                 "gets an optimizer over no values, so the shared loop (LR schedule, step, zero_grad) runs unchanged",
@@ -146,6 +147,10 @@ def _wrap_build(original: Callable) -> Callable:
     def build(*args: Any, **kwargs: Any) -> Any:
         model = original(*args, **kwargs)
         ctx = _ctx()
+        kept, dropped = fsdp2.drop_other_part(model, ctx.parts.vision_module, ctx.is_encoder)
+        if ctx.rank == ctx.layout.offset(ctx.part):
+            print(f"[flow] {ctx.part} ranks hold {kept:,} parameter values of the model's {kept + dropped:,} "
+                  f"(the other part's are not built here)", flush=True)
         vision = _module(model, ctx.parts.vision_module)
         vision_ids = {id(p) for p in vision.parameters()}
         for p in model.parameters():

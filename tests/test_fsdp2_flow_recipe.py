@@ -135,3 +135,34 @@ def test_load_must_be_hf_weights_or_a_flow_checkpoint(tmp_path: Path) -> None:
     (hf / "model.safetensors").write_bytes(b"")
     recipe, config = _files(tmp_path, extra=f"  load: {hf}\n")
     fsdp2.fsdp2_parts_for_job(recipe, [str(config)], 3)
+
+
+@pytest.mark.parametrize("part", [ENCODER, BACKBONE])
+def test_each_part_builds_only_its_own_weights(part: str) -> None:
+    """The tiny Qwen3-VL-MoE as transformers builds it (meta device, as MindSpeed-MM's meta init): an encoder rank
+    keeps exactly the vision tower's values, an LLM rank everything else; the module tree (the names FSDP plans and
+    the embedding re-tie look up) stays."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen3VLMoeForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no Qwen3-VL-MoE")
+    from mindspeed_flow.model_presets import hf_config_dict
+
+    config = transformers.Qwen3VLMoeConfig.from_dict(hf_config_dict("qwen3_vl_moe", "tiny"))
+    with torch.device("meta"):
+        model = transformers.Qwen3VLMoeForConditionalGeneration(config)
+    vision = sum(p.numel() for p in model.model.visual.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    kept, dropped = fsdp2.drop_other_part(model, "model.visual", is_encoder=part == ENCODER)
+    own = vision if part == ENCODER else total - vision
+    assert (kept, dropped) == (own, total - own)
+    names = {name for name, _ in model.named_parameters()}
+    assert names and all(name.startswith("model.visual.") == (part == ENCODER) for name in names), sorted(names)[:5]
+    # What MindSpeed-MM's plans and its re-tie name is still there, holding nothing on the side that dropped it.
+    for path in ("model.visual", "model.visual.merger", "model.language_model", "model.language_model.embed_tokens",
+                 "lm_head"):
+        model.get_submodule(path)
+    if part == ENCODER:
+        assert model.get_input_embeddings()._parameters["weight"] is None
+        assert len(model.model.language_model.layers) == 0
+    else:
+        assert len(model.model.visual.blocks) == 0 and len(model.model.visual.deepstack_merger_list) == 0

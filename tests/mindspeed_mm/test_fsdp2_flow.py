@@ -141,6 +141,7 @@ def fsdp2_job(mm_sources: Sources, tmp_path_factory: pytest.TempPathFactory):
 
     run.configs = configs  # type: ignore[attr-defined]
     run.config = config  # type: ignore[attr-defined]
+    run.hf_dir = root / "tiny" / "hf_moe"  # type: ignore[attr-defined]
     run.save_dir = save  # type: ignore[attr-defined]
     return run
 
@@ -153,6 +154,16 @@ def _baseline(fsdp2_job) -> JobResult:
     result = fsdp2_job("unpatched_fsdp2_ep2", fsdp2_job.configs[2], 2)
     result.assert_trained(ITERS)
     return result
+
+
+def _vision_and_total_values(hf_dir: Path) -> tuple[int, int]:
+    """(vision tower values, all values) of the HF model in `hf_dir`, built by transformers on the meta device."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(hf_dir))
+    with torch.device("meta"):
+        model = transformers.Qwen3VLMoeForConditionalGeneration(config)
+    return (sum(p.numel() for p in model.model.visual.parameters()), sum(p.numel() for p in model.parameters()))
 
 
 def _grad_norms(result: JobResult) -> list[float]:
@@ -192,8 +203,13 @@ def test_fsdp2_flow_llm_on_more_ranks_with_expert_parallel_matches_unpatched(fsd
     assert len(norms) == len(base_norms) == ITERS
     norm_rel = [abs(a - b) / b for a, b in zip(norms, base_norms)]
     assert norm_rel[0] < 1e-3 and max(norm_rel) < 2e-2, (norms, base_norms)
+    # Each part builds only its own weights: the encoder ranks the vision tower's, the LLM ranks the rest.
+    held = {part: (int(n.replace(",", "")), int(total.replace(",", ""))) for part, n, total in re.findall(
+        r"\[flow\] (encoder|backbone) ranks hold ([\d,]+) parameter values of the model's ([\d,]+)", flow.output)}
+    vision, total = _vision_and_total_values(fsdp2_job.hf_dir)
+    assert held == {"encoder": (vision, total), "backbone": (total - vision, total)}, (held, vision, total)
     print(f"flow enc1 + llm2 (EP 2) vs unpatched: loss rel first {rel[0]:.1e} max {max(rel):.1e}; "
-          f"grad norm rel max {max(norm_rel):.1e}")
+          f"grad norm rel max {max(norm_rel):.1e}; encoder ranks hold {vision:,} of {total:,} values")
 
 
 @pytest.mark.mindspeed_mm

@@ -6,7 +6,8 @@ The vision tower (`model.visual`, its merger and deepstack mergers) trains on th
 the backbone part's ranks; each part is its own FSDP2 job: MindSpeed-MM's `ParallelState` builds its device meshes
 over the part's ranks only (expert parallelism inside the backbone part), its `ParallelApplier` shards the model
 over them, its optimizer, LR schedule, gradient clipping, HF loader and `TrainEngine` loop run unchanged on every
-rank. What the flow job adds, per micro-step of a step:
+rank. Each part builds only its own weights (`drop_other_part`, right after the model is built on the meta
+device). What the flow job adds, per micro-step of a step:
 
 1. the backbone ranks load the data exactly as the unpatched job's ranks do (MindSpeed-MM's sampler over the
    backbone's data-parallel group), so every backbone rank sees the unpatched job's batches;
@@ -190,6 +191,54 @@ def assign_images(patches: Sequence[int], encoders: int) -> list[int]:
         owner[i] = e
         loads[e] += patches[i]
     return owner
+
+
+class _Dropped(torch.nn.Module):
+    """Stands in for a module of the other part: its parameter names stay (as None, so code that re-ties or looks
+    them up by name still finds them), their values are gone."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        super().__init__()
+        for name in names:
+            self.register_parameter(name, None)
+
+
+def _drop_values(module: torch.nn.Module, keep: str = "") -> None:
+    """Drop every parameter value under `module` but those under its child `keep`, keeping the module tree (FSDP
+    plans and hooks name its modules)."""
+    for name, child in list(module.named_children()):
+        if name == keep:
+            continue
+        if isinstance(child, torch.nn.ModuleList):
+            setattr(module, name, torch.nn.ModuleList())  # the blocks / decoder layers: the bulk of the values
+        elif not any(True for _ in child.children()):
+            setattr(module, name, _Dropped([n for n, _ in child.named_parameters(recurse=False)]))
+        else:
+            _drop_values(child)
+    for name, value in list(module._parameters.items()):
+        if value is not None:
+            module._parameters[name] = None
+
+
+def drop_other_part(model: torch.nn.Module, vision_path: str, is_encoder: bool) -> tuple[int, int]:
+    """Free this rank of the other part's weights before they are sharded, initialised or loaded: an encoder rank
+    keeps only the vision tower (not the LLM's layers, embeddings, head: most of a 30B-A3B or 235B-A22B model), a
+    backbone rank everything but the vision tower. Returns (values kept, values dropped).
+
+    Safe because the flow job never runs the other part's modules on this rank: encoder ranks call the vision tower
+    alone, backbone ranks answer `get_image_features` from the received rows. The module tree above the dropped
+    values stays, so MindSpeed-MM's FSDP, recompute and prefetch plans find the modules they name (holding nothing),
+    and the HF loader reports the other part's keys as not in the model and skips them."""
+    before = sum(p.numel() for p in model.parameters())
+    node = model
+    for step in vision_path.split("."):
+        if is_encoder:  # everything beside the path down to the vision tower
+            _drop_values(node, keep=step)
+        node = getattr(node, step)
+    if not is_encoder:
+        _drop_values(node)
+    kept = sum(p.numel() for p in model.parameters())
+    return kept, before - kept
 
 
 @dataclass(frozen=True)
