@@ -8,11 +8,10 @@ MindSpeed's patch manager (whose import pulls Megatron's adaptor in).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import os
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -62,8 +61,8 @@ REGISTRY: tuple[PatchTarget, ...] = (
     PatchTarget(f"{_DCP}.DistributedCheckpointer.load",
                 "each part resumes from LOAD/<part>/ over the part's ranks (the same command: training.load at the "
                 "save directory, as MindSpeed-MM resumes)", ("cls", "path", "state", "process_group")),
-    PatchTarget(f"{_DCP}.dcp", "torch DCP's save / load over the part's ranks (MindSpeed-MM's save passes no "
-                               "process group: the world's, whose metadata would mix both parts)", ()),
+    PatchTarget(f"{_DCP}.dcp", "torch DCP's save / async_save / load over the part's ranks (MindSpeed-MM passes "
+                               "none, or a gloo group over the world: metadata that would mix both parts)", ()),
     PatchTarget(f"{_DCP}.ModelState.state_dict", "a part's checkpoint holds its own modules only", ("self",)),
     PatchTarget(f"{_DCP}.ModelState.load_state_dict",
                 "loading a part's modules leaves the rest as they are", ("self", "state_dict")),
@@ -311,18 +310,17 @@ def _wrap_dcp_load(original: Callable) -> Callable:
     return load
 
 
-@contextlib.contextmanager
-def _dcp_broadcast_from_group_rank() -> Iterator[None]:
+def _dcp_broadcast_from_group_rank() -> None:
     """torch 2.7's DCP broadcasts its plan from `src=coordinator_rank`, a rank of the checkpoint's group used as a
     global rank (`_DistWrapper.broadcast_object`; its gather and scatter already convert it): a part that does not
-    hold global rank 0 fails with "Global rank 0 is not part of group". While a part saves or loads, the broadcast
-    names the group's rank (`group_src`)."""
+    hold global rank 0 fails with "Global rank 0 is not part of group". From a part's first save or load on, the
+    broadcast names the group's rank (`group_src`; for the world group, the same rank). It stays installed: an
+    asynchronous save plans in a background thread, after `async_save` has returned."""
     from torch.distributed.checkpoint import utils as dcp_utils
 
     wrapper = getattr(dcp_utils, "_DistWrapper", None)
     original = getattr(wrapper, "broadcast_object", None)
-    if original is None:
-        yield
+    if original is None or getattr(original, "_msf_group_src", False):
         return
 
     def broadcast_object(self: Any, obj: Any) -> Any:
@@ -332,11 +330,8 @@ def _dcp_broadcast_from_group_rank() -> Iterator[None]:
         torch.distributed.broadcast_object_list(objects, group=self.group, group_src=self.coordinator_rank)
         return objects[0]
 
+    broadcast_object._msf_group_src = True  # type: ignore[attr-defined]
     wrapper.broadcast_object = broadcast_object
-    try:
-        yield
-    finally:
-        wrapper.broadcast_object = original
 
 
 class _PartDCP:
@@ -344,19 +339,36 @@ class _PartDCP:
 
     def __init__(self, dcp: Any) -> None:
         self._dcp = dcp
+        self._async_group: Any = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._dcp, name)
 
     def save(self, *args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("process_group", _part_group())
-        with _dcp_broadcast_from_group_rank():
-            return self._dcp.save(*args, **kwargs)
+        _dcp_broadcast_from_group_rank()
+        return self._dcp.save(*args, **kwargs)
+
+    def async_save(self, *args: Any, **kwargs: Any) -> Any:
+        # MindSpeed-MM hands async_save a gloo group over the whole world (`training.save_async`): one part's
+        # coordinator would then write both parts' metadata into its own folder. The part's own group instead, on
+        # MindSpeed-MM's host backend ("cpu:gloo,npu:hccl": the default group is bound to the device), created by
+        # its members only.
+        if self._async_group is None:
+            from mindspeed_mm.fsdp.utils.device import get_dist_comm_backend  # optional: mindspeed_mm
+
+            ctx = _ctx()
+            self._async_group = torch.distributed.new_group(ranks=ctx.layout.part_ranks(ctx.part),
+                                                            backend=get_dist_comm_backend(cpu=True),
+                                                            use_local_synchronization=True)
+        kwargs["process_group"] = self._async_group
+        _dcp_broadcast_from_group_rank()
+        return self._dcp.async_save(*args, **kwargs)
 
     def load(self, *args: Any, **kwargs: Any) -> Any:
         kwargs["process_group"] = kwargs.get("process_group") or _part_group()
-        with _dcp_broadcast_from_group_rank():
-            return self._dcp.load(*args, **kwargs)
+        _dcp_broadcast_from_group_rank()
+        return self._dcp.load(*args, **kwargs)
 
 
 def _owned(key: str) -> bool:

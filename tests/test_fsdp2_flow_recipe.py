@@ -70,7 +70,6 @@ def test_parts_from_recipe_and_config(tmp_path: Path) -> None:
     (dict(bb_tp=2), "parallel.backbone.tp=2"),
     (dict(enc=2), "launched with 3"),
     (dict(ep=4, bb=2), "expert_parallel_size=4 must divide"),
-    (dict(extra="  save_async: true\n"), "training.save_async"),
     (dict(extra="  train_epochs: 2\n"), "training.train_epochs"),
     (dict(trainer="trainer:\n  global_batch_size: 3\n"), "global_batch_size=3"),
 ])

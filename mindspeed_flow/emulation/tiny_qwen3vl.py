@@ -102,6 +102,8 @@ class YamlEdits:
     save_dir: Path | None = None
     save_interval: int = 10000
     resume_from: Path | None = None
+    # `training.save_async: true` (not in the example: MindSpeed-MM's default is false), added after save_interval.
+    save_async: bool = False
     # None keeps the example's values (no clipping, no router auxiliary loss); a job that sets them checks that
     # clipping uses the one gradient norm over all ranks and that the auxiliary loss is counted once.
     clip_grad: float | None = None
@@ -161,6 +163,10 @@ def config_text(example: str, edits: YamlEdits) -> str:
     for key, value, count in subs:
         example = _substitute(example, key, value, count)
     example = _substitute(example, "save_interval", str(edits.save_interval))
+    if edits.save_async:
+        example = re.sub(r"^(?P<lead>[ \t]*)(?P<line>save_interval:.*)$",
+                         lambda m: f"{m['lead']}{m['line']}\n{m['lead']}save_async: true", example, count=1,
+                         flags=re.MULTILINE)
     if edits.resume_from is not None:
         example = _uncomment(example, "load", f"load: {edits.resume_from}")
     elif edits.load_weights:

@@ -25,7 +25,8 @@ launch script exports it.
   unpatched job on one rank (the unpatched 2-rank job cannot train this mix);
 - deepstack: zeroing the deepstack maps in flight (a probe on the LLM ranks) moves the first loss;
 - resume: the encoder 1 + LLM 2 run saves per-part checkpoints at iterations 5 and 10; with only iteration 5 kept
-  (as if it died after 7) the same command trains 6-10 with the uninterrupted run's losses and norms.
+  (as if it died after 7) the same command trains 6-10 with the uninterrupted run's losses and norms; the same with
+  asynchronous saves (`training.save_async: true`).
 
 Needs torch 2.7.x (MindSpeed-MM's pin: its fully_shard patch imports torch-private FSDP2 internals and refuses
 other releases) and torchdata (the FSDP2 data loader's StatefulDataLoader).
@@ -97,6 +98,7 @@ def fsdp2_job(mm_sources: Sources, tmp_path_factory: pytest.TempPathFactory):
                     "torchdata.stateful_dataloader (a MindSpeed-MM dependency, in the `emulate` extra)")
     root = tmp_path_factory.mktemp("fsdp2")
     save = root / "checkpoints"
+    save_async = root / "checkpoints_async"
 
     def config(name: str, iters: int = ITERS, images: tuple[int, ...] = IMAGES, videos: tuple[int, ...] = (0,),
                **edits: object) -> Path:
@@ -115,6 +117,11 @@ def fsdp2_job(mm_sources: Sources, tmp_path_factory: pytest.TempPathFactory):
         "ep2_save": config("ep2_save", expert_parallel_size=2, save_dir=save, save_interval=5, **trained),
         "resume": config("resume", expert_parallel_size=2, freeze_vision=False, resume_from=save, save_dir=save,
                          save_interval=5),
+        # The same run saving asynchronously (`training.save_async: true`) into its own directory, and its resume.
+        "ep2_save_async": config("ep2_save_async", expert_parallel_size=2, save_dir=save_async, save_interval=5,
+                                 save_async=True, **trained),
+        "resume_async": config("resume_async", expert_parallel_size=2, freeze_vision=False, resume_from=save_async,
+                               save_dir=save_async, save_interval=5),
         # The example as MindSpeed-MM ships it: the vision tower frozen (`model.freeze: [model.visual]`).
         "frozen": config("frozen", expert_parallel_size=2, load_weights=True),
         "probe": config("probe", expert_parallel_size=2, **trained),
@@ -143,6 +150,7 @@ def fsdp2_job(mm_sources: Sources, tmp_path_factory: pytest.TempPathFactory):
     run.config = config  # type: ignore[attr-defined]
     run.hf_dir = root / "tiny" / "hf_moe"  # type: ignore[attr-defined]
     run.save_dir = save  # type: ignore[attr-defined]
+    run.save_async_dir = save_async  # type: ignore[attr-defined]
     return run
 
 
@@ -164,6 +172,17 @@ def _vision_and_total_values(hf_dir: Path) -> tuple[int, int]:
     with torch.device("meta"):
         model = transformers.Qwen3VLMoeForConditionalGeneration(config)
     return (sum(p.numel() for p in model.model.visual.parameters()), sum(p.numel() for p in model.parameters()))
+
+
+def _keep_only_iteration_5(save: Path) -> None:
+    """As if the saving run had died after iteration 7: each part's iteration-10 checkpoint gone, tracker at 5."""
+    for part in ("encoder", "backbone"):
+        folder = save / part
+        assert sorted(p.name for p in folder.glob("iter_*")) == ["iter_0000005", "iter_0000010"], part
+        assert (folder / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+        assert (folder / "iter_0000005" / ".metadata").is_file(), part  # DCP's metadata, in the part's own folder
+        shutil.rmtree(folder / "iter_0000010")
+        (folder / "latest_checkpointed_iteration.txt").write_text("5")
 
 
 def _grad_norms(result: JobResult) -> list[float]:
@@ -241,12 +260,7 @@ def test_fsdp2_flow_resumes_with_the_same_losses(fsdp2_job) -> None:
     full = _saving_flow_run(fsdp2_job)
     full.assert_trained(ITERS)
     save = fsdp2_job.save_dir
-    for part in ("encoder", "backbone"):
-        folder = save / part
-        assert sorted(p.name for p in folder.glob("iter_*")) == ["iter_0000005", "iter_0000010"], part
-        assert (folder / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
-        shutil.rmtree(folder / "iter_0000010")
-        (folder / "latest_checkpointed_iteration.txt").write_text("5")
+    _keep_only_iteration_5(save)
     # Each part saved its own modules only (and their optimizer state).
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -316,3 +330,20 @@ def test_fsdp2_flow_trains_image_video_and_mixed_samples_as_unpatched(fsdp2_job)
     rel = _assert_losses_match(flow, base)
     print(f"flow enc2 + llm1, image / video / mixed samples vs unpatched 1 rank: loss rel first {rel[0]:.1e} "
           f"max {max(rel):.1e}")
+
+
+@pytest.mark.mindspeed_mm
+@pytest.mark.timeout(3 * JOB_TIMEOUT_S + 120)
+def test_fsdp2_flow_resumes_from_asynchronous_saves(fsdp2_job) -> None:
+    """`training.save_async: true`: each part saves in the background over its own gloo group; resumed from the
+    iteration-5 checkpoint, iterations 6-10 equal the uninterrupted (synchronously saving) run's."""
+    full = _saving_flow_run(fsdp2_job)
+    full.assert_trained(ITERS)
+    saving = fsdp2_job("flow_save_async", fsdp2_job.configs["ep2_save_async"], 3, flow=(1, 2))
+    saving.assert_trained(ITERS)
+    assert saving.losses == full.losses  # saving, in the background or not, changes no step
+    _keep_only_iteration_5(fsdp2_job.save_async_dir)
+    resumed = fsdp2_job("flow_resumed_async", fsdp2_job.configs["resume_async"], 3, flow=(1, 2))
+    assert resumed.rc == 0, resumed.output[-3000:]
+    assert resumed.iterations == list(range(6, ITERS + 1)), resumed.iterations
+    assert resumed.losses == full.losses[5:], (resumed.losses, full.losses)

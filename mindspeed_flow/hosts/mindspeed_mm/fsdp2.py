@@ -26,12 +26,12 @@ device). What the flow job adds, per micro-step of a step:
 A step therefore has the unpatched job's batches, loss and gradients (`tests/mindspeed_mm/test_fsdp2_flow.py`
 compares per-iteration losses). Checkpoints: MindSpeed-MM's DCP checkpointer, per part (SAVE/encoder/,
 SAVE/backbone/, each with MindSpeed-MM's iter_* folders and tracker file, written over the part's ranks); the job
-resumes when training.load points at SAVE, as MindSpeed-MM resumes. Each encoder rank runs the vision tower once
-per micro-step whatever its images and videos (a blank image when it has none), so the flow job trains mixes of
-image-only, video-only and mixed samples, which MindSpeed-MM's own FSDP2 job on several ranks cannot (a rank with
-no image skips the collectives of the tower's FSDP forward). Not yet: asynchronous saves, loading an
-unpatched job's DCP checkpoint, and per-side data loading (the encoder ranks get pixels over the wire instead of
-loading them).
+resumes when training.load points at SAVE, as MindSpeed-MM resumes. Each encoder rank runs the vision tower once per
+micro-step whatever its images and videos (a blank image when it has none), so the flow job trains mixes of
+image-only, video-only and mixed samples, which MindSpeed-MM's own FSDP2 job on several ranks cannot (a rank with no
+image skips the collectives of the tower's FSDP forward). Saves may be asynchronous (`training.save_async`, over
+each part's own gloo group). Not yet: loading an unpatched job's DCP checkpoint, and per-side data loading (the
+encoder ranks get pixels over the wire instead of loading them).
 """
 from __future__ import annotations
 
@@ -136,9 +136,6 @@ def fsdp2_parts_for_job(recipe_path: str | Path, script_argv: Sequence[str], wor
     if _select(cfg, "training.train_epochs") is not None:
         raise FlowRecipeError(f"{config_path}: training.train_epochs: the parts would count epochs over different "
                               "data-parallel groups; give training.train_iters")
-    if _select(cfg, "training.save_async", False):
-        raise FlowRecipeError(f"{config_path}: training.save_async=true: asynchronous saves of a flow job are not "
-                              "supported yet (set false)")
     load = _select(cfg, "training.load")
     if load:
         # Weights from an HF folder, or a flow job's own checkpoint (one folder per part); not an unpatched job's.

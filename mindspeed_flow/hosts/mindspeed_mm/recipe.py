@@ -203,7 +203,8 @@ def support_table() -> str:
              "image_encoder.vision_projector.model_id": "projector", "text_decoder.model_id": "LLM"}
     rows = [("entry script", f"{ids(SUPPORTED_SCRIPTS)} (MindSpeed-MM's Megatron VLM path); "
                              "`mindspeed_mm/fsdp/train/trainer.py` (its FSDP2 trainer: `model_id: qwen3_vl_moe`, "
-                             "FSDP per part, expert parallel inside the LLM's part, HF weights in)",
+                             "FSDP per part, expert parallel inside the LLM's part, HF weights in, images and videos "
+                             "in any mix per sample)",
              ids(REFUSED_SCRIPTS))]
     rows += [(names[field], ids(ok), ids(refused) or "anything else") for field, (ok, refused) in MODEL_IDS.items()]
     rows += [
