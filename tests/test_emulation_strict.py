@@ -350,7 +350,24 @@ def _collectives(rank: int, world: int) -> dict[str, bool]:
     return {"all_reduce": both(all_reduce), "all_reduce_max": both(lambda m, g: all_reduce(m, g, dist.ReduceOp.MAX)),
             "all_gather": both(all_gather), "all_gather_into_tensor": both(all_gather_into),
             "reduce_scatter_tensor": both(reduce_scatter), "broadcast": both(broadcast),
-            "all_to_all_single": both(all_to_all), "isend_irecv": both(p2p)}
+            "all_to_all_single": both(all_to_all), "isend_irecv": both(p2p), **_averages(rank, world, hccl, base)}
+
+
+def _averages(rank: int, world: int, hccl: Any, base: torch.Tensor) -> dict[str, bool]:
+    """ReduceOp.AVG, which gloo refuses: on hccl (torch_npu sums, then divides by the group size) it equals the gloo
+    sum divided by the group size, for all-reduce and reduce-scatter, float and integer tensors."""
+    gloo = dist.new_group(list(range(world)), backend="gloo")
+    summed = base.clone()
+    dist.all_reduce(summed, group=gloo)
+    avg = base.clone().npu()
+    dist.all_reduce(avg, op=dist.ReduceOp.AVG, group=hccl)
+    ints = torch.full((3,), 3 + rank, dtype=torch.int64).npu()  # (3 + 4) / 2 -> 3, truncated as torch_npu does
+    dist.all_reduce(ints, op=dist.ReduceOp.AVG, group=hccl)
+    shard = torch.empty(4).npu()
+    dist.reduce_scatter_tensor(shard, base.clone().npu(), op=dist.ReduceOp.AVG, group=hccl)
+    return {"all_reduce_avg": torch.allclose(avg.cpu(), summed / world),
+            "all_reduce_avg_int": ints.cpu().tolist() == [3, 3, 3],
+            "reduce_scatter_avg": torch.allclose(shard.cpu(), (summed / world)[rank * 4:(rank + 1) * 4])}
 
 
 def test_collectives_on_npu_tensors_equal_gloo_on_host_tensors() -> None:

@@ -217,10 +217,8 @@ memory = types.SimpleNamespace(
 
 
 # ---------------------------------------------------------------- RNG: the device generator is the CPU one
-# One entry per device (MindSpeed indexes it by the current device), all the CPU default generator: npu random ops
-# draw from it, and each rank uses one device.
-default_generators = (torch.default_generator,)
-
+# npu random ops draw from the CPU default generator, and each rank uses one device.
+#
 # The npu's RNG state as torch_npu hands it out: 16 bytes, a uint64 seed then an int64 Philox offset
 # (torch_npu/csrc/aten/NPUGeneratorImpl.cpp, v2.7.1-7.3.0, get_state / set_state; set_state also takes the seed
 # alone, 8 bytes). Callers read that layout: DTensor's OffsetBasedRNGTracker (torch/distributed/tensor/_random.py)
@@ -229,14 +227,35 @@ default_generators = (torch.default_generator,)
 # itself at offset 0, so `torch.manual_seed(s)` draws what CPU torch draws). Philox advances its offset with each
 # draw; here `get_rng_state` notices draws (the CPU generator moved since the last seeding), moves the offset on by
 # `_OFFSET_STRIDE` and reseeds, so that restoring the state it returned replays what follows, as on the device.
+# Megatron and MindSpeed restore the device RNG through `default_generators[i].set_state(...)` (and read it with
+# `graphsafe_get_state` / `clone_state`), so in this layout `default_generators` are `_DeviceGenerator`s that speak it.
 #
-# Only for jobs without Megatron (MindSpeed-MM's FSDP2 path, which its launch scripts start with NON_MEGATRON=true):
-# Megatron and MindSpeed save and restore the device RNG through `default_generators[i].set_state(...)`, and those
-# are the CPU generator here, which takes only its own full state; so a Megatron-path job keeps that state in both
-# directions (the one knowing departure from torch_npu's layout, listed in the emulation README).
+# Used by the jobs that initialise weights on a DTensor mesh: MindSpeed-MM's FSDP2 trainer (its launch scripts
+# export NON_MEGATRON=true) and `pretrain_transformers.py` (Megatron's loop over MindSpeed's torch FSDP2); set
+# MSF_EMULATE_RNG=device or =cpu to choose. The other Megatron-path jobs (`pretrain_vlm.py`) keep the CPU
+# generator's own full state in both directions, the one knowing departure from torch_npu's layout (listed in the
+# emulation README): their random streams, hence their tested figures, stay those they were measured with.
 _SEED_BYTES = 8
 _OFFSET_STRIDE = 1 << 40  # far above the offsets DTensor sets (element counts of one tensor)
-_DEVICE_LAYOUT = os.environ.get("NON_MEGATRON", "").strip().lower() in ("1", "true", "yes")
+_DEVICE_LAYOUT_SCRIPTS = ("pretrain_transformers.py",)
+
+
+def _uses_device_layout(environ: dict[str, str] | Any = os.environ, argv: list[str] | None = None) -> bool:
+    """Whether this process hands out the device's 16-byte RNG state (see above)."""
+    chosen = environ.get("MSF_EMULATE_RNG", "").strip().lower()
+    if chosen in ("device", "cpu"):
+        return chosen == "device"
+    if chosen:
+        raise ValueError(f"MSF_EMULATE_RNG={chosen!r}: expected 'device' or 'cpu'")
+    if environ.get("NON_MEGATRON", "").strip().lower() in ("1", "true", "yes"):
+        return True
+    import sys  # the script: argv[0] under torchrun, or an argument of the patch launcher before it
+
+    argv = sys.argv if argv is None else argv
+    return any(os.path.basename(arg) in _DEVICE_LAYOUT_SCRIPTS for arg in argv[:8])
+
+
+_DEVICE_LAYOUT = _uses_device_layout()
 _rng: dict[str, Any] = {"seed": None, "offset": 0, "cpu_state": None}
 
 
@@ -307,6 +326,54 @@ def get_rng_state_all() -> list[torch.Tensor]:
 
 def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
     set_rng_state(new_states[current_device()])
+
+
+class _DeviceGenerator:
+    """`torch.npu.default_generators[i]` in the device layout: the calls Megatron and MindSpeed make on it
+    (`set_state`, `graphsafe_set_state`, `get_state`, `graphsafe_get_state`, `clone_state`, seeding), over the
+    module's RNG functions; not a `torch.Generator`, so an op given it as `generator=` fails loudly."""
+
+    def __init__(self, index: int, state: torch.Tensor | None = None) -> None:
+        self._index, self._state = index, state
+
+    @property
+    def device(self) -> torch.device:  # "npu" exists once install_npu_device renamed PrivateUse1
+        return torch.device("npu", self._index) if _EXT is not None else torch.device("cpu")
+
+    def get_state(self) -> torch.Tensor:
+        return get_rng_state()
+
+    def set_state(self, new_state: "torch.Tensor | _DeviceGenerator") -> "_DeviceGenerator":
+        # graphsafe_set_state takes what graphsafe_get_state gave: a generator holding a state
+        set_rng_state(new_state._state if isinstance(new_state, _DeviceGenerator) else new_state)
+        return self
+
+    graphsafe_set_state = set_state
+
+    def graphsafe_get_state(self) -> "_DeviceGenerator":
+        return _DeviceGenerator(self._index, get_rng_state())
+
+    clone_state = graphsafe_get_state
+
+    def manual_seed(self, seed_: int) -> "_DeviceGenerator":
+        manual_seed(seed_)
+        return self
+
+    def seed(self) -> int:
+        seed()
+        return initial_seed()
+
+    def initial_seed(self) -> int:
+        return initial_seed()
+
+
+def _default_generators(count: int) -> tuple[Any, ...]:
+    if _DEVICE_LAYOUT:
+        return tuple(_DeviceGenerator(i) for i in range(count))
+    return (torch.default_generator,) * count
+
+
+default_generators = _default_generators(1)
 
 
 # ---------------------------------------------------------------- streams and events: all work is synchronous
@@ -509,7 +576,7 @@ def use_extension(ext: Any) -> None:
     copies this module's names, which it does (the fake torch_npu calls it first)."""
     global _EXT, Stream, SyncLaunchStream, Event, current_stream, default_stream, default_generators
     _EXT = ext
-    default_generators = (torch.default_generator,) * ext.device_count()
+    default_generators = _default_generators(ext.device_count())
     Stream = SyncLaunchStream = _StrictStream
     Event = _StrictEvent
     current_stream = default_stream = _strict_current_stream

@@ -18,6 +18,8 @@ from mindspeed_flow.emulation import log as emu_log
 _ITER_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)"
                       r".*?\| (?:lm )?loss: ([^ |]+)")
 JOB_TIMEOUT_S = 900
+# Megatron's and MindSpeed-MM's FSDP2 trainer's log lines both end an iteration's fields with "| grad norm: X |".
+_GRAD_NORM_RE = re.compile(r"iteration\s+\d+/\s*\d+ \|.*? grad norm: ([0-9.]+) \|")
 
 
 @dataclass
@@ -102,6 +104,11 @@ def parse_iterations(output: str) -> tuple[list[int], list[float], list[float]]:
         times.append(float(m.group(2)))
         losses.append(float(m.group(3)))
     return its, losses, times
+
+
+def parse_grad_norms(output: str) -> list[float]:
+    """The gradient norm of each logged iteration, in order."""
+    return [float(x) for x in _GRAD_NORM_RE.findall(output)]
 
 
 def emulate_command(argv: list[str], *, log_path: Path, nproc: int = 2, patches: bool = False,

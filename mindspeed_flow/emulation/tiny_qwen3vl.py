@@ -13,6 +13,7 @@ Needs transformers 4.57 (MindSpeed-MM's pin, with the Qwen3-VL classes) and the 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import re
 import sys
@@ -22,6 +23,7 @@ from typing import Any
 
 from mindspeed_flow.emulation import tiny
 from mindspeed_flow.model_presets import hf_config_dict
+from mindspeed_flow.model_presets.tiny import TINY_VOCAB
 
 EXAMPLE_YAML = "examples/qwen3vl/qwen3vl_30B_config_v1.yaml"
 
@@ -32,8 +34,13 @@ _FAMILY = {True: ("qwen3_vl_moe", "Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalG
            False: ("qwen3_vl", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration")}
 
 
-def build_hf_dir(out_dir: Path, moe: bool = True) -> Path:
-    """Tokenizer, Qwen3VLProcessor and config.json of a tiny Qwen3-VL(-MoE) in `out_dir` (no weights)."""
+def build_hf_dir(out_dir: Path, moe: bool = True, pad_token: bool = True) -> Path:
+    """Tokenizer, Qwen3VLProcessor and config.json of a tiny Qwen3-VL(-MoE) in `out_dir` (no weights).
+
+    `pad_token=False` leaves `pad_token_id` out of the text config, for `pretrain_transformers.py`: with one,
+    transformers' weight init zeroes the padding row (`weight.data[padding_idx].zero_()`), which DTensor on torch
+    2.7 has no sharding rule for (aten.select.int), so MindSpeed-MM's meta-device init under torch FSDP2 stops
+    before training (measured; the device would fail the same way)."""
     from mindspeed_flow.utils import torchvision_compat  # lazy: torch
 
     torchvision_compat.install()  # transformers' Qwen3-VL processors import torchvision (a CUDA wheel)
@@ -51,7 +58,10 @@ def build_hf_dir(out_dir: Path, moe: bool = True) -> Path:
     family, config_class, architecture = _FAMILY[moe]
     import transformers  # lazy: transformers 4.57
 
-    config = getattr(transformers, config_class).from_dict(hf_config_dict(family, "tiny"))
+    config_dict = copy.deepcopy(hf_config_dict(family, "tiny"))
+    if not pad_token:
+        config_dict["text_config"].pop("pad_token_id", None)
+    config = getattr(transformers, config_class).from_dict(config_dict)
     config.architectures = [architecture]
     config.save_pretrained(str(out_dir))
     return out_dir
@@ -113,7 +123,7 @@ class YamlEdits:
     videos: bool = False
 
 
-def _substitute(text: str, key: str, value: str, count: int = 1) -> str:
+def _substitute(text: str, key: str, value: str, count: int = 1, source: str = EXAMPLE_YAML) -> str:
     """Replace the value of `key:` (keeping indentation, a YAML anchor and a trailing comment) `count` times.
 
     Lines whose value is an alias (`*NAME`) are left alone: they follow their anchor."""
@@ -123,7 +133,7 @@ def _substitute(text: str, key: str, value: str, count: int = 1) -> str:
     found = len(pattern.findall(text))
     if found != count:
         # MindSpeed-MM changed its example: fail loudly rather than train another configuration.
-        raise ValueError(f"{EXAMPLE_YAML}: expected {count} line(s) '{key}:', found {found}")
+        raise ValueError(f"{source}: expected {count} line(s) '{key}:', found {found}")
     return pattern.sub(lambda m: f"{m['lead']}{m['anchor'] or ''}{value}{m['trail']}", text)
 
 
@@ -191,6 +201,81 @@ def write_config(mm_root: Path, out: Path, edits: YamlEdits) -> Path:
     example = (mm_root / EXAMPLE_YAML).read_text(encoding="utf-8")
     out.write_text(config_text(example, edits), encoding="utf-8")
     return out
+
+
+# ---------------------------------------------------------------- pretrain_transformers.py (Megatron loop, FSDP2)
+SFT_EXAMPLE_YAML = "examples/qwen3vl/qwen3vl_full_sft_8B.yaml"
+# The MoE example (Qwen3-VL-30B-A3B) differs from the dense one in model_id, global batch and the Megatron check
+# values only; the experts stay inside each FSDP shard (its fsdp2 config: "only support expert_parallel_size = 1").
+SFT_MOE_EXAMPLE_YAML = "examples/qwen3vl/qwen3vl_full_sft_30B.yaml"
+
+
+@dataclass
+class SftEdits:
+    """What `sft_config_text` changes in MindSpeed-MM's `qwen3vl_full_sft_8B.yaml` / `_30B.yaml`
+    (`pretrain_transformers.py CONFIG.yaml`, its Qwen3-VL-8B and 30B-A3B full fine-tuning examples). Everything else stays the example's: the vision tower
+    and projector frozen, the fsdp2 config it names (bf16 parameters, fp32 reductions), lr 1e-5 with cosine decay,
+    no clipping, no optimizer or RNG state saved or loaded, `bridge_patch` loading the HF weights."""
+
+    hf_dir: Path
+    data_dir: Path
+    cache_dir: Path
+    save_dir: Path
+    train_iters: int = 10
+    # The examples' 8 (16) is one (two) sample(s) per rank on 8 NPUs; 2 is one per rank on 2, two steps on one.
+    global_batch_size: int = 2
+    max_samples: int = 32
+
+
+def sft_config_text(example: str, edits: SftEdits, source: str = SFT_EXAMPLE_YAML) -> str:
+    """The example's YAML text with the tiny job's values (keys, anchors and comments unchanged)."""
+    subs = [
+        ("HF_MODEL_LOAD_PATH", str(edits.hf_dir)),
+        # The example loads a converted checkpoint; MindSpeed-MM's bridge patch loads an HF folder just as well
+        # (`load` holding safetensors), which is how a user fine-tunes from released weights without converting.
+        ("MM_MODEL_LOAD_PATH", str(edits.hf_dir)),
+        ("DATASET_PATH", str(edits.data_dir / "samples.json")),
+        ("SAVE_PATH", str(edits.save_dir)),
+        ("global_batch_size", str(edits.global_batch_size)),
+        ("train_iters", str(edits.train_iters)),
+        ("vocab_size", str(TINY_VOCAB)),
+        ("dataset_dir", f"{edits.data_dir}/"),
+        ("cache_dir", f"{edits.cache_dir}/"),
+        ("max_samples", str(edits.max_samples)),
+        # A laptop's few cores: no worker processes for preprocessing or loading.
+        ("preprocessing_num_workers", "1"),
+        ("num_workers", "0"),
+        # Pinned host memory only helps copies to an accelerator; the emulated NPU's memory is host memory.
+        ("pin_memory", "false"),
+    ]
+    for key, value in subs:
+        example = _substitute(example, key, value, 1, source=source)
+    return example
+
+
+def prepare_sft_workdir(workdir: str | Path, mm_root: Path, *, moe: bool = False, n_samples: int = 14,
+                        images_per_sample: tuple[int, ...] = (1,), config_name: str = "sft.yaml",
+                        **edit_kwargs: Any) -> dict[str, Path]:
+    """HF dir (tiny Qwen3-VL, dense or MoE, with seeded weights and no text pad token), samples and a fresh
+    CONFIG.yaml for `pretrain_transformers.py`, from MindSpeed-MM's `qwen3vl_full_sft_8B.yaml` (dense) or
+    `qwen3vl_full_sft_30B.yaml` (MoE) under `mm_root`."""
+    workdir = Path(workdir).resolve()
+    hf_dir = workdir / ("hf_sft_moe" if moe else "hf_sft")
+    if not (hf_dir / "config.json").exists():
+        build_hf_dir(hf_dir, moe=moe, pad_token=False)
+    if not (hf_dir / "model.safetensors").exists():
+        write_weights(hf_dir, moe=moe)
+    data_dir = workdir / ("data_sft_" + "".join(map(str, images_per_sample)))
+    samples = data_dir / "samples.json"
+    if not samples.exists() or len(json.loads(samples.read_text())) != n_samples:
+        tiny.write_samples(data_dir, n_samples, images_per_sample=images_per_sample)
+    edits = SftEdits(hf_dir=hf_dir, data_dir=data_dir, cache_dir=workdir / data_dir.name.replace("data", "cache", 1),
+                     max_samples=n_samples, **edit_kwargs)
+    source = SFT_MOE_EXAMPLE_YAML if moe else SFT_EXAMPLE_YAML
+    example = (mm_root / source).read_text(encoding="utf-8")
+    config = workdir / config_name
+    config.write_text(sft_config_text(example, edits, source), encoding="utf-8")
+    return {"workdir": workdir, "hf_dir": hf_dir, "samples": samples, "config": config}
 
 
 def prepare_workdir(workdir: str | Path, mm_root: Path, *, moe: bool = True, n_samples: int = 32,

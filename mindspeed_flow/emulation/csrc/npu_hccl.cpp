@@ -223,6 +223,45 @@ c10::intrusive_ptr<c10d::Work> HcclBackend::on_stream(const std::string& key, c1
   return work;
 }
 
+// torch_npu runs ReduceOp::AVG as a sum and divides by the group size afterwards (ProcessGroupHCCL.cpp
+// getHcclReduceOp: "HCCL does not support ReduceOp::AVG yet, PTA supports it by summing first, then dividing");
+// gloo refuses AVG ("Cannot use ReduceOp.AVG with Gloo"), so the emulated backend does as torch_npu does:
+// MindSpeed-MM's pretrain_transformers.py averages its logged loss with an AVG all-reduce.
+namespace {
+template <typename Options>
+bool sum_for_average(Options& opts) {
+  if (opts.reduceOp == c10d::ReduceOp::AVG) {
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    return true;
+  }
+  return false;
+}
+
+// A work that already completed: gloo's reduce-scatter work copies its results into the outputs on each wait(),
+// so after dividing them the original work must not be waited on again.
+class CompletedWork : public c10d::Work {
+ public:
+  bool isCompleted() override { return true; }
+  bool wait(std::chrono::milliseconds /*timeout*/) override { return true; }
+};
+
+c10::intrusive_ptr<c10d::Work> divided(c10::intrusive_ptr<c10d::Work> work, bool average,
+                                       const std::vector<at::Tensor>& outputs, int group_size) {
+  if (average) {
+    work->wait();
+    for (const auto& t : outputs) {
+      if (at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type())) {
+        t.div_(group_size);
+      } else {
+        t.div_(group_size, "trunc");
+      }
+    }
+    return c10::make_intrusive<CompletedWork>();
+  }
+  return work;
+}
+}  // namespace
+
 // Every collective runs on the group's stream; `G` is the gloo backend, captured by each queued operation.
 c10::intrusive_ptr<c10d::Work> HcclBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                       const c10d::BroadcastOptions& opts) {
@@ -233,13 +272,21 @@ c10::intrusive_ptr<c10d::Work> HcclBackend::broadcast(std::vector<at::Tensor>& t
 c10::intrusive_ptr<c10d::Work> HcclBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                       const c10d::AllreduceOptions& opts) {
   return on_stream("group", c10d::OpType::ALLREDUCE, tensors,
-                   [G = gloo_, h = hosts_of(tensors), opts]() mutable { return G->allreduce(h, opts); });
+                   [G = gloo_, h = hosts_of(tensors), opts]() mutable {
+                     auto o = opts;  // the capture is const
+                     bool avg = sum_for_average(o);
+                     return divided(G->allreduce(h, o), avg, h, G->getSize());
+                   });
 }
 
 c10::intrusive_ptr<c10d::Work> HcclBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                                 const c10d::AllreduceCoalescedOptions& opts) {
   return on_stream("group", c10d::OpType::ALLREDUCE_COALESCED, tensors,
-                   [G = gloo_, h = hosts_of(tensors), opts]() mutable { return G->allreduce_coalesced(h, opts); });
+                   [G = gloo_, h = hosts_of(tensors), opts]() mutable {
+                     auto o = opts;  // the capture is const
+                     bool avg = sum_for_average(o);
+                     return divided(G->allreduce_coalesced(h, o), avg, h, G->getSize());
+                   });
 }
 
 c10::intrusive_ptr<c10d::Work> HcclBackend::reduce(std::vector<at::Tensor>& tensors,
@@ -323,7 +370,9 @@ c10::intrusive_ptr<c10d::Work> HcclBackend::reduce_scatter(std::vector<at::Tenso
                                                            const c10d::ReduceScatterOptions& opts) {
   return on_stream("group", c10d::OpType::REDUCE_SCATTER, outputs,
                    [G = gloo_, out = hosts_of(outputs), in = hosts_of(inputs), opts]() mutable {
-                     return G->reduce_scatter(out, in, opts);
+                     auto o = opts;  // the capture is const
+                     bool avg = sum_for_average(o);
+                     return divided(G->reduce_scatter(out, in, o), avg, out, G->getSize());
                    });
 }
 
@@ -334,7 +383,9 @@ c10::intrusive_ptr<c10d::Work> HcclBackend::_reduce_scatter_base(at::Tensor& out
               "input tensor must be the same size as output size times world size");
   return on_stream("group", c10d::OpType::_REDUCE_SCATTER_BASE, {output},
                    [G = gloo_, out = flat(host_of(output)), in = flat(host_of(input)), opts]() mutable {
-                     return G->_reduce_scatter_base(out, in, opts);
+                     auto o = opts;  // the capture is const
+                     bool avg = sum_for_average(o);
+                     return divided(G->_reduce_scatter_base(out, in, o), avg, {out}, G->getSize());
                    });
 }
 
@@ -342,7 +393,9 @@ c10::intrusive_ptr<c10d::Work> HcclBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
   return on_stream("group", c10d::OpType::COALESCED, outputs,
                    [G = gloo_, out = hosts_of(outputs), in = hosts_of(inputs), opts]() mutable {
-                     return G->reduce_scatter_tensor_coalesced(out, in, opts);
+                     auto o = opts;  // the capture is const
+                     bool avg = sum_for_average(o);
+                     return divided(G->reduce_scatter_tensor_coalesced(out, in, o), avg, out, G->getSize());
                    });
 }
 

@@ -3,7 +3,8 @@
 The PyPI torchvision wheel next to CPU torch dies on import (`operator torchvision::nms does not exist`);
 `mindspeed_flow.utils.torchvision_compat.install()` fixes that, and here it runs automatically, just before
 the first `import torchvision`, whoever imports it first (MindSpeed-MM, transformers, a data worker, a user's
-helper). Nothing is imported at start-up (not even torch), so interpreters that never touch torchvision pay
+helper). Likewise, right after `triton.runtime.driver` is imported, triton's active driver becomes the emulated
+NPU (`mindspeed_flow.emulation.triton_npu`: device queries answered, kernels refused). Nothing is imported at start-up (not even torch), so interpreters that never touch torchvision pay
 nothing. A `sitecustomize` further down sys.path, which this file shadows, still runs.
 """
 import importlib.abc
@@ -28,6 +29,33 @@ class _TorchvisionCompatOnImport(importlib.abc.MetaPathFinder):
 if "torchvision" not in sys.modules and not any(type(f).__name__ == _TorchvisionCompatOnImport.__name__
                                                 for f in sys.meta_path):
     sys.meta_path.insert(0, _TorchvisionCompatOnImport())
+
+
+class _TritonNpuDriverOnImport(importlib.abc.MetaPathFinder):
+    """Finds `triton.runtime.driver` as the other finders would, and installs the emulated driver once it ran."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "triton.runtime.driver":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            from mindspeed_flow.emulation import triton_npu
+
+            triton_npu.install(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if "triton.runtime.driver" not in sys.modules and not any(type(f).__name__ == _TritonNpuDriverOnImport.__name__
+                                                          for f in sys.meta_path):
+    sys.meta_path.insert(0, _TritonNpuDriverOnImport())
 
 
 def _chain_shadowed_sitecustomize() -> None:

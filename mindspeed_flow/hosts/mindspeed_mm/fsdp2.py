@@ -489,10 +489,13 @@ class FlowFsdp2:
         items = [PlannedItem(self.global_rank(BACKBONE, b), step, b, n) for (b, _), n in zip(pairs, sizes)]
         self.transport.post_receives(CHANNEL_GRAD, items, hidden)
         grads = [self.transport.receive(CHANNEL_GRAD, self.global_rank(BACKBONE, b), step, b) for b, _ in pairs]
-        # Each backbone rank's loss is already its share of the job's loss (MindSpeed-MM normalises per-token
-        # losses over the whole step and its FSDP reductions sum), so the encoder part's gradient is the plain
-        # sum of the gradients that come back; its own FSDP reduction sums them over the encoder ranks.
-        torch.autograd.backward(rows, torch.cat(grads).to(rows.device, rows.dtype))
+        # The unpatched job's gradient is the mean over its data-parallel ranks (FSDP2 reduce-scatters with
+        # ReduceOp.AVG; HCCL runs it as a sum divided by the group size), and the backbone part's is the mean over
+        # its B ranks. The rows coming back carry each backbone rank's own gradient, so the vision tower's gradient
+        # must be their sum over the B ranks divided by B; the encoder part's FSDP2 reduction averages over its E
+        # ranks, which divides the sum by E, so each rank scales what it backpropagates by E / B.
+        scale = self.layout.part(ENCODER).size / backbones
+        torch.autograd.backward(rows, torch.cat(grads).to(rows.device, rows.dtype) * scale)
         self.transport.flush()
 
     # ------------------------------------------------------------------ one gradient norm
