@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import sys
 import time
 import types
 from typing import Any, Callable, Iterator
@@ -249,8 +250,7 @@ def _uses_device_layout(environ: dict[str, str] | Any = os.environ, argv: list[s
         raise ValueError(f"MSF_EMULATE_RNG={chosen!r}: expected 'device' or 'cpu'")
     if environ.get("NON_MEGATRON", "").strip().lower() in ("1", "true", "yes"):
         return True
-    import sys  # the script: argv[0] under torchrun, or an argument of the patch launcher before it
-
+    # The script: argv[0] under torchrun, or one of the patch launcher's first arguments.
     argv = sys.argv if argv is None else argv
     return any(os.path.basename(arg) in _DEVICE_LAYOUT_SCRIPTS for arg in argv[:8])
 
