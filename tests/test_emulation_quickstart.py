@@ -77,6 +77,24 @@ def test_script_relative_to_the_callers_folder_runs_from_there(sources, tmp_path
     assert str(caller) in err and str(sources["MindSpeed-MM"]) in err
 
 
+def test_yaml_config_relative_to_the_callers_folder_is_made_absolute(sources, tmp_path: Path, monkeypatch,
+                                                                     capsys) -> None:
+    """`pretrain_transformers.py CONFIG.yaml` and the FSDP2 trainer take the config as their first argument."""
+    caller = tmp_path / "me"
+    (caller / "cfg").mkdir(parents=True)
+    (caller / "cfg/sft.yaml").write_text("gpt_args: {}\n")
+    (sources["MindSpeed-MM"] / "pretrain_transformers.py").write_text("")
+    monkeypatch.chdir(caller)
+    assert cli.main(["--dry-run", "--", "pretrain_transformers.py", "cfg/sft.yaml", "--distributed-backend",
+                     "nccl"]) == 0
+    cmd = capsys.readouterr().out.splitlines()[-1].split()
+    assert cmd[cmd.index("pretrain_transformers.py") + 1] == str(caller / "cfg/sft.yaml")
+    # a config only in MindSpeed-MM's tree (its examples) stays relative to it
+    assert cli.main(["--dry-run", "--", "pretrain_transformers.py", "examples/qwen3vl/x.yaml"]) == 0
+    cmd = capsys.readouterr().out.splitlines()[-1].split()
+    assert cmd[cmd.index("pretrain_transformers.py") + 1] == "examples/qwen3vl/x.yaml"
+
+
 def test_dry_run_with_a_shell_script_runs_nothing(sources, tmp_path: Path, capsys) -> None:
     """`emulate --dry-run --shell SCRIPT` prints what it would run (folder, PYTHONPATH, mode, `bash SCRIPT`)."""
     marker = tmp_path / "ran"
@@ -121,8 +139,11 @@ def test_shadowed_sitecustomize_still_runs(tmp_path: Path) -> None:
     (other / "sitecustomize.py").write_text("import builtins; builtins.MSF_OTHER_SITE = True\n")
     env = emulation.site_env({k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(other)})
     proc = subprocess.run([sys.executable, "-c", "import builtins, sys; print(builtins.MSF_OTHER_SITE, "
-                           "type(sys.meta_path[0]).__name__)"], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.stdout.split() == ["True", "_TorchvisionCompatOnImport"], proc.stderr[-2000:]
+                           "*sorted(type(f).__name__ for f in sys.meta_path[:2]))"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    # the emulation's own import hooks (torchvision's compat layer, triton's NPU driver) come first
+    assert proc.stdout.split() == ["True", "_TorchvisionCompatOnImport", "_TritonNpuDriverOnImport"], \
+        proc.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------------ --setup

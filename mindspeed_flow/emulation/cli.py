@@ -140,6 +140,11 @@ def resolve_caller_paths(script_argv: list[str], cwd: Path | None = None) -> lis
         script = Path(out[0]).expanduser()
         if not script.is_absolute() and (cwd / script).is_file():
             out[0] = str((cwd / script).resolve())
+    # MindSpeed-MM's YAML entries (`pretrain_transformers.py CONFIG.yaml`, `mindspeed_mm/fsdp/train/trainer.py
+    # CONFIG.yaml`) take their config as the first argument; relative to the job's folder it would not be found
+    # (MindSpeed-MM then fails with an UnboundLocalError, not a missing file).
+    if len(out) > 1 and not out[1].startswith("-") and out[1].endswith((".yaml", ".yml")):
+        out[1] = fix(out[1], False)
     for i in range(1, len(out)):
         flag = out[i - 1]
         if flag in INPUT_PATH_FLAGS or flag in OUTPUT_PATH_FLAGS:
