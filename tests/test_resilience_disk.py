@@ -70,7 +70,11 @@ def test_failed_save_frees_its_partial_folder_so_training_goes_on(small_disk, ca
     run = small_disk("3m") / "run"
     assert _run(run, "trainer.checkpoint_every=2", "trainer.on_save_error=continue") == 0
     out = capfd.readouterr().out
-    assert "No space left on device; its partial folder was removed" in out, out[-3000:]
+    # The full disk surfaces as ENOSPC or, when torch's zip writer hits it first, as a short write ("unexpected pos
+    # A vs B"): which one depends on where the 3 MiB run out, so either wording names it.
+    failures = [x for x in out.splitlines() if "checkpoint" in x and " failed: " in x]
+    assert failures and all("No space left on device" in x and "its partial folder was removed" in x
+                            for x in failures), out[-3000:]
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == list(range(6))
     assert not any((run / "checkpoints").iterdir())
 
