@@ -90,7 +90,7 @@ REGISTRY: tuple[PatchTarget, ...] = (
                 ("input_tensor", "output_tensor", "output_tensor_grad", "model_type", "config")),
 )
 
-def _module_of(target: str) -> str:
+def module_of(target: str) -> str:
     """The importable module of a dotted target: the segments before the function, or before a Class.method."""
     parts = target.split(".")[:-1]
     while parts and parts[-1][:1].isupper():
@@ -98,7 +98,7 @@ def _module_of(target: str) -> str:
     return ".".join(parts)
 
 
-TARGET_MODULES = tuple(sorted({_module_of(t.target) for t in REGISTRY}))
+TARGET_MODULES = tuple(sorted({module_of(t.target) for t in REGISTRY}))
 
 
 # ------------------------------------------------------------------------------------------- wrappers

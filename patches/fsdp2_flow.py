@@ -135,12 +135,6 @@ def _wrap_apply_ep(original: Callable) -> Callable:
     return apply_ep_modules
 
 
-def _module(model: torch.nn.Module, path: str) -> torch.nn.Module:
-    for name in path.split("."):
-        model = getattr(model, name)
-    return model
-
-
 def _wrap_build(original: Callable) -> Callable:
     @functools.wraps(original)
     def build(*args: Any, **kwargs: Any) -> Any:
@@ -150,7 +144,7 @@ def _wrap_build(original: Callable) -> Callable:
         if ctx.rank == ctx.layout.offset(ctx.part):
             print(f"[flow] {ctx.part} ranks hold {kept:,} parameter values of the model's {kept + dropped:,} "
                   f"(the other part's are not built here)", flush=True)
-        vision = _module(model, ctx.parts.vision_module)
+        vision = fsdp2.module_at(model, ctx.parts.vision_module)
         vision_ids = {id(p) for p in vision.parameters()}
         for p in model.parameters():
             if (id(p) in vision_ids) != ctx.is_encoder:
@@ -216,7 +210,7 @@ def _wrap_train_step(original: Callable) -> Callable:
         if not ctx.is_encoder:
             return original(self, train_dataloader_iter)
         _ensure_transport(self)
-        visual = _module(self.model, ctx.parts.vision_module)
+        visual = fsdp2.module_at(self.model, ctx.parts.vision_module)
         device = ctx.transport.device
         for _ in range(self.args.training.gradient_accumulation_steps):
             ctx.encoder_micro_step(visual, ctx.merge, ctx.patch_dim, ctx.transport.dtype, device,

@@ -147,7 +147,7 @@ def test_every_mindspeed_mm_flow_recipe_builds_its_parts(recipe) -> None:
 
 
 @pytest.mark.parametrize("case,want", [
-    ("script", "pretrain_transformers.py: MindSpeed-MM's pretrain_transformers FSDP2 path"),
+    ("script", "pretrain_omni.py: Qwen2.5-Omni's audio encoder would be a third part"),
     ("qwen3vit", "image_encoder.vision_encoder.model_id='qwen3vit': Qwen3-VL's ViT returns deepstack"),
     ("internvl", "image_encoder.vision_encoder.model_id='clip': InternVL's ViT takes no image_grid_thw"),
     ("audio", "audio_encoder: an audio encoder would be a third part"),
@@ -169,7 +169,7 @@ def test_what_the_host_cannot_take_is_refused_by_name(tmp_path, case, want) -> N
              "audio": lambda: _model_json(tmp_path, top={"audio_encoder": {"audio_encoder": {}}}),
              "moe": lambda: _model_json(tmp_path, num_moe_experts=8)}.get(case, lambda: _model_json(tmp_path))()
     argv = _argv(model)
-    script = "pretrain_transformers.py" if case == "script" else "pretrain_vlm.py"
+    script = "pretrain_omni.py" if case == "script" else "pretrain_vlm.py"
     if case in ("video", "sampler"):
         data = {"dataset_param": {"attr": {"images": "images", "videos": "videos" if case == "video" else None}},
                 "dataloader_param": {"sampler_type": "LengthGroupedSampler" if case == "sampler"

@@ -25,8 +25,10 @@ def _registry():
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     from mindspeed_flow_patches import fsdp2_flow  # the FSDP2 trainer's patch set
+    from mindspeed_flow_patches import transformers_flow  # pretrain_transformers.py's (shares Megatron's targets)
 
-    return mod.REGISTRY + fsdp2_flow.REGISTRY
+    seen = {t.target for t in mod.REGISTRY + fsdp2_flow.REGISTRY}
+    return mod.REGISTRY + fsdp2_flow.REGISTRY + tuple(t for t in transformers_flow.REGISTRY if t.target not in seen)
 
 
 REGISTRY = _registry()

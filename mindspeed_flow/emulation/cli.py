@@ -36,8 +36,8 @@ from mindspeed_flow.emulation import log as emu_log
 from mindspeed_flow.emulation import modes, nodes, site_env
 from mindspeed_flow.emulation.quickstart import print_command, run_setup
 from mindspeed_flow.emulation.sources import SourceError, Sources, check_commits, find_sources
-from mindspeed_flow.hosts.mindspeed_mm import FSDP2_TRAINER_SCRIPT
-from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, parts_for_job
+from mindspeed_flow.hosts.mindspeed_mm.entries import check_flow_entry
+from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError
 from mindspeed_flow.utils.multiproc import free_port
 
 PATCH_LAUNCHER = "mindspeed_flow_patches.launch"
@@ -267,12 +267,7 @@ def main(argv: list[str]) -> int:
         # rank plus the launcher's traceback.
         try:
             with _in_dir(sources.mindspeed_mm.root):
-                if script[0].replace(os.sep, "/").endswith(FSDP2_TRAINER_SCRIPT):
-                    from mindspeed_flow.hosts.mindspeed_mm import fsdp2  # lazy: torch
-
-                    fsdp2.fsdp2_parts_for_job(args.flow_recipe, script[1:], args.nproc)
-                else:
-                    parts_for_job(args.flow_recipe, script[1:], args.nproc, script=script[0])
+                check_flow_entry(args.flow_recipe, script[0], script[1:], args.nproc)
         except FlowRecipeError as err:
             print(f"mindspeed-flow emulate: {err}", file=sys.stderr)
             return 2

@@ -19,7 +19,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from mindspeed_flow.emulation import tiny
 from mindspeed_flow.model_presets import hf_config_dict
@@ -225,6 +225,23 @@ class SftEdits:
     # The examples' 8 (16) is one (two) sample(s) per rank on 8 NPUs; 2 is one per rank on 2, two steps on one.
     global_batch_size: int = 2
     max_samples: int = 32
+    # A user's variations on the example: the vision tower and its projector trained (the example freezes both, and
+    # then runs the whole tower under no_grad), gradient clipping (the example's 0.0 is none).
+    train_vision: bool = False
+    clip_grad: float = 0.0
+    # `load`: the HF folder (the bridge loads its weights), or a job's save folder to continue from.
+    load_dir: Optional[Path] = None
+
+
+def _train_vision(example: str, source: str) -> str:
+    """`freeze: false` for the vision encoder and the projector (the two `freeze:` lines under image_encoder)."""
+    model_at = example.index("\nmodel:")
+    image_at = example.index("image_encoder:", model_at)
+    text_at = example.index("text_decoder:", image_at)
+    block, n = re.subn(r"(?m)^([ \t]*freeze:[ \t]*)true\b", r"\1false", example[image_at:text_at])
+    if n != 2:
+        raise ValueError(f"{source}: expected two 'freeze: true' lines under image_encoder, found {n}")
+    return example[:image_at] + block + example[text_at:]
 
 
 def sft_config_text(example: str, edits: SftEdits, source: str = SFT_EXAMPLE_YAML) -> str:
@@ -233,7 +250,7 @@ def sft_config_text(example: str, edits: SftEdits, source: str = SFT_EXAMPLE_YAM
         ("HF_MODEL_LOAD_PATH", str(edits.hf_dir)),
         # The example loads a converted checkpoint; MindSpeed-MM's bridge patch loads an HF folder just as well
         # (`load` holding safetensors), which is how a user fine-tunes from released weights without converting.
-        ("MM_MODEL_LOAD_PATH", str(edits.hf_dir)),
+        ("MM_MODEL_LOAD_PATH", str(edits.load_dir or edits.hf_dir)),
         ("DATASET_PATH", str(edits.data_dir / "samples.json")),
         ("SAVE_PATH", str(edits.save_dir)),
         ("global_batch_size", str(edits.global_batch_size)),
@@ -247,10 +264,11 @@ def sft_config_text(example: str, edits: SftEdits, source: str = SFT_EXAMPLE_YAM
         ("num_workers", "0"),
         # Pinned host memory only helps copies to an accelerator; the emulated NPU's memory is host memory.
         ("pin_memory", "false"),
+        ("clip_grad", str(edits.clip_grad)),
     ]
     for key, value in subs:
         example = _substitute(example, key, value, 1, source=source)
-    return example
+    return _train_vision(example, source) if edits.train_vision else example
 
 
 def prepare_sft_workdir(workdir: str | Path, mm_root: Path, *, moe: bool = False, n_samples: int = 14,

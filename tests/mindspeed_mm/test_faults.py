@@ -200,10 +200,10 @@ def test_hung_rank_is_reported_with_its_part_and_what_was_awaited(tiny_assets, u
 def test_refused_launch_is_one_line(tiny_assets, tmp_path, mm_sources) -> None:
     """A refusal reaches the user as one message and exit code 2, before any process group exists."""
     recipe = write_recipe(tmp_path / "r.yaml", {"dp": 1, "tp": 1}, {"dp": 2, "tp": 1, "pp": 1})
-    argv = TinyJob(tiny_assets["model_json"], tiny_assets["data_json"]).argv(script="pretrain_transformers.py")
+    argv = TinyJob(tiny_assets["model_json"], tiny_assets["data_json"]).argv(script="pretrain_omni.py")
     proc = emulate_job("refused", argv, log_dir=tmp_path, nproc=3, flow_recipe=recipe, timeout_s=300)
     assert proc.rc == 2, proc.output[-3000:]
     lines = [x for x in proc.output.strip().splitlines() if x]
-    assert len(lines) == 1 and "pretrain_transformers.py: MindSpeed-MM's pretrain_transformers FSDP2 path" in \
+    assert len(lines) == 1 and "pretrain_omni.py: Qwen2.5-Omni's audio encoder would be a third part" in \
         lines[0], proc.output
 

@@ -12,8 +12,12 @@ cross an epoch. What the emulator needed for it, each as the device behaves: tor
 HCCL's ReduceOp.AVG (a sum, then a division: the entry averages its logged loss with it) and triton's NPU driver
 (the bridge imports MindSpeed-MM's Triton kernels, which query the NPU when imported).
 
-The flow job for this entry is not built yet (`mindspeed_flow_patches.launch` refuses it before launch, tested in
-test_faults.py); these runs are its baseline: one rank and two (FSDP 2) give the same per-token losses.
+The unpatched runs (one rank and two, FSDP 2, give the same per-token losses) are the baselines of the flow job
+(`--flow-recipe FLOW.yaml`: the vision tower on the encoder part's ranks, the LLM on the backbone part's, each part
+its own FSDP2 job), compared in both layouts (encoder 1 + LLM 2 against the unpatched 2-rank job, encoder 2 + LLM 1
+against the 1-rank job): the examples as shipped (vision tower frozen), the tower trained with clipping, the MoE
+example; and checkpoints: the flow job's DCP checkpoint is the unpatched job's (same keys, either loads the other's).
+Each job runs once per module (`sft_job` caches results by name), so baselines are shared by the tests.
 
 Needs torch 2.7.x (MindSpeed's torch FSDP2 adaptor and MindSpeed-MM's fully_shard patch use torch 2.7's FSDP2).
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from typing import Any
 
 import pytest
 import torch
@@ -35,29 +40,74 @@ SAMPLES = 14
 JOB_TIMEOUT_S = 900
 
 
+_FLOW_RECIPE = """\
+# mindspeed-flow emulate --nproc {world} --flow-recipe THIS -- pretrain_transformers.py CONFIG.yaml
+parallel:
+  encoder: {{dp: {enc}, tp: 1, pp: 1, cp: 1}}
+  backbone: {{dp: {bb}, tp: 1, pp: 1, cp: 1}}
+flow:
+  timeout_s: 300
+"""
+
+
 @pytest.fixture(scope="module")
 def sft_job(mm_sources: Sources, tmp_path_factory: pytest.TempPathFactory):
-    """run(name, nproc) -> JobResult of the tiny 8B example on `nproc` ranks (each run its own save folder)."""
+    """run(name, nproc, moe=False, flow=None, env=None, **edits) -> JobResult of the tiny example (8B dense, or
+    30B-A3B MoE) on `nproc` ranks, unpatched or as a flow job of `flow` = (encoder ranks, LLM ranks); `edits` are
+    `SftEdits` fields. Each name runs once per module (later calls get the first result); each run saves under
+    ROOT/NAME/save (`run.save_dir(name)`)."""
     from mindspeed_flow.emulation import tiny_qwen3vl
 
     if not torch.__version__.startswith("2.7."):
         pytest.skip(f"torch {torch.__version__}: MindSpeed's torch FSDP2 adaptor and MindSpeed-MM's fully_shard patch "
                     "import torch 2.7's FSDP2 internals; run with the torch 2.7.1 emulate venv (MSF_TORCH=2.7)")
     root = tmp_path_factory.mktemp("sft")
+    done: dict[str, JobResult] = {}
 
-    def run(name: str, nproc: int, moe: bool = False) -> JobResult:
+    def run(name: str, nproc: int, moe: bool = False, flow: tuple[int, int] | None = None,
+            env: dict[str, str] | None = None, **edits: Any) -> JobResult:
+        if name in done:
+            return done[name]
+        edits.setdefault("train_iters", ITERS)
         config = tiny_qwen3vl.prepare_sft_workdir(root / "tiny", mm_sources.mindspeed_mm.root, moe=moe,
-                                                  n_samples=SAMPLES,
-                                                  images_per_sample=IMAGES, config_name=f"{name}.yaml",
-                                                  save_dir=root / name / "save", train_iters=ITERS)["config"]
+                                                  n_samples=SAMPLES, images_per_sample=IMAGES,
+                                                  config_name=f"{name}.yaml", save_dir=root / name / "save",
+                                                  **edits)["config"]
+        recipe = None
+        if flow is not None:
+            recipe = root / f"{name}.flow.yaml"
+            recipe.write_text(_FLOW_RECIPE.format(world=nproc, enc=flow[0], bb=flow[1]), encoding="utf-8")
         log_path = root / f"{name}.emulation.log"
-        cmd = emulate_command([SCRIPT, str(config), "--distributed-backend", "nccl"], log_path=log_path, nproc=nproc)
+        cmd = emulate_command([SCRIPT, str(config), "--distributed-backend", "nccl"], log_path=log_path, nproc=nproc,
+                              flow_recipe=recipe)
         # The example's launch script exports CUDA_DEVICE_MAX_CONNECTIONS=2 (MindSpeed-MM refuses FSDP with 1).
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT_S, cwd=root,
-                              env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "2", "OMP_NUM_THREADS": "1"})
-        return job_result(proc.returncode, proc.stdout + proc.stderr, log_path)
+                              env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "2", "OMP_NUM_THREADS": "1",
+                                   **(env or {})})
+        done[name] = job_result(proc.returncode, proc.stdout + proc.stderr, log_path)
+        return done[name]
 
+    run.save_dir = lambda name: root / name / "save"  # type: ignore[attr-defined]
     return run
+
+
+def _rel(a: list[float], b: list[float]) -> list[float]:
+    return [abs(x - y) / abs(y) for x, y in zip(a, b)]
+
+
+def _assert_flow_matches(flow: JobResult, base: JobResult, what: str, iters: int = ITERS, first: int = 1) -> None:
+    """Per-token losses within 5e-3 at the first iteration and 2e-2 at every one, gradient norms within 1e-2 (one
+    norm over both parts); every torch_npu name asked for exists."""
+    flow.assert_trained(iters, first)
+    base.assert_trained(iters, first)
+    rel = _rel(flow.losses, base.losses)
+    norms = [parse_grad_norms(r.output) for r in (flow, base)]
+    norm_rel = _rel(norms[0], norms[1])
+    print(f"{what}: flow {flow.losses}\n{what}: unpatched {base.losses}\n{what}: largest relative difference: "
+          f"loss {max(rel):.1e}, grad norm {max(norm_rel):.1e}")
+    assert rel[0] <= 5e-3 and max(rel) <= 2e-2, (rel, flow.losses, base.losses)
+    assert len(norms[0]) == len(norms[1]) == iters and max(norm_rel) <= 1e-2, norms
+    assert not flow.log.get("MISSING"), flow.log.get("MISSING")
 
 
 @pytest.mark.mindspeed_mm
@@ -81,3 +131,64 @@ def test_transformers_entry_trains_the_example_alike_on_one_and_two_ranks(sft_jo
     assert max(rel) <= 1e-5, (one.losses, two.losses)
     assert len(norms[0]) == len(norms[1]) == ITERS and max(norm_rel) <= 1e-3, norms
     assert len(set(one.losses)) > 1  # it trains: the losses move
+
+
+@pytest.mark.mindspeed_mm
+@pytest.mark.timeout(5 * JOB_TIMEOUT_S)
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3vl_8b_dense", "qwen3vl_30b_moe"])
+def test_transformers_flow_matches_the_unpatched_example_in_both_layouts(sft_job, moe: bool) -> None:
+    """The example as shipped (vision tower and projector frozen: MindSpeed-MM then runs the tower under no_grad, so
+    the encoder part runs forward only), decoupled: LLM on more ranks than the encoder, and the encoder data
+    parallel; each against the unpatched job whose ranks equal the LLM part's."""
+    name = "moe" if moe else "dense"
+    # The dense model's encoder-DP layout runs with the tower trained (next test), where it also moves gradients.
+    for enc, bb in ((1, 2), (2, 1)) if moe else ((1, 2),):
+        flow = sft_job(f"flow_{name}_e{enc}b{bb}", enc + bb, moe, flow=(enc, bb))
+        _assert_flow_matches(flow, sft_job(f"sft_{name}_{bb}rank{'s' if bb > 1 else ''}", bb, moe),
+                             f"{name} example, encoder {enc} + LLM {bb}")
+        assert "successfully saved checkpoint from iteration" in flow.output
+    if not moe:
+        # The deepstack maps travel beside the embeddings and reach the decoder: zeroed in flight, the loss moves.
+        probe = sft_job("flow_dense_e1b2_zero_deepstack", 3, flow=(1, 2), env={"MSF_FLOW_ZERO_DEEPSTACK": "1"})
+        probe.assert_trained(ITERS)
+        assert abs(probe.losses[0] - flow.losses[0]) > 1e-4, (probe.losses, flow.losses)
+
+
+@pytest.mark.mindspeed_mm
+@pytest.mark.timeout(5 * JOB_TIMEOUT_S)
+def test_transformers_flow_trains_the_vision_tower_with_one_clipped_norm(sft_job) -> None:
+    """A user's variation: the tower and projector trained, clipping at 1.0 (every step clips: norms are ~5). The
+    tower's gradient comes back from the LLM ranks (scaled by encoder ranks / LLM ranks, as each part's FSDP2
+    averages over its own ranks) and the norm is one over both parts."""
+    for enc, bb in ((1, 2), (2, 1)):
+        flow = sft_job(f"tv_flow_e{enc}b{bb}", enc + bb, flow=(enc, bb), train_vision=True, clip_grad=1.0)
+        base = sft_job(f"tv_sft_{bb}", bb, train_vision=True, clip_grad=1.0)
+        _assert_flow_matches(flow, base, f"vision trained, clip 1.0, encoder {enc} + LLM {bb}")
+        assert "Set modules not trainable: set()" in base.output  # the tower really trains in both
+
+
+@pytest.mark.mindspeed_mm
+@pytest.mark.timeout(6 * JOB_TIMEOUT_S)
+def test_transformers_flow_checkpoints_are_the_unpatched_jobs(sft_job) -> None:
+    """The flow job saves one DCP checkpoint over the world (each part writes its own keys: the same keys as the
+    unpatched job's), so either job continues from the other's: the flow job from the unpatched job's iteration-10
+    checkpoint trains iterations 11-12 exactly as the unpatched job does from it, and the unpatched job loads the flow
+    job's (a strict load: every key there) and trains on within bf16 rounding of the same weights (the example saves
+    no optimizer state: a fresh optimizer in all three)."""
+    kw = dict(train_vision=True, clip_grad=1.0)
+    sft_job("tv_sft_2", 2, **kw), sft_job("tv_flow_e1b2", 3, flow=(1, 2), **kw)  # (compared in the test above)
+    base_ckpt, flow_ckpt = sft_job.save_dir("tv_sft_2"), sft_job.save_dir("tv_flow_e1b2")
+    assert (flow_ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    more = dict(kw, train_iters=ITERS + 2)
+    runs = {
+        "flow_from_unpatched": sft_job("tv_flow_from_sft", 3, flow=(1, 2), load_dir=base_ckpt, **more),
+        "unpatched_from_unpatched": sft_job("tv_sft_from_sft", 2, load_dir=base_ckpt, **more),
+        "unpatched_from_flow": sft_job("tv_sft_from_flow", 2, load_dir=flow_ckpt, **more),
+    }
+    for name, result in runs.items():
+        result.assert_trained(2, first=ITERS + 1)
+        assert "Loading from" not in result.output  # the DCP checkpoint, not the HF weights
+        print(f"iterations 11-12, {name}: {result.losses}")
+    assert runs["flow_from_unpatched"].losses == runs["unpatched_from_unpatched"].losses
+    rel = _rel(runs["unpatched_from_flow"].losses, runs["unpatched_from_unpatched"].losses)
+    assert max(rel) <= 1e-3, rel

@@ -10,6 +10,8 @@ separate ranks, each part with its own DP/TP/PP, after a one-line change to its 
     checkpoint.py per-part Megatron checkpoints; loading a coupled checkpoint into the parts
     convert.py    `mindspeed-flow convert-checkpoint` (coupled <-> parts)
     fsdp2.py      MindSpeed-MM's FSDP2 trainer as a flow job (vision tower and LLM as two FSDP2 parts)
+    transformers_entry.py  `pretrain_transformers.py` as a flow job (Megatron's loop, each part its own FSDP2)
+    entries.py    which of these an entry script runs, and its check before launch
 
 The patches that connect these to MindSpeed-MM live in `patches/flow.py` (installed as `mindspeed_flow_patches`);
 nothing here imports mindspeed, mindspeed_mm or megatron at module top.
@@ -18,3 +20,5 @@ nothing here imports mindspeed, mindspeed_mm or megatron at module top.
 # MindSpeed-MM's FSDP2 trainer, a flow entry of its own (fsdp2.py); here so the launcher can route on it without
 # importing torch.
 FSDP2_TRAINER_SCRIPT = "mindspeed_mm/fsdp/train/trainer.py"
+# MindSpeed-MM's Megatron loop over an HF-style model sharded by torch FSDP2 (transformers_entry.py).
+TRANSFORMERS_SCRIPT = "pretrain_transformers.py"

@@ -109,6 +109,24 @@ def _select(cfg: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def sharded_parts_layout(job: Any, name: str, world_size: int) -> Layout:
+    """The layout of two FSDP2 parts from FLOW.yaml (each part sharded data parallel: tp, pp, cp 1), checked against
+    the launched world."""
+    par = job.parallel
+    for part_name, p in ((ENCODER, par.encoder), (BACKBONE, par.backbone)):
+        for dim in ("tp", "pp", "cp"):
+            if getattr(p, dim) != 1:
+                raise FlowRecipeError(f"{name}: parallel.{part_name}.{dim}={getattr(p, dim)}: an FSDP2 part is "
+                                      "sharded data parallel only (its dp is its FSDP size)")
+        if not isinstance(p.dp, int) or p.dp < 1:
+            raise FlowRecipeError(f"{name}: parallel.{part_name}.dp={p.dp!r}: must be an integer >= 1")
+    layout = Layout((PartLayout(ENCODER, dp=par.encoder.dp), PartLayout(BACKBONE, dp=par.backbone.dp)))
+    if layout.world_size != world_size:
+        raise FlowRecipeError(f"{name}: the parts need encoder {par.encoder.dp} + backbone {par.backbone.dp} = "
+                              f"{layout.world_size} ranks but the job was launched with {world_size}")
+    return layout
+
+
 def fsdp2_parts_for_job(recipe_path: str | Path, script_argv: Sequence[str], world_size: int) -> Fsdp2Parts:
     """Check FLOW.yaml against CONFIG.yaml and the launched world before any process group exists."""
     name = Path(recipe_path).name
@@ -147,17 +165,7 @@ def fsdp2_parts_for_job(recipe_path: str | Path, script_argv: Sequence[str], wor
                                   f"checkpoint ({ENCODER}/ and {BACKBONE}/ folders); an unpatched job's DCP "
                                   "checkpoint does not load into separate parts yet")
     par = job.parallel
-    for part_name, p in ((ENCODER, par.encoder), (BACKBONE, par.backbone)):
-        for dim in ("tp", "pp", "cp"):
-            if getattr(p, dim) != 1:
-                raise FlowRecipeError(f"{name}: parallel.{part_name}.{dim}={getattr(p, dim)}: an FSDP2 part is "
-                                      "sharded data parallel only (its dp is its FSDP size)")
-        if not isinstance(p.dp, int) or p.dp < 1:
-            raise FlowRecipeError(f"{name}: parallel.{part_name}.dp={p.dp!r}: must be an integer >= 1")
-    layout = Layout((PartLayout(ENCODER, dp=par.encoder.dp), PartLayout(BACKBONE, dp=par.backbone.dp)))
-    if layout.world_size != world_size:
-        raise FlowRecipeError(f"{name}: the parts need encoder {par.encoder.dp} + backbone {par.backbone.dp} = "
-                              f"{layout.world_size} ranks but the job was launched with {world_size}")
+    layout = sharded_parts_layout(job, name, world_size)
     mbs = int(_select(cfg, "training.micro_batch_size", 1))
     ga = int(_select(cfg, "training.gradient_accumulation_steps", 1) or 1)
     stated = OmegaConf.select(OmegaConf.load(str(recipe_path)), "trainer.global_batch_size")
@@ -200,24 +208,44 @@ class _Dropped(torch.nn.Module):
             self.register_parameter(name, None)
 
 
-def _drop_values(module: torch.nn.Module, keep: str = "") -> None:
+def _dropped_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` as `_Dropped` stand-ins: the same names down the tree, no values."""
+    dropped = _Dropped([n for n, _ in module.named_parameters(recurse=False)])
+    for name, child in module.named_children():
+        dropped.add_module(name, _dropped_copy(child))
+    return dropped
+
+
+def _drop_values(module: torch.nn.Module, keep: str = "", keep_layers: bool = False) -> None:
     """Drop every parameter value under `module` but those under its child `keep`, keeping the module tree (FSDP
-    plans and hooks name its modules)."""
+    plans and hooks name its modules). Lists of blocks / decoder layers are emptied, unless `keep_layers` (code
+    that indexes them, such as a model's own sharding function, then finds every layer, holding nothing)."""
     for name, child in list(module.named_children()):
         if name == keep:
             continue
-        if isinstance(child, torch.nn.ModuleList):
+        if isinstance(child, torch.nn.ModuleList) and not keep_layers:
             setattr(module, name, torch.nn.ModuleList())  # the blocks / decoder layers: the bulk of the values
-        elif not any(True for _ in child.children()):
-            setattr(module, name, _Dropped([n for n, _ in child.named_parameters(recurse=False)]))
+        elif not any(True for _ in child.children()) or \
+                (keep_layers and any(v is not None for v in child._parameters.values())):
+            # A leaf, or a module holding values of its own (MoE experts' stacked weights): its class goes too, so
+            # a model's weight initialisation, which matches on classes, passes it by.
+            setattr(module, name, _dropped_copy(child))
         else:
-            _drop_values(child)
+            _drop_values(child, keep_layers=keep_layers)
     for name, value in list(module._parameters.items()):
         if value is not None:
             module._parameters[name] = None
 
 
-def drop_other_part(model: torch.nn.Module, vision_path: str, is_encoder: bool) -> tuple[int, int]:
+def module_at(model: torch.nn.Module, path: str) -> torch.nn.Module:
+    """The submodule at a dotted path (`model.visual`)."""
+    for name in path.split("."):
+        model = getattr(model, name)
+    return model
+
+
+def drop_other_part(model: torch.nn.Module, vision_path: str, is_encoder: bool,
+                    keep_layers: bool = False) -> tuple[int, int]:
     """Free this rank of the other part's weights before they are sharded, initialised or loaded: an encoder rank
     keeps only the vision tower (not the LLM's layers, embeddings, head: most of a 30B-A3B or 235B-A22B model), a
     backbone rank everything but the vision tower. Returns (values kept, values dropped).
@@ -230,10 +258,10 @@ def drop_other_part(model: torch.nn.Module, vision_path: str, is_encoder: bool) 
     node = model
     for step in vision_path.split("."):
         if is_encoder:  # everything beside the path down to the vision tower
-            _drop_values(node, keep=step)
+            _drop_values(node, keep=step, keep_layers=keep_layers)
         node = getattr(node, step)
     if not is_encoder:
-        _drop_values(node)
+        _drop_values(node, keep_layers=keep_layers)
     kept = sum(p.numel() for p in model.parameters())
     return kept, before - kept
 

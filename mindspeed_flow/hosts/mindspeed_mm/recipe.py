@@ -62,9 +62,6 @@ MODEL_IDS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
 # entry script (its path's tail) -> why it is refused
 SUPPORTED_SCRIPTS = ("pretrain_vlm.py",)
 REFUSED_SCRIPTS = {
-    "pretrain_transformers.py": "MindSpeed-MM's pretrain_transformers FSDP2 path (Qwen3-VL dense, InternVL3.5, "
-                                "GLM-4.5V) is not decoupled yet; the FSDP2 trainer (mindspeed_mm/fsdp/train/trainer.py) "
-                                "is",
     "pretrain_omni.py": "Qwen2.5-Omni's audio encoder would be a third part; the torch host trains it decoupled",
 }
 SUPPORTED_SAMPLERS = ("BaseRandomBatchSampler",)
@@ -204,14 +201,17 @@ def support_table() -> str:
     rows = [("entry script", f"{ids(SUPPORTED_SCRIPTS)} (MindSpeed-MM's Megatron VLM path); "
                              "`mindspeed_mm/fsdp/train/trainer.py` (its FSDP2 trainer: `model_id: qwen3_vl_moe`, "
                              "FSDP per part, expert parallel inside the LLM's part, HF weights in, images and videos "
-                             "in any mix per sample)",
+                             "in any mix per sample); `pretrain_transformers.py CONFIG.yaml` (Megatron's loop over "
+                             "MindSpeed's torch FSDP2: `model_id: qwen3_vl` / `qwen3_vl_moe`, each part its own FSDP2 "
+                             "shards, the example's frozen tower or a trained one, DCP checkpoints interchangeable with "
+                             "the unpatched job's)",
              ids(REFUSED_SCRIPTS))]
     rows += [(names[field], ids(ok), ids(refused) or "anything else") for field, (ok, refused) in MODEL_IDS.items()]
     rows += [
         ("LLM kind", "dense", "MoE (`num_moe_experts`, `--expert-model-parallel-size`), `use_remove_padding: true`"),
         ("other parts", "", "`audio_encoder` (Qwen2.5-Omni: a third part; the torch host trains it)"),
         ("parallelism", "any DP/TP per part, decoder PP (uneven split), sequence parallel, MC2",
-         "CP > 1, VPP, encoder PP, `--use-torch-fsdp2`, `--hetero-parallel`, `--dist-train`"),
+         "CP > 1, VPP, encoder PP, `--use-torch-fsdp2` on `pretrain_vlm.py`, `--hetero-parallel`, `--dist-train`"),
         ("data", f"images, 0-n per sample, or videos (`attr.videos`, model.json's `img_context_token_id` the video "
                  f"pad id, as MindSpeed-MM trains them), {ids(SUPPORTED_SAMPLERS)}",
          "images and videos in one data set (`attr.images` and `attr.videos`), other samplers"),

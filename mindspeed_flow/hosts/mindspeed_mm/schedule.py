@@ -599,7 +599,9 @@ def global_grad_norm(ctx: FlowContext, part_norm: float, norm_type: float) -> fl
     Megatron's `get_grad_norm_fp32` has already read the part's norm on the host; one device all-reduce over the
     trainable parts and one read combine them (per step, not per microbatch)."""
     if not ctx.part_trainable or ctx.reduce_group is None:
-        return part_norm
+        # A frozen part's norm, as a number: MindSpeed-MM's asynchronous clipping (`clip_grad_async`) leaves a
+        # one-element device tensor there when a rank has no gradient, which its log line cannot format.
+        return float(part_norm)
     inf = norm_type == math.inf
     value = float(part_norm) if inf else float(part_norm) ** norm_type
     # float32 on the device: see flow_finalize (not float64), and HCCL groups take device tensors only.

@@ -1,0 +1,101 @@
+"""The flow patch set of `pretrain_transformers.py CONFIG.yaml`: MindSpeed-MM's Megatron loop over an HF-style model
+sharded by MindSpeed's torch FSDP2, with the vision tower and the LLM on separate ranks.
+
+The Megatron side is the Megatron flow patch's (`mindspeed_flow_patches.flow`): each part's own parallel state
+(`validate_args`, `_initialize_distributed`, `initialize_model_parallel`) and one gradient norm over both parts
+(`get_grad_norm_fp32`); those wrappers are reused as they are. What this entry adds: MindSpeed-MM's `pretrain`
+gets the flow providers (`mindspeed_flow.hosts.mindspeed_mm.transformers_entry.TransformersHost`), encoder ranks get
+their own step from `get_forward_backward_func`, and Qwen3-VL's `get_image_features` answers from the received rows
+on backbone ranks. Every entry of `REGISTRY` names a real function at the pinned commits (checked by
+`tests/test_patch_registry.py`), each wrapper keeps and calls the original, and all are inert without a flow context.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from mindspeed_flow.hosts.mindspeed_mm import transformers_entry
+from mindspeed_flow_patches import flow
+from mindspeed_flow_patches.flow import PatchTarget
+
+_QWEN3VL = "mindspeed_mm.models.transformers.qwen3vl.modeling_qwen3_vl"
+
+
+def pretrain_wrapper(pretrain: Callable) -> Callable:
+    @functools.wraps(pretrain)
+    def wrapped(train_valid_test_dataset_provider: Callable, model_provider: Callable, model_type: Any,
+                forward_step_func: Callable, *args: Any, **kwargs: Any) -> Any:
+        host = transformers_entry.current()
+        if host is None:
+            return pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                            *args, **kwargs)
+        return pretrain(train_valid_test_dataset_provider, host.model_provider(model_provider),
+                        model_type, host.forward_step(forward_step_func), *args, **kwargs)
+
+    return wrapped
+
+
+def get_forward_backward_func_wrapper(get_fbf: Callable) -> Callable:
+    @functools.wraps(get_fbf)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        fbf = get_fbf(*args, **kwargs)
+        host = transformers_entry.current()
+        return fbf if host is None else host.forward_backward_func(fbf)
+
+    return wrapped
+
+
+def get_image_features_wrapper(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def get_image_features(self: Any, pixel_values: Any, image_grid_thw: Any = None) -> Any:
+        host = transformers_entry.current()
+        if host is None or host.ctx.is_encoder:
+            return original(self, pixel_values, image_grid_thw)
+        return host.rows.image_features(image_grid_thw)
+
+    return get_image_features
+
+
+REGISTRY: tuple[PatchTarget, ...] = (
+    PatchTarget("megatron.training.arguments.validate_args",
+                "each rank's args describe its own part (world size, so the data-parallel size and the FSDP2 "
+                "shards are the part's)", ("args", "defaults")),
+    PatchTarget("megatron.training.initialize._initialize_distributed",
+                "init_process_group over the whole world while the args describe the part",
+                ("get_embedding_ranks", "get_position_embedding_ranks")),
+    PatchTarget("megatron.core.parallel_state.initialize_model_parallel",
+                "one pass per part over an offset sub-world; the rank keeps its own part's groups (MindSpeed's "
+                "FSDP2 adaptor shards over the part's data-parallel group)",
+                ("tensor_model_parallel_size", "pipeline_model_parallel_size")),
+    PatchTarget("mindspeed_mm.training.pretrain",
+                "the flow providers: each part builds its own modules; backbone ranks exchange each micro-batch's "
+                "images before the model sees it", ("train_valid_test_dataset_provider", "model_provider", "model_type",
+                                              "forward_step_func")),
+    PatchTarget("megatron.core.pipeline_parallel.schedules.get_forward_backward_func",
+                "encoder ranks: one encoder micro-step per backbone micro-batch; backbone ranks: Megatron's", ()),
+    PatchTarget("megatron.core.optimizer.clip_grads.get_grad_norm_fp32",
+                "one gradient norm over both parts (clipping scales both alike)",
+                ("grads_for_norm", "norm_type", "grad_stats_parallel_group")),
+    PatchTarget(f"{_QWEN3VL}.Qwen3VLModel.get_image_features",
+                "backbone ranks answer from the received rows (embeddings and deepstack maps; Qwen3-VL-MoE's model "
+                "inherits it)", ("self", "pixel_values", "image_grid_thw")),
+)
+
+_WRAPPERS: dict[str, Callable] = {
+    "megatron.training.arguments.validate_args": flow.validate_args_wrapper,
+    "megatron.training.initialize._initialize_distributed": flow.initialize_distributed_wrapper,
+    "megatron.core.parallel_state.initialize_model_parallel": flow.initialize_model_parallel_wrapper,
+    "mindspeed_mm.training.pretrain": pretrain_wrapper,
+    "megatron.core.pipeline_parallel.schedules.get_forward_backward_func": get_forward_backward_func_wrapper,
+    "megatron.core.optimizer.clip_grads.get_grad_norm_fp32": flow.get_grad_norm_fp32_wrapper,
+    f"{_QWEN3VL}.Qwen3VLModel.get_image_features": get_image_features_wrapper,
+}
+assert set(_WRAPPERS) == {t.target for t in REGISTRY}
+
+TARGET_MODULES = tuple(sorted({flow.module_of(t.target) for t in REGISTRY}))
+
+
+def register(patch_manager: Any) -> None:
+    """Register every wrapper (their names end in `wrapper`, so MindSpeed stacks them as decorators)."""
+    for target in REGISTRY:
+        patch_manager.register_patch(target.target, _WRAPPERS[target.target])

@@ -1,0 +1,102 @@
+"""The `pretrain_transformers.py` flow job's checks before any process group exists, and the launcher's routing.
+
+No MindSpeed-MM is needed: CONFIG.yaml here has the keys of MindSpeed-MM's `examples/qwen3vl/qwen3vl_full_sft_8B.yaml`
+that the checks read (the example itself, scaled down, trains in tests/mindspeed_mm/test_transformers_entry.py).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mindspeed_flow.hosts.mindspeed_mm import transformers_entry
+from mindspeed_flow.hosts.mindspeed_mm.entries import check_flow_entry
+from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError
+from mindspeed_flow.step.layout import BACKBONE, ENCODER
+
+CONFIG = """\
+gpt_args:
+  ## parallel
+  context_parallel_size: {cp}
+  use_torch_fsdp2: {fsdp2}
+  ## training
+  micro_batch_size: 1
+  global_batch_size: {gbs}
+{gpt_extra}
+data:
+  dataset_param:
+    basic_parameters:
+      val_rate: {val_rate}
+  dataloader_param:
+    sampler_type: BaseRandomBatchSampler
+model:
+  model_id: {model_id}
+  image_encoder:
+    vision_encoder:
+      freeze: {freeze}
+    vision_projector:
+      freeze: {freeze}
+  text_decoder:
+    freeze: false
+  loss_cfg:
+    loss_type: {loss_type}
+"""
+RECIPE = """\
+parallel:
+  encoder: {{dp: {enc}, tp: 1, pp: 1, cp: 1}}
+  backbone: {{dp: {bb}, tp: {bb_tp}, pp: 1, cp: 1}}
+"""
+
+
+def _files(tmp_path: Path, *, enc: int = 1, bb: int = 2, bb_tp: int = 1, gbs: int = 2, cp: int = 1,
+           fsdp2: str = "true", model_id: str = "qwen3_vl", freeze: str = "true", val_rate: float = 0.0,
+           loss_type: str = "default", gpt_extra: str = "", extra: str = "") -> tuple[Path, Path]:
+    config = tmp_path / "config.yaml"
+    config.write_text(CONFIG.format(cp=cp, fsdp2=fsdp2, gbs=gbs, gpt_extra=gpt_extra, val_rate=val_rate,
+                                    model_id=model_id, freeze=freeze, loss_type=loss_type) + extra)
+    recipe = tmp_path / "flow.yaml"
+    recipe.write_text(RECIPE.format(enc=enc, bb=bb, bb_tp=bb_tp))
+    return recipe, config
+
+
+def test_parts_from_recipe_and_config(tmp_path: Path) -> None:
+    recipe, config = _files(tmp_path)
+    parts = transformers_entry.transformers_parts_for_job(recipe, [str(config)], 3)
+    assert parts.layout.part_ranks(ENCODER) == [0] and parts.layout.part_ranks(BACKBONE) == [1, 2]
+    assert parts.micro_steps == 1 and parts.exchange.vision_module == "model.model.visual"
+    # The example freezes the tower and the projector: MindSpeed-MM runs the tower under no_grad, forward only.
+    assert not parts.flow.encoder_trainable
+    # Two encoder ranks, one LLM rank: the LLM rank carries the global batch of 2 in two micro-batches, and the
+    # encoder ranks follow its count (not their own DP's).
+    recipe, config = _files(tmp_path, enc=2, bb=1, freeze="false", model_id="qwen3_vl_moe")
+    parts = transformers_entry.transformers_parts_for_job(recipe, [str(config)], 3)
+    assert parts.micro_steps == 2 and parts.flow.encoder_trainable
+    # The launcher's one check routes on the entry script.
+    routed = check_flow_entry(recipe, "/x/MindSpeed-MM/pretrain_transformers.py", [str(config)], 3)
+    assert isinstance(routed, transformers_entry.TransformersParts)
+
+
+@pytest.mark.parametrize("kw, world, words", [
+    (dict(model_id="internvl"), 3, "model.model_id='internvl'"),
+    (dict(fsdp2="false"), 3, "gpt_args.use_torch_fsdp2=False"),
+    (dict(cp=2), 3, "gpt_args.context_parallel_size=2"),
+    (dict(gpt_extra="  tensor_model_parallel_size: 2"), 3, "gpt_args.tensor_model_parallel_size=2"),
+    (dict(bb_tp=2), 5, "parallel.backbone.tp=2"),
+    (dict(), 4, "launched with 4"),
+    (dict(gbs=3), 3, "global_batch_size 3 must be divisible"),
+    (dict(val_rate=0.1), 3, "val_rate=0.1"),
+    (dict(loss_type="per_token_loss"), 3, "loss_type='per_token_loss'"),
+    (dict(extra="lora_args:\n  lora_r: 8\n"), 3, "lora_args"),
+], ids=["family", "no_fsdp2", "cp", "tp", "part_tp", "world", "batch", "validation", "loss", "lora"])
+def test_bad_job_is_one_error_naming_the_field(tmp_path: Path, kw: dict, world: int, words: str) -> None:
+    recipe, config = _files(tmp_path, **kw)
+    with pytest.raises(FlowRecipeError, match=None) as err:
+        transformers_entry.transformers_parts_for_job(recipe, [str(config)], world)
+    assert words in str(err.value), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_config_must_come_first(tmp_path: Path) -> None:
+    recipe, config = _files(tmp_path)
+    with pytest.raises(FlowRecipeError, match="needs its CONFIG.yaml as the first argument"):
+        transformers_entry.transformers_parts_for_job(recipe, ["--seed", "1", str(config)], 3)
