@@ -139,23 +139,7 @@ def _wrap_build(original: Callable) -> Callable:
     @functools.wraps(original)
     def build(*args: Any, **kwargs: Any) -> Any:
         model = original(*args, **kwargs)
-        ctx = _ctx()
-        kept, dropped = fsdp2.drop_other_part(model, ctx.parts.vision_module, ctx.is_encoder)
-        if ctx.rank == ctx.layout.offset(ctx.part):
-            print(f"[flow] {ctx.part} ranks hold {kept:,} parameter values of the model's {kept + dropped:,} "
-                  f"(the other part's are not built here)", flush=True)
-        vision = fsdp2.module_at(model, ctx.parts.vision_module)
-        vision_ids = {id(p) for p in vision.parameters()}
-        for p in model.parameters():
-            if (id(p) in vision_ids) != ctx.is_encoder:
-                p.requires_grad_(False)
-        vcfg = model.config.vision_config
-        ctx.text_hidden = int(vcfg.out_hidden_size)
-        ctx.deepstack_count = len(getattr(vcfg, "deepstack_visual_indexes", []) or [])
-        ctx.merge = int(vcfg.spatial_merge_size)
-        ctx.patch_dim = int(vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size ** 2)
-        ctx.encoder_trainable = any(p.requires_grad for p in vision.parameters()) if ctx.is_encoder else \
-            ctx.encoder_trainable
+        _ctx().take_model(model, _ctx().parts.vision_module, model.config.vision_config)
         return model
 
     return build

@@ -6,19 +6,24 @@ The Megatron side is the Megatron flow patch's (`mindspeed_flow_patches.flow`): 
 (`get_grad_norm_fp32`); those wrappers are reused as they are. What this entry adds: MindSpeed-MM's `pretrain`
 gets the flow providers (`mindspeed_flow.hosts.mindspeed_mm.transformers_entry.TransformersHost`), encoder ranks get
 their own step from `get_forward_backward_func`, and Qwen3-VL's `get_image_features` answers from the received rows
-on backbone ranks. Every entry of `REGISTRY` names a real function at the pinned commits (checked by
+(and GLM-4.5V's) on backbone ranks. Every entry of `REGISTRY` names a real function at the pinned commits (checked by
 `tests/test_patch_registry.py`), each wrapper keeps and calls the original, and all are inert without a flow context.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+import torch
 
 from mindspeed_flow.hosts.mindspeed_mm import transformers_entry
 from mindspeed_flow_patches import flow
 from mindspeed_flow_patches.flow import PatchTarget
 
 _QWEN3VL = "mindspeed_mm.models.transformers.qwen3vl.modeling_qwen3_vl"
+# GLM-4.5V: MindSpeed-MM's fused model replaces transformers' tower and LLM and keeps transformers' Glm4vMoeModel.
+_GLM4V_MOE = "transformers.models.glm4v_moe.modeling_glm4v_moe"
 
 
 def pretrain_wrapper(pretrain: Callable) -> Callable:
@@ -56,6 +61,65 @@ def get_image_features_wrapper(original: Callable) -> Callable:
     return get_image_features
 
 
+def cal_gradient_accumulation_size_wrapper(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def cal_gradient_accumulation_size() -> int:
+        if transformers_entry.current() is None:
+            return original()
+        # MindSpeed-MM divides the global batch by the whole world's size; a part's micro-batches per step are
+        # Megatron's count on its ranks (its own data-parallel size; the unpatched job's value on the LLM part).
+        from megatron.core.num_microbatches_calculator import get_num_microbatches  # optional: megatron
+
+        return int(get_num_microbatches())
+
+    return cal_gradient_accumulation_size
+
+
+@contextlib.contextmanager
+def _world_reductions_over(group: Any) -> Iterator[None]:
+    """`torch.distributed.all_reduce` without a group (the world's) reduces over `group` for the duration."""
+    dist = torch.distributed
+    original = dist.all_reduce
+
+    def all_reduce(tensor: Any, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+        return original(tensor, op=op, group=part if group is None or group is dist.group.WORLD else group,
+                        async_op=async_op)
+
+    part = group
+    dist.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        dist.all_reduce = original
+
+
+def build_loss_ctx_wrapper(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def build_loss_ctx(self: Any, labels: Any, *args: Any, **kwargs: Any) -> Any:
+        if transformers_entry.current() is None:
+            return original(self, labels, *args, **kwargs)
+        # The per-token loss averages the step's token count over the world: the unpatched job's world is its
+        # data-parallel ranks, the flow job's LLM part is (the encoder part runs no loss).
+        from megatron.core import mpu  # optional: megatron
+
+        with _world_reductions_over(mpu.get_data_parallel_group(with_context_parallel=True)):
+            return original(self, labels, *args, **kwargs)
+
+    return build_loss_ctx
+
+
+def glm_image_features_wrapper(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def get_image_features(self: Any, pixel_values: Any, image_grid_thw: Any = None) -> Any:
+        host = transformers_entry.current()
+        if host is None or host.ctx.is_encoder:
+            return original(self, pixel_values, image_grid_thw)
+        embeds, _ = host.rows.image_features(image_grid_thw)  # GLM-4.5V's rows carry the embedding only
+        return embeds
+
+    return get_image_features
+
+
 REGISTRY: tuple[PatchTarget, ...] = (
     PatchTarget("megatron.training.arguments.validate_args",
                 "each rank's args describe its own part (world size, so the data-parallel size and the FSDP2 "
@@ -79,6 +143,15 @@ REGISTRY: tuple[PatchTarget, ...] = (
     PatchTarget(f"{_QWEN3VL}.Qwen3VLModel.get_image_features",
                 "backbone ranks answer from the received rows (embeddings and deepstack maps; Qwen3-VL-MoE's model "
                 "inherits it)", ("self", "pixel_values", "image_grid_thw")),
+    PatchTarget("mindspeed_mm.data.data_utils.utils.cal_gradient_accumulation_size",
+                "micro-batches per step over the part's data-parallel ranks, not the whole world's (the per-token "
+                "loss's prefetching loader groups a step's micro-batches by it)", ()),
+    PatchTarget("mindspeed_mm.models.transformers_model.TransformersModel.build_loss_ctx",
+                "the loss's token-count reductions over the world (per-token loss) run over the LLM part's "
+                "data-parallel ranks", ("self", "labels")),
+    PatchTarget(f"{_GLM4V_MOE}.Glm4vMoeModel.get_image_features",
+                "backbone ranks answer from the received rows (GLM-4.5V: the merged embeddings)",
+                ("self", "pixel_values", "image_grid_thw")),
 )
 
 _WRAPPERS: dict[str, Callable] = {
@@ -89,6 +162,9 @@ _WRAPPERS: dict[str, Callable] = {
     "megatron.core.pipeline_parallel.schedules.get_forward_backward_func": get_forward_backward_func_wrapper,
     "megatron.core.optimizer.clip_grads.get_grad_norm_fp32": flow.get_grad_norm_fp32_wrapper,
     f"{_QWEN3VL}.Qwen3VLModel.get_image_features": get_image_features_wrapper,
+    "mindspeed_mm.data.data_utils.utils.cal_gradient_accumulation_size": cal_gradient_accumulation_size_wrapper,
+    "mindspeed_mm.models.transformers_model.TransformersModel.build_loss_ctx": build_loss_ctx_wrapper,
+    f"{_GLM4V_MOE}.Glm4vMoeModel.get_image_features": glm_image_features_wrapper,
 }
 assert set(_WRAPPERS) == {t.target for t in REGISTRY}
 

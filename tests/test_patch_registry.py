@@ -1,7 +1,8 @@
 """Every flow patch target is a real function with the parameters its wrapper relies on, at the pinned commits.
 
 With the MindSpeed-MM / MindSpeed / Megatron-LM sources (MINDSPEED_MM_HOME, MINDSPEED_HOME, MEGATRON_HOME, or the
-pinned archive unpacked by scripts/run_mindspeed_mm_tests.sh) the check reads the source files themselves
+pinned archive unpacked by scripts/run_mindspeed_mm_tests.sh; transformers' targets in the installed release) the check
+reads the source files themselves
 (`ast`, nothing is imported); without them it reads the signature manifest kept beside the repository
 (`../shared/reference/mindspeed_api.json`), and skips with the reason when neither is there.
 """
@@ -40,9 +41,14 @@ def _source_roots() -> list[Path] | None:
     from mindspeed_flow.emulation.sources import SourceError, find_sources
 
     try:
-        return [Path(p) for p in find_sources().pythonpath()]
+        roots = [Path(p) for p in find_sources().pythonpath()]
     except SourceError:
         return None
+    # GLM-4.5V's model class is transformers' own: the installed release (MindSpeed-MM's pin in its venv).
+    spec = importlib.util.find_spec("transformers")
+    if spec is not None and spec.origin:
+        roots.append(Path(spec.origin).parents[1])
+    return roots
 
 
 def _params_from_source(roots: list[Path], target: str) -> list[str] | None:

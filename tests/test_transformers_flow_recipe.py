@@ -1,7 +1,7 @@
 """The `pretrain_transformers.py` flow job's checks before any process group exists, and the launcher's routing.
 
 No MindSpeed-MM is needed: CONFIG.yaml here has the keys of MindSpeed-MM's `examples/qwen3vl/qwen3vl_full_sft_8B.yaml`
-that the checks read (the example itself, scaled down, trains in tests/mindspeed_mm/test_transformers_entry.py).
+that the checks read, and the command-line form's files those of `examples/glm4.5v/model_106B.json` / `data_106B.json` (the example itself, scaled down, trains in tests/mindspeed_mm/test_transformers_entry.py).
 """
 from __future__ import annotations
 
@@ -83,9 +83,9 @@ def test_parts_from_recipe_and_config(tmp_path: Path) -> None:
     (dict(gpt_extra="  tensor_model_parallel_size: 2"), 3, "gpt_args.tensor_model_parallel_size=2"),
     (dict(bb_tp=2), 5, "parallel.backbone.tp=2"),
     (dict(), 4, "launched with 4"),
-    (dict(gbs=3), 3, "global_batch_size 3 must be divisible"),
+    (dict(gbs=3), 3, "global batch size 3 must be divisible"),
     (dict(val_rate=0.1), 3, "val_rate=0.1"),
-    (dict(loss_type="per_token_loss"), 3, "loss_type='per_token_loss'"),
+    (dict(loss_type="per_sample_loss"), 3, "loss_type='per_sample_loss'"),
     (dict(extra="lora_args:\n  lora_r: 8\n"), 3, "lora_args"),
 ], ids=["family", "no_fsdp2", "cp", "tp", "part_tp", "world", "batch", "validation", "loss", "lora"])
 def test_bad_job_is_one_error_naming_the_field(tmp_path: Path, kw: dict, world: int, words: str) -> None:
@@ -96,7 +96,54 @@ def test_bad_job_is_one_error_naming_the_field(tmp_path: Path, kw: dict, world: 
     assert "\n" not in str(err.value)
 
 
-def test_config_must_come_first(tmp_path: Path) -> None:
+def test_command_line_form_needs_its_model_and_data_files(tmp_path: Path) -> None:
     recipe, config = _files(tmp_path)
-    with pytest.raises(FlowRecipeError, match="needs its CONFIG.yaml as the first argument"):
+    with pytest.raises(FlowRecipeError, match="--mm-model FILE.json is missing"):
         transformers_entry.transformers_parts_for_job(recipe, ["--seed", "1", str(config)], 3)
+    with pytest.raises(FlowRecipeError, match="--mm-data .*nowhere.json: no such file"):
+        transformers_entry.transformers_parts_for_job(
+            recipe, ["--mm-model", str(config), "--mm-data", str(tmp_path / "nowhere.json")], 3)
+
+
+# GLM-4.5V's example (`examples/glm4.5v/finetune_glm4_5v_106B.sh`): the arguments on the command line, the model and
+# the data in JSON files; the keys the checks read.
+GLM_MODEL = """{{"model_id": "glm4v_moe", "image_encoder": {{"vision_encoder": {{"freeze": true}},
+  "vision_projector": {{"freeze": true}}}}, "text_decoder": {{"freeze": false}},
+  "loss_cfg": {{"loss_type": "{loss_type}"}}}}"""
+GLM_DATA = """{{"dataset_param": {{"attr": {{"images": "images", "videos": {videos}}}}},
+  "dataloader_param": {{"sampler_type": "BaseRandomBatchSampler"}}}}"""
+
+
+def _glm_argv(tmp_path: Path, *, loss_type: str = "per_token_loss", videos: str = "null",
+              extra: tuple[str, ...] = ()) -> list[str]:
+    model, data = tmp_path / "model.json", tmp_path / "data.json"
+    model.write_text(GLM_MODEL.format(loss_type=loss_type))
+    data.write_text(GLM_DATA.format(videos=videos))
+    return ["--use-mcore-models", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+            "--context-parallel-size", "1", "--micro-batch-size", "1", "--global-batch-size", "2",
+            "--use-torch-fsdp2", "--init-model-with-meta-device", "--mm-data", str(data), "--mm-model", str(model),
+            "--distributed-backend", "nccl", *extra]
+
+
+def test_command_line_form_of_the_glm45v_example(tmp_path: Path) -> None:
+    recipe, _ = _files(tmp_path)
+    parts = transformers_entry.transformers_parts_for_job(recipe, _glm_argv(tmp_path), 3)
+    assert parts.layout.part_ranks(BACKBONE) == [1, 2] and parts.micro_steps == 1
+    # GLM-4.5V's `freeze` leaves the tower's position embedding, downsampling and norms trainable, and its forward
+    # runs the tower with gradients: the encoder part's values decide whether it trains, not the freeze flags.
+    assert parts.flow.encoder_trainable
+    assert parts.exchange.vision_module == "model.model.visual"
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(extra=("--tensor-model-parallel-size", "2")), "--tensor-model-parallel-size=2"),
+    (dict(loss_type="square_loss"), "loss_cfg.loss_type='square_loss'"),
+    (dict(videos='"videos"'), "dataset_param.attr.videos='videos'"),
+    (dict(extra=("--lora-target-modules", "q_proj")), "--lora-* arguments"),
+], ids=["tp", "loss", "videos", "lora"])
+def test_bad_command_line_job_is_one_error_naming_the_field(tmp_path: Path, kw: dict, words: str) -> None:
+    recipe, _ = _files(tmp_path)
+    with pytest.raises(FlowRecipeError) as err:
+        transformers_entry.transformers_parts_for_job(recipe, _glm_argv(tmp_path, **kw), 3)
+    assert words in str(err.value), str(err.value)
+    assert "\n" not in str(err.value)

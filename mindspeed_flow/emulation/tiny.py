@@ -35,15 +35,18 @@ def _corpus() -> list[str]:
                     "You are a helpful assistant.", "\n"] * 20
 
 
-def build_tokenizer(out_dir: Path) -> None:
-    """Train a byte-level BPE (padded to TINY_VOCAB-8 ids) and append the 8 special tokens at fixed ids."""
+def build_tokenizer(out_dir: Path, special_tokens: Sequence[str] = SPECIAL_TOKENS,
+                    expected_ids: dict[str, int] | None = None, eos_token: str = "<|im_end|>",
+                    pad_token: str = "<|endoftext|>", tokenizer_class: str = "Qwen2Tokenizer") -> None:
+    """Train a byte-level BPE (padded to TINY_VOCAB - len(special_tokens) ids) and append the special tokens at
+    the top ids, in order (Qwen's 8 by default; another family passes its own and the ids its config names)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # optional: tokenizers
     from transformers import PreTrainedTokenizerFast  # optional: transformers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    n_bpe = TINY_VOCAB - len(SPECIAL_TOKENS)
+    n_bpe = TINY_VOCAB - len(special_tokens)
     trainer = trainers.BpeTrainer(vocab_size=n_bpe, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False, special_tokens=[])
     tok.train_from_iterator(_corpus(), trainer=trainer)
@@ -52,17 +55,17 @@ def build_tokenizer(out_dir: Path) -> None:
     filler = [f"<|unused_{i}|>" for i in range(n_bpe - tok.get_vocab_size())]
     if filler:
         tok.add_special_tokens(filler)
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens(list(special_tokens))
     if tok.get_vocab_size() != TINY_VOCAB:
         raise RuntimeError(f"tiny tokenizer: {tok.get_vocab_size()} ids, wanted {TINY_VOCAB}")
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos_token, pad_token=pad_token,
                                       padding_side="right", model_max_length=4096)
     wrapped.save_pretrained(str(out_dir))
     cfg_path = out_dir / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg["tokenizer_class"] = "Qwen2Tokenizer"  # so AutoTokenizer/AutoProcessor give the Qwen2 classes
+    cfg["tokenizer_class"] = tokenizer_class  # so AutoTokenizer/AutoProcessor give the family's classes
     cfg_path.write_text(json.dumps(cfg, indent=2))
-    for name, want in _EXPECTED_IDS.items():
+    for name, want in (_EXPECTED_IDS if expected_ids is None else expected_ids).items():
         if tok.token_to_id(name) != want:
             raise RuntimeError(f"tiny tokenizer: {name} got id {tok.token_to_id(name)}, expected {want}")
 

@@ -14,6 +14,11 @@ EOS_ID = 383
 AUDIO_TOKEN_ID = 376
 AUDIO_START_ID = 377
 AUDIO_END_ID = 378
+# GLM-4.5V only: its 16 special tokens (chat roles, GLM's prefix, image and video markers) at ids 368..383.
+GLM_TOKENS = {name: TINY_VOCAB - 16 + i for i, name in enumerate((
+    "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>", "<|assistant|>",
+    "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>",
+    "<|image|>", "<|video|>"))}
 
 _TINY_TEXT = {
     "vocab_size": TINY_VOCAB,
@@ -128,5 +133,35 @@ TINY_PRESETS: dict[tuple[str, str], dict] = {
         "audio_config": {"num_mel_bins": 16, "encoder_layers": 2, "encoder_attention_heads": 2,
                          "encoder_ffn_dim": 64, "d_model": 32, "output_dim": 64, "max_source_positions": 1500,
                          "n_window": 50},
+    },
+    # GLM-4.5V (transformers' Glm4vMoe): a 2-block ViT (patch 14, a 56-px position table interpolated to each
+    # image's grid, 2x2 conv downsample, merger MLP); a 3-layer LLM with partial rotary (half of head_dim 16) over
+    # mrope [t, h, w] = [1, 1, 2], q/k/v bias, layer 0 dense and layers 1-2 MoE (4 routed experts, top 2, one shared).
+    # Its own 16 special tokens at the top ids (GLM's chat, image and video markers), `GLM_TOKENS`.
+    ("glm4v_moe", "tiny"): {
+        "model_type": "glm4v_moe",
+        "image_token_id": GLM_TOKENS["<|image|>"],
+        "video_token_id": GLM_TOKENS["<|video|>"],
+        "image_start_token_id": GLM_TOKENS["<|begin_of_image|>"],
+        "image_end_token_id": GLM_TOKENS["<|end_of_image|>"],
+        "video_start_token_id": GLM_TOKENS["<|begin_of_video|>"],
+        "video_end_token_id": GLM_TOKENS["<|end_of_video|>"],
+        "tie_word_embeddings": False,
+        "text_config": {"vocab_size": TINY_VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+                        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "attention_bias": True,
+                        "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+                        "partial_rotary_factor": 0.5, "n_routed_experts": 4, "n_shared_experts": 1,
+                        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+                        "norm_topk_prob": True, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+                        "eos_token_id": [GLM_TOKENS["<|endoftext|>"], GLM_TOKENS["<|user|>"],
+                                         GLM_TOKENS["<|observation|>"]],
+                        "tie_word_embeddings": False, "rope_theta": 10000.0,
+                        "rope_scaling": {"rope_type": "default", "mrope_section": [1, 1, 2]},
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                            "mrope_section": [1, 1, 2]}},
+        "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                          "out_hidden_size": 64, "hidden_act": "silu", "attention_bias": False, "in_channels": 3,
+                          "image_size": 56, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                          "rms_norm_eps": 1e-5},
     },
 }

@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 # Ranks print concurrently, so two reports may share a line: match each report, not each line.
 GROUPS_LINE = re.compile(r"\[mindspeed-flow\] rank (\d+) \((\w+)\) groups: ((?:\w+=\[[\d, ]*\] ?)+)")
@@ -50,6 +51,46 @@ def load_models(folder: Path) -> dict[str, dict]:
             "    out[d.name] = {k: v for k, v in sd.items() if torch.is_tensor(v)}\n"
             "torch.save(out, sys.argv[2])\n")
     dump = folder.parent / f"{folder.name}.models.pt"
+    proc = subprocess.run([sys.executable, "-c", code, str(folder), str(dump)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import torch
+
+    return torch.load(dump, weights_only=True)
+
+
+def rel(a: list[float], b: list[float]) -> list[float]:
+    return [abs(x - y) / abs(y) for x, y in zip(a, b)]
+
+
+def assert_flow_matches(flow: Any, base: Any, what: str, iters: int, first: int = 1) -> None:
+    """Per-token losses within 5e-3 at the first iteration and 2e-2 at every one, gradient norms within 1e-2 (one
+    norm over both parts); every torch_npu name asked for exists."""
+    from mindspeed_flow.emulation.jobs import parse_grad_norms
+
+    flow.assert_trained(iters, first)
+    base.assert_trained(iters, first)
+    loss_rel = rel(flow.losses, base.losses)
+    norms = [parse_grad_norms(r.output) for r in (flow, base)]
+    norm_rel = rel(norms[0], norms[1])
+    print(f"{what}: flow {flow.losses}\n{what}: unpatched {base.losses}\n{what}: largest relative difference: "
+          f"loss {max(loss_rel):.1e}, grad norm {max(norm_rel):.1e}")
+    assert loss_rel[0] <= 5e-3 and max(loss_rel) <= 2e-2, (loss_rel, flow.losses, base.losses)
+    assert len(norms[0]) == len(norms[1]) == iters and max(norm_rel) <= 1e-2, norms
+    assert not flow.log.get("MISSING"), flow.log.get("MISSING")
+
+
+def load_dcp_tensors(folder: Path) -> dict[str, Any]:
+    """{flattened key: tensor} of a DCP checkpoint folder (read in a process that can unpickle Megatron's args)."""
+    code = ("import sys, torch\nfrom mindspeed_flow import emulation\nemulation.activate()\n"
+            "from mindspeed_flow.emulation.sources import find_sources\nsys.path[:0] = find_sources().pythonpath()\n"
+            "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save\n"
+            "dcp_to_torch_save(sys.argv[1], sys.argv[2])\nflat = {}\n"
+            "def walk(prefix, node):\n    for k, v in node.items():\n"
+            "        if isinstance(v, dict):\n            walk(prefix + k + '.', v)\n"
+            "        elif torch.is_tensor(v):\n            flat[prefix + k] = v\n"
+            "walk('', torch.load(sys.argv[2], weights_only=False))\ntorch.save(flat, sys.argv[2])\n")
+    dump = folder.parent / f"{folder.name}.tensors.pt"
     proc = subprocess.run([sys.executable, "-c", code, str(folder), str(dump)], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -321,6 +321,31 @@ class FlowFsdp2:
     def local_rank(self) -> int:
         return self.rank - self.layout.offset(self.part)
 
+    def take_model(self, model: torch.nn.Module, vision_path: str, vision_config: Any, *, keep_layers: bool = False,
+                   encoder_may_train: bool = True) -> None:
+        """Make a freshly built (meta-device) model this rank's part of it: drop the other part's values, freeze
+        what this part does not train, and read the row shapes from the vision config (the LLM's hidden size: each
+        map's width; the deepstack count; the merge size; values per patch row of pixel_values).
+
+        `encoder_may_train=False` when the job runs the tower without gradients even where its values would train
+        (MindSpeed-MM's `pretrain_transformers.py` with tower and projector both frozen)."""
+        kept, dropped = drop_other_part(model, vision_path, self.is_encoder, keep_layers=keep_layers)
+        if self.rank == self.layout.offset(self.part):
+            print(f"[flow] {self.part} ranks hold {kept:,} parameter values of the model's {kept + dropped:,} "
+                  "(the other part's are not built here)", flush=True)
+        vision = module_at(model, vision_path)
+        vision_ids = {id(p) for p in vision.parameters()}
+        for p in model.parameters():
+            if (id(p) in vision_ids) != self.is_encoder:
+                p.requires_grad_(False)
+        self.text_hidden = int(vision_config.out_hidden_size)
+        self.deepstack_count = len(getattr(vision_config, "deepstack_visual_indexes", []) or [])
+        self.merge = int(vision_config.spatial_merge_size)
+        self.patch_dim = int(vision_config.in_channels * vision_config.temporal_patch_size
+                             * vision_config.patch_size ** 2)
+        if self.is_encoder:
+            self.encoder_trainable = encoder_may_train and any(p.requires_grad for p in vision.parameters())
+
     # ------------------------------------------------------------------ process groups
 
     @staticmethod
@@ -501,7 +526,9 @@ class FlowFsdp2:
             grids = [torch.tensor([[1, merge, merge]], dtype=torch.int64)]
         grid = torch.cat(grids).to(device)
         with contextlib.nullcontext() if trainable else torch.no_grad():
-            embeds, deepstack = visual(torch.cat(pixels).to(device, dtype), grid_thw=grid)
+            out = visual(torch.cat(pixels).to(device, dtype), grid_thw=grid)
+            # Qwen3-VL's tower returns (embeddings, deepstack maps); GLM-4.5V's the embeddings alone.
+            embeds, deepstack = (out, []) if isinstance(out, torch.Tensor) else out
             rows = torch.cat([embeds, *deepstack], dim=-1)
         if not pairs:
             if trainable:

@@ -201,10 +201,11 @@ def support_table() -> str:
     rows = [("entry script", f"{ids(SUPPORTED_SCRIPTS)} (MindSpeed-MM's Megatron VLM path); "
                              "`mindspeed_mm/fsdp/train/trainer.py` (its FSDP2 trainer: `model_id: qwen3_vl_moe`, "
                              "FSDP per part, expert parallel inside the LLM's part, HF weights in, images and videos "
-                             "in any mix per sample); `pretrain_transformers.py CONFIG.yaml` (Megatron's loop over "
-                             "MindSpeed's torch FSDP2: `model_id: qwen3_vl` / `qwen3_vl_moe`, each part its own FSDP2 "
-                             "shards, the example's frozen tower or a trained one, DCP checkpoints interchangeable with "
-                             "the unpatched job's)",
+                             "in any mix per sample); `pretrain_transformers.py` (Megatron's loop over MindSpeed's torch "
+                             "FSDP2, each part its own FSDP2 shards, DCP checkpoints interchangeable with the unpatched "
+                             "job's): `CONFIG.yaml` with `model_id: qwen3_vl` / `qwen3_vl_moe` (the example's frozen "
+                             "tower or a trained one), or the arguments on the command line with `--mm-model` "
+                             "`model_id: glm4v_moe` (GLM-4.5V: per-token loss, MoE LLM, images)",
              ids(REFUSED_SCRIPTS))]
     rows += [(names[field], ids(ok), ids(refused) or "anything else") for field, (ok, refused) in MODEL_IDS.items()]
     rows += [

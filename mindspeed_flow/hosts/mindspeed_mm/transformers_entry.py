@@ -1,7 +1,9 @@
-"""MindSpeed-MM's `pretrain_transformers.py CONFIG.yaml` as a flow job (Megatron's loop over an HF-style model that
-MindSpeed's torch FSDP2 shards: MindSpeed-MM's Qwen3-VL 8B/32B and 30B-A3B full fine-tuning examples).
+"""MindSpeed-MM's `pretrain_transformers.py` as a flow job (Megatron's loop over an HF-style model that MindSpeed's
+torch FSDP2 shards): `CONFIG.yaml` (its Qwen3-VL 8B/32B and 30B-A3B full fine-tuning examples) or the arguments on
+the command line with `--mm-model model.json --mm-data data.json` (its GLM-4.5V example).
 
     torchrun ... -m mindspeed_flow_patches.launch --flow-recipe FLOW.yaml pretrain_transformers.py CONFIG.yaml
+    torchrun ... -m mindspeed_flow_patches.launch --flow-recipe FLOW.yaml pretrain_transformers.py $GPT_ARGS $MM_ARGS ...
 
 The vision tower (`model.visual`: its blocks, merger and deepstack mergers) trains on the encoder part's ranks, the
 LLM on the backbone part's ranks. Each part is a Megatron job of its own size: the Megatron flow patch gives each
@@ -26,7 +28,8 @@ to MindSpeed-MM's providers (`TransformersHost`):
 - the gradient norm is one norm over both parts (the Megatron flow patch's `get_grad_norm_fp32` wrapper).
 
 Checked before launch (`transformers_parts_for_job`): the model family, FSDP2 on, no TP/PP/CP inside a part, the
-global batch divisible over both parts, no validation split or text-only dynamic batching.
+global batch divisible over both parts, no validation split or text-only dynamic batching, the loss type, the
+sampler, GLM-4.5V without videos.
 """
 from __future__ import annotations
 
@@ -47,7 +50,14 @@ from mindspeed_flow.step.layout import BACKBONE, ENCODER, Layout
 SCRIPT = "pretrain_transformers.py"
 # CONFIG.yaml model.model_id -> the vision tower's path inside MindSpeed-MM's TransformersModel (its HF model is
 # `.model`, whose `.model.visual` is the tower: merger and deepstack mergers included).
-VISION_PATHS: dict[str, str] = {"qwen3_vl": "model.model.visual", "qwen3_vl_moe": "model.model.visual"}
+VISION_PATHS: dict[str, str] = {"qwen3_vl": "model.model.visual", "qwen3_vl_moe": "model.model.visual",
+                                "glm4v_moe": "model.model.visual"}
+# Models whose MindSpeed-MM forward runs the tower under no_grad when tower and projector are both frozen.
+NO_GRAD_WHEN_FROZEN = ("qwen3_vl", "qwen3_vl_moe")
+# Models whose videos do not pass through `get_image_features` (GLM-4.5V calls its tower directly for them).
+IMAGE_ONLY = ("glm4v_moe",)
+# MindSpeed-MM loss types the flow job is tested with (the examples': Qwen3-VL default, GLM-4.5V per token).
+LOSS_TYPES = ("default", "per_token_loss")
 # gpt_args the flow job cannot honour: (key, the value it needs, why).
 _REFUSED_GPT_ARGS: tuple[tuple[str, Any, str], ...] = (
     ("tensor_model_parallel_size", 1, "MindSpeed-MM's transformers path shards with FSDP2, not TP"),
@@ -94,64 +104,129 @@ def _gpt_args(cfg: Any) -> dict[str, Any]:
     return out
 
 
+def _flag_value(word: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(word)
+        except ValueError:
+            pass
+    return word
+
+
+def _command_line_args(argv: Sequence[str]) -> dict[str, Any]:
+    """Megatron-style `--some-flag [value]` words as {some_flag: value} (a flag without a value: True)."""
+    out: dict[str, Any] = {}
+    for i, word in enumerate(argv):
+        if not word.startswith("--"):
+            continue
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        out[word[2:].replace("-", "_")] = True if nxt is None or nxt.startswith("--") else _flag_value(nxt)
+    return out
+
+
+@dataclass(frozen=True)
+class EntryJob:
+    """What the flow job reads of a `pretrain_transformers.py` job, in either of its forms: `CONFIG.yaml` (gpt_args,
+    model and data sections in one file: the Qwen3-VL examples) or the arguments on the command line with
+    `--mm-model model.json --mm-data data.json` (the GLM-4.5V and InternVL3.5 examples)."""
+
+    source: str  # CONFIG.yaml, or the model.json the command line names
+    gpt: dict[str, Any]
+    model: Any  # OmegaConf node of the model section / model.json
+    data: Any  # ... of the data section / data.json
+    lora: bool
+
+    def model_key(self, key: str) -> str:
+        return f"model.{key}" if self.source.endswith((".yaml", ".yml")) else key
+
+    def data_key(self, key: str) -> str:
+        return f"data.{key}" if self.source.endswith((".yaml", ".yml")) else key
+
+
+def read_entry_job(script_argv: Sequence[str]) -> EntryJob:
+    if script_argv and str(script_argv[0]).endswith((".yaml", ".yml")):
+        config_path = str(script_argv[0])
+        if not Path(config_path).is_file():
+            raise FlowRecipeError(f"{config_path}: no such file")
+        cfg = OmegaConf.load(config_path)
+        return EntryJob(config_path, _gpt_args(cfg), cfg.get("model") or OmegaConf.create({}),
+                        cfg.get("data") or OmegaConf.create({}), "lora_args" in cfg)
+    gpt = _command_line_args(list(script_argv))
+    files = {}
+    for flag in ("mm_model", "mm_data"):
+        path = gpt.get(flag)
+        if not isinstance(path, str):
+            raise FlowRecipeError(f"{SCRIPT}: --{flag.replace('_', '-')} FILE.json is missing (the flow job reads the "
+                                  "model and data description it names; or give CONFIG.yaml as the first argument)")
+        if not Path(path).is_file():
+            raise FlowRecipeError(f"--{flag.replace('_', '-')} {path}: no such file")
+        files[flag] = path
+    return EntryJob(files["mm_model"], gpt, OmegaConf.load(files["mm_model"]), OmegaConf.load(files["mm_data"]),
+                    any(k.startswith("lora_") for k in gpt))
+
+
 def transformers_parts_for_job(recipe_path: str | Path, script_argv: Sequence[str], world_size: int) -> TransformersParts:
-    """Check FLOW.yaml against CONFIG.yaml and the launched world before MindSpeed is imported."""
+    """Check FLOW.yaml against the job (CONFIG.yaml, or the command line and its model / data files) and the
+    launched world before MindSpeed is imported."""
     name = Path(recipe_path).name
     job = load_flow_job(recipe_path)
-    if not script_argv or not str(script_argv[0]).endswith((".yaml", ".yml")):
-        raise FlowRecipeError(f"{SCRIPT} needs its CONFIG.yaml as the first argument (MindSpeed-MM reads its "
-                              "arguments from that file only)")
-    config_path = str(script_argv[0])
-    if not Path(config_path).is_file():
-        raise FlowRecipeError(f"{config_path}: no such file")
-    cfg = OmegaConf.load(config_path)
-    gpt = _gpt_args(cfg)
-    model_id = str(OmegaConf.select(cfg, "model.model_id", default=""))
+    entry = read_entry_job(script_argv)
+    src, gpt = entry.source, entry.gpt
+    data_src = src if src.endswith((".yaml", ".yml")) else str(gpt["mm_data"])
+    model_id = str(OmegaConf.select(entry.model, "model_id", default=""))
     if model_id not in VISION_PATHS:
-        raise FlowRecipeError(f"{config_path}: model.model_id={model_id!r}: the {SCRIPT} flow job splits "
+        raise FlowRecipeError(f"{src}: {entry.model_key('model_id')}={model_id!r}: the {SCRIPT} flow job splits "
                               f"{', '.join(sorted(VISION_PATHS))} (a vision tower whose features it can move); "
                               "other models run unpatched")
     for key, needed, why in _REFUSED_GPT_ARGS:
         value = gpt.get(key, needed if key != "use_torch_fsdp2" else False)
         if value != needed:
-            raise FlowRecipeError(f"{config_path}: gpt_args.{key}={value!r}: {why} (set {needed!r})")
-    if "lora_args" in cfg:
-        raise FlowRecipeError(f"{config_path}: lora_args: LoRA adapters of a decoupled model are not supported yet")
-    val_rate = OmegaConf.select(cfg, "data.dataset_param.basic_parameters.val_rate", default=0.0) or 0.0
+            where = f"{src}: gpt_args.{key}" if src.endswith((".yaml", ".yml")) else f"--{key.replace('_', '-')}"
+            raise FlowRecipeError(f"{where}={value!r}: {why} (set {needed!r})")
+    if entry.lora:
+        what = "lora_args" if src.endswith((".yaml", ".yml")) else "--lora-* arguments"
+        raise FlowRecipeError(f"{src}: {what}: LoRA adapters of a decoupled model are not supported yet")
+    val_rate = OmegaConf.select(entry.data, "dataset_param.basic_parameters.val_rate", default=0.0) or 0.0
     if float(val_rate) > 0:
-        raise FlowRecipeError(f"{config_path}: data.dataset_param.basic_parameters.val_rate={val_rate}: validation of "
-                              "a decoupled model is not supported yet (set 0)")
-    loss_type = OmegaConf.select(cfg, "model.loss_cfg.loss_type", default="default") or "default"
-    if loss_type != "default":
-        raise FlowRecipeError(f"{config_path}: model.loss_cfg.loss_type={loss_type!r}: the flow job is tested with "
-                              "MindSpeed-MM's default loss only")
-    sampler = OmegaConf.select(cfg, "data.dataloader_param.sampler_type", default="BaseRandomBatchSampler")
+        raise FlowRecipeError(f"{data_src}: {entry.data_key('dataset_param.basic_parameters.val_rate')}={val_rate}: "
+                              "validation of a decoupled model is not supported yet (set 0)")
+    loss_type = OmegaConf.select(entry.model, "loss_cfg.loss_type", default="default") or "default"
+    if loss_type not in LOSS_TYPES:
+        raise FlowRecipeError(f"{src}: {entry.model_key('loss_cfg.loss_type')}={loss_type!r}: the flow job is tested "
+                              f"with {' and '.join(LOSS_TYPES)} only")
+    sampler = OmegaConf.select(entry.data, "dataloader_param.sampler_type", default="BaseRandomBatchSampler")
     if sampler != "BaseRandomBatchSampler":
-        raise FlowRecipeError(f"{config_path}: data.dataloader_param.sampler_type={sampler!r}: the flow job is "
-                              "tested with BaseRandomBatchSampler only")
+        raise FlowRecipeError(f"{data_src}: {entry.data_key('dataloader_param.sampler_type')}={sampler!r}: the flow "
+                              "job is tested with BaseRandomBatchSampler only")
+    videos = OmegaConf.select(entry.data, "dataset_param.attr.videos", default=None)
+    if model_id in IMAGE_ONLY and videos:
+        raise FlowRecipeError(f"{data_src}: {entry.data_key('dataset_param.attr.videos')}={videos!r}: the flow job "
+                              f"moves {model_id}'s image features only (its videos go through the tower directly)")
     par = job.parallel
     layout = fsdp2.sharded_parts_layout(job, name, world_size)
     mbs = int(gpt.get("micro_batch_size", 1))
     gbs = int(gpt.get("global_batch_size", 0) or 0)
     if gbs < 1:
-        raise FlowRecipeError(f"{config_path}: gpt_args.global_batch_size is missing: a flow job plans each global batch")
+        raise FlowRecipeError(f"{src}: global_batch_size is missing: a flow job plans each global batch")
     stated = OmegaConf.select(OmegaConf.load(str(recipe_path)), "trainer.global_batch_size")
     if stated is not None and int(stated) != gbs:
-        raise FlowRecipeError(f"{name}: trainer.global_batch_size={stated} but CONFIG.yaml's gpt_args.global_batch_size "
-                              f"is {gbs}; make them agree")
+        raise FlowRecipeError(f"{name}: trainer.global_batch_size={stated} but the job's global batch size is {gbs}; "
+                              "make them agree")
     for part_name, dp in ((ENCODER, par.encoder.dp), (BACKBONE, par.backbone.dp)):
         # Megatron derives each part's micro-batch count from its own DP size and checks it divides.
         if gbs % (mbs * dp):
-            raise FlowRecipeError(f"{name}: parallel.{part_name}.dp={dp}: gpt_args.global_batch_size {gbs} must be "
-                                  f"divisible by micro_batch_size {mbs} x dp")
+            raise FlowRecipeError(f"{name}: parallel.{part_name}.dp={dp}: the job's global batch size {gbs} must be "
+                                  f"divisible by micro batch size {mbs} x dp")
     # MindSpeed-MM's Qwen3-VL runs the whole vision tower under no_grad when both the tower and the projector are
     # frozen (the examples' setting): the deepstack mergers, which `freeze` leaves trainable, then get no gradient
-    # either, so the encoder part runs forward only.
-    frozen = all(bool(OmegaConf.select(cfg, f"model.image_encoder.{m}.freeze", default=False))
-                 for m in ("vision_encoder", "vision_projector"))
+    # either, so the encoder part runs forward only. GLM-4.5V's `freeze` leaves the tower's position embedding,
+    # downsampling and norms trainable and runs the tower with gradients: whether it trains is what its values say.
+    frozen = model_id in NO_GRAD_WHEN_FROZEN and all(
+        bool(OmegaConf.select(entry.model, f"image_encoder.{m}.freeze", default=False))
+        for m in ("vision_encoder", "vision_projector"))
     flow = FlowParts(layout, PackingConfig(), float(job.flow.timeout_s), encoder_trainable=not frozen)
     exchange = fsdp2.Fsdp2Parts(layout, float(job.flow.timeout_s), mbs, gbs, 1, VISION_PATHS[model_id],
-                                os.path.abspath(config_path))
+                                os.path.abspath(src))
     return TransformersParts(flow, exchange)
 
 
@@ -189,22 +264,8 @@ class TransformersHost:
 
         def flow_model_provider(*args: Any, **kwargs: Any) -> Any:
             model = original(*args, **kwargs)
-            kept, dropped = fsdp2.drop_other_part(model, self.vision_path, ctx.is_encoder, keep_layers=True)
-            if ctx.is_part_leader:
-                print(f"[flow] {ctx.part} ranks hold {kept:,} parameter values of the model's {kept + dropped:,} "
-                      "(the other part's are not built here)", flush=True)
-            vision = fsdp2.module_at(model, self.vision_path)
-            vision_ids = {id(p) for p in vision.parameters()}
-            for p in model.parameters():
-                if (id(p) in vision_ids) != ctx.is_encoder:
-                    p.requires_grad_(False)
-            vcfg = model.transformer_config.vision_config
-            rows.text_hidden = int(vcfg.out_hidden_size)
-            rows.deepstack_count = len(getattr(vcfg, "deepstack_visual_indexes", []) or [])
-            rows.merge = int(vcfg.spatial_merge_size)
-            rows.patch_dim = int(vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size ** 2)
-            if ctx.is_encoder:
-                rows.encoder_trainable = ctx.parts.encoder_trainable and any(p.requires_grad for p in vision.parameters())
+            rows.take_model(model, self.vision_path, model.transformer_config.vision_config, keep_layers=True,
+                            encoder_may_train=ctx.parts.encoder_trainable)
             return model
 
         return flow_model_provider

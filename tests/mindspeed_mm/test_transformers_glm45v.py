@@ -1,0 +1,133 @@
+"""MindSpeed-MM's GLM-4.5V fine-tuning example (`examples/glm4.5v/finetune_glm4_5v_106B.sh`: `pretrain_transformers.py`
+with its arguments on the command line, `model_106B.json`, `data_106B.json`, `fsdp2_config.yaml`), scaled down, as
+the unpatched job and as a flow job, under `mindspeed-flow emulate` (strict).
+
+The job is the example's: its GPT_ARGS / MM_ARGS / OUTPUT_ARGS blocks read from the script, the three files with
+their keys as shipped and tiny values (`mindspeed_flow.emulation.tiny_glm45v`), MindSpeed-MM's fused GLM-4.5V model
+(`glm4v_moe`: its own vision tower, MoE LLM through torch_npu's token permute / grouped matmul / unpermute, layer 0
+dense), the per-token loss, the tower and projector frozen by `freeze` as shipped, the weights converted from the HF
+folder by MindSpeed-MM's own `mm-convert ExpertMergeDcpConverter hf_to_dcp` and loaded with
+`--init-model-with-meta-device`. 14 samples of 1, 2, 1, 3 images: 10 iterations at global batch 2 cross an epoch.
+
+GLM-4.5V's `freeze` names the patch embedding, the blocks and the merger; the tower's position embedding, its
+downsampling convolution and its norms stay trainable, and its forward runs the tower with gradients. So the encoder
+part trains those values from the gradients the LLM ranks send back: the checkpoints show it (they move, alike in
+both jobs; the frozen ones stay bit for bit).
+
+The unpatched job's per-token losses are the same on one rank and two (measured, bit for bit), so both flow layouts
+are compared with the 2-rank job.
+
+Needs torch 2.7.x (MindSpeed's torch FSDP2 adaptor).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mindspeed_flow.emulation.jobs import JobResult, emulate_command, job_result
+from mindspeed_flow.emulation.sources import Sources
+
+from flow_helpers import assert_flow_matches, load_dcp_tensors
+
+ITERS = 10
+IMAGES = (1, 2, 1, 3)
+SAMPLES = 14
+JOB_TIMEOUT_S = 900
+
+_FLOW_RECIPE = """\
+# mindspeed-flow emulate --nproc {world} --flow-recipe THIS -- pretrain_transformers.py <the example's arguments>
+parallel:
+  encoder: {{dp: {enc}, tp: 1, pp: 1, cp: 1}}
+  backbone: {{dp: {bb}, tp: 1, pp: 1, cp: 1}}
+flow:
+  timeout_s: 300
+"""
+
+pytestmark = [pytest.mark.mindspeed_mm, pytest.mark.timeout(6 * JOB_TIMEOUT_S)]
+
+
+@pytest.fixture(scope="module")
+def glm_job(mm_sources: Sources, tmp_path_factory: pytest.TempPathFactory):
+    """run(name, nproc, flow=None) -> JobResult of the tiny example on `nproc` ranks, unpatched or as a flow job of
+    `flow` = (encoder ranks, LLM ranks); each name runs once per module. `run.save_dir(name)`: its checkpoint."""
+    from mindspeed_flow.emulation import tiny_glm45v
+
+    if not torch.__version__.startswith("2.7."):
+        pytest.skip(f"torch {torch.__version__}: MindSpeed's torch FSDP2 adaptor imports torch 2.7's FSDP2 internals; "
+                    "run with the torch 2.7.1 emulate venv (MSF_TORCH=2.7)")
+    root = tmp_path_factory.mktemp("glm45v")
+    done: dict[str, JobResult] = {}
+    saves: dict[str, Path] = {}
+
+    def run(name: str, nproc: int, flow: tuple[int, int] | None = None) -> JobResult:
+        if name in done:
+            return done[name]
+        job = tiny_glm45v.prepare_glm_workdir(root, mm_sources.mindspeed_mm.root, n_samples=SAMPLES,
+                                              images_per_sample=IMAGES, name=name, train_iters=ITERS)
+        saves[name], saves["converted"] = job["save"], job["converted"]
+        recipe = None
+        if flow is not None:
+            recipe = root / f"{name}.flow.yaml"
+            recipe.write_text(_FLOW_RECIPE.format(world=nproc, enc=flow[0], bb=flow[1]), encoding="utf-8")
+        log_path = root / f"{name}.emulation.log"
+        cmd = emulate_command(job["argv"], log_path=log_path, nproc=nproc, flow_recipe=recipe)
+        # The example's launch script exports CUDA_DEVICE_MAX_CONNECTIONS=2 (MindSpeed-MM refuses FSDP with 1).
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT_S, cwd=root,
+                              env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "2", "OMP_NUM_THREADS": "1"})
+        done[name] = job_result(proc.returncode, proc.stdout + proc.stderr, log_path)
+        return done[name]
+
+    run.save_dir = lambda name: saves[name]  # type: ignore[attr-defined]
+    return run
+
+
+def _vision(tensors: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.float() for k, v in tensors.items() if ".visual." in k}
+
+
+def test_glm45v_flow_matches_the_unpatched_example(glm_job) -> None:
+    base = glm_job("glm_2ranks", 2)
+    base.assert_trained(ITERS)
+    assert not base.log.get("MISSING"), base.log.get("MISSING")  # every torch_npu name asked for exists
+    called = base.log.get("CALLED", set())
+    assert any("npu_moe_token_permute" in c for c in called), called  # the fused MoE path, as on the device
+    assert base.losses[-1] < base.losses[0]  # it trains
+    assert "will not load any checkpoints" not in base.output  # the converted weights were loaded
+    for enc, bb in ((1, 2), (2, 1)):
+        flow = glm_job(f"glm_flow_e{enc}b{bb}", enc + bb, flow=(enc, bb))
+        assert_flow_matches(flow, base, f"GLM-4.5V example, encoder {enc} + LLM {bb}", ITERS)
+        assert "successfully saved checkpoint from iteration" in flow.output
+
+
+def test_glm45v_flow_trains_what_the_example_leaves_trainable_in_the_tower(glm_job) -> None:
+    """The flow job's checkpoint has the unpatched job's keys; the tower values `freeze` leaves trainable moved
+    from the converted weights as they did in the unpatched job, the frozen ones did not move at all."""
+    base, flow = glm_job("glm_2ranks", 2), glm_job("glm_flow_e1b2", 3, flow=(1, 2))
+    base.assert_trained(ITERS)
+    flow.assert_trained(ITERS)
+    start = _vision(load_dcp_tensors(glm_job.save_dir("converted") / "release"))
+    ends = {name: load_dcp_tensors(glm_job.save_dir(name) / f"iter_{ITERS:07d}")
+            for name in ("glm_2ranks", "glm_flow_e1b2")}
+    assert set(ends["glm_flow_e1b2"]) == set(ends["glm_2ranks"])
+    base_v, flow_v = _vision(ends["glm_2ranks"]), _vision(ends["glm_flow_e1b2"])
+    assert set(start) == set(base_v) == set(flow_v) and start
+    frozen = ("patch_embed", ".blocks.", ".merger.")
+    moved = []
+    for key, before in start.items():
+        if any(f in key for f in frozen):
+            assert torch.equal(base_v[key], before) and torch.equal(flow_v[key], before), key
+            continue
+        step_base, step_flow = base_v[key] - before, flow_v[key] - before
+        assert step_base.norm() > 0, key
+        rel = float((step_flow - step_base).norm() / step_base.norm())
+        moved.append((key.split(".visual.")[1], rel))
+    print(f"GLM-4.5V tower values trained by the encoder part (relative difference of the update): {moved}")
+    assert {k for k, _ in moved} >= {"embeddings.position_embedding.weight", "downsample.weight"}
+    # Adam divides by the gradient's own scale: the 64 values of the downsampling bias, whose gradients are the
+    # smallest, move 3.6e-2 apart (measured); the rest within 7e-3.
+    assert max(r for _, r in moved) <= 5e-2, moved
