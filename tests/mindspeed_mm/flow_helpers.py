@@ -41,22 +41,31 @@ def check_part_groups(output: str, enc: dict, dec: dict) -> None:
         assert len(groups["pp"]) == lay.get("pp", 1), (rank, groups)
 
 
-def load_models(folder: Path) -> dict[str, dict]:
-    """{rank folder: model state} of a checkpoint's latest iteration (read in a process that can unpickle args)."""
-    code = ("import sys, json, torch\nfrom mindspeed_flow import emulation\nemulation.activate()\n"
-            "from mindspeed_flow.emulation.sources import find_sources\nsys.path[:0] = find_sources().pythonpath()\n"
-            "from pathlib import Path\nroot = Path(sys.argv[1]); it = (root / 'latest_checkpointed_iteration.txt')"
-            ".read_text().strip()\nout = {}\nfor d in sorted((root / f'iter_{int(it):07d}').iterdir()):\n"
-            "    sd = torch.load(d / 'model_optim_rng.pt', map_location='cpu', weights_only=False)['model']\n"
-            "    out[d.name] = {k: v for k, v in sd.items() if torch.is_tensor(v)}\n"
-            "torch.save(out, sys.argv[2])\n")
-    dump = folder.parent / f"{folder.name}.models.pt"
-    proc = subprocess.run([sys.executable, "-c", code, str(folder), str(dump)], capture_output=True, text=True,
-                          timeout=600)
+# The first lines of a reader process: one that can unpickle what Megatron saves beside the tensors (its args).
+_READER_PRELUDE = ("import sys, torch\nfrom mindspeed_flow import emulation\nemulation.activate()\n"
+                   "from mindspeed_flow.emulation.sources import find_sources\n"
+                   "sys.path[:0] = find_sources().pythonpath()\n")
+
+
+def _read_in_job_process(body: str, folder: Path, suffix: str) -> Any:
+    """Run `body` (argv[1]: `folder`, argv[2]: where to torch.save what it read) in a reader process; load that."""
+    dump = folder.parent / f"{folder.name}.{suffix}.pt"
+    proc = subprocess.run([sys.executable, "-c", _READER_PRELUDE + body, str(folder), str(dump)],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     import torch
 
     return torch.load(dump, weights_only=True)
+
+
+def load_models(folder: Path) -> dict[str, dict]:
+    """{rank folder: model state} of a checkpoint's latest iteration."""
+    return _read_in_job_process(
+        "from pathlib import Path\nroot = Path(sys.argv[1]); it = (root / 'latest_checkpointed_iteration.txt')"
+        ".read_text().strip()\nout = {}\nfor d in sorted((root / f'iter_{int(it):07d}').iterdir()):\n"
+        "    sd = torch.load(d / 'model_optim_rng.pt', map_location='cpu', weights_only=False)['model']\n"
+        "    out[d.name] = {k: v for k, v in sd.items() if torch.is_tensor(v)}\n"
+        "torch.save(out, sys.argv[2])\n", folder, "models")
 
 
 def rel(a: list[float], b: list[float]) -> list[float]:
@@ -81,19 +90,22 @@ def assert_flow_matches(flow: Any, base: Any, what: str, iters: int, first: int 
 
 
 def load_dcp_tensors(folder: Path) -> dict[str, Any]:
-    """{flattened key: tensor} of a DCP checkpoint folder (read in a process that can unpickle Megatron's args)."""
-    code = ("import sys, torch\nfrom mindspeed_flow import emulation\nemulation.activate()\n"
-            "from mindspeed_flow.emulation.sources import find_sources\nsys.path[:0] = find_sources().pythonpath()\n"
-            "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save\n"
-            "dcp_to_torch_save(sys.argv[1], sys.argv[2])\nflat = {}\n"
-            "def walk(prefix, node):\n    for k, v in node.items():\n"
-            "        if isinstance(v, dict):\n            walk(prefix + k + '.', v)\n"
-            "        elif torch.is_tensor(v):\n            flat[prefix + k] = v\n"
-            "walk('', torch.load(sys.argv[2], weights_only=False))\ntorch.save(flat, sys.argv[2])\n")
-    dump = folder.parent / f"{folder.name}.tensors.pt"
-    proc = subprocess.run([sys.executable, "-c", code, str(folder), str(dump)], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import torch
+    """{flattened key: tensor} of a DCP checkpoint folder."""
+    return _read_in_job_process(
+        "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save\n"
+        "dcp_to_torch_save(sys.argv[1], sys.argv[2])\nflat = {}\n"
+        "def walk(prefix, node):\n    for k, v in node.items():\n"
+        "        if isinstance(v, dict):\n            walk(prefix + k + '.', v)\n"
+        "        elif torch.is_tensor(v):\n            flat[prefix + k] = v\n"
+        "walk('', torch.load(sys.argv[2], weights_only=False))\ntorch.save(flat, sys.argv[2])\n", folder, "tensors")
 
-    return torch.load(dump, weights_only=True)
+
+# A pretrain_transformers.py flow job's FLOW.yaml: each part data parallel (FSDP2 over its ranks).
+TRANSFORMERS_FLOW_RECIPE = """\
+# mindspeed-flow emulate --nproc {world} --flow-recipe THIS -- pretrain_transformers.py <the job's arguments>
+parallel:
+  encoder: {{dp: {enc}, tp: 1, pp: 1, cp: 1}}
+  backbone: {{dp: {bb}, tp: 1, pp: 1, cp: 1}}
+flow:
+  timeout_s: 300
+"""

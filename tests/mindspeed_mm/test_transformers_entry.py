@@ -33,23 +33,13 @@ import torch
 from mindspeed_flow.emulation.jobs import JobResult, emulate_command, job_result, parse_grad_norms
 from mindspeed_flow.emulation.sources import Sources
 
-from flow_helpers import assert_flow_matches as _assert_flow_matches, rel as _rel
+from flow_helpers import TRANSFORMERS_FLOW_RECIPE, assert_flow_matches as _assert_flow_matches, rel as _rel
 
 SCRIPT = "pretrain_transformers.py"
 ITERS = 10
 IMAGES = (1, 2, 1, 3)
 SAMPLES = 14
 JOB_TIMEOUT_S = 900
-
-
-_FLOW_RECIPE = """\
-# mindspeed-flow emulate --nproc {world} --flow-recipe THIS -- pretrain_transformers.py CONFIG.yaml
-parallel:
-  encoder: {{dp: {enc}, tp: 1, pp: 1, cp: 1}}
-  backbone: {{dp: {bb}, tp: 1, pp: 1, cp: 1}}
-flow:
-  timeout_s: 300
-"""
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +68,7 @@ def sft_job(mm_sources: Sources, tmp_path_factory: pytest.TempPathFactory):
         recipe = None
         if flow is not None:
             recipe = root / f"{name}.flow.yaml"
-            recipe.write_text(_FLOW_RECIPE.format(world=nproc, enc=flow[0], bb=flow[1]), encoding="utf-8")
+            recipe.write_text(TRANSFORMERS_FLOW_RECIPE.format(world=nproc, enc=flow[0], bb=flow[1]), encoding="utf-8")
         log_path = root / f"{name}.emulation.log"
         cmd = emulate_command([SCRIPT, str(config), "--distributed-backend", "nccl"], log_path=log_path, nproc=nproc,
                               flow_recipe=recipe)

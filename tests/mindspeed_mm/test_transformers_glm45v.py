@@ -32,21 +32,13 @@ import torch
 from mindspeed_flow.emulation.jobs import JobResult, emulate_command, job_result
 from mindspeed_flow.emulation.sources import Sources
 
-from flow_helpers import assert_flow_matches, load_dcp_tensors
+from flow_helpers import TRANSFORMERS_FLOW_RECIPE, assert_flow_matches, load_dcp_tensors
 
 ITERS = 10
 IMAGES = (1, 2, 1, 3)
 SAMPLES = 14
 JOB_TIMEOUT_S = 900
 
-_FLOW_RECIPE = """\
-# mindspeed-flow emulate --nproc {world} --flow-recipe THIS -- pretrain_transformers.py <the example's arguments>
-parallel:
-  encoder: {{dp: {enc}, tp: 1, pp: 1, cp: 1}}
-  backbone: {{dp: {bb}, tp: 1, pp: 1, cp: 1}}
-flow:
-  timeout_s: 300
-"""
 
 pytestmark = [pytest.mark.mindspeed_mm, pytest.mark.timeout(6 * JOB_TIMEOUT_S)]
 
@@ -73,7 +65,7 @@ def glm_job(mm_sources: Sources, tmp_path_factory: pytest.TempPathFactory):
         recipe = None
         if flow is not None:
             recipe = root / f"{name}.flow.yaml"
-            recipe.write_text(_FLOW_RECIPE.format(world=nproc, enc=flow[0], bb=flow[1]), encoding="utf-8")
+            recipe.write_text(TRANSFORMERS_FLOW_RECIPE.format(world=nproc, enc=flow[0], bb=flow[1]), encoding="utf-8")
         log_path = root / f"{name}.emulation.log"
         cmd = emulate_command(job["argv"], log_path=log_path, nproc=nproc, flow_recipe=recipe)
         # The example's launch script exports CUDA_DEVICE_MAX_CONNECTIONS=2 (MindSpeed-MM refuses FSDP with 1).
