@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from mindspeed_flow.runtime import launch_script
-from mindspeed_flow.runtime.flow_twin import BLOCK_END, BLOCK_START, HEADER_END
+from mindspeed_flow.runtime.flow_twin import BLOCK_END, BLOCK_START, ENTRY, HEADER_END
 from mindspeed_flow.runtime.shell_words import UNKNOWN, Expander, split_words, statements
 
 REPO = Path(__file__).resolve().parents[1]
@@ -246,8 +246,10 @@ def test_twin_refuses_what_the_launch_cannot_match(tmp_path: Path, capsys) -> No
     literal.write_text(TINY_SCRIPT.read_text().replace("--node_rank $NODE_RANK", "--node_rank 0"))
     assert "--node_rank 0 is written literally" in refused(ten, literal)
     other = tmp_path / "other.sh"
-    other.write_text(TINY_SCRIPT.read_text().replace("pretrain_vlm.py", "pretrain_transformers.py"))
-    assert "entry pretrain_transformers.py: a flow job runs MindSpeed-MM's pretrain_vlm.py" in refused(ten, other)
+    other.write_text(TINY_SCRIPT.read_text().replace("pretrain_vlm.py", "evaluate_vlm.py"))
+    assert "entry evaluate_vlm.py: evaluation, not training: run it unpatched" in refused(ten, other)
+    assert "a flow job runs one of MindSpeed-MM's pretrain_vlm.py, pretrain_transformers.py, " \
+           "mindspeed_mm/fsdp/train/trainer.py" in refused(ten, other)
 
 
 def test_shell_words_reads_launch_script_shapes() -> None:
@@ -281,9 +283,10 @@ def test_launch_script_from_needs_the_mm_job(tmp_path: Path, capsys) -> None:
         subprocess.run([shellcheck, str(out)], check=True, capture_output=True, text=True)
 
 
-def test_twin_of_other_shapes(tmp_path: Path) -> None:
+def test_twin_of_other_shapes(tmp_path: Path, monkeypatch) -> None:
     """`python -m torch.distributed.run`, the global batch computed in the flag string, CP from the environment,
-    a launch without a log of its own."""
+    a launch without a log of its own (its m.json is no MindSpeed-MM file: the twin is not checked against one)."""
+    monkeypatch.delenv("MINDSPEED_MM_HOME", raising=False)
     user = tmp_path / "mine.sh"
     user.write_text('#!/bin/bash\nGPUS=8\nHOST=localhost\nPORT=6000\nN=1\nR=0\nTP=${TP:-1}\nCP=${CP:-2}\nACC=3\n'
                     'ARGS="--tensor-model-parallel-size $TP --context-parallel-size $CP \\\n'
@@ -307,3 +310,121 @@ def test_twin_of_other_shapes(tmp_path: Path) -> None:
         'exit "$FLOW_STATUS"'])
     proc = _run(out, tmp_path, _stub_torchrun(tmp_path), "--help")
     assert re.findall(r"^  (\w+)\s", proc.stdout, re.M)[:7] == ["GPUS", "HOST", "PORT", "N", "R", "TP", "CP"]
+
+
+# Every launch script MindSpeed-MM ships at the pinned commit, and what `launch-script --from` makes of it under an
+# encoder 4 + LLM 4 recipe: the flow entry the twin runs, or the words its one-line refusal must hold. A script a
+# re-pinned MindSpeed-MM adds fails the test until it is classified here.
+EXAMPLE_TWINS = {
+    "glm4.5v/finetune_glm4_5v_106B.sh": "pretrain_transformers.py",
+    "qwen2.5vl/finetune_qwen2_5_vl_3b.sh": "pretrain_vlm.py",
+    "qwen2.5vl/finetune_qwen2_5_vl_7b.sh": "pretrain_vlm.py",
+    "qwen2.5vl/finetune_qwen2_5_vl_32b.sh": "pretrain_vlm.py",
+    "qwen2.5vl/finetune_qwen2_5_vl_72b.sh": "pretrain_vlm.py",
+    "qwen3vl/finetune_qwen3vl_8B.sh": "pretrain_transformers.py",
+    "qwen3vl/finetune_qwen3vl_30B.sh": "pretrain_transformers.py",
+    "qwen3vl/finetune_qwen3vl_32B.sh": "pretrain_transformers.py",
+    "qwen3vl/finetune_qwen3vl_235B.sh": "pretrain_transformers.py",
+    "qwen3vl/finetune_qwen3vl_30B_v1.sh": "mindspeed_mm/fsdp/train/trainer.py",
+    "qwen3vl/finetune_qwen3vl_30B_v1_A5.sh": "mindspeed_mm/fsdp/train/trainer.py",
+}
+EXAMPLE_REFUSALS = {
+    "internvl3.5/finetune_internvl3_5.sh": "model_id='internvl'",
+    "mcore/qwen3_5/finetune_qwen3_5_35B.sh": "Qwen3.5 on MindSpeed-MM's mcore path",
+    "qwen2.5omni/finetune_qwen2_5_omni_7b.sh": "audio_encoder",
+    "qwen2.5vl/evaluate_qwen2_5_vl_7b.sh": "evaluation, not training",
+    "qwen2.5vl/evaluate_qwen2_5_vl_72b.sh": "evaluation, not training",
+    "qwen2.5vl/inference_qwen2_5_vl_7b.sh": "inference, not training",
+    "qwen2.5vl/inference_qwen2_5_vl_72b.sh": "inference, not training",
+    "qwen2.5vl/finetune_qwen2_5_vl_72b_fsdp.sh": "--use-torch-fsdp2",
+    "qwen3omni/finetune_qwen3omni.sh": "model_id='qwen3_omni_moe'",
+    "qwen3omni/finetune_qwen3omni_v1.sh": "model.model_id='qwen3_omni_moe'",
+    "qwen3vl/finetune_lora_qwen3vl_30B.sh": "lora_args",
+}
+# the pieces of the sources a twin reads: the examples, and the entry scripts that mark MindSpeed-MM's folder
+_MM_PIECES = ("examples/", "pretrain_vlm.py", "pretrain_transformers.py", "mindspeed_mm/fsdp/train/trainer.py")
+
+
+def _mm_root() -> Path:
+    """A MindSpeed-MM folder (its examples and entry scripts): $MINDSPEED_MM_HOME, else read out of the pinned
+    sources archive into a temporary folder, once."""
+    root = os.environ.get("MINDSPEED_MM_HOME")
+    if root and (Path(root) / "pretrain_vlm.py").is_file():
+        return Path(root)
+    if "root" not in _FROM_ARCHIVE:
+        import atexit
+        import tarfile
+        import tempfile
+
+        archive = Path(os.environ.get("MSF_SOURCES_ARCHIVE") or REPO.parent / "shared/third_party/"
+                       "mindspeed_mm_sources.tar.gz")
+        if not archive.is_file():
+            pytest.skip("MindSpeed-MM sources absent (set MINDSPEED_MM_HOME, or keep the pinned archive in "
+                        "../shared/third_party)")
+        out = Path(tempfile.mkdtemp(prefix="msf-mm-root-"))
+        atexit.register(shutil.rmtree, out, True)
+        with tarfile.open(archive) as tar:
+            for member in tar.getmembers():
+                rel = member.name.partition("/")[2]
+                if member.isfile() and member.name.startswith("MindSpeed-MM/") and \
+                        any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in _MM_PIECES):
+                    (out / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (out / rel).write_bytes(tar.extractfile(member).read())
+        _FROM_ARCHIVE["root"] = out
+    return _FROM_ARCHIVE["root"]
+
+
+def test_every_upstream_launch_script_gets_a_checked_twin_or_one_line_refusal(tmp_path: Path, capsys) -> None:
+    """MindSpeed-MM's own launch scripts, each as shipped: the twin of each training job the flow launcher accepts
+    (its command checked against the job's own model / data / CONFIG files, as the launcher checks it at start-up),
+    and for every other script one line saying why, with nothing written."""
+    root = _mm_root()
+    recipe = tmp_path / "flow.yaml"
+    recipe.write_text("parallel:\n  encoder: {dp: 4, tp: 1, pp: 1, cp: 1}\n  backbone: {dp: 4, tp: 1, pp: 1, cp: 1}\n")
+    scripts = sorted(p.relative_to(root / "examples").as_posix() for p in (root / "examples").rglob("*.sh"))
+    assert sorted(set(EXAMPLE_TWINS) | set(EXAMPLE_REFUSALS)) == scripts, "classify every shipped launch script"
+    wrong = []
+    for rel in scripts:
+        out = tmp_path / rel.replace("/", "_")
+        rc = launch_script.main([str(recipe), "--from", str(root / "examples" / rel), "--npus-per-node", "8",
+                                 "--mm-root", str(root), "--out", str(out)])
+        err = capsys.readouterr().err.strip()
+        if rel in EXAMPLE_TWINS:
+            entry = EXAMPLE_TWINS[rel]
+            launch = next((line for line in out.read_text().splitlines() if line.startswith("torchrun")), "") \
+                if out.exists() else ""
+            if rc != 0 or f'{ENTRY} {entry}' not in launch or "note:" in err:
+                wrong.append(f"{rel}: rc {rc}, launch {launch!r}, {err[-300:]!r}")
+        elif rc != 2 or out.exists() or len(err.splitlines()) != 1 or EXAMPLE_REFUSALS[rel] not in err:
+            wrong.append(f"{rel}: rc {rc}, written {out.exists()}, {err[-300:]!r}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_twin_is_refused_when_the_job_cannot_run_decoupled(tmp_path: Path, capsys) -> None:
+    """A twin whose command the launcher would refuse at start-up is refused here: the 8B example with a global
+    batch the LLM's data-parallel ranks cannot share (its CONFIG.yaml's 8 over 3 ranks)."""
+    root = _mm_root()
+    recipe = tmp_path / "flow.yaml"
+    recipe.write_text("parallel:\n  encoder: {dp: 1, tp: 1, pp: 1, cp: 1}\n  backbone: {dp: 3, tp: 1, pp: 1, cp: 1}\n")
+    out = tmp_path / "twin.sh"
+    rc = launch_script.main([str(recipe), "--from", str(root / "examples/qwen3vl/finetune_qwen3vl_8B.sh"),
+                             "--mm-root", str(root), "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and not out.exists(), err
+    assert "finetune_qwen3vl_8B.sh cannot run as a flow job" in err and "parallel.backbone.dp=3" in err, err
+
+
+def test_twin_without_the_mindspeed_mm_folder_says_what_was_not_checked(tmp_path: Path, capsys) -> None:
+    """A script copied away from MindSpeed-MM, with no MINDSPEED_MM_HOME: the twin is written and the note says the
+    job's own files were not checked (the launcher checks them at start-up)."""
+    user = tmp_path / "mine.sh"
+    user.write_text((_mm_root() / "examples/qwen3vl/finetune_qwen3vl_8B.sh").read_text())
+    recipe = tmp_path / "flow.yaml"
+    recipe.write_text("parallel:\n  encoder: {dp: 4, tp: 1, pp: 1, cp: 1}\n  backbone: {dp: 4, tp: 1, pp: 1, cp: 1}\n")
+    env = {k: v for k, v in os.environ.items() if k != "MINDSPEED_MM_HOME"}
+    run = subprocess.run([sys.executable, "-m", "mindspeed_flow.cli", "launch-script", str(recipe), "--from",
+                          str(user), "--out", str(tmp_path / "twin.sh")], cwd=tmp_path, env=env, capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stderr
+    assert "the job's own files were not checked (no MindSpeed-MM folder found: pass --mm-root)" in run.stderr
+    assert f"{ENTRY} pretrain_transformers.py" in (tmp_path / "twin.sh").read_text()

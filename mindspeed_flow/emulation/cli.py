@@ -24,13 +24,11 @@ command, or `bash SCRIPT.sh` with --shell) and starts nothing.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator
 
 from mindspeed_flow.emulation import log as emu_log
 from mindspeed_flow.emulation import modes, nodes, site_env
@@ -38,6 +36,7 @@ from mindspeed_flow.emulation.quickstart import print_command, run_setup
 from mindspeed_flow.emulation.sources import SourceError, Sources, check_commits, find_sources
 from mindspeed_flow.hosts.mindspeed_mm.entries import check_flow_entry
 from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError
+from mindspeed_flow.utils import working_dir
 from mindspeed_flow.utils.multiproc import free_port
 
 PATCH_LAUNCHER = "mindspeed_flow_patches.launch"
@@ -216,16 +215,6 @@ def _print_dry_run(root: Path, env: dict[str, str], cmd: list[str]) -> int:
     return 0
 
 
-@contextlib.contextmanager
-def _in_dir(path: Path) -> Iterator[None]:
-    old = os.getcwd()
-    os.chdir(path)
-    try:
-        yield
-    finally:
-        os.chdir(old)
-
-
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     script = list(args.script)
@@ -266,7 +255,7 @@ def main(argv: list[str]) -> int:
         # The same check every rank repeats at start-up, once here so a wrong recipe is one message, not one per
         # rank plus the launcher's traceback.
         try:
-            with _in_dir(sources.mindspeed_mm.root):
+            with working_dir(sources.mindspeed_mm.root):
                 check_flow_entry(args.flow_recipe, script[0], script[1:], args.nproc)
         except FlowRecipeError as err:
             print(f"mindspeed-flow emulate: {err}", file=sys.stderr)

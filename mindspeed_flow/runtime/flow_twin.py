@@ -1,15 +1,18 @@
 """The flow twin of a user's own MindSpeed-MM launch script (`mindspeed-flow launch-script FLOW.yaml --from X.sh`).
 
-The user's script (the shape of MindSpeed-MM's examples/qwen2.5vl/finetune_*.sh: variable assignments, flag strings,
-`torchrun $DISTRIBUTED_ARGS pretrain_vlm.py $GPT_ARGS ...`) is rewritten line by line; every line it has stays as
-it is unless the plan needs it changed:
+The user's script (the shape of MindSpeed-MM's examples: variable assignments, flag strings, one torchrun line such
+as `torchrun $DISTRIBUTED_ARGS pretrain_vlm.py $GPT_ARGS ...`, `torchrun $DISTRIBUTED_ARGS pretrain_transformers.py
+${config_path}` or `torchrun $DISTRIBUTED_ARGS mindspeed_mm/fsdp/train/trainer.py CONFIG.yaml`) is rewritten line by
+line; every line it has stays as it is unless the plan needs it changed:
 
-- the entry: `torchrun ... -m mindspeed_flow_patches.launch --flow-recipe "$FLOW_RECIPE" pretrain_vlm.py ...`;
+- the entry: `torchrun ... -m mindspeed_flow_patches.launch --flow-recipe "$FLOW_RECIPE" <its entry> ...`;
 - the launch variables (the ones DISTRIBUTED_ARGS passes as --nproc_per_node, --nnodes, --node_rank, --master_addr,
   --master_port) read the environment first, and ranks per node and nodes are the plan's;
-- the job's TP / PP / CP become the decoder part's where they differ, and the global batch is kept (the user's, or
-  the recipe's `trainer.global_batch_size` when it states one) by changing the gradient-accumulation variable, or
-  the global-batch one when no whole count gives it;
+- on the command-line entries (`pretrain_vlm.py`, GLM-4.5V's `pretrain_transformers.py --mm-model ...`), the job's
+  TP / PP / CP become the decoder part's where they differ, and the global batch is kept (the user's, or the
+  recipe's `trainer.global_batch_size` when it states one) by changing the gradient-accumulation variable, or the
+  global-batch one when no whole count gives it; a CONFIG.yaml entry keeps its sizes in that file, which the twin
+  does not edit (`job_command` gives the command the launcher will check);
 - each node tees its own log (`logs/train_<date>_node<rank>.log` where the script tees `logs/train_<date>.log`);
 - added: a header listing what the script reads from the environment (printed by `--help`), and before torchrun a
   block that checks the launch size against the recipe's ranks, that the recipe and the run / save / load folders
@@ -23,7 +26,9 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mindspeed_flow.hosts.mindspeed_mm.recipe import SUPPORTED_SCRIPTS
+from mindspeed_flow.hosts.mindspeed_mm import FLOW_ENTRY_SCRIPTS
+from mindspeed_flow.hosts.mindspeed_mm.entries import is_flow_entry
+from mindspeed_flow.hosts.mindspeed_mm.recipe import REFUSED_SCRIPTS
 from mindspeed_flow.runtime.shell_words import (ENV_DEFAULT, NAME, Expander, Statement, known, split_words, statements,
                                                 strip_comment)
 
@@ -72,6 +77,16 @@ class Twin:
     per_node: int
     changed: dict[str, tuple[str, str]] = field(default_factory=dict)  # variable or flag -> (old, new) raw values
     env_vars: dict[str, str] = field(default_factory=dict)  # variable -> what it is (the --help list)
+    launch_vars: dict[str, str] = field(default_factory=dict)  # role (nproc, nnodes, node_rank, ...) -> variable
+
+    def node_env(self, node_rank: int = 0) -> dict[str, str]:
+        """The environment node `node_rank` launches with (what `job_command` reads the script under)."""
+        v = self.launch_vars
+        env = {v[k]: str(val) for k, val in (("nproc", self.per_node), ("nnodes", self.nnodes),
+                                               ("node_rank", node_rank)) if k in v}
+        if "master_addr" in v:
+            env[v["master_addr"]] = "localhost"
+        return env
 
 
 @dataclass
@@ -80,6 +95,8 @@ class _Script:
     lines: list[str]
     stmts: list[Statement]
     launch: Statement  # the torchrun statement
+    entry: str = ""  # the entry script's word on the torchrun line, as written
+    config_file: bool = False  # the entry reads its sizes from a CONFIG.yaml (the word after it)
 
     def assignments(self, before: int | None = None) -> list[tuple[Statement, str, str]]:
         out = []
@@ -118,7 +135,7 @@ def _var_of(raw: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _parse(text: str, name: str) -> _Script:
+def _parse(text: str, name: str, twin: bool = False) -> _Script:
     stmts = statements(text)
     launch = None
     for s in stmts:
@@ -128,17 +145,25 @@ def _parse(text: str, name: str) -> _Script:
             launch = s
             break
     if launch is None:
-        raise TwinError(f"{name}: no torchrun line (the script must launch pretrain_vlm.py with torchrun)")
-    if "mindspeed_flow_patches.launch" in launch.text:
+        raise TwinError(f"{name}: no torchrun line (the script must launch one of {', '.join(FLOW_ENTRY_SCRIPTS)} "
+                        "with torchrun)")
+    if "mindspeed_flow_patches.launch" in launch.text and not twin:
         raise TwinError(f"{name}: its torchrun line already runs mindspeed_flow_patches.launch; give the unpatched "
                         "script (the one you run today)")
-    entry = [w for w in split_words(launch.text) if w.endswith(".py")]
-    if not entry:
+    words = split_words(launch.text)
+    at = next((i for i, w in enumerate(words) if w.endswith(".py")), None)
+    if at is None:
         raise TwinError(f"{name}: its torchrun line runs no .py entry script")
-
-    if Path(entry[0]).name not in SUPPORTED_SCRIPTS:
-        raise TwinError(f"{name}: entry {entry[0]}: a flow job runs MindSpeed-MM's {', '.join(SUPPORTED_SCRIPTS)}")
-    return _Script(name, text.split("\n"), stmts, launch)
+    entry = words[at]
+    if not is_flow_entry(entry):
+        why = next((why for tail, why in REFUSED_SCRIPTS.items() if entry.endswith(tail)), "not a training entry the "
+                   "flow job knows")
+        raise TwinError(f"{name}: entry {entry}: {why}; a flow job runs one of MindSpeed-MM's "
+                        f"{', '.join(FLOW_ENTRY_SCRIPTS)}")
+    script = _Script(name, text.split("\n"), stmts, launch, entry)
+    first_arg = _evaluate(script, {}, {}).word(words[at + 1]) if at + 1 < len(words) else ""
+    script.config_file = first_arg.endswith((".yaml", ".yml"))
+    return script
 
 
 def _evaluate(script: _Script, edits: dict[str, str], env: dict[str, str]) -> Expander:
@@ -228,11 +253,12 @@ def make_twin(text: str, name: str, plan: RecipeLaunch) -> Twin:
             edits[var] = _with_env(var, assigned[1], value) if assigned and _env_form(var, assigned[1]) else \
                 str(value)
 
-    _, tp, pp, cp = plan.backbone()
-    set_size(("--tensor-model-parallel-size",), tp, "1")
-    set_size(("--pipeline-model-parallel-size",), pp, "1")
-    set_size(("--context-parallel-size",), cp, "1")
-    _keep_global_batch(script, plan, edits, token_edits, changed, launch_var, per_node, nnodes)
+    if not script.config_file:  # a CONFIG.yaml entry's sizes are in that file (the launcher checks them)
+        _, tp, pp, cp = plan.backbone()
+        set_size(("--tensor-model-parallel-size",), tp, "1")
+        set_size(("--pipeline-model-parallel-size",), pp, "1")
+        set_size(("--context-parallel-size",), cp, "1")
+        _keep_global_batch(script, plan, edits, token_edits, changed, launch_var, per_node, nnodes)
     return _render(script, plan, edits, token_edits, changed, launch_var, per_node, nnodes)
 
 
@@ -338,11 +364,11 @@ def _render(script: _Script, plan: RecipeLaunch, edits: dict[str, str], token_ed
         for idx in range(stmt.start + 1, stmt.end):
             replaced[idx] = []
         changed["FLOW_RECIPE"] = (raw, f"${{FLOW_RECIPE:-{recipe_default}}}")
-    # the entry: the word ending in .py on its physical line
+    # the entry: its word on its physical line
     launch_lines = list(range(script.launch.start, script.launch.end))
     for idx in launch_lines:
         current = replaced.get(idx, [lines[idx]])
-        m = re.search(r"(^|\s)(\S*pretrain_vlm\.py)(\s|$)", current[0]) if current else None
+        m = re.search(rf"(^|\s)({re.escape(script.entry)})(\s|$)", current[0]) if current else None
         if m:
             replaced[idx] = [current[0][:m.start(2)] + ENTRY + " " + current[0][m.start(2):]]
             break
@@ -371,7 +397,7 @@ def _render(script: _Script, plan: RecipeLaunch, edits: dict[str, str], token_ed
     while at < len(out) and out[at].startswith("#") and not out[at].startswith(BLOCK_START):
         at += 1
     out = out[:at] + header + out[at:]
-    return Twin("\n".join(out), nnodes, per_node, changed, env_vars)
+    return Twin("\n".join(out), nnodes, per_node, changed, env_vars, dict(launch_var))
 
 
 def _per_node_log(script: _Script, lines: list[str], replaced: dict[int, list[str]],
@@ -481,3 +507,21 @@ def _header(name: str, plan: RecipeLaunch, env_vars: dict[str, str], nnodes: int
                     'case "${1:-}" in -h | --help) awk -v end="' + HEADER_END + '" \'/^# The flow twin/ { on = 1 } '
                     '$0 == end { exit } on { sub(/^# ?/, ""); print }\' "$0"; exit 0 ;; esac']
 
+
+
+def job_command(text: str, name: str, env: dict[str, str] | None = None) -> tuple[str, list[str]]:
+    """(entry script, its arguments) as the torchrun line of `text` would run them on node 0, read without running
+    anything (variables from `env` and the script's assignments; bash's word splitting of unquoted expansions; the
+    pipe and redirections dropped). A value only a command gives holds `shell_words.UNKNOWN`."""
+    script = _parse(text, name, twin=True)
+    ex = _evaluate(script, {}, dict(env or {}))
+    words: list[str] = []
+    for raw in split_words(script.launch.text):
+        if raw in ("|", "||", "&&", ";", "&") or raw.startswith("|"):
+            break
+        if re.fullmatch(r"\d*>>?&?\S*|<\S*", raw):
+            continue  # a redirection
+        value = ex.word(raw)
+        words += [value] if raw.startswith(("'", '"')) else value.split()
+    at = next(i for i, w in enumerate(words) if w.endswith(".py"))
+    return words[at], words[at + 1:]

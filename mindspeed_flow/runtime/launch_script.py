@@ -2,7 +2,8 @@
 
     mindspeed-flow launch-script RECIPE.yaml [--cluster a2|a3] [--job mm|train] [--npus-per-node N] [--out FILE]
     mindspeed-flow plan ... --out RECIPE.yaml --launch-script FILE [--cluster a2|a3] [--job mm|train]
-    mindspeed-flow launch-script RECIPE.yaml --from YOUR_SCRIPT.sh [--npus-per-node N | --cluster a2|a3] [--out FILE]
+    mindspeed-flow launch-script RECIPE.yaml --from YOUR_SCRIPT.sh [--npus-per-node N | --cluster a2|a3]
+        [--mm-root MINDSPEED_MM] [--out FILE]
 
 The script is `scripts/ascend/train_a2.sh` (Atlas 800T A2: 8 NPUs per node) or `train_a3.sh` (Atlas 900 A3
 SuperPoD: 16 devices per node, one per die) with its plan block filled in from the recipe (nodes, the parts in
@@ -15,16 +16,22 @@ recipe is checked first against what the chosen job supports, so a plan the job 
 here, with the field. Run the script with `--dry-run` to see every node's command.
 
 `--from YOUR_SCRIPT.sh` writes instead the flow twin of the MindSpeed-MM launch script you run today: your flags,
-model, data and paths kept, only the lines the plan needs changed (see `mindspeed_flow.runtime.flow_twin`).
+model, data and paths kept, only the lines the plan needs changed (see `mindspeed_flow.runtime.flow_twin`). Its
+entry may be any the flow job runs (`pretrain_vlm.py`, `pretrain_transformers.py`, `mindspeed_mm/fsdp/train/
+trainer.py`). The twin's command is then checked as the launcher will check it at start-up, against the job's own
+model / data / CONFIG files read from the MindSpeed-MM folder it runs in (`--mm-root`, else $MINDSPEED_MM_HOME, else
+the folder above the script that holds pretrain_vlm.py, else the current one): a job the flow launcher would refuse
+is refused here, with its one-line reason, before anything reaches the cluster.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import stat
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -32,8 +39,10 @@ from omegaconf import OmegaConf
 from mindspeed_flow.config.load import RecipeError, check_rules, compose, recipes_dir, to_job_config
 from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, _unsupported, load_flow_job
 from mindspeed_flow.resources import data_path
-from mindspeed_flow.runtime.flow_twin import RecipeLaunch, TwinError, make_twin
+from mindspeed_flow.runtime.flow_twin import RecipeLaunch, Twin, TwinError, job_command, make_twin
+from mindspeed_flow.runtime.shell_words import UNKNOWN
 from mindspeed_flow.step.layout import Layout, LayoutError
+from mindspeed_flow.utils import working_dir
 
 SCRIPTS_DIR = data_path("scripts/ascend")
 # script, devices per node the runtime sees (A3: each 910C package is two devices, one per die; MindSpeed-MM's
@@ -181,10 +190,57 @@ def _checked_layout(path: Path, cfg, job: str, global_batch: int | None = -1):
     return layout
 
 
+@dataclass
+class CheckedTwin:
+    """A flow twin and what checking its command against the job found."""
+    twin: Twin
+    mm_root: Path | None  # where the job's files were read (None: not found, not checked)
+    notes: list[str] = field(default_factory=list)
+
+
+def mm_root_of(user_script: Path, given: str | Path | None = None) -> Path | None:
+    """The MindSpeed-MM folder the script runs in: `given`, else $MINDSPEED_MM_HOME, else the nearest folder above
+    the script holding pretrain_vlm.py, else the current folder when it holds it."""
+    if given is not None:
+        root = Path(given).expanduser().resolve()
+        if not (root / "pretrain_vlm.py").is_file():
+            raise LaunchScriptError(f"--mm-root {given}: no pretrain_vlm.py there (give MindSpeed-MM's own folder)")
+        return root
+    candidates = [Path(os.environ["MINDSPEED_MM_HOME"])] if os.environ.get("MINDSPEED_MM_HOME") else []
+    candidates += list(user_script.resolve().parents) + [Path.cwd()]
+    return next((c.resolve() for c in candidates if (c / "pretrain_vlm.py").is_file()), None)
+
+
+def check_twin_job(recipe: Path, twin: Twin, name: str, mm_root: Path | None) -> list[str]:
+    """Check the twin's own command as the flow launcher checks it at start-up; returns notes on what could not be
+    checked (raises LaunchScriptError with the launcher's one-line reason)."""
+    from mindspeed_flow.hosts.mindspeed_mm.entries import check_flow_entry  # lazy: may import torch
+
+    if mm_root is None:
+        return [f"{name}: the job's own files were not checked (no MindSpeed-MM folder found: pass --mm-root); the "
+                "flow launcher checks them at start-up"]
+    # node 0's command, with the caller's environment (the variables the script reads from it) under the launch
+    # variables the twin sets
+    entry, args = job_command(twin.text, name, {**os.environ, **twin.node_env()})
+    unknown = [a for a in args if UNKNOWN in a]
+    if unknown or UNKNOWN in entry:
+        return [f"{name}: the job was not checked: {len(unknown) or 1} of its arguments come from a command the "
+                "script runs; the flow launcher checks them at start-up"]
+    try:
+        with working_dir(mm_root):  # the job's ./examples/... paths
+            check_flow_entry(recipe, str(mm_root / entry), args, twin.nnodes * twin.per_node)
+    except FlowRecipeError as err:
+        raise LaunchScriptError(f"{name} cannot run as a flow job (read in {mm_root}): {err}") from None
+    return []
+
+
 def twin_of_script(recipe: str | Path, user_script: str | Path, cluster: str | None = None,
-                   npus_per_node: int | None = None):
-    """The flow twin (`flow_twin.Twin`) of the user's MindSpeed-MM launch script for a flow recipe."""
+                   npus_per_node: int | None = None, mm_root: str | Path | None = None) -> CheckedTwin:
+    """The flow twin of the user's MindSpeed-MM launch script for a flow recipe, its command checked against the
+    job's own files (`mm_root_of`)."""
     path = Path(recipe).expanduser().resolve()
+    user = Path(user_script)
+    root = mm_root_of(user, mm_root)
     cfg, preset = _mm_recipe(path)
     raw = OmegaConf.load(str(path))
     stated_batch = OmegaConf.select(raw, "trainer.global_batch_size")
@@ -196,11 +252,11 @@ def twin_of_script(recipe: str | Path, user_script: str | Path, cluster: str | N
     plan = RecipeLaunch(path, tuple((p.name, p.dp, p.tp, p.pp, p.cp) for p in layout.parts),
                         None if stated_batch is None else int(stated_batch),
                         None if stated_run_dir is None else str(stated_run_dir), per_node)
-    user = Path(user_script)
     try:
-        return make_twin(user.read_text(), user.name, plan)
+        twin = make_twin(user.read_text(), user.name, plan)
     except TwinError as err:
         raise LaunchScriptError(str(err)) from None
+    return CheckedTwin(twin, root, check_twin_job(path, twin, user.name, root))
 
 
 def _preset_devices_per_node(preset: str | None) -> int | None:
@@ -267,6 +323,10 @@ def main(argv: list[str]) -> int:
                    help="write the flow twin of this MindSpeed-MM launch script (the one you run today) instead of "
                         "a stock script: its flags, model, data and paths kept, the entry, launch size and parallel "
                         "sizes the recipe needs changed")
+    p.add_argument("--mm-root", default=None, metavar="MINDSPEED_MM",
+                   help="with --from: the MindSpeed-MM folder the script runs in, where the twin's command is checked "
+                        "against the job's own files (default: $MINDSPEED_MM_HOME, else the folder above the script "
+                        "holding pretrain_vlm.py, else the current one)")
     add_arguments(p)
     args = p.parse_args(argv)
     if args.user_script:
@@ -291,7 +351,10 @@ def _main_twin(args: argparse.Namespace) -> int:
     try:
         if args.job != "mm":
             raise LaunchScriptError("--from writes the flow twin of a MindSpeed-MM script (--job mm)")
-        twin = twin_of_script(args.recipe, args.user_script, args.cluster, args.npus_per_node)
+        checked = twin_of_script(args.recipe, args.user_script, args.cluster, args.npus_per_node, args.mm_root)
+        twin = checked.twin
+        for note in checked.notes:
+            print(f"mindspeed-flow launch-script: note: {note}", file=sys.stderr)
         if not args.out:
             sys.stdout.write(twin.text)
             return 0

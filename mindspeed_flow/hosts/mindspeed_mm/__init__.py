@@ -22,3 +22,5 @@ nothing here imports mindspeed, mindspeed_mm or megatron at module top.
 FSDP2_TRAINER_SCRIPT = "mindspeed_mm/fsdp/train/trainer.py"
 # MindSpeed-MM's Megatron loop over an HF-style model sharded by torch FSDP2 (transformers_entry.py).
 TRANSFORMERS_SCRIPT = "pretrain_transformers.py"
+# Every entry a flow job runs: the Megatron VLM path first, then the two FSDP2 paths.
+FLOW_ENTRY_SCRIPTS = ("pretrain_vlm.py", TRANSFORMERS_SCRIPT, FSDP2_TRAINER_SCRIPT)

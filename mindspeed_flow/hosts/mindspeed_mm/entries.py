@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mindspeed_flow.hosts.mindspeed_mm import FSDP2_TRAINER_SCRIPT, TRANSFORMERS_SCRIPT
-from mindspeed_flow.hosts.mindspeed_mm.recipe import parts_for_job
+from mindspeed_flow.hosts.mindspeed_mm.recipe import SUPPORTED_SCRIPTS, parts_for_job
 
 
 def is_fsdp2_trainer(script: str) -> bool:
@@ -20,6 +20,11 @@ def is_fsdp2_trainer(script: str) -> bool:
 
 def is_transformers_entry(script: str) -> bool:
     return Path(script).name == TRANSFORMERS_SCRIPT
+
+
+def is_flow_entry(script: str) -> bool:
+    """Whether `script` is an entry a flow job runs (whatever its job then turns out to hold)."""
+    return is_fsdp2_trainer(script) or is_transformers_entry(script) or Path(script).name in SUPPORTED_SCRIPTS
 
 
 def check_flow_entry(recipe_path: str | Path, script: str, argv: list[str], world_size: int) -> object:

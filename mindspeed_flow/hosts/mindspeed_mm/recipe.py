@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mindspeed_flow.config.schema import FlowJobConfig, PackingConfig
-from mindspeed_flow.hosts.mindspeed_mm import checkpoint
+from mindspeed_flow.hosts.mindspeed_mm import FLOW_ENTRY_SCRIPTS, checkpoint
 from mindspeed_flow.step.layout import BACKBONE, ENCODER, Layout, PartLayout
 
 # The MindSpeed-MM modules each part builds (`model_provider(modules=...)`); an audio encoder would be a third part.
@@ -63,6 +63,10 @@ MODEL_IDS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
 SUPPORTED_SCRIPTS = ("pretrain_vlm.py",)
 REFUSED_SCRIPTS = {
     "pretrain_omni.py": "Qwen2.5-Omni's audio encoder would be a third part; the torch host trains it decoupled",
+    "evaluate_vlm.py": "evaluation, not training: run it unpatched (a flow checkpoint first goes through "
+                       "`mindspeed-flow convert-checkpoint --to coupled`)",
+    "inference_vlm.py": "inference, not training: run it unpatched",
+    "mcore/models/qwen3_5/pretrain_qwen3_5.py": "Qwen3.5 on MindSpeed-MM's mcore path is not a flow entry yet",
 }
 SUPPORTED_SAMPLERS = ("BaseRandomBatchSampler",)
 
@@ -386,8 +390,8 @@ def check_job_flags(argv: list[str], script: Optional[str] = None) -> None:
         path = Path(script).as_posix()
         why = next((why for tail, why in REFUSED_SCRIPTS.items() if path.endswith(tail)),
                    "not an entry script the flow host knows")
-        raise FlowRecipeError(f"{name}: {why}; a flow job runs MindSpeed-MM's Megatron VLM entry "
-                              f"({', '.join(SUPPORTED_SCRIPTS)})")
+        raise FlowRecipeError(f"{name}: {why}; a flow job runs one of MindSpeed-MM's "
+                              f"{', '.join(FLOW_ENTRY_SCRIPTS)}")
     cp = int(argv_value(argv, "--context-parallel-size", "1") or 1)
     if cp > 1:
         raise FlowRecipeError(f"--context-parallel-size {cp}: flow parts run without context parallelism; set 1 "
