@@ -231,6 +231,8 @@ class SftEdits:
     clip_grad: float = 0.0
     # `load`: the HF folder (the bridge loads its weights), or a job's save folder to continue from.
     load_dir: Optional[Path] = None
+    # The samples hold videos too: the example's `videos: null` becomes `videos: videos`.
+    videos: bool = False
 
 
 def _train_vision(example: str, source: str) -> str:
@@ -266,29 +268,35 @@ def sft_config_text(example: str, edits: SftEdits, source: str = SFT_EXAMPLE_YAM
         ("pin_memory", "false"),
         ("clip_grad", str(edits.clip_grad)),
     ]
+    if edits.videos:
+        subs.append(("videos", "videos"))
     for key, value in subs:
         example = _substitute(example, key, value, 1, source=source)
     return _train_vision(example, source) if edits.train_vision else example
 
 
 def prepare_sft_workdir(workdir: str | Path, mm_root: Path, *, moe: bool = False, n_samples: int = 14,
-                        images_per_sample: tuple[int, ...] = (1,), config_name: str = "sft.yaml",
-                        **edit_kwargs: Any) -> dict[str, Path]:
-    """HF dir (tiny Qwen3-VL, dense or MoE, with seeded weights and no text pad token), samples and a fresh
-    CONFIG.yaml for `pretrain_transformers.py`, from MindSpeed-MM's `qwen3vl_full_sft_8B.yaml` (dense) or
-    `qwen3vl_full_sft_30B.yaml` (MoE) under `mm_root`."""
+                        images_per_sample: tuple[int, ...] = (1,), videos_per_sample: tuple[int, ...] = (0,),
+                        config_name: str = "sft.yaml", **edit_kwargs: Any) -> dict[str, Path]:
+    """HF dir (tiny Qwen3-VL, dense or MoE, with seeded weights and no text pad token), samples (sample i with
+    `images_per_sample[i % len]` images and `videos_per_sample[i % len]` videos) and a fresh CONFIG.yaml for
+    `pretrain_transformers.py`, from MindSpeed-MM's `qwen3vl_full_sft_8B.yaml` (dense) or `qwen3vl_full_sft_30B.yaml`
+    (MoE) under `mm_root`."""
     workdir = Path(workdir).resolve()
     hf_dir = workdir / ("hf_sft_moe" if moe else "hf_sft")
     if not (hf_dir / "config.json").exists():
         build_hf_dir(hf_dir, moe=moe, pad_token=False)
     if not (hf_dir / "model.safetensors").exists():
         write_weights(hf_dir, moe=moe)
-    data_dir = workdir / ("data_sft_" + "".join(map(str, images_per_sample)))
+    videos = any(videos_per_sample)
+    data_dir = workdir / ("data_sft_" + "".join(map(str, images_per_sample)) +
+                          ("_v" + "".join(map(str, videos_per_sample)) if videos else ""))
     samples = data_dir / "samples.json"
     if not samples.exists() or len(json.loads(samples.read_text())) != n_samples:
-        tiny.write_samples(data_dir, n_samples, images_per_sample=images_per_sample)
+        tiny.write_samples(data_dir, n_samples, images_per_sample=images_per_sample,
+                           videos_per_sample=videos_per_sample)
     edits = SftEdits(hf_dir=hf_dir, data_dir=data_dir, cache_dir=workdir / data_dir.name.replace("data", "cache", 1),
-                     max_samples=n_samples, **edit_kwargs)
+                     max_samples=n_samples, videos=videos, **edit_kwargs)
     source = SFT_MOE_EXAMPLE_YAML if moe else SFT_EXAMPLE_YAML
     example = (mm_root / source).read_text(encoding="utf-8")
     config = workdir / config_name

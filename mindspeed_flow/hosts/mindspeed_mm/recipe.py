@@ -208,7 +208,7 @@ def support_table() -> str:
                              "in any mix per sample); `pretrain_transformers.py` (Megatron's loop over MindSpeed's torch "
                              "FSDP2, each part its own FSDP2 shards, DCP checkpoints interchangeable with the unpatched "
                              "job's): `CONFIG.yaml` with `model_id: qwen3_vl` / `qwen3_vl_moe` (the example's frozen "
-                             "tower or a trained one), or the arguments on the command line with `--mm-model` "
+                             "tower or a trained one; images and videos in any mix per sample), or the arguments on the command line with `--mm-model` "
                              "`model_id: glm4v_moe` (GLM-4.5V: per-token loss, MoE LLM, images)",
              ids(REFUSED_SCRIPTS))]
     rows += [(names[field], ids(ok), ids(refused) or "anything else") for field, (ok, refused) in MODEL_IDS.items()]
