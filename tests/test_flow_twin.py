@@ -428,3 +428,25 @@ def test_twin_without_the_mindspeed_mm_folder_says_what_was_not_checked(tmp_path
     assert run.returncode == 0, run.stderr
     assert "the job's own files were not checked (no MindSpeed-MM folder found: pass --mm-root)" in run.stderr
     assert f"{ENTRY} pretrain_transformers.py" in (tmp_path / "twin.sh").read_text()
+
+
+def test_twin_takes_what_each_entry_checks(tmp_path: Path, capsys) -> None:
+    """A coupled plan (what `plan` writes when a coupled baseline wins) has no twin: one line, not a traceback. The
+    Megatron flow host's own recipe rules (here packing.pad_multiple) refuse its entry's twin, while an FSDP2 entry,
+    which packs nothing, gets its twin under the same recipe."""
+    root = _mm_root()
+    parts = "parallel:\n  encoder: {dp: 4, tp: 1, pp: 1, cp: 1}\n  backbone: {dp: 4, tp: 1, pp: 1, cp: 1}\n"
+    for text, user, rc, words in (
+            ("flow:\n  mode: coupled\n" + parts + "  coupled: {pp: 1}\n", "qwen3vl/finetune_qwen3vl_8B.sh", 2,
+             "flow.mode='coupled': a coupled plan is the unpatched job itself"),
+            (parts + "packing:\n  pad_multiple: 8\n", "qwen2.5vl/finetune_qwen2_5_vl_7b.sh", 2,
+             "packing.pad_multiple=8"),
+            (parts + "packing:\n  pad_multiple: 8\n", "qwen3vl/finetune_qwen3vl_8B.sh", 0, "flow twin of")):
+        recipe = tmp_path / "flow.yaml"
+        recipe.write_text(text)
+        out = tmp_path / "twin.sh"
+        out.unlink(missing_ok=True)
+        got = launch_script.main([str(recipe), "--from", str(root / "examples" / user), "--mm-root", str(root),
+                                  "--npus-per-node", "8", "--out", str(out)])
+        err = capsys.readouterr().err.strip()
+        assert got == rc and words in err and len(err.splitlines()) == 1 and out.exists() == (rc == 0), (user, err)

@@ -509,6 +509,11 @@ def _header(name: str, plan: RecipeLaunch, env_vars: dict[str, str], nnodes: int
 
 
 
+def entry_of(text: str, name: str) -> str:
+    """The entry script the user's launch script runs (TwinError when it is none a flow job runs)."""
+    return _parse(text, name).entry
+
+
 def job_command(text: str, name: str, env: dict[str, str] | None = None) -> tuple[str, list[str]]:
     """(entry script, its arguments) as the torchrun line of `text` would run them on node 0, read without running
     anything (variables from `env` and the script's assignments; bash's word splitting of unquoted expansions; the

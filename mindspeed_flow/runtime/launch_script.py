@@ -37,9 +37,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from mindspeed_flow.config.load import RecipeError, check_rules, compose, recipes_dir, to_job_config
-from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError, _unsupported, load_flow_job
+from mindspeed_flow.hosts.mindspeed_mm.recipe import SUPPORTED_SCRIPTS, FlowRecipeError, _unsupported, load_flow_job
 from mindspeed_flow.resources import data_path
-from mindspeed_flow.runtime.flow_twin import RecipeLaunch, Twin, TwinError, job_command, make_twin
+from mindspeed_flow.runtime.flow_twin import RecipeLaunch, Twin, TwinError, entry_of, job_command, make_twin
 from mindspeed_flow.runtime.shell_words import UNKNOWN
 from mindspeed_flow.step.layout import Layout, LayoutError
 from mindspeed_flow.utils import working_dir
@@ -164,7 +164,7 @@ def _mm_recipe(path: Path):
 
 def _checked_layout(path: Path, cfg, job: str, global_batch: int | None = -1):
     """The recipe's layout, checked as the launcher checks it before any rank starts (and, for mm, what the
-    MindSpeed-MM flow host supports)."""
+    MindSpeed-MM flow host on `pretrain_vlm.py` supports; `fsdp2`: an FSDP2 entry, whose own check decides the rest)."""
     if job == "mm" and cfg.flow.mode == "coupled":
         # the unpatched MindSpeed-MM job: Megatron's own TP / CP / PP over every rank (no flow launcher)
         try:
@@ -240,12 +240,22 @@ def twin_of_script(recipe: str | Path, user_script: str | Path, cluster: str | N
     job's own files (`mm_root_of`)."""
     path = Path(recipe).expanduser().resolve()
     user = Path(user_script)
+    text = user.read_text()
     root = mm_root_of(user, mm_root)
     cfg, preset = _mm_recipe(path)
     raw = OmegaConf.load(str(path))
     stated_batch = OmegaConf.select(raw, "trainer.global_batch_size")
-    # a batch the recipe does not state is the user's script's, checked against the parts by the twin
-    layout = _checked_layout(path, cfg, "mm", None if stated_batch is None else int(stated_batch))
+    try:
+        megatron_entry = Path(entry_of(text, user.name)).name in SUPPORTED_SCRIPTS
+    except TwinError as err:
+        raise LaunchScriptError(str(err)) from None
+    if cfg.flow.mode != "decoupled":
+        raise LaunchScriptError(f"{path.name}: flow.mode={cfg.flow.mode!r}: a coupled plan is the unpatched job "
+                                "itself; run your script as it is (its twin launches decoupled parts)")
+    # a batch the recipe does not state is the user's script's, checked against the parts by the twin; the
+    # Megatron flow host's own rules apply to its entry only (an FSDP2 entry's check is its own)
+    layout = _checked_layout(path, cfg, "mm" if megatron_entry else "fsdp2",
+                             None if stated_batch is None else int(stated_batch))
     per_node = npus_per_node or (CLUSTERS[cluster][1] if cluster else None) or \
         (CLUSTERS[PRESET_CLUSTERS[preset]][1] if preset in PRESET_CLUSTERS else None)
     stated_run_dir = OmegaConf.select(raw, "run_dir")
@@ -253,7 +263,7 @@ def twin_of_script(recipe: str | Path, user_script: str | Path, cluster: str | N
                         None if stated_batch is None else int(stated_batch),
                         None if stated_run_dir is None else str(stated_run_dir), per_node)
     try:
-        twin = make_twin(user.read_text(), user.name, plan)
+        twin = make_twin(text, user.name, plan)
     except TwinError as err:
         raise LaunchScriptError(str(err)) from None
     return CheckedTwin(twin, root, check_twin_job(path, twin, user.name, root))
