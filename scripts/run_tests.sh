@@ -7,4 +7,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 source scripts/torch_flavour.sh
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec "$VENV/bin/python" -m pytest -q "$@"
+# Two test files at once (pytest-xdist; a file's tests stay in one worker): most tests wait on their forked ranks,
+# gloo and process start-up as much as they compute. MSF_TEST_WORKERS=0 runs one test at a time.
+exec "$VENV/bin/python" -m pytest -q -n "${MSF_TEST_WORKERS:-2}" --dist loadfile "$@"

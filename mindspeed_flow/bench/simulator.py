@@ -883,11 +883,14 @@ def table(report: dict[str, Any], args: Any = None) -> str:
            f"{'err %':>7} {'bubbles':>7} {'job CPU s':>9} {'charged':>8} {'quiet steps':>11} {'others':>6}"
            + (f" {'probe s':>8} {'err %':>7}" if probe else "")]
     for r in report["rows"]:
+        # other jobs' runnable threads: NaN for a step no 0.1 s scan fell inside (a short step), so none may be known
+        seen = [x for xs in r["other_threads_per_step"] for x in xs if math.isfinite(x)]
+        others = f"{statistics.mean(seen):>6.2f}" if seen else f"{'n/a':>6}"
         line = (f"  {r['layout']:<22} {r['world']:>5} {r['measured_s']:>10.3f} {r['simulated_s']:>11.3f} "
                 f"{100 * r['sim_error']:>+7.1f} {r['analytic_s']:>10.3f} {100 * r['analytic_error']:>+7.1f} "
                 f"{r['bubble_fraction']:>7.2f} {r['job_cpu_per_step_s']:>9.3f} {r['charged_cpu_per_step_s']:>8.3f} "
                 f"{(str(len(r['steps'])) + '/' + str(len(r['other_threads_per_step']))) if r['quiet'] else 'none':>11} "
-                f"{statistics.mean(x for xs in r['other_threads_per_step'] for x in xs if math.isfinite(x)):>6.2f}")
+                f"{others}")
         if probe:
             line += f" {r['probe_s']:>8.3f} {100 * (r['probe_s'] / r['measured_s'] - 1):>+7.1f}"
         out.append(line)
