@@ -20,6 +20,12 @@ if [ -z "${MINDSPEED_MM_HOME:-}" ] && [ -f "$archive" ]; then
   echo "MindSpeed-MM sources unpacked from $archive into $src"
 fi
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# Bytecode compiled once: every rank of every job imports Megatron, MindSpeed, MindSpeed-MM and this package from
+# source, and with PYTHONDONTWRITEBYTECODE set (as on CI) each would compile ~2,000 modules again. compileall writes
+# the .pyc files whatever that variable says; an edited source is still recompiled in memory (mtime check).
+compile_once() { "$VENV/bin/python" -m compileall -q -j 0 "$@" >/dev/null 2>&1 || true; }
+compile_once mindspeed_flow patches ${MEGATRON_HOME:+"$MEGATRON_HOME/megatron"} \
+  ${MINDSPEED_HOME:+"$MINDSPEED_HOME/mindspeed"} ${MINDSPEED_MM_HOME:+"$MINDSPEED_MM_HOME"}
 # Megatron builds its C++ dataset helper into its own tree when a job starts (rank 0 runs `make` there, with the
 # interpreter first on PATH, as `mindspeed-flow emulate` sets it): built once here, two jobs never run `make` in the
 # same folder at once.

@@ -72,9 +72,9 @@ def rel(a: list[float], b: list[float]) -> list[float]:
     return [abs(x - y) / abs(y) for x, y in zip(a, b)]
 
 
-def assert_flow_matches(flow: Any, base: Any, what: str, iters: int, first: int = 1) -> None:
-    """Per-token losses within 5e-3 at the first iteration and 2e-2 at every one, gradient norms within 1e-2 (one
-    norm over both parts); every torch_npu name asked for exists."""
+def assert_flow_matches(flow: Any, base: Any, what: str, iters: int, first: int = 1, norm_tol: float = 1e-2) -> None:
+    """Per-token losses within 5e-3 at the first iteration and 2e-2 at every one, gradient norms within `norm_tol`
+    (one norm over both parts); every torch_npu name asked for exists."""
     from mindspeed_flow.emulation.jobs import parse_grad_norms
 
     flow.assert_trained(iters, first)
@@ -85,7 +85,7 @@ def assert_flow_matches(flow: Any, base: Any, what: str, iters: int, first: int 
     print(f"{what}: flow {flow.losses}\n{what}: unpatched {base.losses}\n{what}: largest relative difference: "
           f"loss {max(loss_rel):.1e}, grad norm {max(norm_rel):.1e}")
     assert loss_rel[0] <= 5e-3 and max(loss_rel) <= 2e-2, (loss_rel, flow.losses, base.losses)
-    assert len(norms[0]) == len(norms[1]) == iters and max(norm_rel) <= 1e-2, norms
+    assert len(norms[0]) == len(norms[1]) == iters and max(norm_rel) <= norm_tol, norms
     assert not flow.log.get("MISSING"), flow.log.get("MISSING")
 
 
