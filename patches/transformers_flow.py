@@ -6,13 +6,14 @@ The Megatron side is the Megatron flow patch's (`mindspeed_flow_patches.flow`): 
 (`get_grad_norm_fp32`); those wrappers are reused as they are. What this entry adds: MindSpeed-MM's `pretrain`
 gets the flow providers (`mindspeed_flow.hosts.mindspeed_mm.transformers_entry.TransformersHost`), encoder ranks get
 their own step from `get_forward_backward_func`, and Qwen3-VL's `get_image_features` answers from the received rows
-(and GLM-4.5V's) on backbone ranks. Every entry of `REGISTRY` names a real function at the pinned commits (checked by
+(and GLM-4.5V's `get_image_features` and `get_video_features`) on backbone ranks. Every entry of `REGISTRY` names a real function at the pinned commits (checked by
 `tests/test_patch_registry.py`), each wrapper keeps and calls the original, and all are inert without a flow context.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from typing import Any, Callable, Iterator
 
 import torch
@@ -50,15 +51,34 @@ def get_forward_backward_func_wrapper(get_fbf: Callable) -> Callable:
     return wrapped
 
 
-def get_image_features_wrapper(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def get_image_features(self: Any, pixel_values: Any, image_grid_thw: Any = None) -> Any:
-        host = transformers_entry.current()
-        if host is None or host.ctx.is_encoder:
-            return original(self, pixel_values, image_grid_thw)
-        return host.rows.image_features(image_grid_thw)
+def _features_from_rows(embeddings_only: bool) -> Callable[[Callable], Callable]:
+    """A wrapper of a model's `get_image_features` / `get_video_features`: backbone ranks answer from the rows the
+    encoder ranks sent (per-item embeddings, and the deepstack maps unless `embeddings_only`), other ranks and jobs
+    call the original."""
 
-    return get_image_features
+    def wrapper(original: Callable) -> Callable:
+        signature = inspect.signature(original)
+        grid_name = list(signature.parameters)[2]  # (self, pixel_values[_videos], image/video_grid_thw)
+
+        @functools.wraps(original)
+        def features(*args: Any, **kwargs: Any) -> Any:
+            host = transformers_entry.current()
+            if host is None or host.ctx.is_encoder:
+                return original(*args, **kwargs)
+            embeds, deepstack = host.rows.image_features(signature.bind(*args, **kwargs).arguments.get(grid_name))
+            return embeds if embeddings_only else (embeds, deepstack)
+
+        return features
+
+    return wrapper
+
+
+# Qwen3-VL: embeddings and deepstack maps (its `get_video_features` calls this one).
+get_image_features_wrapper = _features_from_rows(embeddings_only=False)
+# GLM-4.5V: the merged embeddings alone; its videos' rows come from the tower run on their frames as images
+# (`Fsdp2Parts.frames_as_images`, as its `get_video_features` runs it).
+glm_image_features_wrapper = _features_from_rows(embeddings_only=True)
+glm_video_features_wrapper = _features_from_rows(embeddings_only=True)
 
 
 def cal_gradient_accumulation_size_wrapper(original: Callable) -> Callable:
@@ -108,18 +128,6 @@ def build_loss_ctx_wrapper(original: Callable) -> Callable:
     return build_loss_ctx
 
 
-def glm_image_features_wrapper(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def get_image_features(self: Any, pixel_values: Any, image_grid_thw: Any = None) -> Any:
-        host = transformers_entry.current()
-        if host is None or host.ctx.is_encoder:
-            return original(self, pixel_values, image_grid_thw)
-        embeds, _ = host.rows.image_features(image_grid_thw)  # GLM-4.5V's rows carry the embedding only
-        return embeds
-
-    return get_image_features
-
-
 REGISTRY: tuple[PatchTarget, ...] = (
     PatchTarget("megatron.training.arguments.validate_args",
                 "each rank's args describe its own part (world size, so the data-parallel size and the FSDP2 "
@@ -152,6 +160,9 @@ REGISTRY: tuple[PatchTarget, ...] = (
     PatchTarget(f"{_GLM4V_MOE}.Glm4vMoeModel.get_image_features",
                 "backbone ranks answer from the received rows (GLM-4.5V: the merged embeddings)",
                 ("self", "pixel_values", "image_grid_thw")),
+    PatchTarget(f"{_GLM4V_MOE}.Glm4vMoeModel.get_video_features",
+                "backbone ranks answer from the received rows (GLM-4.5V's videos: the tower ran on their frames)",
+                ("self", "pixel_values_videos", "video_grid_thw")),
 )
 
 _WRAPPERS: dict[str, Callable] = {
@@ -165,6 +176,7 @@ _WRAPPERS: dict[str, Callable] = {
     "mindspeed_mm.data.data_utils.utils.cal_gradient_accumulation_size": cal_gradient_accumulation_size_wrapper,
     "mindspeed_mm.models.transformers_model.TransformersModel.build_loss_ctx": build_loss_ctx_wrapper,
     f"{_GLM4V_MOE}.Glm4vMoeModel.get_image_features": glm_image_features_wrapper,
+    f"{_GLM4V_MOE}.Glm4vMoeModel.get_video_features": glm_video_features_wrapper,
 }
 assert set(_WRAPPERS) == {t.target for t in REGISTRY}
 

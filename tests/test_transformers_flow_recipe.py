@@ -133,14 +133,29 @@ def test_command_line_form_of_the_glm45v_example(tmp_path: Path) -> None:
     # runs the tower with gradients: the encoder part's values decide whether it trains, not the freeze flags.
     assert parts.flow.encoder_trainable
     assert parts.exchange.vision_module == "model.model.visual"
+    # GLM-4.5V's tower takes a video's frames as images (its `get_video_features` flattens the grid so).
+    assert parts.exchange.frames_as_images
+    videos = transformers_entry.transformers_parts_for_job(recipe, _glm_argv(tmp_path, videos='"videos"'), 3)
+    assert videos.exchange.frames_as_images
+
+
+def test_glm_video_grid_becomes_one_image_grid_per_frame() -> None:
+    import torch
+
+    from mindspeed_flow.hosts.mindspeed_mm.fsdp2 import frames_as_images
+
+    grid = torch.tensor([[1, 4, 6], [3, 2, 4], [2, 8, 2]])
+    frames = frames_as_images(grid)
+    assert frames.tolist() == [[1, 4, 6], [1, 2, 4], [1, 2, 4], [1, 2, 4], [1, 8, 2], [1, 8, 2]]
+    assert int(frames.prod(-1).sum()) == int(grid.prod(-1).sum())  # the same patches, so the same rows
+    assert grid.tolist()[1] == [3, 2, 4]  # the caller's grid is left as it was
 
 
 @pytest.mark.parametrize("kw, words", [
     (dict(extra=("--tensor-model-parallel-size", "2")), "--tensor-model-parallel-size=2"),
     (dict(loss_type="square_loss"), "loss_cfg.loss_type='square_loss'"),
-    (dict(videos='"videos"'), "dataset_param.attr.videos='videos'"),
     (dict(extra=("--lora-target-modules", "q_proj")), "--lora-* arguments"),
-], ids=["tp", "loss", "videos", "lora"])
+], ids=["tp", "loss", "lora"])
 def test_bad_command_line_job_is_one_error_naming_the_field(tmp_path: Path, kw: dict, words: str) -> None:
     recipe, _ = _files(tmp_path)
     with pytest.raises(FlowRecipeError) as err:

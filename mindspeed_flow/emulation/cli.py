@@ -36,8 +36,7 @@ from mindspeed_flow.emulation.quickstart import print_command, run_setup
 from mindspeed_flow.emulation.sources import SourceError, Sources, check_commits, find_sources
 from mindspeed_flow.hosts.mindspeed_mm.entries import check_flow_entry
 from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowRecipeError
-from mindspeed_flow.utils import working_dir
-from mindspeed_flow.utils.multiproc import free_port
+from mindspeed_flow.utils import free_port, working_dir
 
 PATCH_LAUNCHER = "mindspeed_flow_patches.launch"
 # Megatron / MindSpeed-MM flags whose value is a path the job reads (resolved against the caller's folder when it

@@ -109,6 +109,8 @@ class GlmJob:
     clip_grad: float = 0.0
     lr: float = 1e-3
     train_vision: bool = False
+    # The samples hold videos too: the example's `"videos": null` becomes `"videos": "videos"`.
+    videos: bool = False
     load_dir: Optional[Path] = None
     extra: list[str] = field(default_factory=list)
 
@@ -140,6 +142,8 @@ def data_json(example: dict[str, Any], job: GlmJob) -> dict[str, Any]:
     basic.update(dataset_dir=str(job.data_dir), dataset=str(job.data_dir / "samples.json"),
                  cache_dir=str(job.cache_dir), preprocessing_num_workers=1, max_samples=job.max_samples)
     out["dataloader_param"]["pin_memory"] = False
+    if job.videos:
+        out["dataset_param"]["attr"]["videos"] = "videos"
     return out
 
 
@@ -196,8 +200,8 @@ def launch_args(script_text: str, job: GlmJob, model: Path, data: Path, fsdp2: P
 
 
 def prepare_glm_workdir(workdir: str | Path, mm_root: Path, *, n_samples: int = 14,
-                        images_per_sample: tuple[int, ...] = (1,), name: str = "glm", **job_kwargs: Any
-                        ) -> dict[str, Any]:
+                        images_per_sample: tuple[int, ...] = (1,), videos_per_sample: tuple[int, ...] = (0,),
+                        name: str = "glm", **job_kwargs: Any) -> dict[str, Any]:
     """The tiny HF folder with seeded weights, its conversion for MindSpeed-MM (the job's `--load`, unless
     `load_dir` says otherwise), samples, and a fresh model / data / fsdp2 file set named `name`;
     returns {"argv": the pretrain_transformers.py command line, "hf_dir", "save", ...}."""
@@ -209,12 +213,15 @@ def prepare_glm_workdir(workdir: str | Path, mm_root: Path, *, n_samples: int = 
         write_weights(hf_dir)
     converted = convert_checkpoint(hf_dir, workdir / "mm_glm45v", mm_root)
     job_kwargs.setdefault("load_dir", converted)
-    data_dir = workdir / ("data_glm_" + "".join(map(str, images_per_sample)))
+    videos = any(videos_per_sample)
+    data_dir = workdir / ("data_glm_" + "".join(map(str, images_per_sample))
+                          + ("_v" + "".join(map(str, videos_per_sample)) if videos else ""))
     samples = data_dir / "samples.json"
     if not samples.exists() or len(json.loads(samples.read_text())) != n_samples:
-        tiny.write_samples(data_dir, n_samples, images_per_sample=images_per_sample)
+        tiny.write_samples(data_dir, n_samples, images_per_sample=images_per_sample,
+                           videos_per_sample=videos_per_sample)
     job = GlmJob(hf_dir=hf_dir, data_dir=data_dir, cache_dir=workdir / f"cache_{name}", workdir=workdir,
-                 save_dir=workdir / f"save_{name}", max_samples=n_samples, **job_kwargs)
+                 save_dir=workdir / f"save_{name}", max_samples=n_samples, videos=videos, **job_kwargs)
     model = workdir / f"{name}_model.json"
     data = workdir / f"{name}_data.json"
     fsdp2 = workdir / f"{name}_fsdp2_config.yaml"

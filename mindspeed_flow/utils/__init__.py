@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from pathlib import Path
 from typing import Iterator
 
@@ -17,3 +18,10 @@ def working_dir(path: str | Path) -> Iterator[None]:
         yield
     finally:
         os.chdir(before)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a job's rendezvous; torch-free, so launchers can call it cheaply)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -10,7 +10,6 @@ import datetime
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import socket
 import time
 import traceback
 from typing import Any, Callable
@@ -19,12 +18,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_flow import torch_compat
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from mindspeed_flow.utils import free_port  # noqa: F401  (re-exported: the tests' and benches' import)
 
 
 class RankFailure(RuntimeError):

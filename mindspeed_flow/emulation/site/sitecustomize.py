@@ -13,6 +13,8 @@ import importlib.util
 import os
 import sys
 
+from mindspeed_flow.utils.import_hooks import after_import
+
 
 class _TorchvisionCompatOnImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: on the first lookup of `torchvision` it installs the compat layer, then leaves."""
@@ -31,31 +33,13 @@ if "torchvision" not in sys.modules and not any(type(f).__name__ == _Torchvision
     sys.meta_path.insert(0, _TorchvisionCompatOnImport())
 
 
-class _TritonNpuDriverOnImport(importlib.abc.MetaPathFinder):
-    """Finds `triton.runtime.driver` as the other finders would, and installs the emulated driver once it ran."""
+def _emulated_triton_driver(module) -> None:
+    from mindspeed_flow.emulation import triton_npu
 
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != "triton.runtime.driver":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            from mindspeed_flow.emulation import triton_npu
-
-            triton_npu.install(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
+    triton_npu.install(module)
 
 
-if "triton.runtime.driver" not in sys.modules and not any(type(f).__name__ == _TritonNpuDriverOnImport.__name__
-                                                          for f in sys.meta_path):
-    sys.meta_path.insert(0, _TritonNpuDriverOnImport())
+after_import("triton.runtime.driver", _emulated_triton_driver)
 
 
 def _chain_shadowed_sitecustomize() -> None:

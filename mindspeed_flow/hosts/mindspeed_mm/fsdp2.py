@@ -74,6 +74,9 @@ class Fsdp2Parts:
     expert_parallel_size: int  # inside the backbone part
     vision_module: str
     config_path: str = ""
+    # The tower takes a video as its frames, each an image of grid (1, h, w) (GLM-4.5V's `get_video_features`
+    # flattens the grid so: its position embedding reads one grid per frame); Qwen3-VL's takes (t, h, w) whole.
+    frames_as_images: bool = False
 
     def part_size(self, name: str) -> int:
         return self.layout.part(name).size
@@ -524,7 +527,10 @@ class FlowFsdp2:
             # image of the smallest grid (one merged row) and sends nothing.
             pixels = [torch.zeros((merge * merge, patch_dim), dtype=dtype, device=device)]
             grids = [torch.tensor([[1, merge, merge]], dtype=torch.int64)]
-        grid = torch.cat(grids).to(device)
+        grid = torch.cat(grids)
+        if self.parts.frames_as_images:
+            grid = frames_as_images(grid)
+        grid = grid.to(device)
         with contextlib.nullcontext() if trainable else torch.no_grad():
             out = visual(torch.cat(pixels).to(device, dtype), grid_thw=grid)
             # Qwen3-VL's tower returns (embeddings, deepstack maps); GLM-4.5V's the embeddings alone.
@@ -569,6 +575,13 @@ class FlowFsdp2:
 
 
 _CURRENT: Optional[FlowFsdp2] = None
+
+
+def frames_as_images(grid_thw: torch.Tensor) -> torch.Tensor:
+    """Each item's (t, h, w) as t rows of (1, h, w), in order: the same patches and merged rows, one grid per frame."""
+    frames = grid_thw.repeat_interleave(grid_thw[:, 0], dim=0)
+    frames[:, 0] = 1
+    return frames
 
 
 def current() -> Optional[FlowFsdp2]:

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mindspeed_flow.config.schema import FlowJobConfig, PackingConfig
-from mindspeed_flow.hosts.mindspeed_mm import FLOW_ENTRY_SCRIPTS, checkpoint
+from mindspeed_flow.hosts.mindspeed_mm import FLOW_ENTRY_SCRIPTS
 from mindspeed_flow.step.layout import BACKBONE, ENCODER, Layout, PartLayout
 
 # The MindSpeed-MM modules each part builds (`model_provider(modules=...)`); an audio encoder would be a third part.
@@ -209,7 +209,7 @@ def support_table() -> str:
                              "FSDP2, each part its own FSDP2 shards, DCP checkpoints interchangeable with the unpatched "
                              "job's): `CONFIG.yaml` with `model_id: qwen3_vl` / `qwen3_vl_moe` (the example's frozen "
                              "tower or a trained one; images and videos in any mix per sample), or the arguments on the command line with `--mm-model` "
-                             "`model_id: glm4v_moe` (GLM-4.5V: per-token loss, MoE LLM, images)",
+                             "`model_id: glm4v_moe` (GLM-4.5V: per-token loss, MoE LLM, image and video samples)",
              ids(REFUSED_SCRIPTS))]
     rows += [(names[field], ids(ok), ids(refused) or "anything else") for field, (ok, refused) in MODEL_IDS.items()]
     rows += [
@@ -486,6 +486,9 @@ def check_resume_layout(argv: list[str], parts: FlowParts) -> None:
     load = argv_value(argv, "--load")
     if not load:
         return
+    # lazy: the checkpoint module needs torch, which the launcher's checks (`mindspeed-flow emulate`) otherwise skip
+    from mindspeed_flow.hosts.mindspeed_mm import checkpoint
+
     saved = checkpoint.saved_layouts(load, int(argv_value(argv, "--ckpt-step", "0") or 0) or None)
     moved = []
     for p in parts.layout.parts:

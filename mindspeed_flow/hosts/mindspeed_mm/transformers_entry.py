@@ -20,8 +20,8 @@ to MindSpeed-MM's providers (`TransformersHost`):
   rank 0, an encoder rank) and never iterate them;
 - `forward_step` (backbone): before the model sees a micro-batch, its images and videos go to their encoder ranks and
   the rows come back (the FSDP2 trainer's flow exchange, `fsdp2.FlowFsdp2`: per image the merged embedding and the
-  deepstack maps side by side); `get_image_features` answers from them, so the model's forward and loss run
-  unchanged;
+  deepstack maps side by side); `get_image_features` (and GLM-4.5V's `get_video_features`) answers from them, so
+  the model's forward and loss run unchanged;
 - `forward_backward_func` (encoder): one encoder micro-step per backbone micro-batch (encode, send, backward the
   returned gradients scaled by encoder ranks / backbone ranks: each part's FSDP2 averages over its own ranks), then
   Megatron's gradient finalisation;
@@ -29,7 +29,7 @@ to MindSpeed-MM's providers (`TransformersHost`):
 
 Checked before launch (`transformers_parts_for_job`): the model family, FSDP2 on, no TP/PP/CP inside a part, the
 global batch divisible over both parts, no validation split or text-only dynamic batching, the loss type, the
-sampler, GLM-4.5V without videos.
+sampler.
 """
 from __future__ import annotations
 
@@ -54,8 +54,9 @@ VISION_PATHS: dict[str, str] = {"qwen3_vl": "model.model.visual", "qwen3_vl_moe"
                                 "glm4v_moe": "model.model.visual"}
 # Models whose MindSpeed-MM forward runs the tower under no_grad when tower and projector are both frozen.
 NO_GRAD_WHEN_FROZEN = ("qwen3_vl", "qwen3_vl_moe")
-# Models whose videos do not pass through `get_image_features` (GLM-4.5V calls its tower directly for them).
-IMAGE_ONLY = ("glm4v_moe",)
+# Models whose tower takes a video as its frames, each an image of grid (1, h, w) (GLM-4.5V's `get_video_features`
+# flattens the grid so and calls the tower itself; Qwen3-VL's passes (t, h, w) to `get_image_features`).
+FRAMES_AS_IMAGES = ("glm4v_moe",)
 # MindSpeed-MM loss types the flow job is tested with (the examples': Qwen3-VL default, GLM-4.5V per token).
 LOSS_TYPES = ("default", "per_token_loss")
 # gpt_args the flow job cannot honour: (key, the value it needs, why).
@@ -198,10 +199,6 @@ def transformers_parts_for_job(recipe_path: str | Path, script_argv: Sequence[st
     if sampler != "BaseRandomBatchSampler":
         raise FlowRecipeError(f"{data_src}: {entry.data_key('dataloader_param.sampler_type')}={sampler!r}: the flow "
                               "job is tested with BaseRandomBatchSampler only")
-    videos = OmegaConf.select(entry.data, "dataset_param.attr.videos", default=None)
-    if model_id in IMAGE_ONLY and videos:
-        raise FlowRecipeError(f"{data_src}: {entry.data_key('dataset_param.attr.videos')}={videos!r}: the flow job "
-                              f"moves {model_id}'s image features only (its videos go through the tower directly)")
     par = job.parallel
     layout = fsdp2.sharded_parts_layout(job, name, world_size)
     mbs = int(gpt.get("micro_batch_size", 1))
@@ -226,7 +223,7 @@ def transformers_parts_for_job(recipe_path: str | Path, script_argv: Sequence[st
         for m in ("vision_encoder", "vision_projector"))
     flow = FlowParts(layout, PackingConfig(), float(job.flow.timeout_s), encoder_trainable=not frozen)
     exchange = fsdp2.Fsdp2Parts(layout, float(job.flow.timeout_s), mbs, gbs, 1, VISION_PATHS[model_id],
-                                os.path.abspath(src))
+                                os.path.abspath(src), frames_as_images=model_id in FRAMES_AS_IMAGES)
     return TransformersParts(flow, exchange)
 
 
