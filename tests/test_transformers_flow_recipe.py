@@ -135,8 +135,23 @@ def test_command_line_form_of_the_glm45v_example(tmp_path: Path) -> None:
     assert parts.exchange.vision_module == "model.model.visual"
     # GLM-4.5V's tower takes a video's frames as images (its `get_video_features` flattens the grid so).
     assert parts.exchange.frames_as_images
-    videos = transformers_entry.transformers_parts_for_job(recipe, _glm_argv(tmp_path, videos='"videos"'), 3)
-    assert videos.exchange.frames_as_images
+
+
+def test_glm45v_videos_need_a_transformers_that_takes_the_plugins_metadata(tmp_path: Path, monkeypatch) -> None:
+    """MindSpeed-MM's GLM plugin gives transformers' video processor `total_frames`; released transformers rejects
+    it (the unpatched job fails in preprocessing): refused before launch, one line naming the field and why."""
+    recipe, _ = _files(tmp_path)
+    argv = _glm_argv(tmp_path, videos='"videos"')
+    monkeypatch.setattr(transformers_entry, "video_metadata_takes_total_frames", lambda: False)
+    with pytest.raises(FlowRecipeError) as err:
+        transformers_entry.transformers_parts_for_job(recipe, argv, 3)
+    assert "dataset_param.attr.videos='videos'" in str(err.value) and "total_frames" in str(err.value)
+    assert "\n" not in str(err.value)
+    monkeypatch.setattr(transformers_entry, "video_metadata_takes_total_frames", lambda: True)
+    assert transformers_entry.transformers_parts_for_job(recipe, argv, 3).exchange.frames_as_images
+    monkeypatch.undo()
+    # The released transformers of both test venvs (4.57.x and 5.x) reject the plugin's key.
+    assert transformers_entry.video_metadata_takes_total_frames() is False
 
 
 def test_glm_video_grid_becomes_one_image_grid_per_frame() -> None:

@@ -199,6 +199,15 @@ def transformers_parts_for_job(recipe_path: str | Path, script_argv: Sequence[st
     if sampler != "BaseRandomBatchSampler":
         raise FlowRecipeError(f"{data_src}: {entry.data_key('dataloader_param.sampler_type')}={sampler!r}: the flow "
                               "job is tested with BaseRandomBatchSampler only")
+    videos = OmegaConf.select(entry.data, "dataset_param.attr.videos", default=None)
+    if model_id in FRAMES_AS_IMAGES and videos and not video_metadata_takes_total_frames():
+        import transformers  # only here: the check of a GLM-4.5V job with videos
+
+        raise FlowRecipeError(
+            f"{data_src}: {entry.data_key('dataset_param.attr.videos')}={videos!r}: MindSpeed-MM's {model_id} data "
+            f"plugin describes a video with `total_frames`, which transformers {transformers.__version__}'s "
+            "VideoMetadata rejects (the unpatched job fails on it too); install the transformers commit MindSpeed-MM's "
+            "GLM-4.5V README names, or train on images")
     par = job.parallel
     layout = fsdp2.sharded_parts_layout(job, name, world_size)
     mbs = int(gpt.get("micro_batch_size", 1))
@@ -225,6 +234,20 @@ def transformers_parts_for_job(recipe_path: str | Path, script_argv: Sequence[st
     exchange = fsdp2.Fsdp2Parts(layout, float(job.flow.timeout_s), mbs, gbs, 1, VISION_PATHS[model_id],
                                 os.path.abspath(src), frames_as_images=model_id in FRAMES_AS_IMAGES)
     return TransformersParts(flow, exchange)
+
+
+def video_metadata_takes_total_frames() -> bool:
+    """Whether the installed transformers takes the video metadata MindSpeed-MM's GLM plugin gives it
+    (`{"fps", "duration", "total_frames"}`): released transformers 4.56+ names the count `total_num_frames`."""
+    try:
+        from transformers.video_utils import VideoMetadata
+    except ImportError:  # a transformers without the dataclass passes the plain dict on
+        return True
+    try:
+        VideoMetadata(fps=2, duration=1, total_frames=1)
+    except TypeError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------- the host
