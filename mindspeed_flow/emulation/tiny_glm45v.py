@@ -10,6 +10,8 @@ the launch arguments read from the example script's GPT_ARGS / MM_ARGS / OUTPUT_
 values put in.
 
     python -m mindspeed_flow.emulation.tiny_glm45v WORKDIR      # prints the pretrain_transformers.py command line
+    python -m mindspeed_flow.emulation.tiny_glm45v WORKDIR --iters 12 --name resumed --load WORKDIR/save_glm
+                                                                # the same job resumed from its iteration-10 save
 
 Needs transformers 4.57 (MindSpeed-MM's pin, with the Glm4vMoe classes) and the `emulate` extra.
 """
@@ -241,14 +243,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("workdir")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--samples", type=int, default=14)
+    parser.add_argument("--name", default="glm", help="the job's files and save folder are named after it")
+    parser.add_argument("--load", default=None,
+                        help="resume from this save folder (default: the converted weights, iteration 0)")
     args = parser.parse_args(argv)
     try:
         sources = find_sources()
     except SourceError as err:
         print(f"tiny_glm45v: {err}", file=sys.stderr)
         return 2
-    out = prepare_glm_workdir(args.workdir, sources.mindspeed_mm.root, n_samples=args.samples,
-                              train_iters=args.iters)
+    extra = {"load_dir": Path(args.load).resolve()} if args.load else {}
+    out = prepare_glm_workdir(args.workdir, sources.mindspeed_mm.root, n_samples=args.samples, name=args.name,
+                              train_iters=args.iters, **extra)
     print(shlex.join(out["argv"]))
     return 0
 
