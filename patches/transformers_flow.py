@@ -6,8 +6,9 @@ The Megatron side is the Megatron flow patch's (`mindspeed_flow_patches.flow`): 
 (`get_grad_norm_fp32`); those wrappers are reused as they are. What this entry adds: MindSpeed-MM's `pretrain`
 gets the flow providers (`mindspeed_flow.hosts.mindspeed_mm.transformers_entry.TransformersHost`), encoder ranks get
 their own step from `get_forward_backward_func`, and Qwen3-VL's `get_image_features` answers from the received rows
-(and GLM-4.5V's `get_image_features` and `get_video_features`) on backbone ranks. Every entry of `REGISTRY` names a real function at the pinned commits (checked by
-`tests/test_patch_registry.py`), each wrapper keeps and calls the original, and all are inert without a flow context.
+(and GLM-4.5V's `get_image_features` and `get_video_features`) on backbone ranks. Every entry of `REGISTRY` names a
+real function at the pinned commits (checked by `tests/test_patch_registry.py`), each wrapper keeps and calls the
+original, and all are inert without a flow context.
 """
 from __future__ import annotations
 
