@@ -70,6 +70,8 @@ setup(
             "psutil", "protobuf", "pydantic", "jsonargparse[all]", "orjson", "beartype", "ftfy", "imageio",
             "imageio-ffmpeg", "bs4", "portalocker", "SQLAlchemy", "scikit-learn", "gpytorch", "numba", "pybind11",
             "ninja", "pillow",
+            # MindSpeed-MM's Qwen2.5-Omni data path reads audio clips with librosa.
+            "librosa",
             # MindSpeed-MM's FSDP2 trainer: its data loader imports torchdata.stateful_dataloader (MindSpeed-MM's
             # pyproject lists it).
             "torchdata",

@@ -317,6 +317,7 @@ def test_twin_of_other_shapes(tmp_path: Path, monkeypatch) -> None:
 # re-pinned MindSpeed-MM adds fails the test until it is classified here.
 EXAMPLE_TWINS = {
     "glm4.5v/finetune_glm4_5v_106B.sh": "pretrain_transformers.py",
+    "qwen2.5omni/finetune_qwen2_5_omni_7b.sh": "pretrain_vlm.py",
     "qwen2.5vl/finetune_qwen2_5_vl_3b.sh": "pretrain_vlm.py",
     "qwen2.5vl/finetune_qwen2_5_vl_7b.sh": "pretrain_vlm.py",
     "qwen2.5vl/finetune_qwen2_5_vl_32b.sh": "pretrain_vlm.py",
@@ -331,7 +332,6 @@ EXAMPLE_TWINS = {
 EXAMPLE_REFUSALS = {
     "internvl3.5/finetune_internvl3_5.sh": "model_id='internvl'",
     "mcore/qwen3_5/finetune_qwen3_5_35B.sh": "Qwen3.5 on MindSpeed-MM's mcore path",
-    "qwen2.5omni/finetune_qwen2_5_omni_7b.sh": "audio_encoder",
     "qwen2.5vl/evaluate_qwen2_5_vl_7b.sh": "evaluation, not training",
     "qwen2.5vl/evaluate_qwen2_5_vl_72b.sh": "evaluation, not training",
     "qwen2.5vl/inference_qwen2_5_vl_7b.sh": "inference, not training",

@@ -150,7 +150,8 @@ def test_every_mindspeed_mm_flow_recipe_builds_its_parts(recipe) -> None:
     ("script", "pretrain_omni.py: Qwen2.5-Omni's audio encoder would be a third part"),
     ("qwen3vit", "image_encoder.vision_encoder.model_id='qwen3vit': Qwen3-VL's ViT returns deepstack"),
     ("internvl", "image_encoder.vision_encoder.model_id='clip': InternVL's ViT takes no image_grid_thw"),
-    ("audio", "audio_encoder: an audio encoder would be a third part"),
+    ("audio", "audio_encoder.audio_encoder.model_id=None: not an audio encoder the flow host runs"),
+    ("audio_packed", "packing.layout=packed: model.json has an audio_encoder"),
     ("moe", "text_decoder.num_moe_experts=8: MoE decoders"),
     ("ep", "--expert-model-parallel-size 2: expert parallelism"),
     ("cp", "--context-parallel-size 2: flow parts run without context parallelism"),
@@ -163,10 +164,12 @@ def test_every_mindspeed_mm_flow_recipe_builds_its_parts(recipe) -> None:
 ])
 def test_what_the_host_cannot_take_is_refused_by_name(tmp_path, case, want) -> None:
     recipe = _recipe(tmp_path, "parallel:\n  encoder: {dp: 1}\n  backbone: {dp: 2}\n"
-                     + ("packing: {layout: packed}\n" if case == "packed" else ""))
+                     + ("packing: {layout: packed}\n" if case in ("packed", "audio_packed") else ""))
     model = {"qwen3vit": lambda: _model_json(tmp_path, vit={"model_id": "qwen3vit"}),
              "internvl": lambda: _model_json(tmp_path, vit={"model_id": "clip"}),
              "audio": lambda: _model_json(tmp_path, top={"audio_encoder": {"audio_encoder": {}}}),
+             "audio_packed": lambda: _model_json(tmp_path, top={"audio_encoder": {"audio_encoder": {
+                 "model_id": "qwen_omni", "num_attention_heads": 2}}}),
              "moe": lambda: _model_json(tmp_path, num_moe_experts=8)}.get(case, lambda: _model_json(tmp_path))()
     argv = _argv(model)
     script = "pretrain_omni.py" if case == "script" else "pretrain_vlm.py"

@@ -38,6 +38,7 @@ class TinyJob:
     train_iters: int = 3
     lr: float = 1e-3
     seq_length: int = 128
+    vocab_size: int = 384  # the tiny tokenizer's; a family with real token ids passes its real size
     save: Path | None = None
     load: Path | None = None
     save_interval: int = 10000
@@ -47,7 +48,8 @@ class TinyJob:
         a = [script, "--use-mcore-models", "--tensor-model-parallel-size", str(self.tp),
              "--pipeline-model-parallel-size", str(self.pp), "--micro-batch-size", str(self.micro_batch_size),
              "--global-batch-size", str(self.global_batch_size), "--tokenizer-type", "NullTokenizer",
-             "--vocab-size", "384", "--seq-length", str(self.seq_length), "--make-vocab-size-divisible-by", "1",
+             "--vocab-size", str(self.vocab_size), "--seq-length", str(self.seq_length),
+             "--make-vocab-size-divisible-by", "1",
              "--normalization", "RMSNorm", "--use-fused-rmsnorm", "--swiglu", "--use-fused-swiglu",
              "--no-masked-softmax-fusion", "--use-flash-attn", "--lr", str(self.lr), "--lr-decay-style", "constant",
              "--weight-decay", "0", "--train-iters", str(self.train_iters), "--clip-grad", "1.0",

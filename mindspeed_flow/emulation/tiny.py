@@ -37,27 +37,31 @@ def _corpus() -> list[str]:
 
 def build_tokenizer(out_dir: Path, special_tokens: Sequence[str] = SPECIAL_TOKENS,
                     expected_ids: dict[str, int] | None = None, eos_token: str = "<|im_end|>",
-                    pad_token: str = "<|endoftext|>", tokenizer_class: str = "Qwen2Tokenizer") -> None:
-    """Train a byte-level BPE (padded to TINY_VOCAB - len(special_tokens) ids) and append the special tokens at
-    the top ids, in order (Qwen's 8 by default; another family passes its own and the ids its config names)."""
+                    pad_token: str = "<|endoftext|>", tokenizer_class: str = "Qwen2Tokenizer",
+                    vocab_size: int = TINY_VOCAB) -> None:
+    """Train a byte-level BPE (padded to `vocab_size` - len(special_tokens) ids) and append the special tokens at
+    the top ids, in order (Qwen's 8 by default; another family passes its own and the ids its config names; a
+    family whose MindSpeed-MM code hard-codes its real token ids passes its real vocabulary size)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # optional: tokenizers
     from transformers import PreTrainedTokenizerFast  # optional: transformers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    n_bpe = TINY_VOCAB - len(special_tokens)
-    trainer = trainers.BpeTrainer(vocab_size=n_bpe, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False, special_tokens=[])
+    n_bpe = vocab_size - len(special_tokens)
+    trainer = trainers.BpeTrainer(vocab_size=min(n_bpe, TINY_VOCAB), show_progress=False, special_tokens=[],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    # The tiny corpus supports fewer merges than ids available: fill the gap with unused tokens so the special
-    # tokens land exactly on their preset ids.
-    filler = [f"<|unused_{i}|>" for i in range(n_bpe - tok.get_vocab_size())]
-    if filler:
-        tok.add_special_tokens(filler)
+    # The tiny corpus supports fewer merges than ids available: fill the gap with unused vocabulary entries (no
+    # merge ever produces them) so the special tokens land exactly on their ids.
+    state = json.loads(tok.to_str())
+    vocab = state["model"]["vocab"]
+    trained = len(vocab)
+    vocab.update({f"<|unused_{i}|>": trained + i for i in range(n_bpe - trained)})
+    tok = Tokenizer.from_str(json.dumps(state))
     tok.add_special_tokens(list(special_tokens))
-    if tok.get_vocab_size() != TINY_VOCAB:
-        raise RuntimeError(f"tiny tokenizer: {tok.get_vocab_size()} ids, wanted {TINY_VOCAB}")
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"tiny tokenizer: {tok.get_vocab_size()} ids, wanted {vocab_size}")
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos_token, pad_token=pad_token,
                                       padding_side="right", model_max_length=4096)
     wrapped.save_pretrained(str(out_dir))

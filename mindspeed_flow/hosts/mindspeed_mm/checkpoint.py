@@ -29,7 +29,9 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-PREFIX = {"encoder": "image_encoder.", "backbone": "text_decoder."}
+# The tensors each part holds, by key prefix: the decoder part also runs the audio encoder (Qwen2.5-Omni), whole on
+# its first stage (`split_pp` keeps non-layer tensors there).
+PREFIX = {"encoder": ("image_encoder.",), "backbone": ("text_decoder.", "audio_encoder.")}
 _LAYER_RE = re.compile(r"^(image_encoder\.encoder\.blocks\.layers|text_decoder\.decoder\.layers)\.(\d+)\.(.*)$")
 _RANK_DIR_RE = re.compile(r"^mp_(?:(?P<part>[a-z_]+?)_)?rank_(?P<tp>\d{2})(?:_(?P<pp>\d{3}))?$")
 _COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
@@ -72,7 +74,7 @@ def complete_saved_param_groups(state: Any) -> None:
 
 def module_of(part: str) -> str:
     """The MindSpeed-MM module a flow part holds (its checkpoint folders' name): image_encoder or text_decoder."""
-    return PREFIX[part].rstrip(".")
+    return PREFIX[part][0].rstrip(".")
 
 
 def weights_only(finetune: bool, no_load_optim: bool, no_load_rng: bool) -> bool:
@@ -382,7 +384,7 @@ def part_state(whole: dict[str, Any], part: str, *, tp: int, tp_rank: int, layer
     prefix = PREFIX[part]
     mine = {k: v for k, v in whole.items() if k.startswith(prefix)}
     if not mine:
-        raise CheckpointError(f"the checkpoint has no {prefix}* tensors")
+        raise CheckpointError(f"the checkpoint has no {' or '.join(p + '*' for p in prefix)} tensors")
     stack = "image_encoder.encoder.blocks.layers" if part == "encoder" else "text_decoder.decoder.layers"
     stage = split_pp(mine, stack, layers, pp_rank)
     if part == "backbone" and tied:

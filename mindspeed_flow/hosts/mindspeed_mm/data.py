@@ -70,8 +70,14 @@ IGNORE_INDEX = -100
 # Batch keys of the video path (MindSpeed-MM's get_batch renames them to pixel_values / image_grid_thw).
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw")
 IMAGE_KEYS = ("pixel_values", "image_grid_thw")
-# Per video of a batch: seconds per temporal grid step, read by MindSpeed-MM's Qwen2.5-VL mrope for video tokens.
+# Per video of a batch: seconds per temporal grid step, read by MindSpeed-MM's Qwen2.5-VL mrope for video tokens
+# (a list of floats); Qwen2.5-Omni's collator names it video_second_per_grid (a tensor).
 SECONDS_KEY = "second_per_grid_ts"
+OMNI_SECONDS_KEY = "video_second_per_grid"
+# Audio clips of a batch (Qwen2.5-Omni): log-mel features [clips, mel bins, frames] padded to the feature
+# extractor's window, and which frames are real [clips, frames]. A sample's clips each open with <|audio_bos|>.
+AUDIO_KEYS = ("input_features", "feature_attention_mask")
+AUDIO_START_ID = 151647  # MindSpeed-MM's default model.json audio_start_token_id (Qwen2.5-Omni's <|audio_bos|>)
 
 
 class FlowDataError(ValueError):
@@ -111,6 +117,8 @@ class FlowSample:
     length: int = -1  # tokens (from input_ids when not given)
     dataset_index: int = -1  # its index in MindSpeed-MM's data set (index reads)
     second_per_grid_ts: Optional[torch.Tensor] = None  # [videos] float64: a video sample's, else None
+    audio_features: Optional[torch.Tensor] = None  # [clips, mel bins, frames]: its audio (Qwen2.5-Omni), else None
+    audio_mask: Optional[torch.Tensor] = None  # [clips, frames]
 
     def __post_init__(self) -> None:
         if self.length < 0 and self.input_ids is not None:
@@ -164,12 +172,13 @@ def split_batch(batch: dict[str, Any], first_id: int, vision_start_id: int, imag
     """Cut a collated MindSpeed-MM batch ([b, s], right padding) back into its samples."""
     which = f"samples {first_id}-{first_id + int(batch['input_ids'].shape[0]) - 1}"
     batch, video = as_vision_batch(batch, which)
-    seconds = batch.get(SECONDS_KEY) if video else None
+    seconds = batch.get(SECONDS_KEY, batch.get(OMNI_SECONDS_KEY)) if video else None
     if video and seconds is not None:
         seconds = torch.as_tensor(seconds, dtype=torch.float64).reshape(-1)
     ids, labels, mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
     pixels, grids = batch.get("pixel_values"), batch.get("image_grid_thw")
-    out, img_ptr, pix_ptr = [], 0, 0
+    features, feature_mask = (batch.get(k) for k in AUDIO_KEYS)
+    out, img_ptr, pix_ptr, clip_ptr = [], 0, 0, 0
     for b in range(ids.shape[0]):
         keep = mask[b].bool()
         sample_ids, sample_labels = ids[b][keep].clone(), labels[b][keep].clone()
@@ -193,8 +202,14 @@ def split_batch(batch: dict[str, Any], first_id: int, vision_start_id: int, imag
                              f"but {'video' if video else 'image'}_grid_thw {grid.tolist()} gives "
                              f"{int(grid.prod(dim=1).sum()) // merge_size ** 2}")
         loss_tokens = int((sample_labels[1:] != IGNORE_INDEX).sum())
-        out.append(FlowSample(first_id + b, sample_ids, sample_labels, pix, grid, image_tokens, loss_tokens,
-                              batch_index, second_per_grid_ts=secs))
+        sample = FlowSample(first_id + b, sample_ids, sample_labels, pix, grid, image_tokens, loss_tokens,
+                            batch_index, second_per_grid_ts=secs)
+        clips = int((sample_ids == AUDIO_START_ID).sum()) if features is not None else 0
+        if clips:
+            sample.audio_features = features[clip_ptr:clip_ptr + clips].clone()
+            sample.audio_mask = feature_mask[clip_ptr:clip_ptr + clips].clone()
+            clip_ptr += clips
+        out.append(sample)
     batch_tokens = sum(s.loss_tokens for s in out)
     for s in out:
         s.batch_loss_tokens, s.batch_samples = batch_tokens, len(out)
@@ -211,16 +226,19 @@ def microbatch_tokens(lengths: list[int], layout: str, pad_multiple: int) -> int
     return max(len(lengths), 1) * padded_length(max(lengths, default=1), pad_multiple)
 
 
-def collate_rows(samples: list[FlowSample], pad_id: int = 0, pad_multiple: int = 1) -> dict[str, torch.Tensor]:
+def collate_rows(samples: list[FlowSample], pad_id: int = 0, pad_multiple: int = 1,
+                 seconds_key: str = SECONDS_KEY, audio: bool = False) -> dict[str, Any]:
     """A decoder microbatch: one row per sample, right-padded to the longest (rounded up to `pad_multiple`),
     padding masked out of the loss. An empty microbatch (the plan gave this DP rank fewer samples than
     microbatches) is one padding row that attends to itself and carries no loss, so every rank still runs the
-    schedule's microbatch count."""
+    schedule's microbatch count. `seconds_key`: the batch key the model's rope index reads the videos' seconds
+    per grid step from; `audio`: the model has an audio encoder (`add_audio`)."""
     if not samples:
         length = padded_length(1, pad_multiple)
-        return {"input_ids": torch.full((1, length), pad_id, dtype=torch.long),
-                "labels": torch.full((1, length), IGNORE_INDEX, dtype=torch.long),
-                "attention_mask": torch.ones((1, length), dtype=torch.long)}
+        batch: dict[str, Any] = {"input_ids": torch.full((1, length), pad_id, dtype=torch.long),
+                                 "labels": torch.full((1, length), IGNORE_INDEX, dtype=torch.long),
+                                 "attention_mask": torch.ones((1, length), dtype=torch.long)}
+        return add_audio(batch, samples) if audio else batch
     length = padded_length(max(int(s.input_ids.numel()) for s in samples), pad_multiple)
     ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
     labels = torch.full((len(samples), length), IGNORE_INDEX, dtype=torch.long)
@@ -234,13 +252,26 @@ def collate_rows(samples: list[FlowSample], pad_id: int = 0, pad_multiple: int =
         batch["image_grid_thw"] = torch.cat(grids, dim=0)
     seconds = microbatch_seconds(samples)
     if seconds is not None:
-        batch[SECONDS_KEY] = seconds
+        batch[seconds_key] = seconds if seconds_key == SECONDS_KEY else torch.tensor(seconds)
+    return add_audio(batch, samples) if audio else batch
+
+
+def add_audio(batch: dict[str, Any], samples: list[FlowSample]) -> dict[str, Any]:
+    """The microbatch's audio clips in sample order, as MindSpeed-MM's collator batches them. Qwen2.5-Omni's rope
+    index sums feature_attention_mask in every microbatch, so one without audio carries an empty one (and no
+    input_features: the model runs its audio encoder only when they are there)."""
+    clips = [s for s in samples if s.audio_features is not None]
+    if clips:
+        batch["input_features"] = torch.cat([s.audio_features for s in clips], dim=0)
+        batch["feature_attention_mask"] = torch.cat([s.audio_mask for s in clips], dim=0)
+    else:
+        batch["feature_attention_mask"] = torch.zeros((0, 1), dtype=torch.long)
     return batch
 
 
 def microbatch_seconds(samples: list[FlowSample]) -> Optional[list[float]]:
-    """The microbatch's second_per_grid_ts as MindSpeed-MM's collator passes it (a list, one per video, in
-    sample order), or None without videos. A microbatch never mixes images and videos (`as_vision_batch`)."""
+    """The microbatch's seconds per video grid step (one per video, in sample order), or None without videos. A
+    microbatch never mixes images and videos (`as_vision_batch`)."""
     seconds = [float(t) for s in samples if s.second_per_grid_ts is not None for t in s.second_per_grid_ts]
     return seconds or None
 
@@ -393,6 +424,11 @@ class IndexedReads(_ReplicaBatches):
             raise self._stale(s, f"its length {int(s.input_ids.numel())}")
         if self.needs.labels:
             s.labels = torch.as_tensor(item["labels"], dtype=torch.long)
+        if item.get("audios"):
+            # The audio encoder runs on the decoder's ranks: its log-mel features come from MindSpeed-MM's
+            # collator (which reads the clips), as the unpatched job's do.
+            got = split_batch(self.collate([item]), s.sample_id, *self._ids)[0]
+            s.audio_features, s.audio_mask = got.audio_features, got.audio_mask
 
 
 class FlowStepSource:

@@ -30,8 +30,9 @@ import torch
 from mindspeed_flow.hosts.mindspeed_mm import context as flow_context
 from mindspeed_flow.hosts.mindspeed_mm import memory as flow_memory
 from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext, PartFigures
-from mindspeed_flow.hosts.mindspeed_mm.data import (LAYOUT_PACKED, LAYOUT_ROWS, FlowStepSource, IndexedReads,
-                                                    ReplicaView, SideNeeds, WholeBatchReads, sample_meta)
+from mindspeed_flow.hosts.mindspeed_mm.data import (LAYOUT_PACKED, LAYOUT_ROWS, OMNI_SECONDS_KEY, SECONDS_KEY,
+                                                    FlowStepSource, IndexedReads, ReplicaView, SideNeeds,
+                                                    WholeBatchReads, sample_meta)
 from mindspeed_flow.hosts.mindspeed_mm.index import index_folder, index_inputs, load_or_build
 from mindspeed_flow.hosts.mindspeed_mm.metrics import FlowMetrics, loss_value
 from mindspeed_flow.hosts.mindspeed_mm.schedule import DecoderStep, EncoderStep, finalize_with_global_tokens, loss_mode
@@ -143,12 +144,20 @@ def report_reads(ctx: FlowContext, source: FlowStepSource) -> None:
           f"{source.pixel_bytes_read} bytes of pixels; peak host memory {peak_mib:.0f} MiB", flush=True)
 
 
+def has_audio(model_cfg: Any) -> bool:
+    """Whether model.json has an audio encoder (Qwen2.5-Omni); it runs on the decoder's ranks."""
+    return _cfg(model_cfg, "audio_encoder") is not None
+
+
 def decoder_layout(ctx: FlowContext, args: Any) -> str:
     """The decoder microbatch layout: `packing.layout`, with auto = packed when the job runs flash attention (the
-    TND varlen kernel), else rows. The recipe check refuses packed without flash attention."""
+    TND varlen kernel) and the model has no audio encoder (a packed row restarts each sample's rope positions,
+    which Qwen2.5-Omni's rope index computes from the row's audio too), else rows. The recipe check refuses
+    packed without flash attention, and packed with an audio encoder."""
     layout = ctx.parts.packing.layout
     if layout == "auto":
-        return LAYOUT_PACKED if getattr(args, "use_flash_attn", False) else LAYOUT_ROWS
+        packed = getattr(args, "use_flash_attn", False) and not has_audio(args.mm.model)
+        return LAYOUT_PACKED if packed else LAYOUT_ROWS
     return layout
 
 
@@ -240,6 +249,12 @@ class FlowHost:
                 vit.pipeline_num_layers = [int(vit.num_layers)]
             else:
                 model_cfg.text_decoder.pipeline_num_layers = list(ctx.parts.decoder_layers)
+                audio = _cfg(model_cfg, "audio_encoder")
+                if audio is not None:
+                    # The audio encoder runs whole on the decoder's first stage, where its rows are scattered
+                    # into the input embeddings (MindSpeed-MM's own example splits it [32, 0] over two stages).
+                    enc = audio.audio_encoder
+                    enc.pipeline_num_layers = [int(enc.num_layers)] + [0] * (len(ctx.parts.decoder_layers) - 1)
             with plain_linears_unless(ctx.uses_mc2(get_args())):
                 model = original(pre_process, post_process, modules=ctx.modules)
             if not ctx.is_encoder:
@@ -323,7 +338,9 @@ class FlowHost:
                 self._step = DecoderStep(
                     self.ctx, megatron_fbf, factory, hidden, args.params_dtype, loss=loss_mode(args),
                     pad_multiple=sequence_pad_multiple(self.ctx, args),
-                    loader_batches=args.global_batch_size // args.micro_batch_size, layout=decoder_layout(self.ctx, args))
+                    loader_batches=args.global_batch_size // args.micro_batch_size, layout=decoder_layout(self.ctx, args),
+                    seconds_key=OMNI_SECONDS_KEY if has_audio(args.mm.model) else SECONDS_KEY,
+                    audio=has_audio(args.mm.model))
         step = self._step  # Megatron's schedule function is fixed by the pipeline size: the one given first
 
         def run(*args: Any, **kwargs: Any) -> Any:

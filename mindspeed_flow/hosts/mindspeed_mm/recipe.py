@@ -30,8 +30,11 @@ from mindspeed_flow.config.schema import FlowJobConfig, PackingConfig
 from mindspeed_flow.hosts.mindspeed_mm import FLOW_ENTRY_SCRIPTS
 from mindspeed_flow.step.layout import BACKBONE, ENCODER, Layout, PartLayout
 
-# The MindSpeed-MM modules each part builds (`model_provider(modules=...)`); an audio encoder would be a third part.
-PART_MODULES: dict[str, tuple[str, ...]] = {ENCODER: ("image_encoder",), BACKBONE: ("text_decoder",)}
+# The MindSpeed-MM modules each part builds (`model_provider(modules=...)`; one that model.json lacks is skipped).
+# An audio encoder (Qwen2.5-Omni) runs on the decoder's first stage, beside the LLM's embeddings it feeds.
+PART_MODULES: dict[str, tuple[str, ...]] = {ENCODER: ("image_encoder",), BACKBONE: ("audio_encoder", "text_decoder")}
+# model.json's audio_encoder.audio_encoder.model_id values the decoder part runs.
+AUDIO_ENCODERS = ("qwen_omni",)
 
 
 class FlowRecipeError(ValueError):
@@ -54,7 +57,7 @@ MODEL_IDS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
         "videoalign_vit": "the video-align ViT is not tested as a flow part",
     }),
     "image_encoder.vision_projector.model_id": (("lnmlp",), {}),
-    "text_decoder.model_id": (("qwen2_5_lm",), {
+    "text_decoder.model_id": (("qwen2_5_lm", "qwen2_5_omni_thinker"), {
         "qwen3_lm": "Qwen3 LLM decoders are not tested as a flow part",
         "glm4v_lm": "GLM-4V's LLM is not tested as a flow part",
     }),
@@ -85,6 +88,7 @@ class ModelShape:
     # for messages: the coupled job's split, which the decoder keeps when it has one entry per decoder stage.
     llm_split: Optional[tuple[int, ...]] = None
     source: str = "model.json"
+    audio_heads: int = 0  # the audio encoder's attention heads (it shares the decoder's TP group); 0 without one
 
     @staticmethod
     def from_model_json(path: str | Path) -> "ModelShape":
@@ -103,9 +107,15 @@ class ModelShape:
         trainable = not (vit.get("freeze", True) and proj.get("freeze", False))
         split = llm.get("pipeline_num_layers")
         flat = isinstance(split, list) and bool(split) and all(isinstance(n, int) for n in split)
+        audio = (cfg.get("audio_encoder") or {}).get("audio_encoder") or {}
         return ModelShape(int(vit["num_attention_heads"]), int(vit["num_layers"]), int(llm["num_attention_heads"]),
                           int(llm.get("num_query_groups") or llm["num_attention_heads"]), int(llm["num_layers"]),
-                          trainable, tuple(split) if flat else None, Path(path).name)
+                          trainable, tuple(split) if flat else None, Path(path).name,
+                          int(audio.get("num_attention_heads", 0)))
+
+    @property
+    def audio(self) -> bool:
+        return self.audio_heads > 0
 
 
 @dataclass(frozen=True)
@@ -180,9 +190,12 @@ def unsupported_model(cfg: dict) -> list[str]:
         if node not in allowed:
             why = refused.get(str(node), "not a model the flow host supports")
             out.append(f"{dotted}={node!r}: {why} (supported: {', '.join(allowed)})")
-    if cfg.get("audio_encoder"):
-        out.append("audio_encoder: an audio encoder would be a third part; the MindSpeed-MM flow host runs the image "
-                   "encoder and the text decoder only (Qwen2.5-Omni trains decoupled on the torch host)")
+    audio = (cfg.get("audio_encoder") or {}).get("audio_encoder") if isinstance(cfg.get("audio_encoder"), dict) \
+        else None
+    if cfg.get("audio_encoder") and (not isinstance(audio, dict) or audio.get("model_id") not in AUDIO_ENCODERS):
+        got = audio.get("model_id") if isinstance(audio, dict) else None
+        out.append(f"audio_encoder.audio_encoder.model_id={got!r}: not an audio encoder the flow host runs "
+                   f"(supported: {', '.join(AUDIO_ENCODERS)})")
     llm = cfg.get("text_decoder") or {}
     for key in ("num_moe_experts", "num_experts", "moe_router_topk"):
         if llm.get(key):
@@ -214,7 +227,9 @@ def support_table() -> str:
     rows += [(names[field], ids(ok), ids(refused) or "anything else") for field, (ok, refused) in MODEL_IDS.items()]
     rows += [
         ("LLM kind", "dense", "MoE (`num_moe_experts`, `--expert-model-parallel-size`), `use_remove_padding: true`"),
-        ("other parts", "", "`audio_encoder` (Qwen2.5-Omni: a third part; the torch host trains it)"),
+        ("other parts", "`audio_encoder` (Qwen2.5-Omni's `qwen_omni`, with `qwen2_5_omni_thinker`): on the LLM's "
+                        "ranks, whole on its first stage, microbatches in rows",
+         "the audio encoder as its own part (the torch host trains Omni's thinker in three parts)"),
         ("parallelism", "any DP/TP per part, decoder PP (uneven split), sequence parallel, MC2",
          "CP > 1, VPP, encoder PP, `--use-torch-fsdp2` on `pretrain_vlm.py`, `--hetero-parallel`, `--dist-train`"),
         ("data", f"images, 0-n per sample, or videos (`attr.videos`, model.json's `img_context_token_id` the video "
@@ -326,6 +341,8 @@ def build_parts(job: FlowJobConfig, *, world_size: int, model: ModelShape, globa
                                        f"({model.llm_heads}) must be divisible by tp"),
         (model.llm_kv_heads % bb.tp == 0, f"parallel.backbone.tp={bb.tp}: the LLM's num_query_groups "
                                           f"({model.llm_kv_heads}) must be divisible by tp"),
+        (model.audio_heads % bb.tp == 0, f"parallel.backbone.tp={bb.tp}: the audio encoder runs on the LLM's ranks, "
+                                         f"and its num_attention_heads ({model.audio_heads}) must be divisible by tp"),
         (bb.pp <= model.llm_layers, f"parallel.backbone.pp={bb.pp}: more pipeline stages than LLM layers "
                                     f"({model.llm_layers})"),
     ]
@@ -459,6 +476,10 @@ def parts_for_job(recipe_path: str | Path, argv: list[str], world_size: int,
         raise FlowRecipeError("model.json freezes the whole image encoder, so its part has no trainable parameter: "
                               "run with --use-distributed-optimizer (MindSpeed-MM's placeholder optimizer for a part "
                               "without parameters fails in Megatron's non-distributed optimizer: no main_grad)")
+    if job.packing.layout == "packed" and model.audio:
+        raise FlowRecipeError("packing.layout=packed: model.json has an audio_encoder, and Qwen2.5-Omni's rope index "
+                              "numbers a microbatch's positions from its audio clips too, so a packed row cannot "
+                              "restart them per sample; set packing.layout: rows (auto picks rows)")
     if job.packing.layout == "packed" and "--use-flash-attn" not in argv:
         raise FlowRecipeError("packing.layout=packed needs the job's --use-flash-attn: a packed microbatch's samples "
                               "are kept apart by the flash-attention kernel's varlen (TND) layout; add the flag or "

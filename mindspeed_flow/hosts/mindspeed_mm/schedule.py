@@ -341,7 +341,8 @@ class DecoderStep:
 
     def __init__(self, ctx: FlowContext, megatron_fbf: Callable[..., Any],
                  transport_factory: Callable[[], PlannedTransport], embed_dim: int, dtype: torch.dtype,
-                 *, loss: str, pad_multiple: int, loader_batches: int, layout: str) -> None:
+                 *, loss: str, pad_multiple: int, loader_batches: int, layout: str,
+                 seconds_key: str = SECONDS_KEY, audio: bool = False) -> None:
         self.ctx = ctx
         self.megatron_fbf = megatron_fbf
         self._transport_factory = transport_factory
@@ -352,6 +353,8 @@ class DecoderStep:
         self.pad_multiple = pad_multiple
         self.loader_batches = loader_batches
         self.layout = layout
+        self.seconds_key = seconds_key  # the batch key the model's rope index reads videos' seconds from
+        self.audio = audio  # the model has an audio encoder (on this part's first stage)
         self._positions: Optional[Callable[..., torch.Tensor]] = None
         self.timer: Optional[Timer] = None
         self.num_microbatches = 1
@@ -446,7 +449,8 @@ class DecoderStep:
         """The microbatch MindSpeed-MM's forward step takes, a map from per-sample loss weights to the weight of
         each of its token losses, and the context its forward runs in (packed: the row's PackedSeqParams)."""
         if self.layout != LAYOUT_PACKED:
-            batch = collate_rows(samples, pad_multiple=self.pad_multiple)
+            batch = collate_rows(samples, pad_multiple=self.pad_multiple, seconds_key=self.seconds_key,
+                                 audio=self.audio)
             return (batch, lambda w: torch.tensor(w, dtype=torch.float32).reshape(-1, 1),
                     contextlib.nullcontext())
         if self._positions is None:
