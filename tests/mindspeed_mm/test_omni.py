@@ -6,9 +6,10 @@ one video and one audio clip. The vision encoder runs on its own ranks; the audi
 ranks, whole on its first stage, and its features reach them through MindSpeed-MM's collator as in the unpatched
 job. Both jobs load the same coupled checkpoint (audio encoder included) and run 10 bf16 iterations with
 `--calculate-per-token-loss`; the flow job's loss must equal the unpatched job's (first iteration within 5e-3, all
-within 2e-2 relative; gradient norms within 1e-2) with the vision encoder on 2 DP ranks, and with the decoder on more ranks than the encoder
-(TP 2; with sequence parallelism MindSpeed-MM's audio encoder asks for clip lengths divisible by TP, which the tiny
-clips are not).
+within 2e-2 relative; gradient norms within 1e-2) with the vision encoder on 2 DP ranks, with the decoder on more
+ranks than the encoder (TP 2), and on two decoder stages as the example splits it, stopped and resumed with the same
+command. Sequence parallelism is not among them: MindSpeed-MM's audio encoder then needs every clip's frame count
+divisible by TP, and the unpatched job fails on the tiny clips just as the flow job does.
 """
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from flow_helpers import assert_flow_matches, check_part_groups, nranks, write_recipe
+from flow_helpers import assert_flow_matches, check_part_groups, nranks, rel, write_recipe
 
-from mindspeed_flow.emulation.jobs import JobResult, TinyJob, emulate_job
+from mindspeed_flow.emulation.jobs import JobResult, TinyJob, emulate_job, parse_grad_norms
 
 pytestmark = [pytest.mark.mindspeed_mm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -82,3 +83,31 @@ def test_flow_job_trains_omni_as_the_unpatched_job(layout, omni_assets, omni_che
     assert_flow_matches(result, omni_reference, layout, ITERS)
     check_part_groups(result.output, enc, dec)
     assert sum(result.losses[-3:]) / 3 < sum(result.losses[:3]) / 3, result.losses
+
+
+def test_omni_flow_on_two_decoder_stages_resumes_with_the_same_command(omni_assets, omni_checkpoint, omni_reference,
+                                                                      run_job, tmp_path) -> None:
+    """The example's own decoder split (two stages, the audio encoder whole on the first): the flow job stops after
+    iteration 6 (`--exit-interval`), then the same command with `--load` at its own save runs 7-10. All ten match
+    the unpatched job, so the per-part saves (the audio encoder's tensors with the decoder's first stage) resume
+    exactly what was left."""
+    enc, dec = {"dp": 1, "tp": 1}, {"dp": 1, "tp": 1, "pp": 2}
+    recipe = write_recipe(tmp_path / "enc1_dec_pp2.yaml", enc, dec)
+    save = tmp_path / "save"
+    first = _job(omni_assets, ITERS, load=omni_checkpoint, save=save, save_interval=3,
+                 extra=COMMON + ["--finetune", "--exit-interval", "6"])
+    stopped = run_job("pp2_first", first.argv(), nproc=nranks(enc, dec), flow_recipe=recipe)
+    stopped.assert_trained(6)
+    check_part_groups(stopped.output, enc, dec)
+    again = _job(omni_assets, ITERS, load=save, save=save, save_interval=3, extra=list(COMMON))
+    resumed = run_job("pp2_resumed", again.argv(), nproc=nranks(enc, dec), flow_recipe=recipe)
+    resumed.assert_trained(ITERS - 6, first=7)
+    flow = stopped.losses + resumed.losses
+    norms = parse_grad_norms(stopped.output) + parse_grad_norms(resumed.output)
+    loss_rel = rel(flow, omni_reference.losses)
+    norm_rel = rel(norms, parse_grad_norms(omni_reference.output))
+    print(f"pp2 resumed: flow {flow}\nunpatched {omni_reference.losses}\nlargest relative difference: loss "
+          f"{max(loss_rel):.1e}, grad norm {max(norm_rel):.1e}")
+    assert len(flow) == len(norms) == ITERS
+    assert loss_rel[0] <= 5e-3 and max(loss_rel) <= 2e-2, (loss_rel, flow)
+    assert max(norm_rel) <= 1e-2, norms

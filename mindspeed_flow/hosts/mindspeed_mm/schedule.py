@@ -484,14 +484,25 @@ class DecoderStep:
             batch, token_weights, forward_context = self.collate(samples, vlm)
             if self.loss == LOSS_TOKEN:
                 with forward_context, span("decoder.forward", "busy"):
-                    return original(iter([batch]), model)
+                    output, loss_func = original(iter([batch]), model)
+                return _sendable(output), loss_func
             with per_token_losses(), forward_context, span("decoder.forward", "busy"):
                 output, original_loss = original(iter([batch]), model)
+            output = _sendable(output)
             weights = token_weights(loss_weights(samples, self.loss, self.loader_batches)) if samples else None
             scale = float(self.num_microbatches * self.ctx.parts.layout.part("backbone").dp)
             return output, lambda out: weighted_loss(out, weights, scale, original_loss)
 
         return flow_forward_step
+
+
+def _sendable(output: Any) -> Any:
+    """A stage's output as Megatron's pipeline send takes it: contiguous. Qwen2.5-Omni's audio scatter hands the
+    decoder a transposed view of its input embeddings, which stays a view through a stage when a microbatch holds
+    more than one row (the unpatched job's one-sample microbatches never show it)."""
+    if torch.is_tensor(output) and not output.is_contiguous():
+        return output.contiguous()
+    return output
 
 
 @contextlib.contextmanager
