@@ -24,7 +24,7 @@ import random
 import struct
 import wave
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from mindspeed_flow.emulation import tiny
 
@@ -93,22 +93,29 @@ def _write_tone(path: Path, hz: float, seconds: float) -> None:
         out.writeframes(bytes(frames))
 
 
-def write_samples(data_dir: Path, n_samples: int, seed: int = 0) -> Path:
-    """`n_samples` samples, each one video (a square sliding over a background) and one tone of 0.5-1.5 s whose
-    pitch follows the square's colour (so the audio tokens vary in number); returns samples.json."""
+def write_samples(data_dir: Path, n_samples: int, seed: int = 0, videos_per_sample: Sequence[int] = (1,),
+                  audios_per_sample: Sequence[int] = (1,)) -> Path:
+    """`n_samples` samples, sample i holding `videos_per_sample[i % len]` videos (a square sliding over a
+    background) and `audios_per_sample[i % len]` tones of 0.5-1.5 s whose pitch follows the square's colour (so
+    the audio tokens vary in number); returns samples.json."""
     rng = random.Random(seed)
     samples = []
     for i in range(n_samples):
         color, background = rng.sample(sorted(tiny.COLORS), 2)
         direction = rng.choice(("left", "right"))
-        video = data_dir / "videos" / f"{i:04d}.mp4"
-        tiny._write_video(video, color, background, direction)
-        audio = data_dir / "audios" / f"{i:04d}.wav"
-        _write_tone(audio, PITCH_HZ[color], 0.5 + (i % 3) * 0.5)
-        samples.append({"messages": [{"role": "user", "content": "<video><audio>Describe the video."},
+        videos, audios = [], []
+        for k in range(videos_per_sample[i % len(videos_per_sample)]):
+            videos.append(data_dir / "videos" / f"{i:04d}_{k}.mp4")
+            tiny._write_video(videos[-1], color, background, direction)
+        for k in range(audios_per_sample[i % len(audios_per_sample)]):
+            audios.append(data_dir / "audios" / f"{i:04d}_{k}.wav")
+            _write_tone(audios[-1], PITCH_HZ[color], 0.5 + ((i + k) % 3) * 0.5)
+        samples.append({"messages": [{"role": "user",
+                                      "content": "<video>" * len(videos) + "<audio>" * len(audios)
+                                      + "Describe the video."},
                                      {"role": "assistant", "content": f"a {color} square moving {direction} on a "
                                                                       f"{background} background"}],
-                        "videos": [str(video)], "audios": [str(audio)]})
+                        "videos": [str(v) for v in videos], "audios": [str(a) for a in audios]})
     out = data_dir / "samples.json"
     out.write_text(json.dumps(samples, indent=1))
     return out
@@ -144,20 +151,22 @@ def data_json(example: dict[str, Any], workdir: Path, processor_dir: Path) -> di
     return data
 
 
-def prepare_omni_workdir(workdir: str | Path, mm_root: Path, n_samples: int = 16) -> dict[str, Path]:
+def prepare_omni_workdir(workdir: str | Path, mm_root: Path, n_samples: int = 16,
+                         videos_per_sample: Sequence[int] = (1,), audios_per_sample: Sequence[int] = (1,),
+                         shuffle: bool = True) -> dict[str, Path]:
     """Build (once) the processor and samples under `workdir`, and write fresh model / data files from the
-    example's in `mm_root` (MindSpeed-MM's sources)."""
+    example's in `mm_root` (MindSpeed-MM's sources). `shuffle`: data_7b.json's dataloader shuffle."""
     workdir = Path(workdir).resolve()
     processor_dir = workdir / "processor"
     if not (processor_dir / "preprocessor_config.json").exists():
         build_processor(processor_dir)
-    samples = workdir / "data" / "samples.json"
-    if not samples.exists() or len(json.loads(samples.read_text())) != n_samples:
-        write_samples(workdir / "data", n_samples)
+    samples = write_samples(workdir / "data", n_samples, videos_per_sample=videos_per_sample,
+                            audios_per_sample=audios_per_sample)
     model_path, data_path = workdir / "model_omni.json", workdir / "data_omni.json"
     model_path.write_text(json.dumps(model_json(json.loads((mm_root / EXAMPLE_MODEL).read_text())), indent=4))
-    data_path.write_text(json.dumps(data_json(json.loads((mm_root / EXAMPLE_DATA).read_text()), workdir,
-                                              processor_dir), indent=4))
+    data = data_json(json.loads((mm_root / EXAMPLE_DATA).read_text()), workdir, processor_dir)
+    data["dataloader_param"]["shuffle"] = shuffle
+    data_path.write_text(json.dumps(data, indent=4))
     return {"workdir": workdir, "processor": processor_dir, "samples": samples, "model_json": model_path,
             "data_json": data_path}
 

@@ -63,8 +63,8 @@ def omni_checkpoint(omni_assets) -> Path:
     return ckpt
 
 
-def _finetune(assets: dict, ckpt: Path, *more: str) -> TinyJob:
-    return _job(assets, ITERS, load=ckpt, extra=COMMON + ["--finetune", *more])
+def _finetune(assets: dict, ckpt: Path, **kw) -> TinyJob:
+    return _job(assets, ITERS, load=ckpt, extra=COMMON + ["--finetune"], **kw)
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +111,38 @@ def test_omni_flow_on_two_decoder_stages_resumes_with_the_same_command(omni_asse
     assert len(flow) == len(norms) == ITERS
     assert loss_rel[0] <= 5e-3 and max(loss_rel) <= 2e-2, (loss_rel, flow)
     assert max(norm_rel) <= 1e-2, norms
+
+
+@pytest.fixture(scope="module")
+def mixed_assets(mm_sources, omni_assets, tmp_path_factory) -> dict[str, Path]:
+    """Samples in turn: a video and a clip, a clip alone, a video alone; read in order (no shuffle), so each
+    global batch of 4 holds all three kinds."""
+    from mindspeed_flow.emulation import tiny_omni
+
+    return tiny_omni.prepare_omni_workdir(tmp_path_factory.mktemp("tiny_omni_mixed"), mm_sources.mindspeed_mm.root,
+                                          n_samples=SAMPLES, videos_per_sample=(1, 0, 1),
+                                          audios_per_sample=(1, 1, 0), shuffle=False)
+
+
+def test_omni_flow_trains_audio_only_video_only_and_mixed_samples(mixed_assets, run_job, tmp_path) -> None:
+    """Every kind of sample in one step, the decoder on two DP ranks. MindSpeed-MM's Omni model scatters audio rows
+    only inside its branch for vision rows, and its rope index needs the clips' mask in every microbatch: the
+    unpatched job therefore trains this data set only with every global batch as one microbatch (here
+    `--micro-batch-size 4`), which is the reference. The flow job plans its own microbatches; a microbatch without
+    a video still gets its clips (an empty set of vision rows opens that branch) and one without a clip an empty
+    mask. The token budget gives about one sample per microbatch, so both happen; with the first disabled by hand
+    the gradient norms here differ by 34 %."""
+    ckpt = mixed_assets["workdir"] / "ckpt"
+    saved = emulate_job("mixed_save", _job(mixed_assets, 2, save=ckpt, extra=list(COMMON), micro_batch_size=4).argv(),
+                        log_dir=mixed_assets["workdir"], nproc=1)
+    saved.assert_trained(2)
+    reference = emulate_job("mixed_ref", _finetune(mixed_assets, ckpt, micro_batch_size=4).argv(),
+                            log_dir=mixed_assets["workdir"], nproc=1)
+    enc, dec = {"dp": 1, "tp": 1}, {"dp": 2, "tp": 1, "pp": 1}
+    recipe = write_recipe(tmp_path / "enc1_dec_dp2.yaml", enc, dec)
+    # A budget of about one sample per microbatch, so that some microbatch holds a clip and no video.
+    recipe.write_text(recipe.read_text().replace("token_budget: 256", "token_budget: 96"))
+    result = run_job("mixed_enc1_dec_dp2", _finetune(mixed_assets, ckpt).argv(), nproc=nranks(enc, dec),
+                     flow_recipe=recipe)
+    assert_flow_matches(result, reference, "mixed", ITERS)
+    check_part_groups(result.output, enc, dec)
