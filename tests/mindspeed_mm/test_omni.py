@@ -125,13 +125,14 @@ def mixed_assets(mm_sources, omni_assets, tmp_path_factory) -> dict[str, Path]:
 
 
 def test_omni_flow_trains_audio_only_video_only_and_mixed_samples(mixed_assets, run_job, tmp_path) -> None:
-    """Every kind of sample in one step, the decoder on two DP ranks. MindSpeed-MM's Omni model scatters audio rows
-    only inside its branch for vision rows, and its rope index needs the clips' mask in every microbatch: the
-    unpatched job therefore trains this data set only with every global batch as one microbatch (here
-    `--micro-batch-size 4`), which is the reference. The flow job plans its own microbatches; a microbatch without
-    a video still gets its clips (an empty set of vision rows opens that branch) and one without a clip an empty
-    mask. The token budget gives about one sample per microbatch, so both happen; with the first disabled by hand
-    the gradient norms here differ by 34 %."""
+    """Every kind of sample in one step, the decoder on two DP ranks. MindSpeed-MM's collator gives a batch without
+    a video a blank image, whose ViT rows then find no place at img_context_token_id (the video pad): the unpatched
+    job fails on a clip-only microbatch ("shape mismatch: value tensor of shape [4, 64] cannot be broadcast to
+    indexing result of shape [0, 64]", checked by hand), so it trains this data set only with each global batch as
+    one microbatch (`--micro-batch-size 4`), the reference here. The flow job builds its own microbatches: one with
+    clips and no video gets an empty set of vision rows, which opens the model's branch that scatters audio rows,
+    and one without clips an empty clip mask for the rope index. The token budget gives about one sample per
+    microbatch, so both happen; with the first disabled by hand the gradient norms here differ by 34 %."""
     ckpt = mixed_assets["workdir"] / "ckpt"
     saved = emulate_job("mixed_save", _job(mixed_assets, 2, save=ckpt, extra=list(COMMON), micro_batch_size=4).argv(),
                         log_dir=mixed_assets["workdir"], nproc=1)

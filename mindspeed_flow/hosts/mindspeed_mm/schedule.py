@@ -483,8 +483,9 @@ class DecoderStep:
                 if vlm.input_tensor is None and self.audio and \
                         any(step.samples[sid].audio_features is not None for sid in sample_ids):
                     # MindSpeed-MM scatters audio rows only inside its branch for vision rows: without any, a
-                    # microbatch of audio-only samples would train on the bare <|AUDIO|> embeddings. No vision
-                    # rows, so that every clip reaches the LLM whatever the microbatch holds.
+                    # microbatch of clip-only samples would train on the bare <|AUDIO|> embeddings. An empty set
+                    # of vision rows opens that branch, so every clip reaches the LLM whatever the microbatch holds
+                    # (MindSpeed-MM's collator adds a blank image instead, which then fails to scatter).
                     vlm.input_tensor = torch.zeros((0, 1, self.embed_dim), dtype=self.dtype, device=self.ctx.device)
             samples = [step.samples[sid] for sid in sample_ids]
             batch, token_weights, forward_context = self.collate(samples, vlm)
