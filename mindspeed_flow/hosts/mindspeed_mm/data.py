@@ -426,9 +426,13 @@ class IndexedReads(_ReplicaBatches):
             s.labels = torch.as_tensor(item["labels"], dtype=torch.long)
         if item.get("audios"):
             # The audio encoder runs on the decoder's ranks: its log-mel features come from MindSpeed-MM's
-            # collator (which reads the clips), as the unpatched job's do.
-            got = split_batch(self.collate([item]), s.sample_id, *self._ids)[0]
-            s.audio_features, s.audio_mask = got.audio_features, got.audio_mask
+            # collator (which reads the clips), as the unpatched job's do. Without the item's images and videos,
+            # so that no decoder rank decodes a frame (the collator stands a blank image in for them).
+            batch = self.collate([dict(item, images=[], videos=[])])
+            s.audio_features, s.audio_mask = (batch[k] for k in AUDIO_KEYS)
+            if int(s.audio_features.shape[0]) != len(item["audios"]):
+                raise self._stale(s, f"its clips ({int(s.audio_features.shape[0])} from the collator, "
+                                     f"{len(item['audios'])} in the data set)")
 
 
 class FlowStepSource:
