@@ -273,3 +273,31 @@ def test_index_keeps_video_grids_and_seconds() -> None:
     got = index.meta(1)
     assert got.has_video and got.grid.tolist() == [[2, 2, 2], [2, 2, 2]] and got.seconds.tolist() == [0.5, 1.5]
     assert index.meta(0).seconds is None and index.meta(2).grid is None
+
+
+def test_audio_clips_are_cut_per_sample_and_batched_back_in_order() -> None:
+    """Qwen2.5-Omni: a batch's clips ([clips, mel, frames] and their masks) belong to the samples in order, one per
+    <|audio_bos|>; a decoder microbatch concatenates them again, the video seconds under Omni's key (a tensor), and
+    a microbatch without clips (or without samples) carries an empty mask for the rope index."""
+    from mindspeed_flow.hosts.mindspeed_mm.data import AUDIO_START_ID, OMNI_SECONDS_KEY, collate_rows, split_batch
+
+    audio = [AUDIO_START_ID, 7, 7, 8]
+    ids = torch.tensor([[5] + audio + audio + [6], [5, 3, 3, 3, 3, 3, 3, 3, 3, 6], [5] + audio + [6, 0, 0, 0, 0]])
+    mask = (ids != 0).long()
+    features = torch.arange(3 * 2 * 5, dtype=torch.float32).reshape(3, 2, 5)
+    clip_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": mask, "input_features": features,
+             "feature_attention_mask": clip_mask}
+    two, none, one = split_batch(batch, 0, VSTART, IMG, MERGE)
+    assert torch.equal(two.audio_features, features[:2]) and torch.equal(two.audio_mask, clip_mask[:2])
+    assert none.audio_features is None and none.audio_mask is None
+    assert torch.equal(one.audio_features, features[2:]) and torch.equal(one.audio_mask, clip_mask[2:])
+    rows = collate_rows([one, none, two], seconds_key=OMNI_SECONDS_KEY, audio=True)
+    assert torch.equal(rows["input_features"], torch.cat([features[2:], features[:2]]))
+    assert torch.equal(rows["feature_attention_mask"], torch.cat([clip_mask[2:], clip_mask[:2]]))
+    silent = collate_rows([none], audio=True)
+    assert "input_features" not in silent and silent["feature_attention_mask"].shape[0] == 0
+    assert collate_rows([], audio=True)["feature_attention_mask"].shape[0] == 0
+    video = split_batch(_video_batch(2), 0, VSTART, IMG, MERGE)[0]
+    seconds = collate_rows([video], seconds_key=OMNI_SECONDS_KEY, audio=True)[OMNI_SECONDS_KEY]
+    assert torch.is_tensor(seconds) and seconds.tolist() == [0.5, 1.5]

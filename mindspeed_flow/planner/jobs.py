@@ -9,7 +9,8 @@ before any rank starts, so the planner never prices a layout that host refuses:
   1`: TransformerConfig fields, which MindSpeed-MM's get_model_config takes from the module's section only), so
   the encoder recomputes per layer (level 2) or not at all, never from the pixels (the host keeps ViT
   activations: flow.keep_encoder_activations must stay true); the optimizer is sharded by the job's
-  --use-distributed-optimizer (the recipe says `backbone_dp_impl: ddp`); only Qwen2.5-VL models.
+  --use-distributed-optimizer (the recipe says `backbone_dp_impl: ddp`); only Qwen2.5-VL models (the job also
+  trains Qwen2.5-Omni, its audio encoder on the LLM's first stage, a layout not priced here).
 - `torch`, the torch host (`mindspeed-flow train`, `step.layout.Layout.validate` and `config.load.check_rules`): no
   context parallelism; the encoder is not pipelined; the encoder recomputes only from the pixels
   (flow.keep_encoder_activations=false, level 1); the backbone never recomputes; FSDP2 shards the backbone only
@@ -86,6 +87,10 @@ RULES = {
                  shard_encoder=True, whole_nodes=False),
     "mm": JobRules("mm", "the flow-patched MindSpeed-MM job", cp=False, encoder_rc=(0, 2), backbone_rc=(0, 1),
                    shard_with_tp=True, shard_encoder=True, whole_nodes=True, replicated_kv=False, families=("qwen2_5_vl",),
+                   refused=(("qwen2_5_omni_thinker", "the flow-patched MindSpeed-MM job runs Omni's audio encoder on "
+                             "the LLM's first stage, a layout the planner does not price yet (it prices the audio "
+                             "encoder as its own part); write the recipe's parallel.encoder / parallel.backbone by "
+                             "hand, or price the three-part layout with --job any"),),
                    launch_job="mm"),
     "torch": JobRules("torch", "the torch host (mindspeed-flow train)", cp=False, encoder_rc=(0, 1),
                       backbone_rc=(0,), shard_with_tp=False, shard_encoder=False, whole_nodes=True,
@@ -101,10 +106,13 @@ RULES = {
 
 def refusal(rules: JobRules, family: str | None) -> str:
     """Why the job cannot run a plan of this model family (empty when it can)."""
+    why = dict(rules.refused).get(str(family), "")
+    if why:
+        return why
     if rules.families and family not in rules.families:
         return (f"{rules.label} trains {', '.join(rules.families)} models decoupled only (hosts/mindspeed_mm/"
                 "recipe.py); plan it for the torch host with --job torch")
-    return dict(rules.refused).get(str(family), "")
+    return ""
 
 
 def job_rules(job: str) -> JobRules:
