@@ -152,6 +152,8 @@ def test_every_mindspeed_mm_flow_recipe_builds_its_parts(recipe) -> None:
     ("internvl", "image_encoder.vision_encoder.model_id='clip': InternVL's ViT takes no image_grid_thw"),
     ("audio", "audio_encoder.audio_encoder.model_id=None: not an audio encoder the flow host runs"),
     ("audio_packed", "packing.layout=packed: model.json has an audio_encoder"),
+    ("audio_split", "audio_encoder.audio_encoder.pipeline_num_layers=[16, 16]: the flow job runs the audio encoder "
+                    "whole on the LLM's first stage"),
     ("moe", "text_decoder.num_moe_experts=8: MoE decoders"),
     ("ep", "--expert-model-parallel-size 2: expert parallelism"),
     ("cp", "--context-parallel-size 2: flow parts run without context parallelism"),
@@ -170,6 +172,8 @@ def test_what_the_host_cannot_take_is_refused_by_name(tmp_path, case, want) -> N
              "audio": lambda: _model_json(tmp_path, top={"audio_encoder": {"audio_encoder": {}}}),
              "audio_packed": lambda: _model_json(tmp_path, top={"audio_encoder": {"audio_encoder": {
                  "model_id": "qwen_omni", "num_attention_heads": 2}}}),
+             "audio_split": lambda: _model_json(tmp_path, top={"audio_encoder": {"audio_encoder": {
+                 "model_id": "qwen_omni", "num_attention_heads": 2, "pipeline_num_layers": [16, 16]}}}),
              "moe": lambda: _model_json(tmp_path, num_moe_experts=8)}.get(case, lambda: _model_json(tmp_path))()
     argv = _argv(model)
     script = "pretrain_omni.py" if case == "script" else "pretrain_vlm.py"

@@ -196,6 +196,14 @@ def unsupported_model(cfg: dict) -> list[str]:
         got = audio.get("model_id") if isinstance(audio, dict) else None
         out.append(f"audio_encoder.audio_encoder.model_id={got!r}: not an audio encoder the flow host runs "
                    f"(supported: {', '.join(AUDIO_ENCODERS)})")
+    split = audio.get("pipeline_num_layers") if isinstance(audio, dict) else None
+    if isinstance(split, list) and any(n for n in split[1:] if isinstance(n, int)):
+        # A coupled checkpoint keeps each stage's audio layers numbered from 0 in its own folder; the flow job
+        # runs them all on the LLM's first stage and reads them from the coupled job's first stage.
+        out.append(f"audio_encoder.audio_encoder.pipeline_num_layers={split}: the flow job runs the audio encoder "
+                   f"whole on the LLM's first stage and reads its layers from a coupled checkpoint's first stage; "
+                   f"put them all there ([{sum(n for n in split if isinstance(n, int))}"
+                   f"{', 0' * (len(split) - 1)}], as MindSpeed-MM's Omni example does)")
     llm = cfg.get("text_decoder") or {}
     for key in ("num_moe_experts", "num_experts", "moe_router_topk"):
         if llm.get(key):
