@@ -13,7 +13,8 @@ two files with the example's keys and tiny widths, next to:
 - captioning samples: one tiny MPEG-4 video (as `tiny.write_video_samples`) and one WAV tone per sample, whose
   pitch follows the square's colour (read by MindSpeed-MM with librosa).
 
-    python -m mindspeed_flow.emulation.tiny_omni WORKDIR [--samples 16]
+    python -m mindspeed_flow.emulation.tiny_omni WORKDIR [--samples 16] [--iters 10]
+    # then: mindspeed-flow emulate --nproc 3 --flow-recipe FLOW.yaml -- <the printed job>
 """
 from __future__ import annotations
 
@@ -171,20 +172,36 @@ def prepare_omni_workdir(workdir: str | Path, mm_root: Path, n_samples: int = 16
             "data_json": data_path}
 
 
+def job_argv(paths: dict[str, Path], iters: int = 10) -> list[str]:
+    """The tiny job's `pretrain_vlm.py` command line (what follows `mindspeed-flow emulate --`), with the example
+    script's flags that matter here: per-token loss, variable lengths, the distributed optimizer its frozen
+    encoders need."""
+    from mindspeed_flow.emulation.jobs import TinyJob  # lazy: startup
+
+    return TinyJob(paths["model_json"], paths["data_json"], train_iters=iters, global_batch_size=4, seq_length=256,
+                   vocab_size=VOCAB_SIZE, extra=["--calculate-per-token-loss", "--variable-seq-lengths",
+                                                 "--use-distributed-optimizer"]).argv()
+
+
 def main(argv: list[str] | None = None) -> int:
+    import shlex  # lazy: startup
+
     from mindspeed_flow.emulation.sources import SourceError, find_sources  # lazy: startup
 
     parser = argparse.ArgumentParser(prog="python -m mindspeed_flow.emulation.tiny_omni", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workdir")
     parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args(argv)
     try:
         mm_root = find_sources().mindspeed_mm.root
     except SourceError as err:
         parser.error(str(err))
-    for key, value in prepare_omni_workdir(args.workdir, mm_root, args.samples).items():
+    paths = prepare_omni_workdir(args.workdir, mm_root, args.samples)
+    for key, value in paths.items():
         print(f"{key}: {value}")
+    print("job: " + shlex.join(job_argv(paths, args.iters)))
     return 0
 
 

@@ -36,6 +36,7 @@ LAYOUTS = {
 
 
 def _job(assets: dict, iters: int, **kw) -> TinyJob:
+    """As `tiny_omni.job_argv` (which prints it for users), with the test's own checkpoints and flags."""
     from mindspeed_flow.emulation.tiny_omni import VOCAB_SIZE
 
     return TinyJob(assets["model_json"], assets["data_json"], train_iters=iters, global_batch_size=4,
