@@ -172,15 +172,18 @@ def prepare_omni_workdir(workdir: str | Path, mm_root: Path, n_samples: int = 16
             "data_json": data_path}
 
 
-def job_argv(paths: dict[str, Path], iters: int = 10) -> list[str]:
-    """The tiny job's `pretrain_vlm.py` command line (what follows `mindspeed-flow emulate --`), with the example
-    script's flags that matter here: per-token loss, variable lengths, the distributed optimizer its frozen
-    encoders need."""
+# The example script's flags that matter to the tiny job: per-token loss, variable lengths, and the distributed
+# optimizer its frozen encoders need.
+JOB_FLAGS = ("--calculate-per-token-loss", "--variable-seq-lengths", "--use-distributed-optimizer")
+
+
+def omni_job(paths: dict[str, Path], iters: int, *, more: Sequence[str] = (), **kw: Any) -> Any:
+    """The tiny job (`jobs.TinyJob`: its `argv()` follows `mindspeed-flow emulate --`) with `JOB_FLAGS` and `more`;
+    `kw` sets any other TinyJob field (checkpoints, micro-batch size...)."""
     from mindspeed_flow.emulation.jobs import TinyJob  # lazy: startup
 
     return TinyJob(paths["model_json"], paths["data_json"], train_iters=iters, global_batch_size=4, seq_length=256,
-                   vocab_size=VOCAB_SIZE, extra=["--calculate-per-token-loss", "--variable-seq-lengths",
-                                                 "--use-distributed-optimizer"]).argv()
+                   vocab_size=VOCAB_SIZE, extra=[*JOB_FLAGS, *more], **kw)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = prepare_omni_workdir(args.workdir, mm_root, args.samples)
     for key, value in paths.items():
         print(f"{key}: {value}")
-    print("job: " + shlex.join(job_argv(paths, args.iters)))
+    print("job: " + shlex.join(omni_job(paths, args.iters).argv()))
     return 0
 
 

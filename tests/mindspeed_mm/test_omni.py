@@ -26,8 +26,6 @@ pytestmark = [pytest.mark.mindspeed_mm, pytest.mark.slow, pytest.mark.timeout(24
 
 ITERS = 10
 SAMPLES = 16
-# As MindSpeed-MM's Omni example script: frozen encoders under the distributed optimizer, variable lengths.
-COMMON = ["--calculate-per-token-loss", "--variable-seq-lengths", "--use-distributed-optimizer"]
 LAYOUTS = {
     # name: encoder (dp, tp), decoder (dp, tp, pp)
     "enc_dp2_dec1": ({"dp": 2, "tp": 1}, {"dp": 1, "tp": 1, "pp": 1}),
@@ -36,11 +34,10 @@ LAYOUTS = {
 
 
 def _job(assets: dict, iters: int, **kw) -> TinyJob:
-    """As `tiny_omni.job_argv` (which prints it for users), with the test's own checkpoints and flags."""
-    from mindspeed_flow.emulation.tiny_omni import VOCAB_SIZE
+    """The job `tiny_omni` prints for users (the example's flags), with the test's checkpoints and flags."""
+    from mindspeed_flow.emulation.tiny_omni import omni_job
 
-    return TinyJob(assets["model_json"], assets["data_json"], train_iters=iters, global_batch_size=4,
-                   seq_length=256, vocab_size=VOCAB_SIZE, **kw)
+    return omni_job(assets, iters, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -58,14 +55,14 @@ def omni_assets(mm_sources, tmp_path_factory) -> dict[str, Path]:
 def omni_checkpoint(omni_assets) -> Path:
     """Two iterations of the unpatched 1-rank job, saved: the common starting point (its audio encoder too)."""
     ckpt = omni_assets["workdir"] / "ckpt"
-    result = emulate_job("omni_coupled_save", _job(omni_assets, 2, save=ckpt, extra=list(COMMON)).argv(),
+    result = emulate_job("omni_coupled_save", _job(omni_assets, 2, save=ckpt).argv(),
                          log_dir=omni_assets["workdir"], nproc=1)
     result.assert_trained(2)
     return ckpt
 
 
 def _finetune(assets: dict, ckpt: Path, **kw) -> TinyJob:
-    return _job(assets, ITERS, load=ckpt, extra=COMMON + ["--finetune"], **kw)
+    return _job(assets, ITERS, load=ckpt, more=["--finetune"], **kw)
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +93,11 @@ def test_omni_flow_on_two_decoder_stages_resumes_with_the_same_command(omni_asse
     recipe = write_recipe(tmp_path / "enc1_dec_pp2.yaml", enc, dec)
     save = tmp_path / "save"
     first = _job(omni_assets, ITERS, load=omni_checkpoint, save=save, save_interval=3,
-                 extra=COMMON + ["--finetune", "--exit-interval", "6"])
+                 more=["--finetune", "--exit-interval", "6"])
     stopped = run_job("pp2_first", first.argv(), nproc=nranks(enc, dec), flow_recipe=recipe)
     stopped.assert_trained(6)
     check_part_groups(stopped.output, enc, dec)
-    again = _job(omni_assets, ITERS, load=save, save=save, save_interval=3, extra=list(COMMON))
+    again = _job(omni_assets, ITERS, load=save, save=save, save_interval=3)
     resumed = run_job("pp2_resumed", again.argv(), nproc=nranks(enc, dec), flow_recipe=recipe)
     resumed.assert_trained(ITERS - 6, first=7)
     flow = stopped.losses + resumed.losses
@@ -135,7 +132,7 @@ def test_omni_flow_trains_audio_only_video_only_and_mixed_samples(mixed_assets, 
     and one without clips an empty clip mask for the rope index. The token budget gives about one sample per
     microbatch, so both happen; with the first disabled by hand the gradient norms here differ by 34 %."""
     ckpt = mixed_assets["workdir"] / "ckpt"
-    saved = emulate_job("mixed_save", _job(mixed_assets, 2, save=ckpt, extra=list(COMMON), micro_batch_size=4).argv(),
+    saved = emulate_job("mixed_save", _job(mixed_assets, 2, save=ckpt, micro_batch_size=4).argv(),
                         log_dir=mixed_assets["workdir"], nproc=1)
     saved.assert_trained(2)
     reference = emulate_job("mixed_ref", _finetune(mixed_assets, ckpt, micro_batch_size=4).argv(),

@@ -335,12 +335,12 @@ class FlowHost:
             if self.ctx.is_encoder:
                 self._step = EncoderStep(self.ctx, factory, hidden, args.params_dtype)
             else:
+                audio = has_audio(args.mm.model)  # Qwen2.5-Omni: its rope index reads its own batch keys
                 self._step = DecoderStep(
                     self.ctx, megatron_fbf, factory, hidden, args.params_dtype, loss=loss_mode(args),
                     pad_multiple=sequence_pad_multiple(self.ctx, args),
                     loader_batches=args.global_batch_size // args.micro_batch_size, layout=decoder_layout(self.ctx, args),
-                    seconds_key=OMNI_SECONDS_KEY if has_audio(args.mm.model) else SECONDS_KEY,
-                    audio=has_audio(args.mm.model))
+                    seconds_key=OMNI_SECONDS_KEY if audio else SECONDS_KEY, audio=audio)
         step = self._step  # Megatron's schedule function is fixed by the pipeline size: the one given first
 
         def run(*args: Any, **kwargs: Any) -> Any:
