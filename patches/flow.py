@@ -182,10 +182,13 @@ def get_forward_backward_func_wrapper(get_fbf: Callable) -> Callable:
 def get_grad_norm_fp32_wrapper(get_norm: Callable) -> Callable:
     @functools.wraps(get_norm)
     def wrapped(grads_for_norm: Any, norm_type: Any = 2, grad_stats_parallel_group: Any = None) -> float:
-        norm = get_norm(grads_for_norm, norm_type, grad_stats_parallel_group)
         ctx = flow_context.current()
         if ctx is None:
-            return norm
+            return get_norm(grads_for_norm, norm_type, grad_stats_parallel_group)
+        # Megatron's distributed optimizer passes no group ("all ranks"): the part's ranks here. Over the world,
+        # every part's norm would already hold the others', and the global norm below would count them twice.
+        norm = get_norm(grads_for_norm, norm_type,
+                        ctx.part_group if grad_stats_parallel_group is None else grad_stats_parallel_group)
         return global_grad_norm(ctx, norm, float(norm_type))
 
     return wrapped

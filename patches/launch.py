@@ -102,7 +102,7 @@ def setup_flow(recipe: str, script: str, script_argv: list[str]) -> None:
     # MindSpeed makes its import-time feature decisions (MC2's class replacement among them) from the command line's
     # TP; the per-part TP is applied later, rank by rank. So the command line carries the largest part TP.
     _set_flag(script_argv, "--tensor-model-parallel-size", str(max(p.tp for p in parts.layout.parts)))
-    if not parts.encoder_trainable and "--enable-dummy-optimizer" not in script_argv:
+    if parts.frozen_parts and "--enable-dummy-optimizer" not in script_argv:
         # A frozen encoder part has no trainable parameter; MindSpeed-MM's dummy optimizer gives its ranks one
         # (its flag is read at import time, so it must be on the command line before MindSpeed is imported).
         script_argv.append("--enable-dummy-optimizer")
@@ -111,6 +111,7 @@ def setup_flow(recipe: str, script: str, script_argv: list[str]) -> None:
         print(f"[mindspeed-flow] decoupled layout from {recipe}: {parts.describe()}; decoder pipeline layers "
               f"{list(parts.decoder_layers)} (from {parts.decoder_layers_from}); "
               f"encoder {'trainable' if parts.encoder_trainable else 'frozen'}; "
+              + (f"audio encoder {'trainable' if parts.audio_trainable else 'frozen'}; " if parts.audio_part else "") +
               f"packing {parts.packing.scheduler} (token budget {parts.packing.token_budget})", flush=True)
 
 

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mindspeed_flow.config.schema import PackingConfig
+from mindspeed_flow.config.schema import PackingConfig, PartParallelConfig
 from mindspeed_flow.hosts.mindspeed_mm import checkpoint as ck
 from mindspeed_flow.hosts.mindspeed_mm.host import model_spec, vit_frozen
 from mindspeed_flow.hosts.mindspeed_mm.recipe import (MODEL_IDS, REFUSED_SCRIPTS, SUPPORTED_SCRIPTS, FlowRecipeError,
-                                                      check_job_flags, even_split, parts_for_job, support_table,
-                                                      unsupported_model)
+                                                      check_job_flags, even_split, part_modules, parts_for_job,
+                                                      support_table, unsupported_model)
 from mindspeed_flow.model_presets.real import REAL_PRESETS
 from mindspeed_flow.packing import CostModel
 from mindspeed_flow.specs import VLMSpec
@@ -134,20 +134,77 @@ TINY_MODEL = Path(__file__).resolve().parents[1] / "mindspeed_flow" / "emulation
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
-def test_every_mindspeed_mm_flow_recipe_builds_its_parts(recipe) -> None:
+def test_every_mindspeed_mm_flow_recipe_builds_its_parts(recipe, tmp_path) -> None:
     from mindspeed_flow.hosts.mindspeed_mm.recipe import load_flow_job
 
     job = load_flow_job(recipe)
-    world = sum(p.dp * p.tp * p.pp * p.cp for p in (job.parallel.encoder, job.parallel.backbone))
-    parts = parts_for_job(recipe, _argv(TINY_MODEL), world)
+    encoders = [job.parallel.encoder] if not job.parallel.encoders else \
+        [PartParallelConfig(**sizes) for sizes in job.parallel.encoders.values()]
+    world = sum(p.dp * p.tp * p.pp * p.cp for p in (*encoders, job.parallel.backbone))
+    model = TINY_MODEL
+    if "audio" in job.parallel.encoders:  # a recipe with an audio part: the tiny model with Qwen2.5-Omni's encoder
+        cfg = json.loads(TINY_MODEL.read_text())
+        cfg["audio_encoder"] = {"audio_encoder": {"model_id": "qwen_omni", "num_attention_heads": 2}}
+        model = tmp_path / "model_omni.json"
+        model.write_text(json.dumps(cfg))
+    parts = parts_for_job(recipe, _argv(model) + ["--use-distributed-optimizer"], world)
     assert parts.layout.world_size == world and parts.layout.part_ranks("backbone")[-1] == world - 1
+
+
+def _omni_json(tmp_path: Path, **audio) -> Path:
+    return _model_json(tmp_path, "omni.json", top={"audio_encoder": {"audio_encoder": {
+        "model_id": "qwen_omni", "num_attention_heads": 4, **audio}}})
+
+
+OMNI_THREE = "parallel:\n  encoders:\n    vision: {dp: 1}\n    audio: {dp: 2}\n  backbone: {dp: 1, tp: 2}\n"
+
+
+def test_omni_audio_encoder_as_its_own_part_takes_the_ranks_after_the_vision_encoder(tmp_path) -> None:
+    parts = parts_for_job(_recipe(tmp_path, OMNI_THREE), _argv(_omni_json(tmp_path, freeze=False)), 5)
+    assert parts.layout.encoder_parts == ["encoder", "audio"] and parts.audio_part
+    assert [parts.layout.part_ranks(p) for p in ("encoder", "audio", "backbone")] == [[0], [1, 2], [3, 4]]
+    assert part_modules(parts.layout, "audio") == ("audio_encoder",)
+    assert part_modules(parts.layout, "backbone") == ("text_decoder",)  # the decoder leaves it to the audio part
+    assert parts.audio_trainable and parts.trainable("audio") and not parts.frozen_parts
+    assert "audio (audio_encoder): ranks 1-2, dp=2" in parts.describe()
+    two = parts_for_job(_recipe(tmp_path, "parallel:\n  encoder: {dp: 1}\n  backbone: {dp: 2}\n"),
+                        _argv(_omni_json(tmp_path)), 3)
+    assert not two.audio_part and part_modules(two.layout, "backbone") == ("audio_encoder", "text_decoder")
+    frozen = parts_for_job(_recipe(tmp_path, OMNI_THREE), _argv(_omni_json(tmp_path)) + ["--use-distributed-optimizer"],
+                           5)
+    assert frozen.frozen_parts == ["audio"] and not frozen.audio_trainable
+
+
+@pytest.mark.parametrize("text,model,world,want", [
+    (OMNI_THREE, "vl", 5, "parallel.encoders.audio: omni.json has no audio_encoder"),
+    ("parallel:\n  encoders:\n    vision: {dp: 1}\n    audio: {dp: 1, tp: 3}\n  backbone: {dp: 1}\n", "omni", 5,
+     "parallel.encoders.audio.tp=3: the audio encoder runs on these ranks, and its num_attention_heads (4)"),
+    ("parallel:\n  encoders:\n    vision: {dp: 1}\n    audio: {dp: 1, pp: 2}\n  backbone: {dp: 1}\n", "omni", 4,
+     "parallel.encoders.audio.pp=2: an encoder part runs data/tensor parallel only"),
+    ("parallel:\n  encoders:\n    vision: {dp: 1}\n    speech: {dp: 1}\n  backbone: {dp: 1}\n", "omni", 3,
+     "parallel.encoders=['speech', 'vision']: a MindSpeed-MM flow job's encoder parts are `vision`"),
+    ("parallel:\n  encoders:\n    audio: {dp: 1}\n  backbone: {dp: 1}\n", "omni", 2,
+     "parallel.encoders=['audio']"),
+    ("parallel:\n  encoders:\n    vision: {dp: 1}\n    audio: {dp: 1, depth: 2}\n  backbone: {dp: 1}\n", "omni", 3,
+     "parallel.encoders.audio: unknown keys ['depth']"),
+    (OMNI_THREE, "omni_frozen", 5, "parallel.encoders.audio: model.json freezes the audio encoder"),
+    ("parallel:\n  encoders:\n    vision: {dp: 1}\n    audio: {dp: 3}\n  backbone: {dp: 1}\n", "omni", 5,
+     "parallel.encoders.audio.dp=3: --global-batch-size 4 must be divisible"),
+])
+def test_bad_three_part_recipes_name_the_field_and_the_rule(tmp_path, text, model, world, want) -> None:
+    path = {"omni": lambda: _omni_json(tmp_path, freeze=False),
+            "omni_frozen": lambda: _omni_json(tmp_path),  # MindSpeed-MM's default: the audio encoder frozen
+            "vl": lambda: _model_json(tmp_path, "omni.json")}[model]()
+    with pytest.raises(FlowRecipeError) as err:
+        parts_for_job(_recipe(tmp_path, text), _argv(path, 4), world)
+    assert want in str(err.value), str(err.value)
 
 
 # ------------------------------------------------------------------------------ refusals before any group exists
 
 
 @pytest.mark.parametrize("case,want", [
-    ("script", "pretrain_omni.py: Qwen2.5-Omni's audio encoder would be a third part"),
+    ("script", "pretrain_omni.py: MindSpeed-MM's OmniModel entry is not a flow entry"),
     ("qwen3vit", "image_encoder.vision_encoder.model_id='qwen3vit': Qwen3-VL's ViT returns deepstack"),
     ("internvl", "image_encoder.vision_encoder.model_id='clip': InternVL's ViT takes no image_grid_thw"),
     ("audio", "audio_encoder.audio_encoder.model_id=None: not an audio encoder the flow host runs"),

@@ -143,9 +143,9 @@ def test_ranks_starting_together_build_the_index_once(tmp_path) -> None:
 
 
 def _source(reads, gbs: int = 8) -> FlowStepSource:
-    return FlowStepSource(reads, global_batch_size=gbs, micro_batch_size=2, bridge=Bridge.build([0, 1], [2, 3]),
-                          token_budget=32, cost_model=CostModel(), scheduler="flow", min_microbatches=1,
-                          oversize_policy="error", merge_size=MERGE)
+    return FlowStepSource(reads, global_batch_size=gbs, micro_batch_size=2,
+                          bridges={"encoder": Bridge.build([0, 1], [2, 3])}, token_budget=32, cost_model=CostModel(),
+                          scheduler="flow", min_microbatches=1, oversize_policy="error", merge_size=MERGE)
 
 
 def _batch_sampler(replica: int, n: int):

@@ -10,7 +10,7 @@ before any rank starts, so the planner never prices a layout that host refuses:
   the encoder recomputes per layer (level 2) or not at all, never from the pixels (the host keeps ViT
   activations: flow.keep_encoder_activations must stay true); the optimizer is sharded by the job's
   --use-distributed-optimizer (the recipe says `backbone_dp_impl: ddp`); only Qwen2.5-VL models (the job also
-  trains Qwen2.5-Omni, its audio encoder on the LLM's first stage, a layout not priced here).
+  trains Qwen2.5-Omni, its audio encoder on the LLM's first stage or as a third part, layouts not priced here).
 - `torch`, the torch host (`mindspeed-flow train`, `step.layout.Layout.validate` and `config.load.check_rules`): no
   context parallelism; the encoder is not pipelined; the encoder recomputes only from the pixels
   (flow.keep_encoder_activations=false, level 1); the backbone never recomputes; FSDP2 shards the backbone only
@@ -88,9 +88,9 @@ RULES = {
     "mm": JobRules("mm", "the flow-patched MindSpeed-MM job", cp=False, encoder_rc=(0, 2), backbone_rc=(0, 1),
                    shard_with_tp=True, shard_encoder=True, whole_nodes=True, replicated_kv=False, families=("qwen2_5_vl",),
                    refused=(("qwen2_5_omni_thinker", "the flow-patched MindSpeed-MM job runs Omni's audio encoder on "
-                             "the LLM's first stage, a layout the planner does not price yet (it prices the audio "
-                             "encoder as its own part); write the recipe's parallel.encoder / parallel.backbone by "
-                             "hand, or price the three-part layout with --job any"),),
+                             "the LLM's first stage or as its own part (parallel.encoders.audio), and the planner "
+                             "prices neither yet (it plans one encoder part and counts the audio encoder's "
+                             "parameters only); write the recipe's parallel section by hand"),),
                    launch_job="mm"),
     "torch": JobRules("torch", "the torch host (mindspeed-flow train)", cp=False, encoder_rc=(0, 1),
                       backbone_rc=(0,), shard_with_tp=False, shard_encoder=False, whole_nodes=True,

@@ -204,6 +204,6 @@ def test_refused_launch_is_one_line(tiny_assets, tmp_path, mm_sources) -> None:
     proc = emulate_job("refused", argv, log_dir=tmp_path, nproc=3, flow_recipe=recipe, timeout_s=300)
     assert proc.rc == 2, proc.output[-3000:]
     lines = [x for x in proc.output.strip().splitlines() if x]
-    assert len(lines) == 1 and "pretrain_omni.py: Qwen2.5-Omni's audio encoder would be a third part" in \
+    assert len(lines) == 1 and "pretrain_omni.py: MindSpeed-MM's OmniModel entry is not a flow entry" in \
         lines[0], proc.output
 

@@ -14,11 +14,13 @@ divisible by TP, and the unpatched job fails on the tiny clips just as the flow 
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
 from pathlib import Path
 
 import pytest
 
-from flow_helpers import assert_flow_matches, check_part_groups, nranks, rel, write_recipe
+from flow_helpers import GROUPS_LINE, assert_flow_matches, check_part_groups, nranks, rel, write_recipe
 
 from mindspeed_flow.emulation.jobs import JobResult, TinyJob, emulate_job, parse_grad_norms
 
@@ -91,20 +93,31 @@ def test_omni_flow_on_two_decoder_stages_resumes_with_the_same_command(omni_asse
     exactly what was left."""
     enc, dec = {"dp": 1, "tp": 1}, {"dp": 1, "tp": 1, "pp": 2}
     recipe = write_recipe(tmp_path / "enc1_dec_pp2.yaml", enc, dec)
-    save = tmp_path / "save"
-    first = _job(omni_assets, ITERS, load=omni_checkpoint, save=save, save_interval=3,
-                 more=["--finetune", "--exit-interval", "6"])
-    stopped = run_job("pp2_first", first.argv(), nproc=nranks(enc, dec), flow_recipe=recipe)
-    stopped.assert_trained(6)
+    stopped, resumed = _stop_and_resume("pp2", omni_assets, omni_checkpoint, recipe, nranks(enc, dec), run_job,
+                                        tmp_path / "save")
     check_part_groups(stopped.output, enc, dec)
-    again = _job(omni_assets, ITERS, load=save, save=save, save_interval=3)
-    resumed = run_job("pp2_resumed", again.argv(), nproc=nranks(enc, dec), flow_recipe=recipe)
+    _assert_resumed_matches(stopped, resumed, omni_reference, "pp2 resumed")
+
+
+def _stop_and_resume(name: str, assets: dict, ckpt: Path, recipe: Path, nproc: int, run_job, save: Path) -> tuple:
+    """The flow job from the coupled checkpoint, stopped after iteration 6 (`--exit-interval`), then the same
+    command with `--load` at its own save: (the first run, the resumed run)."""
+    first = _job(assets, ITERS, load=ckpt, save=save, save_interval=3, more=["--finetune", "--exit-interval", "6"])
+    stopped = run_job(f"{name}_first", first.argv(), nproc=nproc, flow_recipe=recipe)
+    stopped.assert_trained(6)
+    again = _job(assets, ITERS, load=save, save=save, save_interval=3)
+    resumed = run_job(f"{name}_resumed", again.argv(), nproc=nproc, flow_recipe=recipe)
     resumed.assert_trained(ITERS - 6, first=7)
+    return stopped, resumed
+
+
+def _assert_resumed_matches(stopped, resumed, reference, what: str) -> None:
+    """The stopped and resumed runs together match the unpatched job's ten iterations."""
     flow = stopped.losses + resumed.losses
     norms = parse_grad_norms(stopped.output) + parse_grad_norms(resumed.output)
-    loss_rel = rel(flow, omni_reference.losses)
-    norm_rel = rel(norms, parse_grad_norms(omni_reference.output))
-    print(f"pp2 resumed: flow {flow}\nunpatched {omni_reference.losses}\nlargest relative difference: loss "
+    loss_rel = rel(flow, reference.losses)
+    norm_rel = rel(norms, parse_grad_norms(reference.output))
+    print(f"{what}: flow {flow}\nunpatched {reference.losses}\nlargest relative difference: loss "
           f"{max(loss_rel):.1e}, grad norm {max(norm_rel):.1e}")
     assert len(flow) == len(norms) == ITERS
     assert loss_rel[0] <= 5e-3 and max(loss_rel) <= 2e-2, (loss_rel, flow)
@@ -145,3 +158,100 @@ def test_omni_flow_trains_audio_only_video_only_and_mixed_samples(mixed_assets, 
                      flow_recipe=recipe)
     assert_flow_matches(result, reference, "mixed", ITERS)
     check_part_groups(result.output, enc, dec)
+
+
+# ------------------------------------------------------------------ the audio encoder as its own part (three parts)
+
+READ_LINE = re.compile(r"rank (\d+) \((encoder|audio encoder|decoder) dp\d+\) read (\d+) samples, (\d+) bytes of pixels")
+PART_BYTES = re.compile(r"gradient bytes sent \d+ \(decoder, this step: image encoder (\d+), audio encoder (\d+)\)")
+
+
+def three_part_recipe(path: Path, vision: dict, audio: dict, dec: dict, token_budget: int = 256) -> Path:
+    """A flow recipe with the vision encoder, the audio encoder and the LLM each on its own ranks."""
+    def sizes(p: dict) -> str:
+        return f"{{dp: {p['dp']}, tp: {p.get('tp', 1)}, pp: {p.get('pp', 1)}, cp: 1}}"
+
+    path.write_text("\n".join([
+        "# mindspeed-flow emulate --nproc N --flow-recipe THIS.yaml -- pretrain_vlm.py <Qwen2.5-Omni job args>",
+        "parallel:", "  encoders:", f"    vision: {sizes(vision)}", f"    audio: {sizes(audio)}",
+        f"  backbone: {sizes(dec)}", "packing:", f"  token_budget: {token_budget}"]) + "\n")
+    return path
+
+
+def check_three_parts(output: str, vision: dict, audio: dict, dec: dict) -> None:
+    """Every rank's Megatron groups lie inside its own part (vision, audio, decoder in rank order), with the part's
+    sizes; no rank but the vision encoder's reads a pixel."""
+    sizes = {"encoder": vision, "audio": audio, "backbone": dec}
+    first = {"encoder": 0, "audio": vision["dp"] * vision.get("tp", 1)}
+    first["backbone"] = first["audio"] + audio["dp"] * audio.get("tp", 1)
+    world = first["backbone"] + dec["dp"] * dec.get("tp", 1) * dec.get("pp", 1)
+    rows = GROUPS_LINE.findall(output)
+    assert sorted(int(r) for r, _, _ in rows) == list(range(world)), output[-3000:]
+    for rank, part, text in rows:
+        lay = sizes[part]
+        own = range(first[part], first[part] + lay["dp"] * lay.get("tp", 1) * lay.get("pp", 1))
+        groups = {k: json.loads(v) for k, v in re.findall(r"(\w+)=(\[[^\]]*\])", text)}
+        assert int(rank) in own and all(r in own for g in groups.values() for r in g), (rank, part, groups)
+        assert len(groups["tp"]) == lay.get("tp", 1) and len(groups["dp"]) == lay["dp"], (rank, groups)
+    reads = READ_LINE.findall(output)
+    assert len(reads) == world, reads
+    assert all(int(nbytes) == 0 for _, side, _, nbytes in reads if side != "encoder"), reads
+    assert all(int(n) > 0 for _, side, n, _ in reads if side == "audio encoder"), reads
+
+
+def test_omni_audio_encoder_as_its_own_part_resumes_with_the_same_command(omni_assets, omni_checkpoint,
+                                                                          omni_reference, run_job,
+                                                                          tmp_path) -> None:
+    """Three parts as MindSpeed-MM's example freezes them: the vision encoder on rank 0, the audio encoder on its
+    own two DP ranks (each clip encoded once, by one of them, and sent to the decoder as its `<|AUDIO|>` rows), the
+    LLM on the last rank. The flow job stops after iteration 6 and the same command resumes from its own save
+    (the audio part in its own `mp_audio_encoder_rank_*` folders); all ten iterations match the unpatched job."""
+    vision, audio, dec = {"dp": 1}, {"dp": 2}, {"dp": 1}
+    recipe = three_part_recipe(tmp_path / "v1_a2_d1.yaml", vision, audio, dec)
+    save = tmp_path / "save"
+    stopped, resumed = _stop_and_resume("three", omni_assets, omni_checkpoint, recipe, 4, run_job, save)
+    check_three_parts(stopped.output, vision, audio, dec)
+    assert "audio encoder frozen" in stopped.output
+    folders = sorted(p.name for p in (save / "iter_0000006").iterdir())
+    assert folders == ["mp_audio_encoder_rank_00", "mp_image_encoder_rank_00", "mp_text_decoder_rank_00"], folders
+    _assert_resumed_matches(stopped, resumed, omni_reference, "three parts resumed")
+
+
+@pytest.fixture(scope="module")
+def mixed_trained_assets(mm_sources, omni_assets, tmp_path_factory) -> dict[str, Path]:
+    """The mixed samples of `mixed_assets`, with model.json's audio encoder trained (`freeze: false`)."""
+    from mindspeed_flow.emulation import tiny_omni
+
+    assets = tiny_omni.prepare_omni_workdir(tmp_path_factory.mktemp("tiny_omni_audio_trained"),
+                                            mm_sources.mindspeed_mm.root, n_samples=SAMPLES,
+                                            videos_per_sample=(1, 0, 1), audios_per_sample=(1, 1, 0), shuffle=False)
+    model = json.loads(assets["model_json"].read_text())
+    model["audio_encoder"]["audio_encoder"]["freeze"] = False
+    assets["model_json"].write_text(json.dumps(model, indent=4))
+    return assets
+
+
+def test_omni_three_parts_train_the_audio_encoder_on_audio_only_video_only_and_mixed_samples(
+        mixed_trained_assets, run_job, tmp_path) -> None:
+    """Every kind of sample in one step (video + clip, clip alone, video alone), the audio encoder trained on its
+    own rank, the LLM on two DP ranks (more than either encoder). The decoder returns each clip's gradient to the
+    audio rank that encoded it, and counts those bytes apart from the image encoder's (frozen here: none). The
+    global gradient norm is the audio part's and the decoder's together, once: Megatron's distributed optimizer
+    reduces a part's norm over "the whole world", which in a flow job is the part (without that the norm here was
+    the decoder's twice, sqrt(2) too large). Reference: the unpatched job with each global batch as one microbatch
+    (see the two-part mixed test)."""
+    assets = mixed_trained_assets
+    ckpt = assets["workdir"] / "ckpt"
+    emulate_job("trained_save", _job(assets, 2, save=ckpt, micro_batch_size=4).argv(), log_dir=assets["workdir"],
+                nproc=1).assert_trained(2)
+    reference = emulate_job("trained_ref", _finetune(assets, ckpt, micro_batch_size=4).argv(),
+                            log_dir=assets["workdir"], nproc=1)
+    vision, audio, dec = {"dp": 1}, {"dp": 1}, {"dp": 2}
+    recipe = three_part_recipe(tmp_path / "v1_a1_d2.yaml", vision, audio, dec, token_budget=96)
+    result = run_job("three_trained_mixed", _finetune(assets, ckpt).argv(), nproc=4, flow_recipe=recipe)
+    assert_flow_matches(result, reference, "three parts, audio trained", ITERS)
+    check_three_parts(result.output, vision, audio, dec)
+    assert "audio encoder trainable" in result.output
+    per_part = [(int(v), int(a)) for v, a in PART_BYTES.findall(result.output)]
+    print(f"gradient bytes per step (image encoder, audio encoder): {per_part}")
+    assert len(per_part) == ITERS and all(v == 0 and a > 0 for v, a in per_part), per_part

@@ -30,8 +30,17 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 # The tensors each part holds, by key prefix: the decoder part also runs the audio encoder (Qwen2.5-Omni), whole on
-# its first stage (`split_pp` keeps non-layer tensors there).
-PREFIX = {"encoder": ("image_encoder.",), "backbone": ("text_decoder.", "audio_encoder.")}
+# its first stage (`split_pp` keeps non-layer tensors there), unless the audio encoder is its own part
+# (`prefixes_of`).
+PREFIX = {"encoder": ("image_encoder.",), "audio": ("audio_encoder.",),
+          "backbone": ("text_decoder.", "audio_encoder.")}
+
+
+def prefixes_of(part: str, audio_part: bool = False) -> tuple[str, ...]:
+    """The key prefixes of the tensors `part` holds; with an audio part the decoder holds no audio tensor."""
+    if part == "backbone" and audio_part:
+        return ("text_decoder.",)
+    return PREFIX[part]
 _LAYER_RE = re.compile(r"^(image_encoder\.encoder\.blocks\.layers|text_decoder\.decoder\.layers)\.(\d+)\.(.*)$")
 _RANK_DIR_RE = re.compile(r"^mp_(?:(?P<part>[a-z_]+?)_)?rank_(?P<tp>\d{2})(?:_(?P<pp>\d{3}))?$")
 _COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
@@ -230,7 +239,10 @@ def read_whole(iter_dir: Path, module: Optional[str], gated_prefixes: Iterable[s
     return merge_pp(stages), args
 
 
-STACK = {"encoder": "image_encoder.encoder.blocks.layers", "backbone": "text_decoder.decoder.layers"}
+# Each part's pipelined layer stack (the audio encoder's layers are not renumbered: a flow job runs it whole, and a
+# coupled job keeps it on its first stage).
+STACK = {"encoder": "image_encoder.encoder.blocks.layers", "audio": "audio_encoder.encoder.blocks.layers",
+         "backbone": "text_decoder.decoder.layers"}
 
 
 def _nbytes(value: Any) -> int:
@@ -257,6 +269,8 @@ class ReadStats:
 def _saved_split(saved_args: Any, part: str, stages: int) -> Optional[list[int]]:
     """The coupled job's layers per pipeline stage of a module, from its saved args (its model.json)."""
     node = getattr(getattr(saved_args, "mm", None), "model", None)
+    if part not in STACK or part == "audio":  # the audio encoder is not pipelined in a flow job
+        return None
     for key in ("image_encoder", "vision_encoder") if part == "encoder" else ("text_decoder",):
         node = getattr(node, key, None)
     split = getattr(node, "pipeline_num_layers", None)
@@ -275,8 +289,8 @@ def _split_from_keys(stage_models: list[dict[str, Any]], stack: str) -> list[int
 
 
 def read_for_rank(iter_dir: Path, part: str, *, tp: int, tp_rank: int, layers: list[int], pp_rank: int,
-                  gated_prefixes: Iterable[str], tied: bool = False,
-                  source: Optional[str] = None) -> tuple[dict[str, Any], Any, ReadStats]:
+                  gated_prefixes: Iterable[str], tied: bool = False, source: Optional[str] = None,
+                  prefix: Optional[tuple[str, ...]] = None) -> tuple[dict[str, Any], Any, ReadStats]:
     """`part_state(read_whole(coupled), ...)` for one flow rank, reading only the folders and tensors it needs.
 
     `source`: None reads a coupled checkpoint's `mp_rank_*` folders; a module name (image_encoder, text_decoder)
@@ -302,7 +316,7 @@ def read_for_rank(iter_dir: Path, part: str, *, tp: int, tp_rank: int, layers: l
 
     model(tps[0], pps[0])
     saved_args = opened[(tps[0], pps[0])].get("args")
-    stack, prefix = STACK[part], PREFIX[part]
+    stack, prefix = STACK[part], prefix or PREFIX[part]
     # The coupled module's layers per coupled stage, to find the stages that hold this rank's layers.
     if len(pps) == 1:
         counts, stats.split_from = None, "a single stage"
@@ -365,7 +379,7 @@ def read_for_rank(iter_dir: Path, part: str, *, tp: int, tp_rank: int, layers: l
                 partial[out_key] = merge_tp([{key: sh[key]} for sh in shards], gated_prefixes)[key]
                 stats.read_bytes += sum(_nbytes(sh[key]) for sh in shards)
     state = part_state(partial, part, tp=1 if own_shard else tp, tp_rank=0 if own_shard else tp_rank, layers=layers,
-                       pp_rank=pp_rank, gated_prefixes=gated_prefixes, tied=tied)
+                       pp_rank=pp_rank, gated_prefixes=gated_prefixes, tied=tied, prefix=prefix)
     return state, saved_args, stats
 
 
@@ -374,19 +388,19 @@ WORD_EMBEDDINGS = "text_decoder.embedding.word_embeddings.weight"
 
 
 def part_state(whole: dict[str, Any], part: str, *, tp: int, tp_rank: int, layers: list[int], pp_rank: int,
-               gated_prefixes: Iterable[str], tied: bool = False) -> dict[str, Any]:
+               gated_prefixes: Iterable[str], tied: bool = False,
+               prefix: Optional[tuple[str, ...]] = None) -> dict[str, Any]:
     """The tensors one rank of a flow part loads: its module, its stage, its tensor-parallel shard.
 
     Tied embeddings (`untie_embeddings_and_output_weights: false`) follow Megatron: a single-stage decoder holds
     no output layer (the embedding serves both), and with pipeline stages the last one holds its own copy of the
     word embeddings as `output_layer.weight` (Megatron initialises it from the first stage's and keeps the two
     equal by reducing their gradients over the embedding group)."""
-    prefix = PREFIX[part]
+    prefix = prefix or PREFIX[part]
     mine = {k: v for k, v in whole.items() if k.startswith(prefix)}
     if not mine:
         raise CheckpointError(f"the checkpoint has no {' or '.join(p + '*' for p in prefix)} tensors")
-    stack = "image_encoder.encoder.blocks.layers" if part == "encoder" else "text_decoder.decoder.layers"
-    stage = split_pp(mine, stack, layers, pp_rank)
+    stage = split_pp(mine, STACK[part], layers, pp_rank)
     if part == "backbone" and tied:
         stage.pop(OUTPUT_LAYER, None)
         if len(layers) > 1 and pp_rank == len(layers) - 1:
@@ -475,13 +489,15 @@ def load_for_part(ctx: Any, load: Callable[..., Any], load_dir: Any, args: Any, 
     # so a part re-splitting here must too (the collective is matched rank for rank).
     read_metadata(str(tracker))
     gated = gated_prefixes_of(args.mm.model, bool(getattr(args, "swiglu", False)))
-    layers = ([int(args.mm.model.image_encoder.vision_encoder.num_layers)] if ctx.is_encoder
+    model_cfg = args.mm.model
+    layers = ([int(model_cfg.audio_encoder.audio_encoder.num_layers)] if ctx.part == "audio"
+              else [int(model_cfg.image_encoder.vision_encoder.num_layers)] if ctx.is_encoder
               else list(ctx.parts.decoder_layers))
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     model, saved_args, stats = read_for_rank(
         iter_dir, ctx.part, tp=tp, tp_rank=tp_rank, layers=layers, pp_rank=pp_rank, gated_prefixes=gated,
         tied=embeddings_tied(args.mm.model, bool(getattr(args, "untie_embeddings_and_output_weights", False))),
-        source=module if saved else None)
+        source=module if saved else None, prefix=prefixes_of(ctx.part, ctx.parts.audio_part))
     if saved_args is not None:
         # What this rank hands Megatron is in its own layout now, which Megatron's argument check compares.
         saved_args = copy.copy(saved_args)

@@ -11,14 +11,18 @@ no per-call cost. Megatron asserts its globals are unset at entry, so each pass 
 state and the member's pass is what remains.
 
 Flow groups built beside them (collectively, on every rank):
+- `part_group`: the ranks of this rank's part. Megatron's distributed optimizer reduces its gradient statistics
+  (the norm) over "the whole world" (no group); in a flow job that is the part, and the parts' norms are then
+  combined once over `reduce_group` (`schedule.global_grad_norm`).
 - `reduce_group`: the ranks of every trainable part, for the global token count (per-token loss), the one global
   gradient norm and the one found-inf decision. A frozen encoder is not in it, so it never waits on the decoder's
   optimizer and runs ahead (Megatron's per-iteration log gathers
   every rank's timers, which bounds the lead to about one step).
-- `embedding_group`, `gradient_group` and `header_group`: the bridge ranks (tensor-parallel rank 0 of each encoder
-  replica and of each decoder first-stage replica), on the job's backend once per direction (device backends run
-  one communicator's point-to-point operations in order: see `mindspeed_flow.pool.planned`), and on gloo for the
-  headers that check each payload against the plan (`pool.planned.PlannedTransport`).
+- `bridge_groups[part]`, per encoder part (the image encoder; Qwen2.5-Omni's audio encoder when it is a part):
+  its bridge ranks (tensor-parallel rank 0 of each of its replicas and of each decoder first-stage replica), on
+  the job's backend once per direction (device backends run one communicator's point-to-point operations in
+  order: see `mindspeed_flow.pool.planned`; a communicator per part keeps each part's order its own), and on gloo
+  for the headers that check each payload against the plan (`pool.planned.PlannedTransport`).
 - `metrics_group`: every rank on gloo, used once at the start (timing the host CPU's peak under emulation, for MFU)
   and once at the end (the trace's merge waits for every rank's file); never during a step.
 """
@@ -31,9 +35,9 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch.distributed as dist
 
-from mindspeed_flow.hosts.mindspeed_mm.recipe import PART_MODULES, FlowParts
+from mindspeed_flow.hosts.mindspeed_mm.recipe import FlowParts, part_modules
 from mindspeed_flow.resilience.watchdog import Watchdog
-from mindspeed_flow.step.layout import BACKBONE, ENCODER
+from mindspeed_flow.step.layout import AUDIO, BACKBONE, ENCODER
 
 # The one registry the patch mechanism needs: MindSpeed's patches are plain functions that find the rank's flow
 # state here. Everything else a flow rank holds lives on its FlowContext.
@@ -78,6 +82,7 @@ class PartFigures:
     transfer_window_s: float = 0.0  # receives posted to last embedding taken
     encoder_held_groups: float = 0.0
     encoder_held_bytes: float = 0.0
+    grad_bytes_audio: float = 0.0  # of grad_bytes_sent: to an audio encoder part (Qwen2.5-Omni)
 
     def as_list(self) -> list[float]:
         return [float(v) for v in astuple(self)]
@@ -111,13 +116,21 @@ class StepStats:
 
 
 @dataclass
+class BridgeGroups:
+    """One encoder part's bridge ranks and the decoder's first-stage replicas, as process groups."""
+
+    embedding: Any  # on the job's backend (HCCL / NCCL), encoder -> decoder payloads
+    gradient: Any  # the same ranks, decoder -> encoder payloads (a communicator per direction)
+    header: Any  # on gloo: the small headers that check each payload against the plan
+
+
+@dataclass
 class FlowContext:
     parts: FlowParts
     rank: int
     reduce_group: Any = None
-    embedding_group: Any = None  # bridge ranks on the job's backend (HCCL / NCCL), encoder -> decoder payloads
-    gradient_group: Any = None  # the same ranks, decoder -> encoder payloads (a communicator per direction)
-    header_group: Any = None  # bridge ranks on gloo: the small headers that check each payload against the plan
+    bridge_groups: dict[str, BridgeGroups] = field(default_factory=dict)  # encoder part -> its bridge's groups
+    part_group: Any = None  # every rank of this rank's part: the "whole world" of its distributed optimizer
     device: Any = None  # where the job's tensors live (the NPU; set once the device is chosen)
     timer: Any = None  # the running step's Timer (busy/wait seconds)
     stats: StepStats = field(default_factory=StepStats)
@@ -146,7 +159,7 @@ class FlowContext:
 
     @property
     def modules(self) -> list[str]:
-        return list(PART_MODULES[self.part])
+        return list(part_modules(self.parts.layout, self.part))
 
     @property
     def coords(self) -> dict[str, int]:
@@ -154,11 +167,16 @@ class FlowContext:
 
     @property
     def is_encoder(self) -> bool:
-        return self.part == ENCODER
+        """An encoder part's rank (the image encoder's, or the audio encoder's when that is a part)."""
+        return self.part != BACKBONE
+
+    @property
+    def is_audio(self) -> bool:
+        return self.part == AUDIO
 
     @property
     def part_trainable(self) -> bool:
-        return self.part == BACKBONE or self.parts.encoder_trainable
+        return self.parts.trainable(self.part)
 
     @property
     def is_part_leader(self) -> bool:
@@ -188,11 +206,11 @@ class FlowContext:
         c = self.parts.layout.coords(rank)
         lay = self.parts.layout.part(part)
         where = f"dp{c['dp']}" + (f" pp{c['pp']}" if lay.pp > 1 else "") + (f" tp{c['tp']}" if lay.tp > 1 else "")
-        return f"rank {rank} ({'encoder' if part == ENCODER else 'decoder'} {where})"
+        return f"rank {rank} ({SIDE_NAMES.get(part, part)} {where})"
 
-    def producers(self) -> list[int]:
-        """Encoder bridge ranks: TP rank 0 of each encoder DP replica, in DP order."""
-        return [self.parts.layout.global_rank(ENCODER, dp=d) for d in range(self.parts.layout.part(ENCODER).dp)]
+    def producers(self, part: str = ENCODER) -> list[int]:
+        """An encoder part's bridge ranks: TP rank 0 of each of its DP replicas, in DP order."""
+        return [self.parts.layout.global_rank(part, dp=d) for d in range(self.parts.layout.part(part).dp)]
 
     def consumers(self) -> list[int]:
         """Decoder bridge ranks: TP rank 0 of each decoder DP replica's first pipeline stage, in DP order."""
@@ -255,14 +273,18 @@ class FlowContext:
               + " ".join(f"{k}={v}" for k, v in groups.items()), flush=True)
 
     def _build_flow_groups(self) -> None:
-        trainable = [r for lay in self.parts.layout.parts
-                     if lay.name == BACKBONE or self.parts.encoder_trainable
+        trainable = [r for lay in self.parts.layout.parts if self.parts.trainable(lay.name)
                      for r in self.parts.layout.part_ranks(lay.name)]
         self.reduce_group = dist.new_group(trainable)
-        bridge = sorted(set(self.producers()) | set(self.consumers()))
-        self.embedding_group = dist.new_group(bridge)
-        self.gradient_group = dist.new_group(bridge)
-        self.header_group = dist.new_group(bridge, backend="gloo")
+        for lay in self.parts.layout.parts:
+            ranks = self.parts.layout.part_ranks(lay.name)
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                self.part_group = group
+        for part in self.parts.layout.encoder_parts:
+            bridge = sorted(set(self.producers(part)) | set(self.consumers()))
+            self.bridge_groups[part] = BridgeGroups(dist.new_group(bridge), dist.new_group(bridge),
+                                                    dist.new_group(bridge, backend="gloo"))
         self.metrics_group = dist.new_group(backend="gloo")
 
     def check_groups(self) -> dict[str, list[int]]:
@@ -275,6 +297,10 @@ class FlowContext:
             "cp": ps.get_context_parallel_group(),
         }
         return {k: sorted(dist.get_process_group_ranks(g)) for k, g in groups.items()}
+
+
+# How messages name each part's ranks.
+SIDE_NAMES = {ENCODER: "encoder", AUDIO: "audio encoder", BACKBONE: "decoder"}
 
 
 @contextlib.contextmanager

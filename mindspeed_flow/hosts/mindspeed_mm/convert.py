@@ -63,6 +63,11 @@ def convert(*, to: str, load: Path, save: Path, model_json: Path, recipe: Path, 
     tied = ck.embeddings_tied(model_cfg, untie)
     shape = ModelShape.from_model_json(model_json)
     job = load_flow_job(recipe)
+    if job.parallel.encoders:
+        # A flow job loads a coupled checkpoint into any layout by itself (`--load DIR --finetune`).
+        raise ck.CheckpointError(f"{recipe}: parallel.encoders: the converter writes the two-part layout "
+                                 "(parallel.encoder, parallel.backbone) only; a flow job with an audio part loads the "
+                                 "coupled checkpoint itself (--load DIR --finetune)")
     # Layouts only: the batch rules of build_parts belong to a job, not to checkpoint files.
     layouts = {"encoder": PartLayout("encoder", job.parallel.encoder.dp, job.parallel.encoder.tp, 1, 1),
                "backbone": PartLayout("backbone", job.parallel.backbone.dp, job.parallel.backbone.tp,

@@ -63,8 +63,8 @@ from mindspeed_flow.hosts.mindspeed_mm.context import StepCounts
 from mindspeed_flow.hosts.mindspeed_mm.index import MetadataIndex, SampleMeta
 from mindspeed_flow.hosts.mindspeed_mm.packed import padded_length
 from mindspeed_flow.packing import CostModel
-from mindspeed_flow.step.layout import Bridge
-from mindspeed_flow.step.plan import StepWork, plan_decoupled_step
+from mindspeed_flow.step.layout import AUDIO, ENCODER, Bridge
+from mindspeed_flow.step.plan import StepWork, encoder_costs, plan_decoupled_step
 
 IGNORE_INDEX = -100
 # Batch keys of the video path (MindSpeed-MM's get_batch renames them to pixel_values / image_grid_thw).
@@ -78,6 +78,7 @@ OMNI_SECONDS_KEY = "video_second_per_grid"
 # extractor's window, and which frames are real [clips, frames]. A sample's clips each open with <|audio_bos|>.
 AUDIO_KEYS = ("input_features", "feature_attention_mask")
 AUDIO_START_ID = 151647  # MindSpeed-MM's default model.json audio_start_token_id (Qwen2.5-Omni's <|audio_bos|>)
+AUDIO_TOKEN_ID = 151646  # Qwen2.5-Omni's <|AUDIO|>: MindSpeed-MM scatters the audio encoder's rows there (fixed)
 
 
 class FlowDataError(ValueError):
@@ -119,6 +120,7 @@ class FlowSample:
     second_per_grid_ts: Optional[torch.Tensor] = None  # [videos] float64: a video sample's, else None
     audio_features: Optional[torch.Tensor] = None  # [clips, mel bins, frames]: its audio (Qwen2.5-Omni), else None
     audio_mask: Optional[torch.Tensor] = None  # [clips, frames]
+    audio_tokens: int = 0  # its <|AUDIO|> tokens: the rows its clips encode to
 
     def __post_init__(self) -> None:
         if self.length < 0 and self.input_ids is not None:
@@ -203,7 +205,8 @@ def split_batch(batch: dict[str, Any], first_id: int, vision_start_id: int, imag
                              f"{int(grid.prod(dim=1).sum()) // merge_size ** 2}")
         loss_tokens = int((sample_labels[1:] != IGNORE_INDEX).sum())
         sample = FlowSample(first_id + b, sample_ids, sample_labels, pix, grid, image_tokens, loss_tokens,
-                            batch_index, second_per_grid_ts=secs)
+                            batch_index, second_per_grid_ts=secs,
+                            audio_tokens=int((sample_ids == AUDIO_TOKEN_ID).sum()))
         clips = int((sample_ids == AUDIO_START_ID).sum()) if features is not None else 0
         if clips:
             sample.audio_features = features[clip_ptr:clip_ptr + clips].clone()
@@ -289,21 +292,28 @@ def cycle_passes(loader: Iterable[Any]) -> Iterator[Any]:
                                 "one micro-batch, or every sample filtered out?)")
 
 
+def part_tokens(sample: FlowSample, part: str) -> int:
+    """The rows an encoder part produces for a sample: its audio tokens for the audio part, else its vision
+    tokens (0: nothing for that part to encode)."""
+    return sample.audio_tokens if part == AUDIO else sample.image_tokens
+
+
 @dataclass(frozen=True)
 class SideNeeds:
-    """What one rank's side uses of a planned step: encoder ranks the pixels of the samples their replica encodes
-    (`encoder_leader`: the replica's bridge rank, which keys the plan's encode order); decoder ranks the token ids
-    of their DP rank's microbatches, and labels on the last pipeline stage."""
+    """What one rank's side uses of a planned step: encoder ranks the pixels (or, in an audio part, the clips) of
+    the samples their replica encodes (`encoder_leader`: the replica's bridge rank, which keys the plan's encode
+    order); decoder ranks the token ids of their DP rank's microbatches, and labels on the last pipeline stage."""
 
     encoder_leader: Optional[int] = None
     decoder_dp: Optional[int] = None
     labels: bool = False
+    encoder_part: str = ENCODER
 
     def pixels_of(self, step: "FlowStep") -> list[int]:
         if self.encoder_leader is None:
             return []
         return [sid for sid in step.work.encode_order.get(self.encoder_leader, [])
-                if step.samples[sid].image_tokens > 0]
+                if part_tokens(step.samples[sid], self.encoder_part) > 0]
 
     def text_of(self, step: "FlowStep") -> list[int]:
         if self.decoder_dp is None:
@@ -326,7 +336,8 @@ def sample_meta(dataset: Any, collate: Callable[[list], dict], vision_start_id: 
         raise FlowDataError(f"data set sample {i}: MindSpeed-MM's collator changes its token ids or labels, so decoder "
                             "ranks cannot take them from the data set's item; read whole batches with "
                             "MSF_FLOW_DATA_READS=whole")
-    return SampleMeta(s.length, s.image_tokens, s.loss_tokens, video, s.image_grid_thw, s.second_per_grid_ts)
+    return SampleMeta(s.length, s.image_tokens, s.loss_tokens, video, s.image_grid_thw, s.second_per_grid_ts,
+                      s.audio_tokens)
 
 
 class _ReplicaBatches:
@@ -384,7 +395,8 @@ class IndexedReads(_ReplicaBatches):
             raise mixed_error(f"data set samples {[int(di) for di in indices]} (one micro-batch)")
         for di, m in zip(indices, metas):
             batch.append(FlowSample(first_id + len(batch), None, None, None, m.grid, m.image_tokens, m.loss_tokens,
-                                    batch_index, length=m.length, dataset_index=int(di), second_per_grid_ts=m.seconds))
+                                    batch_index, length=m.length, dataset_index=int(di), second_per_grid_ts=m.seconds,
+                                    audio_tokens=m.audio_tokens))
         tokens = sum(s.loss_tokens for s in batch)
         for s in batch:
             s.batch_loss_tokens, s.batch_samples = tokens, len(batch)
@@ -395,7 +407,10 @@ class IndexedReads(_ReplicaBatches):
         pixels, text = self.needs.pixels_of(step), self.needs.text_of(step)
         nbytes = 0
         for sid in pixels:
-            nbytes += self._load_pixels(step.samples[sid])
+            if self.needs.encoder_part == AUDIO:
+                self._load_clips(step.samples[sid], self.dataset[step.samples[sid].dataset_index])
+            else:
+                nbytes += self._load_pixels(step.samples[sid])
         for sid in text:
             self._load_text(step.samples[sid])
         return len(set(pixels) | set(text)), nbytes
@@ -425,21 +440,26 @@ class IndexedReads(_ReplicaBatches):
         if self.needs.labels:
             s.labels = torch.as_tensor(item["labels"], dtype=torch.long)
         if item.get("audios"):
-            # The audio encoder runs on the decoder's ranks: its log-mel features come from MindSpeed-MM's
-            # collator (which reads the clips), as the unpatched job's do. Without the item's images and videos,
-            # so that no decoder rank decodes a frame (the collator stands a blank image in for them).
-            batch = self.collate([dict(item, images=[], videos=[])])
-            s.audio_features, s.audio_mask = (batch[k] for k in AUDIO_KEYS)
-            if int(s.audio_features.shape[0]) != len(item["audios"]):
-                raise self._stale(s, f"its clips ({int(s.audio_features.shape[0])} from the collator, "
-                                     f"{len(item['audios'])} in the data set)")
+            # Qwen2.5-Omni's rope index reads each clip's frame count (feature_attention_mask) on every stage, and
+            # an audio encoder on the decoder's ranks its log-mel features too.
+            self._load_clips(s, item)
+
+    def _load_clips(self, s: FlowSample, item: dict) -> None:
+        """A sample's log-mel features and frame mask, from MindSpeed-MM's collator (which reads the clips), as
+        the unpatched job's are. Without the item's images and videos, so that no rank outside the image
+        encoder decodes a frame (the collator stands a blank image in for them)."""
+        batch = self.collate([dict(item, images=[], videos=[])])
+        s.audio_features, s.audio_mask = (batch[k] for k in AUDIO_KEYS)
+        if int(s.audio_features.shape[0]) != len(item.get("audios") or []):
+            raise self._stale(s, f"its clips ({int(s.audio_features.shape[0])} from the collator, "
+                                 f"{len(item.get('audios') or [])} in the data set)")
 
 
 class FlowStepSource:
     """Yields one `FlowStep` per iteration: the unpatched job's global batch (`reads`), planned, with what this
     rank's side uses loaded."""
 
-    def __init__(self, reads: Any, *, global_batch_size: int, micro_batch_size: int, bridge: Bridge,
+    def __init__(self, reads: Any, *, global_batch_size: int, micro_batch_size: int, bridges: dict[str, Bridge],
                  token_budget: int, cost_model: CostModel, scheduler: str, min_microbatches: int,
                  oversize_policy: str, merge_size: int, first_step: int = 0, layout: str = LAYOUT_ROWS,
                  pad_multiple: int = 1, flops_model: Optional[CostModel] = None) -> None:
@@ -448,7 +468,7 @@ class FlowStepSource:
                                 f"{micro_batch_size} x {reads.replicas} decoder DP replicas")
         self.reads = reads
         self.batches_per_replica = global_batch_size // (micro_batch_size * reads.replicas)
-        self.bridge = bridge
+        self.bridges = bridges  # encoder part -> its bridge to the decoder's first-stage replicas
         self.token_budget = token_budget
         self.cost_model = cost_model
         self.scheduler = scheduler
@@ -472,9 +492,14 @@ class FlowStepSource:
     def __next__(self) -> FlowStep:
         samples = self.reads.global_batch(self.batches_per_replica)
         shapes = [s.shape(self.merge_size) for s in samples]
-        work = plan_decoupled_step(self.step, shapes, bridges={"encoder": self.bridge}, token_budget=self.token_budget,
+        by_id = {s.sample_id: s for s in samples}
+        # Each encoder part balances its own work: the ViT's by its cost model, the audio encoder's by audio tokens.
+        costs = encoder_costs(self.bridges, {sh.sample_id: sh for sh in shapes}.__getitem__, self.cost_model,
+                              audio_cost=lambda sid: float(by_id[sid].audio_tokens))
+        work = plan_decoupled_step(self.step, shapes, bridges=self.bridges, token_budget=self.token_budget,
                                    cost_model=self.cost_model, scheduler=self.scheduler,
-                                   min_microbatches=self.min_microbatches, oversize_policy=self.oversize_policy)
+                                   min_microbatches=self.min_microbatches, oversize_policy=self.oversize_policy,
+                                   part_costs=costs)
         step = FlowStep(self.step, {s.sample_id: s for s in samples}, work)
         n, nbytes = self.reads.load(step)
         self.samples_read += n

@@ -1,14 +1,15 @@
 """The MindSpeed-MM host: what a flow rank hands MindSpeed-MM's `pretrain` instead of `pretrain_vlm.py`'s providers.
 
 - `model_provider`: the job's own provider with `modules=` the part's modules (encoder ranks build ViT +
-  projector only, decoder ranks the text decoder only; no rank materialises the other part), after the model
+  projector only, an audio part's ranks Qwen2.5-Omni's audio encoder only, decoder ranks the text decoder (with
+  the audio encoder on its first stage when that is not a part); no rank materialises another part), after the model
   config's pipeline splits are set to the part's own PP: the ViT whole, the LLM as `recipe.decoder_split` chose
   (recipe layer_split, else model.json's split when it has one entry per decoder stage, else even); each decoder
   stage prints the layers its built model holds.
 - `dataset_provider`: MindSpeed-MM's dataset and sampler over whole global batches, planned per step from the
   metadata index, each rank loading only what its side uses (`data.FlowStepSource`, `index.py`).
 - `forward_step`: the job's forward step, fed a collated decoder microbatch with its image embeddings.
-- `forward_backward_func`: `schedule.EncoderStep` on encoder ranks, `schedule.DecoderStep` around Megatron's
+- `forward_backward_func`: `schedule.EncoderStep` on encoder ranks (image or audio), `schedule.DecoderStep` around Megatron's
   schedule on decoder ranks.
 - what the job writes for its users (`metrics`): metrics.jsonl and `flow/` TensorBoard scalars from the log line's
   values (`log_iteration`), the trace (`finish`).
@@ -90,7 +91,7 @@ def vit_frozen(model_cfg: Any) -> bool:
 def side_needs(ctx: FlowContext) -> SideNeeds:
     """What this rank's side uses of each step (Megatron's parallel state is the part's own here)."""
     if ctx.is_encoder:
-        return SideNeeds(encoder_leader=ctx.replica_leader())
+        return SideNeeds(encoder_leader=ctx.replica_leader(), encoder_part=ctx.part)
     from megatron.core import parallel_state as ps  # optional: megatron
 
     return SideNeeds(decoder_dp=ps.get_data_parallel_rank(), labels=ps.is_pipeline_last_stage(ignore_virtual=True))
@@ -244,13 +245,16 @@ class FlowHost:
             from megatron.training import get_args  # optional: megatron
 
             model_cfg = get_args().mm.model
-            if ctx.is_encoder:
+            if ctx.is_audio:
+                enc = model_cfg.audio_encoder.audio_encoder
+                enc.pipeline_num_layers = [int(enc.num_layers)]
+            elif ctx.is_encoder:
                 vit = model_cfg.image_encoder.vision_encoder
                 vit.pipeline_num_layers = [int(vit.num_layers)]
             else:
                 model_cfg.text_decoder.pipeline_num_layers = list(ctx.parts.decoder_layers)
                 audio = _cfg(model_cfg, "audio_encoder")
-                if audio is not None:
+                if audio is not None and not ctx.parts.audio_part:
                     # The audio encoder runs whole on the decoder's first stage, where its rows are scattered
                     # into the input embeddings (MindSpeed-MM's own example splits it [32, 0] over two stages).
                     enc = audio.audio_encoder
@@ -281,7 +285,9 @@ class FlowHost:
             packing = ctx.parts.packing
             source = FlowStepSource(
                 reads, global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
-                bridge=Bridge.build(ctx.producers(), ctx.consumers()), token_budget=packing.token_budget,
+                bridges={part: Bridge.build(ctx.producers(part), ctx.consumers())
+                         for part in ctx.parts.layout.encoder_parts},
+                token_budget=packing.token_budget,
                 # the scheduler's costs: the recipe's profiled coefficients where it has them, else model FLOPs;
                 # MFU always counts model FLOPs
                 cost_model=CostModel.from_config(packing, spec, frozen),
@@ -305,13 +311,14 @@ class FlowHost:
 
     # ------------------------------------------------------------------------------ schedule
 
-    def _transport_factory(self, device: torch.device) -> Callable[[], PlannedTransport]:
+    def _transport_factory(self, device: torch.device) -> Callable[[str], PlannedTransport]:
         ctx = self.ctx
 
-        def make() -> PlannedTransport:
-            return PlannedTransport(rank=ctx.rank, embedding_group=ctx.embedding_group,
-                                    gradient_group=ctx.gradient_group, header_group=ctx.header_group,
-                                    device=device, timeout_s=ctx.parts.timeout_s, describe=ctx.describe)
+        def make(part: str) -> PlannedTransport:
+            groups = ctx.bridge_groups[part]
+            return PlannedTransport(rank=ctx.rank, embedding_group=groups.embedding, gradient_group=groups.gradient,
+                                    header_group=groups.header, device=device, timeout_s=ctx.parts.timeout_s,
+                                    describe=ctx.describe)
 
         return make
 
@@ -333,7 +340,7 @@ class FlowHost:
             # The projector maps the ViT into the LLM's hidden size: that is the embedding width on the wire.
             hidden = int(args.mm.model.text_decoder.hidden_size)
             if self.ctx.is_encoder:
-                self._step = EncoderStep(self.ctx, factory, hidden, args.params_dtype)
+                self._step = EncoderStep(self.ctx, factory, hidden, args.params_dtype, part=self.ctx.part)
             else:
                 audio = has_audio(args.mm.model)  # Qwen2.5-Omni: its rope index reads its own batch keys
                 self._step = DecoderStep(
@@ -387,13 +394,12 @@ class FlowHost:
     def finish(self) -> None:
         """After MindSpeed-MM's pretrain returns, on every rank: wait for this rank's sends to be received; close
         the metrics; merge the trace."""
-        transport = getattr(self._step, "transport", None)
-        if transport is not None:
+        if self._step is not None:
             # A frozen encoder runs ahead of the decoder (it waits for no gradient) and can finish while its last
             # embeddings are still on the wire: gloo moves a message only once the receiver has posted its receive,
             # and a process that exits with a send pending aborts ("terminate called without an active exception").
             self.ctx.doing("waiting for the last sends to be received")
-            transport.flush()
+            self._step.flush()
         if self.metrics is not None:
             self.metrics.close()
         parts = self.ctx.parts
@@ -427,7 +433,10 @@ class FlowHost:
         extra = f" | global tokens {stats.global_tokens}" if stats.global_tokens is not None else ""
         if stats.grad_norm_global is not None:
             extra += f" | grad norm global {stats.grad_norm_global:.4f} (decoder part {stats.grad_norm_part:.4f})"
-        if stats.reduced is not None:
+        if stats.reduced is not None and self.ctx.parts.audio_part:
+            extra += (f" | gradient bytes sent {int(f.grad_bytes_sent)} (decoder, this step: image encoder "
+                      f"{int(f.grad_bytes_sent - f.grad_bytes_audio)}, audio encoder {int(f.grad_bytes_audio)})")
+        elif stats.reduced is not None:
             extra += f" | gradient bytes sent {int(f.grad_bytes_sent)} (decoder, this step)"
         if stats.reduced is not None and self.ctx.parts.encoder_trainable:
             # The peak of decoder microbatch groups whose ViT activations encoder dp0 held at once, and their bytes.

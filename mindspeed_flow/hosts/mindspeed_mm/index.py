@@ -51,10 +51,12 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 # 2: video samples are indexed (grids and their second_per_grid_ts) instead of only flagged.
-FORMAT = 2
+# 3: each sample's audio tokens (Qwen2.5-Omni's <|AUDIO|> rows, which an audio encoder part produces).
+FORMAT = 3
 MAX_HASHED_FILE = 64 * 2 ** 20
 INDEX_FOLDER = "mindspeed_flow_index"
-_FIELDS = ("lengths", "image_tokens", "loss_tokens", "has_video", "grid_offsets", "grids", "grid_seconds")
+_FIELDS = ("lengths", "image_tokens", "loss_tokens", "has_video", "grid_offsets", "grids", "grid_seconds",
+           "audio_tokens")
 
 
 @dataclass
@@ -65,6 +67,7 @@ class SampleMeta:
     has_video: bool
     grid: Optional[torch.Tensor]  # [images or videos, 3] int64, or None
     seconds: Optional[torch.Tensor] = None  # [videos] float64: a video sample's second_per_grid_ts, else None
+    audio_tokens: int = 0  # its <|AUDIO|> tokens (the rows its clips encode to)
 
 
 @dataclass
@@ -79,6 +82,7 @@ class MetadataIndex:
     grid_offsets: torch.Tensor
     grids: torch.Tensor
     grid_seconds: torch.Tensor  # per grid row: its video's second_per_grid_ts (float64), 0 for an image
+    audio_tokens: torch.Tensor  # per sample: its <|AUDIO|> tokens
     key: str = ""
     path: Optional[Path] = None
 
@@ -90,7 +94,8 @@ class MetadataIndex:
         video = bool(self.has_video[i])
         return SampleMeta(int(self.lengths[i]), int(self.image_tokens[i]), int(self.loss_tokens[i]), video,
                           self.grids[lo:hi].clone() if hi > lo else None,
-                          self.grid_seconds[lo:hi].clone() if video and hi > lo else None)
+                          self.grid_seconds[lo:hi].clone() if video and hi > lo else None,
+                          int(self.audio_tokens[i]))
 
     @staticmethod
     def from_metas(metas: list[SampleMeta], key: str = "") -> "MetadataIndex":
@@ -108,7 +113,8 @@ class MetadataIndex:
                              torch.tensor([m.has_video for m in metas], dtype=torch.bool),
                              torch.tensor(offsets, dtype=torch.long),
                              torch.cat(grids) if grids else torch.zeros((0, 3), dtype=torch.long),
-                             torch.cat(seconds) if seconds else torch.zeros(0, dtype=torch.float64), key)
+                             torch.cat(seconds) if seconds else torch.zeros(0, dtype=torch.float64),
+                             torch.tensor([m.audio_tokens for m in metas], dtype=torch.long), key)
 
     def save(self, path: Path) -> None:
         """Atomically: a reader sees the whole file or none."""

@@ -82,6 +82,7 @@ def flow_line(iteration: int, stats: StepStats, *, loss: Optional[float], lr: Op
         "transfer_hidden_s": max(f.transfer_window_s - f.transfer_exposed_s, 0.0),
         "embedding_bytes": int(f.embedding_bytes),
         "gradient_bytes": int(f.grad_bytes_sent),
+        "gradient_bytes_audio": int(f.grad_bytes_audio),  # of gradient_bytes: to an audio encoder part
         "grad_norm": norm,
         "grad_norm_backbone": dec_norm,
         "grad_norm_encoder": enc_norm,

@@ -13,7 +13,8 @@ job flag) and the rule: part sizes against the launched world, each part's TP ag
 whose value the MindSpeed-MM host cannot honour.
 
 Parts and ranks. Parts take contiguous blocks of global ranks in list order: the image encoder (ViT + projector)
-first, the text decoder last, so Megatron's `print_rank_last` (global rank world-1) is a decoder last-stage rank
+first, then Qwen2.5-Omni's audio encoder when the recipe makes it a part (`parallel.encoders: {vision: ..., audio:
+...}` instead of `parallel.encoder`), the text decoder last, so Megatron's `print_rank_last` (global rank world-1) is a decoder last-stage rank
 and prints the usual iteration line. Inside a part the order is Megatron's tp-cp-dp-pp.
 """
 from __future__ import annotations
@@ -26,13 +27,26 @@ from typing import Iterable, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mindspeed_flow.config.schema import FlowJobConfig, PackingConfig
+from mindspeed_flow.config.schema import FlowJobConfig, PackingConfig, PartParallelConfig
 from mindspeed_flow.hosts.mindspeed_mm import FLOW_ENTRY_SCRIPTS
-from mindspeed_flow.step.layout import BACKBONE, ENCODER, Layout, PartLayout
+from mindspeed_flow.step.layout import AUDIO, BACKBONE, ENCODER, Layout, PartLayout
 
 # The MindSpeed-MM modules each part builds (`model_provider(modules=...)`; one that model.json lacks is skipped).
-# An audio encoder (Qwen2.5-Omni) runs on the decoder's first stage, beside the LLM's embeddings it feeds.
-PART_MODULES: dict[str, tuple[str, ...]] = {ENCODER: ("image_encoder",), BACKBONE: ("audio_encoder", "text_decoder")}
+# An audio encoder (Qwen2.5-Omni) is its own part when the recipe lists one (`parallel.encoders.audio`), else it
+# runs on the decoder's first stage, beside the LLM's embeddings it feeds (`part_modules`).
+PART_MODULES: dict[str, tuple[str, ...]] = {ENCODER: ("image_encoder",), AUDIO: ("audio_encoder",),
+                                            BACKBONE: ("audio_encoder", "text_decoder")}
+# `parallel.encoders` keys of a MindSpeed-MM flow recipe -> the part each names.
+ENCODER_KEYS = {"vision": ENCODER, "audio": AUDIO}
+
+
+def part_modules(layout: Layout, part: str) -> tuple[str, ...]:
+    """The modules `part` builds in this layout: the decoder leaves the audio encoder to an audio part."""
+    if part == BACKBONE and AUDIO in layout.encoder_parts:
+        return ("text_decoder",)
+    return PART_MODULES[part]
+
+
 # model.json's audio_encoder.audio_encoder.model_id values the decoder part runs.
 AUDIO_ENCODERS = ("qwen_omni",)
 
@@ -65,7 +79,8 @@ MODEL_IDS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
 # entry script (its path's tail) -> why it is refused
 SUPPORTED_SCRIPTS = ("pretrain_vlm.py",)
 REFUSED_SCRIPTS = {
-    "pretrain_omni.py": "Qwen2.5-Omni's audio encoder would be a third part; the torch host trains it decoupled",
+    "pretrain_omni.py": "MindSpeed-MM's OmniModel entry is not a flow entry (its Qwen2.5-Omni example trains through "
+                        "pretrain_vlm.py, where the audio encoder can be its own part: parallel.encoders.audio)",
     "evaluate_vlm.py": "evaluation, not training: run it unpatched (a flow checkpoint first goes through "
                        "`mindspeed-flow convert-checkpoint --to coupled`)",
     "inference_vlm.py": "inference, not training: run it unpatched",
@@ -88,7 +103,8 @@ class ModelShape:
     # for messages: the coupled job's split, which the decoder keeps when it has one entry per decoder stage.
     llm_split: Optional[tuple[int, ...]] = None
     source: str = "model.json"
-    audio_heads: int = 0  # the audio encoder's attention heads (it shares the decoder's TP group); 0 without one
+    audio_heads: int = 0  # the audio encoder's attention heads; 0 without one
+    audio_trainable: bool = False  # model.json's audio_encoder.audio_encoder.freeze is false (MindSpeed-MM: frozen)
 
     @staticmethod
     def from_model_json(path: str | Path) -> "ModelShape":
@@ -111,7 +127,7 @@ class ModelShape:
         return ModelShape(int(vit["num_attention_heads"]), int(vit["num_layers"]), int(llm["num_attention_heads"]),
                           int(llm.get("num_query_groups") or llm["num_attention_heads"]), int(llm["num_layers"]),
                           trainable, tuple(split) if flat else None, Path(path).name,
-                          int(audio.get("num_attention_heads", 0)))
+                          int(audio.get("num_attention_heads", 0)), bool(audio) and not audio.get("freeze", True))
 
     @property
     def audio(self) -> bool:
@@ -136,12 +152,26 @@ class FlowParts:
     # (absolute), and `trainer.trace` (per-rank spans merged into RUN_DIR/trace.json).
     run_dir: Optional[str] = None
     trace: bool = False
+    audio_trainable: bool = False  # an audio part (`parallel.encoders.audio`) trains its audio encoder
+
+    @property
+    def audio_part(self) -> bool:
+        """Whether the audio encoder is a part on its own ranks (else it runs on the decoder's first stage)."""
+        return AUDIO in self.layout.encoder_parts
+
+    def trainable(self, part: str) -> bool:
+        """Whether `part` has parameters that train (the decoder always does)."""
+        return {ENCODER: self.encoder_trainable, AUDIO: self.audio_trainable}.get(part, True)
+
+    @property
+    def frozen_parts(self) -> list[str]:
+        return [p.name for p in self.layout.parts if not self.trainable(p.name)]
 
     def describe(self) -> str:
         rows = []
         for p in self.layout.parts:
             r = self.layout.part_ranks(p.name)
-            rows.append(f"{p.name} ({'+'.join(PART_MODULES[p.name])}): ranks {r[0]}-{r[-1]}, "
+            rows.append(f"{p.name} ({'+'.join(part_modules(self.layout, p.name))}): ranks {r[0]}-{r[-1]}, "
                         f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}")
         return "; ".join(rows)
 
@@ -170,14 +200,30 @@ def _unsupported(job: FlowJobConfig) -> list[str]:
     if pack.step_mode != "samples":
         out.append(f"packing.step_mode={pack.step_mode!r}: MindSpeed-MM's loader makes the steps (a fixed "
                    "--global-batch-size of samples); use 'samples'")
-    for name, p in (("encoder", par.encoder), ("backbone", par.backbone)):
+    named = [("encoder", par.encoder)] if not par.encoders else \
+        [(f"encoders.{k}", _part_cfg(v)) for k, v in par.encoders.items()]
+    for name, p in named + [("backbone", par.backbone)]:
         if p.cp != 1:
             out.append(f"parallel.{name}.cp={p.cp}: MindSpeed's context-parallel group wrappers build their groups "
                        "over the whole world, not over one part (cp must be 1)")
-    if par.encoder.pp != 1:
-        out.append(f"parallel.encoder.pp={par.encoder.pp}: the image-encoder part runs data/tensor parallel only "
-                   "(pp must be 1)")
+    for name, p in named:
+        if p.pp != 1:
+            out.append(f"parallel.{name}.pp={p.pp}: an encoder part runs data/tensor parallel only (pp must be 1)")
+    for name, node in (par.encoders or {}).items():
+        extra = sorted(set(node.keys() if hasattr(node, "keys") else ()) - {"dp", "tp", "pp", "cp"})
+        if extra:
+            out.append(f"parallel.encoders.{name}: unknown keys {extra}; each part takes dp, tp, pp, cp")
+    unknown = sorted(set(par.encoders) - set(ENCODER_KEYS))
+    if unknown or (par.encoders and "vision" not in par.encoders):
+        out.append(f"parallel.encoders={sorted(par.encoders)}: a MindSpeed-MM flow job's encoder parts are `vision` "
+                   "(the image encoder) and optionally `audio` (Qwen2.5-Omni's audio encoder on its own ranks)")
     return out
+
+
+def _part_cfg(node: object) -> PartParallelConfig:
+    """One `parallel.encoders.<name>` entry (a mapping of dp/tp/pp/cp; missing sizes are 1)."""
+    sizes = dict(node.items()) if hasattr(node, "items") else {}  # type: ignore[union-attr]
+    return PartParallelConfig(**{k: sizes[k] for k in ("dp", "tp", "pp", "cp") if k in sizes})
 
 
 def unsupported_model(cfg: dict) -> list[str]:
@@ -235,9 +281,10 @@ def support_table() -> str:
     rows += [(names[field], ids(ok), ids(refused) or "anything else") for field, (ok, refused) in MODEL_IDS.items()]
     rows += [
         ("LLM kind", "dense", "MoE (`num_moe_experts`, `--expert-model-parallel-size`), `use_remove_padding: true`"),
-        ("other parts", "`audio_encoder` (Qwen2.5-Omni's `qwen_omni`, with `qwen2_5_omni_thinker`): on the LLM's "
-                        "ranks, whole on its first stage, microbatches in rows",
-         "the audio encoder as its own part (the torch host trains Omni's thinker in three parts)"),
+        ("other parts", "`audio_encoder` (Qwen2.5-Omni's `qwen_omni`, with `qwen2_5_omni_thinker`), microbatches in "
+                        "rows: its own part (`parallel.encoders: {vision: ..., audio: ...}`, DP/TP, frozen or "
+                        "trained), or on the LLM's ranks, whole on its first stage",
+         "the audio encoder pipelined (model.json's split or the recipe's pp)"),
         ("parallelism", "any DP/TP per part, decoder PP (uneven split), sequence parallel, MC2",
          "CP > 1, VPP, encoder PP, `--use-torch-fsdp2` on `pretrain_vlm.py`, `--hetero-parallel`, `--dist-train`"),
         ("data", f"images, 0-n per sample, or videos (`attr.videos`, model.json's `img_context_token_id` the video "
@@ -323,10 +370,18 @@ def build_parts(job: FlowJobConfig, *, world_size: int, model: ModelShape, globa
     problems = _unsupported(job)
     if problems:
         raise FlowRecipeError(f"{recipe_name}: " + "; ".join(problems))
-    enc_cfg, bb_cfg = job.parallel.encoder, job.parallel.backbone
-    layouts = (PartLayout(ENCODER, enc_cfg.dp, enc_cfg.tp, enc_cfg.pp, enc_cfg.cp),
-               PartLayout(BACKBONE, bb_cfg.dp, bb_cfg.tp, bb_cfg.pp, bb_cfg.cp))
-    field_of = {ENCODER: "parallel.encoder", BACKBONE: "parallel.backbone"}
+    bb_cfg = job.parallel.backbone
+    # The parts in rank order: the image encoder, the audio encoder when it is a part, the decoder last.
+    encoders = {ENCODER: ("parallel.encoder", job.parallel.encoder)} if not job.parallel.encoders else \
+        {ENCODER_KEYS[k]: (f"parallel.encoders.{k}", _part_cfg(job.parallel.encoders[k]))
+         for k in ("vision", "audio") if k in job.parallel.encoders}
+    if AUDIO in encoders and not model.audio:
+        raise FlowRecipeError(f"{recipe_name}: parallel.encoders.audio: {model.source} has no audio_encoder to run "
+                              "on it; drop the audio part")
+    layouts = tuple(PartLayout(name, c.dp, c.tp, c.pp, c.cp) for name, (_, c) in encoders.items()) + \
+        (PartLayout(BACKBONE, bb_cfg.dp, bb_cfg.tp, bb_cfg.pp, bb_cfg.cp),)
+    field_of = {name: f for name, (f, _) in encoders.items()}
+    field_of[BACKBONE] = "parallel.backbone"
     for p in layouts:
         f = field_of[p.name]
         for dim in ("dp", "tp", "pp", "cp"):
@@ -341,16 +396,18 @@ def build_parts(job: FlowJobConfig, *, world_size: int, model: ModelShape, globa
     if job.parallel.world_size and job.parallel.world_size != world_size:
         raise FlowRecipeError(f"{recipe_name}: parallel.world_size={job.parallel.world_size} but the job was launched "
                               f"with {world_size} ranks")
-    enc, bb = layouts
+    enc, bb = layouts[0], layouts[-1]
+    # The audio encoder shares the TP group of the part it runs in: its own, else the decoder's.
+    audio_at, audio_tp = (field_of[AUDIO], layouts[1].tp) if AUDIO in encoders else ("parallel.backbone", bb.tp)
     checks = [
-        (model.vit_heads % enc.tp == 0, f"parallel.encoder.tp={enc.tp}: the ViT's num_attention_heads "
+        (model.vit_heads % enc.tp == 0, f"{field_of[ENCODER]}.tp={enc.tp}: the ViT's num_attention_heads "
                                         f"({model.vit_heads}) must be divisible by tp"),
         (model.llm_heads % bb.tp == 0, f"parallel.backbone.tp={bb.tp}: the LLM's num_attention_heads "
                                        f"({model.llm_heads}) must be divisible by tp"),
         (model.llm_kv_heads % bb.tp == 0, f"parallel.backbone.tp={bb.tp}: the LLM's num_query_groups "
                                           f"({model.llm_kv_heads}) must be divisible by tp"),
-        (model.audio_heads % bb.tp == 0, f"parallel.backbone.tp={bb.tp}: the audio encoder runs on the LLM's ranks, "
-                                         f"and its num_attention_heads ({model.audio_heads}) must be divisible by tp"),
+        (model.audio_heads % audio_tp == 0, f"{audio_at}.tp={audio_tp}: the audio encoder runs on these ranks, and "
+                                            f"its num_attention_heads ({model.audio_heads}) must be divisible by tp"),
         (bb.pp <= model.llm_layers, f"parallel.backbone.pp={bb.pp}: more pipeline stages than LLM layers "
                                     f"({model.llm_layers})"),
     ]
@@ -371,9 +428,12 @@ def build_parts(job: FlowJobConfig, *, world_size: int, model: ModelShape, globa
         raise FlowRecipeError(f"{recipe_name}: packing.oversize_policy={job.packing.oversize_policy!r}: "
                               "'error' or 'skip'")
     split = decoder_split_for(job, model, recipe_name)
+    audio_trainable = AUDIO in encoders and model.audio_trainable
     return FlowParts(Layout(layouts), job.packing, float(job.flow.timeout_s), model.encoder_trainable, split.layers,
                      split.source,
-                     encoder_inflight(job.flow.encoder_inflight, bb.pp, model.encoder_trainable, recipe_name))
+                     encoder_inflight(job.flow.encoder_inflight, bb.pp, model.encoder_trainable or audio_trainable,
+                                      recipe_name),
+                     audio_trainable=audio_trainable)
 
 
 def encoder_inflight(value: object, decoder_pp: int, trainable: bool, recipe_name: str = "FLOW.yaml") -> int:
@@ -484,6 +544,11 @@ def parts_for_job(recipe_path: str | Path, argv: list[str], world_size: int,
         raise FlowRecipeError("model.json freezes the whole image encoder, so its part has no trainable parameter: "
                               "run with --use-distributed-optimizer (MindSpeed-MM's placeholder optimizer for a part "
                               "without parameters fails in Megatron's non-distributed optimizer: no main_grad)")
+    if model.audio and not model.audio_trainable and "audio" in (job.parallel.encoders or {}) and \
+            "--use-distributed-optimizer" not in argv:
+        raise FlowRecipeError("parallel.encoders.audio: model.json freezes the audio encoder, so its part has no "
+                              "trainable parameter: run with --use-distributed-optimizer (MindSpeed-MM's placeholder "
+                              "optimizer for a part without parameters needs it)")
     if job.packing.layout == "packed" and model.audio:
         raise FlowRecipeError("packing.layout=packed: model.json has an audio_encoder, and Qwen2.5-Omni's rope index "
                               "numbers a microbatch's positions from its audio clips too, so a packed row cannot "

@@ -14,11 +14,15 @@ hand each part its own forward-backward function:
   Every backward but the last runs under the model's `no_sync` (as Megatron's schedules do for all but the last
   microbatch), so `--overlap-grad-reduce` launches each bucket's reduction once. Tensor-parallel peers get each
   group's gradient by a TP broadcast. The peak of groups and saved-activation bytes held goes to `ctx.stats`.
+- audio encoder ranks (Qwen2.5-Omni with `parallel.encoders.audio`): the same `EncoderStep` over the clips of
+  their samples (MindSpeed-MM's audio encoder, one call per group), each sample's `<|AUDIO|>` rows sent on the
+  audio part's own groups.
 - decoder ranks (`DecoderStep`): Megatron's own schedule (1F1B when PP > 1) over this DP rank's planned
   microbatches, each collated as one packed (THD) row (`packed.py`) or as padded rows (`packing.layout`); before each first-stage forward the microbatch's embeddings are taken from the receives posted
   at the step's start (TP rank 0 receives, TP peers get a broadcast) and become `VLMModel.input_tensor`, the
-  `vit_embeds` input path; a gradient hook returns d(loss)/d(embedding) to each producer the moment autograd
-  computes it.
+  `vit_embeds` input path (with an audio part, the audio rows and the vision rows go in through the model's
+  `audio_embedings` / `vit_embedings` keywords); a gradient hook returns d(loss)/d(embedding) to each producer the
+  moment autograd computes it.
 - the loss: the planner regroups samples into new microbatches, so each sample's loss is weighed to give the
   unpatched job's objective whatever the grouping: with `--calculate-per-token-loss` the token count is summed over
   the decoder's last stage across parts (`reduce_group`) and every part scales by the global count; otherwise
@@ -53,16 +57,19 @@ import torch.distributed as dist
 from mindspeed_flow.hosts.mindspeed_mm import memory as flow_memory
 from mindspeed_flow.hosts.mindspeed_mm.context import FlowContext, PartFigures
 from mindspeed_flow.hosts.mindspeed_mm.data import (LAYOUT_PACKED, SECONDS_KEY, FlowSample, FlowStep, collate_rows,
-                                                    microbatch_seconds)
+                                                    microbatch_seconds, part_tokens)
 from mindspeed_flow.hosts.mindspeed_mm.packed import pack_samples, packed_forward, rope_positions_fn
 from mindspeed_flow.pool.planned import PlannedItem, PlannedTransport
 from mindspeed_flow.pool.wire import CHANNEL_EMBEDDING, CHANNEL_GRAD
 from mindspeed_flow.step.held import HeldPeak, SavedBytes
+from mindspeed_flow.step.layout import AUDIO, ENCODER
 from mindspeed_flow.step.timer import Timer
 from mindspeed_flow.telemetry import trace
 from mindspeed_flow.telemetry.trace import span
 
 LOSS_TOKEN, LOSS_MICROBATCH, LOSS_SAMPLE = "token", "microbatch", "sample"
+# VLMModel.forward's keywords for rows encoded elsewhere (MindSpeed-MM's hetero pipeline uses them), as spelled there.
+AUDIO_ROWS_KEY, VISION_ROWS_KEY = "audio_embedings", "vit_embedings"
 
 
 def _unwrap(model: Any) -> Any:
@@ -83,8 +90,10 @@ def _tp_broadcast(tensor: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------ plan orders
 
 
-def _image_samples(step: FlowStep, ids: list[int]) -> list[int]:
-    return [sid for sid in ids if step.samples[sid].image_tokens > 0]
+def _part_samples(step: FlowStep, ids: list[int], part: str = ENCODER) -> list[int]:
+    """The samples of `ids` that encoder part `part` has rows for (images for the image encoder, clips for an
+    audio part)."""
+    return [sid for sid in ids if part_tokens(step.samples[sid], part) > 0]
 
 
 def slot_positions(step: FlowStep) -> dict[int, tuple[int, int, int]]:
@@ -93,27 +102,30 @@ def slot_positions(step: FlowStep) -> dict[int, tuple[int, int, int]]:
             for k, mb in enumerate(row_mbs) for row, sid in enumerate(mb.sample_ids)}
 
 
-def embedding_order(step: FlowStep, producers: list[int]) -> list[int]:
-    """Every embedding of the step in one global order: slot, then producer, then the producer's own order.
+def embedding_order(step: FlowStep, producers: list[int], part: str = ENCODER) -> list[int]:
+    """Every embedding of one encoder part in the step, in one global order: slot, then producer, then the
+    producer's own order.
 
     Each producer's encode order is slot-major, so it is this order restricted to the producer; a consumer posts
-    its receives in this order restricted to itself (see pool.planned: one global order per direction)."""
+    its receives in this order restricted to itself (see pool.planned: one global order per direction; each
+    encoder part has its own groups)."""
     slots = slot_positions(step)
     key = {}
     for p_index, producer in enumerate(producers):
-        for pos, sid in enumerate(_image_samples(step, step.work.encode_order.get(producer, []))):
+        for pos, sid in enumerate(_part_samples(step, step.work.encode_order.get(producer, []), part)):
             key[sid] = (slots[sid][0], p_index, pos)
     return sorted(key, key=key.__getitem__)
 
 
-def gradient_order(step: FlowStep, consumers: list[int]) -> list[int]:
-    """Every embedding gradient of the step in one global order: slot, then consumer, then row.
+def gradient_order(step: FlowStep, consumers: list[int], part: str = ENCODER) -> list[int]:
+    """Every embedding gradient of one encoder part in the step, in one global order: slot, then consumer, then
+    row.
 
     A consumer returns a microbatch's gradients in row order during that microbatch's backward, and every
     schedule runs the backward of its microbatches in order, so each consumer sends in this order."""
     slots = slot_positions(step)
     index = {c: i for i, c in enumerate(consumers)}
-    ids = [sid for sid in slots if step.samples[sid].image_tokens > 0]
+    ids = [sid for sid in slots if part_tokens(step.samples[sid], part) > 0]
     return sorted(ids, key=lambda sid: (slots[sid][0], index[step.work.consumer_of[sid]], slots[sid][2]))
 
 
@@ -149,11 +161,13 @@ class HeldGroup:
 
 
 class EncoderStep:
-    """The encoder part's forward-backward function (Megatron's fbf signature)."""
+    """An encoder part's forward-backward function (Megatron's fbf signature): the image encoder's, or (`part`
+    audio) Qwen2.5-Omni's audio encoder's on its own ranks, whose rows go to the decoder's `<|AUDIO|>` tokens."""
 
-    def __init__(self, ctx: FlowContext, transport_factory: Callable[[], PlannedTransport], hidden: int,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, ctx: FlowContext, transport_factory: Callable[[str], PlannedTransport], hidden: int,
+                 dtype: torch.dtype, part: str = ENCODER) -> None:
         self.ctx = ctx
+        self.part = part
         self._transport_factory = transport_factory
         self.transport: Optional[PlannedTransport] = None
         self.hidden = hidden
@@ -169,8 +183,15 @@ class EncoderStep:
 
         MindSpeed-MM's Qwen2(.5) ViT takes any number of images with their grids, as in the unpatched job's
         microbatch: full attention (cu_seqlens) and the Qwen2.5 windows are built per image from image_grid_thw,
-        so each sample's rows equal its own call's (tests/mindspeed_mm/test_encoder_inflight.py)."""
+        so each sample's rows equal its own call's (tests/mindspeed_mm/test_encoder_inflight.py).
+
+        An audio part calls MindSpeed-MM's audio encoder on the group's clips ([rows, hidden] out): it cuts each
+        clip into windows and attends within each, so a clip's rows do not depend on the others in the call."""
         samples = [step.samples[sid] for sid in group]
+        if self.part == AUDIO:
+            features = torch.cat([s.audio_features for s in samples]).to(device=self.ctx.device, dtype=self.dtype)
+            mask = torch.cat([s.audio_mask for s in samples]).to(device=self.ctx.device)
+            return _unwrap(model).audio_encoder(features, mask)
         # Concatenated on the host, then one copy to the device in the job's dtype (as MindSpeed-MM's get_batch).
         pixels = torch.cat([s.pixel_values for s in samples]).to(device=self.ctx.device, dtype=self.dtype)
         grid = torch.cat([s.image_grid_thw for s in samples])
@@ -192,15 +213,16 @@ class EncoderStep:
         leader = ctx.replica_leader()
         is_leader = ctx.rank == leader
         if is_leader and self.transport is None:
-            self.transport = self._transport_factory()
+            self.transport = self._transport_factory(self.part)
         config = get_model_config(model[0])
-        trainable = ctx.parts.encoder_trainable and not forward_only
-        groups = slot_groups(step, _image_samples(step, step.work.encode_order.get(leader, [])))
+        trainable = ctx.part_trainable and not forward_only
+        part = self.part
+        groups = slot_groups(step, _part_samples(step, step.work.encode_order.get(leader, []), part))
         if trainable and is_leader:
             # Every gradient this replica will get, posted now in the step's global gradient order.
-            items = [PlannedItem(step.work.consumer_of[sid], step.step, sid, step.samples[sid].image_tokens)
-                     for sid in gradient_order(step, ctx.consumers())
-                     if step.work.producers["encoder"].get(sid) == leader]
+            items = [PlannedItem(step.work.consumer_of[sid], step.step, sid, part_tokens(step.samples[sid], part))
+                     for sid in gradient_order(step, ctx.consumers(), part)
+                     if step.work.producers[part].get(sid) == leader]
             self.transport.post_receives(CHANNEL_GRAD, items, self.hidden)
         no_sync = _no_sync_context(config)
         # Oldest first: graphs of this step (trainable), or sent groups of this and earlier steps (frozen).
@@ -218,9 +240,9 @@ class EncoderStep:
             saved = SavedBytes()
             with torch.set_grad_enabled(trainable), saved.counting(), span("encoder.forward", "busy"):
                 out = self.encode(model[0], step, group)
-            if check:
+            if check and part == ENCODER:
                 self._check_grouped(model[0], step, group, out, is_leader)
-            sizes = [step.samples[sid].image_tokens for sid in group]
+            sizes = [part_tokens(step.samples[sid], part) for sid in group]
             if is_leader:
                 for sid, emb in zip(group, torch.split(out, sizes, dim=0)):
                     self.transport.send(CHANNEL_EMBEDDING, step.work.consumer_of[sid], step.step, sid, emb)
@@ -242,6 +264,11 @@ class EncoderStep:
             config.finalize_model_grads_func(model, num_tokens)
         # No loss on encoder ranks: one empty dict per step keeps train_step's loss reduction a no-op.
         return [{}]
+
+    def flush(self) -> None:
+        """Wait until every embedding this rank sent has been received (see FlowHost.finish)."""
+        if self.transport is not None:
+            self.transport.flush()
 
     def _retire(self, entry: HeldGroup, n_groups: int, peak: HeldPeak, is_leader: bool,
                 no_sync: Callable[[], Any], timer: Timer) -> None:
@@ -340,13 +367,14 @@ class DecoderStep:
     """The decoder part's forward-backward function: Megatron's schedule over the planned microbatches."""
 
     def __init__(self, ctx: FlowContext, megatron_fbf: Callable[..., Any],
-                 transport_factory: Callable[[], PlannedTransport], embed_dim: int, dtype: torch.dtype,
+                 transport_factory: Callable[[str], PlannedTransport], embed_dim: int, dtype: torch.dtype,
                  *, loss: str, pad_multiple: int, loader_batches: int, layout: str,
                  seconds_key: str = SECONDS_KEY, audio: bool = False) -> None:
         self.ctx = ctx
         self.megatron_fbf = megatron_fbf
         self._transport_factory = transport_factory
-        self.transport: Optional[PlannedTransport] = None
+        # encoder part -> this consumer's transport from it (the image encoder; an audio part when there is one)
+        self.transports: dict[str, PlannedTransport] = {}
         self.embed_dim = embed_dim
         self.dtype = dtype
         self.loss = loss
@@ -354,7 +382,8 @@ class DecoderStep:
         self.loader_batches = loader_batches
         self.layout = layout
         self.seconds_key = seconds_key  # the batch key the model's rope index reads videos' seconds from
-        self.audio = audio  # the model has an audio encoder (on this part's first stage)
+        self.audio = audio  # the model has an audio encoder (on this part's first stage, or its own part)
+        self.audio_part = AUDIO in ctx.parts.layout.encoder_parts  # ... its own part: its rows come on the wire
         self._positions: Optional[Callable[..., torch.Tensor]] = None
         self.timer: Optional[Timer] = None
         self.num_microbatches = 1
@@ -372,14 +401,16 @@ class DecoderStep:
         dp_rank = ps.get_data_parallel_rank()
         microbatches = step.microbatches(dp_rank)
         if ctx.rank in ctx.consumers():
-            if self.transport is None:
-                self.transport = self._transport_factory()
-            # Every embedding of this step, posted at once in the step's global embedding order: each lands as
-            # soon as it is encoded, while the decoder works on earlier microbatches.
-            producer_of = step.work.producers["encoder"]
-            items = [PlannedItem(producer_of[sid], step.step, sid, step.samples[sid].image_tokens)
-                     for sid in embedding_order(step, ctx.producers()) if step.work.consumer_of.get(sid) == ctx.rank]
-            self.transport.post_receives(CHANNEL_EMBEDDING, items, self.embed_dim)
+            for part in ctx.parts.layout.encoder_parts:
+                if part not in self.transports:
+                    self.transports[part] = self._transport_factory(part)
+                # Every embedding of this step, posted at once in the part's global embedding order: each lands
+                # as soon as it is encoded, while the decoder works on earlier microbatches.
+                producer_of = step.work.producers[part]
+                items = [PlannedItem(producer_of[sid], step.step, sid, part_tokens(step.samples[sid], part))
+                         for sid in embedding_order(step, ctx.producers(part), part)
+                         if step.work.consumer_of.get(sid) == ctx.rank]
+                self.transports[part].post_receives(CHANNEL_EMBEDDING, items, self.embed_dim)
         self.timer = ctx.timer = Timer()
         self.num_microbatches = len(microbatches)
         ctx.step_transfer = self._transfer_stats(self.timer)
@@ -389,56 +420,76 @@ class DecoderStep:
         ctx.stats.counts = step.counts
         return losses
 
+    def flush(self) -> None:
+        """Wait until every gradient this rank sent has been received (see FlowHost.finish)."""
+        for transport in self.transports.values():
+            transport.flush()
+
     def _transfer_stats(self, timer: Timer) -> Callable[[PartFigures], None]:
         """What finalize (inside Megatron's schedule, after the last backward) adds to the step's stats for this
-        rank: gradient bytes sent, embedding bytes taken, the seconds it was blocked on embeddings (exposed) and
-        the seconds from posting the step's receives to taking its last embedding (the streaming window: the
-        part of it not blocked was hidden behind this rank's compute). Zero on ranks that receive nothing."""
-        transport = self.transport
-        if transport is None:
+        rank: gradient bytes sent, embedding bytes taken (over every encoder part), the seconds it was blocked on
+        embeddings (exposed) and the seconds from posting the step's receives to taking its last embedding (the
+        streaming window: the part of it not blocked was hidden behind this rank's compute). Zero on ranks that
+        receive nothing."""
+        transports = list(self.transports.values())
+        if not transports:
             return lambda figures: None
-        sent, received = transport.bytes_sent[CHANNEL_GRAD], transport.bytes_received[CHANNEL_EMBEDDING]
+
+        audio = self.transports.get(AUDIO)
+
+        def moved() -> tuple[int, int, int]:
+            return (sum(t.bytes_sent[CHANNEL_GRAD] for t in transports),
+                    sum(t.bytes_received[CHANNEL_EMBEDDING] for t in transports),
+                    audio.bytes_sent[CHANNEL_GRAD] if audio is not None else 0)
+
+        sent, received, audio_sent = moved()
         self.last_embedding_at = timer.start
 
         def add(figures: PartFigures) -> None:
-            figures.grad_bytes_sent = float(transport.bytes_sent[CHANNEL_GRAD] - sent)
-            figures.embedding_bytes = float(transport.bytes_received[CHANNEL_EMBEDDING] - received)
+            now_sent, now_received, now_audio = moved()
+            figures.grad_bytes_sent = float(now_sent - sent)
+            figures.grad_bytes_audio = float(now_audio - audio_sent)
+            figures.embedding_bytes = float(now_received - received)
             figures.transfer_exposed_s = timer.wait
             figures.transfer_window_s = max(self.last_embedding_at - timer.start, 0.0)
 
         return add
 
-    def embeddings(self, step: FlowStep, sample_ids: list[int]) -> Optional[torch.Tensor]:
-        """This microbatch's image embeddings in row order, as a leaf whose gradient flows back to the producers."""
+    def embeddings(self, step: FlowStep, sample_ids: list[int], part: str = ENCODER) -> Optional[torch.Tensor]:
+        """This microbatch's rows from encoder part `part` in row order ([rows, 1, hidden] image embeddings, the
+        model's `vit_embeds`; [rows, hidden] audio rows), as a leaf whose gradient flows back to the producers."""
         ctx = self.ctx
-        with_images = _image_samples(step, sample_ids)
-        if not with_images:
+        with_rows = _part_samples(step, sample_ids, part)
+        if not with_rows:
             return None
-        sizes = [step.samples[sid].image_tokens for sid in with_images]
-        producers = [step.work.producers["encoder"][sid] for sid in with_images]
-        if self.transport is not None:
+        sizes = [part_tokens(step.samples[sid], part) for sid in with_rows]
+        producers = [step.work.producers[part][sid] for sid in with_rows]
+        transport = self.transports.get(part)
+        if transport is not None:
             since = time.perf_counter()
             parts = []
             with span("wait.embedding", "wait"):
-                for sid, p in zip(with_images, producers):
+                for sid, p in zip(with_rows, producers):
                     ctx.doing(f"iteration {step.step + 1}: waiting for the embedding of sample {sid} from "
                               f"{ctx.describe(p)}")
-                    parts.append(self.transport.receive(CHANNEL_EMBEDDING, p, step.step, sid))
+                    parts.append(transport.receive(CHANNEL_EMBEDDING, p, step.step, sid))
             if self.timer is not None:
                 self.timer.waited(since)
             self.last_embedding_at = time.perf_counter()
-            embeds = torch.cat(parts, dim=0).reshape(-1, 1, self.embed_dim).to(self.dtype)
+            embeds = torch.cat(parts, dim=0).reshape(-1, self.embed_dim).to(self.dtype)
         else:
-            embeds = torch.empty((sum(sizes), 1, self.embed_dim), dtype=self.dtype, device=ctx.device)
+            embeds = torch.empty((sum(sizes), self.embed_dim), dtype=self.dtype, device=ctx.device)
         embeds = _tp_broadcast(embeds.contiguous())
-        if not ctx.parts.encoder_trainable:
+        if part == ENCODER:
+            embeds = embeds.reshape(-1, 1, self.embed_dim)
+        if not ctx.parts.trainable(part):
             return embeds
         embeds = embeds.detach().requires_grad_(True)
-        if self.transport is not None:
-            transport, step_no = self.transport, step.step
+        if transport is not None:
+            step_no = step.step
 
             def return_grads(grad: torch.Tensor) -> None:
-                for sid, producer, g in zip(with_images, producers, torch.split(grad, sizes, dim=0)):
+                for sid, producer, g in zip(with_rows, producers, torch.split(grad, sizes, dim=0)):
                     transport.send(CHANNEL_GRAD, producer, step_no, sid, g)
 
             embeds.register_hook(return_grads)
@@ -478,17 +529,28 @@ class DecoderStep:
             step, sample_ids = next(data_iterator)
             self.ctx.doing(f"iteration {step.step + 1}: decoder forward of samples {sample_ids}")
             vlm = _unwrap(model)
+            samples = [step.samples[sid] for sid in sample_ids]
+            audio_rows = None
             if vlm.add_text_decoder and vlm.text_decoder.pre_process:
                 vlm.input_tensor = self.embeddings(step, sample_ids)
-                if vlm.input_tensor is None and self.audio and \
-                        any(step.samples[sid].audio_features is not None for sid in sample_ids):
+                if self.audio_part:
+                    audio_rows = self.embeddings(step, sample_ids, AUDIO)
+                if vlm.input_tensor is None and self.audio and any(s.audio_mask is not None for s in samples):
                     # MindSpeed-MM scatters audio rows only inside its branch for vision rows: without any, a
                     # microbatch of clip-only samples would train on the bare <|AUDIO|> embeddings. An empty set
                     # of vision rows opens that branch, so every clip reaches the LLM whatever the microbatch holds
                     # (MindSpeed-MM's collator adds a blank image instead, which then fails to scatter).
                     vlm.input_tensor = torch.zeros((0, 1, self.embed_dim), dtype=self.dtype, device=self.ctx.device)
-            samples = [step.samples[sid] for sid in sample_ids]
             batch, token_weights, forward_context = self.collate(samples, vlm)
+            if self.audio_part:
+                # The audio encoder is its own part: this model has none. Its rows enter through VLMModel.forward's
+                # own keywords for embeddings computed elsewhere (`audio_embedings`, which then takes the vision
+                # rows from `vit_embedings` too); the scatter runs where `input_features` is a key (its value is
+                # unused).
+                batch.pop("input_features", None)
+                if audio_rows is not None:
+                    batch.update({AUDIO_ROWS_KEY: audio_rows, VISION_ROWS_KEY: vlm.input_tensor,
+                                  "input_features": None})
             if self.loss == LOSS_TOKEN:
                 with forward_context, span("decoder.forward", "busy"):
                     output, loss_func = original(iter([batch]), model)
@@ -607,7 +669,7 @@ def finalize_with_global_tokens(ctx: FlowContext, finalize: Callable[..., Any]) 
             for chunk in model:
                 chunk.scale_gradients(scaling)
         elif ctx.is_encoder:
-            enc_dp, dec_dp = ctx.parts.layout.part("encoder").dp, ctx.parts.layout.part("backbone").dp
+            enc_dp, dec_dp = ctx.layout.dp, ctx.parts.layout.part("backbone").dp
             if enc_dp != dec_dp:
                 for chunk in model:
                     chunk.scale_gradients(enc_dp / dec_dp)
