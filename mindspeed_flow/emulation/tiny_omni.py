@@ -15,6 +15,8 @@ two files with the example's keys and tiny widths, next to:
 
     python -m mindspeed_flow.emulation.tiny_omni WORKDIR [--samples 16] [--iters 10]
     # then: mindspeed-flow emulate --nproc 3 --flow-recipe FLOW.yaml -- <the printed job>
+    # or, the audio encoder on its own two ranks (three parts):
+    # mindspeed-flow emulate --nproc 4 --flow-recipe recipes/mindspeed_mm/tiny_omni_three_parts.yaml -- <the job>
 """
 from __future__ import annotations
 
