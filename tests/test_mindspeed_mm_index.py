@@ -301,3 +301,29 @@ def test_audio_clips_are_cut_per_sample_and_batched_back_in_order() -> None:
     video = split_batch(_video_batch(2), 0, VSTART, IMG, MERGE)[0]
     seconds = collate_rows([video], seconds_key=OMNI_SECONDS_KEY, audio=True)[OMNI_SECONDS_KEY]
     assert torch.is_tensor(seconds) and seconds.tolist() == [0.5, 1.5]
+
+
+def test_clip_frames_round_trip_through_the_index_and_batch_without_features() -> None:
+    """Each clip's frame count is indexed, so ranks that only need the feature mask (the decoder's, with the audio
+    encoder on a part of its own) rebuild it without reading a clip; a batch pads masks (and features where a rank
+    has them) to its widest clip. A mask that is not right-padded is refused."""
+    from mindspeed_flow.hosts.mindspeed_mm.data import FlowDataError, FlowSample, clip_frames, clip_mask, collate_rows
+    from mindspeed_flow.hosts.mindspeed_mm.index import MetadataIndex, SampleMeta
+
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    clips = clip_frames(mask, 0)
+    assert clips.tolist() == [[3, 5], [5, 5]] and torch.equal(clip_mask(clips), mask)
+    index = MetadataIndex.from_metas([SampleMeta(9, 0, 2, False, None, None, 6, clips),
+                                      SampleMeta(3, 0, 2, False, None),
+                                      SampleMeta(5, 0, 2, False, None, None, 2, torch.tensor([[2, 3]]))])
+    assert index.meta(0).audio_tokens == 6 and torch.equal(clip_mask(index.meta(0).clips), mask)
+    assert index.meta(1).clips is None and index.meta(2).clips.tolist() == [[2, 3]]
+    a = FlowSample(0, torch.ones(9, dtype=torch.long), None, None, None, 0, audio_mask=clip_mask(index.meta(0).clips))
+    b = FlowSample(1, torch.ones(5, dtype=torch.long), None, None, None, 0, audio_mask=clip_mask(index.meta(2).clips))
+    rows = collate_rows([b, a], audio=True)
+    assert "input_features" not in rows
+    assert rows["feature_attention_mask"].tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    b.audio_features, a.audio_features = torch.ones(1, 2, 3), torch.ones(2, 2, 5)
+    assert collate_rows([b, a], audio=True)["input_features"].shape == (3, 2, 5)
+    with pytest.raises(FlowDataError, match="not right-padded"):
+        clip_frames(torch.tensor([[0, 1, 1]]), 4)

@@ -162,7 +162,8 @@ def test_omni_flow_trains_audio_only_video_only_and_mixed_samples(mixed_assets, 
 
 # ------------------------------------------------------------------ the audio encoder as its own part (three parts)
 
-READ_LINE = re.compile(r"rank (\d+) \((encoder|audio encoder|decoder) dp\d+\) read (\d+) samples, (\d+) bytes of pixels")
+READ_LINE = re.compile(r"rank (\d+) \((encoder|audio encoder|decoder) dp\d+[^)]*\) read (\d+) samples, (\d+) bytes of "
+                       r"pixels, (\d+) bytes of audio features")
 PART_BYTES = re.compile(r"gradient bytes sent \d+ \(decoder, this step: image encoder (\d+), audio encoder (\d+)\)")
 
 
@@ -180,7 +181,7 @@ def three_part_recipe(path: Path, vision: dict, audio: dict, dec: dict, token_bu
 
 def check_three_parts(output: str, vision: dict, audio: dict, dec: dict) -> None:
     """Every rank's Megatron groups lie inside its own part (vision, audio, decoder in rank order), with the part's
-    sizes; no rank but the vision encoder's reads a pixel."""
+    sizes; no rank but the vision encoder's reads a pixel, none but the audio encoder's a clip."""
     sizes = {"encoder": vision, "audio": audio, "backbone": dec}
     first = {"encoder": 0, "audio": vision["dp"] * vision.get("tp", 1)}
     first["backbone"] = first["audio"] + audio["dp"] * audio.get("tp", 1)
@@ -193,10 +194,13 @@ def check_three_parts(output: str, vision: dict, audio: dict, dec: dict) -> None
         groups = {k: json.loads(v) for k, v in re.findall(r"(\w+)=(\[[^\]]*\])", text)}
         assert int(rank) in own and all(r in own for g in groups.values() for r in g), (rank, part, groups)
         assert len(groups["tp"]) == lay.get("tp", 1) and len(groups["dp"]) == lay["dp"], (rank, groups)
+    # Each side reads what it uses only: pixels on the vision encoder, clips on the audio encoder, neither on
+    # the decoder (its rope index takes the clips' frame counts from the metadata index).
     reads = READ_LINE.findall(output)
     assert len(reads) == world, reads
-    assert all(int(nbytes) == 0 for _, side, _, nbytes in reads if side != "encoder"), reads
-    assert all(int(n) > 0 for _, side, n, _ in reads if side == "audio encoder"), reads
+    for _, side, n, pixels, clips in reads:
+        assert int(n) > 0 and (int(pixels) > 0) == (side == "encoder"), reads
+        assert (int(clips) > 0) == (side == "audio encoder"), reads
 
 
 def test_omni_audio_encoder_as_its_own_part_resumes_with_the_same_command(omni_assets, omni_checkpoint,

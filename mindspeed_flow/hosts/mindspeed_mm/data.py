@@ -263,13 +263,21 @@ def add_audio(batch: dict[str, Any], samples: list[FlowSample]) -> dict[str, Any
     """The microbatch's audio clips in sample order, as MindSpeed-MM's collator batches them. Qwen2.5-Omni's rope
     index sums feature_attention_mask in every microbatch, so one without audio carries an empty one (and no
     input_features: the model runs its audio encoder only when they are there)."""
-    clips = [s for s in samples if s.audio_features is not None]
-    if clips:
-        batch["input_features"] = torch.cat([s.audio_features for s in clips], dim=0)
-        batch["feature_attention_mask"] = torch.cat([s.audio_mask for s in clips], dim=0)
-    else:
+    clips = [s for s in samples if s.audio_mask is not None]
+    if not clips:
         batch["feature_attention_mask"] = torch.zeros((0, 1), dtype=torch.long)
+        return batch
+    # Each sample's clips come padded by its own collator call; a batch pads them to its widest (the features are
+    # read through the mask, so the width changes no value).
+    width = max(int(s.audio_mask.shape[1]) for s in clips)
+    batch["feature_attention_mask"] = torch.cat([_pad_last(s.audio_mask, width) for s in clips], dim=0)
+    if all(s.audio_features is not None for s in clips):  # the audio encoder runs here (else: on its own part)
+        batch["input_features"] = torch.cat([_pad_last(s.audio_features, width) for s in clips], dim=0)
     return batch
+
+
+def _pad_last(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t if int(t.shape[-1]) == width else torch.nn.functional.pad(t, (0, width - int(t.shape[-1])))
 
 
 def microbatch_seconds(samples: list[FlowSample]) -> Optional[list[float]]:
@@ -308,6 +316,7 @@ class SideNeeds:
     decoder_dp: Optional[int] = None
     labels: bool = False
     encoder_part: str = ENCODER
+    clip_features: bool = False  # decoder ranks that run the audio encoder (on their first stage) read clips
 
     def pixels_of(self, step: "FlowStep") -> list[int]:
         if self.encoder_leader is None:
@@ -337,7 +346,26 @@ def sample_meta(dataset: Any, collate: Callable[[list], dict], vision_start_id: 
                             "ranks cannot take them from the data set's item; read whole batches with "
                             "MSF_FLOW_DATA_READS=whole")
     return SampleMeta(s.length, s.image_tokens, s.loss_tokens, video, s.image_grid_thw, s.second_per_grid_ts,
-                      s.audio_tokens)
+                      s.audio_tokens, clip_frames(s.audio_mask, i))
+
+
+def clip_frames(mask: Optional[torch.Tensor], index: int) -> Optional[torch.Tensor]:
+    """[clips, 2]: each clip's real frames and its mask's padded width, from MindSpeed-MM's feature mask (right
+    padding: ones, then zeros), or None without clips."""
+    if mask is None:
+        return None
+    frames = mask.sum(dim=1).to(torch.long)
+    width = int(mask.shape[1])
+    if not torch.equal(mask.to(torch.long), clip_mask(torch.stack([frames, torch.full_like(frames, width)], 1))):
+        raise FlowDataError(f"data set sample {index}: its audio feature mask is not right-padded; read whole "
+                            "batches with MSF_FLOW_DATA_READS=whole")
+    return torch.stack([frames, torch.full_like(frames, width)], dim=1)
+
+
+def clip_mask(clips: torch.Tensor) -> torch.Tensor:
+    """The feature mask of clips given as [clips, 2] (real frames, padded width): what the collator gave them."""
+    width = int(clips[:, 1].max()) if clips.numel() else 1
+    return (torch.arange(width).unsqueeze(0) < clips[:, :1]).to(torch.long)
 
 
 class _ReplicaBatches:
@@ -349,6 +377,7 @@ class _ReplicaBatches:
         self.replicas = len(sources)
         self._its = [cycle_passes(source) for source in sources]
         self._ids = (vision_start_id, image_token_id, merge_size)
+        self.clip_bytes = 0  # bytes of audio features (log-mel) this rank has read
 
     def _samples(self, batch: Any, first_id: int, batch_index: int) -> list[FlowSample]:
         raise NotImplementedError
@@ -372,6 +401,8 @@ class WholeBatchReads(_ReplicaBatches):
 
     def load(self, step: "FlowStep") -> tuple[int, int]:
         """(samples, bytes of pixels) read for this step: all of them, already."""
+        self.clip_bytes += sum(s.audio_features.numel() * s.audio_features.element_size()
+                               for s in step.samples.values() if s.audio_features is not None)
         return len(step.samples), sum(s.pixel_values.numel() * s.pixel_values.element_size()
                                       for s in step.samples.values() if s.pixel_values is not None)
 
@@ -396,7 +427,8 @@ class IndexedReads(_ReplicaBatches):
         for di, m in zip(indices, metas):
             batch.append(FlowSample(first_id + len(batch), None, None, None, m.grid, m.image_tokens, m.loss_tokens,
                                     batch_index, length=m.length, dataset_index=int(di), second_per_grid_ts=m.seconds,
-                                    audio_tokens=m.audio_tokens))
+                                    audio_tokens=m.audio_tokens,
+                                    audio_mask=clip_mask(m.clips) if m.clips is not None else None))
         tokens = sum(s.loss_tokens for s in batch)
         for s in batch:
             s.batch_loss_tokens, s.batch_samples = tokens, len(batch)
@@ -439,9 +471,10 @@ class IndexedReads(_ReplicaBatches):
             raise self._stale(s, f"its length {int(s.input_ids.numel())}")
         if self.needs.labels:
             s.labels = torch.as_tensor(item["labels"], dtype=torch.long)
-        if item.get("audios"):
-            # Qwen2.5-Omni's rope index reads each clip's frame count (feature_attention_mask) on every stage, and
-            # an audio encoder on the decoder's ranks its log-mel features too.
+        if item.get("audios") and self.needs.clip_features:
+            # The audio encoder runs on the decoder's first stage: it reads the clips' log-mel features. (Omni's
+            # rope index reads only each clip's frame count, which the index holds: with an audio part the
+            # decoder reads no clip.)
             self._load_clips(s, item)
 
     def _load_clips(self, s: FlowSample, item: dict) -> None:
@@ -449,10 +482,14 @@ class IndexedReads(_ReplicaBatches):
         the unpatched job's are. Without the item's images and videos, so that no rank outside the image
         encoder decodes a frame (the collator stands a blank image in for them)."""
         batch = self.collate([dict(item, images=[], videos=[])])
-        s.audio_features, s.audio_mask = (batch[k] for k in AUDIO_KEYS)
-        if int(s.audio_features.shape[0]) != len(item.get("audios") or []):
-            raise self._stale(s, f"its clips ({int(s.audio_features.shape[0])} from the collator, "
+        features, mask = (batch[k] for k in AUDIO_KEYS)
+        if int(features.shape[0]) != len(item.get("audios") or []):
+            raise self._stale(s, f"its clips ({int(features.shape[0])} from the collator, "
                                  f"{len(item.get('audios') or [])} in the data set)")
+        if s.audio_mask is not None and not torch.equal(mask.to(torch.long), s.audio_mask):
+            raise self._stale(s, f"its clips' frames {mask.sum(dim=1).tolist()}")
+        s.audio_features, s.audio_mask = features, mask
+        self.clip_bytes += features.numel() * features.element_size()
 
 
 class FlowStepSource:

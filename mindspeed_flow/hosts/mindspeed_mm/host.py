@@ -88,13 +88,15 @@ def vit_frozen(model_cfg: Any) -> bool:
     return bool(_cfg(model_cfg.image_encoder.vision_encoder, "freeze", True))
 
 
-def side_needs(ctx: FlowContext) -> SideNeeds:
-    """What this rank's side uses of each step (Megatron's parallel state is the part's own here)."""
+def side_needs(ctx: FlowContext, audio: bool = False) -> SideNeeds:
+    """What this rank's side uses of each step (Megatron's parallel state is the part's own here). `audio`: the
+    model has an audio encoder, which reads clips on the decoder's first stage unless it is a part of its own."""
     if ctx.is_encoder:
         return SideNeeds(encoder_leader=ctx.replica_leader(), encoder_part=ctx.part)
     from megatron.core import parallel_state as ps  # optional: megatron
 
-    return SideNeeds(decoder_dp=ps.get_data_parallel_rank(), labels=ps.is_pipeline_last_stage(ignore_virtual=True))
+    return SideNeeds(decoder_dp=ps.get_data_parallel_rank(), labels=ps.is_pipeline_last_stage(ignore_virtual=True),
+                     clip_features=audio and not ctx.parts.audio_part and ps.is_pipeline_first_stage())
 
 
 def build_reads(ctx: FlowContext, args: Any, data_cfg: Any, *, vision_start_id: int, image_token_id: int,
@@ -135,14 +137,16 @@ def build_reads(ctx: FlowContext, args: Any, data_cfg: Any, *, vision_start_id: 
     index = load_or_build(index_folder(data_cfg.dataset_param), inputs,
                           functools.partial(sample_meta, train, collate, *ids), len(train), workers=workers,
                           log=lambda line: print(f"[mindspeed-flow] {ctx.describe(ctx.rank)} {line}", flush=True))
-    return IndexedReads(train, collate, samplers, index, side_needs(ctx), *ids)
+    return IndexedReads(train, collate, samplers, index, side_needs(ctx, has_audio(args.mm.model)), *ids)
 
 
-def report_reads(ctx: FlowContext, source: FlowStepSource) -> None:
-    """At exit, one line per rank: what it read through the loaders and its peak host memory (resident set)."""
+def report_reads(ctx: FlowContext, source: FlowStepSource, audio: bool = False) -> None:
+    """At exit, one line per rank: what it read through the loaders (with `audio`, the bytes of audio features
+    too) and its peak host memory (resident set)."""
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+    clips = f", {source.reads.clip_bytes} bytes of audio features" if audio else ""
     print(f"[mindspeed-flow] {ctx.describe(ctx.rank)} read {source.samples_read} samples, "
-          f"{source.pixel_bytes_read} bytes of pixels; peak host memory {peak_mib:.0f} MiB", flush=True)
+          f"{source.pixel_bytes_read} bytes of pixels{clips}; peak host memory {peak_mib:.0f} MiB", flush=True)
 
 
 def has_audio(model_cfg: Any) -> bool:
@@ -296,7 +300,7 @@ class FlowHost:
                 min_microbatches=ctx.parts.layout.part("backbone").pp, oversize_policy=packing.oversize_policy,
                 merge_size=ids["merge_size"], first_step=first_step, layout=decoder_layout(ctx, args),
                 pad_multiple=sequence_pad_multiple(ctx, args))
-            atexit.register(report_reads, ctx, source)
+            atexit.register(report_reads, ctx, source, has_audio(model_cfg))
             return source, None, None
 
         flow_dataset_provider.is_distributed = True  # every rank builds it (MindSpeed-MM sets the same)

@@ -3,8 +3,10 @@
 Per sample (the data set's own index): its token count, vision tokens (those at model.json's
 `img_context_token_id`), loss tokens (labels other than -100 after the shift), whether it carries video, its
 images' or videos' `image_grid_thw` (a video's grid as MindSpeed-MM's `get_batch` renames `video_grid_thw`), and per
-grid row the video's `second_per_grid_ts` (0 for an image), which MindSpeed-MM's mrope reads for video tokens. Every rank plans each global batch from
-this alone; a rank then loads only the content its side uses (`data.IndexedReads`).
+grid row the video's `second_per_grid_ts` (0 for an image), which MindSpeed-MM's mrope reads for video tokens; for
+Qwen2.5-Omni its `<|AUDIO|>` tokens and each audio clip's frame count (its `feature_attention_mask`, which the rope
+index reads on every decoder stage). Every rank plans each global batch from this alone; a rank then loads only the
+content its side uses (`data.IndexedReads`).
 
 Built once per data set by running MindSpeed-MM's own path on each sample once: the data set's item (its tokenized
 text, which MindSpeed-MM's `map` preprocessing already holds) through the job's own collator (`collate_fn` of
@@ -51,12 +53,13 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 # 2: video samples are indexed (grids and their second_per_grid_ts) instead of only flagged.
-# 3: each sample's audio tokens (Qwen2.5-Omni's <|AUDIO|> rows, which an audio encoder part produces).
+# 3: each sample's audio tokens (Qwen2.5-Omni's <|AUDIO|> rows, which an audio encoder part produces) and its clips'
+#    frame counts (the feature mask MindSpeed-MM's collator gives them, which the decoder's rope index reads).
 FORMAT = 3
 MAX_HASHED_FILE = 64 * 2 ** 20
 INDEX_FOLDER = "mindspeed_flow_index"
 _FIELDS = ("lengths", "image_tokens", "loss_tokens", "has_video", "grid_offsets", "grids", "grid_seconds",
-           "audio_tokens")
+           "audio_tokens", "clip_offsets", "clips")
 
 
 @dataclass
@@ -68,6 +71,7 @@ class SampleMeta:
     grid: Optional[torch.Tensor]  # [images or videos, 3] int64, or None
     seconds: Optional[torch.Tensor] = None  # [videos] float64: a video sample's second_per_grid_ts, else None
     audio_tokens: int = 0  # its <|AUDIO|> tokens (the rows its clips encode to)
+    clips: Optional[torch.Tensor] = None  # [clips, 2] int64: each clip's real frames and its mask's padded width
 
 
 @dataclass
@@ -83,6 +87,8 @@ class MetadataIndex:
     grids: torch.Tensor
     grid_seconds: torch.Tensor  # per grid row: its video's second_per_grid_ts (float64), 0 for an image
     audio_tokens: torch.Tensor  # per sample: its <|AUDIO|> tokens
+    clip_offsets: torch.Tensor  # per sample i: its clips are clips[clip_offsets[i]:clip_offsets[i + 1]]
+    clips: torch.Tensor  # [all clips, 2]: real frames, padded width
     key: str = ""
     path: Optional[Path] = None
 
@@ -95,12 +101,18 @@ class MetadataIndex:
         return SampleMeta(int(self.lengths[i]), int(self.image_tokens[i]), int(self.loss_tokens[i]), video,
                           self.grids[lo:hi].clone() if hi > lo else None,
                           self.grid_seconds[lo:hi].clone() if video and hi > lo else None,
-                          int(self.audio_tokens[i]))
+                          int(self.audio_tokens[i]), self.clips[int(self.clip_offsets[i]):
+                                                                int(self.clip_offsets[i + 1])].clone()
+                          if int(self.clip_offsets[i + 1]) > int(self.clip_offsets[i]) else None)
 
     @staticmethod
     def from_metas(metas: list[SampleMeta], key: str = "") -> "MetadataIndex":
         offsets, grids, seconds = [0], [], []
+        clip_offsets, clips = [0], []
         for m in metas:
+            if m.clips is not None:
+                clips.append(m.clips.to(torch.long).reshape(-1, 2))
+            clip_offsets.append(clip_offsets[-1] + (int(m.clips.shape[0]) if m.clips is not None else 0))
             if m.grid is not None:
                 grids.append(m.grid.to(torch.long).reshape(-1, 3))
                 n = int(grids[-1].shape[0])
@@ -114,7 +126,9 @@ class MetadataIndex:
                              torch.tensor(offsets, dtype=torch.long),
                              torch.cat(grids) if grids else torch.zeros((0, 3), dtype=torch.long),
                              torch.cat(seconds) if seconds else torch.zeros(0, dtype=torch.float64),
-                             torch.tensor([m.audio_tokens for m in metas], dtype=torch.long), key)
+                             torch.tensor([m.audio_tokens for m in metas], dtype=torch.long),
+                             torch.tensor(clip_offsets, dtype=torch.long),
+                             torch.cat(clips) if clips else torch.zeros((0, 2), dtype=torch.long), key)
 
     def save(self, path: Path) -> None:
         """Atomically: a reader sees the whole file or none."""
