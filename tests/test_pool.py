@@ -638,7 +638,9 @@ def _frozen(rank: int, world: int) -> dict:
             for sid in range(PER_STEP):
                 pool.put(_embedding(sid, step, TOKENS), sample_id=sid, step=step, consumer=1)
                 inflight = pool.inflight_handles()
-                ran_ahead += int(min(h.step for h in inflight) < step)  # an earlier step is still being consumed
+                # An earlier step still being consumed. The consumer may already have taken everything sent (empty:
+                # no run-ahead); at each step's first put it cannot have, it waits for the signal sent below.
+                ran_ahead += int(bool(inflight) and min(h.step for h in inflight) < step)
                 max_inflight = max(max_inflight, len(inflight))
                 if step > 0 and sid == 0:
                     _signal([1])  # the consumer takes the last item of the previous step only after this put
