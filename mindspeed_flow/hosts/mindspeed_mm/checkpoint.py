@@ -269,7 +269,7 @@ class ReadStats:
 def _saved_split(saved_args: Any, part: str, stages: int) -> Optional[list[int]]:
     """The coupled job's layers per pipeline stage of a module, from its saved args (its model.json)."""
     node = getattr(getattr(saved_args, "mm", None), "model", None)
-    if part not in STACK or part == "audio":  # the audio encoder is not pipelined in a flow job
+    if part == "audio":  # the audio encoder is not pipelined in a flow job
         return None
     for key in ("image_encoder", "vision_encoder") if part == "encoder" else ("text_decoder",):
         node = getattr(node, key, None)

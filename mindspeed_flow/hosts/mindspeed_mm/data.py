@@ -355,11 +355,11 @@ def clip_frames(mask: Optional[torch.Tensor], index: int) -> Optional[torch.Tens
     if mask is None:
         return None
     frames = mask.sum(dim=1).to(torch.long)
-    width = int(mask.shape[1])
-    if not torch.equal(mask.to(torch.long), clip_mask(torch.stack([frames, torch.full_like(frames, width)], 1))):
+    clips = torch.stack([frames, torch.full_like(frames, int(mask.shape[1]))], dim=1)
+    if not torch.equal(mask.to(torch.long), clip_mask(clips)):
         raise FlowDataError(f"data set sample {index}: its audio feature mask is not right-padded; read whole "
                             "batches with MSF_FLOW_DATA_READS=whole")
-    return torch.stack([frames, torch.full_like(frames, width)], dim=1)
+    return clips
 
 
 def clip_mask(clips: torch.Tensor) -> torch.Tensor:
