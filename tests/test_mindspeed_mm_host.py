@@ -200,6 +200,42 @@ def test_bad_three_part_recipes_name_the_field_and_the_rule(tmp_path, text, mode
     assert want in str(err.value), str(err.value)
 
 
+OMNI_TWO_TP2 = "parallel:\n  encoder: {dp: 1}\n  backbone: {dp: 1, tp: 2}\n"
+OMNI_AUDIO_TP = "parallel:\n  encoders:\n    vision: {dp: 1}\n    audio: {dp: 1, tp: %d}\n  backbone: {dp: 1, tp: 2}\n"
+
+
+@pytest.mark.parametrize("text,world,audio_sp,flags,want", [
+    # the audio encoder at TP 2 inherits --sequence-parallel: refused, naming the field and the way out
+    (OMNI_TWO_TP2, 3, None, [], "--sequence-parallel with Qwen2.5-Omni's audio encoder at parallel.backbone.tp (the "
+                                "audio encoder runs on the decoder's first stage)=2"),
+    (OMNI_AUDIO_TP % 2, 5, None, [], "--sequence-parallel with Qwen2.5-Omni's audio encoder at "
+                                     "parallel.encoders.audio.tp=2"),
+    (OMNI_AUDIO_TP % 2, 5, True, [], 'add "sequence_parallel": false to omni.json\'s audio_encoder.audio_encoder'),
+    # MC2 cannot run in a module without sequence parallelism: only an audio part at tp 1 avoids it
+    (OMNI_TWO_TP2, 3, False, ["--use-ascend-mc2"], "--use-ascend-mc2 with Qwen2.5-Omni's audio encoder at "
+                                                   "parallel.backbone.tp"),
+    (OMNI_AUDIO_TP % 2, 5, False, ["--use-ascend-mc2"], "give the audio encoder its own part at tp 1"),
+    # accepted: model.json turns sequence parallelism off in the audio encoder, or its part has no TP
+    (OMNI_TWO_TP2, 3, False, [], ""),
+    (OMNI_AUDIO_TP % 2, 5, False, [], ""),
+    (OMNI_AUDIO_TP % 1, 4, None, ["--use-ascend-mc2"], ""),
+], ids=["two_parts", "audio_tp2", "audio_tp2_sp_on", "two_parts_mc2", "audio_tp2_mc2", "two_parts_sp_off",
+        "audio_tp2_sp_off", "audio_tp1_mc2"])
+def test_sequence_parallel_where_the_audio_encoder_runs_tensor_parallel(tmp_path, text, world, audio_sp, flags,
+                                                                        want) -> None:
+    """MindSpeed-MM's audio encoder never splits its frames over TP, so under --sequence-parallel it runs only
+    with `"sequence_parallel": false` in its own model.json section, and never under MC2 (MindSpeed refuses MC2 in
+    a TP module without sequence parallelism); an audio part at tp 1 needs neither."""
+    model = _omni_json(tmp_path, freeze=False, **({} if audio_sp is None else {"sequence_parallel": audio_sp}))
+    argv = _argv(model, 4) + ["--sequence-parallel", *flags]
+    if not want:
+        assert parts_for_job(_recipe(tmp_path, text), argv, world).layout.world_size == world
+        return
+    with pytest.raises(FlowRecipeError) as err:
+        parts_for_job(_recipe(tmp_path, text), argv, world)
+    assert want in str(err.value), str(err.value)
+
+
 # ------------------------------------------------------------------------------ refusals before any group exists
 
 

@@ -97,28 +97,37 @@ def _write_tone(path: Path, hz: float, seconds: float) -> None:
 
 
 def write_samples(data_dir: Path, n_samples: int, seed: int = 0, videos_per_sample: Sequence[int] = (1,),
-                  audios_per_sample: Sequence[int] = (1,)) -> Path:
-    """`n_samples` samples, sample i holding `videos_per_sample[i % len]` videos (a square sliding over a
-    background) and `audios_per_sample[i % len]` tones of 0.5-1.5 s whose pitch follows the square's colour (so
-    the audio tokens vary in number); returns samples.json."""
+                  audios_per_sample: Sequence[int] = (1,), images_per_sample: Sequence[int] = (0,)) -> Path:
+    """`n_samples` samples, sample i holding `images_per_sample[i % len]` still images of a square (as
+    `tiny.write_samples` draws them), `videos_per_sample[i % len]` videos (a square sliding over a background) and
+    `audios_per_sample[i % len]` tones of 0.5-1.5 s whose pitch follows the square's colour (so the audio tokens
+    vary in number); returns samples.json."""
     rng = random.Random(seed)
     samples = []
     for i in range(n_samples):
         color, background = rng.sample(sorted(tiny.COLORS), 2)
         direction = rng.choice(("left", "right"))
-        videos, audios = [], []
+        images, videos, audios = [], [], []
+        for k in range(images_per_sample[i % len(images_per_sample)]):
+            images.append(data_dir / "images" / f"{i:04d}_{k}.png")
+            images[-1].parent.mkdir(parents=True, exist_ok=True)
+            tiny._draw(color, "square", background, tiny.IMAGE_SIZES[(i + k) % len(tiny.IMAGE_SIZES)]).save(images[-1])
         for k in range(videos_per_sample[i % len(videos_per_sample)]):
             videos.append(data_dir / "videos" / f"{i:04d}_{k}.mp4")
             tiny._write_video(videos[-1], color, background, direction)
         for k in range(audios_per_sample[i % len(audios_per_sample)]):
             audios.append(data_dir / "audios" / f"{i:04d}_{k}.wav")
             _write_tone(audios[-1], PITCH_HZ[color], 0.5 + ((i + k) % 3) * 0.5)
-        samples.append({"messages": [{"role": "user",
-                                      "content": "<video>" * len(videos) + "<audio>" * len(audios)
-                                      + "Describe the video."},
-                                     {"role": "assistant", "content": f"a {color} square moving {direction} on a "
-                                                                      f"{background} background"}],
-                        "videos": [str(v) for v in videos], "audios": [str(a) for a in audios]})
+        caption = (f"a {color} square on a {background} background" if images
+                   else f"a {color} square moving {direction} on a {background} background")
+        sample = {"messages": [{"role": "user",
+                                "content": "<image>" * len(images) + "<video>" * len(videos) + "<audio>" * len(audios)
+                                + ("Describe the image." if images else "Describe the video.")},
+                               {"role": "assistant", "content": caption}],
+                  "videos": [str(v) for v in videos], "audios": [str(a) for a in audios]}
+        if any(images_per_sample):
+            sample["images"] = [str(p) for p in images]
+        samples.append(sample)
     out = data_dir / "samples.json"
     out.write_text(json.dumps(samples, indent=1))
     return out
@@ -156,18 +165,29 @@ def data_json(example: dict[str, Any], workdir: Path, processor_dir: Path) -> di
 
 def prepare_omni_workdir(workdir: str | Path, mm_root: Path, n_samples: int = 16,
                          videos_per_sample: Sequence[int] = (1,), audios_per_sample: Sequence[int] = (1,),
-                         shuffle: bool = True) -> dict[str, Path]:
+                         shuffle: bool = True, images_per_sample: Sequence[int] = (0,)) -> dict[str, Path]:
     """Build (once) the processor and samples under `workdir`, and write fresh model / data files from the
-    example's in `mm_root` (MindSpeed-MM's sources). `shuffle`: data_7b.json's dataloader shuffle."""
+    example's in `mm_root` (MindSpeed-MM's sources). `shuffle`: data_7b.json's dataloader shuffle.
+
+    With images (`images_per_sample`), data_7b.json's `attr.images` names the samples' `images` key and model.json's
+    `img_context_token_id` is the image pad, <|IMAGE|>: MindSpeed-MM scatters the ViT's rows at that one id (the
+    example points it at <|VIDEO|>), so one data set holds images or videos, not both."""
+    if any(images_per_sample) and any(videos_per_sample):
+        raise ValueError("images and videos in one Omni data set: MindSpeed-MM's model.json scatters the vision rows "
+                         "at one token id (img_context_token_id), the image pad or the video pad")
     workdir = Path(workdir).resolve()
     processor_dir = workdir / "processor"
     if not (processor_dir / "preprocessor_config.json").exists():
         build_processor(processor_dir)
     samples = write_samples(workdir / "data", n_samples, videos_per_sample=videos_per_sample,
-                            audios_per_sample=audios_per_sample)
+                            audios_per_sample=audios_per_sample, images_per_sample=images_per_sample)
     model_path, data_path = workdir / "model_omni.json", workdir / "data_omni.json"
-    model_path.write_text(json.dumps(model_json(json.loads((mm_root / EXAMPLE_MODEL).read_text())), indent=4))
+    model = model_json(json.loads((mm_root / EXAMPLE_MODEL).read_text()))
     data = data_json(json.loads((mm_root / EXAMPLE_DATA).read_text()), workdir, processor_dir)
+    if any(images_per_sample):
+        model["img_context_token_id"] = OMNI_IDS["<|IMAGE|>"]
+        data["dataset_param"]["attr"]["images"] = "images"
+    model_path.write_text(json.dumps(model, indent=4))
     data["dataloader_param"]["shuffle"] = shuffle
     data_path.write_text(json.dumps(data, indent=4))
     return {"workdir": workdir, "processor": processor_dir, "samples": samples, "model_json": model_path,

@@ -8,8 +8,9 @@ job. Both jobs load the same coupled checkpoint (audio encoder included) and run
 `--calculate-per-token-loss`; the flow job's loss must equal the unpatched job's (first iteration within 5e-3, all
 within 2e-2 relative; gradient norms within 1e-2) with the vision encoder on 2 DP ranks, with the decoder on more
 ranks than the encoder (TP 2), and on two decoder stages as the example splits it, stopped and resumed with the same
-command. Sequence parallelism is not among them: MindSpeed-MM's audio encoder then needs every clip's frame count
-divisible by TP, and the unpatched job fails on the tiny clips just as the flow job does.
+command. Further down: the audio encoder as its own part (three parts), mixed samples (audio only, video or image
+only, both), and sequence parallelism, which MindSpeed-MM's audio encoder runs only with its model.json section's
+sequence parallelism off (it never splits its frames over TP).
 """
 from __future__ import annotations
 
@@ -259,3 +260,97 @@ def test_omni_three_parts_train_the_audio_encoder_on_audio_only_video_only_and_m
     per_part = [(int(v), int(a)) for v, a in PART_BYTES.findall(result.output)]
     print(f"gradient bytes per step (image encoder, audio encoder): {per_part}")
     assert len(per_part) == ITERS and all(v == 0 and a > 0 for v, a in per_part), per_part
+
+
+@pytest.fixture(scope="module")
+def image_assets(mm_sources, omni_assets, tmp_path_factory) -> dict[str, Path]:
+    """Samples in turn: an image and a clip, a clip alone, an image alone (read in order, so every global batch of 4
+    holds all three kinds), with both encoders trained (`freeze: false` in model.json). With images, model.json's
+    `img_context_token_id` is the image pad (`tiny_omni.prepare_omni_workdir`)."""
+    from mindspeed_flow.emulation import tiny_omni
+
+    assets = tiny_omni.prepare_omni_workdir(tmp_path_factory.mktemp("tiny_omni_images"), mm_sources.mindspeed_mm.root,
+                                            n_samples=SAMPLES, images_per_sample=(1, 0, 1), videos_per_sample=(0,),
+                                            audios_per_sample=(1, 1, 0), shuffle=False)
+    model = json.loads(assets["model_json"].read_text())
+    model["image_encoder"]["vision_encoder"]["freeze"] = False
+    model["image_encoder"]["vision_projector"]["freeze"] = False
+    model["audio_encoder"]["audio_encoder"]["freeze"] = False
+    assets["model_json"].write_text(json.dumps(model, indent=4))
+    return assets
+
+
+def test_omni_three_parts_train_both_encoders_on_image_only_audio_only_and_mixed_samples(image_assets, run_job,
+                                                                                         tmp_path) -> None:
+    """Images instead of videos: image + clip, clip alone and image alone in one step, the vision encoder on two DP
+    ranks, the audio encoder on one, the LLM on one, both encoders trained. Each part gets its own gradients back and
+    the log counts them apart, every step: image rows to the vision rank that encoded them, clip rows to the audio
+    rank. Reference: the unpatched job with each global batch as one microbatch (a microbatch without an image
+    fails there, as one without a video does; see the two-part mixed test)."""
+    assets = image_assets
+    ckpt = assets["workdir"] / "ckpt"
+    emulate_job("images_save", _job(assets, 2, save=ckpt, micro_batch_size=4).argv(), log_dir=assets["workdir"],
+                nproc=1).assert_trained(2)
+    reference = emulate_job("images_ref", _finetune(assets, ckpt, micro_batch_size=4).argv(),
+                            log_dir=assets["workdir"], nproc=1)
+    vision, audio, dec = {"dp": 2}, {"dp": 1}, {"dp": 1}
+    recipe = three_part_recipe(tmp_path / "v2_a1_d1.yaml", vision, audio, dec, token_budget=96)
+    result = run_job("three_images", _finetune(assets, ckpt).argv(), nproc=4, flow_recipe=recipe)
+    assert_flow_matches(result, reference, "three parts, images, both encoders trained", ITERS)
+    check_three_parts(result.output, vision, audio, dec)
+    assert "audio encoder trainable" in result.output
+    per_part = [(int(v), int(a)) for v, a in PART_BYTES.findall(result.output)]
+    print(f"gradient bytes per step (image encoder, audio encoder): {per_part}")
+    assert len(per_part) == ITERS and all(v > 0 and a > 0 for v, a in per_part), per_part
+
+
+# ------------------------------------------------------------------ sequence parallelism with the audio encoder
+
+SP_LAYOUTS = {
+    # name: (vision, audio or None (on the decoder's first stage), decoder, extra flags)
+    "three_audio_tp2": ({"dp": 1}, {"dp": 1, "tp": 2}, {"dp": 1, "tp": 2}, []),
+    "two_parts_dec_tp2": ({"dp": 1, "tp": 1}, None, {"dp": 1, "tp": 2, "pp": 1}, []),
+    "three_audio_tp1_mc2": ({"dp": 1}, {"dp": 1, "tp": 1}, {"dp": 1, "tp": 2}, ["--use-ascend-mc2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def sp_assets(mm_sources, omni_assets, tmp_path_factory) -> dict:
+    """The Omni example with `"sequence_parallel": false` in model.json's audio encoder section (MindSpeed-MM's
+    audio encoder never splits its frames over TP, so that is how it runs under --sequence-parallel, unpatched or
+    not), a coupled TP 2 + SP checkpoint after one iteration, and the unpatched TP 2 + SP job from it (bf16 sums
+    in another TP order drift apart, so the reference runs the decoder's TP)."""
+    from mindspeed_flow.emulation import tiny_omni
+
+    assets = tiny_omni.prepare_omni_workdir(tmp_path_factory.mktemp("tiny_omni_sp"), mm_sources.mindspeed_mm.root,
+                                            n_samples=SAMPLES)
+    model = json.loads(assets["model_json"].read_text())
+    model["audio_encoder"]["audio_encoder"]["sequence_parallel"] = False
+    assets["model_json"].write_text(json.dumps(model, indent=4))
+    ckpt = assets["workdir"] / "ckpt_tp2"
+    emulate_job("sp_save", _job(assets, 1, save=ckpt, tp=2, sequence_parallel=True).argv(),
+                log_dir=assets["workdir"], nproc=2).assert_trained(1)
+    reference = emulate_job("sp_ref", _finetune(assets, ckpt, tp=2, sequence_parallel=True).argv(),
+                            log_dir=assets["workdir"], nproc=2)
+    return {"assets": assets, "ckpt": ckpt, "reference": reference}
+
+
+@pytest.mark.parametrize("layout", list(SP_LAYOUTS))
+def test_omni_with_sequence_parallel_matches_the_unpatched_job(layout, sp_assets, run_job, tmp_path) -> None:
+    """The decoder on TP 2 with --sequence-parallel, the audio encoder on its own two TP ranks or on the decoder's
+    first stage (both with its model.json section's sequence parallelism off), or on its own rank without TP under
+    MC2 (MindSpeed refuses MC2 in a TP module without sequence parallelism, so the audio encoder can run beside MC2
+    only as a part without TP; the unpatched job cannot run MC2 with Omni at all, and MC2 computes what TP + SP
+    does, so the reference stays the TP 2 + SP job). Every layout matches the unpatched job."""
+    vision, audio, dec, flags = SP_LAYOUTS[layout]
+    if audio is None:
+        recipe, nproc = write_recipe(tmp_path / f"{layout}.yaml", vision, dec), nranks(vision, dec)
+    else:
+        recipe = three_part_recipe(tmp_path / f"{layout}.yaml", vision, audio, dec)
+        nproc = 1 + audio["tp"] + dec["tp"]
+    job = _job(sp_assets["assets"], ITERS, load=sp_assets["ckpt"], tp=2, sequence_parallel=True,
+               more=["--finetune", *flags])
+    result = run_job(layout, job.argv(), nproc=nproc, flow_recipe=recipe)
+    assert_flow_matches(result, sp_assets["reference"], layout, ITERS)
+    if audio is not None:
+        check_three_parts(result.output, vision, audio, dec)

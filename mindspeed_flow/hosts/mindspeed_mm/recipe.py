@@ -105,6 +105,8 @@ class ModelShape:
     source: str = "model.json"
     audio_heads: int = 0  # the audio encoder's attention heads; 0 without one
     audio_trainable: bool = False  # model.json's audio_encoder.audio_encoder.freeze is false (MindSpeed-MM: frozen)
+    # model.json's audio_encoder.audio_encoder.sequence_parallel (None: absent, so the job's --sequence-parallel)
+    audio_sequence_parallel: Optional[bool] = None
 
     @staticmethod
     def from_model_json(path: str | Path) -> "ModelShape":
@@ -127,7 +129,8 @@ class ModelShape:
         return ModelShape(int(vit["num_attention_heads"]), int(vit["num_layers"]), int(llm["num_attention_heads"]),
                           int(llm.get("num_query_groups") or llm["num_attention_heads"]), int(llm["num_layers"]),
                           trainable, tuple(split) if flat else None, Path(path).name,
-                          int(audio.get("num_attention_heads", 0)), bool(audio) and not audio.get("freeze", True))
+                          int(audio.get("num_attention_heads", 0)), bool(audio) and not audio.get("freeze", True),
+                          None if audio.get("sequence_parallel") is None else bool(audio["sequence_parallel"]))
 
     @property
     def audio(self) -> bool:
@@ -283,8 +286,10 @@ def support_table() -> str:
         ("LLM kind", "dense", "MoE (`num_moe_experts`, `--expert-model-parallel-size`), `use_remove_padding: true`"),
         ("other parts", "`audio_encoder` (Qwen2.5-Omni's `qwen_omni`, with `qwen2_5_omni_thinker`), microbatches in "
                         "rows: its own part (`parallel.encoders: {vision: ..., audio: ...}`, DP/TP, frozen or "
-                        "trained), or on the LLM's ranks, whole on its first stage",
-         "the audio encoder pipelined (model.json's split or the recipe's pp)"),
+                        "trained), or on the LLM's ranks, whole on its first stage; with sequence parallelism at TP "
+                        "> 1 when its model.json section says `\"sequence_parallel\": false`",
+         "the audio encoder pipelined (model.json's split or the recipe's pp), at TP > 1 under sequence parallelism "
+         "without that key or under MC2"),
         ("parallelism", "any DP/TP per part, decoder PP (uneven split), sequence parallel, MC2",
          "CP > 1, VPP, encoder PP, `--use-torch-fsdp2` on `pretrain_vlm.py`, `--hetero-parallel`, `--dist-train`"),
         ("data", f"images, 0-n per sample, or videos (`attr.videos`, model.json's `img_context_token_id` the video "
@@ -565,6 +570,7 @@ def parts_for_job(recipe_path: str | Path, argv: list[str], world_size: int,
     parts = build_parts(job, world_size=world_size, model=model, global_batch_size=gbs, micro_batch_size=mbs,
                         recipe_name=Path(recipe_path).name,
                         recipe_global_batch_size=None if stated is None else int(stated))
+    check_audio_sequence_parallel(argv, parts, model)
     check_resume_layout(argv, parts)
     run_dir = flow_run_dir(OmegaConf.select(raw, "run_dir"), argv)
     if job.trainer.trace and run_dir is None:
@@ -572,6 +578,35 @@ def parts_for_job(recipe_path: str | Path, argv: list[str], world_size: int,
                               "the job has no run directory; set run_dir in the recipe, or give the job "
                               "--tensorboard-dir or --save")
     return replace(parts, run_dir=run_dir, trace=bool(job.trainer.trace))
+
+
+def check_audio_sequence_parallel(argv: list[str], parts: FlowParts, model: ModelShape) -> None:
+    """Sequence parallelism where Qwen2.5-Omni's audio encoder runs at TP > 1: refused before any rank starts unless
+    model.json turns it off for that module. MindSpeed-MM's audio encoder never splits its frames over the TP ranks,
+    so with its section's sequence_parallel taken from --sequence-parallel its layers gather and reduce-scatter a
+    whole sequence ("First dimension of the tensor should be divisible by tensor parallel size"; the unpatched job
+    fails the same way). With `"sequence_parallel": false` in that section (MindSpeed-MM's get_model_config lets a
+    module's own keys win) its layers run plain TP, and the job matches the unpatched one. MC2 cannot run there at
+    all: MindSpeed checks every module's config, and refuses MC2 in one without sequence parallelism. An audio part
+    at tp 1 needs neither: sequence parallelism is off in a part without TP."""
+    if not model.audio or "--sequence-parallel" not in argv:
+        return
+    audio = next((p for p in parts.layout.parts if p.name == AUDIO), parts.layout.parts[-1])
+    if audio.tp == 1:
+        return
+    where = ("parallel.encoders.audio.tp" if audio.name == AUDIO else
+             "parallel.backbone.tp (the audio encoder runs on the decoder's first stage)") + f"={audio.tp}"
+    own_part = "give the audio encoder its own part at tp 1 (parallel.encoders: {vision: ..., audio: {tp: 1, ...}})"
+    if "--use-ascend-mc2" in argv:
+        raise FlowRecipeError(f"--use-ascend-mc2 with Qwen2.5-Omni's audio encoder at {where}: MindSpeed's MC2 needs "
+                              "sequence parallelism in every TP module, and MindSpeed-MM's audio encoder cannot run "
+                              f"it (it never splits its frames over TP; the unpatched job fails too); {own_part}")
+    if model.audio_sequence_parallel is not False:
+        raise FlowRecipeError(f"--sequence-parallel with Qwen2.5-Omni's audio encoder at {where}: MindSpeed-MM's "
+                              "audio encoder never splits its frames over TP, so its sequence-parallel layers fail "
+                              "('First dimension of the tensor should be divisible by tensor parallel size'; the "
+                              f"unpatched job too); add \"sequence_parallel\": false to {model.source}'s "
+                              f"audio_encoder.audio_encoder (its layers then run plain TP), or {own_part}")
 
 
 def check_resume_layout(argv: list[str], parts: FlowParts) -> None:
