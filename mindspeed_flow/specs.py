@@ -9,12 +9,20 @@ FLOPs (training, forward + backward = 3x forward):
   P_llm of a MoE LLM          : its ACTIVE parameters (top-k routed experts + shared expert + router, attention,
                                 dense layers, head); its TOTAL parameters are what memory holds
   ViT image of p patches      : 6 * P_vit * p + 12 * L_v * h_v * p * min(p, w) summed over layers, w = window
+  audio clip of F mel frames  : 6 * (P_conv1 * F + (P_conv2 + L_a * P_layer) * T + P_head * A)
+                                + 12 * L_a * d_a * sum over chunks of c^2   (the Omni thinker's audio encoder)
+                                T = (F - 1) // 2 + 1 frames after the convolutions (conv2 has stride 2), A = (T - 2)
+                                // 2 + 1 LLM tokens after the stride-2 average pool (P_head: ln_post + proj run on
+                                those), chunks: the clip cut into windows of 2 x n_window mel frames (c = each
+                                window's frames after the convolutions); attention is full within a chunk only
 A frozen part runs forward only: one third of the above (2x its parameters per token instead of 6x).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from mindspeed_flow.data.shapes import audio_conv_frames, audio_llm_tokens
 
 # family -> its encoder parts, in part order; a family not listed has one encoder part, "encoder" (vision)
 ENCODER_PARTS: dict[str, tuple[str, ...]] = {"qwen2_5_omni_thinker": ("audio", "vision")}
@@ -266,7 +274,11 @@ class VisionSpec:
 @dataclass(frozen=True)
 class AudioSpec:
     """A Whisper-style audio encoder (the Qwen2.5-Omni thinker's audio tower): two convolutions, pre-norm
-    layers (k projection without bias), final LayerNorm and projection to the LLM width."""
+    layers (k projection without bias), a stride-2 average pool, final LayerNorm and projection to the LLM width.
+
+    A clip is cut into chunks of 2 x n_window mel frames (the last one shorter); the layers run on every chunk's
+    frames packed together and attend within a chunk only. The positional embedding is a sinusoidal buffer (no
+    parameters)."""
 
     num_mel_bins: int
     d_model: int
@@ -274,13 +286,59 @@ class AudioSpec:
     ffn: int
     output_dim: int
     heads: int = 0  # attention heads per layer (what tensor parallelism splits)
+    n_window: int = 100  # half a chunk, in mel frames
+
+    @property
+    def conv1_params(self) -> int:
+        return self.num_mel_bins * self.d_model * 3 + self.d_model
+
+    @property
+    def conv2_params(self) -> int:
+        return self.d_model * self.d_model * 3 + self.d_model
+
+    @property
+    def first_params(self) -> int:
+        """The convolutions and the audio BOS/EOS embedding: on the part's input side."""
+        return self.conv1_params + self.conv2_params + 2 * self.output_dim
+
+    @property
+    def layer_params(self) -> int:
+        d, f = self.d_model, self.ffn
+        return 4 * d * d + 3 * d + 2 * 2 * d + (d * f + f) + (f * d + d)
+
+    @property
+    def last_params(self) -> int:
+        """ln_post and the projection to the LLM width (after the pool)."""
+        return 2 * self.d_model + self.d_model * self.output_dim + self.output_dim
 
     @property
     def params(self) -> int:
-        d, f = self.d_model, self.ffn
-        convs = (self.num_mel_bins * d * 3 + d) + (d * d * 3 + d)
-        layer = 4 * d * d + 3 * d + 2 * 2 * d + (d * f + f) + (f * d + d)
-        return convs + 2 * self.output_dim + self.layers * layer + 2 * d + d * self.output_dim + self.output_dim
+        return self.first_params + self.layers * self.layer_params + self.last_params
+
+    def chunk_frames(self, mel_frames: int) -> tuple[int, ...]:
+        """Frames after the convolutions of each attention chunk of a clip of `mel_frames` mel frames."""
+        window = 2 * self.n_window
+        full, tail = divmod(int(mel_frames), window)
+        chunks = [window] * full + ([tail] if tail else [])
+        return tuple(audio_conv_frames(c) for c in chunks)
+
+    def clip_linear_flops(self, mel_frames: int, trainable: bool = True) -> float:
+        """Parameter FLOPs of one clip (module docstring): conv1 on every mel frame, conv2 and the layers on the
+        frames after the convolutions, ln_post and the projection on the LLM tokens. The convolutions run on
+        padded chunks in the HF code; the padding of a clip's last chunk is not counted."""
+        mult = 6.0 if trainable else 2.0
+        t = audio_conv_frames(mel_frames)
+        return mult * (self.conv1_params * mel_frames + (self.conv2_params + self.layers * self.layer_params) * t
+                       + self.last_params * audio_llm_tokens(mel_frames))
+
+    def clip_attn_flops(self, mel_frames: int, trainable: bool = True) -> float:
+        """QK^T and AV of every layer, full (non-causal) attention within each chunk: 12 = 2 matmuls x 2 FLOPs x 3
+        (fwd + bwd); 4 frozen."""
+        mult = 12.0 if trainable else 4.0
+        return mult * self.layers * self.d_model * float(sum(c * c for c in self.chunk_frames(mel_frames)))
+
+    def clip_flops(self, mel_frames: int, trainable: bool = True) -> float:
+        return self.clip_linear_flops(mel_frames, trainable) + self.clip_attn_flops(mel_frames, trainable)
 
 
 def _moe_fields(text: Mapping[str, Any]) -> dict[str, int]:
@@ -351,7 +409,9 @@ class VLMSpec:
     vision: VisionSpec
     llm: LLMSpec
     image_token_id: int | None = None
-    audio: AudioSpec | None = None  # models with an audio encoder part (the Omni thinker); not in FLOPs yet
+    # the audio encoder (the Omni thinker): its FLOPs per clip are `AudioSpec.clip_flops`, priced by the planner
+    # as a part of its own when the workload has clips (`planner.parts.audio_part`)
+    audio: AudioSpec | None = None
 
     @property
     def total_params(self) -> int:
@@ -386,6 +446,7 @@ class VLMSpec:
         a = cfg.get("audio_config")
         audio = None if not a else AudioSpec(
             num_mel_bins=int(a["num_mel_bins"]), d_model=int(a["d_model"]), layers=int(a["encoder_layers"]),
-            ffn=int(a["encoder_ffn_dim"]), output_dim=int(a["output_dim"]), heads=int(a["encoder_attention_heads"]))
+            ffn=int(a["encoder_ffn_dim"]), output_dim=int(a["output_dim"]), heads=int(a["encoder_attention_heads"]),
+            n_window=int(a.get("n_window", 100)))
         return VLMSpec(name=name or model_type, vision=vision, llm=llm,
                        image_token_id=cfg.get("image_token_id", cfg.get("image_token_index")), audio=audio)

@@ -7,6 +7,7 @@ Both are plain dataclasses so they validate Hydra recipes and can be built in a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 
 @dataclass
@@ -97,6 +98,9 @@ class PlannerConfig:
     batch_divisible: bool = True
     # Frozen encoder: forward only, no grads or optimizer states.
     freeze_encoder: bool = False
+    # Frozen audio encoder (its own part when the workload has audio clips); None = as freeze_encoder
+    # (MindSpeed-MM's Qwen2.5-Omni example freezes both encoders).
+    freeze_audio: Optional[bool] = None
     # The job the plan is for (planner/jobs.py): "mm" (flow-patched MindSpeed-MM), "torch" (mindspeed-flow
     # train), or "" (every layout the cost model prices, whichever host runs it). `plan --job` sets it.
     job: str = ""

@@ -234,9 +234,10 @@ def _qwen2_5_omni_7b() -> dict:
     32 layers, d_model 1280, FFN 5120, 20 heads, output 3584), Qwen2.5-VL-7B's ViT (32 layers, 1280, MLP 3420,
     out 3584) and the Qwen2.5-7B text model; checked against MindSpeed-MM examples/qwen2.5omni/model_7b.json
     (vision 32 x 1280 x 3420 -> 3584, audio 32 x 1280 x 5120, 20 heads). Represented as the tiny_qwen2_5_omni
-    recipe is (family qwen2_5_omni_thinker: audio, vision, backbone). Difference, stated: the planner prices the
-    vision encoder and the LLM; the audio encoder's parameters are counted, its work is not (the planner plans one
-    encoder part, `planner/jobs.py`). 8.93 B parameters."""
+    recipe is (family qwen2_5_omni_thinker: audio, vision, backbone). The planner prices the audio encoder as a
+    part of its own (`planner.parts.audio_part`: its FLOPs per clip, `specs.AudioSpec.clip_flops`) on a workload
+    with audio clips (data=infovqa_audio, or a length table with audio_frames); on one without, it prices the
+    vision encoder and the LLM and the idle audio encoder's parameters are counted only. 8.93 B parameters."""
     cfg = _qwen2_5_vl(3584, 18944, 28, 28, 4, 3420)
     cfg.update({"model_type": "qwen2_5_omni_thinker", "audio_token_id": 151646, "audio_start_token_id": 151647,
                 "audio_end_token_id": 151648, "position_id_per_seconds": 25, "seconds_per_chunk": 2,

@@ -37,6 +37,11 @@ Loaders, as the systems' own examples run them:
   applying, and the plan's gain is reported over the strongest baseline that applies.
 
 With `node` > 1 every baseline uses at most one node or whole nodes of that size (what a launch starts).
+
+An audio encoder (`audio`: the Qwen2.5-Omni thinker's, on a workload with clips) runs where MindSpeed-MM's coupled
+job runs it: on the LLM's first pipeline stage (model.json's audio pipeline_num_layers [all, 0, ...]), on the job's
+TP (its heads divisible by tp), its microbatch's clips encoded beside the ViT's images (`_audio_on_first_stage`):
+its time, weights and activations are stage 0's. Dist-train's LLM stages carry it the same way.
 """
 from __future__ import annotations
 
@@ -138,16 +143,50 @@ def _split_row(L: Layouts, mb: dict, i: int) -> dict:
     return row
 
 
+@dataclass
+class StageWork:
+    """Extra work on the LLM's first pipeline stage, per layout: seconds per microbatch, parameters per device
+    (those that sync and update when trainable), static and activation bytes per device."""
+
+    time: np.ndarray
+    params: np.ndarray
+    static: np.ndarray
+    activations: np.ndarray
+
+
+def _audio_on_first_stage(audio: PartSpec | None, ctx: CostContext, L: Layouts, samples_mb: np.ndarray,
+                          inflight: np.ndarray, rc: np.ndarray) -> StageWork:
+    """The audio encoder on the first stage of coupled layouts `L` (module docstring): each tp group encodes its
+    share of a microbatch's samples' clips (the CP ranks split them, as they split the ViT's images: assumed, the
+    generous reading for the baseline); zero without an audio encoder."""
+    zero = np.zeros(len(L))
+    if audio is None:
+        return StageWork(zero, zero, zero, zero)
+    per_replica = samples_mb / L.cp
+    rc_a = np.minimum(rc, max(rc_values(audio, ctx)))  # a frozen audio encoder does not recompute
+    t = encoder_samples_time(audio, ctx, per_replica, L.tp, rc_a)
+    p = encoder_static_params(audio, L.tp)
+    static = sum(static_memory(ctx, p, L.dp * L.cp, audio.trainable).values())
+    act = encoder_activation_memory(audio, ctx, inflight * per_replica, L.tp, rc_a)
+    return StageWork(t["compute"] + t["tp"] + t["overhead"], p if audio.trainable else zero, static, act)
+
+
+def _audio_tp(audio: PartSpec | None, L: Layouts) -> np.ndarray:
+    """Which layouts' TP the audio encoder takes (its heads divisible by tp); all without one."""
+    return np.ones(len(L), dtype=bool) if audio is None else np.isin(L.tp, audio.tp_sizes)
+
+
 def megatron_coupled(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int,
                      tuned: bool = True, fixed: Mapping[str, int] | None = None, node: int = 0,
-                     vit_rc: tuple[int, ...] | None = None, vit_tps: tuple[int, ...] = (0,)
-                     ) -> BaselineResult | None:
+                     vit_rc: tuple[int, ...] | None = None, vit_tps: tuple[int, ...] = (0,),
+                     audio: PartSpec | None = None) -> BaselineResult | None:
     """Best coupled (ViT on stage 0) layout within `budget` devices, or None if none fits in memory.
 
     tuned=False is `coupled_uniform` (even split, shared TP and recompute, no CP). `fixed` pins layout fields of
     the coupled model (dp, pp, tp, cp, b, rc), e.g. to price the exact layout a run uses; `vit_rc` limits the
     ViT's recompute levels (e.g. a host without ViT recompute); `node`: whole nodes; `vit_tps`: the ViT's TP sizes
-    (0: the job's TP; others: `--hetero-parallel`, the ViT on its own TP over the first stage's devices)."""
+    (0: the job's TP; others: `--hetero-parallel`, the ViT on its own TP over the first stage's devices); `audio`:
+    an audio encoder on the first stage too (module docstring)."""
     name = "megatron_coupled" if tuned else "coupled_uniform"
     cctx = ctx if tuned else dataclasses.replace(ctx, cfg=dataclasses.replace(ctx.cfg, uneven_pp=False))
     pins = {**({} if tuned else {"cp": 1}), **dict(fixed or {})}
@@ -156,7 +195,8 @@ def megatron_coupled(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int,
     except PlanError:
         return None
     # the ViT shares the job's TP group
-    L = L.take(np.nonzero(np.isin(L.tp, enc.tp_sizes) & _whole(L.devices, budget, node) & _one_budget(L, ctx))[0])
+    L = L.take(np.nonzero(np.isin(L.tp, enc.tp_sizes) & _audio_tp(audio, L) & _whole(L.devices, budget, node)
+                          & _one_budget(L, ctx))[0])
     if len(L) == 0:
         return None
     m = backbone_costs(bb, cctx, L).microbatches
@@ -174,12 +214,14 @@ def megatron_coupled(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int,
             per_replica = np.ceil(samples_mb * enc.items_per_sample / split - 1e-9) / max(enc.items_per_sample, 1e-9)
             vit = encoder_samples_time(enc, ctx, per_replica, t_v, rc_v)
             t_vit = vit["compute"] + vit["tp"] + vit["overhead"]  # co-located: no embedding traffic
-            mb = backbone_stage_mb_time(bb, cctx, L, m, first_extra=t_vit)
+            inflight = np.where(L.pp > 1, np.minimum(m, L.pp), 1)
+            aud = _audio_on_first_stage(audio, ctx, L, samples_mb, inflight, rc_v)
+            mb = backbone_stage_mb_time(bb, cctx, L, m, first_extra=t_vit + aud.time)
             pipeline = pipeline_time(mb, m) * cctx.loader.imbalance(L.dp, L.pp)
             p_vit = encoder_static_params(enc, t_v)
             p_first, p_last = backbone_stage_params(bb, L, mb)
             p_mid = stage_params(bb, L, mb["layers_mid"])
-            p_dev = np.maximum(np.maximum(p_first + p_vit, p_last), p_mid)
+            p_dev = np.maximum(np.maximum(p_first + p_vit + aud.params, p_last), p_mid)
             # MoE: the routed experts sync and update over their expert-data-parallel group
             layers = most_layers(mb)
             p_dense = p_dev - expert_params_per_device(bb, L, layers)
@@ -187,11 +229,11 @@ def megatron_coupled(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int,
             sync = dp_sync_time(ctx, p_dense, L.dp, L.devices) + e_sync
             opt = optimizer_time(ctx, p_dense, L.dp) + e_opt
             t = pipeline + sync + opt + ctx.cfg.step_overhead_s * ctx.contention
-            inflight = np.where(L.pp > 1, np.minimum(m, L.pp), 1)
             stages = backbone_memory(bb, cctx, L, m, mb)["stages"]
             vit_static = sum(static_memory(ctx, p_vit, L.dp * split, enc.trainable).values())
             vit_act = encoder_activation_memory(enc, ctx, inflight * per_replica, t_v, rc_v)
-            mem = np.maximum(np.maximum(stages["first"] + vit_static + vit_act, stages["mid"]), stages["last"])
+            first = stages["first"] + vit_static + vit_act + aud.static + aud.activations
+            mem = np.maximum(np.maximum(first, stages["mid"]), stages["last"])
             ok = ok_shape & (mem <= _limit(ctx))
             if not ok.any():
                 continue
@@ -203,7 +245,12 @@ def megatron_coupled(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int,
     if best is None:
         return None
     t, i, _, _, mem, row = best
-    return _finish(name, {"coupled": row}, t, int(L.devices[i]), mem, [enc, bb], ctx)
+    return _finish(name, {"coupled": row}, t, int(L.devices[i]), mem, _parts(enc, audio, bb), ctx)
+
+
+def _parts(enc: PartSpec, audio: PartSpec | None, bb: PartSpec) -> list[PartSpec]:
+    """The parts whose FLOPs a baseline's MFU counts."""
+    return [enc, bb] if audio is None else [enc, audio, bb]
 
 
 def _grids(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int) -> tuple[Layouts, Layouts] | None:
@@ -215,28 +262,34 @@ def _grids(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int) -> tuple[
 
 
 def mindspeed_mm_hetero(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int,
-                        node: int = 0) -> BaselineResult | None:
+                        node: int = 0, audio: PartSpec | None = None) -> BaselineResult | None:
     """Best `--hetero-parallel` layout: the coupled pipeline with the ViT on its own TP (and so its own DP) over
     the first stage's devices, or None (module docstring)."""
-    best = megatron_coupled(enc, bb, ctx, budget, tuned=True, node=node, vit_tps=(0, *enc.tp_sizes))
+    best = megatron_coupled(enc, bb, ctx, budget, tuned=True, node=node, vit_tps=(0, *enc.tp_sizes), audio=audio)
     if best is not None:
         best.name = "mindspeed_mm_hetero"
     return best
 
 
 def mindspeed_dist_train(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int,
-                         node: int = 0) -> BaselineResult | None:
-    """Best dist-train layout (separate ViT devices, ViT DP = k x LLM DP with inner DP, blocking stage)."""
+                         node: int = 0, audio: PartSpec | None = None) -> BaselineResult | None:
+    """Best dist-train layout (separate ViT devices, ViT DP = k x LLM DP with inner DP, blocking stage); an audio
+    encoder on the LLM's first stage (module docstring)."""
     grids = _grids(enc, bb, ctx, budget)
     if grids is None:
         return None
     Le, Lb = grids
-    Lb = Lb.take(np.nonzero(_one_budget(Lb, ctx))[0])
+    Lb = Lb.take(np.nonzero(_one_budget(Lb, ctx) & _audio_tp(audio, Lb))[0])
     no_overlap = dataclasses.replace(ctx.cfg, overlap={**dict(ctx.cfg.overlap), "embed": 0.0})
     ctx_block = dataclasses.replace(ctx, cfg=no_overlap)
     cb = backbone_costs(bb, ctx, Lb)
     m = cb.microbatches
-    mb = backbone_stage_mb_time(bb, ctx, Lb, m)
+    aud = _audio_on_first_stage(audio, ctx, Lb, ctx.global_batch / Lb.dp / m,
+                                np.where(Lb.pp > 1, np.minimum(m, Lb.pp), 1), Lb.rc)
+    mb = backbone_stage_mb_time(bb, ctx, Lb, m, first_extra=aud.time)
+    # a trainable audio encoder's gradients sync and update with the first stage's
+    aud_tail = (dp_sync_time(ctx, aud.params, Lb.dp, Lb.devices) + optimizer_time(ctx, aud.params, Lb.dp)
+                if audio is not None and audio.trainable else 0.0)
     t_llm = stage_time(mb)
     imbalance = ctx.loader.imbalance(Lb.dp, Lb.pp + 1)  # the ViT stage in front of the LLM's
     best: tuple[float, int, int, float] | None = None
@@ -257,13 +310,14 @@ def mindspeed_dist_train(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: 
         dp_e = Le.dp[je][:, None]
         t_enc_tail = (dp_sync_time(ctx, p_e, dp_e, tp_e * dp_e) + optimizer_time(ctx, p_e, dp_e)
                       if enc.trainable else 0.0)
-        t_bb_tail = (cb.time_parts["dp"] + cb.time_parts["optimizer"])[jb][None, :]
+        t_bb_tail = (cb.time_parts["dp"] + cb.time_parts["optimizer"] + aud_tail)[jb][None, :]
         t = pipeline + np.maximum(t_enc_tail, t_bb_tail) + ctx.cfg.step_overhead_s * ctx.contention
         inflight = np.minimum(m_b, Lb.pp[jb][None, :] + 1)
         enc_mem = (sum(static_memory(ctx, p_e, dp_e, enc.trainable).values())
                    + encoder_activation_memory(enc, ctx, inflight * samples_mb, tp_e, rc_e))
         devices = Le.devices[je][:, None] + Lb.devices[jb][None, :]
-        ok = ((enc_mem <= _limit(ctx)) & (cb.memory[jb][None, :] <= _limit(ctx)) & (devices <= budget)
+        bb_mem = cb.memory + aud.static + aud.activations  # the audio's bytes (stage 0's) on the peak stage
+        ok = ((enc_mem <= _limit(ctx)) & (bb_mem[jb][None, :] <= _limit(ctx)) & (devices <= budget)
               & _whole(devices, budget, node))
         if not ok.any():
             continue
@@ -271,27 +325,33 @@ def mindspeed_dist_train(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: 
         k = int(np.argmin(flat))
         ie, ib = np.unravel_index(k, flat.shape)
         if best is None or flat[ie, ib] < best[0]:
-            mem = max(float(np.broadcast_to(enc_mem, flat.shape)[ie, ib]), float(cb.memory[jb][ib]))
+            mem = max(float(np.broadcast_to(enc_mem, flat.shape)[ie, ib]), float(bb_mem[jb][ib]))
             best = (float(flat[ie, ib]), int(je[ie]), int(jb[ib]), mem)
     if best is None:
         return None
     t, ie, ib, mem = best
     layout = {enc.name: Le.row(ie), bb.name: _split_row(Lb, mb, ib)}
-    return _finish("mindspeed_dist_train", layout, t, int(Le.devices[ie] + Lb.devices[ib]), mem, [enc, bb], ctx)
+    return _finish("mindspeed_dist_train", layout, t, int(Le.devices[ie] + Lb.devices[ib]), mem,
+                   _parts(enc, audio, bb), ctx)
 
 
 def all_baselines(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int, node: int = 0,
-                  family: str = "", lengths: np.ndarray | None = None) -> dict[str, BaselineResult | None]:
+                  family: str = "", lengths: np.ndarray | None = None,
+                  audio: PartSpec | None = None) -> dict[str, BaselineResult | None]:
     """Every baseline at its best layout (None: that family has no layout that fits), each with its own loader
     (`LOADERS`) over the step's sample stream (`lengths`: LLM tokens per sample; None: sample averages, no
     imbalance); `family` (HF model_type, empty: unknown) marks the baselines whose system does not run that
-    model."""
+    model; `audio`: an audio encoder, on the LLM's first stage (module docstring)."""
     lctx = {name: with_loader(ctx, kind, bb, lengths) for name, kind in LOADERS.items()}
     out = {
-        "coupled_uniform": megatron_coupled(enc, bb, lctx["coupled_uniform"], budget, tuned=False, node=node),
-        "megatron_coupled": megatron_coupled(enc, bb, lctx["megatron_coupled"], budget, tuned=True, node=node),
-        "mindspeed_mm_hetero": mindspeed_mm_hetero(enc, bb, lctx["mindspeed_mm_hetero"], budget, node=node),
-        "mindspeed_dist_train": mindspeed_dist_train(enc, bb, lctx["mindspeed_dist_train"], budget, node=node),
+        "coupled_uniform": megatron_coupled(enc, bb, lctx["coupled_uniform"], budget, tuned=False, node=node,
+                                            audio=audio),
+        "megatron_coupled": megatron_coupled(enc, bb, lctx["megatron_coupled"], budget, tuned=True, node=node,
+                                             audio=audio),
+        "mindspeed_mm_hetero": mindspeed_mm_hetero(enc, bb, lctx["mindspeed_mm_hetero"], budget, node=node,
+                                                   audio=audio),
+        "mindspeed_dist_train": mindspeed_dist_train(enc, bb, lctx["mindspeed_dist_train"], budget, node=node,
+                                                     audio=audio),
     }
     for name, b in out.items():
         if b is not None:
@@ -324,7 +384,7 @@ class Counterfactual:
 
 def gain_split(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int, base: BaselineResult,
                decoupled: tuple[float, float, int], node: int = 0,
-               lengths: np.ndarray | None = None) -> list[Counterfactual]:
+               lengths: np.ndarray | None = None, audio: PartSpec | None = None) -> list[Counterfactual]:
     """The decoupled plan's gain over `base` split by mechanism, by counterfactual re-pricing:
 
     baseline (its own loader) -> packing: the same coupled layout with the flow packing scheduler instead of its
@@ -341,12 +401,12 @@ def gain_split(enc: PartSpec, bb: PartSpec, ctx: CostContext, budget: int, base:
         fixed = {k: int(row[k]) for k in ("dp", "tp", "pp", "cp", "ep", "rc")}
         packed = megatron_coupled(enc, bb, flow, budget, tuned=base.name != "coupled_uniform", fixed=fixed,
                                   node=node, vit_rc=(int(row.get("vit_rc", 0)),),
-                                  vit_tps=(int(row.get("vit_tp", 0)),))
+                                  vit_tps=(int(row.get("vit_tp", 0)),), audio=audio)
     else:
-        packed = mindspeed_dist_train(enc, bb, flow, budget, node=node)
+        packed = mindspeed_dist_train(enc, bb, flow, budget, node=node, audio=audio)
     out.append(Counterfactual("packing", "the same layout, flow packing to a token budget",
                               *((packed.samples_per_s, packed.mfu, packed.devices) if packed else (None,) * 3)))
-    layouts = mindspeed_mm_hetero(enc, bb, flow, budget, node=node)
+    layouts = mindspeed_mm_hetero(enc, bb, flow, budget, node=node, audio=audio)
     out.append(Counterfactual("layouts", "each part on its own TP in the coupled pipeline, flow packing",
                               *((layouts.samples_per_s, layouts.mfu, layouts.devices) if layouts else (None,) * 3)))
     out.append(Counterfactual("streaming", "the decoupled plan: its own devices per part, streamed embeddings",

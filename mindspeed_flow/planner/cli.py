@@ -10,13 +10,19 @@
 
 --job is the job that will run the plan: mm (default), the flow-patched MindSpeed-MM job, or torch (`train` is an
 alias), mindspeed-flow train, or any: every layout the cost model prices, for the models no host here trains
-decoupled (Qwen3-VL, InternVL3.5, GLM-4.5V, the Omni thinker; no recipe is written). Only layouts that job runs
+decoupled (Qwen3-VL, InternVL3.5, GLM-4.5V; no recipe is written). Only layouts that job runs
 are searched (planner/jobs.py: no context parallelism, its recompute kinds, its optimizer sharding, whole nodes of
 the cluster preset); one line says what was left out and why. The written recipe and --launch-script are for that
 job.
 
-Layout pins use train's names, parallel.PART.FIELD (PART: encoder or backbone; FIELD: dp, tp, pp, cp, ep (a MoE
-backbone's expert parallelism), token_budget (b), recompute (rc)); the short PART.FIELD is an alias.
+Layout pins use train's names, parallel.PART.FIELD (PART: encoder, audio or backbone; FIELD: dp, tp, pp, cp, ep (a
+MoE backbone's expert parallelism), token_budget (b), recompute (rc)); the short PART.FIELD is an alias, and
+parallel.encoders.vision.FIELD / parallel.encoders.audio.FIELD (a MindSpeed-MM recipe's names) pin the encoder
+parts. A model with an audio encoder (the Qwen2.5-Omni thinker) on a workload with audio clips
+(data=infovqa_audio, or a length table with an audio_frames column) is planned in three parts: the vision encoder
+(`encoder`), the audio encoder (`audio`; planner.freeze_audio, default as freeze_encoder) and the backbone; its
+recipe says parallel.encoders: {vision: ..., audio: ...}, the layout the MindSpeed-MM job runs in three parts.
+--simulate, --timeline and --plot replay one encoder part and refuse a three-part plan.
 trainer.global_batch_size= and model.freeze_encoder= are aliases of global_batch= and freeze_encoder=. An unknown
 key or option, or a value of the wrong type, is a usage error (exit status 2) naming the nearest valid key. --out
 and --launch-script refuse an existing file unless --force is given (which replaces only those files, and says
@@ -114,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         family = model.hf_config.get("model_type")
         if refusal(rules, family):
             raise ValueError(f"model={args.model} ({family}): {refusal(rules, family)}")
+        replays = [f for f in ("--simulate", "--timeline", "--plot") if flags.get(f)]
+        if replays and len(problem.parts) > 2:
+            raise UsageError(f"{'/'.join(replays)}: the step simulator and the plot handle one encoder part and the "
+                             f"backbone; this plan has {len(problem.parts)} parts "
+                             f"({', '.join(p.name for p in problem.parts)}): drop {' '.join(replays)}")
         plan = make_plan(problem, exhaustive=bool(flags.get("--exhaustive")),
                          with_baselines=not flags.get("--no-baselines"))
     except PlanError as e:

@@ -4,7 +4,9 @@ model= accepts a model recipe name (recipes/model/NAME.yaml: family + preset, or
 checkpoint directory or config.json path, or FAMILY:PRESET (e.g. qwen2_5_vl:72b). The training precision
 follows the model recipe's dtype (float32 -> fp32 memory model); `planner.FIELD=VALUE` overrides any
 PlannerConfig field, `parallel.encoder.tp=2` / `parallel.backbone.pp=4` (train's names; `encoder.tp=2` and
-`backbone.pp=4` are short aliases) pin a layout field of a part. `trainer.global_batch_size=` and
+`backbone.pp=4` are short aliases) pin a layout field of a part; `parallel.audio.tp=2` (or `audio.tp=2`,
+`parallel.encoders.audio.tp=2`) pins the audio encoder part of a three-part plan (`parallel.encoders.vision.*` is
+the vision encoder, `encoder.*`). `trainer.global_batch_size=` and
 `model.freeze_encoder=` are accepted for `global_batch=` and `freeze_encoder=`.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ from mindspeed_flow.config.schema import ModelConfig
 from mindspeed_flow.model_presets import hf_config_dict, load_config_json
 from mindspeed_flow.planner.cost import LAYOUT_FIELDS
 from mindspeed_flow.planner.hardware import Cluster, load_cluster, recipes_dir
-from mindspeed_flow.planner.jobs import job_rules
+from mindspeed_flow.planner.jobs import job_rules, mm_audio_rules
 from mindspeed_flow.planner.parts import vlm_parts
 from mindspeed_flow.planner.plan import Problem
 from mindspeed_flow.planner.space import PlanError
@@ -151,14 +153,19 @@ class PlanArgs:
 # plan's own keys, and the names `train` gives the same things (accepted as aliases)
 TOP_KEYS = ("cluster", "model", "data", "devices", "global_batch", "freeze_encoder", "samples")
 TRAIN_NAMES = {"trainer.global_batch_size": "global_batch", "model.freeze_encoder": "freeze_encoder"}
-PART_NAMES = ("encoder", "backbone")
+PART_NAMES = ("encoder", "audio", "backbone")
+# a MindSpeed-MM recipe's `parallel.encoders` keys -> the planner's part names
+ENCODER_KEYS = {"vision": "encoder", "audio": "audio"}
 
 
 def _pin_key(key: str) -> tuple[str, str] | None:
-    """(part, layout field) of a pin: `parallel.backbone.cp` (train's name) or its short form `backbone.cp`."""
+    """(part, layout field) of a pin: `parallel.backbone.cp` (train's name) or its short form `backbone.cp`;
+    `parallel.encoders.vision.tp` / `parallel.encoders.audio.tp` (a MindSpeed-MM recipe's names) too."""
     parts = key.split(".")
     if parts[0] == "parallel":
         parts = parts[1:]
+    if len(parts) == 3 and parts[0] == "encoders" and parts[1] in ENCODER_KEYS:
+        parts = [ENCODER_KEYS[parts[1]], parts[2]]
     if len(parts) != 2 or parts[0] == "planner":
         return None
     return parts[0], parts[1]
@@ -213,10 +220,19 @@ def build_problem(args: PlanArgs) -> tuple[Problem, ModelRef]:
     cluster = apply_profile_links(cluster, cfg)
     workload = load_workload(args.data, model.hf_config, args.samples)
     spec = VLMSpec.from_hf_config(model.hf_config, name=model.name)
-    parts = vlm_parts(spec, workload.shapes, freeze_encoder=cfg.freeze_encoder)
+    parts = vlm_parts(spec, workload.shapes, freeze_encoder=cfg.freeze_encoder, freeze_audio=cfg.freeze_audio)
     family = str(model.hf_config.get("model_type") or "")
-    if family in job_rules(cfg.job).dp_only:  # the job's host trains this family with data parallel parts only
+    rules = job_rules(cfg.job)
+    if family in rules.dp_only:  # the job's host trains this family with data parallel parts only
         parts = [dataclasses.replace(p, tp_sizes=(1,), pp_sizes=(1,)) for p in parts]
+    if rules.mm_audio and spec.audio is not None:
+        parts = mm_audio_rules(parts, spec.audio.heads, cfg.distributed_optimizer)
+    names = [p.name for p in parts]
+    for name in args.pins:
+        if name not in names:  # a part this model and workload do not have (e.g. audio without clips)
+            raise UsageError(f"{name}.*: this plan has no {name} part; its parts are {', '.join(names)}"
+                             + (" (an audio part needs a model with an audio encoder and a workload with audio "
+                                "clips, e.g. data=infovqa_audio)" if name == "audio" else ""))
     budget = args.devices if args.devices is not None else cluster.devices
     if budget > cluster.devices:  # devices= beyond the preset: a bigger cluster of the same kind
         cluster = cluster.with_devices(budget)

@@ -9,8 +9,12 @@ before any rank starts, so the planner never prices a layout that host refuses:
   1`: TransformerConfig fields, which MindSpeed-MM's get_model_config takes from the module's section only), so
   the encoder recomputes per layer (level 2) or not at all, never from the pixels (the host keeps ViT
   activations: flow.keep_encoder_activations must stay true); the optimizer is sharded by the job's
-  --use-distributed-optimizer (the recipe says `backbone_dp_impl: ddp`); only Qwen2.5-VL models (the job also
-  trains Qwen2.5-Omni, its audio encoder on the LLM's first stage or as a third part, layouts not priced here).
+  --use-distributed-optimizer (the recipe says `backbone_dp_impl: ddp`); Qwen2.5-VL models and the Qwen2.5-Omni
+  thinker. Omni's audio encoder (`mm_audio_rules`, as `build_parts` and `parts_for_job` check it): on a workload
+  with audio clips it is a part of its own, ranked between the vision encoder and the decoder (the recipe's
+  `parallel.encoders: {vision: ..., audio: ...}`), its tp dividing its attention heads, pp = cp = 1, and a frozen
+  audio part needs the job's --use-distributed-optimizer (planner.distributed_optimizer); without clips it runs on
+  the decoder's first stage, in the decoder's TP group, so the decoder's tp must divide its heads too.
 - `torch`, the torch host (`mindspeed-flow train`, `step.layout.Layout.validate` and `config.load.check_rules`): no
   context parallelism; the encoder is not pipelined; the encoder recomputes only from the pixels
   (flow.keep_encoder_activations=false, level 1); the backbone never recomputes; FSDP2 shards the backbone only
@@ -20,12 +24,14 @@ before any rank starts, so the planner never prices a layout that host refuses:
 - both: the launch scripts start whole nodes, so a plan fills whole nodes of the cluster preset (or fewer than
   one node).
 - `any`: no host's rules, every layout the cost model prices: how the planner prices the models no host here
-  trains decoupled yet (InternVL3.5, GLM-4.5V, the Qwen2.5-Omni thinker); no recipe is written for it.
+  trains decoupled yet (InternVL3.5, GLM-4.5V); no recipe is written for it.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from mindspeed_flow.planner.parts import PartSpec
 from mindspeed_flow.specs import DEEPSTACK_FAMILIES
 
 JOBS = ("mm", "torch")
@@ -54,6 +60,7 @@ class JobRules:
     # model families the planner cannot plan for this job, and why
     refused: tuple[tuple[str, str], ...] = ()
     launch_job: str = ""  # `launch-script --job` of this job
+    mm_audio: bool = False  # the MindSpeed-MM host's audio encoder rules (`mm_audio_rules`)
 
     def skipped(self) -> list[str]:
         """What the job's plans leave out, and why (one phrase each)."""
@@ -86,12 +93,8 @@ RULES = {
     "": JobRules("", "any layout", cp=True, encoder_rc=(0, 1, 2), backbone_rc=(0, 1), shard_with_tp=True,
                  shard_encoder=True, whole_nodes=False),
     "mm": JobRules("mm", "the flow-patched MindSpeed-MM job", cp=False, encoder_rc=(0, 2), backbone_rc=(0, 1),
-                   shard_with_tp=True, shard_encoder=True, whole_nodes=True, replicated_kv=False, families=("qwen2_5_vl",),
-                   refused=(("qwen2_5_omni_thinker", "the flow-patched MindSpeed-MM job runs Omni's audio encoder on "
-                             "the LLM's first stage or as its own part (parallel.encoders.audio), and the planner "
-                             "prices neither yet (it plans one encoder part and counts the audio encoder's "
-                             "parameters only); write the recipe's parallel section by hand"),),
-                   launch_job="mm"),
+                   shard_with_tp=True, shard_encoder=True, whole_nodes=True, replicated_kv=False,
+                   families=("qwen2_5_vl", "qwen2_5_omni_thinker"), launch_job="mm", mm_audio=True),
     "torch": JobRules("torch", "the torch host (mindspeed-flow train)", cp=False, encoder_rc=(0, 1),
                       backbone_rc=(0,), shard_with_tp=False, shard_encoder=False, whole_nodes=True,
                       expert_parallel=False, dp_only=DEEPSTACK_FAMILIES,
@@ -113,6 +116,26 @@ def refusal(rules: JobRules, family: str | None) -> str:
         return (f"{rules.label} trains {', '.join(rules.families)} models decoupled only (hosts/mindspeed_mm/"
                 "recipe.py); plan it for the torch host with --job torch")
     return ""
+
+
+def mm_audio_rules(parts: list[PartSpec], audio_heads: int, distributed_optimizer: bool) -> list[PartSpec]:
+    """`parts` restricted to what the MindSpeed-MM host runs of a model with an audio encoder of `audio_heads`
+    heads (0: none; the parts unchanged). Mirrors hosts/mindspeed_mm/recipe.py: an audio part (`audio`) takes tp
+    dividing the heads and pp = cp = 1 (its PartSpec's sizes already; cp is the job's rule) and, frozen, needs
+    --use-distributed-optimizer; without an audio part the audio encoder shares the decoder's TP group, so the
+    backbone's tp must divide the heads."""
+    if not audio_heads:
+        return parts
+    audio = next((p for p in parts if p.name == "audio"), None)
+    if audio is None:
+        return [dataclasses.replace(p, tp_sizes=tuple(t for t in p.tp_sizes if audio_heads % t == 0))
+                if p.role == "backbone" else p for p in parts]
+    if not audio.trainable and not distributed_optimizer:
+        raise ValueError("planner.distributed_optimizer=false: the audio part is frozen (planner.freeze_audio, or "
+                         "freeze_encoder), so it has no trainable parameter and the MindSpeed-MM job needs "
+                         "--use-distributed-optimizer (its placeholder optimizer for a part without parameters "
+                         "needs it); plan with planner.distributed_optimizer=true or planner.freeze_audio=false")
+    return parts
 
 
 def job_rules(job: str) -> JobRules:

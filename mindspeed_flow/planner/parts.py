@@ -3,7 +3,8 @@
 A `PartSpec` is everything the cost and memory model needs about one part, already averaged over the workload:
 layer dims, parameter counts split by where they live (per layer, first stage, last stage), FLOPs per sample and
 per token, token counts and extremes, and which parallel sizes the part accepts. Parts form a LIST, so a second
-encoder (video, audio) is one more entry built the same way, not new solver code.
+encoder (video, audio) is one more entry built the same way, not new solver code: the Qwen2.5-Omni thinker on a
+workload with audio clips is [vision encoder, audio encoder, backbone] (`vlm_parts`), in MindSpeed-MM's rank order.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from mindspeed_flow.specs import VLMSpec
 
 @dataclass(frozen=True)
 class PartSpec:
-    name: str  # group name in the recipe: "encoder" | "backbone" | ...
+    name: str  # part name: "encoder" (the vision encoder) | "audio" | "backbone"
     role: str  # "encoder" (produces embeddings) | "backbone" (consumes them, owns the loss)
     trainable: bool
     layers: int
@@ -32,17 +33,18 @@ class PartSpec:
     first_params: int  # embeddings / patch embedding: on the first pipeline stage
     last_params: int  # output head + final norm / patch merger: on the last stage
     total_params: int
-    # Workload averages, per sample. "tokens": LLM tokens (backbone) or ViT patches (encoder).
+    # Workload averages, per sample. "tokens": LLM tokens (backbone), ViT patches (vision encoder) or frames after
+    # the convolutions (audio encoder).
     tokens_per_sample: float
     sq_tokens_per_sample: float  # mean over samples of sum over attention sequences of len^2
-    items_per_sample: float  # attention sequences per sample (images for an encoder, 1 for the backbone)
-    max_item_tokens: int  # longest sample (backbone) / largest image (encoder)
+    items_per_sample: float  # sequences per sample the layers run on: images; a sample's packed audio; backbone 1
+    max_item_tokens: int  # longest sample (backbone) / largest image (vision) / a sample's most audio frames (audio)
     linear_flops_per_token: float  # training multiplier (6 or 2 frozen) already applied
     attn_flops_per_sample: float  # mean quadratic attention FLOPs per sample (training multiplier applied)
     out_tokens_per_sample: float = 0.0  # encoder: LLM tokens handed to the backbone
     max_out_tokens: int = 0  # encoder: the largest sample's embedding tokens (what the pool must let through)
     out_hidden: int = 0  # encoder: width of those embeddings
-    input_elems_per_token: int = 0  # encoder: pixel values per patch (kept when recomputing)
+    input_elems_per_token: int = 0  # encoder: pixel values per patch / mel values per frame (kept when recomputing)
     vocab: int = 0  # backbone: logits width
     # Activation elements saved per token per layer: act_h x hidden + act_kv x (K and V width) + act_f x ffn.
     # Counted from the HF implementations' saved tensors (tests/test_planner_memory.py measures them).
@@ -161,9 +163,60 @@ _VIT_ACTIVATIONS: dict[str, tuple[float, float]] = {"qwen2_vl": (11.5, 3.0), "qw
                                                     "glm4v": (14.0, 4.0), "internvl": (8.5, 3.0)}
 
 
-def vlm_parts(spec: VLMSpec, shapes: Sequence[SampleShape], freeze_encoder: bool = False) -> list[PartSpec]:
-    """The two parts of a VLM, encoder first (the producer), backbone last (the consumer)."""
+def audio_part(spec: VLMSpec, shapes: Sequence[SampleShape], trainable: bool = True,
+               name: str = "audio") -> PartSpec:
+    """The audio encoder (`spec.audio`, the Omni thinker's) as an encoder part over the workload's clips.
+
+    Its tokens are the clips' frames after the two convolutions (what the layers run on); attention is per chunk
+    of 2 x n_window mel frames (`AudioSpec.chunk_frames`), so the quadratic FLOPs and the score memory are per
+    chunk; it hands the backbone the pooled LLM audio tokens, `output_dim` wide. Samples without clips count
+    as samples with no audio work."""
+    a = spec.audio
+    if a is None:
+        raise ValueError(f"{spec.name}: the model has no audio encoder")
+    clips = [s.audio_frames for s in shapes]
+    frames = np.array([sum(sum(a.chunk_frames(f)) for f in c) for c in clips], dtype=np.float64)
+    sq = np.array([sum(x * x for f in c for x in a.chunk_frames(f)) for c in clips], dtype=np.float64)
+    linear = np.array([sum(a.clip_linear_flops(f, trainable) for f in c) for c in clips], dtype=np.float64)
+    attn = np.array([sum(a.clip_attn_flops(f, trainable) for f in c) for c in clips], dtype=np.float64)
+    out_tokens = np.array([s.audio_tokens for s in shapes], dtype=np.float64)
+    d = a.d_model
+    act_h, act_f = _VIT_ACTIVATIONS[_AUDIO_ACTIVATIONS_FROM]
+    return PartSpec(
+        name=name, role="encoder", trainable=trainable, layers=a.layers, hidden=d, ffn=a.ffn, heads=a.heads,
+        kv_heads=a.heads, gated_mlp=False, layer_params=a.layer_params, first_params=a.first_params,
+        last_params=a.last_params, total_params=a.params,
+        tokens_per_sample=float(frames.mean()), sq_tokens_per_sample=float(sq.mean()),
+        # a sample's chunks (and clips) run through the layers as one packed sequence, one TP collective per
+        # linear for all of them: the item is the sample's audio (attention per chunk is in sq and attn above)
+        items_per_sample=float(np.mean([1.0 if c else 0.0 for c in clips])),
+        max_item_tokens=int(frames.max()) if len(frames) else 0,
+        # the workload's mean parameter FLOPs per frame: conv1 runs on twice the frames, the head on half
+        linear_flops_per_token=float(linear.sum() / max(frames.sum(), 1.0)),
+        attn_flops_per_sample=float(attn.mean()), out_tokens_per_sample=float(out_tokens.mean()),
+        max_out_tokens=int(out_tokens.max()) if len(out_tokens) else 0, out_hidden=a.output_dim,
+        input_elems_per_token=2 * a.num_mel_bins,  # two mel frames per frame after the stride-2 convolution
+        tp_sizes=tuple(t for t in (1, 2, 4, 8) if a.heads % t == 0),
+        # saved after the last layer per frame: the pool's input (d), and on the pooled half-length sequence the
+        # LayerNorm's and the projection's inputs (d / 2 each)
+        act_h=act_h, act_kv=0.0, act_f=act_f, act_head_per_token=2.0 * d,
+    )
+
+
+# The audio encoder's layer (pre-LayerNorm, separate q/k/v/o projections, no rotary, GELU MLP with biases) is not
+# counted; it takes the closest counted block's saved elements, CLIP's (the same layer structure).
+_AUDIO_ACTIVATIONS_FROM = "clip"
+
+
+def vlm_parts(spec: VLMSpec, shapes: Sequence[SampleShape], freeze_encoder: bool = False,
+              freeze_audio: bool | None = None) -> list[PartSpec]:
+    """The parts of a VLM, producers first, the backbone (the consumer) last: [vision encoder, backbone], or
+    [vision encoder, audio encoder, backbone] for a model with an audio encoder on a workload with audio clips
+    (MindSpeed-MM's rank order). `freeze_audio` None: the audio encoder follows `freeze_encoder`."""
     bb = backbone_part(spec, shapes)
-    enc = dataclasses.replace(encoder_part(spec, shapes, trainable=not freeze_encoder),
-                              llm_tokens_per_sample=bb.tokens_per_sample, llm_max_tokens=bb.max_item_tokens)
-    return [enc, bb]
+    llm = {"llm_tokens_per_sample": bb.tokens_per_sample, "llm_max_tokens": bb.max_item_tokens}
+    parts = [dataclasses.replace(encoder_part(spec, shapes, trainable=not freeze_encoder), **llm)]
+    if spec.audio is not None and any(s.audio_frames for s in shapes):
+        frozen = freeze_encoder if freeze_audio is None else freeze_audio
+        parts.append(dataclasses.replace(audio_part(spec, shapes, trainable=not frozen), **llm))
+    return parts + [bb]

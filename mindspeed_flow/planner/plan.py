@@ -168,27 +168,31 @@ class PoolSizing:
 
 
 def size_pool(problem: Problem, parts: list["PartPlan"]) -> PoolSizing | None:
-    """The pool the chosen layouts need (`cost.pool_capacity_needed`), or the pinned one and its stall; the
-    encoder's memory figure books the capacity (an upper bound on the embeddings it has in flight)."""
-    by_role = {p.role: p for p in parts}
-    enc_p = next((p for p in problem.parts if p.role == "encoder"), None)
-    if enc_p is None or "encoder" not in by_role or "backbone" not in by_role:
+    """The pool the chosen layouts need (`cost.pool_capacity_needed`), or the pinned one and its stall; each
+    encoder part's memory figure books the capacity (an upper bound on the embeddings it has in flight).
+    flow.pool_capacity_mb is one figure for every producer, so with several encoder parts (vision, audio) it is
+    the largest any of them needs, and a pinned one stalls the step by the longest of their waits."""
+    by_name = {p.name: p for p in parts}
+    bb = next((p for p in parts if p.role == "backbone"), None)
+    encoders = [(p, by_name[p.name]) for p in problem.parts if p.role == "encoder" and p.name in by_name]
+    if bb is None or not encoders:
         return None
-    enc, bb = by_role["encoder"], by_role["backbone"]
     ctx = problem.ctx
-    m, enc_dp = max(bb.microbatches, 1), int(enc.layout["dp"])
-    needed = float(np.ceil(pool_capacity_needed(enc_p, ctx, enc_dp, m, int(bb.layout["pp"])) / 2**20))
+    m = max(bb.microbatches, 1)
+    needed = max(float(np.ceil(pool_capacity_needed(spec, ctx, int(plan.layout["dp"]), m, int(bb.layout["pp"]))
+                               / 2**20)) for spec, plan in encoders)
     pinned = problem.cfg.pool_capacity_mb > 0
     capacity = float(problem.cfg.pool_capacity_mb) if pinned else needed
-    # one sample's encoder forward on a producer (what a short round waits for): the fill is exactly that
-    forward = enc.time_parts.get("fill", 0.0)
-    stall = pool_stall_time(enc_p, ctx, capacity * 2**20, enc_dp, m, forward) if pinned else 0.0
-    # book the capacity on the encoder (a pinned one: at most the embeddings it holds, as priced)
-    if not pinned:
-        mem = enc.memory_gb
-        mem["total"] += capacity * 2**20 / GB - mem.get("buffers", 0.0)
-        mem["buffers"] = capacity * 2**20 / GB
-    largest = embedding_bytes(enc_p, ctx, enc_p.max_out_tokens) / 2**20
+    stall = 0.0
+    for spec, plan in encoders:
+        if pinned:  # one sample's encoder forward on a producer (what a short round waits for): the fill
+            stall = max(stall, pool_stall_time(spec, ctx, capacity * 2**20, int(plan.layout["dp"]), m,
+                                               plan.time_parts.get("fill", 0.0)))
+        else:  # book the capacity on the encoder (a pinned one: at most the embeddings it holds, as priced)
+            mem = plan.memory_gb
+            mem["total"] += capacity * 2**20 / GB - mem.get("buffers", 0.0)
+            mem["buffers"] = capacity * 2**20 / GB
+    largest = max(embedding_bytes(spec, ctx, spec.max_out_tokens) for spec, _ in encoders) / 2**20
     return PoolSizing(needed_mb=needed, capacity_mb=capacity, pinned=pinned, largest_embedding_mb=largest,
                       stall_s=stall)
 
@@ -364,18 +368,18 @@ def make_plan(problem: Problem, exhaustive: bool = False, with_baselines: bool =
     backbone = next((p for p in problem.parts if p.role == "backbone"), problem.parts[-1])
     baselines: dict[str, BaselineResult | None] = {}
     lengths = problem.stream_lengths() if with_baselines else None  # one draw for the baselines and the split
-    if with_baselines:
-        enc = next((p for p in problem.parts if p.role == "encoder"), None)
-        if enc is not None and len(problem.parts) == 2:
-            baselines = all_baselines(enc, backbone, base_ctx, problem.budget, problem.node, problem.family,
-                                      lengths)
+    # the vision encoder, and the audio encoder when it is a part: the coupled baselines run both on stage 0
+    enc = next((p for p in problem.parts if p.role == "encoder" and p.name != "audio"), None)
+    audio = next((p for p in problem.parts if p.name == "audio"), None)
+    if with_baselines and enc is not None and len(problem.parts) == 2 + (audio is not None):
+        baselines = all_baselines(enc, backbone, base_ctx, problem.budget, problem.node, problem.family,
+                                  lengths, audio=audio)
     mfu = flops / (step * sel.devices * ctx.peak)
     split: list[Counterfactual] = []
     base = strongest(baselines)
-    if base is not None:
-        enc = next(p for p in problem.parts if p.role == "encoder")
+    if base is not None and enc is not None:
         split = gain_split(enc, backbone, base_ctx, problem.budget, base,
-                           (problem.global_batch / step, mfu, sel.devices), problem.node, lengths)
+                           (problem.global_batch / step, mfu, sel.devices), problem.node, lengths, audio=audio)
     return Plan(
         problem=problem, parts=parts, selection=sel, samples_per_s=problem.global_batch / step,
         tokens_per_s=problem.global_batch * backbone.tokens_per_sample / step,

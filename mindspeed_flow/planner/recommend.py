@@ -52,8 +52,9 @@ def runnable(b: BaselineResult, job: str) -> bool:
     return False
 
 
-def mm_coupled_settings(row: dict, vit_layers: int) -> list[str]:
-    """MindSpeed-MM flags and model.json settings of a coupled layout (the unpatched job)."""
+def mm_coupled_settings(row: dict, vit_layers: int, audio_layers: int = 0) -> list[str]:
+    """MindSpeed-MM flags and model.json settings of a coupled layout (the unpatched job); `audio_layers` > 0: an
+    audio encoder, priced whole on the first stage."""
     flags = [f"--tensor-model-parallel-size {row['tp']}", f"--pipeline-model-parallel-size {row['pp']}"]
     if row["cp"] > 1:
         flags += [f"--context-parallel-size {row['cp']}", "--context-parallel-algo ulysses_cp_algo"]
@@ -66,7 +67,9 @@ def mm_coupled_settings(row: dict, vit_layers: int) -> list[str]:
     layers = row.get("layers") or []
     if row["pp"] > 1 and layers:
         out.append(f"model.json text_decoder.pipeline_num_layers: {list(layers)}; image_encoder.vision_encoder."
-                   f"pipeline_num_layers: {[vit_layers] + [0] * (row['pp'] - 1)}")
+                   f"pipeline_num_layers: {[vit_layers] + [0] * (row['pp'] - 1)}"
+                   + (f"; audio_encoder.audio_encoder.pipeline_num_layers: {[audio_layers] + [0] * (row['pp'] - 1)}"
+                      if audio_layers else ""))
     if row["cp"] > 1:
         out.append("model.json image_encoder.vision_encoder.use_vit_dp: true (the microbatch's images split over "
                    "the CP ranks)")
@@ -75,6 +78,8 @@ def mm_coupled_settings(row: dict, vit_layers: int) -> list[str]:
         out.append(f"model.json text_decoder: {full}")
     if row.get("vit_rc"):
         out.append(f"model.json image_encoder.vision_encoder: {full}")
+        if audio_layers:
+            out.append(f"model.json audio_encoder.audio_encoder: {full}")
     return out
 
 
@@ -87,7 +92,9 @@ def recommend(plan: Plan) -> Recommendation:
             best = Recommendation(b.name, b.samples_per_s, b.mfu, b.devices, b)
     if best.baseline is not None and job == "mm":
         enc = next((p for p in plan.problem.parts if p.role == "encoder"), None)
-        best.settings = mm_coupled_settings(best.coupled or {}, enc.layers if enc else 0)
+        audio = next((p for p in plan.problem.parts if p.name == "audio"), None)
+        best.settings = mm_coupled_settings(best.coupled or {}, enc.layers if enc else 0,
+                                            audio.layers if audio else 0)
     return best
 
 

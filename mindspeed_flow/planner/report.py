@@ -1,9 +1,10 @@
 """What a plan prints and writes: the readable report, the JSON object, the Hydra experiment recipe, the plot.
 
 The recipe is an *experiment* recipe (`# @package _global_`, `defaults: - override /model: ...`) holding the
-chosen layout (parallel.encoder / parallel.backbone), the global batch, the packing token budget and whether
-the encoder keeps its activations, so `mindspeed-flow train experiment=NAME` runs the plan unchanged once the
-file is in recipes/experiment/ (or in the tree $MSF_RECIPES points at).
+chosen layout (parallel.encoder / parallel.backbone; with an audio part, `parallel.encoders: {vision: ..., audio:
+...}` in MindSpeed-MM's rank order), the global batch, the packing token budget and whether the encoder keeps its
+activations, so `mindspeed-flow train experiment=NAME` runs the plan unchanged once the file is in
+recipes/experiment/ (or in the tree $MSF_RECIPES points at), and a MindSpeed-MM flow job takes it as its flow recipe.
 """
 from __future__ import annotations
 
@@ -103,8 +104,13 @@ def mm_settings(parts) -> list[str]:
     """MindSpeed-MM model.json settings a flow job needs for the planned recompute (TransformerConfig fields,
     which MindSpeed-MM reads per module from model.json, not from the command line)."""
     full = "recompute_granularity: full, recompute_method: uniform, recompute_num_layers: 1"
-    where = {"backbone": "text_decoder", "encoder": "image_encoder.vision_encoder"}
+    where = {"backbone": "text_decoder", "encoder": "image_encoder.vision_encoder",
+             "audio": "audio_encoder.audio_encoder"}
     return [f"model.json {where[p.name]}: {full}" for p in parts if p.name in where and int(p.layout["rc"])]
+
+
+# a MindSpeed-MM flow recipe's `parallel.encoders` key of each encoder part (the vision encoder is "encoder" here)
+ENCODER_KEYS = {"encoder": "vision", "audio": "audio"}
 
 
 def to_json(plan: Plan) -> dict[str, Any]:
@@ -294,6 +300,7 @@ def recipe_yaml(plan: Plan, name: str, model_recipe: str | None, data_recipe: st
     pr = plan.problem
     by = {p.name: p for p in plan.parts}
     enc, bb = by.get("encoder"), by.get("backbone")
+    encoders = [p for p in plan.parts if p.role == "encoder"]
     lines = [
         "# @package _global_",
         f"# mindspeed-flow train experiment={name}",
@@ -309,12 +316,16 @@ def recipe_yaml(plan: Plan, name: str, model_recipe: str | None, data_recipe: st
                      "model.json's text_decoder.pipeline_num_layers).")
     lines += recipe_head(pr, name, model_recipe, data_recipe, model_inline, data_inline)
     lines += ["parallel:"]
-    for part in (enc, bb):
+    several = len(encoders) > 1  # vision and audio: MindSpeed-MM's `parallel.encoders`, in rank order
+    if several:
+        lines.append("  encoders:")
+    for part in (*encoders, bb):
         if part is not None:
             lay = part.layout
             split = f", layer_split: {list(part.stage_layers)}" if part is bb and uneven else ""
             ep = f", ep: {lay['ep']}" if lay["ep"] > 1 else ""
-            lines.append(f"  {part.name}: {{dp: {lay['dp']}, tp: {lay['tp']}, pp: {lay['pp']}, "
+            key = f"  {ENCODER_KEYS[part.name]}" if several and part is not bb else part.name
+            lines.append(f"  {key}: {{dp: {lay['dp']}, tp: {lay['tp']}, pp: {lay['pp']}, "
                          f"cp: {lay['cp']}{ep}{split}}}")
     job = job_rules(pr.cfg.job).name
     # the MindSpeed-MM job shards optimizer states with its --use-distributed-optimizer; FSDP2 is the torch host's
@@ -334,11 +345,15 @@ def recipe_yaml(plan: Plan, name: str, model_recipe: str | None, data_recipe: st
         lines += ["flow:", f"  keep_encoder_activations: {_quote(keep)}"]
         if plan.pool is not None:  # the capacity the plan sized (or the pinned one it priced)
             lines.append(f"  pool_capacity_mb: {plan.pool.capacity_mb:g}")
-        if job == "mm" and pr.cfg.encoder_inflight and bb is not None and not pr.cfg.freeze_encoder:
+        trainable = any(pp.trainable for pp in pr.parts if pp.role == "encoder")
+        if job == "mm" and pr.cfg.encoder_inflight and bb is not None and trainable:
             # the bound the encoder's memory was priced with (the host refuses one below the decoder's pp)
             lines.append(f"  encoder_inflight: {max(int(pr.cfg.encoder_inflight), int(bb.layout['pp']))}")
     if job == "mm" and mm_settings(plan.parts):
         lines[3:3] = [f"# MindSpeed-MM {s} (the recompute the plan assumes)" for s in mm_settings(plan.parts)]
+    if job == "mm" and any(p.name == "audio" and not p.trainable for p in pr.parts):
+        lines.insert(3, "# The audio part is frozen: run the job with --use-distributed-optimizer (MindSpeed-MM's "
+                        "placeholder optimizer for a part without parameters needs it).")
     return "\n".join(lines) + "\n"
 
 

@@ -8,7 +8,9 @@
 - encoder-heavy planning workloads (shapes only, no training data source: `PLAN_ONLY_DATA`):
   `video`: 16-64 frames a sample, each frame one 448 px tile (InternVL's way of feeding video: every frame its own
   tile and attention sequence), and `infovqa_tiles`: the InfoVQA-like images cut into InternVL's dynamic 448 px
-  tiles (at most 12, plus a thumbnail when there are several).
+  tiles (at most 12, plus a thumbnail when there are several); and, for a model with an audio encoder (the
+  Qwen2.5-Omni thinker), `infovqa_audio`: the `infovqa` samples, each with one spoken-question clip of 2-30 s
+  (its mel frames in `SampleShape.audio_frames`, its LLM tokens by the Omni audio encoder's length rule).
 
 Synthetic shapes come from the training data generator itself (`mindspeed_flow.data.synthetic`), so the planner
 sees exactly the shapes that `mindspeed-flow train` will train on for the same recipe.
@@ -44,7 +46,13 @@ VIDEO_FRAMES = (16, 64)
 VIDEO_PROMPT_TOKENS = (20, 60)
 VIDEO_ANSWER_TOKENS = (10, 200)
 VIDEO_TOKENS_PER_FRAME_MARKUP = 4  # "Frame k: <img>" ... "</img>" around each frame's tokens
-PLAN_ONLY_DATA = ("video", "infovqa_tiles")
+# `infovqa_audio`: one spoken question per sample, its length uniform in AUDIO_SECONDS. The range is assumed (2 s:
+# a few words; 30 s: the Whisper feature extractor's window), not drawn from a dataset. Whisper's features are 100
+# mel frames a second; the clip's <|audio_bos|> and <|audio_eos|> are text tokens.
+AUDIO_SECONDS = (2, 30)
+MEL_FRAMES_PER_SECOND = 100
+AUDIO_MARKUP_TOKENS = 2
+PLAN_ONLY_DATA = ("video", "infovqa_tiles", "infovqa_audio")
 
 
 @dataclass(frozen=True)
@@ -136,6 +144,20 @@ def tiled_infovqa_shapes(hf_config: Mapping[str, Any], num_samples: int, merge: 
     return out
 
 
+def audio_infovqa_shapes(hf_config: Mapping[str, Any], num_samples: int, seed: int = 4321) -> list[SampleShape]:
+    """`infovqa_audio`: the `infovqa` samples, each with one spoken-question clip (AUDIO_SECONDS, uniform)."""
+    if not hf_config.get("audio_config"):
+        raise ValueError(f"data=infovqa_audio: the model ({hf_config.get('model_type')}) has no audio encoder "
+                         "(audio_config); plan it on infovqa")
+    rng = np.random.default_rng(seed)
+    lo, hi = (sec * MEL_FRAMES_PER_SECOND for sec in AUDIO_SECONDS)
+    out = []
+    for s in synthetic_shapes(DataConfig(**BUILTIN_DATA["infovqa"]), hf_config, num_samples):
+        frames = int(rng.integers(lo, hi + 1))
+        out.append(dataclasses.replace(s, text_tokens=s.text_tokens + AUDIO_MARKUP_TOKENS, audio_frames=(frames,)))
+    return out
+
+
 def load_workload(data: str, hf_config: Mapping[str, Any], num_samples: int = DEFAULT_SAMPLES) -> Workload:
     """Shapes for `data=` (see the module docstring), in the token geometry of `hf_config`'s family."""
     merge = 1 if hf_config.get("model_type") == "llava" else int(
@@ -144,6 +166,8 @@ def load_workload(data: str, hf_config: Mapping[str, Any], num_samples: int = DE
         return Workload(data, tuple(video_shapes(hf_config, num_samples, merge)))
     if data == "infovqa_tiles":
         return Workload(data, tuple(tiled_infovqa_shapes(hf_config, num_samples, merge)))
+    if data == "infovqa_audio":
+        return Workload(data, tuple(audio_infovqa_shapes(hf_config, num_samples)))
     if data.endswith(".csv"):
         return Workload(os.path.basename(data), tuple(read_length_table(data, merge_size=merge)))
     cfg = _data_config(data)
