@@ -151,6 +151,13 @@ def test_mm_plan_writes_a_three_part_recipe_the_host_accepts(tmp_path: Path, cap
     rc, _, err = _run(capsys, *args, f"data={table}", "freeze_encoder=true", "--no-baselines", "--out", str(frozen))
     assert rc == 0 and "--use-distributed-optimizer" in frozen.read_text(), err
     assert "--use-distributed-optimizer" not in recipe.read_text()
+    # an audio part at tp > 1: the recipe says what --sequence-parallel then needs in model.json (the host refuses
+    # the job without it), and at tp 1 it says nothing
+    for tp, said in ((2, True), (1, False)):
+        pinned = tmp_path / f"audio_tp{tp}.yaml"
+        rc, _, err = _run(capsys, *args, f"data={table}", f"parallel.audio.tp={tp}", "--no-baselines", "--out",
+                          str(pinned))
+        assert rc == 0 and ('"sequence_parallel": false to model.json\'s audio_encoder' in pinned.read_text()) == said
 
 
 def test_audio_pins_follow_the_host_rules(capsys) -> None:

@@ -351,6 +351,14 @@ def recipe_yaml(plan: Plan, name: str, model_recipe: str | None, data_recipe: st
             lines.append(f"  encoder_inflight: {max(int(pr.cfg.encoder_inflight), int(bb.layout['pp']))}")
     if job == "mm" and mm_settings(plan.parts):
         lines[3:3] = [f"# MindSpeed-MM {s} (the recompute the plan assumes)" for s in mm_settings(plan.parts)]
+    # Qwen2.5-Omni's audio encoder runs in its own part's TP group, else in the decoder's: at TP > 1 it needs
+    # sequence parallelism off in its own model.json section (the host refuses the job otherwise)
+    audio = by.get("audio") or (bb if getattr(pr.spec, "audio", None) is not None else None)
+    if job == "mm" and audio is not None and audio.layout["tp"] > 1:
+        where = "its own part" if audio is not bb else "the decoder's first stage"
+        lines.insert(3, f"# The audio encoder runs at tp {audio.layout['tp']} ({where}): with --sequence-parallel, "
+                        "add \"sequence_parallel\": false to model.json's audio_encoder.audio_encoder (MindSpeed-MM's "
+                        "audio encoder does not split its frames over TP); --use-ascend-mc2 needs it at tp 1.")
     if job == "mm" and any(p.name == "audio" and not p.trainable for p in pr.parts):
         lines.insert(3, "# The audio part is frozen: run the job with --use-distributed-optimizer (MindSpeed-MM's "
                         "placeholder optimizer for a part without parameters needs it).")
