@@ -186,7 +186,7 @@ def prepare_omni_workdir(workdir: str | Path, mm_root: Path, n_samples: int = 16
     data = data_json(json.loads((mm_root / EXAMPLE_DATA).read_text()), workdir, processor_dir)
     if any(images_per_sample):
         model["img_context_token_id"] = OMNI_IDS["<|IMAGE|>"]
-        data["dataset_param"]["attr"]["images"] = "images"
+        data["dataset_param"]["attr"].update(images="images", videos=None)
     model_path.write_text(json.dumps(model, indent=4))
     data["dataloader_param"]["shuffle"] = shuffle
     data_path.write_text(json.dumps(data, indent=4))

@@ -201,7 +201,9 @@ def plain_linears_unless(use_mc2: bool) -> Iterator[None]:
             if original is None or "MC2" not in current.__name__:
                 continue
             for mod in list(sys.modules.values()):
-                if getattr(mod, name, None) is current:
+                # the module's own names only: getattr would call a module-level __getattr__ (the emulated
+                # torch_npu's records every name asked of it as a missing NPU op)
+                if getattr(mod, "__dict__", {}).get(name) is current:
                     swaps.append((mod, name, current))
                     setattr(mod, name, original)
     try:
