@@ -9,6 +9,7 @@ unpatched job.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import time
 from dataclasses import dataclass
@@ -85,6 +86,11 @@ REGISTRY: tuple[PatchTarget, ...] = (
                 "fix: Qwen2vlSelfAttention squeezes packed q/k to [t, heads, dim] before mrope, whose cos/sin "
                 "are [t, 1, 1, dim], so the product broadcasts to [t, t, heads, dim]; the rope runs on [t, 1, heads, "
                 "dim]", ("q", "k", "cos", "sin")),
+    PatchTarget("mindspeed_mm.models.vlm_model.VLMModel.process_multimodal_embeddings",
+                "flow.fix_sp_embedding_grad: its gather of the text embeddings out of the sequence-parallel region "
+                "splits the gradient instead of summing the TP ranks' copies (else the word embedding gets TP "
+                "times its gradient); inert unless the recipe asks", ("self", "input_embeds", "input_ids",
+                                                                       "vit_embeds", "audio_embeds")),
     PatchTarget("megatron.core.pipeline_parallel.schedules.backward_step",
                 "the trace's decoder.backward span per microbatch (trainer.trace: true); the step is unchanged",
                 ("input_tensor", "output_tensor", "output_tensor_grad", "model_type", "config")),
@@ -282,6 +288,32 @@ def backward_step_wrapper(backward_step: Callable) -> Callable:
     return wrapped
 
 
+VLM_MODEL_MODULE = "mindspeed_mm.models.vlm_model"
+GATHER = "gather_from_sequence_parallel_region"
+
+
+def process_multimodal_embeddings_wrapper(process: Callable) -> Callable:
+    """With flow.fix_sp_embedding_grad and sequence parallelism, run VLMModel's embedding merge with its module's
+    gather defaulting to `tensor_parallel_output_grad=False`: every TP rank then holds the whole sequence and the
+    same gradient of it, so the backward takes this rank's slice (Megatron's split) rather than summing the
+    ranks' identical copies (its default reduce-scatter, TP times the gradient). The function looks the name up
+    in its module at call time, so it is swapped for the call only; the deepstack gather passes False already."""
+    @functools.wraps(process)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        ctx = flow_context.current()
+        if ctx is None or not ctx.parts.fix_sp_embedding_grad or not getattr(self.config, "sequence_parallel", False):
+            return process(self, *args, **kwargs)
+        module = importlib.import_module(VLM_MODEL_MODULE)
+        gather = getattr(module, GATHER)
+        setattr(module, GATHER, functools.partial(gather, tensor_parallel_output_grad=False))
+        try:
+            return process(self, *args, **kwargs)
+        finally:
+            setattr(module, GATHER, gather)
+
+    return wrapped
+
+
 _WRAPPERS: dict[str, Callable] = {
     "megatron.training.arguments.validate_args": validate_args_wrapper,
     "megatron.training.initialize._initialize_distributed": initialize_distributed_wrapper,
@@ -301,6 +333,7 @@ _WRAPPERS: dict[str, Callable] = {
     "mindspeed_mm.models.common.mm_gpt_model.MMGPTModel.forward": packed.decoder_forward_wrapper,
     "mindspeed_mm.models.vision.vision_encoders.qwen2vl_vit_model.apply_multimodal_rotary_pos_emb":
         packed.multimodal_rope_wrapper,
+    "mindspeed_mm.models.vlm_model.VLMModel.process_multimodal_embeddings": process_multimodal_embeddings_wrapper,
     "megatron.core.pipeline_parallel.schedules.backward_step": backward_step_wrapper,
 }
 assert set(_WRAPPERS) == {t.target for t in REGISTRY}

@@ -112,7 +112,9 @@ def setup_flow(recipe: str, script: str, script_argv: list[str]) -> None:
               f"{list(parts.decoder_layers)} (from {parts.decoder_layers_from}); "
               f"encoder {'trainable' if parts.encoder_trainable else 'frozen'}; "
               + (f"audio encoder {'trainable' if parts.audio_trainable else 'frozen'}; " if parts.audio_part else "") +
-              f"packing {parts.packing.scheduler} (token budget {parts.packing.token_budget})", flush=True)
+              f"packing {parts.packing.scheduler} (token budget {parts.packing.token_budget})"
+              + ("; sequence-parallel embedding gradient split, not summed (flow.fix_sp_embedding_grad)"
+                 if parts.fix_sp_embedding_grad and "--sequence-parallel" in script_argv else ""), flush=True)
 
 
 def _checked(check: Callable[..., Any], recipe: str, script_argv: list[str]) -> Any:

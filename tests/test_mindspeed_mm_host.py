@@ -236,6 +236,16 @@ def test_sequence_parallel_where_the_audio_encoder_runs_tensor_parallel(tmp_path
     assert want in str(err.value), str(err.value)
 
 
+def test_fix_sp_embedding_grad_reaches_the_parts_and_is_off_by_default(tmp_path) -> None:
+    """The recipe's flow.fix_sp_embedding_grad is what the decoder's patch reads (FlowParts); off, the job computes
+    MindSpeed-MM's own gradients."""
+    base = "parallel:\n  encoder: {dp: 1}\n  backbone: {dp: 1, tp: 2}\n"
+    model = _model_json(tmp_path)
+    assert not parts_for_job(_recipe(tmp_path, base), _argv(model), 3).fix_sp_embedding_grad
+    fixed = _recipe(tmp_path, base + "flow:\n  fix_sp_embedding_grad: true\n")
+    assert parts_for_job(fixed, _argv(model) + ["--sequence-parallel"], 3).fix_sp_embedding_grad
+
+
 # ------------------------------------------------------------------------------ refusals before any group exists
 
 

@@ -208,6 +208,7 @@ def test_window_steps_resume_continues_exactly(tmp_path: Path) -> None:
         (["model=tiny_qwen3_vl", "parallel.backbone.dp=1", "parallel.backbone.pp=2"],
          r"parallel.backbone.pp=2 with model.family='qwen3_vl': .*data parallel parts only"),
         (["model=tiny_qwen3_vl_moe", "parallel.encoder.tp=2"], r"parallel.encoder.tp=2 with model.family="),
+        (["flow.fix_sp_embedding_grad=true"], r"flow.fix_sp_embedding_grad=true: a fix for MindSpeed-MM's VLMModel"),
     ],
 )
 def test_bad_recipe_names_field_and_rule(tmp_path: Path, capsys, overrides: list[str], match: str) -> None:

@@ -144,6 +144,9 @@ def check_rules(job: FlowJobConfig) -> None:
         (f.pool_capacity_mb > 0, f"flow.pool_capacity_mb={f.pool_capacity_mb}: must be > 0"),
         (f.encoder_batch_tokens >= 0, f"flow.encoder_batch_tokens={f.encoder_batch_tokens}: must be >= 0 "
                                       f"(0: one sample per encoder forward)"),
+        (not f.fix_sp_embedding_grad, "flow.fix_sp_embedding_grad=true: a fix for MindSpeed-MM's VLMModel under "
+                                      "sequence parallelism (its pretrain_vlm.py flow job); the torch host's embeddings "
+                                      "have no such gather"),
         (job.model.dtype in ("float32", "bfloat16", "float16"),
          f"model.dtype={job.model.dtype!r}: float32, bfloat16 or float16"),
         (d.min_pixels <= d.max_pixels, f"data.min_pixels={d.min_pixels} > data.max_pixels={d.max_pixels}"),

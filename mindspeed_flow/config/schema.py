@@ -136,6 +136,11 @@ class FlowConfig:
     # counts groups of embeddings sent but not yet received; a frozen torch-host encoder holds nothing (pool
     # credits bound what it sends).
     encoder_inflight: int = 0
+    # MindSpeed-MM host only (pretrain_vlm.py): under --sequence-parallel MindSpeed-MM's VLMModel gathers the text
+    # embeddings with a backward that sums the TP ranks' identical gradients, so the word embedding gets TP times
+    # its gradient (the unpatched job too). True gathers them with a split backward instead: the gradient the same
+    # job computes without sequence parallelism. False (default): MindSpeed-MM's own, so losses match its job's.
+    fix_sp_embedding_grad: bool = False
 
 
 @dataclass

@@ -354,3 +354,24 @@ def test_omni_with_sequence_parallel_matches_the_unpatched_job(layout, sp_assets
     assert_flow_matches(result, sp_assets["reference"], layout, ITERS)
     if audio is not None:
         check_three_parts(result.output, vision, audio, dec)
+
+
+def test_fix_sp_embedding_grad_gives_the_gradients_of_the_job_without_sequence_parallelism(sp_assets, run_job,
+                                                                                          tmp_path) -> None:
+    """MindSpeed-MM's VLMModel gathers the text embeddings out of the sequence-parallel region with a backward that
+    sums the TP ranks' identical gradients: under --sequence-parallel the word embedding gets TP times its
+    gradient, and the unpatched job's gradient norms differ from the same job's without sequence parallelism. With
+    `flow.fix_sp_embedding_grad: true` the flow job (decoder TP 2 + SP) matches the unpatched job WITHOUT sequence
+    parallelism from the same checkpoint, losses and norms."""
+    assets, ckpt = sp_assets["assets"], sp_assets["ckpt"]
+    no_sp = emulate_job("no_sp_ref", _finetune(assets, ckpt, tp=2).argv(), log_dir=assets["workdir"], nproc=2)
+    upstream, exact = parse_grad_norms(sp_assets["reference"].output), parse_grad_norms(no_sp.output)
+    print(f"unpatched TP 2 gradient norms: with SP {upstream}\nwithout SP {exact}")
+    assert len(upstream) == len(exact) == ITERS and max(rel(upstream, exact)) > 0.1, (upstream, exact)
+    vision, dec = {"dp": 1, "tp": 1}, {"dp": 1, "tp": 2, "pp": 1}
+    recipe = write_recipe(tmp_path / "fixed.yaml", vision, dec)
+    recipe.write_text(recipe.read_text() + "flow:\n  fix_sp_embedding_grad: true\n")
+    job = _job(assets, ITERS, load=ckpt, tp=2, sequence_parallel=True, more=["--finetune"])
+    result = run_job("fixed_sp_grad", job.argv(), nproc=nranks(vision, dec), flow_recipe=recipe)
+    assert "sequence-parallel embedding gradient split, not summed" in result.output
+    assert_flow_matches(result, no_sp, "SP embedding gradient fixed vs unpatched without SP", ITERS)

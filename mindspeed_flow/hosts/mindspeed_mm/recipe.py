@@ -156,6 +156,9 @@ class FlowParts:
     run_dir: Optional[str] = None
     trace: bool = False
     audio_trainable: bool = False  # an audio part (`parallel.encoders.audio`) trains its audio encoder
+    # flow.fix_sp_embedding_grad: the text embeddings' gather out of the sequence-parallel region splits its
+    # gradient instead of summing the TP ranks' copies (patches/flow.py, process_multimodal_embeddings_wrapper)
+    fix_sp_embedding_grad: bool = False
 
     @property
     def audio_part(self) -> bool:
@@ -438,7 +441,7 @@ def build_parts(job: FlowJobConfig, *, world_size: int, model: ModelShape, globa
                      split.source,
                      encoder_inflight(job.flow.encoder_inflight, bb.pp, model.encoder_trainable or audio_trainable,
                                       recipe_name),
-                     audio_trainable=audio_trainable)
+                     audio_trainable=audio_trainable, fix_sp_embedding_grad=bool(job.flow.fix_sp_embedding_grad))
 
 
 def encoder_inflight(value: object, decoder_pp: int, trainable: bool, recipe_name: str = "FLOW.yaml") -> int:
