@@ -216,6 +216,7 @@ def test_coupled_baseline_counts_the_audio_on_the_first_stage() -> None:
     cluster = load_cluster("atlas_800t_a2")
     ctx = CostContext(cluster, PlannerConfig(), global_batch=64, job_devices=32)
     enc, bb = vlm_parts(SPEC, plain)
+    bb = dataclasses.replace(bb, idle_first_params=0)  # the LLM alone (without clips it holds the audio encoder)
     enc_a, aud, bb_a = vlm_parts(SPEC, with_clips)
     fixed = {"dp": 4, "tp": 2, "pp": 4, "cp": 1, "rc": 1}
     before = megatron_coupled(enc, bb, ctx, 32, fixed=fixed)
@@ -239,6 +240,45 @@ def test_coupled_baseline_counts_the_audio_on_the_first_stage() -> None:
     # a layout whose TP the audio encoder cannot take (20 heads) is not searched
     assert megatron_coupled(enc, bb, ctx, 32, fixed={**fixed, "tp": 8}, audio=aud) is None
     assert np.isfinite(after.mfu) and after.mfu > 0
+
+
+def test_without_clips_the_audio_encoder_is_held_on_the_backbones_first_stage() -> None:
+    """On a workload without clips the Omni plan has two parts and MindSpeed-MM builds the audio encoder on the
+    decoder's first stage: its weights (and trained, its gradients and optimizer shard) are that stage's, over the
+    stage's TP, and nothing else changes."""
+    from mindspeed_flow.planner.cost import Layouts, backbone_costs
+
+    plain = load_workload("infovqa", OMNI, 64).shapes
+    _, bb = vlm_parts(SPEC, plain)
+    _, bb_frozen = vlm_parts(SPEC, plain, freeze_audio=True)
+    alone = dataclasses.replace(bb, idle_first_params=0)
+    assert (bb.idle_first_params, bb.idle_first_trainable, bb_frozen.idle_first_trainable) == (
+        SPEC.audio.params, True, False)
+    assert (vlm_parts(SPEC, load_workload("infovqa_audio", OMNI, 64).shapes)[2].idle_first_params,
+            vlm_parts(dataclasses.replace(SPEC, audio=None), plain)[1].idle_first_params) == (0, 0)
+    ctx = CostContext(load_cluster("atlas_800t_a2"), PlannerConfig(), global_batch=64, job_devices=64)
+    L = Layouts.from_rows([{"dp": 8, "tp": 4, "pp": 1, "b": 8192}, {"dp": 4, "tp": 4, "pp": 4, "b": 8192}])
+    c, c_frozen, c_alone = (backbone_costs(p, ctx, L) for p in (bb, bb_frozen, alone))
+    by = ctx.bytes
+    per_device = SPEC.audio.params / 4
+    trained = per_device * (by.param + by.grad + by.optim / 8)  # optimizer sharded over dp 8 (distributed)
+    one, two = (c.memory - c_alone.memory), (c_frozen.memory - c_alone.memory)
+    assert one[0] == pytest.approx(trained, rel=1e-9) and two[0] == pytest.approx(per_device * by.param, rel=1e-9)
+    # pp 4: the first stage grows by as much (whether it is the peak depends on the logits on the last stage)
+    first = lambda costs, part: backbone_memory_stages(part, ctx, L, costs)["first"]  # noqa: E731
+    assert first(c, bb)[1] - first(c_alone, alone)[1] == pytest.approx(
+        per_device * (by.param + by.grad + by.optim / 4), rel=1e-9)
+    assert first(c_frozen, bb_frozen)[1] - first(c_alone, alone)[1] == pytest.approx(per_device * by.param, rel=1e-9)
+    # no compute: the same pipeline time; a trained one adds its gradient sync and optimizer step
+    assert np.allclose(c_frozen.time, c_alone.time) and np.all(c.time > c_alone.time)
+    assert np.allclose(c.time_parts["compute"], c_alone.time_parts["compute"])
+
+
+def backbone_memory_stages(part, ctx, L, costs) -> dict:
+    from mindspeed_flow.planner.cost import backbone_memory, backbone_stage_mb_time
+
+    m = costs.microbatches
+    return backbone_memory(part, ctx, L, m, backbone_stage_mb_time(part, ctx, L, m))["stages"]
 
 
 @pytest.mark.parametrize("devices", [8, 12])

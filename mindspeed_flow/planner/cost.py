@@ -565,14 +565,16 @@ def stage_layer_list(split: dict[str, np.ndarray], pp: int, i: int) -> list[int]
 
 def backbone_stage_params(part: PartSpec, L: Layouts, split: dict[str, np.ndarray] | None = None
                           ) -> tuple[np.ndarray, np.ndarray]:
-    """Parameters per device on the first and on the last pipeline stage (the stage split's layer counts)."""
+    """Parameters per device on the first and on the last pipeline stage (the stage split's layer counts); the
+    first stage's idle module counts here when it trains (`PartSpec.idle_first_params`)."""
     n_first = np.ceil(part.layers / L.pp) if split is None else split["layers_first"]
     n_last = np.ceil(part.layers / L.pp) if split is None else split["layers_last"]
     single = L.pp == 1
     n_first = np.where(single, part.layers, n_first)
     n_last = np.where(single, part.layers, n_last)
-    return (stage_params(part, L, n_first, part.first_params + np.where(single, part.last_params, 0)),
-            stage_params(part, L, n_last, part.last_params + np.where(single, part.first_params, 0)))
+    first = part.first_params + (part.idle_first_params if part.idle_first_trainable else 0)
+    return (stage_params(part, L, n_first, first + np.where(single, part.last_params, 0)),
+            stage_params(part, L, n_last, part.last_params + np.where(single, first, 0)))
 
 
 def stage_params(part: PartSpec, L: Layouts, layers: np.ndarray, ends: np.ndarray | int = 0) -> np.ndarray:
@@ -665,6 +667,10 @@ def backbone_memory(part: PartSpec, ctx: CostContext, L: Layouts, m: np.ndarray,
     p_mid = stage_params(part, L, mb["layers_mid"])
     s_first, s_mid, s_last = (backbone_static_memory(part, ctx, L, p, n) for p, n in (
         (p_first, mb["layers_first"]), (p_mid, mb["layers_mid"]), (p_last, mb["layers_last"])))
+    if part.idle_first_params and not part.idle_first_trainable:  # frozen: its weights only, over the stage's TP
+        frozen = part.idle_first_params / L.tp * by.param
+        s_first["weights"] = s_first["weights"] + frozen
+        s_last["weights"] = s_last["weights"] + np.where(L.pp == 1, frozen, 0.0)
     single = L.pp == 1
     stages = {
         "first": sum(s_first.values()) + act_first + recv + np.where(single, logits, 0.0),

@@ -98,8 +98,9 @@ RULES = {
     "torch": JobRules("torch", "the torch host (mindspeed-flow train)", cp=False, encoder_rc=(0, 1),
                       backbone_rc=(0,), shard_with_tp=False, shard_encoder=False, whole_nodes=True,
                       expert_parallel=False, dp_only=DEEPSTACK_FAMILIES,
-                      refused=(("qwen2_5_omni_thinker", "the planner plans one encoder part, the Omni thinker has "
-                                "audio and vision parts (write parallel.encoders by hand)"),
+                      refused=(("qwen2_5_omni_thinker", "the planner writes the Omni thinker's three-part recipe (audio, "
+                                "vision, backbone) for the MindSpeed-MM job only (plan it with --job mm, or write "
+                                "the torch recipe's parallel.encoders by hand)"),
                                *((f, "the torch host builds Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense and MoE), LLaVA "
                                   "and the Omni thinker only "
                                   "(hosts/torch/hf_compat.py); price it with --job any") for f in NOT_BUILT)),

@@ -66,6 +66,12 @@ class PartSpec:
     top_k: int = 0
     moe_layers: int = 0
     expert_params: int = 0
+    # Backbone: parameters of a module held on the first pipeline stage that this workload never runs (the
+    # Qwen2.5-Omni thinker's audio encoder on a workload without clips: built there, sharded over the stage's TP,
+    # not a part of its own), and whether they train (then their gradients and optimizer states are held and
+    # synced too). Memory and the gradient tail only: no compute.
+    idle_first_params: int = 0
+    idle_first_trainable: bool = False
     tp_sizes: tuple[int, ...] = (1, 2, 4, 8)
     pp_sizes: tuple[int, ...] = (1,)
     cp_sizes: tuple[int, ...] = (1,)
@@ -212,11 +218,16 @@ def vlm_parts(spec: VLMSpec, shapes: Sequence[SampleShape], freeze_encoder: bool
               freeze_audio: bool | None = None) -> list[PartSpec]:
     """The parts of a VLM, producers first, the backbone (the consumer) last: [vision encoder, backbone], or
     [vision encoder, audio encoder, backbone] for a model with an audio encoder on a workload with audio clips
-    (MindSpeed-MM's rank order). `freeze_audio` None: the audio encoder follows `freeze_encoder`."""
+    (MindSpeed-MM's rank order). Without clips such a model's audio encoder stays on the backbone's first stage,
+    where the MindSpeed-MM job builds it: its weights (and, trained, its gradients and optimizer states) are counted there.
+    `freeze_audio` None: the audio encoder follows `freeze_encoder`."""
     bb = backbone_part(spec, shapes)
     llm = {"llm_tokens_per_sample": bb.tokens_per_sample, "llm_max_tokens": bb.max_item_tokens}
     parts = [dataclasses.replace(encoder_part(spec, shapes, trainable=not freeze_encoder), **llm)]
-    if spec.audio is not None and any(s.audio_frames for s in shapes):
+    if spec.audio is not None:
         frozen = freeze_encoder if freeze_audio is None else freeze_audio
-        parts.append(dataclasses.replace(audio_part(spec, shapes, trainable=not frozen), **llm))
+        if any(s.audio_frames for s in shapes):
+            parts.append(dataclasses.replace(audio_part(spec, shapes, trainable=not frozen), **llm))
+        else:
+            bb = dataclasses.replace(bb, idle_first_params=spec.audio.params, idle_first_trainable=not frozen)
     return parts + [bb]
