@@ -188,8 +188,10 @@ def test_llm_tokens_of_matches_the_shape_property() -> None:
     from mindspeed_flow.packing.plan import llm_tokens_of
 
     shapes = [SampleShape(0, 7, ((1, 5, 5), (2, 3, 3))), SampleShape(1, 4, ((1, 5, 7),)), SampleShape(2, 9),
-              SampleShape(3, 1, ((1, 6, 6),), merge_size=3)]
+              SampleShape(3, 1, ((1, 6, 6),), merge_size=3), SampleShape(4, 5, (), audio_frames=(450, 31)),
+              SampleShape(5, 6, ((1, 4, 4),), audio_frames=(3000,))]  # clips: the audio tower's tokens too
     assert llm_tokens_of(shapes) == [s.llm_tokens for s in shapes]
+    assert llm_tokens_of(shapes)[4:] == [5 + 112 + 8, 6 + 4 + 750]
 
 
 PLAN_DIGEST = """

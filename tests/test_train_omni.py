@@ -49,7 +49,8 @@ def test_audio_data_has_real_mel_features_and_the_towers_lengths() -> None:
         s = ds.sample(i)
         assert s.shape(ds.merge_size) == ds.shape(i)
         n_audio = int((s.input_ids == cfg["audio_token_id"]).sum())
-        assert n_audio == sum(s.audio_token_counts)
+        assert n_audio == sum(s.audio_token_counts) == ds.shape(i).audio_tokens
+        assert ds.shape(i).llm_tokens == s.llm_tokens and ds.shape(i).audio_frames == tuple(s.audio_frames)
         kinds.add((bool(s.audio_frames), bool(s.image_token_counts)))
         for f, frames in zip(s.audio_features, s.audio_frames):
             assert f.shape == (cfg["audio_config"]["num_mel_bins"], frames) and torch.isfinite(f).all()
@@ -61,6 +62,17 @@ def test_audio_data_has_real_mel_features_and_the_towers_lengths() -> None:
         assert (s.labels[s.input_ids == cfg["audio_token_id"]] == -100).all()
     assert kinds == {(True, False), (False, True), (True, True)}, kinds
     assert ds.sample(3, with_pixels=False).audio_features is None
+
+
+def test_length_table_of_the_audio_data_keeps_its_clips(tmp_path: Path) -> None:
+    """A length table written from the Omni data set holds each sample's clips (the planner's audio part)."""
+    from mindspeed_flow.data.length_table import export_length_table
+    from mindspeed_flow.data.shapes import read_length_table
+
+    _, ds = _dataset()
+    export_length_table(ds, tmp_path / "omni.csv")
+    assert read_length_table(tmp_path / "omni.csv") == [ds.shape(i) for i in range(len(ds))]
+    assert any(ds.shape(i).audio_frames for i in range(len(ds)))
 
 
 def test_three_part_split_matches_the_whole_hf_model() -> None:

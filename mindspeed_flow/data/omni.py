@@ -7,11 +7,13 @@ the features have the model's shape and the answers are learnable from the audio
 the audio tower's own output length in LLM tokens (`audio_output_lengths`).
 
 Template, per sample:  <audio_start> <audio_pad> * n_audio <audio_end>  (if audio), then the image block and the
-turns of `data.tokens.build_conversation`. `shape(i)` counts the audio block as text tokens, so packing sees the
-right LLM length without drawing a sample.
+turns of `data.tokens.build_conversation`. `shape(i)` carries each clip's mel frames (its placeholders are the
+shape's audio tokens, the tower's length rule; the start/end markers are text), so packing sees the right LLM
+length and a length table written from the data set keeps the clips the planner prices, without drawing a sample.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
@@ -76,6 +78,14 @@ class OmniSample(VLMSample):
     audio_frames: list[int] = field(default_factory=list)  # mel frames per clip
     audio_token_counts: list[int] = field(default_factory=list)  # LLM tokens per clip
 
+    @property
+    def text_tokens(self) -> int:
+        """Tokens that are neither image nor audio placeholders (the clips' start/end markers are text)."""
+        return super().text_tokens - sum(self.audio_token_counts)
+
+    def shape(self, merge_size: int = 2) -> SampleShape:
+        return dataclasses.replace(super().shape(merge_size), audio_frames=tuple(int(f) for f in self.audio_frames))
+
 
 @dataclass(frozen=True)
 class _Plan:
@@ -128,9 +138,9 @@ class SyntheticOmni(VLMDataset):
         if i not in self._shapes:
             plan = self._plan(i)
             grids = self._grids(plan)
-            audio = sum(n + 2 for n in audio_output_lengths(plan.frames))  # pads + start/end, as text tokens
-            text = template_text_tokens(len(grids), [(len(q), len(a)) for q, a in plan.turns]) + audio
-            self._shapes[i] = SampleShape(i, text, grids, self.merge_size)
+            # each clip's start and end markers are text; its placeholders are the shape's audio tokens
+            text = template_text_tokens(len(grids), [(len(q), len(a)) for q, a in plan.turns]) + 2 * len(plan.frames)
+            self._shapes[i] = SampleShape(i, text, grids, self.merge_size, audio_frames=plan.frames)
         return self._shapes[i]
 
     def audio_cost(self, i: int) -> float:

@@ -45,20 +45,22 @@ def plan_step(shapes: Sequence[SampleShape], *, dp: int, num_encoders: int, toke
 
 
 def llm_tokens_of(shapes: Sequence[SampleShape]) -> list[int]:
-    """`SampleShape.llm_tokens` of every shape (same per-image floor), without the properties' per-call cost."""
+    """`SampleShape.llm_tokens` of every shape (same per-image floor, audio clips' tokens included), without the
+    properties' per-call cost."""
     out: list[int] = []
     append = out.append
     for s in shapes:
         grid = s.image_grid_thw
+        n = s.text_tokens + (s.audio_tokens if s.audio_frames else 0)
         if not grid:
-            append(s.text_tokens)
+            append(n)
             continue
         m2 = s.merge_size * s.merge_size
         if len(grid) == 1:
             t, h, w = grid[0]
-            append(s.text_tokens + t * h * w // m2)
+            append(n + t * h * w // m2)
         else:
-            append(s.text_tokens + sum(t * h * w // m2 for t, h, w in grid))
+            append(n + sum(t * h * w // m2 for t, h, w in grid))
     return out
 
 
