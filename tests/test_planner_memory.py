@@ -212,3 +212,33 @@ def test_mm_memory_lines_parse_when_ranks_print_on_one_line() -> None:
     ranks = memory.parse_mm_output(out)
     assert ranks[0].steps == [{"images": [[[1, 4, 4]]]}] and ranks[0].static == 5
     assert ranks[1].steps == [{"segments": [[3, 1]]}] and ranks[1].peak == 99 and ranks[1].trainable == 10
+
+
+def test_audio_encoder_activation_memory_within_20_percent() -> None:
+    """The Omni thinker's audio encoder takes CLIP's saved-elements constants (the same layer structure): the
+    bytes autograd saves for one sample's clip, against the planner's audio part for that sample."""
+    from mindspeed_flow.data.omni import AudioSpec, SyntheticOmni
+    from mindspeed_flow.hosts.torch.omni import split_omni
+    from mindspeed_flow.planner.parts import audio_part
+
+    torch.manual_seed(0)
+    cfg = hf_config_dict("qwen2_5_omni_thinker", "tiny")
+    ds = SyntheticOmni(SyntheticParams(num_samples=16, max_pixels=16 * 28 * 28), token_spec_from_hf_config(cfg),
+                       AudioSpec.from_hf_config(cfg), (40, 300))
+    model = build_vlm("qwen2_5_omni_thinker", cfg, seed=0, parts=("audio",))
+    audio = split_omni(model)["audio"]
+    spec = VLMSpec.from_hf_config(cfg)
+    ctx = CostContext(load_cluster("cpu"), CPU_CFG, 8)
+    checked = 0
+    for i in range(16):
+        s = ds.sample(i)
+        if not s.audio_frames:
+            continue
+        measured, _ = saved_activation_bytes(lambda: audio.encode_many([s]), model.parameters())
+        part = audio_part(spec, [ds.shape(i)])
+        pred = float(encoder_activation_memory(part, ctx, np.array([1.0]), np.array([1]), np.array([0]))[0])
+        print(f"audio clip of {s.audio_frames[0]:>3} mel frames: measured {measured / 2**10:7.1f} KiB, "
+              f"predicted {pred / 2**10:7.1f} KiB, error {100 * (pred / measured - 1):+.1f}%")
+        assert abs(pred / measured - 1) <= 0.20, (i, s.audio_frames, measured, pred)
+        checked += 1
+    assert checked >= 8

@@ -209,8 +209,10 @@ def audio_part(spec: VLMSpec, shapes: Sequence[SampleShape], trainable: bool = T
     )
 
 
-# The audio encoder's layer (pre-LayerNorm, separate q/k/v/o projections, no rotary, GELU MLP with biases) is not
-# counted; it takes the closest counted block's saved elements, CLIP's (the same layer structure).
+# The audio encoder's layer (pre-LayerNorm, separate q/k/v/o projections, no rotary, GELU MLP with biases) takes
+# the closest counted block's saved elements, CLIP's (the same layer structure); against the bytes autograd saves
+# for the tiny thinker's clips they predict -5% to -14% (tests/test_planner_memory.py; the larger misses are clips
+# whose last chunk is short: the tower runs its convolutions on chunks padded to full length).
 _AUDIO_ACTIVATIONS_FROM = "clip"
 
 
