@@ -294,3 +294,53 @@ def test_three_parts_cpsat_matches_exhaustive(devices: int) -> None:
     fast, slow = make_plan(problem, with_baselines=False), make_plan(problem, exhaustive=True, with_baselines=False)
     assert [p.name for p in fast.parts] == ["encoder", "audio", "backbone"]
     assert fast.step_seconds == pytest.approx(slow.step_seconds, rel=1e-6) and fast.devices == slow.devices
+
+
+def _torch_problem(*kv: str):
+    from mindspeed_flow.planner.inputs import build_problem, parse_kv
+
+    args = parse_kv(["model=qwen2_5_omni_thinker:7b", "cluster=atlas_800t_a2", "devices=64", "samples=64", *kv])
+    args.planner["job"] = "torch"
+    return build_problem(args)[0]
+
+
+@pytest.mark.parametrize("data", ["infovqa_audio", "infovqa"])
+def test_torch_job_plans_the_omni_thinker_in_three_parts_recomputing_alike(data: str) -> None:
+    """The torch host splits the Omni thinker in three, clips or not, and has one flow.keep_encoder_activations:
+    the plan has an audio part either way, both encoders take one recompute level, and it is the faster of the
+    plans with each shared level pinned."""
+    import mindspeed_flow.planner.plan as plan_mod
+    from mindspeed_flow.planner.space import PlanError
+
+    problem = _torch_problem(f"data={data}")
+    assert [p.name for p in problem.parts] == ["encoder", "audio", "backbone"]
+    assert problem.parts[-1].idle_first_params == 0  # the audio encoder is its own part: not on the backbone
+    variants = plan_mod.shared_rc_problems(problem)
+    assert [v.fixed["encoder"]["rc"] for v in variants] == [v.fixed["audio"]["rc"] for v in variants] == [0, 1]
+    plan = plan_mod.make_plan(problem, with_baselines=False)
+    by = {p.name: p for p in plan.parts}
+    assert by["encoder"].layout["rc"] == by["audio"].layout["rc"]
+    each = []
+    for v in variants:  # keeping every ViT activation does not fit 64 devices here: that level is infeasible
+        try:
+            each.append(plan_mod.make_plan_parts(v, with_baselines=False).samples_per_s)
+        except PlanError:
+            pass
+    assert plan.samples_per_s == max(each) and plan.problem is problem  # the search's pins are not reported
+    # a pin on one encoder holds for both; two different pins are refused naming both
+    one = plan_mod.make_plan(_torch_problem(f"data={data}", "parallel.audio.rc=1"), with_baselines=False)
+    assert {p.name: p.layout["rc"] for p in one.parts if p.name != "backbone"} == {"encoder": 1, "audio": 1}
+    with pytest.raises(PlanError, match=r"encoder.rc=1, audio.rc=0: .*\(one flow.keep_encoder_activations"):
+        plan_mod.make_plan(_torch_problem(f"data={data}", "parallel.encoder.rc=1", "parallel.audio.rc=0"),
+                           with_baselines=False)
+    # the MindSpeed-MM job sets each part's recompute in its own model.json section: no shared level
+    assert plan_mod.shared_rc_problems(dataclasses.replace(
+        problem, cfg=dataclasses.replace(problem.cfg, job="mm"))) == []
+
+
+def test_torch_job_freezes_omni_encoders_together(capsys) -> None:
+    rc, _, err = _run(capsys, "--job", "torch", "model=qwen2_5_omni_thinker:7b", "data=infovqa_audio",
+                      "cluster=atlas_800t_a2", "devices=64", "samples=32", "planner.freeze_audio=true")
+    assert rc == 2 and "planner.freeze_audio=True with freeze_encoder=False" in err and "model.freeze_encoder" in err
+    frozen = _torch_problem("data=infovqa_audio", "freeze_encoder=true")
+    assert not any(p.trainable for p in frozen.parts if p.role == "encoder")

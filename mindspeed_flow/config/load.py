@@ -236,8 +236,10 @@ def check_encoder_parts(job: FlowJobConfig) -> None:
     if len(want) == 1 and got:
         raise RecipeError(f"parallel.encoders={got}: model.family={job.model.family!r} has one encoder part; "
                          "use parallel.encoder (parallel.encoders is for models with several encoders)")
+    sized_coupled = job.flow.mode == "coupled" and int(getattr(job.parallel, "world_size", 0) or 0) > 0
     if len(want) > 1:
-        if sorted(got) != sorted(want):
+        # a coupled job sized by parallel.world_size runs the whole model on every rank: no encoder part layouts
+        if sorted(got) != sorted(want) and not (sized_coupled and not got):
             raise RecipeError(f"parallel.encoders={got}: model.family={job.model.family!r} has the encoder parts "
                              f"{list(want)}; give each one a layout (e.g. {{{want[0]}: {{dp: 1}}, ...}})")
         if job.flow.mode == "coupled" and job.parallel.coupled.pp > 1:

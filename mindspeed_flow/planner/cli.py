@@ -21,7 +21,8 @@ parallel.encoders.vision.FIELD / parallel.encoders.audio.FIELD (a MindSpeed-MM r
 parts. A model with an audio encoder (the Qwen2.5-Omni thinker) on a workload with audio clips
 (data=infovqa_audio, or a length table with an audio_frames column) is planned in three parts: the vision encoder
 (`encoder`), the audio encoder (`audio`; planner.freeze_audio, default as freeze_encoder) and the backbone; its
-recipe says parallel.encoders: {vision: ..., audio: ...}, the layout the MindSpeed-MM job runs in three parts.
+recipe says parallel.encoders: {vision: ..., audio: ...}, the layout the MindSpeed-MM job runs in three parts. For
+--job torch the thinker is always three parts (the torch host's split), its encoders recomputing alike.
 --simulate, --timeline and --plot replay one encoder part and refuse a three-part plan.
 trainer.global_batch_size= and model.freeze_encoder= are aliases of global_batch= and freeze_encoder=. An unknown
 key or option, or a value of the wrong type, is a usage error (exit status 2) naming the nearest valid key. --out

@@ -220,9 +220,15 @@ def build_problem(args: PlanArgs) -> tuple[Problem, ModelRef]:
     cluster = apply_profile_links(cluster, cfg)
     workload = load_workload(args.data, model.hf_config, args.samples)
     spec = VLMSpec.from_hf_config(model.hf_config, name=model.name)
-    parts = vlm_parts(spec, workload.shapes, freeze_encoder=cfg.freeze_encoder, freeze_audio=cfg.freeze_audio)
     family = str(model.hf_config.get("model_type") or "")
     rules = job_rules(cfg.job)
+    if rules.shared_encoder_settings and spec.audio is not None and cfg.freeze_audio is not None \
+            and cfg.freeze_audio != cfg.freeze_encoder:
+        raise UsageError(f"planner.freeze_audio={cfg.freeze_audio} with freeze_encoder={cfg.freeze_encoder}: "
+                         f"{rules.label} freezes its encoder parts together (model.freeze_encoder); leave "
+                         "planner.freeze_audio unset")
+    parts = vlm_parts(spec, workload.shapes, freeze_encoder=cfg.freeze_encoder, freeze_audio=cfg.freeze_audio,
+                      audio_part_always=rules.shared_encoder_settings)
     if family in rules.dp_only:  # the job's host trains this family with data parallel parts only
         parts = [dataclasses.replace(p, tp_sizes=(1,), pp_sizes=(1,)) for p in parts]
     if rules.mm_audio and spec.audio is not None:

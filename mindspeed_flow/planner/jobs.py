@@ -16,7 +16,9 @@ before any rank starts, so the planner never prices a layout that host refuses:
   audio part needs the job's --use-distributed-optimizer (planner.distributed_optimizer); without clips it runs on
   the decoder's first stage, in the decoder's TP group, so the decoder's tp must divide its heads too.
 - `torch`, the torch host (`mindspeed-flow train`, `step.layout.Layout.validate` and `config.load.check_rules`): no
-  context parallelism; the encoder is not pipelined; the encoder recomputes only from the pixels
+  context parallelism; the Qwen2.5-Omni thinker always in three parts (audio, vision, backbone: the host splits it
+  so, clips or not), its encoder parts frozen together (model.freeze_encoder) and recomputing alike (one
+  flow.keep_encoder_activations: `plan.make_plan` prices each shared level and keeps the faster); the encoder is not pipelined; the encoder recomputes only from the pixels
   (flow.keep_encoder_activations=false, level 1); the backbone never recomputes; FSDP2 shards the backbone only
   without TP (with TP it runs DDP, so optimizer states are not sharded) and never shards the encoder; no expert
   parallelism (a MoE LLM's experts stay whole on each backbone rank); Qwen3-VL (deepstack) with data parallel parts
@@ -61,6 +63,10 @@ class JobRules:
     refused: tuple[tuple[str, str], ...] = ()
     launch_job: str = ""  # `launch-script --job` of this job
     mm_audio: bool = False  # the MindSpeed-MM host's audio encoder rules (`mm_audio_rules`)
+    # the encoder parts share one freeze flag and one recompute setting (the torch host's model.freeze_encoder and
+    # flow.keep_encoder_activations), and a model with an audio encoder always runs it as a part of its own (the
+    # torch host splits the Omni thinker in three, clips or not)
+    shared_encoder_settings: bool = False
 
     def skipped(self) -> list[str]:
         """What the job's plans leave out, and why (one phrase each)."""
@@ -97,13 +103,10 @@ RULES = {
                    families=("qwen2_5_vl", "qwen2_5_omni_thinker"), launch_job="mm", mm_audio=True),
     "torch": JobRules("torch", "the torch host (mindspeed-flow train)", cp=False, encoder_rc=(0, 1),
                       backbone_rc=(0,), shard_with_tp=False, shard_encoder=False, whole_nodes=True,
-                      expert_parallel=False, dp_only=DEEPSTACK_FAMILIES,
-                      refused=(("qwen2_5_omni_thinker", "the planner writes the Omni thinker's three-part recipe (audio, "
-                                "vision, backbone) for the MindSpeed-MM job only (plan it with --job mm, or write "
-                                "the torch recipe's parallel.encoders by hand)"),
-                               *((f, "the torch host builds Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense and MoE), LLaVA "
+                      expert_parallel=False, dp_only=DEEPSTACK_FAMILIES, shared_encoder_settings=True,
+                      refused=tuple((f, "the torch host builds Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense and MoE), LLaVA "
                                   "and the Omni thinker only "
-                                  "(hosts/torch/hf_compat.py); price it with --job any") for f in NOT_BUILT)),
+                                  "(hosts/torch/hf_compat.py); price it with --job any") for f in NOT_BUILT),
                       launch_job="train"),
 }
 

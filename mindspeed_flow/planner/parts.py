@@ -217,18 +217,19 @@ _AUDIO_ACTIVATIONS_FROM = "clip"
 
 
 def vlm_parts(spec: VLMSpec, shapes: Sequence[SampleShape], freeze_encoder: bool = False,
-              freeze_audio: bool | None = None) -> list[PartSpec]:
+              freeze_audio: bool | None = None, audio_part_always: bool = False) -> list[PartSpec]:
     """The parts of a VLM, producers first, the backbone (the consumer) last: [vision encoder, backbone], or
     [vision encoder, audio encoder, backbone] for a model with an audio encoder on a workload with audio clips
     (MindSpeed-MM's rank order). Without clips such a model's audio encoder stays on the backbone's first stage,
     where the MindSpeed-MM job builds it: its weights (and, trained, its gradients and optimizer states) are counted there.
-    `freeze_audio` None: the audio encoder follows `freeze_encoder`."""
+    `freeze_audio` None: the audio encoder follows `freeze_encoder`. `audio_part_always`: the audio encoder is a
+    part even without clips (the torch host's split; it then holds its weights and does no work)."""
     bb = backbone_part(spec, shapes)
     llm = {"llm_tokens_per_sample": bb.tokens_per_sample, "llm_max_tokens": bb.max_item_tokens}
     parts = [dataclasses.replace(encoder_part(spec, shapes, trainable=not freeze_encoder), **llm)]
     if spec.audio is not None:
         frozen = freeze_encoder if freeze_audio is None else freeze_audio
-        if any(s.audio_frames for s in shapes):
+        if audio_part_always or any(s.audio_frames for s in shapes):
             parts.append(dataclasses.replace(audio_part(spec, shapes, trainable=not frozen), **llm))
         else:
             bb = dataclasses.replace(bb, idle_first_params=spec.audio.params, idle_first_trainable=not frozen)

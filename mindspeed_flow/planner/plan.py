@@ -26,7 +26,7 @@ from mindspeed_flow.planner.hardware import Cluster
 from mindspeed_flow.planner.jobs import job_rules
 from mindspeed_flow.planner.parts import PartSpec
 from mindspeed_flow.planner.solver import Selection, solve_cpsat, solve_cpsat_shared, solve_exhaustive
-from mindspeed_flow.planner.space import PlanError, enumerate_layouts
+from mindspeed_flow.planner.space import PlanError, enumerate_layouts, rc_values
 
 GB = 1e9
 STREAM_SEED = 0  # the step's sample stream (Problem.stream): one draw, shared by every priced and replayed row
@@ -339,8 +339,47 @@ def _binding(problem: Problem, tables: list[OptionTable], sel: Selection) -> lis
     return out
 
 
+def shared_rc_problems(problem: Problem) -> list[Problem]:
+    """For a job whose encoder parts recompute alike (`JobRules.shared_encoder_settings`: the torch host's one
+    flow.keep_encoder_activations) with several trainable encoder parts: `problem` once per level the parts share,
+    each with every encoder part's rc pinned to it; [] for any other job (each part takes its own level)."""
+    rules = job_rules(problem.cfg.job)
+    encoders = [p for p in problem.parts if p.role == "encoder" and p.trainable]
+    if not rules.shared_encoder_settings or len(encoders) < 2:
+        return []
+    pinned = {p.name: problem.fixed[p.name]["rc"] for p in encoders if "rc" in problem.fixed.get(p.name, {})}
+    if len(set(pinned.values())) > 1:
+        raise PlanError(f"{', '.join(f'{k}.rc={v}' for k, v in pinned.items())}: {rules.label} recomputes its "
+                        "encoder parts alike (one flow.keep_encoder_activations); pin one level for all of them")
+    levels = sorted(set(pinned.values())) or sorted(set.intersection(*(set(rc_values(p, problem.ctx))
+                                                                         for p in encoders)))
+    return [dataclasses.replace(problem, fixed={**problem.fixed, **{p.name: {**problem.fixed.get(p.name, {}),
+                                                                             "rc": rc} for p in encoders}})
+            for rc in levels]
+
+
 def make_plan(problem: Problem, exhaustive: bool = False, with_baselines: bool = True) -> Plan:
-    """Plan `problem` (see the module docstring); raises PlanError with the binding constraint if nothing fits."""
+    """Plan `problem` (see the module docstring); raises PlanError with the binding constraint if nothing fits.
+    Encoder parts that must recompute alike (`shared_rc_problems`): each shared level is planned, the faster kept."""
+    variants = shared_rc_problems(problem)
+    if variants:
+        plans: list[Plan] = []
+        first_error: PlanError | None = None
+        for variant in variants:
+            try:
+                plans.append(make_plan_parts(variant, exhaustive, with_baselines))
+            except PlanError as e:
+                first_error = first_error or e
+        if not plans:
+            raise first_error if first_error is not None else PlanError("no recompute level to plan")
+        best = max(plans, key=lambda p: p.samples_per_s)
+        # the pins were the search's, not the user's: the plan reports the problem as asked
+        return dataclasses.replace(best, problem=problem)
+    return make_plan_parts(problem, exhaustive, with_baselines)
+
+
+def make_plan_parts(problem: Problem, exhaustive: bool = False, with_baselines: bool = True) -> Plan:
+    """`make_plan` with each part's layout searched on its own."""
     if problem.budget < 1:
         raise PlanError(f"devices={problem.budget}: must be >= 1")
     if problem.budget > problem.cluster.devices:

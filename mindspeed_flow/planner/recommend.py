@@ -9,7 +9,7 @@ baseline's layout, and the decoupled plan's own figures stay beside it. What eac
   recipe says `flow.mode: coupled` with the layout in `parallel.coupled`, the launch script runs `pretrain_vlm.py`
   without the flow launcher, and the MindSpeed-MM flags and model.json settings are printed.
 - `torch`: a coupled baseline with TP, CP and recompute off (the torch host's coupled mode runs DP x PP, the ViT
-  on stage 0).
+  on stage 0; with several encoder parts, the Omni thinker's, DP only).
 Baselines the job cannot run (hetero-parallel, dist-train, a coupled layout with TP on the torch host) are still
 reported, and if one of them is the strongest the first line says so.
 """
@@ -39,8 +39,9 @@ class Recommendation:
         return None if self.baseline is None else self.baseline.layout.get("coupled")
 
 
-def runnable(b: BaselineResult, job: str) -> bool:
-    """Whether the planned job runs this baseline's layout as it was priced."""
+def runnable(b: BaselineResult, job: str, encoders: int = 1) -> bool:
+    """Whether the planned job runs this baseline's layout as it was priced (`encoders`: the model's encoder
+    parts; the torch host's coupled pipeline holds one, so with several it runs coupled with pp 1 only)."""
     row = b.layout.get("coupled")
     if b.name not in COUPLED or row is None or not b.applies:
         return False
@@ -48,7 +49,7 @@ def runnable(b: BaselineResult, job: str) -> bool:
         return True
     if job == "torch":  # no TP, CP or recompute, and the ViT on the job's (DP-only) layout
         return (row["tp"] == 1 and row["cp"] == 1 and not row["rc"] and not row.get("vit_rc")
-                and row.get("vit_tp", 1) == 1)
+                and row.get("vit_tp", 1) == 1 and (encoders == 1 or row["pp"] == 1))
     return False
 
 
@@ -87,8 +88,9 @@ def recommend(plan: Plan) -> Recommendation:
     """The fastest of the decoupled plan and the baselines the planned job runs (ties: the decoupled plan)."""
     job = job_rules(plan.problem.cfg.job).name
     best = Recommendation("decoupled", plan.samples_per_s, plan.mfu, plan.devices)
+    encoders = sum(p.role == "encoder" for p in plan.problem.parts)
     for b in plan.baselines.values():
-        if b is not None and runnable(b, job) and b.samples_per_s > best.samples_per_s:
+        if b is not None and runnable(b, job, encoders) and b.samples_per_s > best.samples_per_s:
             best = Recommendation(b.name, b.samples_per_s, b.mfu, b.devices, b)
     if best.baseline is not None and job == "mm":
         enc = next((p for p in plan.problem.parts if p.role == "encoder"), None)

@@ -3,7 +3,8 @@
 `data=` accepts:
 - `infovqa`: InfoVQA-like shapes at Qwen2-VL's default resolution cap (max_pixels = 16384 * 28 * 28, so
   252 ... 16k image tokens per sample), the planner's default for real clusters;
-- a data recipe name (recipes/data/NAME.yaml, e.g. `infovqa_tiny`) or a YAML path (DataConfig fields);
+- a data recipe name (recipes/data/NAME.yaml, e.g. `infovqa_tiny`, or `omni_tiny`: audio + image samples for the
+  Omni thinker) or a YAML path (DataConfig fields);
 - a length-table CSV path (`sample_id,text_tokens,image_grid_thw`), replayed as is;
 - encoder-heavy planning workloads (shapes only, no training data source: `PLAN_ONLY_DATA`):
   `video`: 16-64 frames a sample, each frame one 448 px tile (InternVL's way of feeding video: every frame its own
@@ -53,6 +54,8 @@ AUDIO_SECONDS = (2, 30)
 MEL_FRAMES_PER_SECOND = 100
 AUDIO_MARKUP_TOKENS = 2
 PLAN_ONLY_DATA = ("video", "infovqa_tiles", "infovqa_audio")
+# data sources whose shapes come from the generator without drawing a sample
+SHAPED_SOURCES = ("synthetic_infovqa", "synthetic_omni")
 
 
 @dataclass(frozen=True)
@@ -78,16 +81,14 @@ def _data_config(data: str) -> DataConfig:
 
 
 def synthetic_shapes(cfg: DataConfig, hf_config: Mapping[str, Any], num_samples: int) -> list[SampleShape]:
-    """Shapes of the first `num_samples` samples the training generator would produce (no pixels drawn)."""
-    from mindspeed_flow.data.synthetic import SyntheticInfoVQA, SyntheticParams  # lazy: torch
+    """Shapes of the first `num_samples` samples the training generator would produce (no pixels drawn): the
+    data set `mindspeed-flow train` builds from the same recipe (synthetic_omni's shapes carry each clip's mel
+    frames)."""
+    from mindspeed_flow.data.build import build_dataset  # lazy: torch
     from mindspeed_flow.data.tokens import token_spec_from_hf_config  # lazy: torch
 
-    n = min(num_samples, cfg.num_samples)
-    params = SyntheticParams(num_samples=n, seed=cfg.seed, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
-                             qa_turns_mean=cfg.qa_turns_mean, question_tokens=tuple(cfg.question_tokens),
-                             answer_tokens=tuple(cfg.answer_tokens), text_only_fraction=cfg.text_only_fraction)
-    dataset = SyntheticInfoVQA(params, token_spec_from_hf_config(hf_config))
-    return [dataset.shape(i) for i in range(n)]
+    dataset = build_dataset(cfg, token_spec_from_hf_config(hf_config), hf_config=hf_config)
+    return [dataset.shape(i) for i in range(min(num_samples, len(dataset)))]
 
 
 def _tile_grid(hf_config: Mapping[str, Any]) -> tuple[int, int, int]:
@@ -175,7 +176,7 @@ def load_workload(data: str, hf_config: Mapping[str, Any], num_samples: int = DE
         if not cfg.path:
             raise ValueError(f"data={data!r}: source=length_table needs data.path (a CSV file)")
         return Workload(data, tuple(read_length_table(cfg.path, merge_size=merge)))
-    if cfg.source != "synthetic_infovqa":
+    if cfg.source not in SHAPED_SOURCES:
         raise ValueError(f"data={data!r}: source={cfg.source!r} cannot be planned from shapes alone; export a "
                          "length table first (mindspeed_flow.data.length_table.export_length_table)")
     return Workload(data, tuple(synthetic_shapes(cfg, hf_config, num_samples)))
