@@ -16,6 +16,7 @@ import pytest
 from mindspeed_flow.emulation import device
 
 _DEVICE_RNG = textwrap.dedent("""
+    import os
     import torch
     from mindspeed_flow import emulation
     assert emulation.activate(mode="strict") == "strict"
@@ -61,10 +62,12 @@ _DEVICE_RNG = textwrap.dedent("""
     w = distribute_tensor(torch.empty(8, 4, device="npu"), mesh, [Shard(0)])
     w.normal_(std=0.02)  # the call transformers' init makes on a sharded weight
     assert w.full_tensor().std().item() > 0
-    # Torn down before exit: a process group left to the interpreter's exit can abort it from gloo's threads
-    # ("terminate called without an active exception", rc -6; seen once in CI after DEVICE_RNG_OK).
     dist.destroy_process_group()
-    print("DEVICE_RNG_OK")
+    print("DEVICE_RNG_OK", flush=True)
+    # The checks are done: leave without the interpreter's teardown. On torch 2.7 its finalizers can still free the
+    # mesh's gloo group after destroy_process_group and abort from gloo's threads ("terminate called without an
+    # active exception", rc -6, after DEVICE_RNG_OK: seen twice in CI), which is not what this test is about.
+    os._exit(0)
 """)
 
 _TRITON = textwrap.dedent("""
