@@ -245,21 +245,31 @@ def test_omni_three_parts_train_the_audio_encoder_on_audio_only_video_only_and_m
     reduces a part's norm over "the whole world", which in a flow job is the part (without that the norm here was
     the decoder's twice, sqrt(2) too large). Reference: the unpatched job with each global batch as one microbatch
     (see the two-part mixed test)."""
-    assets = mixed_trained_assets
+    per_part = _three_parts_with_audio_trained(mixed_trained_assets, run_job, tmp_path, "trained", {"dp": 1},
+                                               {"dp": 1}, {"dp": 2}, "three parts, audio trained")
+    assert all(v == 0 and a > 0 for v, a in per_part), per_part
+
+
+def _three_parts_with_audio_trained(assets: dict[str, Path], run_job, tmp_path: Path, tag: str, vision: dict,
+                                    audio: dict, dec: dict, what: str) -> list[tuple[int, int]]:
+    """Two coupled iterations saved, then the unpatched job (each global batch one microbatch) against the flow job
+    in three parts from that checkpoint: parity every iteration, the parts' ranks, the audio encoder trained; the
+    gradient bytes each step returned to (the image encoder, the audio encoder)."""
     ckpt = assets["workdir"] / "ckpt"
-    emulate_job("trained_save", _job(assets, 2, save=ckpt, micro_batch_size=4).argv(), log_dir=assets["workdir"],
+    emulate_job(f"{tag}_save", _job(assets, 2, save=ckpt, micro_batch_size=4).argv(), log_dir=assets["workdir"],
                 nproc=1).assert_trained(2)
-    reference = emulate_job("trained_ref", _finetune(assets, ckpt, micro_batch_size=4).argv(),
+    reference = emulate_job(f"{tag}_ref", _finetune(assets, ckpt, micro_batch_size=4).argv(),
                             log_dir=assets["workdir"], nproc=1)
-    vision, audio, dec = {"dp": 1}, {"dp": 1}, {"dp": 2}
-    recipe = three_part_recipe(tmp_path / "v1_a1_d2.yaml", vision, audio, dec, token_budget=96)
-    result = run_job("three_trained_mixed", _finetune(assets, ckpt).argv(), nproc=4, flow_recipe=recipe)
-    assert_flow_matches(result, reference, "three parts, audio trained", ITERS)
+    name = f"v{vision['dp']}_a{audio['dp']}_d{dec['dp']}"
+    recipe = three_part_recipe(tmp_path / f"{name}.yaml", vision, audio, dec, token_budget=96)
+    result = run_job(f"three_{tag}", _finetune(assets, ckpt).argv(), nproc=4, flow_recipe=recipe)
+    assert_flow_matches(result, reference, what, ITERS)
     check_three_parts(result.output, vision, audio, dec)
     assert "audio encoder trainable" in result.output
     per_part = [(int(v), int(a)) for v, a in PART_BYTES.findall(result.output)]
     print(f"gradient bytes per step (image encoder, audio encoder): {per_part}")
-    assert len(per_part) == ITERS and all(v == 0 and a > 0 for v, a in per_part), per_part
+    assert len(per_part) == ITERS, per_part
+    return per_part
 
 
 @pytest.fixture(scope="module")
@@ -287,21 +297,9 @@ def test_omni_three_parts_train_both_encoders_on_image_only_audio_only_and_mixed
     the log counts them apart, every step: image rows to the vision rank that encoded them, clip rows to the audio
     rank. Reference: the unpatched job with each global batch as one microbatch (a microbatch without an image
     fails there, as one without a video does; see the two-part mixed test)."""
-    assets = image_assets
-    ckpt = assets["workdir"] / "ckpt"
-    emulate_job("images_save", _job(assets, 2, save=ckpt, micro_batch_size=4).argv(), log_dir=assets["workdir"],
-                nproc=1).assert_trained(2)
-    reference = emulate_job("images_ref", _finetune(assets, ckpt, micro_batch_size=4).argv(),
-                            log_dir=assets["workdir"], nproc=1)
-    vision, audio, dec = {"dp": 2}, {"dp": 1}, {"dp": 1}
-    recipe = three_part_recipe(tmp_path / "v2_a1_d1.yaml", vision, audio, dec, token_budget=96)
-    result = run_job("three_images", _finetune(assets, ckpt).argv(), nproc=4, flow_recipe=recipe)
-    assert_flow_matches(result, reference, "three parts, images, both encoders trained", ITERS)
-    check_three_parts(result.output, vision, audio, dec)
-    assert "audio encoder trainable" in result.output
-    per_part = [(int(v), int(a)) for v, a in PART_BYTES.findall(result.output)]
-    print(f"gradient bytes per step (image encoder, audio encoder): {per_part}")
-    assert len(per_part) == ITERS and all(v > 0 and a > 0 for v, a in per_part), per_part
+    per_part = _three_parts_with_audio_trained(image_assets, run_job, tmp_path, "images", {"dp": 2}, {"dp": 1},
+                                               {"dp": 1}, "three parts, images, both encoders trained")
+    assert all(v > 0 and a > 0 for v, a in per_part), per_part
 
 
 # ------------------------------------------------------------------ sequence parallelism with the audio encoder
